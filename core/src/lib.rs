@@ -1,0 +1,75 @@
+//! The deterministic sans-IO core of kvwarden: which workers are alive, and when the
+//! state of a dead one must be freed.
+//!
+//! The core never reads a clock, never sleeps, never does I/O and has no randomness on
+//! any path that decides an outcome. Every input carries `now`; every consequence comes
+//! out as an [`Effect`]. The production shell (`kvwarden`) and the simulator
+//! (`kvwarden-sim`) drive the same core.
+//!
+//! - [`Liveness`]: the server's registry: two-phase registration, pings, transfers,
+//!   process-exit proofs, expiry without scans, and the self-stall guard.
+//! - [`Heartbeat`]: the worker's side: when to ping and when to recover.
+//!
+//! # The run loop
+//!
+//! Feed every input, then drain every effect, then sleep until `poll_timeout`:
+//!
+//! ```no_run
+//! use kvwarden_core::{Config, Effect, Instant, Liveness, Registration};
+//! # enum Input { Ping(Option<kvwarden_core::InstanceId>), Register(kvwarden_core::InstanceId) }
+//! # fn clock() -> Instant { Instant::ZERO }
+//! # fn wait_for_input(_deadline: Option<Instant>) -> Vec<Input> { Vec::new() }
+//! # fn build_context_off_loop(_: kvwarden_core::BuildTicket) {}
+//! # fn release(_: Vec<u8>) {}
+//! let mut liveness: Liveness<Vec<u8>> = Liveness::new(Config::default(), clock())?;
+//! loop {
+//!     // 1. Block until input arrives or the core's deadline passes.
+//!     let inputs = wait_for_input(liveness.poll_timeout());
+//!     // 2. Socket input first: queued pings count before any deadline is judged.
+//!     for input in inputs {
+//!         match input {
+//!             Input::Ping(instance) => {
+//!                 let _tracked: bool = liveness.ping(clock(), instance);
+//!             }
+//!             Input::Register(instance) => {
+//!                 let module = kvwarden_core::Module::ServerDriven;
+//!                 if let Registration::Build(ticket) = liveness.register(clock(), instance, module) {
+//!                     build_context_off_loop(ticket); // reports back with context_built
+//!                 }
+//!             }
+//!         }
+//!     }
+//!     // 3. Then time.
+//!     liveness.handle_timeout(clock());
+//!     // 4. Drain every effect before blocking again.
+//!     while let Some(effect) = liveness.poll_effect() {
+//!         match effect {
+//!             Effect::FreeContext { context, .. } => release(context),
+//!             Effect::DropBlendState { .. } | Effect::StallDetected { .. } => {}
+//!             _ => {}
+//!         }
+//!     }
+//! }
+//! # #[allow(unreachable_code)]
+//! # Ok::<(), kvwarden_core::ConfigError>(())
+//! ```
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+mod config;
+mod effect;
+mod expiry;
+mod heartbeat;
+mod id;
+mod registry;
+mod stall;
+mod time;
+
+pub use config::{Config, ConfigError, REAP_TIMEOUT_FLOOR};
+pub use effect::{Effect, FreeCause};
+pub use heartbeat::{
+    Heartbeat, HeartbeatAction, HeartbeatConfig, PingReply, reap_timeout_floor_warning,
+};
+pub use id::{InstanceId, InvalidInstanceId};
+pub use registry::{BuildTicket, EntryView, Liveness, Module, Registration, Status, TransferError};
+pub use time::Instant;
