@@ -223,8 +223,10 @@ mod tests {
 
     #[test]
     fn resolution_must_be_positive_and_at_most_an_eighth_of_the_timeout() {
-        let mut config = Config::default();
-        config.resolution = Duration::ZERO;
+        let mut config = Config {
+            resolution: Duration::ZERO,
+            ..Config::default()
+        };
         assert!(matches!(
             config.validate(),
             Err(ConfigError::Resolution { .. })
