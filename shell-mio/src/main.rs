@@ -1,4 +1,5 @@
-fn main() {
-    eprintln!("kvwarden: the server is not built yet");
-    std::process::exit(2);
+//! `kvwarden`: see `kvwarden --help`.
+
+fn main() -> std::process::ExitCode {
+    kvwarden::cli::main()
 }

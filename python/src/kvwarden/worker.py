@@ -1,0 +1,703 @@
+"""The inference-engine worker's client: registrations, transfers and the heartbeat.
+
+One :class:`Worker` per engine process (per GPU rank). Its instance id is drawn from a
+fresh UUID, so a restarted process can never bind to a dead one's state on the server.
+
+Threads: the engine calls the worker from its own thread(s); a daemon heartbeat thread,
+started on the first store/retrieve, pings the server every ``interval`` and runs the
+recovery. Both share one :class:`~kvwarden.wire.Connection` whose FIFO lock serializes
+round trips, so the server sees this worker's requests in issue order (see ``wire.py``).
+A ping waits for its turn at most ``interval``; that wait counts in its timeout.
+
+Health (``Worker.healthy``, a ``threading.Event``) follows the core's heartbeat rules
+exactly (``heartbeat.py``). While it is clear, stores are skipped and retrieves report a
+miss at once: the engine recomputes instead of waiting on a server that may not hold
+this worker's buffers any more.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
+
+from . import __version__
+from .buffers import Buffer, CudaIpcBuffer, EnginePool, MemfdBuffer, Slot
+from .errors import (
+    BadArgs,
+    ConnectionLost,
+    Internal,
+    KvwardenError,
+    NotReady,
+    NotRegistered,
+    Overloaded,
+    ProtocolViolation,
+    RequestTimeout,
+)
+from .heartbeat import (
+    DEFAULT_INTERVAL_SECONDS,
+    Heartbeat,
+    HeartbeatAction,
+    PingReply,
+    reap_timeout_floor_warning,
+    validate_interval,
+)
+from .wire import Connection, HelloInfo
+
+log = logging.getLogger("kvwarden")
+
+T = TypeVar("T")
+
+#: Errors after which a transfer reports failure and the engine carries on (recomputes);
+#: anything else (bad_args, forbidden, unavailable) is a bug or a misconfiguration and
+#: is raised.
+_TRANSIENT = (ConnectionLost, RequestTimeout, NotReady, Overloaded, Internal, ProtocolViolation)
+
+INSTANCE_ID_MAX = (1 << 63) - 1
+
+
+def default_socket_path() -> str:
+    """The server's default socket: ``$XDG_RUNTIME_DIR/kvwarden.sock``, else
+    ``/tmp/kvwarden-<uid>.sock`` (the same rule as ``kvwarden serve``)."""
+    runtime_dir = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime_dir:
+        return os.path.join(runtime_dir, "kvwarden.sock")
+    return f"/tmp/kvwarden-{os.getuid()}.sock"
+
+
+def new_instance_id() -> int:
+    """The low 63 bits of a fresh UUID4: OS entropy, never a PID (PIDs get reused)."""
+    return uuid.uuid4().int & INSTANCE_ID_MAX
+
+
+class Worker:
+    """A worker's registrations on one kvwarden server, kept alive by a heartbeat.
+
+    Typical life: construct at engine start-up, ``register_kv_cache`` (or
+    ``register_engine_driven``), then ``store``/``retrieve`` per request, and
+    ``shutdown()`` at exit. Nothing is sent until the first call.
+
+    ``heartbeat_interval_seconds`` is the delay between a reply and the next ping and a
+    ping's timeout; keep 3 × interval within the server's reap timeout.
+    ``request_timeout_seconds`` bounds every other request. ``socket_path`` defaults
+    to the server's default (:func:`default_socket_path`).
+    """
+
+    def __init__(
+        self,
+        socket_path: Optional[str] = None,
+        *,
+        heartbeat_interval_seconds: float = DEFAULT_INTERVAL_SECONDS,
+        request_timeout_seconds: float = 30.0,
+        client_name: Optional[str] = None,
+    ) -> None:
+        self.socket_path = default_socket_path() if socket_path is None else str(socket_path)
+        # A Worker copied into a forked child would share this id and this socket with
+        # its parent: exactly the aliasing uuid-derived ids exist to prevent.
+        self._pid = os.getpid()
+        self.instance_id = new_instance_id()
+        self.interval = validate_interval(heartbeat_interval_seconds)
+        if not request_timeout_seconds > 0:
+            raise ValueError(
+                f"request_timeout_seconds must be > 0, got {request_timeout_seconds!r}"
+            )
+        self.request_timeout = float(request_timeout_seconds)
+        #: Set while the worker may trust its registrations; see the module docs.
+        self.healthy = threading.Event()
+        self.healthy.set()
+
+        self._conn = Connection(
+            self.socket_path,
+            client_name or f"kvwarden-python/{__version__}",
+            on_connect=self._on_connect,
+        )
+        self._hb = Heartbeat(self.interval)
+        self._hb_lock = threading.Lock()  # guards _hb, _thread and the health edge
+        self._wake = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._shut_down = False
+        self._warned_boot_ids: set = set()
+        self._bad_args_logged = False
+        #: How many recoveries ran, and how many succeeded (for tests and metrics).
+        self.recoveries = 0
+        self.recoveries_ok = 0
+
+        # What recovery re-registers, in this order.
+        self._kv: Optional[Tuple[List[Buffer], str, int]] = None
+        self._engine: Optional[Tuple[str, int]] = None
+        self._blend: Optional[Dict[str, Any]] = None
+        self._pool: Optional[EnginePool] = None
+        self._reg_lock = threading.Lock()  # registrations vs. recovery
+
+        log.info(
+            "kvwarden worker created: instance_id=%d socket=%s heartbeat_interval=%gs",
+            self.instance_id,
+            self.socket_path,
+            self.interval,
+        )
+        warning = reap_timeout_floor_warning(self.interval)
+        if warning is not None:
+            log.warning("kvwarden: %s", warning)
+
+    # -- registrations --------------------------------------------------------------
+
+    def register_kv_cache(
+        self, buffers: Sequence[Buffer], model_name: str, world_size: int = 1
+    ) -> str:
+        """Registers the buffers the server copies KV data into and out of.
+
+        ``buffers`` are :class:`MemfdBuffer` (host memory; the fds go along as
+        ``SCM_RIGHTS``) and/or :class:`CudaIpcBuffer`. Returns the outcome,
+        ``"created"`` or ``"refreshed"``. Raises a typed :class:`KvwardenError` (an
+        engine should not start serving with its cache unregistered).
+        """
+        buffers = list(buffers)
+        if not buffers:
+            raise ValueError("register_kv_cache needs at least one buffer, got none")
+        for position, buffer in enumerate(buffers):
+            if not isinstance(buffer, (MemfdBuffer, CudaIpcBuffer)):
+                raise TypeError(
+                    f"buffers[{position}] must be a MemfdBuffer or a CudaIpcBuffer, got "
+                    f"{type(buffer).__name__}"
+                )
+        with self._reg_lock:
+            if self._kv is not None:
+                raise KvwardenError(
+                    "register_kv_cache: this worker already registered its KV cache; the "
+                    'server would keep the first buffers ("refreshed"). Call '
+                    "unregister_kv_cache() first to register different ones",
+                    code="already_registered",
+                )
+            outcome = self._send_kv_registration(buffers, model_name, world_size)
+            self._kv = (buffers, model_name, world_size)
+        return outcome
+
+    def unregister_kv_cache(self) -> bool:
+        """Frees the KV-cache registration now; False when the server did not hold it."""
+        with self._reg_lock:
+            self._kv = None
+            value, _ = self._request("unregister_kv_cache", [self.instance_id])
+        return bool(value)
+
+    def register_engine_driven(self, model_name: str, world_size: int = 1) -> EnginePool:
+        """Registers for engine-driven transfers and maps the server's L1 pool.
+
+        The reply carries the pool's memfd; the worker then copies KV data in and out of
+        slots itself (``prepare_store``/``commit_store``, ``prepare_retrieve``/
+        ``commit_retrieve``). Returns the mapped pool.
+        """
+        with self._reg_lock:
+            pool = self._send_engine_registration(model_name, world_size)
+            self._engine = (model_name, world_size)
+        return pool
+
+    def unregister_engine_driven(self) -> bool:
+        """Frees the engine-driven registration; False when the server did not hold it."""
+        with self._reg_lock:
+            self._engine = None
+            value, _ = self._request("unregister_engine_driven", [self.instance_id])
+        return bool(value)
+
+    def register_blend(self, rotary_dim: int, max_positions: int, base: float) -> bool:
+        """Registers CacheBlend rope parameters (dropped by the server with the instance's
+        last registration, and re-sent by recovery)."""
+        rope = {
+            "rotary_dim": int(rotary_dim),
+            "max_positions": int(max_positions),
+            "base": float(base),
+        }
+        with self._reg_lock:
+            value, _ = self._request("register_blend", [self.instance_id, rope])
+            self._blend = rope
+        return bool(value)
+
+    @property
+    def pool(self) -> Optional[EnginePool]:
+        """The mapped L1 pool (engine-driven), replaced when a recovery maps a new one."""
+        return self._pool
+
+    # -- server-driven transfers ----------------------------------------------------
+
+    def store(
+        self, key: bytes, buffer: int = 0, offset: int = 0, nbytes: Optional[int] = None
+    ) -> bool:
+        """Asks the server to copy ``[offset, offset + nbytes)`` of buffer ``buffer``
+        into L1 under ``key``. True when stored. False when skipped (unhealthy), when L1
+        is full of pinned data, or on a transient failure: the engine just goes on.
+        ``nbytes`` defaults to the rest of the buffer."""
+        if self._shut_down:
+            return False
+        kv = self._require_kv("store")
+        if not 0 <= buffer < len(kv[0]):
+            raise IndexError(
+                f"store: buffer index {buffer} out of range; {len(kv[0])} buffers are registered"
+            )
+        if nbytes is None:
+            nbytes = kv[0][buffer].nbytes - offset
+        args = [self.instance_id, bytes(key), buffer, offset, nbytes]
+        return bool(self._transfer("store", args, False, start=True))
+
+    def retrieve(self, key: bytes, buffer: int = 0, offset: int = 0) -> Optional[int]:
+        """Asks the server to copy L1's bytes for ``key`` into buffer ``buffer`` at
+        ``offset``. Returns the bytes copied, or None on a miss, while unhealthy or on a
+        transient failure (the engine recomputes)."""
+        if self._shut_down:
+            return None
+        kv = self._require_kv("retrieve")
+        if not 0 <= buffer < len(kv[0]):
+            raise IndexError(
+                f"retrieve: buffer index {buffer} out of range; {len(kv[0])} buffers are registered"
+            )
+        value = self._transfer(
+            "retrieve", [self.instance_id, bytes(key), buffer, offset], None, start=True
+        )
+        return None if value is None else int(value)
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` L1 holds; 0 while unhealthy or on a transient failure
+        (a retrieve would not be attempted anyway)."""
+        if self._shut_down or not self.healthy.is_set():
+            return 0
+        try:
+            value, _ = self._request("lookup", [[bytes(k) for k in keys]])
+        except _TRANSIENT as error:
+            log.warning("kvwarden: lookup failed, reporting 0 hits: %s", error)
+            return 0
+        return int(value)
+
+    # -- engine-driven transfers ----------------------------------------------------
+
+    def prepare_store(self, key: bytes) -> Optional[Slot]:
+        """Reserves a pool slot for ``key``: write the KV bytes into ``slot.view``, then
+        ``commit_store``. None when there is nothing to write: already stored, skipped
+        while unhealthy, or a transient failure."""
+        if self._shut_down:
+            return None
+        pool = self._require_pool("prepare_store")
+        value = self._transfer("prepare_store", [self.instance_id, bytes(key)], None, start=True)
+        if value is None:
+            return None
+        return Slot(
+            self._pool or pool,
+            bytes(key),
+            int(value["offset"]),
+            int(value["nbytes"]),
+            value.get("slot"),
+        )
+
+    def commit_store(self, key: bytes, nbytes: int) -> bool:
+        """Publishes the reservation of ``key`` with ``nbytes`` bytes written. Sent even
+        while unhealthy: it ends a store begun while healthy, and a freed instance's
+        reservation is discarded by the server anyway."""
+        if self._shut_down:
+            return False
+        self._require_pool("commit_store")
+        value = self._transfer(
+            "commit_store",
+            [self.instance_id, bytes(key), int(nbytes)],
+            False,
+            start=True,
+            gate=False,
+        )
+        return bool(value)
+
+    def prepare_retrieve(self, key: bytes) -> Optional[Slot]:
+        """Pins the slot holding ``key``: read ``slot.view``, then ``commit_retrieve``.
+        None on a miss, while unhealthy, or on a transient failure."""
+        if self._shut_down:
+            return None
+        pool = self._require_pool("prepare_retrieve")
+        value = self._transfer("prepare_retrieve", [self.instance_id, bytes(key)], None, start=True)
+        if value is None:
+            return None
+        return Slot(
+            self._pool or pool,
+            bytes(key),
+            int(value["offset"]),
+            int(value["nbytes"]),
+            value.get("slot"),
+        )
+
+    def commit_retrieve(self, key: bytes) -> bool:
+        """Unpins the slot of ``key``. Sent even while unhealthy, so pins never linger."""
+        if self._shut_down:
+            return False
+        self._require_pool("commit_retrieve")
+        value = self._transfer(
+            "commit_retrieve", [self.instance_id, bytes(key)], False, start=True, gate=False
+        )
+        return bool(value)
+
+    # -- misc -----------------------------------------------------------------------
+
+    def status(self) -> Dict[str, Any]:
+        """The server's status map (the same as HTTP ``/status``)."""
+        value, _ = self._request("status", [])
+        return value
+
+    def ping(self) -> bool:
+        """One ping outside the heartbeat (does not touch health): is this instance
+        registered on the server?"""
+        value, _ = self._request("ping", [self.instance_id], timeout=self.interval)
+        return bool(value)
+
+    @property
+    def server(self) -> Optional[HelloInfo]:
+        """What the server said in ``hello`` on the current connection."""
+        return self._conn.hello
+
+    def is_healthy(self) -> bool:
+        """Whether stores and retrieves are attempted now."""
+        return self.healthy.is_set()
+
+    def heartbeat_started(self) -> bool:
+        """Whether the heartbeat thread was started (by the first store/retrieve)."""
+        with self._hb_lock:
+            return self._thread is not None
+
+    def shutdown(self) -> None:
+        """Clean exit: stop the heartbeat, then unregister, then close. Idempotent.
+
+        The heartbeat is stopped and joined first, so a cycle still running cannot
+        recover (re-register) after the unregister, nor change health: no ghost
+        context is ever re-created on the server.
+        """
+        with self._hb_lock:
+            if self._shut_down:
+                return
+            self._shut_down = True
+            self._hb.stop()
+            thread = self._thread
+        self._wake.set()
+        if thread is not None:
+            # A running cycle ends within one request timeout; it checks stop before
+            # every step, and the FIFO connection orders its last request before ours.
+            thread.join(self.interval + self.request_timeout + 1.0)
+            if thread.is_alive():
+                log.warning(
+                    "kvwarden: the heartbeat thread of instance %d did not stop in time; "
+                    "unregistering anyway",
+                    self.instance_id,
+                )
+        with self._reg_lock:
+            for op, held in (
+                ("unregister_kv_cache", self._kv is not None),
+                ("unregister_engine_driven", self._engine is not None),
+            ):
+                if not held:
+                    continue
+                try:
+                    self._request(op, [self.instance_id])
+                except KvwardenError as error:
+                    log.warning(
+                        "kvwarden: %s of instance %d failed at shutdown: %s",
+                        op,
+                        self.instance_id,
+                        error,
+                    )
+            self._kv = None
+            self._engine = None
+            self._blend = None
+            if self._pool is not None:
+                self._pool.close()
+                self._pool = None
+        self._conn.close()
+        log.info("kvwarden worker %d shut down", self.instance_id)
+
+    def __enter__(self) -> "Worker":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- internals ------------------------------------------------------------------
+
+    def _request(
+        self,
+        op: str,
+        args: List[Any],
+        fds: Sequence[int] = (),
+        timeout: Optional[float] = None,
+    ) -> Tuple[Any, List[int]]:
+        self._check_process(op)
+        return self._conn.request(
+            op, args, self.request_timeout if timeout is None else timeout, fds
+        )
+
+    def _check_process(self, op: str) -> None:
+        if os.getpid() != self._pid:
+            raise KvwardenError(
+                f"{op}: this Worker (instance {self.instance_id}) was created in process "
+                f"{self._pid} and is used in process {os.getpid()} after a fork; create "
+                f"one Worker in each worker process, after the fork",
+                code="forked",
+            )
+
+    def _require_kv(self, op: str) -> Tuple[List[Buffer], str, int]:
+        kv = self._kv
+        if kv is None:
+            raise KvwardenError(
+                f"{op}: no KV cache registered on this worker; call register_kv_cache() at "
+                f"start-up first",
+                code="not_registered_locally",
+            )
+        return kv
+
+    def _require_pool(self, op: str) -> EnginePool:
+        pool = self._pool
+        if pool is None or self._engine is None:
+            raise KvwardenError(
+                f"{op}: this worker is not registered engine-driven; call "
+                f"register_engine_driven() at start-up first",
+                code="not_registered_locally",
+            )
+        return pool
+
+    def _transfer(
+        self, op: str, args: List[Any], failure: T, *, start: bool, gate: bool = True
+    ) -> Any:
+        """One transfer with the health rules: skipped while unhealthy (``gate``), and a
+        ``not_registered`` answer triggers the recovery. Transient failures → ``failure``."""
+        if self._shut_down:
+            log.warning("kvwarden: %s after shutdown() is skipped", op)
+            return failure
+        self._check_process(op)
+        if start:
+            self._start_heartbeat()
+        if gate and not self.healthy.is_set():
+            log.debug("kvwarden: %s skipped: worker %d is unhealthy", op, self.instance_id)
+            return failure
+        try:
+            value, fds = self._request(op, args)
+        except NotRegistered as error:
+            log.warning(
+                "kvwarden: %s answered not_registered for instance %d (%s); re-registering",
+                op,
+                self.instance_id,
+                error.message,
+            )
+            with self._hb_lock:
+                self._hb.on_not_registered(time.monotonic())
+                self._sync_health_locked()
+            self._wake.set()
+            return failure
+        except _TRANSIENT as error:
+            log.warning("kvwarden: %s failed, the engine carries on without it: %s", op, error)
+            return failure
+        for fd in fds:  # no transfer reply carries fds; never leak one
+            _close_fd(fd)
+        return value
+
+    def _send_kv_registration(self, buffers: List[Buffer], model_name: str, world_size: int) -> str:
+        wire: List[Dict[str, Any]] = []
+        fds: List[int] = []
+        for buffer in buffers:
+            if isinstance(buffer, MemfdBuffer):
+                if buffer.fd < 0:
+                    raise ValueError(f"{buffer!r} was closed; a registered buffer must stay open")
+                wire.append(buffer.wire(len(fds)))
+                fds.append(buffer.fd)
+            else:
+                wire.append(buffer.wire())
+        value, extra = self._request(
+            "register_kv_cache", [self.instance_id, wire, str(model_name), int(world_size)], fds
+        )
+        for fd in extra:
+            _close_fd(fd)
+        return _outcome(value, "register_kv_cache")
+
+    def _send_engine_registration(self, model_name: str, world_size: int) -> EnginePool:
+        value, fds = self._request(
+            "register_engine_driven", [self.instance_id, str(model_name), int(world_size)]
+        )
+        try:
+            if not isinstance(value, dict):
+                raise ProtocolViolation(
+                    f"register_engine_driven: expected a map, got {value!r:.200}"
+                )
+            index = int(value.get("pool_fd_index", 0))
+            if not 0 <= index < len(fds):
+                raise ProtocolViolation(
+                    f"register_engine_driven: the reply names pool fd #{index} but carried "
+                    f"{len(fds)} fds"
+                )
+            fd = fds.pop(index)
+        finally:
+            for other in fds:
+                _close_fd(other)
+        pool = EnginePool(fd, int(value["slot_bytes"]), int(value["num_slots"]))
+        old, self._pool = self._pool, pool
+        if old is not None:
+            old.close()
+        return pool
+
+    # -- heartbeat ------------------------------------------------------------------
+
+    def _start_heartbeat(self) -> None:
+        with self._hb_lock:
+            if self._thread is not None or self._hb.is_stopped():
+                return
+            self._hb.start(time.monotonic())
+            self._thread = threading.Thread(
+                target=self._heartbeat_loop,
+                name=f"kvwarden-heartbeat-{self.instance_id}",
+                daemon=True,
+            )
+            self._thread.start()
+
+    def _sync_health_locked(self) -> None:
+        """Mirrors the machine's health into the Event (called with ``_hb_lock``)."""
+        if self._hb.is_healthy():
+            if not self.healthy.is_set():
+                self.healthy.set()
+                log.info("kvwarden worker %d is healthy again", self.instance_id)
+        elif self.healthy.is_set():
+            self.healthy.clear()
+            log.warning(
+                "kvwarden worker %d is unhealthy: stores are skipped and retrieves miss until "
+                "the server answers and the registrations are restored",
+                self.instance_id,
+            )
+
+    def _heartbeat_loop(self) -> None:
+        """The fixed-delay cycle: wait until due, ping, act on the reply, repeat."""
+        try:
+            while True:
+                with self._hb_lock:
+                    if self._hb.is_stopped():
+                        return
+                    due = self._hb.poll_timeout()
+                delay = self.interval if due is None else due - time.monotonic()
+                if delay > 0:
+                    self._wake.wait(delay)
+                self._wake.clear()
+                with self._hb_lock:
+                    if self._hb.is_stopped():
+                        return
+                    action = self._hb.handle_timeout(time.monotonic())
+                if action is HeartbeatAction.SEND_PING:
+                    reply = self._send_ping()
+                    with self._hb_lock:
+                        if self._hb.is_stopped():
+                            return
+                        action = self._hb.on_ping_reply(time.monotonic(), reply)
+                        self._sync_health_locked()
+                if action is HeartbeatAction.RECOVER:
+                    ok = self._recover()
+                    with self._hb_lock:
+                        if self._hb.is_stopped():
+                            return
+                        self._hb.on_recover_done(time.monotonic(), ok)
+                        self._sync_health_locked()
+        except Exception:  # a bug here must not die silently: health would freeze
+            log.exception("kvwarden: the heartbeat thread of instance %d crashed", self.instance_id)
+            with self._hb_lock:
+                if not self._hb.is_stopped():
+                    self.healthy.clear()
+
+    def _send_ping(self) -> PingReply:
+        try:
+            value, fds = self._request("ping", [self.instance_id], timeout=self.interval)
+        except BadArgs as error:
+            # A server of another protocol version: loud, and the worker stays unhealthy.
+            log.error(
+                "kvwarden: the server rejected this worker's ping as bad_args: %s. The worker "
+                "and the server speak different protocol versions; upgrade the older side. "
+                "Instance %d stays unhealthy (stores skipped, retrieves miss) until then",
+                error.message,
+                self.instance_id,
+            )
+            return PingReply.FAILED
+        except KvwardenError as error:
+            log.warning("kvwarden: ping of instance %d failed: %s", self.instance_id, error)
+            return PingReply.FAILED
+        for fd in fds:
+            _close_fd(fd)
+        if value is True:
+            return PingReply.KNOWN
+        if value is False:
+            log.warning(
+                "kvwarden: the server does not hold instance %d (reaped, or restarted); "
+                "re-registering",
+                self.instance_id,
+            )
+            return PingReply.UNKNOWN
+        log.error("kvwarden: ping answered %r, expected a bool; counting it as failed", value)
+        return PingReply.FAILED
+
+    def _recover(self) -> bool:
+        """Re-registers everything under the same instance id. Never raises: a failure
+        is logged and reported as False, and the heartbeat asks again after its next
+        good ping. Stops between steps once shutdown() stopped the heartbeat."""
+        self.recoveries += 1
+        try:
+            with self._reg_lock:
+                steps: List[Tuple[str, Callable[[], Any]]] = []
+                kv, engine, blend = self._kv, self._engine, self._blend
+                if kv is not None:
+                    steps.append(("register_kv_cache", lambda: self._send_kv_registration(*kv)))
+                if engine is not None:
+                    steps.append(
+                        (
+                            "register_engine_driven",
+                            lambda: self._send_engine_registration(*engine).nbytes,
+                        )
+                    )
+                if blend is not None:
+                    steps.append(
+                        (
+                            "register_blend",
+                            lambda: self._request("register_blend", [self.instance_id, blend])[0],
+                        )
+                    )
+                for name, step in steps:
+                    with self._hb_lock:
+                        if self._hb.is_stopped():
+                            return False
+                    result = step()
+                    log.info(
+                        "kvwarden: recovery of instance %d: %s → %r", self.instance_id, name, result
+                    )
+            self.recoveries_ok += 1
+            return True
+        except Exception as error:  # the contract: recovery never raises
+            log.warning(
+                "kvwarden: recovery of instance %d failed, will retry after the next good ping: %s",
+                self.instance_id,
+                error,
+            )
+            return False
+
+    def _on_connect(self, hello: HelloInfo) -> None:
+        """Warns once per server boot when its reap timeout is too tight for our interval."""
+        if hello.boot_id in self._warned_boot_ids:
+            return
+        self._warned_boot_ids.add(hello.boot_id)
+        reap = hello.reap_timeout_seconds
+        if reap > 0 and 3 * self.interval > reap:
+            log.warning(
+                "kvwarden: server %s reaps after %g s of silence but this worker pings every "
+                "%g s (3 × interval = %g s); a live worker could be reaped. Lower "
+                "heartbeat_interval_seconds to at most %g s",
+                hello.server,
+                reap,
+                self.interval,
+                3 * self.interval,
+                reap / 3,
+            )
+
+
+def _outcome(value: Any, op: str) -> str:
+    if isinstance(value, dict) and isinstance(value.get("outcome"), str):
+        return value["outcome"]
+    raise ProtocolViolation(f'{op}: expected {{"outcome": str}}, got {value!r:.200}')
+
+
+def _close_fd(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass

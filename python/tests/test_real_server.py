@@ -1,0 +1,366 @@
+"""End to end against the real ``kvwarden`` binary, with short timeouts.
+
+Each test starts its own server (``--allow-short-timeouts``: reap timeout 2 s,
+registration grace 4 s, resolution 0.1 s unless said otherwise) on a private socket.
+Workers run in this process, or as child processes (``worker_child.py``) when the test
+must SIGKILL or SIGSTOP them. Status is read over a probe connection that never pings,
+so probing cannot keep anyone alive.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Dict, Iterator, List
+
+import pytest
+from conftest import wait_until
+from real_server import RealServer, find_binary
+
+from kvwarden import BadArgs, MemfdBuffer, Unavailable, Worker
+
+pytestmark = pytest.mark.real_server
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+INTERVAL = 0.5
+
+
+@pytest.fixture(scope="session")
+def kvwarden_bin() -> str:
+    path = find_binary()
+    if path is None:
+        pytest.skip(
+            "no kvwarden binary: set KVWARDEN_BIN, or build target/debug/kvwarden with "
+            "`cargo build -p kvwarden` (python/ci.sh does both)"
+        )
+    return path
+
+
+@pytest.fixture
+def start_server(kvwarden_bin: str, short_tmp: str) -> Iterator[Callable[..., RealServer]]:
+    servers: List[RealServer] = []
+
+    def start(**kwargs: Any) -> RealServer:
+        server = RealServer(
+            kvwarden_bin,
+            os.path.join(short_tmp, "kvwarden.sock"),
+            os.path.join(short_tmp, "server.log"),
+            **kwargs,
+        ).start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+        print(f"--- server log ({server.log_path}) ---\n{server.log_tail(60)}")
+
+
+class Child:
+    """A worker in its own process, driven over stdin/stdout."""
+
+    def __init__(self, socket_path: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "worker_child.py"), socket_path, str(INTERVAL)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        hello = self._read()
+        self.instance_id: int = hello["instance_id"]
+        assert hello["stored"] is True
+
+    def _read(self) -> Dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker child exited with {self.proc.wait()}")
+        return json.loads(line)
+
+    def ask(self, command: str) -> Dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def children() -> Iterator[List[Child]]:
+    spawned: List[Child] = []
+    yield spawned
+    for child in spawned:
+        child.kill()
+
+
+def make_worker(server: RealServer, buffers: List[MemfdBuffer]) -> Worker:
+    buffer = MemfdBuffer.create(1 << 16, "real-kv")
+    buffers.append(buffer)
+    worker = Worker(
+        server.socket_path, heartbeat_interval_seconds=INTERVAL, request_timeout_seconds=5.0
+    )
+    assert worker.register_kv_cache([buffer], "real-model") == "created"
+    return worker
+
+
+@pytest.fixture
+def buffers() -> Iterator[List[MemfdBuffer]]:
+    made: List[MemfdBuffer] = []
+    yield made
+    for buffer in made:
+        try:
+            buffer.close()
+        except BufferError:
+            pass
+
+
+def liveness(server: RealServer) -> Dict[str, Any]:
+    return server.status()["worker_liveness"]
+
+
+# ---------------------------------------------------------------------------------
+
+
+def test_real_memfd_store_retrieve_lookup_round_trip(start_server, buffers) -> None:
+    server = start_server()
+    worker = make_worker(server, buffers)
+    view = buffers[0].view
+    view[0:11] = b"kv-bytes-01"
+    assert worker.store(b"block-1", nbytes=11) is True
+    assert worker.lookup([b"block-1", b"block-2"]) == 1
+    view[1000:1011] = b"\0" * 11
+    assert worker.retrieve(b"block-1", offset=1000) == 11
+    assert bytes(view[1000:1011]) == b"kv-bytes-01"
+    assert worker.retrieve(b"block-2") is None, "a miss is None"
+    assert [e["module"] for e in server.entries(worker.instance_id)] == ["server_driven"]
+    worker.shutdown()
+
+
+def test_real_shutdown_unregisters_and_frees_the_context(start_server, buffers) -> None:
+    server = start_server()
+    worker = make_worker(server, buffers)
+    worker.store(b"k", nbytes=4)
+    wait_until(lambda: server.entries(worker.instance_id)[0]["proven"], 10, "a ping arrived")
+    worker.shutdown()
+    assert server.entries(worker.instance_id) == []
+    status = server.status()
+    assert status["contexts"]["freed_total"]["unregistered"] == 1
+    assert status["worker_liveness"]["tracked_instances"] == 0
+
+
+def test_real_old_ping_payload_is_bad_args_naming_the_mismatch(start_server) -> None:
+    server = start_server()
+    with pytest.raises(BadArgs) as caught:
+        server.request("ping", [])
+    assert caught.value.code == "bad_args"
+    assert "ping" in caught.value.message and "version" in caught.value.message
+    assert server.request("ping", [None]) is True, "the connection stays usable"
+
+
+def test_real_mixed_version_ping_is_logged_loudly_and_leaves_the_worker_unhealthy(
+    start_server, buffers, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that pings with the pre-liveness payload ``ping []`` (an old client, or
+    a server of another protocol): the real server answers bad_args, and the worker
+    says so at ERROR and stays unhealthy instead of carrying on silently."""
+    server = start_server()
+    worker = make_worker(server, buffers)
+    send = worker._request
+
+    def old_ping(op: str, args: List[Any], fds=(), timeout=None):
+        return send(op, [] if op == "ping" else args, fds, timeout)
+
+    monkeypatch.setattr(worker, "_request", old_ping)
+    with caplog.at_level(logging.ERROR, logger="kvwarden"):
+        worker.store(b"k", nbytes=4)
+        wait_until(lambda: not worker.healthy.is_set(), 10, "unhealthy after a bad_args ping")
+        time.sleep(3 * INTERVAL)
+    assert not worker.healthy.is_set(), "stays unhealthy"
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors and "bad_args" in errors[0] and "version" in errors[0]
+    assert worker.store(b"k2", nbytes=4) is False, "stores are skipped"
+    assert worker.recoveries == 0, "a version mismatch is not a reason to re-register"
+    worker.shutdown()
+
+
+def test_real_live_worker_with_heartbeat_is_never_reaped(start_server, buffers) -> None:
+    server = start_server()
+    worker = make_worker(server, buffers)
+    worker.store(b"k", nbytes=4)
+    deadline = time.monotonic() + 3 * 2.0  # three reap timeouts
+    while time.monotonic() < deadline:
+        assert len(server.entries(worker.instance_id)) == 1
+        assert worker.healthy.is_set()
+        time.sleep(0.2)
+    assert liveness(server)["reaped_total"] == 0
+    assert server.status()["contexts"]["built_total"] == 1
+    worker.shutdown()
+
+
+def test_real_sigkilled_worker_is_freed_by_process_exit(start_server, buffers, children) -> None:
+    # A long reap timeout: only the process-exit proof can free it this fast.
+    server = start_server(
+        reap_timeout_seconds=60.0, registration_grace_seconds=120.0, resolution_seconds=1.0
+    )
+    sibling = make_worker(server, buffers)
+    sibling.store(b"s", nbytes=4)
+    child = Child(server.socket_path)
+    children.append(child)
+    wait_until(
+        lambda: (
+            bool(server.entries(child.instance_id))
+            and server.entries(child.instance_id)[0]["proven"]
+        ),
+        10,
+        "child pinged",
+    )
+    assert server.entries(child.instance_id)[0]["watched_pid"] == child.proc.pid
+    child.proc.kill()
+    child.proc.wait()
+    killed_at = time.monotonic()
+    wait_until(lambda: server.entries(child.instance_id) == [], 5, "freed after SIGKILL")
+    assert time.monotonic() - killed_at < 5.0  # far below the 60 s reap timeout
+    status = server.status()
+    assert status["contexts"]["freed_total"]["process_exited"] == 1
+    assert status["worker_liveness"]["reaped_total"] == 0
+    assert len(server.entries(sibling.instance_id)) == 1, "the live sibling is untouched"
+    assert sibling.healthy.is_set()
+    sibling.shutdown()
+
+
+def test_real_frozen_worker_recovers_on_thaw_with_exactly_one_context(
+    start_server, children
+) -> None:
+    server = start_server()
+    child = Child(server.socket_path)
+    children.append(child)
+    wait_until(lambda: bool(server.entries(child.instance_id)), 10, "child registered")
+    built_before = server.status()["contexts"]["built_total"]
+    child.proc.send_signal(signal.SIGSTOP)
+    wait_until(lambda: server.entries(child.instance_id) == [], 10, "frozen worker reaped")
+    assert liveness(server)["reaped_total"] == 1
+    assert child.proc.poll() is None, "still alive, only stopped"
+    child.proc.send_signal(signal.SIGCONT)
+    wait_until(lambda: len(server.entries(child.instance_id)) == 1, 10, "re-registered on thaw")
+    wait_until(lambda: child.ask("state")["healthy"], 10, "child healthy again")
+    state = child.ask("state")
+    assert state["recoveries_ok"] >= 1
+    assert len(server.entries(child.instance_id)) == 1, "exactly one context"
+    assert server.status()["contexts"]["built_total"] == built_before + 1
+    assert child.ask("store again")["stored"] is True
+    assert child.ask("exit") == {"bye": True}
+    assert server.entries(child.instance_id) == []
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_real_server_restart_under_live_workers_each_end_with_one_context(
+    start_server, buffers, how: str
+) -> None:
+    server = start_server()
+    workers = [make_worker(server, buffers) for _ in range(2)]
+    for index, worker in enumerate(workers):
+        buffers[index].view[:4] = f"w{index}!!".encode()
+        assert worker.store(b"before-%d" % index, nbytes=4)
+    server.restart(getattr(signal, how))
+    for worker in workers:
+        wait_until(lambda w=worker: len(server.entries(w.instance_id)) == 1, 15, "re-registered")
+    for worker in workers:
+        wait_until(worker.healthy.is_set, 10, "healthy after the restart")
+    status = server.status()
+    assert status["worker_liveness"]["tracked_instances"] == 2
+    assert status["contexts"]["built_total"] == 2, "exactly one context each"
+    for index, worker in enumerate(workers):
+        assert worker.retrieve(b"before-%d" % index) is None, "the new server's L1 is empty"
+        assert worker.store(b"after-%d" % index, nbytes=4) is True
+        assert worker.retrieve(b"after-%d" % index, offset=8) == 4
+    time.sleep(3 * INTERVAL)
+    assert server.status()["contexts"]["built_total"] == 2, "no duplicate registration later"
+    for worker in workers:
+        worker.shutdown()
+
+
+def test_real_server_pause_shorter_than_timeout_recovers_by_refresh(start_server, buffers) -> None:
+    server = start_server()
+    worker = make_worker(server, buffers)
+    worker.store(b"k", nbytes=4)
+    wait_until(lambda: server.entries(worker.instance_id)[0]["proven"], 10, "a ping arrived")
+    server.signal(signal.SIGSTOP)
+    try:
+        wait_until(lambda: not worker.healthy.is_set(), 5, "unhealthy while the server is paused")
+        assert worker.store(b"k2") is False, "stores are skipped while unhealthy"
+    finally:
+        server.signal(signal.SIGCONT)
+    wait_until(worker.healthy.is_set, 10, "healthy after the pause")
+    assert worker.recoveries_ok >= 1, "health came back through a recovery"
+    status = server.status()
+    assert status["contexts"]["built_total"] == 1, "the recovery refreshed: zero contexts built"
+    assert status["worker_liveness"]["reaped_total"] == 0
+    worker.shutdown()
+
+
+def test_real_idle_worker_reaped_at_grace_rejoins_through_not_registered(
+    start_server, buffers
+) -> None:
+    server = start_server()
+    worker = make_worker(server, buffers)
+    assert not worker.heartbeat_started()
+    wait_until(
+        lambda: server.entries(worker.instance_id) == [], 10, "reaped at the registration grace"
+    )
+    assert worker.healthy.is_set(), "the worker cannot know yet"
+    assert worker.store(b"k", nbytes=4) is False, "answered not_registered"
+    wait_until(lambda: len(server.entries(worker.instance_id)) == 1, 10, "re-registered, same id")
+    wait_until(worker.healthy.is_set, 10, "healthy")
+    assert worker.store(b"k", nbytes=4) is True
+    assert server.status()["contexts"]["built_total"] == 2
+    worker.shutdown()
+
+
+@pytest.mark.xfail(
+    reason="engine-driven ops (register_engine_driven, prepare/commit) are answered "
+    "`unavailable` by this server build: they come with the engine-driven issue",
+    raises=Unavailable,
+    strict=False,
+)
+def test_real_engine_driven_store_retrieve_round_trip(start_server) -> None:
+    server = start_server()
+    worker = Worker(server.socket_path, heartbeat_interval_seconds=INTERVAL)
+    try:
+        pool = worker.register_engine_driven("real-model")
+        assert pool.nbytes > 0
+        slot = worker.prepare_store(b"ed-key")
+        assert slot is not None
+        slot.view[:6] = b"engine"
+        assert worker.commit_store(b"ed-key", 6)
+        got = worker.prepare_retrieve(b"ed-key")
+        assert got is not None and bytes(got.view[:6]) == b"engine"
+        assert worker.commit_retrieve(b"ed-key")
+        assert worker.prepare_retrieve(b"absent") is None
+        assert [e["module"] for e in server.entries(worker.instance_id)] == ["engine_driven"]
+    finally:
+        worker.shutdown()
+    assert server.entries(worker.instance_id) == []
+
+
+@pytest.mark.xfail(
+    reason="register_blend is answered `unavailable` by this server build",
+    raises=Unavailable,
+    strict=False,
+)
+def test_real_register_blend(start_server, buffers) -> None:
+    server = start_server()
+    worker = make_worker(server, buffers)
+    try:
+        assert worker.register_blend(128, 4096, 10000.0) is True
+    finally:
+        worker.shutdown()

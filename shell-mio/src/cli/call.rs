@@ -1,0 +1,53 @@
+//! `kvwarden call`: one raw request, the reply printed as JSON.
+
+use crate::client::{Client, ClientConfig, ClientError};
+use crate::server::status::{json_to_msgpack, msgpack_to_json};
+use std::process::ExitCode;
+
+/// Flags of `kvwarden call`.
+#[derive(Debug, clap::Args)]
+pub struct CallArgs {
+    #[command(flatten)]
+    endpoint: super::EndpointArgs,
+    /// The op, e.g. `ping` or `unregister_kv_cache`.
+    op: String,
+    /// The args as a JSON array, e.g. `[123]`.
+    #[arg(default_value = "[]")]
+    args: String,
+}
+
+/// Sends the request; exit 0 whenever a reply arrived (ok or error), 1 otherwise.
+pub fn run(args: CallArgs) -> ExitCode {
+    let parsed: serde_json::Value = match serde_json::from_str(&args.args) {
+        Ok(serde_json::Value::Array(items)) => serde_json::Value::Array(items),
+        _ => {
+            eprintln!(
+                "kvwarden call: args must be a JSON array, e.g. '[123]', got {:?}",
+                args.args
+            );
+            return ExitCode::from(2);
+        }
+    };
+    let rmpv::Value::Array(request_args) = json_to_msgpack(&parsed) else {
+        return ExitCode::from(2);
+    };
+    let client = match Client::connect(ClientConfig::new(args.endpoint.endpoint())) {
+        Ok(client) => client,
+        Err(error) => {
+            eprintln!("kvwarden call: {error}");
+            return ExitCode::from(1);
+        }
+    };
+    let printed = match client.call(&args.op, request_args) {
+        Ok(value) => serde_json::json!({"ok": true, "value": msgpack_to_json(&value)}),
+        Err(ClientError::Server { error, .. }) => serde_json::json!({
+            "ok": false, "code": error.code.as_str(), "message": error.message,
+        }),
+        Err(error) => {
+            eprintln!("kvwarden call: {error}");
+            return ExitCode::from(1);
+        }
+    };
+    println!("{printed}");
+    ExitCode::SUCCESS
+}

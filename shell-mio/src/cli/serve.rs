@@ -1,0 +1,196 @@
+//! `kvwarden serve`.
+
+use crate::server::{Server, ServerConfig, listen};
+use kvwarden_core::{Config, ConfigError, REAP_TIMEOUT_FLOOR};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+/// Flags of `kvwarden serve`.
+#[derive(Debug, clap::Args)]
+pub struct ServeArgs {
+    /// Reap a worker that has pinged once after this many seconds of silence; 0
+    /// disables reaping (process-exit proof still frees). At least 30, and at least 3 ×
+    /// the workers' heartbeat interval (default 10 s).
+    #[arg(long, default_value_t = 120.0, value_name = "SECONDS")]
+    worker_reap_timeout_seconds: f64,
+    /// Reap a worker that registered but never pinged (still warming up) after this
+    /// many seconds. Must be at least the reap timeout.
+    #[arg(long, default_value_t = 3600.0, value_name = "SECONDS")]
+    worker_registration_grace_seconds: f64,
+    /// The latest a reap may happen after its deadline (at most reap timeout / 8).
+    #[arg(long, default_value_t = 1.0, value_name = "SECONDS")]
+    resolution_seconds: f64,
+    /// A gap this long without the loop turning means the server itself was paused:
+    /// the gap is credited to every worker instead of counting as silence.
+    #[arg(long, default_value_t = 5.0, value_name = "SECONDS")]
+    stall_threshold_seconds: f64,
+    /// The Unix socket [default: $XDG_RUNTIME_DIR/kvwarden.sock, else
+    /// /tmp/kvwarden-<uid>.sock]. A stale file from a dead server is replaced.
+    #[arg(long, value_name = "PATH")]
+    socket: Option<PathBuf>,
+    /// Permission bits of the socket, in octal. 600 admits only this user; other users
+    /// may only ever act on their own instances.
+    #[arg(long, default_value = "600", value_name = "OCTAL", value_parser = parse_mode)]
+    socket_mode: u32,
+    /// Also listen on TCP (e.g. 127.0.0.1:7070). TCP carries no fds and no proof of
+    /// the peer's process: such workers are reaped by timeout only.
+    #[arg(long, value_name = "ADDR")]
+    tcp: Option<SocketAddr>,
+    /// The HTTP listener for /status, /metrics and /healthz, or `off`.
+    #[arg(long, default_value = "127.0.0.1:8080", value_name = "ADDR|off", value_parser = parse_http)]
+    http: HttpListen,
+    /// Size of the L1 store (K, M, G suffixes accepted).
+    #[arg(long, default_value = "1G", value_name = "BYTES", value_parser = super::parse_bytes)]
+    l1_bytes: u64,
+    /// Size of one L1 slot: the largest chunk one `store` may copy.
+    #[arg(long, default_value = "2M", value_name = "BYTES", value_parser = super::parse_bytes)]
+    slot_bytes: u64,
+    /// The largest request frame accepted; bigger ones are answered `too_large` and the
+    /// connection is closed.
+    #[arg(long, default_value = "1M", value_name = "BYTES", value_parser = super::parse_bytes)]
+    max_frame_bytes: u64,
+    /// The most worker connections held at once.
+    #[arg(long, default_value_t = 10_000, value_name = "N")]
+    max_connections: usize,
+    /// A context free still running after this long is logged and counted
+    /// (kvwarden_frees_hung_total); it never blocks pings or other frees.
+    #[arg(long, default_value_t = 10.0, value_name = "SECONDS")]
+    free_watchdog_seconds: f64,
+    /// Threads that build contexts and copy data.
+    #[arg(long, default_value_t = 4, value_name = "N")]
+    pool_threads: usize,
+    /// TESTING ONLY: lift the 30 s floor on the reap timeout, so tests and demos can
+    /// reap in seconds. Never use it in production: a late heartbeat reaps a live worker.
+    #[arg(long)]
+    allow_short_timeouts: bool,
+}
+
+#[derive(Clone, Debug)]
+struct HttpListen(Option<SocketAddr>);
+
+fn parse_http(text: &str) -> Result<HttpListen, String> {
+    if text.eq_ignore_ascii_case("off") {
+        return Ok(HttpListen(None));
+    }
+    text.parse()
+        .map(|addr| HttpListen(Some(addr)))
+        .map_err(|e| {
+            format!("invalid --http {text:?}: {e}; use ADDR:PORT (e.g. 127.0.0.1:8080) or off")
+        })
+}
+
+fn parse_mode(text: &str) -> Result<u32, String> {
+    u32::from_str_radix(text.trim_start_matches("0o"), 8)
+        .ok()
+        .filter(|mode| *mode <= 0o777)
+        .ok_or_else(|| {
+            format!("invalid --socket-mode {text:?}: use octal permission bits such as 600 or 660")
+        })
+}
+
+fn seconds(value: f64, error: impl FnOnce() -> ConfigError) -> Result<Duration, ConfigError> {
+    Duration::try_from_secs_f64(value).map_err(|_| error())
+}
+
+fn liveness_config(args: &ServeArgs) -> Result<Config, ConfigError> {
+    let reap = args.worker_reap_timeout_seconds;
+    let grace = args.worker_registration_grace_seconds;
+    let floor = if args.allow_short_timeouts {
+        Duration::ZERO
+    } else {
+        REAP_TIMEOUT_FLOOR
+    };
+    let config = Config {
+        reap_timeout: seconds(reap, || ConfigError::ReapTimeout {
+            seconds: reap,
+            floor_seconds: Some(floor.as_secs_f64()),
+        })?,
+        registration_grace: seconds(grace, || ConfigError::RegistrationGrace {
+            grace_seconds: grace,
+            reap_timeout_seconds: reap,
+        })?,
+        resolution: seconds(args.resolution_seconds, || ConfigError::Resolution {
+            resolution_seconds: args.resolution_seconds,
+            reap_timeout_seconds: reap,
+        })?,
+        stall_threshold: seconds(args.stall_threshold_seconds, || {
+            ConfigError::StallThreshold {
+                stall_threshold_seconds: args.stall_threshold_seconds,
+            }
+        })?,
+    };
+    config.validate_with_floor(floor)?;
+    Ok(config)
+}
+
+fn server_config(args: ServeArgs) -> Result<ServerConfig, String> {
+    let liveness = liveness_config(&args).map_err(|e| e.to_string())?;
+    if args.slot_bytes == 0 || args.l1_bytes < args.slot_bytes {
+        return Err(format!(
+            "invalid L1 geometry: --l1-bytes {} must hold at least one slot of --slot-bytes {} (and slots must be > 0)",
+            args.l1_bytes, args.slot_bytes
+        ));
+    }
+    let max_frame_bytes = usize::try_from(args.max_frame_bytes)
+        .ok()
+        .filter(|n| (64..=(u32::MAX as usize)).contains(n))
+        .ok_or_else(|| {
+            format!(
+                "invalid --max-frame-bytes {}: use 64 bytes to 4 GiB",
+                args.max_frame_bytes
+            )
+        })?;
+    if args.max_connections == 0 {
+        return Err("invalid --max-connections 0: at least 1".into());
+    }
+    let free_watchdog = Duration::try_from_secs_f64(args.free_watchdog_seconds)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| {
+            format!(
+                "invalid --free-watchdog-seconds {}: use a positive number of seconds",
+                args.free_watchdog_seconds
+            )
+        })?;
+    Ok(ServerConfig {
+        liveness,
+        allow_short_timeouts: args.allow_short_timeouts,
+        socket_path: args.socket.unwrap_or_else(listen::default_socket_path),
+        socket_mode: args.socket_mode,
+        tcp: args.tcp,
+        http: args.http.0,
+        l1_bytes: args.l1_bytes,
+        slot_bytes: args.slot_bytes,
+        max_frame_bytes,
+        max_connections: args.max_connections,
+        free_watchdog,
+        pool_threads: args.pool_threads.clamp(1, 256),
+    })
+}
+
+/// Runs the server until SIGTERM/SIGINT.
+pub fn run(args: ServeArgs) -> ExitCode {
+    let config = match server_config(args) {
+        Ok(config) => config,
+        Err(message) => {
+            eprintln!("kvwarden serve: {message}");
+            return ExitCode::from(2);
+        }
+    };
+    let server = match Server::bind(config) {
+        Ok(server) => server,
+        Err(error) => {
+            eprintln!("kvwarden serve: {error}");
+            return ExitCode::from(1);
+        }
+    };
+    match server.run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("kvwarden serve: {error}");
+            ExitCode::from(1)
+        }
+    }
+}

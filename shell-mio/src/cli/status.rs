@@ -1,0 +1,125 @@
+//! `kvwarden status`: the server's status as a readable table, or JSON.
+
+use crate::client::{Client, ClientConfig};
+use crate::server::status::msgpack_to_json;
+use serde_json::Value;
+use std::process::ExitCode;
+
+/// Flags of `kvwarden status`.
+#[derive(Debug, clap::Args)]
+pub struct StatusArgs {
+    #[command(flatten)]
+    endpoint: super::EndpointArgs,
+    /// Print the raw status as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Fetches and prints the status.
+pub fn run(args: StatusArgs) -> ExitCode {
+    let endpoint = args.endpoint.endpoint();
+    let status = Client::connect(ClientConfig::new(endpoint.clone()))
+        .and_then(|client| client.call("status", Vec::new()));
+    let status = match status {
+        Ok(value) => msgpack_to_json(&value),
+        Err(error) => {
+            eprintln!(
+                "kvwarden status: {error}\nIs the server running? Start it with `kvwarden serve` (or pass --socket PATH)."
+            );
+            return ExitCode::from(1);
+        }
+    };
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&status).unwrap_or_default()
+        );
+    } else {
+        print!("{}", table(&status));
+    }
+    ExitCode::SUCCESS
+}
+
+fn number(value: &Value) -> String {
+    match value {
+        Value::Number(n) if n.is_f64() => format!("{:.1}", n.as_f64().unwrap_or(0.0)),
+        Value::Null => "-".into(),
+        other => other.to_string().trim_matches('"').to_string(),
+    }
+}
+
+/// The status as text.
+pub fn table(status: &Value) -> String {
+    let live = &status["worker_liveness"];
+    let contexts = &status["contexts"];
+    let l1 = &status["l1"];
+    let mut out = String::new();
+    out += &format!(
+        "{} (protocol {}, boot {}), up {} s\n",
+        number(&status["server"]),
+        number(&status["protocol"]),
+        number(&status["boot_id"]),
+        number(&status["uptime_seconds"])
+    );
+    out += &format!(
+        "worker liveness: {}, reap timeout {} s, registration grace {} s, resolution {} s\n",
+        if live["enabled"].as_bool() == Some(true) {
+            "enabled"
+        } else {
+            "DISABLED"
+        },
+        number(&live["reap_timeout_seconds"]),
+        number(&live["registration_grace_seconds"]),
+        number(&live["resolution_seconds"]),
+    );
+    out += &format!(
+        "tracked {}, reaped {}, process exits {}, server stalls {}\n",
+        number(&live["tracked_instances"]),
+        number(&live["reaped_total"]),
+        number(&live["process_exits_total"]),
+        number(&live["stalls_total"]),
+    );
+    out += &format!(
+        "contexts: built {}, freed {}, frees in flight {}, hung frees {}\n",
+        number(&contexts["built_total"]),
+        contexts["freed_total"],
+        number(&contexts["frees_in_flight"]),
+        number(&contexts["frees_hung_total"]),
+    );
+    out += &format!(
+        "L1: {}/{} slots of {} bytes; connections {}\n\n",
+        number(&l1["slots_used"]),
+        number(&l1["slots_total"]),
+        number(&l1["slot_bytes"]),
+        number(&status["connections"]),
+    );
+    out += &format!(
+        "{:<20} {:<14} {:>9} {:>11} {:>7} {:>7} {:>8} {}\n",
+        "INSTANCE", "MODULE", "AGE(s)", "SILENCE(s)", "PROVEN", "OWNER", "PID", "MODEL"
+    );
+    let empty = Vec::new();
+    let instances = status["instances"].as_array().unwrap_or(&empty);
+    for item in instances {
+        let state = if item["building"].as_bool() == Some(true) {
+            " (building)"
+        } else {
+            ""
+        };
+        out += &format!(
+            "{:<20} {:<14} {:>9} {:>11} {:>7} {:>7} {:>8} {}{}\n",
+            number(&item["instance_id"]),
+            number(&item["module"]),
+            number(&item["age_seconds"]),
+            number(&item["silence_seconds"]),
+            number(&item["proven"]),
+            number(&item["owner_uid"]),
+            number(&item["watched_pid"]),
+            number(&item["model_name"]),
+            state
+        );
+    }
+    if instances.is_empty() {
+        out += "(no instances registered)\n";
+    }
+    out
+}

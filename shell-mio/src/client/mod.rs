@@ -1,0 +1,550 @@
+//! The worker's client: connect + `hello`, register memfd buffers, store/retrieve/lookup,
+//! and a heartbeat thread driven by the core's [`kvwarden_core::Heartbeat`].
+//!
+//! Recovery (after a ping answered `false`, a ping that failed and then succeeded, or a
+//! transfer answered `not_registered`) re-registers the same instance id and the same
+//! buffers before health is set again. [`Client::shutdown`] stops the heartbeat, then
+//! unregisters, then closes, so no ghost registration is ever re-created.
+
+mod wire;
+
+pub use wire::Endpoint;
+
+use crate::memfd::{self, SharedMapping};
+use crate::protocol::{ErrorCode, ProtocolError};
+use kvwarden_core::{
+    Heartbeat, HeartbeatAction, HeartbeatConfig, InstanceId, Instant, PingReply,
+    reap_timeout_floor_warning,
+};
+use rmpv::Value;
+use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Duration;
+use thiserror::Error;
+use wire::Wire;
+
+/// What can go wrong for a client call.
+#[derive(Debug, Error)]
+pub enum ClientError {
+    /// The connection failed or broke (the server may be restarting).
+    #[error("connection to the kvwarden server at {endpoint} failed: {source}")]
+    Io {
+        /// Where.
+        endpoint: String,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// The server answered with an error.
+    #[error("the server refused `{op}`: {error}")]
+    Server {
+        /// The op.
+        op: String,
+        /// The error reply.
+        error: ProtocolError,
+    },
+    /// The server's reply made no sense.
+    #[error("unexpected reply to `{op}`: {detail}")]
+    Reply {
+        /// The op.
+        op: String,
+        /// What was wrong.
+        detail: String,
+    },
+    /// A local resource (a memfd) could not be set up.
+    #[error("{0}")]
+    Local(String),
+}
+
+impl ClientError {
+    /// The server's error code, if this is an error reply.
+    pub fn code(&self) -> Option<ErrorCode> {
+        match self {
+            ClientError::Server { error, .. } => Some(error.code),
+            _ => None,
+        }
+    }
+}
+
+/// Client settings.
+#[derive(Clone, Debug)]
+pub struct ClientConfig {
+    /// Where the server listens.
+    pub endpoint: Endpoint,
+    /// The heartbeat interval (also a ping's timeout). Default 10 s.
+    pub heartbeat_interval: Duration,
+    /// The instance id; None draws a fresh uuid-derived one.
+    pub instance_id: Option<InstanceId>,
+    /// The name sent in `hello`.
+    pub client_name: String,
+    /// How long any other request may take.
+    pub request_timeout: Duration,
+}
+
+impl ClientConfig {
+    /// Defaults for `endpoint`.
+    pub fn new(endpoint: Endpoint) -> ClientConfig {
+        ClientConfig {
+            endpoint,
+            heartbeat_interval: HeartbeatConfig::default().interval,
+            instance_id: None,
+            client_name: concat!("kvwarden-client ", env!("CARGO_PKG_VERSION")).to_string(),
+            request_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// A host buffer the worker shares with the server: an anonymous memfd, mapped here.
+#[derive(Debug)]
+pub struct MemfdBuffer {
+    fd: OwnedFd,
+    mapping: SharedMapping,
+}
+
+impl MemfdBuffer {
+    /// A zero-filled buffer of `nbytes`.
+    pub fn new(nbytes: usize) -> Result<MemfdBuffer, ClientError> {
+        let local = |e: std::io::Error| {
+            ClientError::Local(format!("creating a memfd buffer of {nbytes} bytes: {e}"))
+        };
+        let fd = memfd::create("kvwarden-worker-buffer", nbytes as u64).map_err(local)?;
+        let mapping = SharedMapping::map(&fd, nbytes).map_err(local)?;
+        Ok(MemfdBuffer { fd, mapping })
+    }
+
+    /// Bytes in the buffer.
+    pub fn len(&self) -> usize {
+        self.mapping.len()
+    }
+
+    /// Whether the buffer is empty.
+    pub fn is_empty(&self) -> bool {
+        self.mapping.is_empty()
+    }
+
+    /// Writes `bytes` at `offset`; false when out of bounds.
+    pub fn write(&self, offset: u64, bytes: &[u8]) -> bool {
+        self.mapping.write(offset, bytes)
+    }
+
+    /// Reads into `out` from `offset`; false when out of bounds.
+    pub fn read(&self, offset: u64, out: &mut [u8]) -> bool {
+        self.mapping.read(offset, out)
+    }
+
+    fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+}
+
+#[derive(Clone)]
+struct Registration {
+    buffers: Vec<Arc<MemfdBuffer>>,
+    model_name: String,
+    world_size: u64,
+}
+
+struct Shared {
+    config: ClientConfig,
+    instance: InstanceId,
+    origin: std::time::Instant,
+    wire: Mutex<Option<Wire>>,
+    registration: Mutex<Option<Registration>>,
+    heartbeat: Mutex<Heartbeat>,
+    wake: Condvar,
+    /// Held by a recovery and by shutdown's unregister, so that they never interleave.
+    lifecycle: Mutex<()>,
+    next_request_id: AtomicU64,
+    recoveries: AtomicU64,
+    last_outcome: Mutex<Option<String>>,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Shared {
+    fn now(&self) -> Instant {
+        Instant::from_nanos(u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX))
+    }
+
+    /// One request; a broken or timed-out connection is dropped (the next call
+    /// reconnects and says hello again).
+    fn call(
+        &self,
+        op: &str,
+        args: Vec<Value>,
+        fds: &[BorrowedFd<'_>],
+        timeout: Duration,
+    ) -> Result<Value, ClientError> {
+        let mut wire = lock(&self.wire);
+        if wire.is_none() {
+            let fresh = Wire::connect(
+                &self.config.endpoint,
+                &self.config.client_name,
+                self.config.request_timeout,
+            )?;
+            *wire = Some(fresh);
+        }
+        let Some(connection) = wire.as_mut() else {
+            return Err(ClientError::Local("no connection".into()));
+        };
+        let id = self.next_request_id.fetch_add(1, Ordering::Relaxed);
+        let result = connection.call(id, op, args, fds, timeout);
+        if matches!(
+            result,
+            Err(ClientError::Io { .. }) | Err(ClientError::Reply { .. })
+        ) {
+            *wire = None;
+        }
+        result
+    }
+
+    fn ping(&self) -> PingReply {
+        let args = vec![self.instance.get().into()];
+        match self.call("ping", args, &[], self.config.heartbeat_interval) {
+            Ok(Value::Boolean(true)) => PingReply::Known,
+            Ok(Value::Boolean(false)) => {
+                tracing::warn!(instance = %self.instance, "the server does not hold this instance (reaped or restarted); re-registering");
+                PingReply::Unknown
+            }
+            Ok(other) => {
+                tracing::error!(instance = %self.instance, reply = ?other, "ping answered with a non-bool; client and server versions differ?");
+                PingReply::Failed
+            }
+            Err(error @ ClientError::Server { .. }) => {
+                tracing::error!(instance = %self.instance, %error, "ping refused by the server: this worker stays unhealthy until it is fixed");
+                PingReply::Failed
+            }
+            Err(error) => {
+                tracing::warn!(instance = %self.instance, %error, "ping failed; unhealthy until the server answers again");
+                PingReply::Failed
+            }
+        }
+    }
+
+    fn register(&self, registration: &Registration) -> Result<String, ClientError> {
+        let buffers: Vec<Value> = registration
+            .buffers
+            .iter()
+            .enumerate()
+            .map(|(index, buffer)| {
+                Value::Map(vec![
+                    ("kind".into(), "memfd".into()),
+                    ("fd_index".into(), (index as u64).into()),
+                    ("nbytes".into(), (buffer.len() as u64).into()),
+                ])
+            })
+            .collect();
+        let fds: Vec<BorrowedFd<'_>> = registration.buffers.iter().map(|b| b.fd()).collect();
+        let args = vec![
+            self.instance.get().into(),
+            Value::Array(buffers),
+            registration.model_name.as_str().into(),
+            registration.world_size.into(),
+        ];
+        let value = self.call("register_kv_cache", args, &fds, self.config.request_timeout)?;
+        let outcome = match &value {
+            Value::Map(map) => map
+                .iter()
+                .find(|(k, _)| k.as_str() == Some("outcome"))
+                .and_then(|(_, v)| v.as_str())
+                .map(str::to_owned),
+            _ => None,
+        };
+        let outcome = outcome.ok_or_else(|| ClientError::Reply {
+            op: "register_kv_cache".into(),
+            detail: format!("expected {{\"outcome\": str}}, got {value}"),
+        })?;
+        *lock(&self.last_outcome) = Some(outcome.clone());
+        Ok(outcome)
+    }
+
+    /// Re-registers the same id and buffers; false when it failed or the client is
+    /// shutting down (a stopped heartbeat never re-creates anything).
+    fn recover(&self) -> bool {
+        let _lifecycle = lock(&self.lifecycle);
+        if lock(&self.heartbeat).is_stopped() {
+            return false;
+        }
+        let Some(registration) = lock(&self.registration).clone() else {
+            return true; // nothing registered: nothing to restore
+        };
+        match self.register(&registration) {
+            Ok(outcome) => {
+                self.recoveries.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(instance = %self.instance, outcome, "re-registered");
+                true
+            }
+            Err(error) => {
+                tracing::warn!(instance = %self.instance, %error, "re-registering failed; will retry after the next successful ping");
+                false
+            }
+        }
+    }
+
+    fn heartbeat_loop(self: Arc<Self>) {
+        loop {
+            let action = {
+                let mut heartbeat = lock(&self.heartbeat);
+                loop {
+                    if heartbeat.is_stopped() {
+                        return;
+                    }
+                    let now = self.now();
+                    if let Some(action) = heartbeat.handle_timeout(now) {
+                        break action;
+                    }
+                    let wait = heartbeat
+                        .poll_timeout()
+                        .map_or(Duration::from_secs(1), |at| {
+                            at.saturating_duration_since(now)
+                        });
+                    heartbeat = self
+                        .wake
+                        .wait_timeout(heartbeat, wait.max(Duration::from_millis(1)))
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0;
+                }
+            };
+            let recover = match action {
+                HeartbeatAction::SendPing => {
+                    let reply = self.ping();
+                    let now = self.now();
+                    lock(&self.heartbeat).on_ping_reply(now, reply)
+                        == Some(HeartbeatAction::Recover)
+                }
+                HeartbeatAction::Recover => true,
+            };
+            if recover {
+                let ok = self.recover();
+                let now = self.now();
+                lock(&self.heartbeat).on_recover_done(now, ok);
+            }
+        }
+    }
+}
+
+/// A worker's connection to the server.
+pub struct Client {
+    shared: Arc<Shared>,
+    heartbeat_thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Client {
+    /// Connects and says hello. The instance id is drawn now (logged at INFO) unless
+    /// the config names one.
+    pub fn connect(config: ClientConfig) -> Result<Client, ClientError> {
+        if let Some(warning) = reap_timeout_floor_warning(config.heartbeat_interval) {
+            tracing::warn!("{warning}");
+        }
+        let instance = config.instance_id.unwrap_or_else(InstanceId::generate);
+        tracing::info!(%instance, endpoint = %config.endpoint, "kvwarden client instance id");
+        let wire = Wire::connect(
+            &config.endpoint,
+            &config.client_name,
+            config.request_timeout,
+        )?;
+        let heartbeat = Heartbeat::new(HeartbeatConfig {
+            interval: config.heartbeat_interval,
+        });
+        Ok(Client {
+            shared: Arc::new(Shared {
+                config,
+                instance,
+                origin: std::time::Instant::now(),
+                wire: Mutex::new(Some(wire)),
+                registration: Mutex::new(None),
+                heartbeat: Mutex::new(heartbeat),
+                wake: Condvar::new(),
+                lifecycle: Mutex::new(()),
+                next_request_id: AtomicU64::new(1),
+                recoveries: AtomicU64::new(0),
+                last_outcome: Mutex::new(None),
+            }),
+            heartbeat_thread: Mutex::new(None),
+        })
+    }
+
+    /// This worker's instance id.
+    pub fn instance_id(&self) -> InstanceId {
+        self.shared.instance
+    }
+
+    /// Whether the worker may trust its registration (false from a failed ping until a
+    /// recovery succeeded).
+    pub fn is_healthy(&self) -> bool {
+        lock(&self.shared.heartbeat).is_healthy()
+    }
+
+    /// Recoveries (re-registrations) done so far.
+    pub fn recoveries(&self) -> u64 {
+        self.shared.recoveries.load(Ordering::Relaxed)
+    }
+
+    /// The outcome of the latest registration (`created` or `refreshed`).
+    pub fn last_outcome(&self) -> Option<String> {
+        lock(&self.shared.last_outcome).clone()
+    }
+
+    /// Registers memfd buffers under this instance id; remembered for recoveries.
+    /// Returns the outcome (`created` or `refreshed`).
+    pub fn register(
+        &self,
+        buffers: Vec<Arc<MemfdBuffer>>,
+        model_name: &str,
+        world_size: u64,
+    ) -> Result<String, ClientError> {
+        let registration = Registration {
+            buffers,
+            model_name: model_name.to_string(),
+            world_size,
+        };
+        let outcome = self.shared.register(&registration)?;
+        *lock(&self.shared.registration) = Some(registration);
+        Ok(outcome)
+    }
+
+    /// Starts the heartbeat now (it also starts by itself on the first store/retrieve).
+    pub fn start_heartbeat(&self) {
+        let now = self.shared.now();
+        {
+            let mut heartbeat = lock(&self.shared.heartbeat);
+            if heartbeat.is_stopped() || heartbeat.is_started() {
+                return;
+            }
+            heartbeat.start(now);
+        }
+        let shared = Arc::clone(&self.shared);
+        let spawned = std::thread::Builder::new()
+            .name("kvwarden-heartbeat".into())
+            .spawn(move || shared.heartbeat_loop());
+        match spawned {
+            Ok(handle) => *lock(&self.heartbeat_thread) = Some(handle),
+            Err(error) => tracing::error!(%error, "starting the heartbeat thread failed"),
+        }
+    }
+
+    /// A transfer: on `not_registered`, recover and retry once.
+    fn transfer(&self, op: &str, args: Vec<Value>) -> Result<Value, ClientError> {
+        self.start_heartbeat();
+        let timeout = self.shared.config.request_timeout;
+        match self.shared.call(op, args.clone(), &[], timeout) {
+            Err(error) if error.code() == Some(ErrorCode::NotRegistered) => {
+                tracing::warn!(instance = %self.shared.instance, op, "the server does not hold this instance; re-registering");
+                if !self.shared.recover() {
+                    return Err(error);
+                }
+                self.shared.call(op, args, &[], timeout)
+            }
+            other => other,
+        }
+    }
+
+    /// Copies `[offset, offset + nbytes)` of registered buffer `buffer` into L1 under
+    /// `key`. false: L1 is full of pinned data.
+    pub fn store(
+        &self,
+        key: &[u8],
+        buffer: u64,
+        offset: u64,
+        nbytes: u64,
+    ) -> Result<bool, ClientError> {
+        let args = vec![
+            self.shared.instance.get().into(),
+            Value::Binary(key.to_vec()),
+            buffer.into(),
+            offset.into(),
+            nbytes.into(),
+        ];
+        match self.transfer("store", args)? {
+            Value::Boolean(stored) => Ok(stored),
+            other => Err(unexpected("store", &other)),
+        }
+    }
+
+    /// Copies the L1 value of `key` into buffer `buffer` at `offset`: bytes copied, or
+    /// None on a miss.
+    pub fn retrieve(
+        &self,
+        key: &[u8],
+        buffer: u64,
+        offset: u64,
+    ) -> Result<Option<u64>, ClientError> {
+        let args = vec![
+            self.shared.instance.get().into(),
+            Value::Binary(key.to_vec()),
+            buffer.into(),
+            offset.into(),
+        ];
+        match self.transfer("retrieve", args)? {
+            Value::Nil => Ok(None),
+            other => other
+                .as_u64()
+                .map(Some)
+                .ok_or_else(|| unexpected("retrieve", &other)),
+        }
+    }
+
+    /// How many leading keys L1 holds.
+    pub fn lookup(&self, keys: &[Vec<u8>]) -> Result<u64, ClientError> {
+        let keys = keys.iter().map(|k| Value::Binary(k.clone())).collect();
+        let value = self.shared.call(
+            "lookup",
+            vec![Value::Array(keys)],
+            &[],
+            self.shared.config.request_timeout,
+        )?;
+        value.as_u64().ok_or_else(|| unexpected("lookup", &value))
+    }
+
+    /// Any request, raw (for tools and tests).
+    pub fn call(&self, op: &str, args: Vec<Value>) -> Result<Value, ClientError> {
+        self.shared
+            .call(op, args, &[], self.shared.config.request_timeout)
+    }
+
+    /// Stops the heartbeat, then unregisters, then closes. A heartbeat cycle still
+    /// running neither recovers nor changes health after this.
+    pub fn shutdown(self) -> Result<(), ClientError> {
+        lock(&self.shared.heartbeat).stop();
+        self.shared.wake.notify_all();
+        let result = {
+            let _lifecycle = lock(&self.shared.lifecycle);
+            let registered = lock(&self.shared.registration).take().is_some();
+            if registered {
+                let args = vec![self.shared.instance.get().into()];
+                self.shared
+                    .call(
+                        "unregister_kv_cache",
+                        args,
+                        &[],
+                        self.shared.config.request_timeout,
+                    )
+                    .map(|_| ())
+            } else {
+                Ok(())
+            }
+        };
+        *lock(&self.shared.wire) = None;
+        if let Some(handle) = lock(&self.heartbeat_thread).take() {
+            let _ = handle.join();
+        }
+        result
+    }
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        lock(&self.shared.heartbeat).stop();
+        self.shared.wake.notify_all();
+    }
+}
+
+fn unexpected(op: &str, value: &Value) -> ClientError {
+    ClientError::Reply {
+        op: op.to_string(),
+        detail: format!("unexpected value {value}"),
+    }
+}

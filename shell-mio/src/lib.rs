@@ -1,0 +1,11 @@
+//! kvwarden: the KV-cache server of a GPU node, and its worker client.
+//!
+//! The liveness rules live in [`kvwarden_core`]; this crate only translates: bytes ↔
+//! messages ([`protocol`]) ↔ core calls ↔ effects ↔ syscalls ([`server`]). The
+//! [`client`] is what an inference-engine worker links.
+
+pub mod cli;
+pub mod client;
+pub mod memfd;
+pub mod protocol;
+pub mod server;

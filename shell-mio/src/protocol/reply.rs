@@ -1,0 +1,114 @@
+//! Replies `[request_id, ok, value]`, and the client's side: encoding requests and
+//! decoding replies.
+
+use super::MAX_DEPTH;
+use super::error::{DecodeError, ErrorCode, ProtocolError};
+use super::frame::encode_frame;
+use super::request::describe;
+use rmpv::Value;
+
+/// A decoded reply.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Reply {
+    /// The id of the request it answers.
+    pub id: u64,
+    /// The value, or the error.
+    pub result: Result<Value, ProtocolError>,
+}
+
+fn to_bytes(value: &Value) -> Vec<u8> {
+    let mut body = Vec::new();
+    // Writing into a Vec cannot fail.
+    if rmpv::encode::write_value(&mut body, value).is_err() {
+        body.clear();
+    }
+    encode_frame(&body)
+}
+
+/// A framed reply.
+pub fn encode_reply(id: u64, result: &Result<Value, ProtocolError>) -> Vec<u8> {
+    let (ok, value) = match result {
+        Ok(value) => (true, value.clone()),
+        Err(error) => (
+            false,
+            Value::Map(vec![
+                ("code".into(), error.code.as_str().into()),
+                ("message".into(), error.message.as_str().into()),
+            ]),
+        ),
+    };
+    to_bytes(&Value::Array(vec![id.into(), ok.into(), value]))
+}
+
+/// A framed request.
+pub fn encode_request(id: u64, op: &str, args: Vec<Value>) -> Vec<u8> {
+    to_bytes(&Value::Array(vec![
+        id.into(),
+        op.into(),
+        Value::Array(args),
+    ]))
+}
+
+/// Decodes a reply body (the client's side). Never panics.
+pub fn decode_reply(body: &[u8]) -> Result<Reply, DecodeError> {
+    let bad = |message: String| DecodeError {
+        request_id: None,
+        error: ProtocolError::new(ErrorCode::BadFrame, message),
+    };
+    let mut reader = body;
+    let value = rmpv::decode::read_value_with_max_depth(&mut reader, MAX_DEPTH)
+        .map_err(|e| bad(format!("reply is not MessagePack: {e}")))?;
+    let Value::Array(mut parts) = value else {
+        return Err(bad(format!(
+            "a reply is [request_id, ok, value], got {}",
+            describe(&value)
+        )));
+    };
+    if parts.len() != 3 {
+        return Err(bad(format!(
+            "a reply is [request_id, ok, value], got {} items",
+            parts.len()
+        )));
+    }
+    let value = parts.pop().unwrap_or(Value::Nil);
+    let ok = parts.pop().and_then(|v| v.as_bool());
+    let id = parts.pop().and_then(|v| v.as_u64());
+    let (Some(id), Some(ok)) = (id, ok) else {
+        return Err(bad(
+            "a reply's request_id must be a uint and ok a bool".into()
+        ));
+    };
+    let result = if ok {
+        Ok(value)
+    } else {
+        let text = |key: &str| match &value {
+            Value::Map(map) => map
+                .iter()
+                .find(|(k, _)| k.as_str() == Some(key))
+                .and_then(|(_, v)| v.as_str())
+                .unwrap_or("")
+                .to_string(),
+            _ => String::new(),
+        };
+        Err(ProtocolError::new(
+            ErrorCode::parse(&text("code")),
+            text("message"),
+        ))
+    };
+    Ok(Reply { id, result })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replies_round_trip() {
+        let error = ProtocolError::new(ErrorCode::Forbidden, "not yours");
+        for result in [Ok(Value::from(true)), Err(error)] {
+            let frame = encode_reply(42, &result);
+            let reply = decode_reply(&frame[4..]).unwrap();
+            assert_eq!(reply, Reply { id: 42, result });
+        }
+    }
+}

@@ -1,0 +1,195 @@
+//! Connections: accepting, bounded reads, frames, replies and flushing.
+
+use super::*;
+
+impl Server {
+    // ---------------------------------------------------------------- connections
+
+    pub(super) fn admit(&mut self, mut stream: Stream, peer: crate::server::connection::Peer) {
+        if self.connections.len() >= self.config.max_connections {
+            tracing::warn!(
+                max_connections = self.config.max_connections,
+                "refusing a connection: --max-connections reached"
+            );
+            return;
+        }
+        let token = self.token();
+        let interest = Interest::READABLE | Interest::WRITABLE;
+        if let Err(error) = self
+            .poll
+            .registry()
+            .register(stream.source(), token, interest)
+        {
+            tracing::warn!(%error, "registering a connection failed");
+            return;
+        }
+        let max_output = (4 * self.config.max_frame_bytes).max(4 << 20);
+        let connection = Connection::new(stream, peer, self.config.max_frame_bytes, max_output);
+        self.connections.insert(token, connection);
+        self.metrics.connections.set(self.connections.len() as i64);
+    }
+
+    pub(super) fn accept_unix(&mut self) {
+        loop {
+            let Some(listener) = &self.unix_listener else {
+                return;
+            };
+            match listener.accept() {
+                Ok((stream, _)) => {
+                    let peer = peer::peer_of(&stream);
+                    self.admit(Stream::Unix(stream), peer);
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept on the Unix socket failed");
+                    return;
+                }
+            }
+        }
+    }
+
+    pub(super) fn accept_tcp(&mut self) {
+        loop {
+            let Some(listener) = &self.tcp_listener else {
+                return;
+            };
+            match listener.accept() {
+                Ok((stream, _)) => {
+                    let _ = stream.set_nodelay(true);
+                    self.admit(
+                        Stream::Tcp(stream),
+                        crate::server::connection::Peer::default(),
+                    );
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept on the TCP socket failed");
+                    return;
+                }
+            }
+        }
+    }
+
+    pub(super) fn close(&mut self, token: Token, why: &str) {
+        if let Some(mut connection) = self.connections.remove(&token) {
+            let _ = self.poll.registry().deregister(connection.stream.source());
+            tracing::debug!(
+                token = token.0,
+                why,
+                "connection closed (not a proof of death)"
+            );
+            self.metrics.connections.set(self.connections.len() as i64);
+        }
+        self.dirty.remove(&token);
+        self.read_again.remove(&token);
+    }
+
+    pub(super) fn read_connection(&mut self, token: Token) {
+        if self.shutdown.is_some() {
+            return;
+        }
+        let mut budget = FRAMES_PER_TURN;
+        loop {
+            budget = budget.saturating_sub(self.process_frames(token, budget));
+            if budget == 0 {
+                // A peer that keeps sending gets its turn again after everyone else's.
+                self.read_again.insert(token);
+                return;
+            }
+            let Some(connection) = self.connections.get_mut(&token) else {
+                return;
+            };
+            if connection.close_after_flush {
+                return;
+            }
+            match connection.read() {
+                Ok(ReadOutcome::WouldBlock) => return,
+                Ok(ReadOutcome::Data | ReadOutcome::Full) => {}
+                Ok(ReadOutcome::Closed) => {
+                    self.process_frames(token, budget);
+                    self.close(token, "peer closed the connection");
+                    return;
+                }
+                Err(error) => {
+                    self.close(token, &format!("read failed: {error}"));
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Handles up to `budget` buffered frames; returns how many it handled.
+    pub(super) fn process_frames(&mut self, token: Token, budget: usize) -> usize {
+        let mut handled = 0;
+        while handled < budget {
+            let max = self.config.max_frame_bytes;
+            let Some(connection) = self.connections.get_mut(&token) else {
+                return handled;
+            };
+            if connection.close_after_flush {
+                return handled;
+            }
+            handled += 1;
+            match connection.next_frame(max) {
+                Ok(None) => return handled - 1,
+                Ok(Some(frame)) => self.handle_frame(token, frame),
+                Err(error) => {
+                    let code = match error {
+                        FrameError::Empty => ErrorCode::BadFrame,
+                        FrameError::TooLarge { .. } => ErrorCode::TooLarge,
+                    };
+                    tracing::warn!(token = token.0, %error, "closing a connection whose framing broke");
+                    let error = ProtocolError::new(code, error.to_string());
+                    self.reply(token, 0, "frame", Err(error));
+                }
+            }
+        }
+        handled
+    }
+
+    pub(super) fn reply(
+        &mut self,
+        token: Token,
+        request_id: u64,
+        op: &str,
+        result: Result<Value, ProtocolError>,
+    ) {
+        if let Err(error) = &result {
+            self.metrics.error(op, error.code.as_str());
+        }
+        let bytes = encode_reply(request_id, &result);
+        let Some(connection) = self.connections.get_mut(&token) else {
+            return; // the peer left; nobody to answer
+        };
+        if let Err(error) = &result
+            && error.code.closes_connection()
+        {
+            connection.close_after_flush = true;
+        }
+        if connection.queue(&bytes) {
+            self.dirty.insert(token);
+        } else {
+            tracing::warn!(
+                token = token.0,
+                "disconnecting a peer that does not read its replies (output buffer full)"
+            );
+            self.close(token, "output buffer full");
+        }
+    }
+
+    pub(super) fn flush_dirty(&mut self) {
+        let dirty: Vec<Token> = self.dirty.drain().collect();
+        for token in dirty {
+            let Some(connection) = self.connections.get_mut(&token) else {
+                continue;
+            };
+            match connection.flush() {
+                Ok(()) if connection.close_after_flush && !connection.has_output() => {
+                    self.close(token, "closed after a fatal frame error");
+                }
+                Ok(()) => {}
+                Err(error) => self.close(token, &format!("write failed: {error}")),
+            }
+        }
+    }
+}

@@ -1,0 +1,224 @@
+//! Pool results and the core's effects: built contexts, frees (with their watchdog),
+//! process exits.
+
+use super::*;
+
+impl Server {
+    // ---------------------------------------------------------------- pool results
+
+    pub(super) fn take_completions(&mut self) {
+        let done = self.pool.completions().drain();
+        for item in done {
+            match item {
+                Done::Built {
+                    ticket,
+                    reply,
+                    result,
+                } => self.on_built(ticket, reply, result),
+                Done::Freed { free_id } => {
+                    if let Some(free) = self.frees.remove(&free_id)
+                        && free.reported
+                    {
+                        tracing::warn!(
+                            instance = %free.instance,
+                            module = free.module.label(),
+                            seconds = free.started.elapsed().as_secs_f64(),
+                            "a free that exceeded the watchdog finished at last"
+                        );
+                    }
+                }
+                Done::Stored {
+                    reply,
+                    slot,
+                    copied,
+                } => {
+                    self.end_job(reply.token);
+                    let result = match copied {
+                        Ok(nbytes) => {
+                            self.l1.commit(slot, nbytes);
+                            Ok(true.into())
+                        }
+                        Err(error) => {
+                            self.l1.abort(slot);
+                            Err(error)
+                        }
+                    };
+                    self.reply(reply.token, reply.request_id, reply.op, result);
+                }
+                Done::Retrieved {
+                    reply,
+                    slot,
+                    copied,
+                } => {
+                    self.end_job(reply.token);
+                    self.l1.unpin(slot);
+                    self.reply(
+                        reply.token,
+                        reply.request_id,
+                        reply.op,
+                        copied.map(Value::from),
+                    );
+                }
+            }
+        }
+    }
+
+    pub(super) fn on_built(
+        &mut self,
+        ticket: BuildTicket,
+        reply: ReplyTo,
+        result: Result<Context, ProtocolError>,
+    ) {
+        self.end_job(reply.token);
+        let now = self.now();
+        let (instance, module) = (ticket.instance(), ticket.module());
+        let answer = match result {
+            Ok(context) => {
+                self.metrics.contexts_built.inc();
+                self.liveness.context_built(now, ticket, Arc::new(context));
+                match self.liveness.entry(instance, module) {
+                    Some(entry) if !entry.building => {
+                        tracing::info!(%instance, module = module.label(), "context built");
+                        Ok(Value::Map(vec![("outcome".into(), "created".into())]))
+                    }
+                    _ => Err(ProtocolError::new(
+                        ErrorCode::NotRegistered,
+                        format!(
+                            "instance {instance} was removed (unregistered, reaped or its process \
+                             exited) while its context was being built; register again"
+                        ),
+                    )),
+                }
+            }
+            Err(error) => {
+                tracing::warn!(%instance, %error, "building a context failed");
+                self.liveness.context_build_failed(now, ticket);
+                Err(error)
+            }
+        };
+        self.forget_if_gone(instance);
+        self.reply(reply.token, reply.request_id, reply.op, answer);
+    }
+
+    // ---------------------------------------------------------------- effects
+
+    pub(super) fn drain_effects(&mut self) {
+        while let Some(effect) = self.liveness.poll_effect() {
+            match effect {
+                Effect::FreeContext {
+                    instance,
+                    module,
+                    context,
+                    cause,
+                } => self.free(instance, module, context, cause),
+                Effect::DropBlendState { instance } => {
+                    // No CacheBlend state is held yet; the records go with the entries.
+                    self.forget_if_gone(instance);
+                }
+                Effect::StallDetected { gap } => {
+                    tracing::warn!(
+                        gap_seconds = gap.as_secs_f64(),
+                        "the server itself was stalled (paused or starved); the gap does not count as any worker's silence"
+                    );
+                }
+                _ => {}
+            }
+        }
+    }
+
+    pub(super) fn free(
+        &mut self,
+        instance: InstanceId,
+        module: Module,
+        context: Arc<Context>,
+        cause: FreeCause,
+    ) {
+        let label = if self.shutdown.is_some() && cause == FreeCause::Unregistered {
+            "shutdown"
+        } else {
+            cause.label()
+        };
+        match cause {
+            FreeCause::Reaped { silence, proven } => tracing::warn!(
+                %instance,
+                module = module.label(),
+                silence_seconds = silence.as_secs_f64(),
+                proven,
+                "reaped: silent longer than its window{}",
+                if proven { " (reap timeout)" } else { " (registration grace; it never pinged)" }
+            ),
+            FreeCause::ProcessExited => tracing::warn!(
+                %instance,
+                module = module.label(),
+                "freed: the kernel proved its process exited"
+            ),
+            FreeCause::Unregistered | FreeCause::Cancelled => {
+                tracing::info!(%instance, module = module.label(), cause = label, "freed");
+            }
+        }
+        self.metrics.free(label);
+        if self.shutdown.is_some() {
+            self.freed_at_shutdown += 1;
+        }
+        self.forget_if_gone(instance);
+        let free_id = self.next_free_id;
+        self.next_free_id += 1;
+        self.frees.insert(
+            free_id,
+            FreeWatch {
+                instance,
+                module,
+                started: std::time::Instant::now(),
+                reported: false,
+            },
+        );
+        self.pool.submit_detached("kvwarden-free", move || {
+            drop(context); // unmaps, unless a transfer still holds it: then when it ends
+            Done::Freed { free_id }
+        });
+    }
+
+    /// Drops the shell's records of an instance's entries that the core no longer holds.
+    pub(super) fn forget_if_gone(&mut self, instance: InstanceId) {
+        let mut any = false;
+        for module in Module::ALL {
+            if self.liveness.entry(instance, module).is_none() {
+                self.records.remove(&(instance, module));
+            } else {
+                any = true;
+            }
+        }
+        if !any {
+            self.watches.forget(self.poll.registry(), instance);
+        }
+    }
+
+    pub(super) fn on_process_exit(&mut self, token: Token) {
+        let Some((pid, instances)) = self.watches.exited(self.poll.registry(), token) else {
+            return;
+        };
+        let now = self.now();
+        for instance in instances {
+            if self.liveness.process_exited(now, instance) {
+                tracing::info!(pid, %instance, "process exited; freeing its entries now");
+            }
+        }
+        self.drain_effects();
+    }
+
+    pub(super) fn check_free_watchdog(&mut self) {
+        let watchdog = self.config.free_watchdog;
+        for free in self.frees.values_mut() {
+            if !free.reported && free.started.elapsed() > watchdog {
+                free.reported = true;
+                self.metrics.frees_hung.inc();
+                tracing::error!(
+                    instance = %free.instance,
+                    module = free.module.label(),
+                    watchdog_seconds = watchdog.as_secs_f64(),
+                    "a context free is still running after the watchdog period; pings and other frees go on"
+                );
+            }
+        }
+    }
+}

@@ -1,0 +1,158 @@
+//! What operators see: the HTTP listener, `/status`, `/metrics`.
+
+use super::*;
+
+impl Server {
+    // ---------------------------------------------------------------- http
+
+    pub(super) fn accept_http(&mut self) {
+        loop {
+            let Some(listener) = &self.http_listener else {
+                return;
+            };
+            match listener.accept() {
+                Ok((mut stream, _)) => {
+                    if self.http_connections.len() >= MAX_HTTP_CONNECTIONS {
+                        continue; // dropped: closed
+                    }
+                    let token = self.token();
+                    let interest = Interest::READABLE | Interest::WRITABLE;
+                    if self
+                        .poll
+                        .registry()
+                        .register(&mut stream, token, interest)
+                        .is_ok()
+                    {
+                        self.http_connections
+                            .insert(token, HttpConnection::new(stream));
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept on the HTTP socket failed");
+                    return;
+                }
+            }
+        }
+    }
+
+    pub(super) fn on_http(&mut self, token: Token) {
+        let Some(connection) = self.http_connections.get_mut(&token) else {
+            return;
+        };
+        let routed = connection.read();
+        let response = match routed {
+            Err(_) => {
+                self.close_http(token);
+                return;
+            }
+            Ok(None) => None,
+            Ok(Some(Route::Status)) => Some(Response {
+                code: 200,
+                reason: "OK",
+                content_type: "application/json",
+                body: serde_json::to_vec_pretty(&self.status_json()).unwrap_or_default(),
+            }),
+            Ok(Some(Route::Metrics)) => {
+                self.refresh_metrics();
+                Some(Response {
+                    code: 200,
+                    reason: "OK",
+                    content_type: "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                    body: self.metrics.encode().into_bytes(),
+                })
+            }
+            Ok(Some(Route::Healthz)) => Some(Response::text(200, "OK", "ok\n")),
+            Ok(Some(Route::Other(response))) => Some(response),
+        };
+        let Some(connection) = self.http_connections.get_mut(&token) else {
+            return;
+        };
+        if let Some(response) = response {
+            connection.answer(&response);
+        }
+        match connection.flush() {
+            Ok(true) | Err(_) => self.close_http(token),
+            Ok(false) => {}
+        }
+    }
+
+    pub(super) fn close_http(&mut self, token: Token) {
+        if let Some(mut connection) = self.http_connections.remove(&token) {
+            let _ = self.poll.registry().deregister(&mut connection.stream);
+        }
+    }
+
+    // ---------------------------------------------------------------- status
+
+    pub(super) fn refresh_metrics(&self) {
+        let status = self.liveness.status();
+        self.metrics
+            .tracked_instances
+            .set(i64::try_from(status.tracked_instances).unwrap_or(i64::MAX));
+        Metrics::mirror(&self.metrics.reaps, status.reaped_total);
+        Metrics::mirror(&self.metrics.process_exits, status.process_exits_total);
+        Metrics::mirror(&self.metrics.stalls, status.stalls_total);
+        self.metrics.l1(self.l1.used_slots(), self.l1.num_slots());
+    }
+
+    pub(super) fn status_json(&self) -> serde_json::Value {
+        let now = self.now();
+        let status = self.liveness.status();
+        let mut instances: Vec<serde_json::Value> = Vec::with_capacity(self.records.len());
+        for ((instance, module), record) in &self.records {
+            let Some(entry) = self.liveness.entry(*instance, *module) else {
+                continue;
+            };
+            instances.push(json!({
+                "instance_id": instance.get(),
+                "module": module.label(),
+                "age_seconds": now.saturating_duration_since(record.registered_at).as_secs_f64(),
+                "silence_seconds": now.saturating_duration_since(entry.last_seen).as_secs_f64(),
+                "proven": entry.proven,
+                "building": entry.building,
+                "owner_uid": record.owner_uid,
+                "watched_pid": self.watches.pid_of(*instance),
+                "model_name": record.model_name,
+            }));
+        }
+        instances.sort_by_key(|item| item["instance_id"].as_u64());
+        let freed = |cause: &str| self.metrics.frees_for(cause);
+        json!({
+            "server": concat!("kvwarden ", env!("CARGO_PKG_VERSION")),
+            "protocol": PROTOCOL_VERSION,
+            "boot_id": self.boot_id,
+            "uptime_seconds": self.clock_origin.elapsed().as_secs_f64(),
+            "worker_liveness": {
+                "enabled": status.enabled,
+                "reap_timeout_seconds": status.reap_timeout.as_secs_f64(),
+                "registration_grace_seconds": status.registration_grace.as_secs_f64(),
+                "resolution_seconds": self.liveness.config().resolution.as_secs_f64(),
+                "tracked_instances": status.tracked_instances,
+                "reaped_total": status.reaped_total,
+                "process_exits_total": status.process_exits_total,
+                "stalls_total": status.stalls_total,
+            },
+            "contexts": {
+                "built_total": self.metrics.contexts_built.get(),
+                "freed_total": {
+                    "unregistered": freed("unregistered"),
+                    "reaped": freed("reaped"),
+                    "process_exited": freed("process_exited"),
+                    "cancelled": freed("cancelled"),
+                    "shutdown": freed("shutdown"),
+                },
+                "frees_in_flight": self.frees.len(),
+                "frees_hung_total": self.metrics.frees_hung.get(),
+            },
+            "l1": {
+                "slot_bytes": self.l1.slot_bytes(),
+                "slots_total": self.l1.num_slots(),
+                "slots_used": self.l1.used_slots(),
+            },
+            "connections": self.connections.len(),
+            "watched_processes": self.watches.len(),
+            "instances": instances,
+        })
+    }
+}

@@ -1,0 +1,462 @@
+//! Requests: ownership, then one core call per op; builds and copies go to the pool.
+
+use super::*;
+
+impl Server {
+    // ---------------------------------------------------------------- requests
+
+    pub(super) fn handle_frame(&mut self, token: Token, frame: Frame) {
+        let request = match decode_request(&frame.body) {
+            Ok(request) => request,
+            Err(error) => {
+                self.metrics.request("invalid");
+                let request_id = error.request_id.unwrap_or(0);
+                self.reply(token, request_id, "invalid", Err(error.error));
+                return;
+            }
+        };
+        let op = request.op.name();
+        self.metrics.request(op);
+        if let Some(result) = self.dispatch(token, request.id, request.op, frame.fds) {
+            self.reply(token, request.id, op, result);
+        }
+    }
+
+    /// Answers now (`Some`) or later, from the pool (`None`).
+    pub(super) fn dispatch(
+        &mut self,
+        token: Token,
+        request_id: u64,
+        op: Op,
+        fds: Vec<rustix::fd::OwnedFd>,
+    ) -> Option<Result<Value, ProtocolError>> {
+        let now = self.now();
+        let peer_uid = self.connections.get(&token)?.peer.uid;
+        if let Some(instance) = op.instance()
+            && let Err(error) = self.check_owner(peer_uid, instance, op.name())
+        {
+            return Some(Err(error));
+        }
+        let name = op.name();
+        let reply = ReplyTo {
+            token,
+            request_id,
+            op: name,
+        };
+        match op {
+            Op::Hello { protocol, client } => {
+                tracing::debug!(protocol, client = %client, "hello");
+                let status = self.liveness.status();
+                Some(Ok(Value::Map(vec![
+                    ("protocol".into(), PROTOCOL_VERSION.into()),
+                    (
+                        "server".into(),
+                        concat!("kvwarden ", env!("CARGO_PKG_VERSION")).into(),
+                    ),
+                    ("boot_id".into(), self.boot_id.into()),
+                    (
+                        "reap_timeout_seconds".into(),
+                        Value::F64(status.reap_timeout.as_secs_f64()),
+                    ),
+                    (
+                        "registration_grace_seconds".into(),
+                        Value::F64(status.registration_grace.as_secs_f64()),
+                    ),
+                ])))
+            }
+            Op::Ping { instance } => {
+                let started = std::time::Instant::now();
+                let tracked = self.liveness.ping(now, instance);
+                self.metrics
+                    .ping_seconds
+                    .observe(started.elapsed().as_secs_f64());
+                Some(Ok(tracked.into()))
+            }
+            Op::RegisterKvCache {
+                instance,
+                buffers,
+                model_name,
+                world_size: _,
+            } => self.register_kv_cache(reply, instance, buffers, model_name, fds),
+            Op::UnregisterKvCache { instance } => {
+                let was = self
+                    .liveness
+                    .unregister(now, instance, Module::ServerDriven);
+                if !was {
+                    tracing::warn!(%instance, "unregister_kv_cache of an instance that is not registered here (unknown or already freed)");
+                }
+                Some(Ok(was.into()))
+            }
+            Op::Store {
+                instance,
+                key,
+                buffer,
+                offset,
+                nbytes,
+            } => self.store(reply, instance, key, buffer, offset, nbytes),
+            Op::Retrieve {
+                instance,
+                key,
+                buffer,
+                offset,
+            } => self.retrieve(reply, instance, key, buffer, offset),
+            Op::Lookup { keys } => Some(Ok(self.l1.lookup_prefix(&keys).into())),
+            Op::RegisterEngineDriven { .. }
+            | Op::UnregisterEngineDriven { .. }
+            | Op::PrepareStore { .. }
+            | Op::CommitStore { .. }
+            | Op::PrepareRetrieve { .. }
+            | Op::CommitRetrieve { .. }
+            | Op::RegisterBlend { .. } => Some(Err(ProtocolError::new(
+                ErrorCode::Unavailable,
+                format!(
+                    "`{name}` is not implemented yet in this version of kvwarden (engine-driven \
+                     transfers and CacheBlend state come in a later release); use \
+                     register_kv_cache with store/retrieve"
+                ),
+            ))),
+            Op::Status => Some(Ok(json_to_msgpack(&self.status_json()))),
+        }
+    }
+
+    /// An instance belongs to the uid that registered it; the server's own uid may act
+    /// on any instance.
+    pub(super) fn check_owner(
+        &self,
+        uid: Option<u32>,
+        instance: InstanceId,
+        op: &str,
+    ) -> Result<(), ProtocolError> {
+        if uid == Some(self.server_uid) {
+            return Ok(());
+        }
+        let owner = Module::ALL
+            .iter()
+            .find_map(|&module| self.records.get(&(instance, module)))
+            .map(|record| record.owner_uid);
+        match owner {
+            Some(owner) if owner != uid => Err(ProtocolError::new(
+                ErrorCode::Forbidden,
+                format!(
+                    "`{op}`: instance {instance} belongs to {}, and this connection is {}; only \
+                     its owner (or the server's own uid {}) may name it",
+                    describe_uid(owner),
+                    describe_uid(uid),
+                    self.server_uid
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    pub(super) fn register_kv_cache(
+        &mut self,
+        reply: ReplyTo,
+        instance: InstanceId,
+        buffers: Vec<BufferSpec>,
+        model_name: String,
+        fds: Vec<rustix::fd::OwnedFd>,
+    ) -> Option<Result<Value, ProtocolError>> {
+        let bad_args = |message: String| Some(Err(ProtocolError::new(ErrorCode::BadArgs, message)));
+        let connection = self.connections.get(&reply.token)?;
+        let is_unix = matches!(connection.stream, Stream::Unix(_));
+        if buffers.len() > MAX_BUFFERS_PER_REGISTRATION {
+            return bad_args(format!(
+                "register_kv_cache: {} buffers; at most {MAX_BUFFERS_PER_REGISTRATION} per registration",
+                buffers.len()
+            ));
+        }
+        let mut with_fds = Vec::with_capacity(buffers.len());
+        for (index, spec) in buffers.into_iter().enumerate() {
+            match &spec {
+                BufferSpec::Memfd { fd_index, .. } => {
+                    if !is_unix {
+                        return bad_args(format!(
+                            "register_kv_cache: buffers[{index}] is a memfd, but memfds travel \
+                             only over the Unix socket (SCM_RIGHTS); this connection is TCP"
+                        ));
+                    }
+                    let fd = usize::try_from(*fd_index).ok().and_then(|i| fds.get(i));
+                    let Some(fd) = fd else {
+                        return bad_args(format!(
+                            "register_kv_cache: buffers[{index}].fd_index {fd_index} names an fd \
+                             this frame did not carry (it carried {}); send the memfds as \
+                             SCM_RIGHTS with the frame's first byte",
+                            fds.len()
+                        ));
+                    };
+                    let fd = match fd.try_clone() {
+                        Ok(fd) => fd,
+                        Err(e) => {
+                            return Some(Err(ProtocolError::new(
+                                ErrorCode::Internal,
+                                format!(
+                                    "register_kv_cache: duplicating buffers[{index}]'s fd failed: {e}"
+                                ),
+                            )));
+                        }
+                    };
+                    with_fds.push((spec, Some(fd)));
+                }
+                BufferSpec::CudaIpc { device, .. } => {
+                    return Some(Err(ProtocolError::new(
+                        ErrorCode::Unavailable,
+                        format!(
+                            "register_kv_cache: buffers[{index}] is a cuda_ipc buffer on device \
+                             {device}, but this server was built without CUDA support yet; \
+                             register memfd buffers, or run a kvwarden built with CUDA"
+                        ),
+                    )));
+                }
+            }
+        }
+        drop(fds);
+        if self.connections.get(&reply.token)?.in_flight >= MAX_IN_FLIGHT_PER_CONNECTION {
+            return Some(Err(overloaded()));
+        }
+        let now = self.now();
+        let peer_uid = self.connections.get(&reply.token)?.peer.uid;
+        self.watch_peer(reply.token, instance);
+        match self.liveness.register(now, instance, Module::ServerDriven) {
+            Registration::Refreshed => {
+                Some(Ok(Value::Map(vec![("outcome".into(), "refreshed".into())])))
+            }
+            Registration::Build(ticket) => {
+                self.records.insert(
+                    (instance, Module::ServerDriven),
+                    Record {
+                        owner_uid: peer_uid,
+                        registered_at: now,
+                        model_name: model_name.clone(),
+                    },
+                );
+                let request = BuildRequest {
+                    buffers: with_fds,
+                    model_name,
+                };
+                self.start_job(reply.token);
+                self.pool.submit(move || Done::Built {
+                    ticket,
+                    reply,
+                    result: context::build(request),
+                });
+                None
+            }
+        }
+    }
+
+    pub(super) fn watch_peer(&mut self, token: Token, instance: InstanceId) {
+        let Some(connection) = self.connections.get(&token) else {
+            return;
+        };
+        let (Some(pid), Some(pidfd)) = (connection.peer.pid, &connection.peer.pidfd) else {
+            return;
+        };
+        let next_token = &mut self.next_token;
+        self.watches
+            .watch(self.poll.registry(), pid, pidfd, instance, || {
+                let token = Token(*next_token);
+                *next_token += 1;
+                token
+            });
+    }
+
+    pub(super) fn start_job(&mut self, token: Token) {
+        self.jobs_in_flight += 1;
+        if let Some(connection) = self.connections.get_mut(&token) {
+            connection.in_flight += 1;
+        }
+    }
+
+    pub(super) fn end_job(&mut self, token: Token) {
+        self.jobs_in_flight = self.jobs_in_flight.saturating_sub(1);
+        if let Some(connection) = self.connections.get_mut(&token) {
+            connection.in_flight = connection.in_flight.saturating_sub(1);
+        }
+    }
+
+    /// The context of a transfer, refreshing the instance's liveness.
+    pub(super) fn transfer_context(
+        &mut self,
+        instance: InstanceId,
+        op: &str,
+    ) -> Result<Arc<Context>, ProtocolError> {
+        let now = self.now();
+        match self.liveness.transfer(now, instance, Module::ServerDriven) {
+            Ok(context) => Ok(Arc::clone(context)),
+            Err(TransferError::NotRegistered) => Err(ProtocolError::new(
+                ErrorCode::NotRegistered,
+                format!(
+                    "`{op}`: instance {instance} is not registered here; re-register it (register_kv_cache) and retry"
+                ),
+            )),
+            Err(TransferError::NotReady) => Err(ProtocolError::new(
+                ErrorCode::NotReady,
+                format!("`{op}`: instance {instance} is still being registered; retry shortly"),
+            )),
+        }
+    }
+
+    /// The mapping of `buffer` in `context`, checked against `[offset, offset + nbytes)`.
+    pub(super) fn checked_buffer(
+        context: &Context,
+        op: &str,
+        instance: InstanceId,
+        buffer: u64,
+        offset: u64,
+        nbytes: u64,
+    ) -> Result<usize, ProtocolError> {
+        let bad = |message: String| Err(ProtocolError::new(ErrorCode::BadArgs, message));
+        let Some(server_driven) = context.server_driven() else {
+            return bad(format!(
+                "`{op}`: instance {instance} holds no server-driven buffers"
+            ));
+        };
+        let count = server_driven.buffers.len();
+        let Some(index) = usize::try_from(buffer).ok().filter(|&i| i < count) else {
+            return bad(format!(
+                "`{op}`: buffer index {buffer}, but instance {instance} registered {count} buffers (valid: 0..{count})"
+            ));
+        };
+        let mapping = server_driven.buffers[index].mapping();
+        if !mapping.contains(offset, nbytes) {
+            return bad(format!(
+                "`{op}`: offset {offset} + nbytes {nbytes} runs past the end of buffer {buffer} ({} bytes)",
+                mapping.len()
+            ));
+        }
+        Ok(index)
+    }
+
+    pub(super) fn store(
+        &mut self,
+        reply: ReplyTo,
+        instance: InstanceId,
+        key: Vec<u8>,
+        buffer: u64,
+        offset: u64,
+        nbytes: u64,
+    ) -> Option<Result<Value, ProtocolError>> {
+        let context = match self.transfer_context(instance, "store") {
+            Ok(context) => context,
+            Err(error) => return Some(Err(error)),
+        };
+        let index = match Self::checked_buffer(&context, "store", instance, buffer, offset, nbytes)
+        {
+            Ok(index) => index,
+            Err(error) => return Some(Err(error)),
+        };
+        let slot_bytes = self.l1.slot_bytes();
+        if nbytes > slot_bytes {
+            return Some(Err(ProtocolError::new(
+                ErrorCode::BadArgs,
+                format!(
+                    "`store`: nbytes {nbytes} is larger than an L1 slot ({slot_bytes} bytes, --slot-bytes); store chunks of at most one slot"
+                ),
+            )));
+        }
+        if self.connections.get(&reply.token)?.in_flight >= MAX_IN_FLIGHT_PER_CONNECTION {
+            return Some(Err(overloaded()));
+        }
+        match self.l1.reserve(&key) {
+            Reservation::AlreadyStored => Some(Ok(true.into())),
+            Reservation::Full => Some(Ok(false.into())),
+            Reservation::Reserved(slot) => {
+                let pool = Arc::clone(self.l1.mapping());
+                let slot_offset = self.l1.offset(slot);
+                self.start_job(reply.token);
+                self.pool.submit(move || {
+                    let copied = context
+                        .server_driven()
+                        .map(|c| c.buffers[index].mapping())
+                        .is_some_and(|src| {
+                            SharedMapping::copy(src, offset, &pool, slot_offset, nbytes)
+                        });
+                    drop(context); // the mapping may go now, if the context was freed meanwhile
+                    Done::Stored {
+                        reply,
+                        slot,
+                        copied: copy_result(copied, nbytes),
+                    }
+                });
+                None
+            }
+        }
+    }
+
+    pub(super) fn retrieve(
+        &mut self,
+        reply: ReplyTo,
+        instance: InstanceId,
+        key: Vec<u8>,
+        buffer: u64,
+        offset: u64,
+    ) -> Option<Result<Value, ProtocolError>> {
+        let context = match self.transfer_context(instance, "retrieve") {
+            Ok(context) => context,
+            Err(error) => return Some(Err(error)),
+        };
+        if let Err(error) = Self::checked_buffer(&context, "retrieve", instance, buffer, offset, 0)
+        {
+            return Some(Err(error));
+        }
+        if self.connections.get(&reply.token)?.in_flight >= MAX_IN_FLIGHT_PER_CONNECTION {
+            return Some(Err(overloaded()));
+        }
+        let Some((slot, nbytes)) = self.l1.pin(&key) else {
+            return Some(Ok(Value::Nil)); // a miss
+        };
+        let index =
+            match Self::checked_buffer(&context, "retrieve", instance, buffer, offset, nbytes) {
+                Ok(index) => index,
+                Err(error) => {
+                    self.l1.unpin(slot);
+                    return Some(Err(error));
+                }
+            };
+        let pool = Arc::clone(self.l1.mapping());
+        let slot_offset = self.l1.offset(slot);
+        self.start_job(reply.token);
+        self.pool.submit(move || {
+            let copied = context
+                .server_driven()
+                .map(|c| c.buffers[index].mapping())
+                .is_some_and(|dst| SharedMapping::copy(&pool, slot_offset, dst, offset, nbytes));
+            drop(context);
+            Done::Retrieved {
+                reply,
+                slot,
+                copied: copy_result(copied, nbytes),
+            }
+        });
+        None
+    }
+}
+
+fn overloaded() -> ProtocolError {
+    ProtocolError::new(
+        ErrorCode::Overloaded,
+        format!(
+            "this connection already has {MAX_IN_FLIGHT_PER_CONNECTION} requests running; wait \
+             for replies before sending more"
+        ),
+    )
+}
+
+fn copy_result(copied: bool, nbytes: u64) -> Result<u64, ProtocolError> {
+    if copied {
+        Ok(nbytes)
+    } else {
+        Err(ProtocolError::new(
+            ErrorCode::Internal,
+            "a copy between a registered buffer and L1 went out of bounds after validation",
+        ))
+    }
+}
+
+fn describe_uid(uid: Option<u32>) -> String {
+    match uid {
+        Some(uid) => format!("uid {uid}"),
+        None => "a TCP peer (no uid)".to_string(),
+    }
+}

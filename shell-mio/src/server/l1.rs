@@ -1,0 +1,233 @@
+//! The L1 store: one anonymous memfd-backed pool of fixed-size slots, keys → slots,
+//! LRU eviction of unpinned committed slots.
+//!
+//! Slot bookkeeping lives on the event loop; the bytes are copied on the context pool.
+//! A slot being written or read is never evicted: writes hold a reservation, reads a pin.
+
+use crate::memfd::{self, SharedMapping};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+/// Index of a slot.
+pub type SlotId = usize;
+
+#[derive(Debug)]
+enum SlotState {
+    Free,
+    /// A store is copying into the slot.
+    Writing {
+        key: Vec<u8>,
+    },
+    /// Holds `len` bytes of `key`; evictable while `pins == 0`.
+    Committed {
+        key: Vec<u8>,
+        len: u64,
+        pins: u32,
+        tick: u64,
+    },
+}
+
+/// The outcome of asking for a slot to store a key.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Reservation {
+    /// The key is already stored (or being stored): nothing to copy.
+    AlreadyStored,
+    /// Copy into this slot, then `commit` (or `abort`).
+    Reserved(SlotId),
+    /// Every slot is pinned or being written.
+    Full,
+}
+
+/// The pool.
+#[derive(Debug)]
+pub struct L1 {
+    mapping: Arc<SharedMapping>,
+    slot_bytes: u64,
+    slots: Vec<SlotState>,
+    index: HashMap<Vec<u8>, SlotId>,
+    free: Vec<SlotId>,
+    /// Evictable committed slots by last use.
+    lru: BTreeMap<u64, SlotId>,
+    tick: u64,
+}
+
+impl L1 {
+    /// A pool of `l1_bytes / slot_bytes` slots in one anonymous memfd.
+    pub fn new(l1_bytes: u64, slot_bytes: u64) -> std::io::Result<L1> {
+        let num_slots = l1_bytes.checked_div(slot_bytes).unwrap_or(0);
+        let used = num_slots * slot_bytes;
+        let fd = memfd::create("kvwarden-l1", used)?;
+        let len = usize::try_from(used).map_err(std::io::Error::other)?;
+        let mapping = Arc::new(SharedMapping::map(&fd, len)?);
+        let num_slots = usize::try_from(num_slots).map_err(std::io::Error::other)?;
+        Ok(L1 {
+            mapping,
+            slot_bytes,
+            slots: (0..num_slots).map(|_| SlotState::Free).collect(),
+            index: HashMap::new(),
+            free: (0..num_slots).rev().collect(),
+            lru: BTreeMap::new(),
+            tick: 0,
+        })
+    }
+
+    /// The pool's mapping (copies run against it off the loop).
+    pub fn mapping(&self) -> &Arc<SharedMapping> {
+        &self.mapping
+    }
+
+    /// Bytes per slot.
+    pub fn slot_bytes(&self) -> u64 {
+        self.slot_bytes
+    }
+
+    /// Slots in the pool.
+    pub fn num_slots(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Slots not free.
+    pub fn used_slots(&self) -> usize {
+        self.slots.len() - self.free.len()
+    }
+
+    /// Byte offset of a slot in the pool.
+    pub fn offset(&self, slot: SlotId) -> u64 {
+        slot as u64 * self.slot_bytes
+    }
+
+    /// A slot to store `key` into, evicting the least recently used unpinned slot if
+    /// needed.
+    pub fn reserve(&mut self, key: &[u8]) -> Reservation {
+        if self.index.contains_key(key) {
+            return Reservation::AlreadyStored;
+        }
+        let slot = match self.free.pop() {
+            Some(slot) => slot,
+            None => match self.lru.pop_first() {
+                Some((_, victim)) => {
+                    if let SlotState::Committed { key, .. } =
+                        std::mem::replace(&mut self.slots[victim], SlotState::Free)
+                    {
+                        self.index.remove(&key);
+                    }
+                    victim
+                }
+                None => return Reservation::Full,
+            },
+        };
+        self.slots[slot] = SlotState::Writing { key: key.to_vec() };
+        self.index.insert(key.to_vec(), slot);
+        Reservation::Reserved(slot)
+    }
+
+    /// The copy into a reserved slot finished: publish `len` bytes.
+    pub fn commit(&mut self, slot: SlotId, len: u64) {
+        let tick = self.next_tick();
+        if let Some(state) = self.slots.get_mut(slot)
+            && let SlotState::Writing { key } = std::mem::replace(state, SlotState::Free)
+        {
+            *state = SlotState::Committed {
+                key,
+                len,
+                pins: 0,
+                tick,
+            };
+            self.lru.insert(tick, slot);
+        }
+    }
+
+    /// The copy into a reserved slot failed: the slot goes back, never published.
+    pub fn abort(&mut self, slot: SlotId) {
+        if let Some(state) = self.slots.get_mut(slot)
+            && let SlotState::Writing { key } = std::mem::replace(state, SlotState::Free)
+        {
+            self.index.remove(&key);
+            self.free.push(slot);
+        }
+    }
+
+    /// Pins the committed slot of `key` for a read: `(slot, len)`, or None on a miss.
+    pub fn pin(&mut self, key: &[u8]) -> Option<(SlotId, u64)> {
+        let slot = *self.index.get(key)?;
+        match &mut self.slots[slot] {
+            SlotState::Committed {
+                len, pins, tick, ..
+            } => {
+                if *pins == 0 {
+                    self.lru.remove(tick);
+                }
+                *pins += 1;
+                Some((slot, *len))
+            }
+            _ => None,
+        }
+    }
+
+    /// A read of a pinned slot finished.
+    pub fn unpin(&mut self, slot: SlotId) {
+        let next = self.next_tick();
+        if let Some(SlotState::Committed { pins, tick, .. }) = self.slots.get_mut(slot)
+            && *pins > 0
+        {
+            *pins -= 1;
+            if *pins == 0 {
+                *tick = next;
+                self.lru.insert(next, slot);
+            }
+        }
+    }
+
+    /// How many leading keys are stored (committed).
+    pub fn lookup_prefix(&self, keys: &[Vec<u8>]) -> u64 {
+        keys.iter()
+            .take_while(|key| {
+                self.index
+                    .get(key.as_slice())
+                    .is_some_and(|&slot| matches!(self.slots[slot], SlotState::Committed { .. }))
+            })
+            .count() as u64
+    }
+
+    fn next_tick(&mut self) -> u64 {
+        self.tick += 1;
+        self.tick
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lru_evicts_unpinned_and_full_when_everything_is_pinned() {
+        let mut l1 = L1::new(2 * 4096, 4096).unwrap();
+        assert_eq!(l1.num_slots(), 2);
+        let Reservation::Reserved(a) = l1.reserve(b"a") else {
+            panic!()
+        };
+        l1.commit(a, 10);
+        assert_eq!(l1.reserve(b"a"), Reservation::AlreadyStored);
+        let Reservation::Reserved(b) = l1.reserve(b"b") else {
+            panic!()
+        };
+        l1.commit(b, 10);
+        assert_eq!(
+            l1.lookup_prefix(&[b"a".to_vec(), b"b".to_vec(), b"c".to_vec()]),
+            2
+        );
+        // Pin b, then a third key evicts a (the only unpinned one).
+        let (pinned, len) = l1.pin(b"b").unwrap();
+        assert_eq!(len, 10);
+        let Reservation::Reserved(c) = l1.reserve(b"c") else {
+            panic!()
+        };
+        assert_eq!(c, a);
+        assert_eq!(l1.lookup_prefix(&[b"a".to_vec()]), 0);
+        // c is being written and b is pinned: full.
+        assert_eq!(l1.reserve(b"d"), Reservation::Full);
+        l1.abort(c);
+        l1.unpin(pinned);
+        assert!(matches!(l1.reserve(b"d"), Reservation::Reserved(_)));
+    }
+}

@@ -1,0 +1,179 @@
+//! Prometheus metrics (`GET /metrics`), exposed with `prometheus-client`.
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+type Labels = Vec<(String, String)>;
+
+/// Every metric the server exports.
+pub struct Metrics {
+    registry: Registry,
+    /// Per-op request counters, looked up without building label sets per request.
+    request_counters: std::collections::HashMap<&'static str, Counter>,
+    /// Requests by op.
+    pub requests: Family<Labels, Counter>,
+    /// Error replies by op and code.
+    pub errors: Family<Labels, Counter>,
+    /// Contexts freed by cause (`reaped`, `process_exited`, `unregistered`, `cancelled`,
+    /// `shutdown`).
+    pub frees: Family<Labels, Counter>,
+    /// Contexts built.
+    pub contexts_built: Counter,
+    /// Frees that exceeded the watchdog.
+    pub frees_hung: Counter,
+    /// Entries the core tracks (set at scrape).
+    pub tracked_instances: Gauge,
+    /// Entries reaped (mirrors the core's counter).
+    pub reaps: Counter,
+    /// Process exits proven (mirrors the core's counter).
+    pub process_exits: Counter,
+    /// Server stalls detected (mirrors the core's counter).
+    pub stalls: Counter,
+    /// Time from a ping's decode to its reply being queued, in seconds.
+    pub ping_seconds: Histogram,
+    /// L1 slots by state (`used`, `total`).
+    pub l1_slots: Family<Labels, Gauge>,
+    /// Open worker connections.
+    pub connections: Gauge,
+}
+
+fn label(key: &str, value: &str) -> Labels {
+    vec![(key.to_string(), value.to_string())]
+}
+
+impl Metrics {
+    /// Registers every metric under the `kvwarden_` prefix.
+    pub fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("kvwarden");
+        let metrics = Metrics {
+            requests: Family::default(),
+            errors: Family::default(),
+            frees: Family::default(),
+            contexts_built: Counter::default(),
+            frees_hung: Counter::default(),
+            tracked_instances: Gauge::default(),
+            reaps: Counter::default(),
+            process_exits: Counter::default(),
+            stalls: Counter::default(),
+            ping_seconds: Histogram::new(exponential_buckets(1e-6, 4.0, 10)),
+            l1_slots: Family::default(),
+            connections: Gauge::default(),
+            registry: Registry::default(),
+            request_counters: std::collections::HashMap::new(),
+        };
+        registry.register("requests", "Requests by op", metrics.requests.clone());
+        registry.register(
+            "errors",
+            "Error replies by op and code",
+            metrics.errors.clone(),
+        );
+        registry.register("frees", "Contexts freed, by cause", metrics.frees.clone());
+        registry.register(
+            "contexts_built",
+            "Contexts built",
+            metrics.contexts_built.clone(),
+        );
+        registry.register(
+            "frees_hung",
+            "Frees still running after --free-watchdog-seconds",
+            metrics.frees_hung.clone(),
+        );
+        registry.register(
+            "tracked_instances",
+            "Entries tracked by the liveness registry (building included)",
+            metrics.tracked_instances.clone(),
+        );
+        registry.register("reaps", "Entries reaped for silence", metrics.reaps.clone());
+        registry.register(
+            "process_exits",
+            "Instances freed because the kernel proved their process exited",
+            metrics.process_exits.clone(),
+        );
+        registry.register(
+            "stalls",
+            "Stalls of the server itself detected",
+            metrics.stalls.clone(),
+        );
+        registry.register(
+            "ping_handling_seconds",
+            "Time to handle a ping on the event loop",
+            metrics.ping_seconds.clone(),
+        );
+        registry.register("l1_slots", "L1 slots by state", metrics.l1_slots.clone());
+        registry.register(
+            "connections",
+            "Open worker connections",
+            metrics.connections.clone(),
+        );
+        Metrics {
+            registry,
+            ..metrics
+        }
+    }
+
+    /// Counts a request.
+    pub fn request(&mut self, op: &'static str) {
+        let requests = &self.requests;
+        self.request_counters
+            .entry(op)
+            .or_insert_with(|| requests.get_or_create(&label("op", op)).clone())
+            .inc();
+    }
+
+    /// Counts an error reply.
+    pub fn error(&self, op: &str, code: &str) {
+        let labels = vec![
+            ("op".to_string(), op.to_string()),
+            ("code".to_string(), code.to_string()),
+        ];
+        self.errors.get_or_create(&labels).inc();
+    }
+
+    /// Counts a free.
+    pub fn free(&self, cause: &str) {
+        self.frees.get_or_create(&label("cause", cause)).inc();
+    }
+
+    /// Frees counted for `cause`.
+    pub fn frees_for(&self, cause: &str) -> u64 {
+        self.frees.get_or_create(&label("cause", cause)).get()
+    }
+
+    /// Sets a mirrored counter to `value` (it only ever grows).
+    pub fn mirror(counter: &Counter, value: u64) {
+        let seen = counter.get();
+        if value > seen {
+            counter.inc_by(value - seen);
+        }
+    }
+
+    /// Sets the L1 gauges.
+    pub fn l1(&self, used: usize, total: usize) {
+        let as_i64 = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+        self.l1_slots
+            .get_or_create(&label("state", "used"))
+            .set(as_i64(used));
+        self.l1_slots
+            .get_or_create(&label("state", "total"))
+            .set(as_i64(total));
+    }
+
+    /// The text exposition.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        if let Err(error) = encode(&mut out, &self.registry) {
+            out = format!("# encoding metrics failed: {error}\n");
+        }
+        out
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Metrics {
+        Metrics::new()
+    }
+}

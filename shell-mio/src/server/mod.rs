@@ -1,0 +1,51 @@
+//! The production server: one mio event loop that owns the liveness core, a context
+//! pool for builds, frees and copies, and the listeners.
+//!
+//! The loop only translates: bytes ↔ messages ([`crate::protocol`]) ↔ core calls ↔
+//! effects ↔ syscalls. Every liveness rule lives in [`kvwarden_core`].
+
+pub mod connection;
+pub mod context;
+mod event_loop;
+pub mod http;
+pub mod l1;
+pub mod listen;
+pub mod metrics;
+pub mod peer;
+pub mod pool;
+pub mod status;
+
+pub use event_loop::{Server, ServerError};
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Everything `kvwarden serve` decides.
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    /// The liveness configuration.
+    pub liveness: kvwarden_core::Config,
+    /// Lift the 30 s floor on the reap timeout (tests and demos only).
+    pub allow_short_timeouts: bool,
+    /// The Unix socket path.
+    pub socket_path: PathBuf,
+    /// Its permission bits.
+    pub socket_mode: u32,
+    /// Optional TCP listener.
+    pub tcp: Option<SocketAddr>,
+    /// Optional HTTP listener.
+    pub http: Option<SocketAddr>,
+    /// Size of the L1 pool.
+    pub l1_bytes: u64,
+    /// Size of one L1 slot.
+    pub slot_bytes: u64,
+    /// The largest frame accepted.
+    pub max_frame_bytes: usize,
+    /// The most worker connections held at once.
+    pub max_connections: usize,
+    /// A free running longer than this is reported.
+    pub free_watchdog: Duration,
+    /// Threads for builds and copies.
+    pub pool_threads: usize,
+}

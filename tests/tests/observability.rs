@@ -1,0 +1,147 @@
+//! What an operator sees: HTTP `/status`, `/metrics`, `/healthz`, `kvwarden status`,
+//! a second server refused on a live socket, and reaping disabled (row 17).
+
+use kvwarden_tests::{PATIENCE, Server, TempDir, Worker, find_instance, freed, kvwarden_bin};
+use rustix::process::Signal;
+use std::io::{Read, Write};
+use std::time::Duration;
+
+fn http_get(server: &Server, path: &str) -> (u16, String) {
+    let mut stream = std::net::TcpStream::connect(server.http.expect("http address")).unwrap();
+    stream.set_read_timeout(Some(PATIENCE)).unwrap();
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: test\r\n\r\n").unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    let code = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_string())
+        .unwrap_or_default();
+    (code, body)
+}
+
+#[test]
+fn http_status_metrics_and_healthz_describe_the_server() {
+    let dir = TempDir::new("http");
+    let server = Server::start(&dir, &[]);
+    let worker = Worker::unix(&server, &[]);
+    server.wait_status("proven", |s| {
+        find_instance(s, worker.instance_id).is_some_and(|i| i["proven"] == true)
+    });
+    let (code, body) = http_get(&server, "/healthz");
+    assert_eq!((code, body.as_str()), (200, "ok\n"));
+    let (code, body) = http_get(&server, "/status");
+    assert_eq!(code, 200);
+    let status: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let live = &status["worker_liveness"];
+    assert_eq!(live["enabled"], true);
+    assert_eq!(live["reap_timeout_seconds"], 2.0);
+    assert_eq!(live["registration_grace_seconds"], 4.0);
+    assert_eq!(live["tracked_instances"], 1);
+    let instance = find_instance(&status, worker.instance_id).expect("the worker listed");
+    for field in [
+        "module",
+        "age_seconds",
+        "silence_seconds",
+        "proven",
+        "owner_uid",
+    ] {
+        assert!(!instance[field].is_null(), "{field} missing: {instance:#}");
+    }
+    let (code, metrics) = http_get(&server, "/metrics");
+    assert_eq!(code, 200);
+    for name in [
+        "kvwarden_tracked_instances 1",
+        "kvwarden_requests_total{op=\"ping\"}",
+        "kvwarden_contexts_built_total 1",
+        "kvwarden_ping_handling_seconds_bucket",
+        "kvwarden_l1_slots",
+        "kvwarden_process_exits_total 0",
+    ] {
+        assert!(metrics.contains(name), "{name} missing:\n{metrics}");
+    }
+    assert_eq!(http_get(&server, "/nope").0, 404);
+}
+
+#[test]
+fn kvwarden_status_prints_a_table_and_json() {
+    let dir = TempDir::new("statuscli");
+    let server = Server::start(&dir, &[]);
+    let worker = Worker::unix(&server, &[]);
+    let socket = server.socket.to_string_lossy().into_owned();
+    let output = std::process::Command::new(kvwarden_bin())
+        .args(["status", "--socket", &socket])
+        .output()
+        .unwrap();
+    assert!(output.status.success());
+    let table = String::from_utf8_lossy(&output.stdout);
+    assert!(table.contains("worker liveness: enabled"), "{table}");
+    assert!(table.contains(&worker.instance_id.to_string()), "{table}");
+    assert!(table.contains("server_driven"), "{table}");
+    let output = std::process::Command::new(kvwarden_bin())
+        .args(["status", "--socket", &socket, "--json"])
+        .output()
+        .unwrap();
+    let json: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert!(find_instance(&json, worker.instance_id).is_some());
+}
+
+#[test]
+fn a_second_server_on_a_live_socket_is_refused() {
+    let dir = TempDir::new("live-socket");
+    let server = Server::start(&dir, &[]);
+    let socket = server.socket.to_string_lossy().into_owned();
+    let output = std::process::Command::new(kvwarden_bin())
+        .args(["serve", "--socket", &socket, "--http", "off"])
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let message = String::from_utf8_lossy(&output.stderr);
+    assert!(message.contains("already listening"), "{message}");
+    // The first server is untouched.
+    assert_eq!(server.status()["worker_liveness"]["tracked_instances"], 0);
+}
+
+#[test]
+fn row_17_reaping_disabled_reaps_nothing_but_process_exit_still_frees() {
+    let dir = TempDir::new("row17");
+    let server = Server::start(
+        &dir,
+        &[
+            "--tcp",
+            "127.0.0.1:0",
+            "--worker-reap-timeout-seconds",
+            "0",
+            "--worker-registration-grace-seconds",
+            "0",
+        ],
+    );
+    assert_eq!(server.status()["worker_liveness"]["enabled"], false);
+    let tcp = server.tcp.expect("tcp").to_string();
+    let invisible = Worker::start(&[
+        "--tcp",
+        &tcp,
+        "--heartbeat-interval-seconds",
+        "0.2",
+        "--buffer-bytes",
+        "0",
+    ]);
+    let visible = Worker::unix(&server, &[]);
+    invisible.signal(Signal::KILL);
+    visible.signal(Signal::KILL);
+    let status = server.wait_status("the visible worker freed by its exit", |s| {
+        find_instance(s, visible.instance_id).is_none()
+    });
+    assert_eq!(freed(&status, "process_exited"), 1);
+    std::thread::sleep(Duration::from_millis(2500)); // past what T = 2 s would have been
+    let status = server.status();
+    assert!(
+        find_instance(&status, invisible.instance_id).is_some(),
+        "{status:#}"
+    );
+    assert_eq!(status["worker_liveness"]["reaped_total"], 0);
+}
