@@ -1,4 +1,5 @@
+//! `kvwarden-sim`: see `docs/simulator.md`.
+
 fn main() {
-    eprintln!("kvwarden-sim: the simulator is not built yet");
-    std::process::exit(2);
+    std::process::exit(kvwarden_sim::cli::main());
 }

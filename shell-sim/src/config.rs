@@ -1,0 +1,273 @@
+//! What one run is made of: the server's settings, the workers, the network, the faults
+//! and when they strike. Built from a scenario file ([`crate::scenario`]) or drawn from a
+//! seed ([`crate::swarm`]); the run itself ([`crate::world`]) only reads it.
+
+use crate::time::{MILLISECOND, Nanos, SECOND};
+use kvwarden_core::Module;
+
+/// Everything one run needs; with the same value the run is the same, bit for bit.
+#[derive(Clone, Debug)]
+pub struct SimConfig {
+    /// Human-readable name (the scenario's `name`, or `swarm seed N`).
+    pub name: String,
+    /// The seed of the run's only random generator.
+    pub seed: u64,
+    /// Virtual time at which the run ends.
+    pub duration: Nanos,
+    /// The simulated server.
+    pub server: ServerSpec,
+    /// One spec per worker slot (`w0`, `w1`, ... in order).
+    pub workers: Vec<WorkerSpec>,
+    /// Faults and operator actions, sorted by time.
+    pub events: Vec<FaultEvent>,
+    /// A deliberate bug in the server model, to prove the invariants catch it.
+    pub bug: Option<InjectedBug>,
+    /// At the end, every live worker must hold exactly one context per module and be
+    /// healthy, and every dead one must hold nothing (the swarm's heal-and-converge phase).
+    pub converge_at_end: bool,
+}
+
+/// The simulated server's liveness settings and how its shell behaves.
+#[derive(Clone, Debug)]
+pub struct ServerSpec {
+    /// T: the reap timeout (0 disables reaping).
+    pub reap_timeout: Nanos,
+    /// G: the registration grace.
+    pub registration_grace: Nanos,
+    /// R: the core's resolution.
+    pub resolution: Nanos,
+    /// The core's stall threshold.
+    pub stall_threshold: Nanos,
+    /// Whether reap timeouts below the production floor of 30 s are accepted.
+    pub allow_short_timeouts: bool,
+    /// A context build takes a time drawn uniformly in this range.
+    pub build_delay: (Nanos, Nanos),
+    /// Probability that a context build fails (the worker is told and retries).
+    pub build_failure_rate: f64,
+    /// How long a server-driven copy holds its context (0: instantaneous). A free
+    /// that arrives meanwhile waits for the copy (row 16).
+    pub copy_duration: Nanos,
+    /// How long after a same-host worker's exit the pidfd notice reaches the server.
+    pub exit_notice_delay: Nanos,
+}
+
+impl Default for ServerSpec {
+    fn default() -> ServerSpec {
+        ServerSpec {
+            reap_timeout: 120 * SECOND,
+            registration_grace: 3600 * SECOND,
+            resolution: SECOND,
+            stall_threshold: 5 * SECOND,
+            allow_short_timeouts: false,
+            build_delay: (10 * MILLISECOND, 10 * MILLISECOND),
+            build_failure_rate: 0.0,
+            copy_duration: 0,
+            exit_notice_delay: MILLISECOND,
+        }
+    }
+}
+
+/// When a worker starts its heartbeat.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum HeartbeatStart {
+    /// As soon as its first registration succeeded.
+    OnRegister,
+    /// Lazily, at its first transfer (the client library's behaviour).
+    OnFirstTransfer,
+    /// Never (a worker that lost its heartbeat thread before it began).
+    Never,
+}
+
+/// One worker slot; a restart puts a new process (fresh id) in the same slot.
+#[derive(Clone, Debug)]
+pub struct WorkerSpec {
+    /// `w0`, `w1`, ...
+    pub name: String,
+    /// When the process starts and registers.
+    pub start_at: Nanos,
+    /// H: the heartbeat interval (also a request's timeout).
+    pub heartbeat_interval: Nanos,
+    /// Whether the server can see the process (same host, Unix socket: pidfd proof).
+    pub same_host: bool,
+    /// Transfers every this often (None: no traffic).
+    pub traffic_every: Option<Nanos>,
+    /// Traffic begins this long after the start (row 6: a worker idle longer than G).
+    pub traffic_start_after: Nanos,
+    /// When the heartbeat starts.
+    pub heartbeat_start: HeartbeatStart,
+    /// The modules it registers in.
+    pub modules: Vec<Module>,
+    /// Whether it registers CacheBlend rope state after its registration.
+    pub blend: bool,
+    /// A pre-liveness client: its pings are `ping []` (row 13).
+    pub legacy_ping: bool,
+    /// An engine-driven transfer's prepare is committed this long later.
+    pub commit_after: Nanos,
+    /// Its link to and from the server.
+    pub link: LinkSpec,
+}
+
+impl WorkerSpec {
+    /// A worker with the client's defaults, named `name`.
+    pub fn new(name: String) -> WorkerSpec {
+        WorkerSpec {
+            name,
+            start_at: 0,
+            heartbeat_interval: 10 * SECOND,
+            same_host: true,
+            traffic_every: None,
+            traffic_start_after: 0,
+            heartbeat_start: HeartbeatStart::OnRegister,
+            modules: vec![Module::ServerDriven],
+            blend: false,
+            legacy_ping: false,
+            commit_after: 50 * MILLISECOND,
+            link: LinkSpec::default(),
+        }
+    }
+}
+
+/// The faults of one direction of a link.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LinkSpec {
+    /// Fixed one-way delay.
+    pub delay: Nanos,
+    /// Extra delay drawn uniformly in `[0, jitter]` per message: it reorders messages.
+    pub jitter: Nanos,
+    /// Probability a message is lost.
+    pub loss: f64,
+    /// Probability a message is delivered twice.
+    pub duplicate: f64,
+}
+
+impl Default for LinkSpec {
+    fn default() -> LinkSpec {
+        LinkSpec {
+            delay: 100_000, // 0.1 ms: a local socket
+            jitter: 0,
+            loss: 0.0,
+            duplicate: 0.0,
+        }
+    }
+}
+
+/// Which direction a partition cuts.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Direction {
+    /// Nothing passes either way.
+    Both,
+    /// The server hears nothing from the worker; the worker still hears replies.
+    ToServer,
+    /// The worker hears nothing from the server.
+    ToWorker,
+}
+
+/// A fault or operator action at a point in virtual time.
+#[derive(Clone, Debug)]
+pub struct FaultEvent {
+    /// When it strikes.
+    pub at: Nanos,
+    /// What happens.
+    pub action: Action,
+}
+
+/// Everything that can happen to a run from outside.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Action {
+    /// SIGKILL: the process is gone; same-host workers leave a pidfd proof.
+    Crash(Vec<usize>),
+    /// SIGSTOP: the process holds still; it has not exited.
+    Freeze(Vec<usize>),
+    /// SIGCONT.
+    Thaw(Vec<usize>),
+    /// Crash, then a new process with a fresh id in the same slot.
+    Restart(Vec<usize>),
+    /// The heartbeat thread stops getting CPU (transfers go on).
+    StarveHeartbeat(Vec<usize>),
+    /// The heartbeat thread runs again.
+    FeedHeartbeat(Vec<usize>),
+    /// Clean shutdown: heartbeat stopped first, then UNREGISTER, then exit.
+    Stop(Vec<usize>),
+    /// A worker sends UNREGISTER for its modules without exiting (row 14).
+    Unregister(Vec<usize>),
+    /// A worker sends REGISTER again for its modules (row 15).
+    Register(Vec<usize>),
+    /// A worker transfers once on each of its modules now (a client using its
+    /// registrations; a `not_registered` answer makes it re-register).
+    Transfer(Vec<usize>),
+    /// Cut the links of these workers.
+    Partition(Vec<usize>, Direction),
+    /// Restore the links of these workers (all faults of the link off).
+    Heal(Vec<usize>),
+    /// Replace the link faults of these workers, both directions.
+    SetLink(Vec<usize>, LinkSpec),
+    /// SIGSTOP of the server process (or a starved loop).
+    ServerPause,
+    /// SIGCONT of the server process.
+    ServerResume,
+    /// The server dies and a new one starts `down` later with nothing.
+    ServerRestart {
+        /// How long no server listens.
+        down: Nanos,
+    },
+    /// Clean shutdown of the server: every context freed once, then it is gone.
+    ServerStop,
+    /// The wall clock steps by this many nanoseconds (negative: backwards); the
+    /// monotonic clock the core reads does not move, and one stale reading is fed to
+    /// the core to prove it never moves state backwards.
+    ClockStep(i64),
+    /// Change the probability that a context build fails.
+    BuildFailureRate(f64),
+    /// End every fault: heal every link, thaw and feed every worker, resume or start
+    /// the server, builds stop failing (the swarm's final phase).
+    HealAll,
+}
+
+/// Deliberate bugs in the server model, to show the invariants catch them.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum InjectedBug {
+    /// The loop never calls `handle_timeout` on its own (only after input).
+    SkipHandleTimeout,
+    /// Every `FreeContext` is carried out twice.
+    DoubleFree,
+    /// `DropBlendState` is ignored.
+    KeepBlendState,
+    /// Pins and reservations are not released when a context is freed.
+    KeepPins,
+    /// After a pause, deadlines are judged before the queued input is read.
+    TimeoutBeforeInput,
+    /// Pings are answered but never reach the core.
+    IgnorePings,
+    /// A panic in the server model (for exit code 127).
+    Panic,
+    /// The loop wakes 2.4 s after `poll_timeout` (still under the stall threshold).
+    LateWake,
+    /// The shell feeds the core the wall clock instead of the monotonic one.
+    WallClock,
+    /// A client re-registers once more after its clean shutdown's UNREGISTER (a
+    /// recovery thread that was not joined).
+    RegisterAfterUnregister,
+    /// A REGISTER that finds its entry still building is answered `refreshed` at once
+    /// (what a shell that does not wait for the pending build does).
+    RefreshWhileBuilding,
+}
+
+impl InjectedBug {
+    /// Every bug with its scenario-file spelling.
+    pub const ALL: [(InjectedBug, &'static str); 11] = [
+        (InjectedBug::SkipHandleTimeout, "skip_handle_timeout"),
+        (InjectedBug::DoubleFree, "double_free"),
+        (InjectedBug::KeepBlendState, "keep_blend_state"),
+        (InjectedBug::KeepPins, "keep_pins"),
+        (InjectedBug::TimeoutBeforeInput, "timeout_before_input"),
+        (InjectedBug::IgnorePings, "ignore_pings"),
+        (InjectedBug::Panic, "panic"),
+        (InjectedBug::LateWake, "late_wake"),
+        (InjectedBug::WallClock, "wall_clock"),
+        (
+            InjectedBug::RegisterAfterUnregister,
+            "register_after_unregister",
+        ),
+        (InjectedBug::RefreshWhileBuilding, "refresh_while_building"),
+    ];
+}

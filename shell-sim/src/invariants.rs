@@ -1,0 +1,607 @@
+//! The invariants, checked at every step of a run; the first violation stops it.
+//!
+//! The server model reports every core call and every effect here, next to what the
+//! core answered. The checker compares the core against the reference model
+//! ([`crate::oracle`]) and keeps the context ledger. Invariants:
+//!
+//! | name | class | what |
+//! |---|---|---|
+//! | `reaped_early` | safety | a reap whose silence (stall-corrected) is ≤ the window |
+//! | `live_worker_reaped` | safety | a reap although a ping or transfer of the entry reached the server's socket within the window |
+//! | `reaped_while_disabled` | safety | a reap with T = 0 |
+//! | `double_free` | safety | a context freed twice, or used after its free |
+//! | `two_contexts` | safety | one (instance, module) holding two live contexts |
+//! | `ghost_context` | safety | an entry created for an instance after its clean shutdown's UNREGISTER |
+//! | `blend_without_entry` | safety | blend state of an instance with no entry |
+//! | `pin_of_freed_instance` | safety | a pin or reservation owned by a freed context |
+//! | `free_during_copy` | safety | a context released while a copy still uses it |
+//! | `reap_late` | liveness | an entry still present more than R past its deadline (C5) |
+//! | `spurious_stall` | liveness | a gap > stall threshold the server was not paused for: the loop slept past `poll_timeout`, hiding silence |
+//! | `leak_at_end`, `not_converged` | liveness | end-of-run checks (see [`crate::world`]) |
+//! | `core_diverged` | internal | the core answered other than the reference model |
+
+use crate::oracle::{CorrectedClock, GapKind, Key, Shadow};
+use crate::time::{Nanos, as_seconds, nanos_of};
+use crate::violation::{Class, Violation};
+use kvwarden_core::{FreeCause, InstanceId, Module, TransferError};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Where a context is in its life.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum ContextState {
+    /// Handed to the core.
+    Live,
+    /// The core gave it back; its release waits for a copy in flight.
+    Freeing,
+    /// Released.
+    Freed,
+}
+
+/// One context ever built.
+#[derive(Copy, Clone, Debug)]
+pub struct ContextRecord {
+    /// Owner.
+    pub instance: InstanceId,
+    /// Module.
+    pub module: Module,
+    /// State.
+    pub state: ContextState,
+}
+
+/// What the server shell holds that must follow the registry (for the per-step checks).
+pub struct ShellView<'a> {
+    /// Instances with blend state.
+    pub blend: &'a BTreeSet<InstanceId>,
+    /// Contexts with pins or reservations.
+    pub holds: &'a BTreeMap<u64, u32>,
+}
+
+/// The checker of one run.
+#[derive(Debug)]
+pub struct Checker {
+    resolution: Nanos,
+    clock: CorrectedClock,
+    shadow: Shadow,
+    /// Every context ever built, by id.
+    pub contexts: Vec<ContextRecord>,
+    live_per_key: BTreeMap<Key, u32>,
+    ping_arrivals: BTreeMap<InstanceId, Nanos>,
+    module_arrivals: BTreeMap<Key, Nanos>,
+    cleanly_gone: BTreeSet<InstanceId>,
+    touched_keys: Vec<Key>,
+    touched_instances: Vec<InstanceId>,
+    released_now: Vec<u64>,
+    expected_stall: Option<Nanos>,
+    /// The first violation.
+    pub violation: Option<Violation>,
+    now: Nanos,
+}
+
+impl Checker {
+    /// A checker for a server booted at `now` with these settings.
+    pub fn new(
+        now: Nanos,
+        reap_timeout: Nanos,
+        registration_grace: Nanos,
+        resolution: Nanos,
+        stall_threshold: Nanos,
+    ) -> Checker {
+        Checker {
+            resolution,
+            clock: CorrectedClock::new(now, stall_threshold),
+            shadow: Shadow::new(reap_timeout, registration_grace),
+            contexts: Vec::new(),
+            live_per_key: BTreeMap::new(),
+            ping_arrivals: BTreeMap::new(),
+            module_arrivals: BTreeMap::new(),
+            cleanly_gone: BTreeSet::new(),
+            touched_keys: Vec::new(),
+            touched_instances: Vec::new(),
+            released_now: Vec::new(),
+            expected_stall: None,
+            violation: None,
+            now,
+        }
+    }
+
+    /// Records the first violation; later ones are consequences and are dropped.
+    pub fn fail(&mut self, class: Class, invariant: &'static str, detail: String) {
+        if self.violation.is_none() {
+            self.violation = Some(Violation {
+                class,
+                invariant,
+                at: self.now,
+                detail,
+            });
+        }
+    }
+
+    /// The reference registry (read-only).
+    pub fn shadow(&self) -> &Shadow {
+        &self.shadow
+    }
+
+    /// Live contexts of `instance`, over modules.
+    pub fn live_contexts(&self, instance: InstanceId) -> u32 {
+        Module::ALL
+            .iter()
+            .map(|&m| self.live_per_key.get(&(instance, m)).copied().unwrap_or(0))
+            .sum()
+    }
+
+    /// Live contexts of one key.
+    pub fn live_contexts_of(&self, key: Key) -> u32 {
+        self.live_per_key.get(&key).copied().unwrap_or(0)
+    }
+
+    /// Live contexts in total.
+    pub fn live_total(&self) -> u64 {
+        self.live_per_key.values().map(|&n| u64::from(n)).sum()
+    }
+
+    // ----- the server process -----
+
+    /// The server process was paused (the next gap is a real stall).
+    pub fn server_paused(&mut self, now: Nanos) {
+        self.clock.paused(now);
+    }
+
+    /// The server process died: its contexts died with it (the OS reclaims them), and a
+    /// new server starts from nothing at `now`.
+    pub fn server_restarted(&mut self, now: Nanos) {
+        self.now = now;
+        for record in &mut self.contexts {
+            record.state = ContextState::Freed;
+        }
+        self.live_per_key.clear();
+        let threshold = self.clock.threshold();
+        self.clock = CorrectedClock::new(now, threshold);
+        self.shadow = Shadow::new(self.shadow.reap_timeout, self.shadow.registration_grace);
+        self.ping_arrivals.clear();
+        self.module_arrivals.clear();
+        self.expected_stall = None;
+    }
+
+    /// A request from `instance` reached the server's socket (evidence, whether or not
+    /// the server has read it yet). `module` is None for a ping.
+    pub fn arrived(&mut self, now: Nanos, instance: InstanceId, module: Option<Module>) {
+        match module {
+            None => {
+                self.ping_arrivals.insert(instance, now);
+            }
+            Some(module) => {
+                self.module_arrivals.insert((instance, module), now);
+            }
+        }
+    }
+
+    // ----- core calls, with the core's answers -----
+
+    /// Every core call starts here: the corrected clock sees the input.
+    fn input(&mut self, now: Nanos) -> Nanos {
+        self.now = now;
+        match self.clock.observe(now) {
+            GapKind::None => {}
+            GapKind::Stall(gap) => self.expected_stall = Some(gap),
+            GapKind::Spurious(gap) => self.fail(
+                Class::Liveness,
+                "spurious_stall",
+                format!(
+                    "the core saw no input for {:.3}s although the server was never paused: \
+                     the loop slept past poll_timeout, and the core credits the gap as a \
+                     stall, hiding that much silence of every worker",
+                    as_seconds(gap)
+                ),
+            ),
+        }
+        self.clock.now(now)
+    }
+
+    /// `handle_timeout(now)` was called.
+    pub fn handle_timeout(&mut self, now: Nanos) {
+        self.input(now);
+    }
+
+    /// `ping(now, Some(instance))` answered `tracked`.
+    pub fn ping(&mut self, now: Nanos, instance: InstanceId, tracked: bool) {
+        let now_c = self.input(now);
+        let mut expected = false;
+        for module in Module::ALL {
+            expected |= self.shadow.touch((instance, module), now_c, true);
+        }
+        if expected != tracked {
+            self.diverged(format!(
+                "ping({instance}) answered {tracked}, the reference model holds {expected}"
+            ));
+        }
+    }
+
+    /// `register` answered `Build` (with the server's build serial) or `Refreshed`.
+    pub fn register(&mut self, now: Nanos, key: Key, build: Option<u64>) {
+        let now_c = self.input(now);
+        let present = self.shadow.get(key).is_some();
+        match build {
+            Some(serial) => {
+                if present {
+                    self.diverged(format!(
+                        "register{key:?} built although the entry is present"
+                    ));
+                }
+                if self.cleanly_gone.contains(&key.0) {
+                    self.fail(
+                        Class::Safety,
+                        "ghost_context",
+                        format!(
+                            "instance {} shut down cleanly (its UNREGISTER was processed), \
+                             yet a REGISTER created a new entry in {}",
+                            key.0,
+                            key.1.label()
+                        ),
+                    );
+                }
+                self.shadow.put(key, now_c, false, Some(serial));
+            }
+            None => {
+                if !present {
+                    self.diverged(format!("register{key:?} refreshed an absent entry"));
+                }
+                self.shadow.touch(key, now_c, false);
+            }
+        }
+    }
+
+    /// `context_built` for build `serial`; the context got id `context`.
+    pub fn context_built(&mut self, now: Nanos, key: Key, serial: u64, context: u64) {
+        let now_c = self.input(now);
+        self.contexts.push(ContextRecord {
+            instance: key.0,
+            module: key.1,
+            state: ContextState::Live,
+        });
+        debug_assert_eq!(self.contexts.len() as u64 - 1, context);
+        *self.live_per_key.entry(key).or_default() += 1;
+        self.touched_keys.push(key);
+        if let Some(entry) = self.shadow.get(key).copied()
+            && entry.building == Some(serial)
+        {
+            self.shadow.put(key, now_c, entry.proven, None);
+        }
+        // Otherwise the core must hand the context straight back as Cancelled.
+    }
+
+    /// `context_build_failed` for build `serial`.
+    pub fn build_failed(&mut self, now: Nanos, key: Key, serial: u64) {
+        self.input(now);
+        if self
+            .shadow
+            .get(key)
+            .is_some_and(|e| e.building == Some(serial))
+        {
+            self.shadow.remove(key);
+            self.touched_instances.push(key.0);
+        }
+    }
+
+    /// `unregister` answered `was`; `clean_shutdown` when the worker is exiting.
+    pub fn unregister(&mut self, now: Nanos, key: Key, was: bool, clean_shutdown: bool) {
+        self.input(now);
+        let expected = self.shadow.remove(key).is_some();
+        if expected != was {
+            self.diverged(format!(
+                "unregister{key:?} answered {was}, the reference model held {expected}"
+            ));
+        }
+        if clean_shutdown {
+            self.cleanly_gone.insert(key.0);
+        }
+        self.touched_instances.push(key.0);
+    }
+
+    /// `transfer` answered `result`; `context` is the id it returned.
+    pub fn transfer(&mut self, now: Nanos, key: Key, result: Result<u64, TransferError>) {
+        let now_c = self.input(now);
+        let expected = match self.shadow.get(key) {
+            None => Err(TransferError::NotRegistered),
+            Some(entry) if entry.building.is_some() => Err(TransferError::NotReady),
+            Some(_) => Ok(()),
+        };
+        self.shadow.touch(key, now_c, false);
+        if expected != result.map(|_| ()) {
+            self.diverged(format!(
+                "transfer{key:?} answered {result:?}, the reference model expected {expected:?}"
+            ));
+        }
+        if let Ok(context) = result {
+            let state = self.contexts.get(context as usize).map(|r| r.state);
+            if state != Some(ContextState::Live) {
+                self.fail(
+                    Class::Safety,
+                    "double_free",
+                    format!("transfer{key:?} was handed context {context}, which is {state:?}"),
+                );
+            }
+        }
+    }
+
+    /// `process_exited` answered `held`.
+    pub fn process_exited(&mut self, now: Nanos, instance: InstanceId, held: bool) {
+        self.input(now);
+        let mut expected = false;
+        for module in Module::ALL {
+            expected |= self.shadow.remove((instance, module)).is_some();
+        }
+        if expected != held {
+            self.diverged(format!(
+                "process_exited({instance}) answered {held}, the reference model held {expected}"
+            ));
+        }
+        self.touched_instances.push(instance);
+    }
+
+    // ----- effects -----
+
+    /// `FreeContext` for context `context` of `key` with `cause`: the core gave it back.
+    pub fn free_requested(&mut self, key: Key, context: u64, cause: FreeCause) {
+        let record = self.contexts.get_mut(context as usize);
+        match record {
+            Some(record) if record.state == ContextState::Live => {
+                record.state = ContextState::Freeing;
+                if let Some(n) = self.live_per_key.get_mut(&key) {
+                    *n -= 1;
+                    if *n == 0 {
+                        self.live_per_key.remove(&key);
+                    }
+                }
+            }
+            other => {
+                let state = other.map(|r| r.state);
+                self.fail(
+                    Class::Safety,
+                    "double_free",
+                    format!(
+                        "the core freed context {context} of {key:?} (cause {}) but it is {state:?}",
+                        cause.label()
+                    ),
+                );
+                return;
+            }
+        }
+        self.touched_instances.push(key.0);
+        if let FreeCause::Reaped { silence, proven } = cause {
+            self.judge_reap(key, Some((nanos_of(silence), proven)));
+        }
+    }
+
+    /// The shell released context `context` (closed mappings, discarded reservations).
+    pub fn released(&mut self, context: u64) {
+        match self.contexts.get_mut(context as usize) {
+            Some(record) if record.state == ContextState::Freeing => {
+                record.state = ContextState::Freed;
+                self.released_now.push(context);
+            }
+            other => {
+                let state = other.map(|r| r.state);
+                self.fail(
+                    Class::Safety,
+                    "double_free",
+                    format!("context {context} released while {state:?}: freed more than once"),
+                );
+            }
+        }
+    }
+
+    /// A copy started on context `context`, or a release found copies still running.
+    pub fn copy_conflict(&mut self, context: u64) {
+        self.fail(
+            Class::Safety,
+            "free_during_copy",
+            format!("context {context} was released while a copy still used it"),
+        );
+    }
+
+    /// `handle_timeout` reaped `count` more entries than it returned contexts for: those
+    /// were still building. `still_present` tells which keys the core still holds.
+    pub fn reaped_while_building(&mut self, count: u64, still_present: impl Fn(Key) -> bool) {
+        let mut found = 0;
+        for key in self.shadow.building_keys() {
+            if !still_present(key) {
+                found += 1;
+                self.touched_instances.push(key.0);
+                self.judge_reap(key, None);
+            }
+        }
+        if found != count {
+            self.diverged(format!(
+                "the core's reap counter rose by {count} for building entries, the reference \
+                 model found {found} gone"
+            ));
+        }
+    }
+
+    /// `StallDetected { gap }`.
+    pub fn stall_reported(&mut self, gap: Nanos) {
+        if self.expected_stall.take() != Some(gap) {
+            self.diverged(format!(
+                "the core reported a stall of {:.6}s the reference clock did not credit",
+                as_seconds(gap)
+            ));
+        }
+    }
+
+    fn judge_reap(&mut self, key: Key, reported: Option<(Nanos, bool)>) {
+        let Some(entry) = self.shadow.remove(key) else {
+            self.diverged(format!(
+                "the core reaped {key:?}, which the reference model does not hold"
+            ));
+            return;
+        };
+        let now_c = self.clock.now(self.now);
+        let window = self.shadow.window(&entry);
+        let silence = now_c.saturating_sub(entry.last_seen);
+        let (instance, module) = key;
+        if self.shadow.reap_timeout == 0 {
+            self.fail(
+                Class::Safety,
+                "reaped_while_disabled",
+                format!(
+                    "instance {instance} ({}) reaped with reaping disabled",
+                    module.label()
+                ),
+            );
+            return;
+        }
+        if silence <= window {
+            self.fail(
+                Class::Safety,
+                "reaped_early",
+                format!(
+                    "instance {instance} ({}) reaped after {:.6}s of stall-corrected silence, \
+                     not more than its window of {:.3}s (proven: {})",
+                    module.label(),
+                    as_seconds(silence),
+                    as_seconds(window),
+                    entry.proven
+                ),
+            );
+            return;
+        }
+        let evidence = [
+            self.ping_arrivals.get(&instance).copied(),
+            self.module_arrivals.get(&key).copied(),
+        ]
+        .into_iter()
+        .flatten()
+        .max();
+        if let Some(arrived) = evidence {
+            let evidence_silence = now_c.saturating_sub(self.clock.at(arrived));
+            if evidence_silence <= window {
+                self.fail(
+                    Class::Safety,
+                    "live_worker_reaped",
+                    format!(
+                        "instance {instance} ({}) reaped although its last ping or transfer \
+                         reached the server at t={:.6}s, {:.6}s (stall-corrected) before, \
+                         within its window of {:.3}s",
+                        module.label(),
+                        as_seconds(arrived),
+                        as_seconds(evidence_silence),
+                        as_seconds(window)
+                    ),
+                );
+                return;
+            }
+        }
+        // A pause too short to count as a stall still kept the loop from reaping.
+        let lateness = silence - window;
+        let excused = self
+            .clock
+            .short_pause_within(self.now.saturating_sub(lateness), self.now);
+        if lateness > self.resolution + excused {
+            self.fail(
+                Class::Liveness,
+                "reap_late",
+                format!(
+                    "instance {instance} ({}) reaped {:.6}s past its deadline; target C5 allows \
+                     at most the resolution {:.3}s",
+                    module.label(),
+                    as_seconds(lateness),
+                    as_seconds(self.resolution)
+                ),
+            );
+        }
+        if let Some((reported_silence, reported_proven)) = reported
+            && (reported_silence != silence || reported_proven != entry.proven)
+        {
+            self.diverged(format!(
+                "reap of {key:?} reported silence {:.9}s proven {reported_proven}, the \
+                 reference model has {:.9}s proven {}",
+                as_seconds(reported_silence),
+                as_seconds(silence),
+                entry.proven
+            ));
+        }
+    }
+
+    fn diverged(&mut self, detail: String) {
+        self.fail(Class::Internal, "core_diverged", detail);
+    }
+
+    // ----- per-step checks -----
+
+    /// After the server drained every effect: the per-step invariants on what the step
+    /// touched.
+    pub fn end_step(&mut self, shell: &ShellView<'_>) {
+        for key in std::mem::take(&mut self.touched_keys) {
+            let live = self.live_contexts_of(key);
+            if live > 1 {
+                self.fail(
+                    Class::Safety,
+                    "two_contexts",
+                    format!(
+                        "instance {} holds {live} live contexts in {}",
+                        key.0,
+                        key.1.label()
+                    ),
+                );
+            }
+        }
+        for instance in std::mem::take(&mut self.touched_instances) {
+            if shell.blend.contains(&instance) && !self.shadow.holds(instance) {
+                self.fail(
+                    Class::Safety,
+                    "blend_without_entry",
+                    format!("instance {instance} has blend state but no entry in any module"),
+                );
+            }
+        }
+        for context in std::mem::take(&mut self.released_now) {
+            if let Some(&count) = shell.holds.get(&context) {
+                self.fail(
+                    Class::Safety,
+                    "pin_of_freed_instance",
+                    format!(
+                        "context {context} was freed but {count} pins or reservations of it \
+                         remain"
+                    ),
+                );
+            }
+        }
+    }
+
+    /// Between steps, while the server runs: no entry may outlive its deadline by more
+    /// than R (target C5), judged on the corrected clock.
+    pub fn check_overdue(&mut self, now: Nanos) {
+        if self.violation.is_some() {
+            return;
+        }
+        let now_c = self.clock.now(now);
+        if let Some((deadline, (instance, module))) = self.shadow.earliest_deadline()
+            && deadline + self.resolution < now_c
+        {
+            self.now = now;
+            self.fail(
+                Class::Liveness,
+                "reap_late",
+                format!(
+                    "instance {instance} ({}) is still held {:.6}s (stall-corrected) past its \
+                     reap deadline; target C5 allows at most the resolution {:.3}s",
+                    module.label(),
+                    as_seconds(now_c - deadline),
+                    as_seconds(self.resolution)
+                ),
+            );
+        }
+    }
+}
+
+impl Checker {
+    /// `now` on the reference corrected clock.
+    pub fn corrected_now(&self, now: Nanos) -> Nanos {
+        self.clock.now(now)
+    }
+
+    /// A past instant on the reference corrected clock.
+    pub fn corrected_at(&self, instant: Nanos) -> Nanos {
+        self.clock.at(instant)
+    }
+}

@@ -1,0 +1,32 @@
+//! kvwarden-sim: the deterministic simulator of kvwarden.
+//!
+//! It drives the real `kvwarden-core` (the server's [`kvwarden_core::Liveness`] and one
+//! [`kvwarden_core::Heartbeat`] per worker) in virtual time, with a simulated network
+//! and faults, and checks the invariants of `failure-modes.md` at every step. Every
+//! random choice comes from one seeded generator ([`rng::Rng`]), so a seed replays bit
+//! for bit.
+//!
+//! - [`config`]: what a run is made of; [`scenario`] reads it from TOML files,
+//!   [`swarm`] draws it from a seed.
+//! - [`world`]: the run itself; [`worker`], [`server`], [`network`], [`event`]: its parts.
+//! - [`invariants`] and [`oracle`]: what must hold, judged against a reference model.
+//! - [`expect`]: a scenario's expectations.
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod cli;
+pub mod config;
+pub mod event;
+pub mod expect;
+pub mod invariants;
+pub mod message;
+pub mod network;
+pub mod oracle;
+pub mod rng;
+pub mod scenario;
+pub mod server;
+pub mod swarm;
+pub mod time;
+pub mod violation;
+pub mod worker;
+pub mod world;

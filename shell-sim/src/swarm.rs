@@ -1,0 +1,257 @@
+//! Swarms: each seed draws its own fault profile, runs it, heals everything and checks
+//! that the system converged.
+//!
+//! A seed's profile is a pure function of the seed ([`draw`]), so `SEED=<n>` replays a
+//! failure bit for bit. The phases: workers start; faults strike until `heal_at`; at
+//! `heal_at` every fault ends (`HealAll`); the run then lasts long enough for every dead
+//! worker's state to be reaped (G + R) and every live worker to recover, and ends with
+//! the convergence check.
+
+use crate::config::{
+    Action, Direction, FaultEvent, HeartbeatStart, LinkSpec, ServerSpec, SimConfig, WorkerSpec,
+};
+use crate::rng::Rng;
+use crate::time::{MILLISECOND, SECOND, as_seconds};
+use kvwarden_core::Module;
+use std::fmt::Write as _;
+
+/// Draws the profile of `seed`: a short run with few workers and random faults.
+pub fn draw(seed: u64) -> SimConfig {
+    let mut rng = Rng::new(seed);
+    let reap_timeout = rng.pick(&[30, 45, 60]) * SECOND;
+    let resolution = rng.pick(&[250, 500, 1000]) * MILLISECOND;
+    let registration_grace = reap_timeout * rng.between(1, 3);
+    let build_delay_low = rng.between(1, 50) * MILLISECOND;
+    let server = ServerSpec {
+        reap_timeout,
+        registration_grace,
+        resolution,
+        stall_threshold: 5 * SECOND,
+        allow_short_timeouts: false,
+        build_delay: (
+            build_delay_low,
+            build_delay_low + rng.between(0, 450) * MILLISECOND,
+        ),
+        build_failure_rate: if rng.chance(0.5) {
+            0.0
+        } else {
+            rng.unit() * 0.2
+        },
+        copy_duration: if rng.chance(0.7) {
+            0
+        } else {
+            rng.between(10, 2000) * MILLISECOND
+        },
+        exit_notice_delay: rng.between(1, 50) * MILLISECOND,
+    };
+    let count = rng.between(1, 6) as usize;
+    let mut workers = Vec::with_capacity(count);
+    let mut longest_interval = 0;
+    for slot in 0..count {
+        let mut spec = WorkerSpec::new(format!("w{slot}"));
+        spec.start_at = rng.between(0, 5000) * MILLISECOND;
+        spec.heartbeat_interval = rng.pick(&[2, 5, 10]) * SECOND;
+        longest_interval = longest_interval.max(spec.heartbeat_interval);
+        spec.same_host = rng.chance(0.5);
+        if rng.chance(0.5) {
+            spec.traffic_every =
+                Some(rng.between(500, 2 * spec.heartbeat_interval / MILLISECOND) * MILLISECOND);
+            spec.heartbeat_start = match rng.between(0, 9) {
+                0..=5 => HeartbeatStart::OnRegister,
+                6..=8 => HeartbeatStart::OnFirstTransfer,
+                // Transfers alone keep it registered (unproven, window G).
+                _ => HeartbeatStart::Never,
+            };
+        }
+        // A pre-liveness client now and then: loud, never healthy, never converges,
+        // but every invariant still holds around it.
+        spec.legacy_ping = rng.chance(0.03);
+        spec.modules = match rng.between(0, 9) {
+            0..=6 => vec![Module::ServerDriven],
+            7 | 8 => vec![Module::ServerDriven, Module::EngineDriven],
+            _ => vec![Module::EngineDriven],
+        };
+        spec.blend = rng.chance(0.3);
+        spec.commit_after = rng.between(1, 500) * MILLISECOND;
+        spec.link = LinkSpec {
+            delay: rng.between(100, 20_000) * 1000,
+            // Keep the worst delay under H / 2: a clean shutdown drains for H.
+            jitter: rng.between(
+                0,
+                (spec.heartbeat_interval / 4).min(100 * MILLISECOND) / 1000,
+            ) * 1000,
+            loss: if rng.chance(0.5) {
+                0.0
+            } else {
+                rng.unit() * 0.1
+            },
+            duplicate: if rng.chance(0.7) {
+                0.0
+            } else {
+                rng.unit() * 0.05
+            },
+        };
+        workers.push(spec);
+    }
+    let fault_end = reap_timeout * rng.between(2, 6);
+    let longest_fault = 2 * reap_timeout;
+    let mut events = Vec::new();
+    let faults = rng.between(0, 10);
+    for _ in 0..faults {
+        let at = rng.between(5 * SECOND / MILLISECOND, fault_end / MILLISECOND) * MILLISECOND;
+        let slot = rng.between(0, count as u64 - 1) as usize;
+        let lasting = rng.between(SECOND / MILLISECOND, longest_fault / MILLISECOND) * MILLISECOND;
+        let (action, undo) = match rng.between(0, 12) {
+            0 => (Action::Crash(vec![slot]), None),
+            1 => (Action::Restart(vec![slot]), None),
+            2 => (Action::Freeze(vec![slot]), Some(Action::Thaw(vec![slot]))),
+            3 => (
+                Action::StarveHeartbeat(vec![slot]),
+                Some(Action::FeedHeartbeat(vec![slot])),
+            ),
+            4 => (Action::Stop(vec![slot]), None),
+            5 | 6 => {
+                let direction =
+                    rng.pick(&[Direction::Both, Direction::ToServer, Direction::ToWorker]);
+                (
+                    Action::Partition(vec![slot], direction),
+                    Some(Action::Heal(vec![slot])),
+                )
+            }
+            7 => (Action::ServerPause, Some(Action::ServerResume)),
+            8 => (
+                Action::ServerRestart {
+                    down: rng.between(0, 10_000) * MILLISECOND,
+                },
+                None,
+            ),
+            9 => {
+                let step = rng.between(1, 7200) as i64 * SECOND as i64;
+                (
+                    Action::ClockStep(if rng.chance(0.5) { step } else { -step }),
+                    None,
+                )
+            }
+            // An operator UNREGISTER without exit is row 14's scenario, not drawn here:
+            // a worker that unregistered on purpose knows it, and a lost half of it
+            // is not something the protocol promises to repair.
+            10 | 11 => (Action::Register(vec![slot]), None),
+            _ => {
+                let mut link = workers[slot].link.clone();
+                link.loss = rng.unit() * 0.5;
+                (Action::SetLink(vec![slot], link), None)
+            }
+        };
+        events.push(FaultEvent { at, action });
+        if let Some(undo) = undo {
+            events.push(FaultEvent {
+                at: at + lasting,
+                action: undo,
+            });
+        }
+    }
+    let heal_at = fault_end + longest_fault + SECOND;
+    events.push(FaultEvent {
+        at: heal_at,
+        action: Action::HealAll,
+    });
+    let settle = registration_grace + 2 * reap_timeout + 6 * longest_interval + 10 * SECOND;
+    // Before the end every worker uses each of its registrations once, as a client
+    // does: a module lost while another stayed tracked (a ping answers true if any
+    // module is tracked) is found by its `not_registered` and re-registered. Without
+    // this probe such a worker would hold nothing in that module until its next use.
+    events.push(FaultEvent {
+        at: heal_at + settle - 2 * longest_interval - 5 * SECOND,
+        action: Action::Transfer((0..count).collect()),
+    });
+    events.sort_by_key(|e| e.at);
+    SimConfig {
+        name: format!("swarm seed {seed}"),
+        seed: rng.next_u64(),
+        duration: heal_at + settle,
+        server,
+        workers,
+        events,
+        bug: None,
+        converge_at_end: true,
+    }
+}
+
+/// The drawn parameters of a profile, for the failure report.
+pub fn describe(cfg: &SimConfig) -> String {
+    let s = &cfg.server;
+    let mut text = format!(
+        "  run seed {}, duration {:.1}s\n  server: T={:.1}s G={:.1}s R={:.3}s stall={:.1}s build {:.3}-{:.3}s fail {:.3} copy {:.3}s exit notice {:.3}s\n",
+        cfg.seed,
+        as_seconds(cfg.duration),
+        as_seconds(s.reap_timeout),
+        as_seconds(s.registration_grace),
+        as_seconds(s.resolution),
+        as_seconds(s.stall_threshold),
+        as_seconds(s.build_delay.0),
+        as_seconds(s.build_delay.1),
+        s.build_failure_rate,
+        as_seconds(s.copy_duration),
+        as_seconds(s.exit_notice_delay),
+    );
+    for w in &cfg.workers {
+        let _ = writeln!(
+            text,
+            "  {}: start {:.3}s H={:.0}s same_host={} traffic={:?} hb_start={:?} modules={:?} blend={} link: delay {:.3}ms jitter {:.3}ms loss {:.3} dup {:.3}",
+            w.name,
+            as_seconds(w.start_at),
+            as_seconds(w.heartbeat_interval),
+            w.same_host,
+            w.traffic_every.map(as_seconds),
+            w.heartbeat_start,
+            w.modules.iter().map(|m| m.label()).collect::<Vec<_>>(),
+            w.blend,
+            w.link.delay as f64 / 1e6,
+            w.link.jitter as f64 / 1e6,
+            w.link.loss,
+            w.link.duplicate,
+        );
+    }
+    for e in &cfg.events {
+        let _ = writeln!(text, "  t={:.3}s {:?}", as_seconds(e.at), e.action);
+    }
+    text
+}
+
+/// Parses `A..B` (B excluded) or a single seed `A`.
+pub fn parse_range(text: &str) -> Result<std::ops::Range<u64>, String> {
+    let bad = || format!("--seeds {text:?}: expected A..B with A < B (B excluded), or one seed N");
+    match text.split_once("..") {
+        Some((a, b)) => {
+            let a: u64 = a.trim().parse().map_err(|_| bad())?;
+            let b: u64 = b.trim().parse().map_err(|_| bad())?;
+            if a >= b {
+                return Err(bad());
+            }
+            Ok(a..b)
+        }
+        None => {
+            let a: u64 = text.trim().parse().map_err(|_| bad())?;
+            Ok(a..a.checked_add(1).ok_or_else(bad)?)
+        }
+    }
+}
+
+/// Reads a regression list: one seed per line, `#` starts a comment.
+pub fn parse_seed_list(text: &str) -> Result<Vec<u64>, String> {
+    let mut seeds = Vec::new();
+    for (number, line) in text.lines().enumerate() {
+        let line = line.split('#').next().unwrap_or("").trim();
+        if line.is_empty() {
+            continue;
+        }
+        let seed = line.parse().map_err(|_| {
+            format!(
+                "line {}: {line:?} is not a seed (an unsigned integer)",
+                number + 1
+            )
+        })?;
+        seeds.push(seed);
+    }
+    Ok(seeds)
+}

@@ -1,0 +1,532 @@
+//! A worker process: the client library's shell around the core's [`Heartbeat`].
+//!
+//! It registers (a *round*: one REGISTER per module, answered or timed out), pings on
+//! the heartbeat's schedule, recovers when the heartbeat says so, transfers when it has
+//! traffic (re-registering on `not_registered`), and shuts down cleanly on request:
+//! heartbeat stopped first, in-flight requests drained, then UNREGISTER, then exit.
+//! Faults act on the process: a frozen one holds its replies until it thaws; a dead one
+//! does nothing at all.
+
+use crate::config::{HeartbeatStart, WorkerSpec};
+use crate::message::{PingAnswer, RegisterOutcome, Reply, Request, TransferAnswer};
+use crate::time::{Nanos, duration, instant};
+use kvwarden_core::{Heartbeat, HeartbeatAction, HeartbeatConfig, InstanceId, Module, PingReply};
+use std::collections::VecDeque;
+
+/// The state of the process.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Process {
+    /// Running.
+    Running,
+    /// SIGSTOPped: timers and replies wait for the thaw.
+    Frozen,
+    /// Killed (or exited after a clean shutdown).
+    Dead,
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum Purpose {
+    /// The first registration after start.
+    Initial,
+    /// The heartbeat asked for a recovery.
+    Recover,
+    /// A transfer was answered `not_registered`, or an operator asked for it.
+    Reregister,
+}
+
+#[derive(Clone, Debug)]
+struct Round {
+    serial: u64,
+    purpose: Purpose,
+    pending: Vec<Module>,
+    ok: bool,
+    deadline: Nanos,
+}
+
+#[derive(Clone, Debug)]
+enum Shutdown {
+    /// Heartbeat stopped; waiting until every request sent before has been answered or
+    /// timed out, so that no REGISTER can land after the UNREGISTER.
+    Draining { until: Nanos },
+    /// UNREGISTER sent; waiting for the replies.
+    Unregistering { pending: Vec<Module>, until: Nanos },
+}
+
+/// Counters a scenario can assert on.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct WorkerStats {
+    /// Pings answered `bad_args` (each one logged loudly).
+    pub bad_args_replies: u64,
+    /// UNREGISTER answered `false`.
+    pub unregister_false: u64,
+    /// UNREGISTER answered `true`.
+    pub unregister_true: u64,
+    /// Transfers answered `not_registered`.
+    pub not_registered_replies: u64,
+    /// Registration rounds that succeeded after a recovery.
+    pub recoveries_ok: u64,
+    /// Pings sent.
+    pub pings_sent: u64,
+    /// Transfers sent.
+    pub transfers_sent: u64,
+}
+
+/// What a worker asks of the world after an input.
+#[derive(Debug, Default)]
+pub struct Outbox {
+    /// Requests to send, in order.
+    pub requests: Vec<Request>,
+    /// The process exited at the end of a clean shutdown.
+    pub exited: bool,
+}
+
+/// One worker process.
+#[derive(Clone, Debug)]
+pub struct Worker {
+    /// Its slot.
+    pub slot: usize,
+    /// Which process of the slot this is.
+    pub incarnation: u32,
+    /// Its id, drawn at start-up.
+    pub instance: InstanceId,
+    /// Running, frozen or dead.
+    pub process: Process,
+    spec: WorkerSpec,
+    heartbeat: Heartbeat,
+    starved: bool,
+    ping_seq: u64,
+    ping_sent_at: Option<Nanos>,
+    round: Option<Round>,
+    round_serial: u64,
+    retry_initial_at: Option<Nanos>,
+    next_traffic: Option<Nanos>,
+    op_serial: u64,
+    commits: VecDeque<(Nanos, u64)>,
+    shutdown: Option<Shutdown>,
+    /// The latest instant a request sent so far can still be answered.
+    last_request_deadline: Nanos,
+    held_replies: Vec<Reply>,
+    /// Counters.
+    pub stats: WorkerStats,
+    /// The instant of the pending wake event, and its generation.
+    pub wake_at: Option<Nanos>,
+    /// Bumped each time a wake is scheduled; older wakes are stale.
+    pub wake_generation: u64,
+}
+
+impl Worker {
+    /// A process of `spec` with id `instance`, not yet started.
+    pub fn new(slot: usize, incarnation: u32, instance: InstanceId, spec: WorkerSpec) -> Worker {
+        let heartbeat = Heartbeat::new(HeartbeatConfig {
+            interval: duration(spec.heartbeat_interval),
+        });
+        Worker {
+            slot,
+            incarnation,
+            instance,
+            process: Process::Running,
+            spec,
+            heartbeat,
+            starved: false,
+            ping_seq: 0,
+            ping_sent_at: None,
+            round: None,
+            round_serial: 0,
+            retry_initial_at: None,
+            next_traffic: None,
+            op_serial: 0,
+            commits: VecDeque::new(),
+            shutdown: None,
+            last_request_deadline: 0,
+            held_replies: Vec::new(),
+            stats: WorkerStats::default(),
+            wake_at: None,
+            wake_generation: 0,
+        }
+    }
+
+    /// The spec the process was started from.
+    pub fn spec(&self) -> &WorkerSpec {
+        &self.spec
+    }
+
+    /// Whether the heartbeat says its registrations can be trusted.
+    pub fn is_healthy(&self) -> bool {
+        self.heartbeat.is_healthy()
+    }
+
+    /// Whether the heartbeat runs.
+    pub fn heartbeat_started(&self) -> bool {
+        self.heartbeat.is_started() && !self.heartbeat.is_stopped()
+    }
+
+    /// Whether a clean shutdown was requested.
+    pub fn is_shutting_down(&self) -> bool {
+        self.shutdown.is_some()
+    }
+
+    /// Whether the process is alive (running or frozen) and not shutting down.
+    pub fn is_serving(&self) -> bool {
+        self.process != Process::Dead && self.shutdown.is_none()
+    }
+
+    /// The process starts: its first registration round.
+    pub fn start(&mut self, now: Nanos, out: &mut Outbox) {
+        self.begin_round(now, Purpose::Initial, out);
+    }
+
+    /// The next instant this process wants to run, if any.
+    pub fn next_wake(&self) -> Option<Nanos> {
+        if self.process != Process::Running {
+            return None;
+        }
+        let heartbeat = if self.starved {
+            None
+        } else {
+            self.heartbeat.poll_timeout().map(|at| at.as_nanos())
+        };
+        let shutdown = self.shutdown.as_ref().map(|shutdown| match shutdown {
+            Shutdown::Draining { until } | Shutdown::Unregistering { until, .. } => *until,
+        });
+        [
+            heartbeat,
+            self.round.as_ref().map(|round| round.deadline),
+            self.retry_initial_at,
+            self.next_traffic,
+            self.commits.front().map(|&(at, _)| at),
+            shutdown,
+        ]
+        .into_iter()
+        .flatten()
+        .min()
+    }
+
+    /// Timers: do everything that is due at `now`.
+    pub fn on_wake(&mut self, now: Nanos, out: &mut Outbox) {
+        if self.process != Process::Running {
+            return;
+        }
+        if let Some(round) = &self.round
+            && now >= round.deadline
+        {
+            self.finish_round(now, false, out);
+        }
+        if self.retry_initial_at.is_some_and(|at| now >= at) {
+            self.retry_initial_at = None;
+            self.begin_round(now, Purpose::Initial, out);
+        }
+        if !self.starved {
+            if self
+                .ping_sent_at
+                .is_some_and(|sent| now >= sent + self.spec.heartbeat_interval)
+            {
+                self.ping_sent_at = None; // the heartbeat counts it as failed now
+            }
+            if let Some(action) = self.heartbeat.handle_timeout(instant(now)) {
+                self.act(now, action, out);
+            }
+        }
+        while let Some(&(at, op)) = self.commits.front() {
+            if at > now {
+                break;
+            }
+            self.commits.pop_front();
+            self.send(now, Request::Commit { op }, out);
+        }
+        if self.next_traffic.is_some_and(|at| now >= at) {
+            self.transfer_all(now, out);
+        }
+        self.advance_shutdown(now, out);
+    }
+
+    /// A reply arrives.
+    pub fn on_reply(&mut self, now: Nanos, reply: Reply, out: &mut Outbox) {
+        match self.process {
+            Process::Dead => {}
+            Process::Frozen => self.held_replies.push(reply),
+            Process::Running => self.handle_reply(now, reply, out),
+        }
+    }
+
+    fn handle_reply(&mut self, now: Nanos, reply: Reply, out: &mut Outbox) {
+        match reply {
+            Reply::Ping { seq, answer } => {
+                if seq != self.ping_seq || self.ping_sent_at.is_none() {
+                    return; // late or duplicated: that ping already counted
+                }
+                self.ping_sent_at = None;
+                let reply = match answer {
+                    PingAnswer::Known => PingReply::Known,
+                    PingAnswer::Unknown => PingReply::Unknown,
+                    PingAnswer::BadArgs => {
+                        // Loud: the client logs every bad_args at ERROR naming the
+                        // version mismatch; the simulator counts them.
+                        self.stats.bad_args_replies += 1;
+                        PingReply::Failed
+                    }
+                };
+                if let Some(action) = self.heartbeat.on_ping_reply(instant(now), reply) {
+                    self.act(now, action, out);
+                }
+            }
+            Reply::Register {
+                module,
+                round,
+                outcome,
+            } => {
+                let Some(current) = self.round.as_mut() else {
+                    return;
+                };
+                if current.serial != round {
+                    return;
+                }
+                let Some(index) = current.pending.iter().position(|&m| m == module) else {
+                    return; // a duplicate
+                };
+                current.pending.swap_remove(index);
+                if outcome == RegisterOutcome::Failed {
+                    current.ok = false;
+                }
+                if current.pending.is_empty() {
+                    let ok = current.ok;
+                    self.finish_round(now, ok, out);
+                }
+            }
+            Reply::Unregister {
+                module,
+                was_registered,
+            } => {
+                if was_registered {
+                    self.stats.unregister_true += 1;
+                } else {
+                    self.stats.unregister_false += 1;
+                }
+                if let Some(Shutdown::Unregistering { pending, .. }) = &mut self.shutdown {
+                    pending.retain(|&m| m != module);
+                }
+                self.advance_shutdown(now, out);
+            }
+            Reply::Transfer { module, op, answer } => match answer {
+                TransferAnswer::Done => {
+                    if module == Module::EngineDriven && self.shutdown.is_none() {
+                        self.commits.push_back((now + self.spec.commit_after, op));
+                    }
+                }
+                TransferAnswer::NotRegistered => {
+                    self.stats.not_registered_replies += 1;
+                    if self.round.is_none() && self.shutdown.is_none() {
+                        self.begin_round(now, Purpose::Reregister, out);
+                    }
+                }
+                TransferAnswer::NotReady => {}
+            },
+            Reply::Commit { .. } | Reply::Blend { .. } => {}
+        }
+    }
+
+    fn act(&mut self, now: Nanos, action: HeartbeatAction, out: &mut Outbox) {
+        match action {
+            HeartbeatAction::SendPing => {
+                self.ping_seq += 1;
+                self.ping_sent_at = Some(now);
+                self.stats.pings_sent += 1;
+                let seq = self.ping_seq;
+                let request = if self.spec.legacy_ping {
+                    Request::LegacyPing { seq }
+                } else {
+                    Request::Ping { seq }
+                };
+                self.send(now, request, out);
+            }
+            HeartbeatAction::Recover => self.begin_round(now, Purpose::Recover, out),
+        }
+    }
+
+    fn begin_round(&mut self, now: Nanos, purpose: Purpose, out: &mut Outbox) {
+        if self.shutdown.is_some() {
+            if purpose == Purpose::Recover {
+                // Unreachable after stop (the heartbeat returns nothing), kept for safety.
+                self.heartbeat.on_recover_done(instant(now), false);
+            }
+            return;
+        }
+        self.round_serial += 1;
+        let round = Round {
+            serial: self.round_serial,
+            purpose,
+            pending: self.spec.modules.clone(),
+            ok: true,
+            deadline: now + self.spec.heartbeat_interval,
+        };
+        for module in self.spec.modules.clone() {
+            self.send(
+                now,
+                Request::Register {
+                    module,
+                    round: round.serial,
+                },
+                out,
+            );
+        }
+        // A recovery that replaces a running round still owes the heartbeat an answer:
+        // the old round's replies are now ignored.
+        self.round = Some(round);
+    }
+
+    fn finish_round(&mut self, now: Nanos, ok: bool, out: &mut Outbox) {
+        let Some(round) = self.round.take() else {
+            return;
+        };
+        match round.purpose {
+            Purpose::Initial => {
+                if !ok {
+                    self.retry_initial_at = Some(now + self.spec.heartbeat_interval);
+                    return;
+                }
+                if self.spec.heartbeat_start == HeartbeatStart::OnRegister {
+                    self.heartbeat.start(instant(now));
+                }
+                if let Some(every) = self.spec.traffic_every {
+                    let first = now + self.spec.traffic_start_after.max(every);
+                    self.next_traffic = Some(first);
+                }
+            }
+            Purpose::Recover => {
+                self.heartbeat.on_recover_done(instant(now), ok);
+                if ok {
+                    self.stats.recoveries_ok += 1;
+                }
+            }
+            Purpose::Reregister => {}
+        }
+        if ok && self.spec.blend {
+            self.send(now, Request::RegisterBlend, out);
+        }
+    }
+
+    fn transfer_all(&mut self, now: Nanos, out: &mut Outbox) {
+        let every = self
+            .spec
+            .traffic_every
+            .unwrap_or(self.spec.heartbeat_interval);
+        self.next_traffic = Some(now + every);
+        if self.spec.heartbeat_start == HeartbeatStart::OnFirstTransfer {
+            self.heartbeat.start(instant(now));
+        }
+        for module in self.spec.modules.clone() {
+            self.op_serial += 1;
+            self.stats.transfers_sent += 1;
+            let op = self.op_serial;
+            self.send(now, Request::Transfer { module, op }, out);
+        }
+    }
+
+    fn send(&mut self, now: Nanos, request: Request, out: &mut Outbox) {
+        self.last_request_deadline = self
+            .last_request_deadline
+            .max(now + self.spec.heartbeat_interval);
+        out.requests.push(request);
+    }
+
+    /// SIGKILL.
+    pub fn crash(&mut self) {
+        self.process = Process::Dead;
+    }
+
+    /// SIGSTOP.
+    pub fn freeze(&mut self) {
+        if self.process == Process::Running {
+            self.process = Process::Frozen;
+        }
+    }
+
+    /// SIGCONT: held replies first, then every timer that came due meanwhile.
+    pub fn thaw(&mut self, now: Nanos, out: &mut Outbox) {
+        if self.process != Process::Frozen {
+            return;
+        }
+        self.process = Process::Running;
+        for reply in std::mem::take(&mut self.held_replies) {
+            self.handle_reply(now, reply, out);
+        }
+        self.on_wake(now, out);
+    }
+
+    /// The heartbeat thread stops getting CPU.
+    pub fn starve(&mut self) {
+        self.starved = true;
+    }
+
+    /// The heartbeat thread runs again.
+    pub fn feed(&mut self, now: Nanos, out: &mut Outbox) {
+        self.starved = false;
+        self.on_wake(now, out);
+    }
+
+    /// Clean shutdown: stop the heartbeat first (a cycle in flight neither recovers
+    /// nor changes health), stop traffic, drain, then UNREGISTER (see `Shutdown`).
+    pub fn stop(&mut self, now: Nanos, out: &mut Outbox) {
+        if self.shutdown.is_some() || self.process == Process::Dead {
+            return;
+        }
+        self.heartbeat.stop();
+        self.round = None;
+        self.retry_initial_at = None;
+        self.next_traffic = None;
+        self.commits.clear();
+        self.shutdown = Some(Shutdown::Draining {
+            until: self.last_request_deadline.max(now),
+        });
+        self.advance_shutdown(now, out);
+    }
+
+    fn advance_shutdown(&mut self, now: Nanos, out: &mut Outbox) {
+        match &self.shutdown {
+            Some(Shutdown::Draining { until }) if now >= *until => {
+                let modules = self.spec.modules.clone();
+                for &module in &modules {
+                    out.requests.push(Request::Unregister { module });
+                }
+                self.shutdown = Some(Shutdown::Unregistering {
+                    pending: modules,
+                    until: now + self.spec.heartbeat_interval,
+                });
+            }
+            Some(Shutdown::Unregistering { pending, until })
+                if pending.is_empty() || now >= *until =>
+            {
+                self.process = Process::Dead;
+                out.exited = true;
+            }
+            _ => {}
+        }
+    }
+
+    /// An operator-driven UNREGISTER of every module, the process carrying on (row 14).
+    pub fn unregister_all(&mut self, now: Nanos, out: &mut Outbox) {
+        if self.process != Process::Running || self.shutdown.is_some() {
+            return;
+        }
+        for module in self.spec.modules.clone() {
+            self.send(now, Request::Unregister { module }, out);
+        }
+    }
+
+    /// One transfer on each module now, outside the traffic schedule.
+    pub fn transfer_once(&mut self, now: Nanos, out: &mut Outbox) {
+        if self.process != Process::Running || self.shutdown.is_some() {
+            return;
+        }
+        let next = self.next_traffic;
+        self.transfer_all(now, out);
+        self.next_traffic = next;
+    }
+
+    /// An extra REGISTER of every module under the same id (row 15).
+    pub fn register_again(&mut self, now: Nanos, out: &mut Outbox) {
+        if self.process != Process::Running || self.shutdown.is_some() || self.round.is_some() {
+            return;
+        }
+        self.begin_round(now, Purpose::Reregister, out);
+    }
+}

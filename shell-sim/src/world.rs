@@ -1,0 +1,584 @@
+//! One run: the agenda, the workers, the network and the server, stepped through
+//! virtual time, with the invariants checked after every step.
+//!
+//! Every event is folded into a trace hash, so two runs of the same configuration can
+//! be compared bit for bit (`--check-determinism`).
+
+use crate::config::SimConfig;
+use crate::event::{Agenda, Event};
+use crate::invariants::Checker;
+use crate::message::{Envelope, ReplyEnvelope, Request};
+use crate::network::{Network, Way};
+use crate::rng::Rng;
+use crate::server::{FreeRecord, Input, Server, ServerOut, ServerState};
+use crate::time::{Nanos, as_seconds};
+use crate::violation::Class;
+use crate::worker::{Outbox, Worker};
+use kvwarden_core::{FreeCause, InstanceId, Module};
+use std::collections::{BTreeMap, BTreeSet};
+
+mod end;
+mod faults;
+mod report;
+
+pub use report::{RunReport, Snapshot, WorkerSnapshot, run_config};
+
+/// More events than this at one virtual instant means something spins.
+const SPIN_LIMIT: u64 = 1_000_000;
+
+/// The world of one run.
+pub struct World {
+    cfg: SimConfig,
+    rng: Rng,
+    now: Nanos,
+    agenda: Agenda,
+    network: Network,
+    workers: Vec<Option<Worker>>,
+    server: Server,
+    checker: Checker,
+    trace: u64,
+    timeline: Option<Vec<String>>,
+    /// With `-v` and `KVWARDEN_SIM_TRACE_REQUESTS=1`: every request the server reads
+    /// goes into the timeline too.
+    trace_requests: bool,
+    events: u64,
+    frees: Vec<(Nanos, FreeRecord)>,
+    reaps: Vec<(InstanceId, Nanos)>,
+    used_ids: BTreeSet<u64>,
+    instances: Vec<Vec<InstanceId>>,
+    gone: BTreeMap<InstanceId, Nanos>,
+    build_failure_rate: f64,
+    max_link_delay: Nanos,
+    snapshots: Vec<Option<Snapshot>>,
+}
+
+impl World {
+    /// A world ready to run `cfg`; fails when the server configuration is invalid.
+    pub fn new(cfg: SimConfig, checkpoints: Vec<Nanos>, verbose: bool) -> Result<World, String> {
+        let server = Server::new(cfg.server.clone(), cfg.bug, 0)?;
+        let spec = &cfg.server;
+        let checker = Checker::new(
+            0,
+            spec.reap_timeout,
+            spec.registration_grace,
+            spec.resolution,
+            spec.stall_threshold,
+        );
+        let network = Network::new(cfg.workers.iter().map(|w| w.link.clone()));
+        let mut max_link_delay = 0;
+        for (slot, _) in cfg.workers.iter().enumerate() {
+            max_link_delay = max_link_delay.max(network.max_delay(slot));
+        }
+        let mut agenda = Agenda::default();
+        for (slot, worker) in cfg.workers.iter().enumerate() {
+            agenda.push(worker.start_at, Event::Start(slot));
+        }
+        for (index, fault) in cfg.events.iter().enumerate() {
+            agenda.push(fault.at, Event::Fault(index));
+        }
+        for (index, &at) in checkpoints.iter().enumerate() {
+            agenda.push(at, Event::Checkpoint(index));
+        }
+        let slots = cfg.workers.len();
+        Ok(World {
+            rng: Rng::new(cfg.seed),
+            now: 0,
+            agenda,
+            network,
+            workers: vec![None; slots],
+            server,
+            checker,
+            trace: 0xcbf2_9ce4_8422_2325 ^ cfg.seed,
+            timeline: verbose.then(Vec::new),
+            trace_requests: verbose && std::env::var_os("KVWARDEN_SIM_TRACE_REQUESTS").is_some(),
+            events: 0,
+            frees: Vec::new(),
+            reaps: Vec::new(),
+            used_ids: BTreeSet::new(),
+            instances: vec![Vec::new(); slots],
+            gone: BTreeMap::new(),
+            build_failure_rate: cfg.server.build_failure_rate,
+            max_link_delay,
+            snapshots: vec![None; checkpoints.len()],
+            cfg,
+        })
+    }
+
+    /// Runs to the end (or the first violation) and reports.
+    pub fn run(mut self) -> RunReport {
+        self.schedule_server_wake();
+        let mut same_instant = 0u64;
+        while let Some(at) = self.agenda.peek_at() {
+            if at > self.cfg.duration {
+                break;
+            }
+            let Some((at, event)) = self.agenda.pop() else {
+                break;
+            };
+            if at == self.now {
+                same_instant += 1;
+                if same_instant > SPIN_LIMIT {
+                    self.checker.fail(
+                        Class::Liveness,
+                        "livelock",
+                        format!(
+                            "more than {SPIN_LIMIT} events at one instant: a loop asks to be \
+                             woken in the past and spins without time passing"
+                        ),
+                    );
+                    break;
+                }
+            } else {
+                same_instant = 0;
+            }
+            self.now = at;
+            self.events += 1;
+            self.step(event);
+            if self.checker.violation.is_some() {
+                break;
+            }
+            if self.server.is_turning() && self.server.state == ServerState::Up {
+                self.checker.check_overdue(self.now);
+            }
+            if self.checker.violation.is_some() {
+                break;
+            }
+        }
+        if self.checker.violation.is_none() {
+            self.now = self.now.max(self.cfg.duration);
+            self.check_end();
+        }
+        if let Some(violation) = &self.checker.violation {
+            let line = format!("{violation}");
+            self.note(line);
+        }
+        let last = self.snapshot();
+        let checkpoints = std::mem::take(&mut self.snapshots)
+            .into_iter()
+            .map(|s| s.unwrap_or_else(|| last.clone()))
+            .collect();
+        let mut builds = BTreeMap::new();
+        for record in &self.checker.contexts {
+            *builds.entry(record.instance).or_insert(0u64) += 1;
+        }
+        RunReport {
+            name: self.cfg.name.clone(),
+            seed: self.cfg.seed,
+            violation: self.checker.violation.clone(),
+            trace_hash: self.trace,
+            events: self.events,
+            end: self.now,
+            timeline: self.timeline.take().unwrap_or_default(),
+            checkpoints,
+            last,
+            frees: std::mem::take(&mut self.frees),
+            reaps: std::mem::take(&mut self.reaps),
+            instances: std::mem::take(&mut self.instances),
+            builds,
+        }
+    }
+
+    fn mix(&mut self, value: u64) {
+        self.trace = (self.trace ^ value)
+            .wrapping_mul(0x0000_0100_0000_01b3)
+            .rotate_left(5);
+    }
+
+    fn note(&mut self, line: String) {
+        if let Some(timeline) = self.timeline.as_mut() {
+            timeline.push(format!("{:>12.6}s  {line}", as_seconds(self.now)));
+        }
+    }
+
+    fn verbose(&self) -> bool {
+        self.timeline.is_some()
+    }
+
+    fn step(&mut self, event: Event) {
+        let now = self.now;
+        self.mix(now);
+        match event {
+            Event::Start(slot) => {
+                self.mix(1);
+                self.spawn(slot);
+            }
+            Event::ToServer(envelope) => {
+                self.mix(2 ^ (envelope.slot as u64) << 8 ^ envelope.request.code() << 40);
+                self.deliver_to_server(envelope);
+            }
+            Event::ToWorker(envelope) => {
+                self.mix(3 ^ (envelope.slot as u64) << 8);
+                self.deliver_to_worker(envelope);
+            }
+            Event::WorkerWake { slot, generation } => {
+                let current = self.workers[slot]
+                    .as_ref()
+                    .is_some_and(|w| w.wake_generation == generation);
+                if !current {
+                    return;
+                }
+                self.mix(4 ^ (slot as u64) << 8);
+                let Some(worker) = self.workers[slot].as_mut() else {
+                    return;
+                };
+                worker.wake_at = None;
+                let mut out = Outbox::default();
+                let healthy = worker.is_healthy();
+                worker.on_wake(now, &mut out);
+                self.after_worker(slot, out, healthy);
+            }
+            Event::ServerWake { generation } => {
+                if self.server.wake_generation != generation {
+                    return;
+                }
+                self.mix(5);
+                self.server.wake_at = None;
+                let mut out = ServerOut::default();
+                self.server.wake(now, &mut self.checker, &mut out);
+                self.after_server(out);
+            }
+            Event::BuildDone {
+                boot,
+                build,
+                failed,
+            } => {
+                if boot != self.server.boot {
+                    return;
+                }
+                self.mix(6 ^ build << 8 ^ u64::from(failed) << 60);
+                self.server_input(Input::BuildDone { build, failed });
+            }
+            Event::CopyDone { boot, context } => {
+                if boot != self.server.boot {
+                    return;
+                }
+                self.mix(7 ^ context << 8);
+                self.server_input(Input::CopyDone(context));
+            }
+            Event::ExitNotice { instance } => {
+                self.mix(8 ^ instance.get());
+                if self.server.state == ServerState::Up {
+                    self.server_input(Input::ExitNotice(instance));
+                }
+            }
+            Event::ServerUp => {
+                if self.server.state == ServerState::Down {
+                    self.mix(9);
+                    self.start_server();
+                }
+            }
+            Event::Fault(index) => {
+                self.mix(10 ^ (index as u64) << 8);
+                let action = self.cfg.events[index].action.clone();
+                self.apply(action);
+            }
+            Event::Checkpoint(index) => {
+                let snapshot = self.snapshot();
+                self.snapshots[index] = Some(snapshot);
+            }
+        }
+    }
+
+    fn fresh_instance(&mut self) -> InstanceId {
+        loop {
+            let raw = self.rng.next_u64() & InstanceId::MAX;
+            if self.used_ids.insert(raw) {
+                return InstanceId::new(raw).expect("masked to 63 bits");
+            }
+        }
+    }
+
+    fn spawn(&mut self, slot: usize) {
+        let instance = self.fresh_instance();
+        let incarnation = self.instances[slot].len() as u32;
+        self.instances[slot].push(instance);
+        let spec = self.cfg.workers[slot].clone();
+        if self.verbose() {
+            self.note(format!(
+                "{}#{incarnation} starts as instance {instance}",
+                spec.name
+            ));
+        }
+        let mut worker = Worker::new(slot, incarnation, instance, spec);
+        let mut out = Outbox::default();
+        worker.start(self.now, &mut out);
+        let healthy = worker.is_healthy();
+        self.workers[slot] = Some(worker);
+        self.after_worker(slot, out, healthy);
+    }
+
+    fn after_worker(&mut self, slot: usize, out: Outbox, healthy_before: bool) {
+        let now = self.now;
+        let Some(worker) = self.workers[slot].as_ref() else {
+            return;
+        };
+        let instance = worker.instance;
+        let incarnation = worker.incarnation;
+        let exiting = worker.is_shutting_down();
+        let healthy = worker.is_healthy();
+        for request in out.requests {
+            if self.server.state != ServerState::Up {
+                continue; // connection refused
+            }
+            let envelope = Envelope {
+                slot,
+                incarnation,
+                instance,
+                boot: self.server.boot,
+                sent_at: now,
+                exiting,
+                request,
+            };
+            let arrivals = self.network.send(&mut self.rng, now, slot, Way::ToServer);
+            match arrivals {
+                [Some(first), Some(second)] => {
+                    self.agenda.push(first, Event::ToServer(envelope.clone()));
+                    self.agenda.push(second, Event::ToServer(envelope));
+                }
+                [Some(first), None] => self.agenda.push(first, Event::ToServer(envelope)),
+                _ => {}
+            }
+        }
+        if healthy != healthy_before && self.verbose() {
+            let name = self.cfg.workers[slot].name.clone();
+            self.note(format!(
+                "{name}#{incarnation} turns {}",
+                if healthy { "healthy" } else { "unhealthy" }
+            ));
+        }
+        if out.exited {
+            if self.cfg.bug == Some(crate::config::InjectedBug::RegisterAfterUnregister) {
+                self.ghost_register(slot);
+            }
+            self.exited(slot);
+        }
+        self.schedule_worker_wake(slot);
+    }
+
+    /// The `register_after_unregister` bug: a REGISTER leaves after the UNREGISTER.
+    fn ghost_register(&mut self, slot: usize) {
+        let Some(worker) = self.workers[slot].as_ref() else {
+            return;
+        };
+        let modules = worker.spec().modules.clone();
+        let mut envelopes = Vec::new();
+        for module in modules {
+            envelopes.push(Envelope {
+                slot,
+                incarnation: worker.incarnation,
+                instance: worker.instance,
+                boot: self.server.boot,
+                sent_at: self.now,
+                exiting: true,
+                request: Request::Register { module, round: 0 },
+            });
+        }
+        for envelope in envelopes {
+            self.agenda.push(self.now + 1, Event::ToServer(envelope));
+        }
+    }
+
+    fn exited(&mut self, slot: usize) {
+        let Some(worker) = self.workers[slot].as_ref() else {
+            return;
+        };
+        let instance = worker.instance;
+        let same_host = worker.spec().same_host;
+        self.gone.insert(instance, self.now);
+        if same_host {
+            self.server.exited_same_host.insert(instance);
+            let at = self.now + self.cfg.server.exit_notice_delay;
+            self.agenda.push(at, Event::ExitNotice { instance });
+        }
+        if self.verbose() {
+            let name = self.cfg.workers[slot].name.clone();
+            self.note(format!(
+                "{name} (instance {instance}) exits (same host: {same_host})"
+            ));
+        }
+    }
+
+    fn schedule_worker_wake(&mut self, slot: usize) {
+        let Some(worker) = self.workers[slot].as_mut() else {
+            return;
+        };
+        match worker.next_wake() {
+            None => {
+                if worker.wake_at.is_some() {
+                    worker.wake_at = None;
+                    worker.wake_generation += 1;
+                }
+            }
+            Some(at) => {
+                if worker.wake_at.is_none_or(|pending| at < pending) {
+                    worker.wake_generation += 1;
+                    worker.wake_at = Some(at);
+                    let generation = worker.wake_generation;
+                    self.agenda
+                        .push(at.max(self.now), Event::WorkerWake { slot, generation });
+                }
+            }
+        }
+    }
+
+    fn schedule_server_wake(&mut self) {
+        match self.server.poll_timeout() {
+            None => {
+                self.server.wake_at = None;
+                self.server.wake_generation += 1;
+            }
+            Some(at) => {
+                if self.server.wake_at.is_none_or(|pending| at < pending) {
+                    self.server.wake_generation += 1;
+                    self.server.wake_at = Some(at);
+                    let generation = self.server.wake_generation;
+                    self.agenda
+                        .push(at.max(self.now), Event::ServerWake { generation });
+                }
+            }
+        }
+    }
+
+    fn deliver_to_server(&mut self, envelope: Envelope) {
+        if self.server.state != ServerState::Up || envelope.boot != self.server.boot {
+            return; // the connection it travelled on is gone
+        }
+        let evidence = match envelope.request {
+            Request::Ping { .. } => Some(None),
+            Request::Register { module, .. } | Request::Transfer { module, .. } => {
+                Some(Some(module))
+            }
+            Request::Commit { .. } => Some(Some(Module::EngineDriven)),
+            _ => None,
+        };
+        if let Some(module) = evidence {
+            self.checker.arrived(self.now, envelope.instance, module);
+        }
+        if self.trace_requests {
+            let line = format!("server reads w{} {:?}", envelope.slot, envelope.request);
+            self.note(line);
+        }
+        self.server_input(Input::Request(envelope));
+    }
+
+    fn server_input(&mut self, input: Input) {
+        let mut out = ServerOut::default();
+        self.server
+            .input(self.now, input, &mut self.checker, &mut out);
+        self.after_server(out);
+    }
+
+    fn after_server(&mut self, out: ServerOut) {
+        let now = self.now;
+        for reply in out.replies {
+            self.send_reply(reply);
+        }
+        for build in out.builds {
+            let (low, high) = self.cfg.server.build_delay;
+            let delay = self.rng.between(low, high);
+            let failed = self.rng.chance(self.build_failure_rate);
+            let boot = self.server.boot;
+            self.agenda.push(
+                now + delay,
+                Event::BuildDone {
+                    boot,
+                    build,
+                    failed,
+                },
+            );
+        }
+        for context in out.copies {
+            let boot = self.server.boot;
+            self.agenda.push(
+                now + self.cfg.server.copy_duration,
+                Event::CopyDone { boot, context },
+            );
+        }
+        for record in out.frees {
+            self.mix(11 ^ record.context << 8 ^ cause_code(record.cause) << 56);
+            if let FreeCause::Reaped { .. } = record.cause {
+                self.reaps.push((record.instance, now));
+            }
+            if self.verbose() {
+                let name = self.name_of(record.instance);
+                let detail = match record.cause {
+                    FreeCause::Reaped { silence, proven } => format!(
+                        " after {:.3}s of silence (proven: {proven})",
+                        silence.as_secs_f64()
+                    ),
+                    _ => String::new(),
+                };
+                self.note(format!(
+                    "context {} of {name} ({}) freed: {}{detail}",
+                    record.context,
+                    record.module.label(),
+                    record.cause.label()
+                ));
+            }
+            self.frees.push((now, record));
+        }
+        if out.reaped > 0 {
+            self.mix(12 ^ out.reaped << 8);
+        }
+        self.schedule_server_wake();
+    }
+
+    fn send_reply(&mut self, reply: ReplyEnvelope) {
+        let arrivals = self
+            .network
+            .send(&mut self.rng, self.now, reply.slot, Way::ToWorker);
+        match arrivals {
+            [Some(first), Some(second)] => {
+                self.agenda.push(first, Event::ToWorker(reply.clone()));
+                self.agenda.push(second, Event::ToWorker(reply));
+            }
+            [Some(first), None] => self.agenda.push(first, Event::ToWorker(reply)),
+            _ => {}
+        }
+    }
+
+    fn deliver_to_worker(&mut self, envelope: ReplyEnvelope) {
+        if envelope.boot != self.server.boot || self.server.state != ServerState::Up {
+            return; // the connection broke with the server
+        }
+        let slot = envelope.slot;
+        let Some(worker) = self.workers[slot].as_mut() else {
+            return;
+        };
+        if worker.incarnation != envelope.incarnation {
+            return; // addressed to a process that is gone
+        }
+        let healthy = worker.is_healthy();
+        let mut out = Outbox::default();
+        worker.on_reply(self.now, envelope.reply, &mut out);
+        self.after_worker(slot, out, healthy);
+    }
+
+    fn name_of(&self, instance: InstanceId) -> String {
+        for (slot, ids) in self.instances.iter().enumerate() {
+            if let Some(incarnation) = ids.iter().position(|&id| id == instance) {
+                return format!("{}#{incarnation}", self.cfg.workers[slot].name);
+            }
+        }
+        format!("instance {instance}")
+    }
+
+    fn start_server(&mut self) {
+        if let Err(error) = self.server.start(self.now) {
+            self.checker.fail(Class::Internal, "server_start", error);
+            return;
+        }
+        self.checker.server_restarted(self.now);
+        self.note("server up (empty registry)".to_string());
+        self.schedule_server_wake();
+    }
+}
+
+fn cause_code(cause: FreeCause) -> u64 {
+    match cause {
+        FreeCause::Unregistered => 1,
+        FreeCause::Reaped { proven, .. } => 2 + u64::from(proven),
+        FreeCause::ProcessExited => 4,
+        FreeCause::Cancelled => 5,
+    }
+}

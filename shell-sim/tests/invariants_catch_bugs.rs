@@ -1,0 +1,327 @@
+//! The checker is not a rubber stamp: deliberately wrong expectations fail, and bugs
+//! injected into the server model are caught by the right invariant with the right
+//! exit-code class.
+
+use kvwarden_sim::cli::{run_files, run_scenario};
+use kvwarden_sim::scenario::{self, ScenarioError};
+use kvwarden_sim::violation::Class;
+use kvwarden_sim::world::run_config;
+use std::path::Path;
+
+fn scenario_text(file: &str) -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("scenarios")
+        .join(file);
+    std::fs::read_to_string(path).expect("scenario file exists")
+}
+
+/// Runs a scenario given as text; returns the failure class and lines, if any.
+fn outcome(text: &str) -> Option<(Class, Vec<String>)> {
+    let scenario =
+        scenario::parse(Path::new("inline.toml"), text).unwrap_or_else(|e| panic!("{e}"));
+    run_scenario(&scenario, false).failure
+}
+
+/// Runs a scenario with a bug injected; returns the violated invariant and its class.
+fn violation_with_bug(file: &str, bug: &str) -> (Class, &'static str, String) {
+    let text = format!("inject_bug = \"{bug}\"\n{}", scenario_text(file));
+    let scenario = scenario::parse(Path::new(file), &text).unwrap_or_else(|e| panic!("{e}"));
+    let report = run_config(scenario.config, Vec::new(), false);
+    let violation = report
+        .violation
+        .unwrap_or_else(|| panic!("bug {bug} in {file} went unnoticed"));
+    (violation.class, violation.invariant, violation.detail)
+}
+
+#[test]
+fn a_reap_expected_in_the_wrong_window_fails_as_liveness() {
+    let text = scenario_text("08-partition-longer-than-timeout.toml").replace(
+        "between_seconds = [140, 151]",
+        "between_seconds = [200, 210]",
+    );
+    let (class, lines) = outcome(&text).expect("the wrong window must fail");
+    assert_eq!(class, Class::Safety, "{lines:?}"); // it happened before the window: early
+    let text = scenario_text("08-partition-longer-than-timeout.toml").replace(
+        "between_seconds = [140, 151]",
+        "between_seconds = [100, 110]",
+    );
+    let (class, lines) = outcome(&text).expect("the wrong window must fail");
+    assert_eq!(class, Class::Liveness, "{lines:?}");
+    assert!(
+        lines[0].contains("not reaped between 100.000s and 110.000s"),
+        "{lines:?}"
+    );
+}
+
+#[test]
+fn not_reaped_for_a_worker_that_is_reaped_fails_as_safety() {
+    let text = scenario_text("08-partition-longer-than-timeout.toml").replace(
+        "kind = \"not_reaped\"\nworker = \"w0\"",
+        "kind = \"not_reaped\"\nworker = \"w1\"",
+    );
+    let (class, lines) = outcome(&text).expect("w1 is reaped, so not_reaped must fail");
+    assert_eq!(class, Class::Safety);
+    assert!(lines[0].contains("w1 was reaped at 141.000s"), "{lines:?}");
+}
+
+#[test]
+fn a_wrong_context_count_fails_in_both_directions() {
+    let base = scenario_text("08-partition-longer-than-timeout.toml");
+    let more = base.replace(
+        "kind = \"contexts\"\ncount = 2",
+        "kind = \"contexts\"\ncount = 1",
+    );
+    assert_eq!(outcome(&more).map(|o| o.0), Some(Class::Safety));
+    let fewer = base.replace(
+        "kind = \"contexts\"\ncount = 2",
+        "kind = \"contexts\"\ncount = 3",
+    );
+    assert_eq!(outcome(&fewer).map(|o| o.0), Some(Class::Liveness));
+    assert_eq!(outcome(&base), None);
+}
+
+#[test]
+fn a_server_loop_that_skips_handle_timeout_is_a_liveness_violation() {
+    let (class, invariant, detail) =
+        violation_with_bug("02-sigkill-not-visible.toml", "skip_handle_timeout");
+    assert_eq!(
+        (class, invariant),
+        (Class::Liveness, "spurious_stall"),
+        "{detail}"
+    );
+    assert_eq!(class.exit_code(), 128);
+}
+
+#[test]
+fn freeing_a_context_twice_is_a_safety_violation() {
+    let (class, invariant, detail) = violation_with_bug("01-sigkill-same-host.toml", "double_free");
+    assert_eq!(
+        (class, invariant),
+        (Class::Safety, "double_free"),
+        "{detail}"
+    );
+    assert_eq!(class.exit_code(), 129);
+}
+
+#[test]
+fn blend_state_kept_after_its_instance_went_is_a_safety_violation() {
+    let text = r#"
+inject_bug = "keep_blend_state"
+name = "blend-leak"
+duration_seconds = 100
+[[workers]]
+blend = true
+same_host = true
+[[events]]
+at_seconds = 30
+action = "crash"
+workers = ["w0"]
+"#;
+    let scenario = scenario::parse(Path::new("blend.toml"), text).unwrap();
+    let violation = run_config(scenario.config, Vec::new(), false)
+        .violation
+        .expect("caught");
+    assert_eq!(
+        (violation.class, violation.invariant),
+        (Class::Safety, "blend_without_entry")
+    );
+}
+
+#[test]
+fn pins_kept_after_their_context_was_freed_are_a_safety_violation() {
+    let (class, invariant, detail) =
+        violation_with_bug("21-engine-driven-reservation-freed.toml", "keep_pins");
+    assert_eq!(
+        (class, invariant),
+        (Class::Safety, "pin_of_freed_instance"),
+        "{detail}"
+    );
+}
+
+#[test]
+fn ignoring_pings_reaps_a_live_worker_and_is_caught() {
+    let (class, invariant, detail) =
+        violation_with_bug("13-mixed-version-ping.toml", "ignore_pings");
+    assert_eq!(
+        (class, invariant),
+        (Class::Safety, "live_worker_reaped"),
+        "{detail}"
+    );
+}
+
+#[test]
+fn a_loop_that_wakes_late_reaps_late_and_is_a_liveness_violation() {
+    let (class, invariant, detail) = violation_with_bug("02-sigkill-not-visible.toml", "late_wake");
+    assert_eq!(
+        (class, invariant),
+        (Class::Liveness, "reap_late"),
+        "{detail}"
+    );
+}
+
+/// w1 dies at 55 s (last ping about 50.01 s); a chatty w0 keeps the loop busy. The wall
+/// clock steps 4 s forward at 168.5 s, under the stall threshold.
+const WALL_STEP: &str = r#"
+name = "wall-clock-step"
+duration_seconds = 300
+[[workers]]
+same_host = false
+heartbeat_interval_seconds = 0.5
+[[workers]]
+same_host = false
+[[events]]
+at_seconds = 55
+action = "crash"
+workers = ["w1"]
+[[events]]
+at_seconds = 168.5
+action = "clock_step"
+step_seconds = 4
+[[expect]]
+kind = "reaped"
+worker = "w1"
+between_seconds = [170, 171.1]
+"#;
+
+#[test]
+fn a_shell_feeding_the_core_the_wall_clock_reaps_early_on_a_step() {
+    assert_eq!(
+        outcome(WALL_STEP),
+        None,
+        "the monotonic clock ignores the step"
+    );
+    let text = format!("inject_bug = \"wall_clock\"\n{WALL_STEP}");
+    let scenario = scenario::parse(Path::new("wall.toml"), &text).unwrap();
+    let violation = run_config(scenario.config, Vec::new(), false)
+        .violation
+        .expect("caught");
+    assert_eq!(
+        (violation.class, violation.invariant),
+        (Class::Safety, "reaped_early"),
+        "{}",
+        violation.detail
+    );
+}
+
+#[test]
+fn a_register_after_the_clean_shutdown_is_a_ghost() {
+    let (class, invariant, detail) =
+        violation_with_bug("18-clean-worker-shutdown.toml", "register_after_unregister");
+    assert_eq!(
+        (class, invariant),
+        (Class::Safety, "ghost_context"),
+        "{detail}"
+    );
+}
+
+#[test]
+fn a_panic_in_the_model_is_exit_code_127() {
+    let (class, invariant, _) = violation_with_bug("02-sigkill-not-visible.toml", "panic");
+    assert_eq!((class, invariant), (Class::Internal, "panic"));
+    assert_eq!(class.exit_code(), 127);
+}
+
+/// A worker thawed just before its deadline pings while the server is briefly paused
+/// (shorter than the stall threshold, so nothing is credited). The ping is queued; the
+/// server must read it before judging deadlines on resume.
+const QUEUED_PING: &str = r#"
+name = "queued-ping-before-deadline"
+duration_seconds = 300
+[[workers]]
+same_host = false
+[[workers]]
+same_host = false
+heartbeat_interval_seconds = 1
+[[events]]
+at_seconds = 25
+action = "freeze"
+workers = ["w0"]
+until_seconds = 139
+[[events]]
+at_seconds = 138
+action = "server_pause"
+until_seconds = 141.5
+[[expect]]
+kind = "not_reaped"
+"#;
+
+#[test]
+fn queued_pings_are_read_before_deadlines_are_judged() {
+    assert_eq!(outcome(QUEUED_PING), None);
+    let text = format!("inject_bug = \"timeout_before_input\"\n{QUEUED_PING}");
+    let scenario = scenario::parse(Path::new("queued.toml"), &text).unwrap();
+    let violation = run_config(scenario.config, Vec::new(), false)
+        .violation
+        .expect("caught");
+    assert_eq!(
+        (violation.class, violation.invariant),
+        (Class::Safety, "live_worker_reaped"),
+        "{}",
+        violation.detail
+    );
+}
+
+#[test]
+fn a_bad_scenario_names_the_file_the_field_and_the_value() {
+    let text = scenario_text("08-partition-longer-than-timeout.toml")
+        .replace("workers = [\"w1\"]", "workers = [\"w9\"]");
+    let error = scenario::parse(Path::new("bad.toml"), &text).unwrap_err();
+    let message = error.to_string();
+    assert!(matches!(error, ScenarioError::Field { .. }), "{message}");
+    assert!(
+        message.contains("bad.toml")
+            && message.contains("events[0].workers")
+            && message.contains("w9"),
+        "{message}"
+    );
+
+    let typo = scenario_text("02-sigkill-not-visible.toml").replace("same_host", "same_hots");
+    let message = scenario::parse(Path::new("typo.toml"), &typo)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        message.contains("typo.toml") && message.contains("same_hots"),
+        "{message}"
+    );
+
+    let short =
+        "name = \"x\"\nduration_seconds = 10\n[server]\nreap_timeout_seconds = 10\n[[workers]]\n";
+    let message = scenario::parse(Path::new("short.toml"), short)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        message.contains("reap timeout") && message.contains("10"),
+        "{message}"
+    );
+}
+
+#[test]
+fn the_cli_exits_2_on_a_bad_file_and_with_the_class_on_a_failing_one() {
+    let dir = std::env::temp_dir().join(format!("kvwarden-sim-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bad = dir.join("bad.toml");
+    std::fs::write(&bad, "name = 1").unwrap();
+    assert_eq!(run_files(&[bad], false), 2);
+    let failing = dir.join("failing.toml");
+    let text = scenario_text("08-partition-longer-than-timeout.toml").replace(
+        "between_seconds = [140, 151]",
+        "between_seconds = [100, 110]",
+    );
+    std::fs::write(&failing, text).unwrap();
+    assert_eq!(run_files(&[failing], false), 128);
+    let good = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("scenarios/08-partition-longer-than-timeout.toml");
+    assert_eq!(run_files(&[good], false), 0);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn answering_refreshed_while_building_leaves_a_worker_without_a_module() {
+    let text = format!(
+        "inject_bug = \"refresh_while_building\"\n{}",
+        scenario_text("15-register-while-building.toml")
+    );
+    let (class, lines) = outcome(&text).expect("the worker must end without one module");
+    assert_eq!(class, Class::Liveness);
+    assert!(lines[0].contains("one per module: false"), "{lines:?}");
+}
