@@ -96,12 +96,16 @@ impl Config {
         reap_timeout_secs: f64,
         registration_grace_secs: f64,
     ) -> Result<Config, ConfigError> {
-        let reap_timeout = Duration::try_from_secs_f64(reap_timeout_secs).map_err(|_| {
-            ConfigError::ReapTimeout {
-                seconds: reap_timeout_secs,
-                floor_seconds: Some(REAP_TIMEOUT_FLOOR.as_secs_f64()),
-            }
-        })?;
+        let reap_timeout_error = || ConfigError::ReapTimeout {
+            seconds: reap_timeout_secs,
+            floor_seconds: Some(REAP_TIMEOUT_FLOOR.as_secs_f64()),
+        };
+        let reap_timeout =
+            Duration::try_from_secs_f64(reap_timeout_secs).map_err(|_| reap_timeout_error())?;
+        // The reap timeout is judged first, whatever the grace is.
+        if !reap_timeout.is_zero() && reap_timeout < REAP_TIMEOUT_FLOOR {
+            return Err(reap_timeout_error());
+        }
         let registration_grace =
             Duration::try_from_secs_f64(registration_grace_secs).map_err(|_| {
                 ConfigError::RegistrationGrace {
@@ -256,6 +260,12 @@ mod tests {
             ..config
         };
         assert!(grace_too_short.validate_with_floor(Duration::ZERO).is_err());
+    }
+
+    #[test]
+    fn a_bad_reap_timeout_is_reported_before_a_bad_grace() {
+        let error = Config::from_secs(1.0, f64::NAN).unwrap_err();
+        assert!(matches!(error, ConfigError::ReapTimeout { .. }), "{error}");
     }
 
     #[test]
