@@ -41,7 +41,11 @@ struct Input {
 }
 
 fn module(engine: bool) -> Module {
-    if engine { Module::EngineDriven } else { Module::ServerDriven }
+    if engine {
+        Module::EngineDriven
+    } else {
+        Module::ServerDriven
+    }
 }
 
 fn instance(raw: u8) -> InstanceId {
@@ -53,10 +57,13 @@ fuzz_target!(|input: Input| {
     let config = Config {
         reap_timeout,
         registration_grace: reap_timeout + Duration::from_millis(u64::from(input.extra_grace_ms)),
-        resolution: (reap_timeout / (u32::from(input.resolution_divisor) + 8)).max(Duration::from_nanos(1)),
+        resolution: (reap_timeout / (u32::from(input.resolution_divisor) + 8))
+            .max(Duration::from_nanos(1)),
         stall_threshold: Duration::from_millis(u64::from(input.stall_threshold_ms) + 1),
     };
-    let Ok(mut liveness) = Liveness::<u32>::new_with_floor(config.clone(), Instant::ZERO, Duration::ZERO) else {
+    let Ok(mut liveness) =
+        Liveness::<u32>::new_with_floor(config.clone(), Instant::ZERO, Duration::ZERO)
+    else {
         return;
     };
     let mut now = 0u64;
@@ -107,7 +114,8 @@ fuzz_target!(|input: Input| {
                     liveness.context_built(t, ticket, next_context);
                     // A stale ticket (its entry replaced) refreshes nothing.
                     let now_ready = liveness.entry(key.0, key.1).is_some_and(|v| !v.building);
-                    if let Some(seen) = evidence.get_mut(&key).filter(|_| was_building && now_ready) {
+                    if let Some(seen) = evidence.get_mut(&key).filter(|_| was_building && now_ready)
+                    {
                         *seen = latest;
                     }
                 } else {
@@ -130,7 +138,9 @@ fuzz_target!(|input: Input| {
             }
             Op::Tick => liveness.handle_timeout(t),
             Op::TickAtWake => {
-                let wake = liveness.poll_timeout().expect("poll_timeout is always Some");
+                let wake = liveness
+                    .poll_timeout()
+                    .expect("poll_timeout is always Some");
                 assert!(wake.as_nanos() <= latest + config.stall_threshold.as_nanos() as u64);
                 now = now.max(wake.as_nanos());
                 latest = latest.max(now);
@@ -139,20 +149,38 @@ fuzz_target!(|input: Input| {
         }
         while let Some(effect) = liveness.poll_effect() {
             match effect {
-                Effect::FreeContext { instance, module, context, cause } => {
+                Effect::FreeContext {
+                    instance,
+                    module,
+                    context,
+                    cause,
+                } => {
                     assert!(handed.contains(&context), "freed a context never handed in");
                     assert!(freed.insert(context), "context {context} freed twice");
                     if let FreeCause::Reaped { silence, proven } = cause {
-                        let window = if proven { config.reap_timeout } else { config.registration_grace };
-                        assert!(silence > window, "reaped with silence {silence:?} <= {window:?}");
+                        let window = if proven {
+                            config.reap_timeout
+                        } else {
+                            config.registration_grace
+                        };
+                        assert!(
+                            silence > window,
+                            "reaped with silence {silence:?} <= {window:?}"
+                        );
                         let seen = evidence[&(instance, module)];
                         let raw_silence = Duration::from_nanos(latest - seen);
-                        assert!(raw_silence >= silence, "reaped {raw_silence:?} after evidence, claims {silence:?}");
+                        assert!(
+                            raw_silence >= silence,
+                            "reaped {raw_silence:?} after evidence, claims {silence:?}"
+                        );
                     }
                 }
                 Effect::DropBlendState { instance } => {
                     for m in Module::ALL {
-                        assert!(liveness.entry(instance, m).is_none(), "blend state dropped with an entry left");
+                        assert!(
+                            liveness.entry(instance, m).is_none(),
+                            "blend state dropped with an entry left"
+                        );
                     }
                 }
                 Effect::StallDetected { gap } => assert!(gap > config.stall_threshold),
@@ -163,7 +191,10 @@ fuzz_target!(|input: Input| {
         for (&(i, m), &seen) in &evidence {
             let view = liveness.entry(i, m).unwrap();
             // The stall-corrected clock, seen through EntryView, never lags raw evidence.
-            assert!(view.last_seen.as_nanos() >= seen, "last_seen moved back: {view:?} < {seen} for {i:?}/{m:?} latest {latest} now {now}");
+            assert!(
+                view.last_seen.as_nanos() >= seen,
+                "last_seen moved back: {view:?} < {seen} for {i:?}/{m:?} latest {latest} now {now}"
+            );
         }
     }
 });

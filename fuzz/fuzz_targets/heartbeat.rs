@@ -41,12 +41,16 @@ fuzz_target!(|input: (u16, Vec<Op>)| {
                 let due = hb.poll_timeout();
                 let action = hb.handle_timeout(now);
                 if action == Some(HeartbeatAction::SendPing) {
-                    assert!(due.is_some_and(|due| due <= now), "ping sent before it was due");
+                    assert!(
+                        due.is_some_and(|due| due <= now),
+                        "ping sent before it was due"
+                    );
                 }
                 action
             }
             Op::Reply(kind) => {
-                let reply = [PingReply::Known, PingReply::Unknown, PingReply::Failed][usize::from(kind % 3)];
+                let reply = [PingReply::Known, PingReply::Unknown, PingReply::Failed]
+                    [usize::from(kind % 3)];
                 let action = hb.on_ping_reply(now, reply);
                 if reply == PingReply::Failed {
                     assert!(action.is_none());

@@ -22,7 +22,7 @@ import pytest
 from conftest import wait_until
 from real_server import RealServer, find_binary
 
-from kvwarden import BadArgs, MemfdBuffer, Unavailable, Worker
+from kvwarden import BadArgs, MemfdBuffer, Worker
 
 pytestmark = pytest.mark.real_server
 
@@ -326,12 +326,6 @@ def test_real_idle_worker_reaped_at_grace_rejoins_through_not_registered(
     worker.shutdown()
 
 
-@pytest.mark.xfail(
-    reason="engine-driven ops (register_engine_driven, prepare/commit) are answered "
-    "`unavailable` by this server build: they come with the engine-driven issue",
-    raises=Unavailable,
-    strict=False,
-)
 def test_real_engine_driven_store_retrieve_round_trip(start_server) -> None:
     server = start_server()
     worker = Worker(server.socket_path, heartbeat_interval_seconds=INTERVAL)
@@ -352,11 +346,6 @@ def test_real_engine_driven_store_retrieve_round_trip(start_server) -> None:
     assert server.entries(worker.instance_id) == []
 
 
-@pytest.mark.xfail(
-    reason="register_blend is answered `unavailable` by this server build",
-    raises=Unavailable,
-    strict=False,
-)
 def test_real_register_blend(start_server, buffers) -> None:
     server = start_server()
     worker = make_worker(server, buffers)

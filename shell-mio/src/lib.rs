@@ -4,8 +4,10 @@
 //! messages ([`protocol`]) ↔ core calls ↔ effects ↔ syscalls ([`server`]). The
 //! [`client`] is what an inference-engine worker links.
 
+pub mod bench;
 pub mod cli;
 pub mod client;
+pub mod cuda;
 pub mod memfd;
 pub mod protocol;
 pub mod server;

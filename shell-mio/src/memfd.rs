@@ -68,6 +68,18 @@ impl SharedMapping {
             .is_some_and(|end| end <= self.len as u64)
     }
 
+    /// The address of `[offset, offset + nbytes)`, for a copy by a device (DMA) that
+    /// cannot go through the functions below; None when out of bounds. The pointer is
+    /// valid while `self` lives.
+    pub fn range_ptr(&self, offset: u64, nbytes: u64) -> Option<*mut u8> {
+        if !self.contains(offset, nbytes) {
+            return None;
+        }
+        // SAFETY: `offset <= len` (checked above), so the result stays inside the mapping
+        // or one past its end.
+        Some(unsafe { self.ptr.as_ptr().add(offset as usize) })
+    }
+
     /// Copies `nbytes` from `[src_offset..)` of `src` to `[dst_offset..)` of `dst`.
     /// Returns false (copying nothing) when either range is out of bounds.
     pub fn copy(

@@ -188,6 +188,16 @@ impl Server {
 
     /// Starts a server with exactly `args` (plus `--socket`).
     pub fn start_raw(dir: &TempDir, args: &[&str]) -> Server {
+        Server::start_raw_env(dir, args, &[])
+    }
+
+    /// As [`Server::start`], with extra environment variables for the server process.
+    pub fn start_with_env(dir: &TempDir, extra: &[&str], env: &[(&str, &str)]) -> Server {
+        Server::start_raw_env(dir, &merge_flags(SHORT_TIMEOUTS, extra), env)
+    }
+
+    /// Starts a server with exactly `args` (plus `--socket`) and `env`.
+    pub fn start_raw_env(dir: &TempDir, args: &[&str], env: &[(&str, &str)]) -> Server {
         let socket = dir.path().join("kvwarden.sock");
         static SERIAL: AtomicU64 = AtomicU64::new(0);
         let stderr_path = dir.path().join(format!(
@@ -201,6 +211,7 @@ impl Server {
             .arg(&socket)
             .args(args)
             .env("RUST_LOG", "info")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(stderr)

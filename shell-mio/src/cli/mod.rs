@@ -1,6 +1,9 @@
 //! The command line: `kvwarden serve | status | worker | call`.
 
+mod bench;
 mod call;
+mod demo;
+mod gpu;
 mod serve;
 mod status;
 mod worker;
@@ -27,6 +30,14 @@ enum Command {
     Worker(worker::WorkerArgs),
     /// Send one raw request and print the reply as JSON (for debugging and tests).
     Call(call::CallArgs),
+    /// See the point of kvwarden in under a minute: a demo server (short timeouts) and
+    /// three workers; one SIGKILLed, one frozen past the timeout and thawed.
+    Demo(demo::DemoArgs),
+    /// Measure the server figures S1-S7 and R5 (one figure per line).
+    Bench(bench::BenchArgs),
+    /// GPU checks (G1, G2 of targets.md): device info, reclaim after SIGKILL, copy bandwidth.
+    #[command(subcommand)]
+    Gpu(gpu::GpuCommand),
 }
 
 /// Parses the command line and runs the command.
@@ -34,7 +45,11 @@ pub fn main() -> ExitCode {
     let cli = Cli::parse();
     let default_level = match &cli.command {
         Command::Serve(_) | Command::Worker(_) => "info",
-        Command::Status(_) | Command::Call(_) => "warn",
+        Command::Status(_)
+        | Command::Call(_)
+        | Command::Demo(_)
+        | Command::Bench(_)
+        | Command::Gpu(_) => "warn",
     };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
@@ -48,6 +63,9 @@ pub fn main() -> ExitCode {
         Command::Status(args) => status::run(args),
         Command::Worker(args) => worker::run(args),
         Command::Call(args) => call::run(args),
+        Command::Demo(args) => demo::run(args),
+        Command::Bench(args) => bench::run(args),
+        Command::Gpu(command) => gpu::run(command),
     }
 }
 

@@ -1,5 +1,6 @@
 //! `kvwarden serve`.
 
+use crate::server::fault::Faults;
 use crate::server::{Server, ServerConfig, listen};
 use kvwarden_core::{Config, ConfigError, REAP_TIMEOUT_FLOOR};
 use std::net::SocketAddr;
@@ -65,6 +66,32 @@ pub struct ServeArgs {
     /// reap in seconds. Never use it in production: a late heartbeat reaps a live worker.
     #[arg(long)]
     allow_short_timeouts: bool,
+    /// TESTING ONLY (row 20, benchmark S3): every context build sleeps this many
+    /// milliseconds before it starts. Needs --allow-short-timeouts.
+    #[arg(long, hide = true, default_value_t = 0, value_name = "MS")]
+    fault_build_delay_ms: u64,
+    /// TESTING ONLY (row 20, benchmark S3): the frees of the first N contexts never
+    /// return, as a CUDA call that hangs would. Needs --allow-short-timeouts.
+    #[arg(long, hide = true, default_value_t = 0, value_name = "N")]
+    fault_free_hang_instances: u64,
+}
+
+/// The test-only faults asked for; refused without `--allow-short-timeouts`, so that
+/// no production command line can switch them on by accident.
+fn faults(args: &ServeArgs) -> Result<Faults, String> {
+    let faults = Faults {
+        build_delay: Duration::from_millis(args.fault_build_delay_ms),
+        free_hang_instances: args.fault_free_hang_instances,
+    };
+    if faults.any() && !args.allow_short_timeouts {
+        return Err(format!(
+            "--fault-build-delay-ms {} / --fault-free-hang-instances {} break the server on \
+             purpose and are for tests and benchmarks only; they are refused unless \
+             --allow-short-timeouts is given too",
+            args.fault_build_delay_ms, args.fault_free_hang_instances
+        ));
+    }
+    Ok(faults)
 }
 
 #[derive(Clone, Debug)]
@@ -172,20 +199,23 @@ fn server_config(args: ServeArgs) -> Result<ServerConfig, String> {
 
 /// Runs the server until SIGTERM/SIGINT.
 pub fn run(args: ServeArgs) -> ExitCode {
-    let config = match server_config(args) {
+    let config = faults(&args).and_then(|faults| server_config(args).map(|c| (faults, c)));
+    let config = match config {
         Ok(config) => config,
         Err(message) => {
             eprintln!("kvwarden serve: {message}");
             return ExitCode::from(2);
         }
     };
-    let server = match Server::bind(config) {
+    let (faults, config) = config;
+    let mut server = match Server::bind(config) {
         Ok(server) => server,
         Err(error) => {
             eprintln!("kvwarden serve: {error}");
             return ExitCode::from(1);
         }
     };
+    server.inject_faults(faults);
     match server.run() {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {

@@ -3,7 +3,8 @@
 //! It prints `instance_id=<n>` first, then one line per event (`registered outcome=…`,
 //! `healthy=…`, `recoveries=… outcome=…`, `shutdown=clean`), so a test can follow it.
 
-use crate::client::{Client, ClientConfig, MemfdBuffer};
+use crate::client::{Client, ClientBuffer, ClientConfig, MemfdBuffer};
+use crate::cuda::{ExportedBuffer, Gpu};
 use kvwarden_core::InstanceId;
 use std::io::Write;
 use std::process::ExitCode;
@@ -42,6 +43,30 @@ pub struct WorkerArgs {
     /// instead of right after registering.
     #[arg(long)]
     lazy_heartbeat: bool,
+    /// Register this many bytes of GPU memory over CUDA IPC instead of memfd buffers:
+    /// allocated with cuMemAlloc on `--device`, filled, exported with cuIpcGetMemHandle.
+    /// The server must run on the same host with access to the GPU.
+    #[arg(long, value_name = "BYTES", value_parser = super::parse_bytes)]
+    cuda_bytes: Option<u64>,
+    /// The CUDA device for `--cuda-bytes`.
+    #[arg(long, default_value_t = 0, value_name = "ORDINAL")]
+    device: u32,
+}
+
+/// Allocates and exports the worker's device buffer; the allocation lives as long as
+/// the returned value (the whole process).
+fn cuda_buffer(nbytes: u64, device: u32) -> Result<(ExportedBuffer, ClientBuffer), String> {
+    let gpu = Gpu::probe_device(device).map_err(|e| format!("--cuda-bytes needs a GPU: {e}"))?;
+    let len = usize::try_from(nbytes).map_err(|_| format!("--cuda-bytes {nbytes} is too large"))?;
+    let exported = ExportedBuffer::allocate(&gpu, device, len, 0x5a)
+        .map_err(|e| format!("allocating {nbytes} bytes on device {device}: {e}"))?;
+    let buffer = ClientBuffer::CudaIpc {
+        device,
+        handle: *exported.handle(),
+        offset: 0,
+        nbytes,
+    };
+    Ok((exported, buffer))
 }
 
 fn say(line: &str) {
@@ -85,17 +110,23 @@ pub fn run(args: WorkerArgs) -> ExitCode {
         }
     };
     say(&format!("instance_id={}", client.instance_id()));
-    let buffer_bytes = usize::try_from(args.buffer_bytes).unwrap_or(usize::MAX);
-    let count = if buffer_bytes == 0 { 0 } else { args.buffers };
+    // Kept alive to the end of the process: a SIGKILL leaves the device memory to
+    // whoever still maps it.
+    let mut _device_buffer = None;
+    let mut buffer_bytes = usize::try_from(args.buffer_bytes).unwrap_or(usize::MAX);
+    let mut count = if buffer_bytes == 0 { 0 } else { args.buffers };
     let mut buffers = Vec::with_capacity(count);
-    for index in 0..count {
-        match MemfdBuffer::new(buffer_bytes) {
-            Ok(buffer) => {
-                let pattern: Vec<u8> = (0..buffer_bytes.min(1 << 20))
-                    .map(|i| (i + index) as u8)
-                    .collect();
-                buffer.write(0, &pattern);
-                buffers.push(Arc::new(buffer));
+    if let Some(nbytes) = args.cuda_bytes {
+        match cuda_buffer(nbytes, args.device) {
+            Ok((exported, buffer)) => {
+                say(&format!(
+                    "cuda_buffer device={} bytes={nbytes}",
+                    args.device
+                ));
+                _device_buffer = Some(exported);
+                buffers.push(buffer);
+                buffer_bytes = usize::try_from(nbytes).unwrap_or(usize::MAX);
+                count = 0; // no memfd buffers beside it
             }
             Err(error) => {
                 eprintln!("kvwarden worker: {error}");
@@ -103,7 +134,23 @@ pub fn run(args: WorkerArgs) -> ExitCode {
             }
         }
     }
-    match client.register(buffers, &args.model_name, 1) {
+    for index in 0..count {
+        match MemfdBuffer::new(buffer_bytes) {
+            Ok(buffer) => {
+                let pattern: Vec<u8> = (0..buffer_bytes.min(1 << 20))
+                    .map(|i| (i + index) as u8)
+                    .collect();
+                buffer.write(0, &pattern);
+                buffers.push(ClientBuffer::Memfd(Arc::new(buffer)));
+            }
+            Err(error) => {
+                eprintln!("kvwarden worker: {error}");
+                return ExitCode::from(1);
+            }
+        }
+    }
+    let registered_buffers = buffers.len();
+    match client.register_buffers(buffers, &args.model_name, 1) {
         Ok(outcome) => say(&format!("registered outcome={outcome}")),
         Err(error) => {
             eprintln!("kvwarden worker: registering failed: {error}");
@@ -113,8 +160,9 @@ pub fn run(args: WorkerArgs) -> ExitCode {
     if !args.lazy_heartbeat {
         client.start_heartbeat();
     }
-    let chunk = args.chunk_bytes.min(args.buffer_bytes / 2);
-    let traffic = args.traffic_every_ms > 0 && count > 0 && chunk > 0;
+    let buffer_len = buffer_bytes as u64;
+    let chunk = args.chunk_bytes.min(buffer_len / 2);
+    let traffic = args.traffic_every_ms > 0 && registered_buffers > 0 && chunk > 0;
     let tick = Duration::from_millis(if traffic {
         args.traffic_every_ms.min(50)
     } else {
@@ -143,7 +191,7 @@ pub fn run(args: WorkerArgs) -> ExitCode {
             let key = format!("{}-{sent}", client.instance_id()).into_bytes();
             let result = client
                 .store(&key, 0, 0, chunk)
-                .and_then(|_| client.retrieve(&key, 0, args.buffer_bytes - chunk));
+                .and_then(|_| client.retrieve(&key, 0, buffer_len - chunk));
             if let Err(error) = result {
                 eprintln!("kvwarden worker: traffic: {error}");
             }

@@ -138,9 +138,27 @@ impl MemfdBuffer {
     }
 }
 
+/// A buffer a worker registers for server-driven transfers.
+#[derive(Clone, Debug)]
+pub enum ClientBuffer {
+    /// Host memory shared as a memfd (Unix socket only).
+    Memfd(Arc<MemfdBuffer>),
+    /// A window of a device allocation, named by its `cuIpcGetMemHandle` handle.
+    CudaIpc {
+        /// The device ordinal.
+        device: u32,
+        /// The IPC handle of the allocation's base.
+        handle: [u8; 64],
+        /// Where the window starts in the allocation.
+        offset: u64,
+        /// The window's length.
+        nbytes: u64,
+    },
+}
+
 #[derive(Clone)]
 struct Registration {
-    buffers: Vec<Arc<MemfdBuffer>>,
+    buffers: Vec<ClientBuffer>,
     model_name: String,
     world_size: u64,
 }
@@ -225,19 +243,33 @@ impl Shared {
     }
 
     fn register(&self, registration: &Registration) -> Result<String, ClientError> {
+        let mut fds: Vec<BorrowedFd<'_>> = Vec::new();
         let buffers: Vec<Value> = registration
             .buffers
             .iter()
-            .enumerate()
-            .map(|(index, buffer)| {
-                Value::Map(vec![
-                    ("kind".into(), "memfd".into()),
-                    ("fd_index".into(), (index as u64).into()),
-                    ("nbytes".into(), (buffer.len() as u64).into()),
-                ])
+            .map(|buffer| match buffer {
+                ClientBuffer::Memfd(memfd) => {
+                    fds.push(memfd.fd());
+                    Value::Map(vec![
+                        ("kind".into(), "memfd".into()),
+                        ("fd_index".into(), (fds.len() as u64 - 1).into()),
+                        ("nbytes".into(), (memfd.len() as u64).into()),
+                    ])
+                }
+                ClientBuffer::CudaIpc {
+                    device,
+                    handle,
+                    offset,
+                    nbytes,
+                } => Value::Map(vec![
+                    ("kind".into(), "cuda_ipc".into()),
+                    ("device".into(), u64::from(*device).into()),
+                    ("handle".into(), Value::Binary(handle.to_vec())),
+                    ("offset".into(), (*offset).into()),
+                    ("nbytes".into(), (*nbytes).into()),
+                ]),
             })
             .collect();
-        let fds: Vec<BorrowedFd<'_>> = registration.buffers.iter().map(|b| b.fd()).collect();
         let args = vec![
             self.instance.get().into(),
             Value::Array(buffers),
@@ -393,6 +425,18 @@ impl Client {
     pub fn register(
         &self,
         buffers: Vec<Arc<MemfdBuffer>>,
+        model_name: &str,
+        world_size: u64,
+    ) -> Result<String, ClientError> {
+        let buffers = buffers.into_iter().map(ClientBuffer::Memfd).collect();
+        self.register_buffers(buffers, model_name, world_size)
+    }
+
+    /// Registers memfd and CUDA IPC buffers under this instance id; remembered for
+    /// recoveries. Returns the outcome (`created` or `refreshed`).
+    pub fn register_buffers(
+        &self,
+        buffers: Vec<ClientBuffer>,
         model_name: &str,
         world_size: u64,
     ) -> Result<String, ClientError> {

@@ -2,8 +2,11 @@
 //! the frame whose first byte they arrived with, and the peer's credentials.
 
 use crate::protocol::{FrameError, LENGTH_PREFIX_BYTES, parse_header};
-use rustix::fd::OwnedFd;
-use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
+use rustix::fd::{AsFd, OwnedFd};
+use rustix::net::{
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags,
+};
 use std::collections::VecDeque;
 use std::io::{self, IoSliceMut, Read, Write};
 use std::mem::MaybeUninit;
@@ -12,6 +15,10 @@ use std::mem::MaybeUninit;
 const MAX_FDS_PER_READ: usize = 32;
 /// Bytes read per system call.
 const READ_CHUNK_BYTES: usize = 64 * 1024;
+/// Replies carrying fds queued at once: each holds a duplicated fd until it is sent,
+/// so a peer that asks for many and reads none is cut off long before the server runs
+/// out of descriptors.
+const MAX_QUEUED_FD_REPLIES: usize = 2;
 
 /// The transport of a connection.
 #[derive(Debug)]
@@ -75,12 +82,26 @@ pub struct Connection {
     input: Vec<u8>,
     /// Stream offset of `input[0]`.
     input_offset: u64,
-    /// fds with the stream offset of the first byte of the read that carried them.
+    /// Bytes at the front of `input` already handed out as frames. They are dropped at
+    /// the next read, so a burst of small frames costs one move of the buffer, not one
+    /// per frame (which made a flood of pings quadratic in the read size).
+    consumed: usize,
+    /// fds with the stream offset of the last byte of the read that carried them. The
+    /// kernel ends a read right after the segment that carries fds, but may begin it
+    /// with earlier segments (frames sent before, not yet read): the last byte, not
+    /// the first, lies in the segment the fds came with, which starts the frame they
+    /// belong to.
     fds: VecDeque<(u64, OwnedFd)>,
     output: VecDeque<u8>,
+    /// Stream offset of `output[0]`.
+    output_offset: u64,
+    /// Replies that carry fds: `(first byte, end)` stream offsets and the fds, which
+    /// ride on the `sendmsg` of the reply's first byte.
+    output_fds: VecDeque<(u64, u64, Vec<OwnedFd>)>,
     max_input_bytes: usize,
     max_output_bytes: usize,
-    /// Close once the output is flushed (after bad_frame / too_large).
+    /// Close once the output is flushed and no request runs on the pool (after
+    /// bad_frame / too_large, or once the peer has shut down its sending side).
     pub close_after_flush: bool,
     /// Requests of this connection still running on the pool.
     pub in_flight: usize,
@@ -100,8 +121,11 @@ impl Connection {
             peer,
             input: Vec::new(),
             input_offset: 0,
+            consumed: 0,
             fds: VecDeque::new(),
             output: VecDeque::new(),
+            output_offset: 0,
+            output_fds: VecDeque::new(),
             max_input_bytes: LENGTH_PREFIX_BYTES + max_frame_bytes + READ_CHUNK_BYTES,
             max_output_bytes,
             close_after_flush: false,
@@ -111,6 +135,11 @@ impl Connection {
 
     /// One read (one system call), up to the input bound.
     pub fn read(&mut self) -> io::Result<ReadOutcome> {
+        if self.consumed > 0 {
+            self.input.drain(..self.consumed);
+            self.input_offset += self.consumed as u64;
+            self.consumed = 0;
+        }
         let mut chunk = [0u8; READ_CHUNK_BYTES];
         loop {
             let room = self.max_input_bytes.saturating_sub(self.input.len());
@@ -134,10 +163,11 @@ impl Connection {
                     );
                     match result {
                         Ok(message) => {
+                            let last = offset + message.bytes.saturating_sub(1) as u64;
                             for item in control.drain() {
                                 if let RecvAncillaryMessage::ScmRights(fds) = item {
                                     for fd in fds {
-                                        self.fds.push_back((offset, fd));
+                                        self.fds.push_back((last, fd));
                                     }
                                 }
                             }
@@ -163,14 +193,15 @@ impl Connection {
     /// The next complete frame, if one is buffered. fds that arrived before the frame
     /// and were used by no frame are closed here.
     pub fn next_frame(&mut self, max_frame_bytes: usize) -> Result<Option<Frame>, FrameError> {
-        let Some(body_len) = parse_header(&self.input, max_frame_bytes)? else {
+        let pending = &self.input[self.consumed..];
+        let Some(body_len) = parse_header(pending, max_frame_bytes)? else {
             return Ok(None);
         };
         let total = LENGTH_PREFIX_BYTES + body_len;
-        if self.input.len() < total {
+        if pending.len() < total {
             return Ok(None);
         }
-        let start = self.input_offset;
+        let start = self.input_offset + self.consumed as u64;
         let end = start + total as u64;
         while self.fds.front().is_some_and(|(at, _)| *at < start) {
             self.fds.pop_front(); // stray fds: closed on drop
@@ -181,9 +212,8 @@ impl Connection {
                 fds.push(fd);
             }
         }
-        let body = self.input[LENGTH_PREFIX_BYTES..total].to_vec();
-        self.input.drain(..total);
-        self.input_offset = end;
+        let body = pending[LENGTH_PREFIX_BYTES..total].to_vec();
+        self.consumed += total;
         Ok(Some(Frame { body, fds }))
     }
 
@@ -197,18 +227,80 @@ impl Connection {
         true
     }
 
+    /// Whether another reply carrying fds may be queued now.
+    pub fn has_room_for_fd_reply(&self) -> bool {
+        self.output_fds.len() < MAX_QUEUED_FD_REPLIES
+    }
+
+    /// Queues a reply that carries `fds` (`SCM_RIGHTS` on its first byte). false when
+    /// the output bound would be exceeded, as for [`Connection::queue`], or when
+    /// [`MAX_QUEUED_FD_REPLIES`] such replies already wait: the peer does not read.
+    pub fn queue_with_fds(&mut self, bytes: &[u8], fds: Vec<OwnedFd>) -> bool {
+        let start = self.output_offset + self.output.len() as u64;
+        if self.output_fds.len() >= MAX_QUEUED_FD_REPLIES || !self.queue(bytes) {
+            return false;
+        }
+        if !fds.is_empty() {
+            self.output_fds
+                .push_back((start, start + bytes.len() as u64, fds));
+        }
+        true
+    }
+
     /// Writes what the socket takes. Err on a broken connection.
+    ///
+    /// A reply that carries fds is sent by a `sendmsg` of its own bytes only, so that
+    /// its fds ride on its first byte and no other reply shares that segment (a reader
+    /// that meets fds knows they belong to the frame the segment holds).
     pub fn flush(&mut self) -> io::Result<()> {
         while !self.output.is_empty() {
+            let next_fds = self
+                .output_fds
+                .front()
+                .map(|(start, end, _)| (*start, *end));
             let (head, _) = self.output.as_slices();
-            let written = match &mut self.stream {
-                Stream::Unix(stream) => stream.write(head),
-                Stream::Tcp(stream) => stream.write(head),
+            let (limit, carries_fds) = match next_fds {
+                Some((start, end)) if start <= self.output_offset => {
+                    ((end - self.output_offset) as usize, true)
+                }
+                Some((start, _)) => ((start - self.output_offset) as usize, false),
+                None => (usize::MAX, false),
+            };
+            let chunk = &head[..head.len().min(limit)];
+            let written = match (&mut self.stream, carries_fds) {
+                (Stream::Unix(stream), true) => {
+                    let fds: Vec<rustix::fd::BorrowedFd<'_>> = self
+                        .output_fds
+                        .front()
+                        .map(|(_, _, fds)| fds.iter().map(|fd| fd.as_fd()).collect())
+                        .unwrap_or_default();
+                    let mut space =
+                        vec![MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(fds.len()))];
+                    let mut control = SendAncillaryBuffer::new(&mut space);
+                    if control.push(SendAncillaryMessage::ScmRights(&fds)) {
+                        rustix::net::sendmsg(
+                            &*stream,
+                            &[io::IoSlice::new(chunk)],
+                            &mut control,
+                            SendFlags::NOSIGNAL | SendFlags::DONTWAIT,
+                        )
+                        .map_err(io::Error::from)
+                    } else {
+                        Err(io::Error::other("too many fds for one reply"))
+                    }
+                }
+                (Stream::Unix(stream), false) => stream.write(chunk),
+                (Stream::Tcp(stream), _) => stream.write(chunk),
             };
             match written {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
                 Ok(n) => {
+                    if carries_fds {
+                        // Sent with the first byte; our copies close here.
+                        self.output_fds.pop_front();
+                    }
                     self.output.drain(..n);
+                    self.output_offset += n as u64;
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -221,5 +313,150 @@ impl Connection {
     /// Whether output is waiting.
     pub fn has_output(&self) -> bool {
         !self.output.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::encode_frame;
+    use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+
+    fn send(socket: &std::os::unix::net::UnixStream, bytes: &[u8], fds: &[OwnedFd]) {
+        let borrowed: Vec<_> = fds.iter().map(rustix::fd::AsFd::as_fd).collect();
+        let mut space = vec![MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(fds.len()))];
+        let mut control = SendAncillaryBuffer::new(&mut space);
+        if !borrowed.is_empty() {
+            assert!(control.push(SendAncillaryMessage::ScmRights(&borrowed)));
+        }
+        let sent = rustix::net::sendmsg(
+            socket,
+            &[io::IoSlice::new(bytes)],
+            &mut control,
+            SendFlags::empty(),
+        )
+        .unwrap();
+        assert_eq!(sent, bytes.len());
+    }
+
+    fn connection() -> (Connection, std::os::unix::net::UnixStream) {
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+        ours.set_nonblocking(true).unwrap();
+        let stream = Stream::Unix(mio::net::UnixStream::from_std(ours));
+        (
+            Connection::new(stream, Peer::default(), 1024, 1 << 20),
+            theirs,
+        )
+    }
+
+    fn read_all(connection: &mut Connection) {
+        while connection.read().unwrap() == ReadOutcome::Data {}
+    }
+
+    /// A burst of small frames is handed out in order, and fds go to the frame whose
+    /// first byte they came with even when the kernel hands them out in one read with
+    /// earlier, still unread frames (a pipelining client), across the lazy compaction
+    /// of the input buffer.
+    #[test]
+    fn frames_of_a_burst_come_out_in_order_with_their_fds() {
+        let (mut connection, peer) = connection();
+        let frames: Vec<Vec<u8>> = (0u8..200).map(|n| encode_frame(&[n; 3])).collect();
+        send(&peer, &frames[..100].concat(), &[]);
+        let memfd = crate::memfd::create("fd", 16).unwrap();
+        send(&peer, &frames[100], &[memfd]);
+        send(&peer, &frames[101..150].concat(), &[]);
+        read_all(&mut connection);
+        for n in 0u8..150 {
+            let frame = connection
+                .next_frame(1024)
+                .unwrap()
+                .expect("a buffered frame");
+            assert_eq!(frame.body, vec![n; 3]);
+            assert_eq!(frame.fds.len(), usize::from(n == 100), "frame {n}");
+        }
+        assert!(connection.next_frame(1024).unwrap().is_none());
+        // Half a frame, then the rest after a read that compacts the buffer.
+        send(&peer, &frames[150][..5], &[]);
+        read_all(&mut connection);
+        assert!(connection.next_frame(1024).unwrap().is_none());
+        let before = [&frames[150][5..], &frames[151..160].concat()].concat();
+        send(&peer, &before, &[]);
+        let memfds = [0, 1].map(|_| crate::memfd::create("fd", 16).unwrap());
+        send(&peer, &frames[160], &memfds);
+        send(&peer, &frames[161..].concat(), &[]);
+        read_all(&mut connection);
+        for n in 150u8..200 {
+            let frame = connection
+                .next_frame(1024)
+                .unwrap()
+                .expect("a buffered frame");
+            assert_eq!(frame.body, vec![n; 3]);
+            assert_eq!(frame.fds.len(), if n == 160 { 2 } else { 0 }, "frame {n}");
+        }
+        assert_eq!(
+            connection.input_offset + connection.consumed as u64,
+            200 * 7
+        );
+    }
+
+    /// Replies carrying fds go out each on a sendmsg of its own with its fds, in
+    /// order with the plain replies around them; at most two wait unsent.
+    #[test]
+    fn replies_with_fds_carry_them_on_their_own_segment() {
+        let (mut connection, peer) = connection();
+        let replies: Vec<Vec<u8>> = (0u8..6).map(|n| encode_frame(&[n; 5])).collect();
+        for (n, reply) in replies.iter().enumerate() {
+            if n % 2 == 1 {
+                assert!(connection.has_room_for_fd_reply() || connection.flush().is_ok());
+                let fd = crate::memfd::create("fd", 16).unwrap();
+                assert!(connection.queue_with_fds(reply, vec![fd]), "reply {n}");
+            } else {
+                assert!(connection.queue(reply));
+            }
+        }
+        connection.flush().unwrap();
+        assert!(!connection.has_output());
+        let mut received: Vec<(Vec<u8>, usize)> = Vec::new();
+        let mut total = 0;
+        while total < replies.iter().map(Vec::len).sum::<usize>() {
+            let mut chunk = [0u8; 256];
+            let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
+            let mut control = RecvAncillaryBuffer::new(&mut space);
+            let mut iov = [IoSliceMut::new(&mut chunk)];
+            let message =
+                rustix::net::recvmsg(&peer, &mut iov, &mut control, RecvFlags::empty()).unwrap();
+            let fds = control
+                .drain()
+                .map(|m| match m {
+                    RecvAncillaryMessage::ScmRights(fds) => fds.count(),
+                    _ => 0,
+                })
+                .sum();
+            total += message.bytes;
+            received.push((chunk[..message.bytes].to_vec(), fds));
+        }
+        // Every read that brought fds ended with the whole reply they belong to.
+        let with_fds: Vec<&(Vec<u8>, usize)> = received.iter().filter(|(_, n)| *n > 0).collect();
+        assert_eq!(with_fds.len(), 3, "{received:?}");
+        for (bytes, count) in with_fds {
+            assert_eq!(*count, 1);
+            assert!(
+                [&replies[1], &replies[3], &replies[5]]
+                    .iter()
+                    .any(|reply| bytes.ends_with(reply)),
+                "{bytes:?}"
+            );
+        }
+        let all: Vec<u8> = received.into_iter().flat_map(|(bytes, _)| bytes).collect();
+        assert_eq!(all, replies.concat());
+        // Two unsent replies with fds fill the queue: a third is refused.
+        peer.set_nonblocking(true).unwrap();
+        for _ in 0..2 {
+            let fd = crate::memfd::create("fd", 16).unwrap();
+            assert!(connection.queue_with_fds(&replies[1], vec![fd]));
+        }
+        assert!(!connection.has_room_for_fd_reply());
+        let fd = crate::memfd::create("fd", 16).unwrap();
+        assert!(!connection.queue_with_fds(&replies[1], vec![fd]));
     }
 }

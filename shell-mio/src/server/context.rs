@@ -5,17 +5,46 @@
 //! another, so a free that races a copy only drops its reference and the mapping goes
 //! when the copy is done.
 
+use crate::cuda::{Gpu, IPC_HANDLE_BYTES, IpcMapping};
 use crate::memfd::{self, SharedMapping};
 use crate::protocol::{BufferSpec, ErrorCode, ProtocolError};
 use rustix::fd::OwnedFd;
+use std::sync::Arc;
 
 /// What the server holds for one (instance, module) entry.
 #[derive(Debug)]
 pub enum Context {
     /// The server copies between the worker's registered buffers and L1.
     ServerDriven(ServerDrivenContext),
-    // EngineDriven(TransferStrategy) arrives with the engine-driven issue: the
-    // reservations and pins an instance holds in the L1 pool.
+    /// The worker copies in and out of L1 slots itself; the server keeps its transfer
+    /// strategy (the reservations and pins it holds).
+    EngineDriven(EngineDrivenContext),
+}
+
+/// What an engine-driven worker holds: its transfer strategy. Only the event loop
+/// locks it (the lock makes the shared context `Sync`; it is never contended).
+#[derive(Debug)]
+pub struct EngineDrivenContext {
+    /// The reservations and pins the instance holds in the L1 pool.
+    pub strategy: std::sync::Mutex<super::engine_driven::TransferStrategy>,
+    /// The model the worker serves (status only).
+    pub model_name: String,
+}
+
+impl EngineDrivenContext {
+    /// A context holding nothing yet.
+    pub fn new(model_name: String) -> EngineDrivenContext {
+        EngineDrivenContext {
+            strategy: std::sync::Mutex::new(Default::default()),
+            model_name,
+        }
+    }
+
+    /// The strategy, locked (a poisoned lock still holds consistent bookkeeping:
+    /// every method leaves it whole before anything can panic).
+    pub fn strategy(&self) -> std::sync::MutexGuard<'_, super::engine_driven::TransferStrategy> {
+        self.strategy.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 /// The buffers a server-driven worker registered.
@@ -30,15 +59,94 @@ pub struct ServerDrivenContext {
 /// One registered buffer.
 #[derive(Debug)]
 pub enum RegisteredBuffer {
-    /// A worker's memfd, mapped shared. (CUDA IPC mappings join here later.)
+    /// A worker's memfd, mapped shared.
     Memfd(SharedMapping),
+    /// A CUDA IPC mapping of a window of a worker's device allocation. Dropping it
+    /// closes the mapping (`cuIpcCloseMemHandle`), which lets the device take the memory
+    /// back once its exporter is gone.
+    Cuda(IpcMapping),
 }
 
 impl RegisteredBuffer {
-    /// The mapping that copies go through.
-    pub fn mapping(&self) -> &SharedMapping {
+    /// The buffer's size in bytes.
+    pub fn len(&self) -> u64 {
         match self {
-            RegisteredBuffer::Memfd(mapping) => mapping,
+            RegisteredBuffer::Memfd(mapping) => mapping.len() as u64,
+            RegisteredBuffer::Cuda(mapping) => mapping.len(),
+        }
+    }
+
+    /// Whether the buffer is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Whether `[offset, offset + nbytes)` lies inside the buffer.
+    pub fn contains(&self, offset: u64, nbytes: u64) -> bool {
+        offset
+            .checked_add(nbytes)
+            .is_some_and(|end| end <= self.len())
+    }
+
+    /// Copies `nbytes` at `offset` of this buffer into `[slot_offset..)` of the L1 pool.
+    /// False (copying nothing, or failing on the device) when a range is out of bounds
+    /// or the driver refused.
+    pub fn copy_to_l1(
+        &self,
+        offset: u64,
+        pool: &SharedMapping,
+        slot_offset: u64,
+        nbytes: u64,
+    ) -> bool {
+        match self {
+            RegisteredBuffer::Memfd(src) => {
+                SharedMapping::copy(src, offset, pool, slot_offset, nbytes)
+            }
+            RegisteredBuffer::Cuda(src) => {
+                let (Some(dst), Ok(len)) =
+                    (pool.range_ptr(slot_offset, nbytes), usize::try_from(nbytes))
+                else {
+                    return false;
+                };
+                // SAFETY: `dst` points to `nbytes` bytes of the pool, inside a slot that
+                // the L1 store reserved for this copy alone; `pool` outlives the call.
+                let copied = unsafe { src.copy_to_host(offset, dst, len) };
+                copied
+                    .inspect_err(
+                        |error| tracing::error!(%error, "copy from a CUDA buffer to L1 failed"),
+                    )
+                    .is_ok()
+            }
+        }
+    }
+
+    /// Copies `nbytes` from `[slot_offset..)` of the L1 pool to `offset` of this buffer.
+    pub fn copy_from_l1(
+        &self,
+        pool: &SharedMapping,
+        slot_offset: u64,
+        offset: u64,
+        nbytes: u64,
+    ) -> bool {
+        match self {
+            RegisteredBuffer::Memfd(dst) => {
+                SharedMapping::copy(pool, slot_offset, dst, offset, nbytes)
+            }
+            RegisteredBuffer::Cuda(dst) => {
+                let (Some(src), Ok(len)) =
+                    (pool.range_ptr(slot_offset, nbytes), usize::try_from(nbytes))
+                else {
+                    return false;
+                };
+                // SAFETY: `src` points to `nbytes` bytes of a pinned (committed) slot of
+                // the pool, which `pool` keeps mapped for the whole call.
+                let copied = unsafe { dst.copy_from_host(offset, src, len) };
+                copied
+                    .inspect_err(
+                        |error| tracing::error!(%error, "copy from L1 to a CUDA buffer failed"),
+                    )
+                    .is_ok()
+            }
         }
     }
 }
@@ -48,6 +156,15 @@ impl Context {
     pub fn server_driven(&self) -> Option<&ServerDrivenContext> {
         match self {
             Context::ServerDriven(context) => Some(context),
+            Context::EngineDriven(_) => None,
+        }
+    }
+
+    /// The transfer strategy of an engine-driven context.
+    pub fn engine_driven(&self) -> Option<&EngineDrivenContext> {
+        match self {
+            Context::EngineDriven(context) => Some(context),
+            Context::ServerDriven(_) => None,
         }
     }
 }
@@ -59,6 +176,8 @@ pub struct BuildRequest {
     pub buffers: Vec<(BufferSpec, Option<OwnedFd>)>,
     /// The model name.
     pub model_name: String,
+    /// The GPUs, when the request has `cuda_ipc` buffers (checked before the build).
+    pub gpu: Option<Arc<Gpu>>,
 }
 
 /// Builds a server-driven context: checks and seals each memfd, then maps it. Runs on
@@ -88,6 +207,44 @@ pub fn build(request: BuildRequest) -> Result<Context, ProtocolError> {
                 })?;
                 // The fd is closed here; the mapping keeps the memory.
                 buffers.push(RegisteredBuffer::Memfd(mapping));
+            }
+            (
+                BufferSpec::CudaIpc {
+                    device,
+                    handle,
+                    offset,
+                    nbytes,
+                },
+                None,
+            ) => {
+                let Some(gpu) = request.gpu.as_ref() else {
+                    return Err(ProtocolError::new(
+                        ErrorCode::Unavailable,
+                        format!(
+                            "register_kv_cache: buffers[{index}] is a cuda_ipc buffer, but this server has no GPU"
+                        ),
+                    ));
+                };
+                let bad = |message: String| ProtocolError::new(ErrorCode::BadArgs, message);
+                let handle: &[u8; IPC_HANDLE_BYTES] = handle.as_slice().try_into().map_err(|_| {
+                    bad(format!(
+                        "register_kv_cache: buffers[{index}].handle is {} bytes; a CUDA IPC handle is bin({IPC_HANDLE_BYTES})",
+                        handle.len()
+                    ))
+                })?;
+                let device = u32::try_from(device).map_err(|_| {
+                    bad(format!("register_kv_cache: buffers[{index}].device {device} is not a device ordinal"))
+                })?;
+                let mapping = gpu.open_ipc(device, handle, offset, nbytes).map_err(|e| {
+                    ProtocolError::new(
+                        ErrorCode::BadArgs,
+                        format!(
+                            "register_kv_cache: buffers[{index}] (cuda_ipc, device {device}, offset {offset}, nbytes {nbytes}): {e}; \
+                             send the cuIpcGetMemHandle handle of a live allocation's base, from a process on this host"
+                        ),
+                    )
+                })?;
+                buffers.push(RegisteredBuffer::Cuda(mapping));
             }
             (spec, _) => {
                 return Err(ProtocolError::new(

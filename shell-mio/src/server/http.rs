@@ -103,6 +103,16 @@ pub fn route(head: &[u8]) -> Option<Route> {
     }
 }
 
+/// Appends `chunk` to the head buffered so far (bytes beyond [`MAX_REQUEST_BYTES`] are
+/// dropped) and routes it: `None` while the head is incomplete. Once `input` is full the
+/// answer is always `Some` (431 or 400), so a connection never waits on a full buffer.
+/// Pure: the fuzzer (`http_request`) drives it with arbitrary bytes in arbitrary chunks.
+pub fn feed(input: &mut Vec<u8>, chunk: &[u8]) -> Option<Route> {
+    let room = MAX_REQUEST_BYTES.saturating_sub(input.len());
+    input.extend_from_slice(&chunk[..chunk.len().min(room)]);
+    route(input)
+}
+
 /// One HTTP connection: read a head, answer once, close.
 #[derive(Debug)]
 pub struct HttpConnection {
@@ -138,9 +148,7 @@ impl HttpConnection {
             match self.stream.read(&mut chunk) {
                 Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
                 Ok(n) => {
-                    let room = MAX_REQUEST_BYTES.saturating_sub(self.input.len());
-                    self.input.extend_from_slice(&chunk[..n.min(room)]);
-                    if let Some(route) = route(&self.input) {
+                    if let Some(route) = feed(&mut self.input, &chunk[..n]) {
                         return Ok(Some(route));
                     }
                 }
@@ -184,6 +192,12 @@ mod tests {
             Some(Route::Healthz)
         );
         assert_eq!(route(b"GET /status HTTP/1.1\r\n"), None);
+        // Found by the http_request fuzzer, which wrongly expected a refusal: empty
+        // lines before the request line are ignored (RFC 9112 section 2.2).
+        assert_eq!(
+            route(b"\n\n\r\nGET /healthz HTTP/1.1\r\n\r\n"),
+            Some(Route::Healthz)
+        );
         assert!(
             matches!(route(b"POST /status HTTP/1.1\r\n\r\n"), Some(Route::Other(r)) if r.code == 405)
         );

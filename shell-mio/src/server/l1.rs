@@ -5,6 +5,8 @@
 //! A slot being written or read is never evicted: writes hold a reservation, reads a pin.
 
 use crate::memfd::{self, SharedMapping};
+use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
+use rustix::fs::SealFlags;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
@@ -38,10 +40,22 @@ pub enum Reservation {
     Full,
 }
 
+/// Slots that LRU may not evict, by why.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct Occupancy {
+    /// Being written (a server-driven store's copy, or an engine-driven reservation).
+    pub reserved: usize,
+    /// Committed and pinned by at least one read.
+    pub pinned: usize,
+}
+
 /// The pool.
 #[derive(Debug)]
 pub struct L1 {
     mapping: Arc<SharedMapping>,
+    /// The pool's memfd, kept to hand to engine-driven workers (`SCM_RIGHTS`); sealed
+    /// against resizing, so no worker can shrink it under the server's mapping.
+    fd: OwnedFd,
     slot_bytes: u64,
     slots: Vec<SlotState>,
     index: HashMap<Vec<u8>, SlotId>,
@@ -57,11 +71,15 @@ impl L1 {
         let num_slots = l1_bytes.checked_div(slot_bytes).unwrap_or(0);
         let used = num_slots * slot_bytes;
         let fd = memfd::create("kvwarden-l1", used)?;
+        // Engine-driven workers get this fd: a shrink would turn the server's next copy
+        // into SIGBUS, a grow is pointless, and F_SEAL_SEAL keeps it that way.
+        rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)?;
         let len = usize::try_from(used).map_err(std::io::Error::other)?;
         let mapping = Arc::new(SharedMapping::map(&fd, len)?);
         let num_slots = usize::try_from(num_slots).map_err(std::io::Error::other)?;
         Ok(L1 {
             mapping,
+            fd,
             slot_bytes,
             slots: (0..num_slots).map(|_| SlotState::Free).collect(),
             index: HashMap::new(),
@@ -74,6 +92,25 @@ impl L1 {
     /// The pool's mapping (copies run against it off the loop).
     pub fn mapping(&self) -> &Arc<SharedMapping> {
         &self.mapping
+    }
+
+    /// The pool's memfd (sealed against resizing), for engine-driven workers to map.
+    pub fn pool_fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// Slots reserved for a write and slots pinned for a read, counted now (a scan:
+    /// for status pages, not for the request path).
+    pub fn occupancy(&self) -> Occupancy {
+        let mut occupancy = Occupancy::default();
+        for state in &self.slots {
+            match state {
+                SlotState::Writing { .. } => occupancy.reserved += 1,
+                SlotState::Committed { pins, .. } if *pins > 0 => occupancy.pinned += 1,
+                _ => {}
+            }
+        }
+        occupancy
     }
 
     /// Bytes per slot.
@@ -229,5 +266,89 @@ mod tests {
         l1.abort(c);
         l1.unpin(pinned);
         assert!(matches!(l1.reserve(b"d"), Reservation::Reserved(_)));
+    }
+
+    /// Random reserve/commit/abort/pin/unpin sequences: a slot that is reserved or
+    /// pinned keeps its key and bytes whatever else is stored, and a reservation is
+    /// refused (`Full`) only when every slot is reserved or pinned.
+    #[test]
+    fn lru_never_evicts_a_pinned_or_reserved_slot() {
+        const SLOTS: usize = 6;
+        let mut l1 = L1::new(SLOTS as u64 * 4096, 4096).unwrap();
+        let mut state: u64 = 0x2545_f491_4f6c_dd1d;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let mut reserved: Vec<(Vec<u8>, SlotId)> = Vec::new();
+        let mut pinned: Vec<(Vec<u8>, SlotId)> = Vec::new();
+        for round in 0..20_000u64 {
+            let key = format!("k{}", next() % 24).into_bytes();
+            match next() % 5 {
+                0 | 1 => match l1.reserve(&key) {
+                    Reservation::Reserved(slot) => {
+                        assert!(
+                            !reserved.iter().chain(&pinned).any(|(_, s)| *s == slot),
+                            "round {round}: slot {slot} handed out while reserved or pinned"
+                        );
+                        assert!(l1.mapping().write(l1.offset(slot), &key));
+                        reserved.push((key, slot));
+                    }
+                    Reservation::Full => {
+                        let held: std::collections::HashSet<SlotId> =
+                            reserved.iter().chain(&pinned).map(|(_, s)| *s).collect();
+                        assert_eq!(held.len(), SLOTS, "round {round}: Full with free slots");
+                    }
+                    Reservation::AlreadyStored => {}
+                },
+                2 if !reserved.is_empty() => {
+                    let (key, slot) = reserved.swap_remove((next() as usize) % reserved.len());
+                    if next() % 4 == 0 {
+                        l1.abort(slot);
+                    } else {
+                        l1.commit(slot, key.len() as u64);
+                    }
+                }
+                3 => {
+                    if let Some((slot, len)) = l1.pin(&key) {
+                        assert_eq!(len, key.len() as u64);
+                        pinned.push((key, slot));
+                    }
+                }
+                _ if !pinned.is_empty() => {
+                    let (_, slot) = pinned.swap_remove((next() as usize) % pinned.len());
+                    l1.unpin(slot);
+                }
+                _ => {}
+            }
+            for (key, slot) in reserved.iter().chain(&pinned) {
+                let mut bytes = vec![0u8; key.len()];
+                assert!(l1.mapping().read(l1.offset(*slot), &mut bytes));
+                assert_eq!(&bytes, key, "round {round}: slot {slot} was overwritten");
+            }
+            for (key, _) in &pinned {
+                assert_eq!(
+                    l1.lookup_prefix(std::slice::from_ref(key)),
+                    1,
+                    "pinned stays"
+                );
+            }
+            let occupancy = l1.occupancy();
+            assert_eq!(occupancy.reserved, reserved.len());
+            let distinct_pins: std::collections::HashSet<SlotId> =
+                pinned.iter().map(|(_, s)| *s).collect();
+            assert_eq!(occupancy.pinned, distinct_pins.len());
+        }
+    }
+
+    #[test]
+    fn the_pool_memfd_cannot_be_resized_by_whoever_holds_it() {
+        let l1 = L1::new(2 * 4096, 4096).unwrap();
+        let seals = rustix::fs::fcntl_get_seals(l1.pool_fd()).unwrap();
+        assert!(seals.contains(SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL));
+        assert!(rustix::fs::ftruncate(l1.pool_fd(), 4096).is_err());
+        assert!(rustix::fs::ftruncate(l1.pool_fd(), 4 * 4096).is_err());
     }
 }

@@ -93,3 +93,93 @@ pub fn bind_tcp(addr: std::net::SocketAddr) -> Result<mio::net::TcpListener, Lis
         source,
     })
 }
+
+/// fds kept aside from worker connections: listeners, epoll, waker, signal pipe, the L1
+/// memfd, 64 HTTP connections, fds in transit (up to 32 per read) and memfds being
+/// mapped on the context pool.
+pub const RESERVED_FDS: u64 = 256;
+/// fds one worker connection holds: its socket and the pidfd taken at accept. (A
+/// process that registers adds one more watch pidfd, shared by all its connections.)
+pub const FDS_PER_CONNECTION: u64 = 2;
+
+/// The open-file limit the server runs under, and the worker connections it allows.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct FdLimit {
+    /// The soft limit found at start.
+    pub soft_at_start: u64,
+    /// The soft limit in force (raised to the hard limit when allowed).
+    pub soft: u64,
+    /// The hard limit.
+    pub hard: u64,
+}
+
+impl FdLimit {
+    /// Worker connections that fit: `(soft - RESERVED_FDS) / FDS_PER_CONNECTION`.
+    pub fn connection_capacity(&self) -> usize {
+        let capacity = self.soft.saturating_sub(RESERVED_FDS) / FDS_PER_CONNECTION;
+        usize::try_from(capacity).unwrap_or(usize::MAX).max(1)
+    }
+}
+
+/// Raises this process's open-file soft limit (`RLIMIT_NOFILE`) to its hard limit, so
+/// that the connection capacity is what the operator allowed, not the shell's 1024
+/// default. A refusal (or an unlimited hard limit the kernel will not grant) leaves the
+/// soft limit as it was; the result says what is in force.
+pub fn raise_fd_limit() -> FdLimit {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    const UNLIMITED: u64 = u64::MAX;
+    let limit = getrlimit(Resource::Nofile);
+    let soft_at_start = limit.current.unwrap_or(UNLIMITED);
+    let hard = limit.maximum.unwrap_or(UNLIMITED);
+    let mut soft = soft_at_start;
+    if soft < hard {
+        let raised = Rlimit {
+            current: limit.maximum,
+            maximum: limit.maximum,
+        };
+        match setrlimit(Resource::Nofile, raised) {
+            Ok(()) => soft = hard,
+            Err(error) => tracing::warn!(
+                soft = soft_at_start,
+                hard,
+                %error,
+                "could not raise the open-file soft limit to the hard limit"
+            ),
+        }
+    }
+    FdLimit {
+        soft_at_start,
+        soft,
+        hard,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn connection_capacity_keeps_a_reserve_and_two_fds_per_connection() {
+        let limit = |soft| FdLimit {
+            soft_at_start: 1024,
+            soft,
+            hard: soft,
+        };
+        assert_eq!(limit(1024).connection_capacity(), 384);
+        assert_eq!(limit(1_048_576).connection_capacity(), 524_160);
+        assert_eq!(limit(100).connection_capacity(), 1, "never zero");
+        assert_eq!(
+            limit(u64::MAX).connection_capacity(),
+            usize::try_from((u64::MAX - RESERVED_FDS) / 2).unwrap_or(usize::MAX)
+        );
+    }
+
+    #[test]
+    fn raising_reaches_the_hard_limit_when_allowed() {
+        let limit = raise_fd_limit();
+        assert!(limit.soft >= limit.soft_at_start);
+        assert!(limit.soft <= limit.hard);
+        let again = raise_fd_limit();
+        assert_eq!(again.soft, limit.soft, "raising twice changes nothing");
+    }
+}

@@ -39,6 +39,10 @@ pub struct Metrics {
     pub l1_slots: Family<Labels, Gauge>,
     /// Open worker connections.
     pub connections: Gauge,
+    /// Bytes of CacheBlend rope tables held, all instances together (set at scrape).
+    pub blend_bytes: Gauge,
+    /// Instances holding CacheBlend rope tables (set at scrape).
+    pub blend_instances: Gauge,
 }
 
 fn label(key: &str, value: &str) -> Labels {
@@ -62,6 +66,8 @@ impl Metrics {
             ping_seconds: Histogram::new(exponential_buckets(1e-6, 4.0, 10)),
             l1_slots: Family::default(),
             connections: Gauge::default(),
+            blend_bytes: Gauge::default(),
+            blend_instances: Gauge::default(),
             registry: Registry::default(),
             request_counters: std::collections::HashMap::new(),
         };
@@ -109,6 +115,16 @@ impl Metrics {
             "Open worker connections",
             metrics.connections.clone(),
         );
+        registry.register(
+            "blend_bytes",
+            "Bytes of CacheBlend rope tables held",
+            metrics.blend_bytes.clone(),
+        );
+        registry.register(
+            "blend_instances",
+            "Instances holding CacheBlend rope tables",
+            metrics.blend_instances.clone(),
+        );
         Metrics {
             registry,
             ..metrics
@@ -149,6 +165,18 @@ impl Metrics {
         if value > seen {
             counter.inc_by(value - seen);
         }
+    }
+
+    /// Sets the gauges of L1 slots that LRU may not evict: `reserved` (being written,
+    /// or reserved by an engine-driven worker) and `pinned` (being read).
+    pub fn l1_held(&self, reserved: usize, pinned: usize) {
+        let as_i64 = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+        self.l1_slots
+            .get_or_create(&label("state", "reserved"))
+            .set(as_i64(reserved));
+        self.l1_slots
+            .get_or_create(&label("state", "pinned"))
+            .set(as_i64(pinned));
     }
 
     /// Sets the L1 gauges.

@@ -4,9 +4,13 @@
 //! The loop only translates: bytes ↔ messages ([`crate::protocol`]) ↔ core calls ↔
 //! effects ↔ syscalls. Every liveness rule lives in [`kvwarden_core`].
 
+pub mod blend;
 pub mod connection;
 pub mod context;
+pub mod engine_driven;
 mod event_loop;
+pub mod fault;
+pub mod gpu;
 pub mod http;
 pub mod l1;
 pub mod listen;

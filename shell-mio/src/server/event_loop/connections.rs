@@ -106,8 +106,13 @@ impl Server {
                 Ok(ReadOutcome::WouldBlock) => return,
                 Ok(ReadOutcome::Data | ReadOutcome::Full) => {}
                 Ok(ReadOutcome::Closed) => {
+                    // The peer may only have shut down its write side (a half-close) and
+                    // still read: answer what it sent, close once the replies are out.
                     self.process_frames(token, budget);
-                    self.close(token, "peer closed the connection");
+                    if let Some(connection) = self.connections.get_mut(&token) {
+                        connection.close_after_flush = true;
+                        self.dirty.insert(token);
+                    }
                     return;
                 }
                 Err(error) => {
@@ -184,8 +189,12 @@ impl Server {
                 continue;
             };
             match connection.flush() {
-                Ok(()) if connection.close_after_flush && !connection.has_output() => {
-                    self.close(token, "closed after a fatal frame error");
+                Ok(())
+                    if connection.close_after_flush
+                        && !connection.has_output()
+                        && connection.in_flight == 0 =>
+                {
+                    self.close(token, "closed after its last reply");
                 }
                 Ok(()) => {}
                 Err(error) => self.close(token, &format!("write failed: {error}")),

@@ -59,6 +59,12 @@ impl Server {
                         copied.map(Value::from),
                     );
                 }
+                Done::BlendComputed {
+                    reply,
+                    ticket,
+                    result,
+                } => self.on_blend_computed(reply, ticket, result),
+                Done::Discarded => {}
             }
         }
     }
@@ -97,7 +103,11 @@ impl Server {
             }
         };
         self.forget_if_gone(instance);
-        self.reply(reply.token, reply.request_id, reply.op, answer);
+        if module == Module::EngineDriven && answer.is_ok() {
+            self.reply_engine_registration(reply, "created");
+        } else {
+            self.reply(reply.token, reply.request_id, reply.op, answer);
+        }
     }
 
     // ---------------------------------------------------------------- effects
@@ -112,7 +122,7 @@ impl Server {
                     cause,
                 } => self.free(instance, module, context, cause),
                 Effect::DropBlendState { instance } => {
-                    // No CacheBlend state is held yet; the records go with the entries.
+                    self.drop_blend_state(instance);
                     self.forget_if_gone(instance);
                 }
                 Effect::StallDetected { gap } => {
@@ -161,6 +171,7 @@ impl Server {
             self.freed_at_shutdown += 1;
         }
         self.forget_if_gone(instance);
+        self.release_transfer_strategy(instance, &context, label);
         let free_id = self.next_free_id;
         self.next_free_id += 1;
         self.frees.insert(
@@ -172,7 +183,11 @@ impl Server {
                 reported: false,
             },
         );
+        let hang = self.faults.next_free_hang();
         self.pool.submit_detached("kvwarden-free", move || {
+            if let Some(hang) = hang {
+                hang.block(); // --fault-free-hang-instances: a free that never returns
+            }
             drop(context); // unmaps, unless a transfer still holds it: then when it ends
             Done::Freed { free_id }
         });

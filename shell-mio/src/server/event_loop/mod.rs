@@ -7,6 +7,7 @@
 use super::ServerConfig;
 use super::connection::{Connection, Frame, ReadOutcome, Stream};
 use super::context::{self, BuildRequest, Context};
+use super::gpu::GpuState;
 use super::http::{HttpConnection, Response, Route};
 use super::l1::{L1, Reservation, SlotId};
 use super::listen::{self, ListenError};
@@ -14,7 +15,6 @@ use super::metrics::Metrics;
 use super::peer::{self, Watches};
 use super::pool::Pool;
 use super::status::json_to_msgpack;
-use crate::memfd::SharedMapping;
 use crate::protocol::{
     BufferSpec, ErrorCode, FrameError, Op, PROTOCOL_VERSION, ProtocolError, decode_request,
     encode_reply,
@@ -33,8 +33,10 @@ use std::sync::Arc;
 use std::time::Duration;
 use thiserror::Error;
 
+mod blend;
 mod connections;
 mod effects;
+mod engine_driven;
 mod observe;
 mod requests;
 mod shutdown;
@@ -111,6 +113,14 @@ enum Done {
         slot: SlotId,
         copied: Result<u64, ProtocolError>,
     },
+    /// CacheBlend rope tables computed for `register_blend`.
+    BlendComputed {
+        reply: ReplyTo,
+        ticket: super::blend::BlendTicket,
+        result: Result<super::blend::RopeTables, String>,
+    },
+    /// Something big was dropped off the loop; nothing to do.
+    Discarded,
 }
 
 /// What the shell knows about an entry besides liveness (status and ownership).
@@ -150,6 +160,7 @@ pub struct Server {
     next_token: usize,
     pool: Pool<Done>,
     l1: L1,
+    gpu: GpuState,
     records: HashMap<(InstanceId, Module), Record>,
     watches: Watches,
     metrics: Metrics,
@@ -160,12 +171,33 @@ pub struct Server {
     server_uid: u32,
     shutdown: Option<Shutdown>,
     freed_at_shutdown: u64,
+    /// CacheBlend rope tables per instance.
+    blend: super::blend::BlendStates,
+    /// Test-only faults (`--fault-*`); none in production.
+    faults: super::fault::FaultState,
+    fd_limit: listen::FdLimit,
 }
 
 impl Server {
     /// Validates the configuration, binds every listener and prints the bound
     /// addresses on stdout (`socket=…`, `tcp=…`, `http=…`, then `ready`).
-    pub fn bind(config: ServerConfig) -> Result<Server, ServerError> {
+    pub fn bind(mut config: ServerConfig) -> Result<Server, ServerError> {
+        let fd_limit = listen::raise_fd_limit();
+        let capacity = fd_limit.connection_capacity();
+        if config.max_connections > capacity {
+            tracing::warn!(
+                max_connections = config.max_connections,
+                connection_capacity = capacity,
+                open_files_soft = fd_limit.soft,
+                open_files_hard = fd_limit.hard,
+                "--max-connections lowered to what the open-file limit holds ({} fds per \
+                 connection, {} kept aside); raise the hard limit (LimitNOFILE=, ulimit -Hn) \
+                 to hold more",
+                listen::FDS_PER_CONNECTION,
+                listen::RESERVED_FDS,
+            );
+            config.max_connections = capacity;
+        }
         let floor = if config.allow_short_timeouts {
             Duration::ZERO
         } else {
@@ -181,6 +213,8 @@ impl Server {
             slot_bytes: config.slot_bytes,
             source,
         })?;
+
+        let gpu = GpuState::start(l1.mapping());
 
         let mut unix_listener = listen::bind_unix(&config.socket_path, config.socket_mode)?;
         poll.registry()
@@ -212,6 +246,11 @@ impl Server {
             resolution_seconds = config.liveness.resolution.as_secs_f64(),
             l1_slots = l1.num_slots(),
             slot_bytes = l1.slot_bytes(),
+            open_files_soft = fd_limit.soft,
+            open_files_soft_at_start = fd_limit.soft_at_start,
+            open_files_hard = fd_limit.hard,
+            connection_capacity = capacity,
+            max_connections = config.max_connections,
             "kvwarden serving"
         );
         if config.allow_short_timeouts {
@@ -252,6 +291,7 @@ impl Server {
             next_token: FIRST_DYNAMIC_TOKEN,
             pool,
             l1,
+            gpu,
             records: HashMap::new(),
             watches: Watches::default(),
             metrics: Metrics::new(),
@@ -262,8 +302,26 @@ impl Server {
             server_uid: rustix::process::getuid().as_raw(),
             shutdown: None,
             freed_at_shutdown: 0,
+            blend: super::blend::BlendStates::default(),
+            faults: super::fault::FaultState::default(),
+            fd_limit,
             config,
         })
+    }
+
+    /// Switches on test-only faults (slow builds, hung frees) before [`Server::run`];
+    /// logged loudly, since a server running with them is broken on purpose.
+    pub fn inject_faults(&mut self, faults: super::fault::Faults) {
+        if faults.any() {
+            tracing::error!(
+                build_delay_ms = faults.build_delay.as_millis() as u64,
+                free_hang_instances = faults.free_hang_instances,
+                "FAULT INJECTION ON: every context build sleeps build_delay_ms first and the \
+                 frees of the first free_hang_instances contexts never return. TESTING \
+                 ONLY: this server leaks what those frees hold"
+            );
+        }
+        self.faults = super::fault::FaultState::new(faults);
     }
 
     /// Serves until SIGTERM/SIGINT, then shuts down cleanly (every context freed once,

@@ -94,9 +94,19 @@ impl Server {
         Metrics::mirror(&self.metrics.process_exits, status.process_exits_total);
         Metrics::mirror(&self.metrics.stalls, status.stalls_total);
         self.metrics.l1(self.l1.used_slots(), self.l1.num_slots());
+        let occupancy = self.l1.occupancy();
+        self.metrics.l1_held(occupancy.reserved, occupancy.pinned);
+        let as_i64 = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+        self.metrics
+            .blend_bytes
+            .set(as_i64(self.blend.held_bytes()));
+        self.metrics
+            .blend_instances
+            .set(as_i64(self.blend.instances() as u64));
     }
 
     pub(super) fn status_json(&self) -> serde_json::Value {
+        let occupancy = self.l1.occupancy();
         let now = self.now();
         let status = self.liveness.status();
         let mut instances: Vec<serde_json::Value> = Vec::with_capacity(self.records.len());
@@ -114,6 +124,7 @@ impl Server {
                 "owner_uid": record.owner_uid,
                 "watched_pid": self.watches.pid_of(*instance),
                 "model_name": record.model_name,
+                "blend_bytes": self.blend.bytes_of(*instance),
             }));
         }
         instances.sort_by_key(|item| item["instance_id"].as_u64());
@@ -149,8 +160,22 @@ impl Server {
                 "slot_bytes": self.l1.slot_bytes(),
                 "slots_total": self.l1.num_slots(),
                 "slots_used": self.l1.used_slots(),
+                "slots_reserved": occupancy.reserved,
+                "slots_pinned": occupancy.pinned,
             },
+            "blend": {
+                "bytes_total": self.blend.held_bytes(),
+                "instances": self.blend.instances(),
+                "computing": self.blend.pending(),
+            },
+            "gpu": self.gpu.status_json(),
             "connections": self.connections.len(),
+            "limits": {
+                "open_files_soft": self.fd_limit.soft,
+                "open_files_hard": self.fd_limit.hard,
+                "connection_capacity": self.fd_limit.connection_capacity(),
+                "max_connections": self.config.max_connections,
+            },
             "watched_processes": self.watches.len(),
             "instances": instances,
         })

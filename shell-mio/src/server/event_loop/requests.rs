@@ -101,20 +101,21 @@ impl Server {
                 offset,
             } => self.retrieve(reply, instance, key, buffer, offset),
             Op::Lookup { keys } => Some(Ok(self.l1.lookup_prefix(&keys).into())),
-            Op::RegisterEngineDriven { .. }
-            | Op::UnregisterEngineDriven { .. }
-            | Op::PrepareStore { .. }
-            | Op::CommitStore { .. }
-            | Op::PrepareRetrieve { .. }
-            | Op::CommitRetrieve { .. }
-            | Op::RegisterBlend { .. } => Some(Err(ProtocolError::new(
-                ErrorCode::Unavailable,
-                format!(
-                    "`{name}` is not implemented yet in this version of kvwarden (engine-driven \
-                     transfers and CacheBlend state come in a later release); use \
-                     register_kv_cache with store/retrieve"
-                ),
-            ))),
+            Op::RegisterEngineDriven {
+                instance,
+                model_name,
+                world_size: _,
+            } => self.register_engine_driven(reply, instance, model_name),
+            Op::UnregisterEngineDriven { instance } => self.unregister_engine_driven(instance),
+            Op::PrepareStore { instance, key } => self.prepare_store(instance, &key),
+            Op::CommitStore {
+                instance,
+                key,
+                nbytes,
+            } => self.commit_store(instance, &key, nbytes),
+            Op::PrepareRetrieve { instance, key } => self.prepare_retrieve(instance, &key),
+            Op::CommitRetrieve { instance, key } => self.commit_retrieve(instance, &key),
+            Op::RegisterBlend { instance, rope } => self.register_blend(reply, instance, rope),
             Op::Status => Some(Ok(json_to_msgpack(&self.status_json()))),
         }
     }
@@ -199,14 +200,27 @@ impl Server {
                     with_fds.push((spec, Some(fd)));
                 }
                 BufferSpec::CudaIpc { device, .. } => {
-                    return Some(Err(ProtocolError::new(
-                        ErrorCode::Unavailable,
-                        format!(
-                            "register_kv_cache: buffers[{index}] is a cuda_ipc buffer on device \
-                             {device}, but this server was built without CUDA support yet; \
-                             register memfd buffers, or run a kvwarden built with CUDA"
-                        ),
-                    )));
+                    let gpu = match self.gpu.gpu() {
+                        Ok(gpu) => gpu,
+                        Err(reason) => {
+                            return Some(Err(ProtocolError::new(
+                                ErrorCode::Unavailable,
+                                format!(
+                                    "register_kv_cache: buffers[{index}] is a cuda_ipc buffer on \
+                                     device {device}, but this server cannot use CUDA: {reason}; \
+                                     register memfd buffers instead, or run the server on the GPU host"
+                                ),
+                            )));
+                        }
+                    };
+                    if *device >= gpu.device_count() as u64 {
+                        return bad_args(format!(
+                            "register_kv_cache: buffers[{index}].device {device}, but this host has {} CUDA device(s) (0..{})",
+                            gpu.device_count(),
+                            gpu.device_count()
+                        ));
+                    }
+                    with_fds.push((spec, None));
                 }
             }
         }
@@ -233,12 +247,17 @@ impl Server {
                 let request = BuildRequest {
                     buffers: with_fds,
                     model_name,
+                    gpu: self.gpu.gpu().ok().cloned(),
                 };
                 self.start_job(reply.token);
-                self.pool.submit(move || Done::Built {
-                    ticket,
-                    reply,
-                    result: context::build(request),
+                let delay = self.faults.build_delay();
+                self.pool.submit(move || {
+                    crate::server::fault::delay_build(delay); // --fault-build-delay-ms
+                    Done::Built {
+                        ticket,
+                        reply,
+                        result: context::build(request),
+                    }
                 });
                 None
             }
@@ -318,11 +337,11 @@ impl Server {
                 "`{op}`: buffer index {buffer}, but instance {instance} registered {count} buffers (valid: 0..{count})"
             ));
         };
-        let mapping = server_driven.buffers[index].mapping();
-        if !mapping.contains(offset, nbytes) {
+        let registered = &server_driven.buffers[index];
+        if !registered.contains(offset, nbytes) {
             return bad(format!(
                 "`{op}`: offset {offset} + nbytes {nbytes} runs past the end of buffer {buffer} ({} bytes)",
-                mapping.len()
+                registered.len()
             ));
         }
         Ok(index)
@@ -366,12 +385,9 @@ impl Server {
                 let slot_offset = self.l1.offset(slot);
                 self.start_job(reply.token);
                 self.pool.submit(move || {
-                    let copied = context
-                        .server_driven()
-                        .map(|c| c.buffers[index].mapping())
-                        .is_some_and(|src| {
-                            SharedMapping::copy(src, offset, &pool, slot_offset, nbytes)
-                        });
+                    let copied = context.server_driven().is_some_and(|c| {
+                        c.buffers[index].copy_to_l1(offset, &pool, slot_offset, nbytes)
+                    });
                     drop(context); // the mapping may go now, if the context was freed meanwhile
                     Done::Stored {
                         reply,
@@ -420,8 +436,7 @@ impl Server {
         self.pool.submit(move || {
             let copied = context
                 .server_driven()
-                .map(|c| c.buffers[index].mapping())
-                .is_some_and(|dst| SharedMapping::copy(&pool, slot_offset, dst, offset, nbytes));
+                .is_some_and(|c| c.buffers[index].copy_from_l1(&pool, slot_offset, offset, nbytes));
             drop(context);
             Done::Retrieved {
                 reply,

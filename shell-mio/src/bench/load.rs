@@ -1,0 +1,416 @@
+//! A ping load generator: many connections on one mio thread, closed loop (S1) or one
+//! ping per connection at a fixed rate (S2, S3, R5), with every round trip recorded.
+//!
+//! It speaks the wire protocol directly, with each reply frame decoded and checked, so
+//! that what is measured is the server and not a client library. One request is in
+//! flight per connection at any time; each connection pings its own instance id (or
+//! nil: an untracked prober).
+
+use super::BenchError;
+use super::stats::Samples;
+use crate::protocol::{decode_reply, encode_request, split_frame};
+use mio::net::UnixStream;
+use mio::{Events, Interest, Poll, Token};
+use rmpv::Value;
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::io::{self, Read, Write};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+/// The largest reply frame a ping can get (an error reply with its message).
+const MAX_REPLY_BYTES: usize = 64 << 10;
+/// How long the outstanding pings may take to come back once a run ends.
+const DRAIN_BOUND: Duration = Duration::from_secs(10);
+
+/// When each connection sends its next ping.
+#[derive(Copy, Clone, Debug)]
+pub enum Pacing {
+    /// As soon as the previous reply arrives.
+    ClosedLoop,
+    /// One ping per connection per interval, at a fixed rate (a ping whose time comes
+    /// while the previous one is unanswered goes out as soon as that reply arrives);
+    /// the connections' start times are spread evenly over one interval.
+    Every(Duration),
+}
+
+/// What one run measured.
+#[derive(Debug, Default)]
+pub struct PingOutcome {
+    /// Replies in the measured window.
+    pub replies: u64,
+    /// Replies `false` (the instance is not tracked) in the window.
+    pub untracked: u64,
+    /// Error replies in the window.
+    pub errors: u64,
+    /// The measured window.
+    pub elapsed: Duration,
+    /// Round trips of the window.
+    pub round_trips: Samples,
+    /// Every reply of the run, warm-up and drain included (for costs per ping).
+    pub all_replies: u64,
+}
+
+impl PingOutcome {
+    /// Replies per second.
+    pub fn throughput(&self) -> f64 {
+        self.replies as f64 / self.elapsed.as_secs_f64().max(1e-9)
+    }
+}
+
+/// The protocol the fleet speaks.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Wire {
+    /// kvwarden's: `[id, "ping", [instance]]` frames, each reply decoded.
+    Kvwarden,
+    /// Redis's RESP: `PING` as a multi-bulk command, `+PONG` expected: the same load
+    /// generator against `redis-server`, for a like-for-like S1 baseline.
+    Resp,
+}
+
+/// `PING` in RESP, and its reply.
+const RESP_PING: &[u8] = b"*1\r\n$4\r\nPING\r\n";
+const RESP_PONG: &[u8] = b"+PONG\r\n";
+
+/// What a reply said.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum Answer {
+    Tracked,
+    Untracked,
+    Error,
+}
+
+struct Connection {
+    stream: UnixStream,
+    wire: Wire,
+    frame: Vec<u8>,
+    input: Vec<u8>,
+    output: Vec<u8>,
+    sent_at: Option<Instant>,
+    /// A ping fell due while the previous one was unanswered.
+    overdue: bool,
+}
+
+impl Connection {
+    fn send(&mut self, now: Instant) -> io::Result<()> {
+        self.sent_at = Some(now);
+        self.output.extend_from_slice(&self.frame);
+        self.flush()
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        while !self.output.is_empty() {
+            match self.stream.write(&self.output) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => {
+                    self.output.drain(..n);
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads what is there; returns the whole replies that arrived.
+    fn receive(&mut self, scratch: &mut [u8], replies: &mut Vec<Answer>) -> io::Result<()> {
+        loop {
+            match self.stream.read(scratch) {
+                Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                // A short read drained the socket: bytes that arrive later raise a new
+                // edge, so the extra read that would only say EAGAIN is skipped.
+                Ok(n) if n < scratch.len() => {
+                    self.input.extend_from_slice(&scratch[..n]);
+                    break;
+                }
+                Ok(n) => self.input.extend_from_slice(&scratch[..n]),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        let mut consumed = 0;
+        if self.wire == Wire::Resp {
+            while let Some(reply) = self.input.get(consumed..consumed + RESP_PONG.len()) {
+                replies.push(match reply == RESP_PONG {
+                    true => Answer::Tracked,
+                    false => Answer::Error,
+                });
+                consumed += RESP_PONG.len();
+            }
+            self.input.drain(..consumed);
+            return Ok(());
+        }
+        loop {
+            match split_frame(&self.input[consumed..], MAX_REPLY_BYTES) {
+                Ok(Some((body, used))) => {
+                    replies.push(match decode_reply(body).map(|r| r.result) {
+                        Ok(Ok(Value::Boolean(true))) => Answer::Tracked,
+                        Ok(Ok(Value::Boolean(false))) => Answer::Untracked,
+                        _ => Answer::Error,
+                    });
+                    consumed += used;
+                }
+                Ok(None) => break,
+                Err(error) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        format!("a bad reply frame: {error}"),
+                    ));
+                }
+            }
+        }
+        self.input.drain(..consumed);
+        Ok(())
+    }
+}
+
+/// Connections that ping, held open between runs.
+pub struct PingFleet {
+    poll: Poll,
+    connections: Vec<Connection>,
+}
+
+impl PingFleet {
+    /// Opens one connection per entry of `instances`; each pings that instance (None:
+    /// `ping [nil]`). Prints progress when there are many.
+    pub fn connect(socket: &Path, instances: &[Option<u64>]) -> Result<PingFleet, BenchError> {
+        PingFleet::connect_with(socket, Wire::Kvwarden, instances)
+    }
+
+    /// `count` connections to a Redis server's Unix socket, each sending `PING`.
+    pub fn connect_resp(socket: &Path, count: usize) -> Result<PingFleet, BenchError> {
+        PingFleet::connect_with(socket, Wire::Resp, &vec![None; count])
+    }
+
+    fn connect_with(
+        socket: &Path,
+        wire: Wire,
+        instances: &[Option<u64>],
+    ) -> Result<PingFleet, BenchError> {
+        let poll = Poll::new().map_err(BenchError::io("creating a poll"))?;
+        let mut connections = Vec::with_capacity(instances.len());
+        let started = Instant::now();
+        for (index, instance) in instances.iter().enumerate() {
+            let what = || {
+                format!(
+                    "opening connection {} of {} to {}",
+                    index + 1,
+                    instances.len(),
+                    socket.display()
+                )
+            };
+            let std_stream =
+                std::os::unix::net::UnixStream::connect(socket).map_err(BenchError::io(what()))?;
+            std_stream
+                .set_nonblocking(true)
+                .map_err(BenchError::io(what()))?;
+            let mut stream = UnixStream::from_std(std_stream);
+            poll.registry()
+                .register(
+                    &mut stream,
+                    Token(index),
+                    Interest::READABLE | Interest::WRITABLE,
+                )
+                .map_err(BenchError::io(what()))?;
+            let arg = instance.map_or(Value::Nil, Value::from);
+            let frame = match wire {
+                Wire::Kvwarden => encode_request(1, "ping", vec![arg]),
+                Wire::Resp => RESP_PING.to_vec(),
+            };
+            connections.push(Connection {
+                stream,
+                wire,
+                frame,
+                input: Vec::new(),
+                output: Vec::new(),
+                sent_at: None,
+                overdue: false,
+            });
+            if (index + 1) % 2_000 == 0 && index + 1 < instances.len() {
+                super::progress(&format!(
+                    "{} connections open ({:.1} s)",
+                    index + 1,
+                    started.elapsed().as_secs_f64()
+                ));
+            }
+        }
+        Ok(PingFleet { poll, connections })
+    }
+
+    /// How many connections.
+    pub fn len(&self) -> usize {
+        self.connections.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.connections.is_empty()
+    }
+
+    /// Pings for `warmup + duration`, recording the round trips of pings sent after
+    /// the warm-up and answered before the end; then waits for the pings still out.
+    pub fn run(
+        &mut self,
+        pacing: Pacing,
+        warmup: Duration,
+        duration: Duration,
+    ) -> Result<PingOutcome, BenchError> {
+        let failed = |e: io::Error| BenchError::Io {
+            what: "pinging (a load connection failed; did the server close it?)".into(),
+            source: e,
+        };
+        let started = Instant::now();
+        let measured_from = started + warmup;
+        let deadline = measured_from + duration;
+        let count = self.connections.len().max(1);
+        // Who pings next, and when (fixed rate only).
+        let mut schedule: BinaryHeap<Reverse<(Instant, usize)>> = BinaryHeap::new();
+        for (index, connection) in self.connections.iter_mut().enumerate() {
+            match pacing {
+                Pacing::ClosedLoop => connection.send(started).map_err(failed)?,
+                Pacing::Every(interval) => {
+                    let offset = interval.mul_f64(index as f64 / count as f64);
+                    schedule.push(Reverse((started + offset, index)));
+                }
+            }
+        }
+        let mut outcome = PingOutcome::default();
+        let mut round_trips_ns = Vec::new();
+        let mut events = Events::with_capacity(1024);
+        let mut scratch = vec![0u8; 64 << 10];
+        let mut answers = Vec::new();
+        loop {
+            let now = Instant::now();
+            if now >= deadline {
+                break;
+            }
+            while let Some(&Reverse((due, index))) = schedule.peek() {
+                if due > now {
+                    break;
+                }
+                schedule.pop();
+                if let Pacing::Every(interval) = pacing {
+                    schedule.push(Reverse((due + interval, index)));
+                }
+                let connection = &mut self.connections[index];
+                if connection.sent_at.is_some() {
+                    connection.overdue = true;
+                } else {
+                    connection.send(now).map_err(failed)?;
+                }
+            }
+            let next_timer = schedule
+                .peek()
+                .map_or(deadline, |Reverse((due, _))| *due)
+                .min(deadline);
+            let wait = next_timer.saturating_duration_since(now);
+            match self.poll.poll(&mut events, Some(wait)) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(failed(e)),
+            }
+            for event in &events {
+                let index = event.token().0;
+                let Some(connection) = self.connections.get_mut(index) else {
+                    continue;
+                };
+                if event.is_writable() {
+                    connection.flush().map_err(failed)?;
+                }
+                if !event.is_readable() && !event.is_read_closed() {
+                    continue;
+                }
+                answers.clear();
+                connection
+                    .receive(&mut scratch, &mut answers)
+                    .map_err(failed)?;
+                outcome.all_replies += answers.len() as u64;
+                for &answer in &answers {
+                    let now = Instant::now();
+                    let Some(sent) = connection.sent_at.take() else {
+                        continue; // a reply nobody asked for
+                    };
+                    if sent >= measured_from && now < deadline {
+                        round_trips_ns.push(
+                            u64::try_from(now.duration_since(sent).as_nanos()).unwrap_or(u64::MAX),
+                        );
+                        outcome.replies += 1;
+                        match answer {
+                            Answer::Tracked => {}
+                            Answer::Untracked => outcome.untracked += 1,
+                            Answer::Error => outcome.errors += 1,
+                        }
+                    }
+                    match pacing {
+                        Pacing::ClosedLoop => connection.send(now).map_err(failed)?,
+                        Pacing::Every(_) if connection.overdue => {
+                            connection.overdue = false;
+                            connection.send(now).map_err(failed)?;
+                        }
+                        Pacing::Every(_) => {}
+                    }
+                }
+            }
+        }
+        outcome.elapsed = Instant::now()
+            .saturating_duration_since(measured_from)
+            .min(duration);
+        outcome.round_trips = Samples::new(round_trips_ns);
+        outcome.all_replies += self.drain()?;
+        Ok(outcome)
+    }
+
+    /// Waits until every ping sent has its reply, so that the next run starts clean;
+    /// returns how many replies came.
+    fn drain(&mut self) -> Result<u64, BenchError> {
+        let mut drained = 0;
+        let bound = Instant::now() + DRAIN_BOUND;
+        let mut events = Events::with_capacity(1024);
+        let mut scratch = vec![0u8; 64 << 10];
+        let mut answers = Vec::new();
+        for connection in &mut self.connections {
+            connection.overdue = false;
+        }
+        while self.connections.iter().any(|c| c.sent_at.is_some()) {
+            let now = Instant::now();
+            if now >= bound {
+                let out = self
+                    .connections
+                    .iter()
+                    .filter(|c| c.sent_at.is_some())
+                    .count();
+                return Err(BenchError::Failed(format!(
+                    "{out} pings still unanswered {DRAIN_BOUND:?} after the run ended"
+                )));
+            }
+            self.poll
+                .poll(&mut events, Some(bound - now))
+                .or_else(|e| {
+                    if e.kind() == io::ErrorKind::Interrupted {
+                        Ok(())
+                    } else {
+                        Err(e)
+                    }
+                })
+                .map_err(BenchError::io("waiting for the last replies"))?;
+            for event in &events {
+                let Some(connection) = self.connections.get_mut(event.token().0) else {
+                    continue;
+                };
+                let _ = connection.flush();
+                answers.clear();
+                if connection.receive(&mut scratch, &mut answers).is_err() {
+                    connection.sent_at = None; // closed: nothing more will come
+                    continue;
+                }
+                if !answers.is_empty() {
+                    drained += answers.len() as u64;
+                    connection.sent_at = None;
+                }
+            }
+        }
+        Ok(drained)
+    }
+}

@@ -1,0 +1,246 @@
+//! S1: closed-loop PING throughput over the Unix socket, 50 connections with one request
+//! in flight each, against a local `redis-server` on a Unix socket in the same run
+//! (target: ≥ 0.8 × Redis).
+//!
+//! Redis is driven twice per round: by `redis-benchmark -t ping` (the target's own
+//! wording) and by this load generator speaking RESP, so that both servers also face
+//! the very same client. The ratio is taken against the better Redis figure, and the
+//! CPU each server spends per ping (less disturbed by a busy machine than throughput)
+//! is printed beside it.
+
+use super::load::{Pacing, PingFleet, PingOutcome};
+use super::process::cpu_time;
+use super::raw::instance_ids;
+use super::redis::{self, RedisServer};
+use super::target::{Target, TargetArgs};
+use super::{BenchError, figure, progress};
+use std::time::Duration;
+
+/// Warm-up of every measured round.
+const WARMUP: Duration = Duration::from_millis(300);
+
+/// Flags of `kvwarden bench ping`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct PingArgs {
+    #[command(flatten)]
+    target: TargetArgs,
+    /// Concurrent connections, one ping in flight each.
+    #[arg(long, default_value_t = 50, value_name = "N")]
+    connections: usize,
+    /// Seconds measured per round (after a 0.3 s warm-up).
+    #[arg(long, default_value_t = 2.0, value_name = "SECONDS")]
+    seconds: f64,
+    /// Rounds, kvwarden then Redis each round; the best round of each is reported.
+    #[arg(long, default_value_t = 2, value_name = "N")]
+    rounds: usize,
+    /// Skip the Redis comparison even when redis-server and redis-benchmark exist.
+    #[arg(long)]
+    no_redis: bool,
+}
+
+/// Runs S1 and prints its figures.
+pub fn run(args: &PingArgs) -> Result<(), BenchError> {
+    let seconds = super::positive_seconds("--seconds", args.seconds)?;
+    let connections = args.connections.max(1);
+    let rounds = args.rounds.max(1);
+    super::print_machine();
+    let target = Target::start(&args.target, "bench-ping", &[])?;
+    // Every connection pings an instance of its own, registered (no buffers), so that
+    // each ping is a real lookup in the liveness registry.
+    let ids = instance_ids(connections);
+    let mut control = target.connect()?;
+    control.register_many(&ids, None)?;
+    let instances: Vec<Option<u64>> = ids.iter().copied().map(Some).collect();
+    let mut fleet = PingFleet::connect(&target.socket, &instances)?;
+    let mut redis = if args.no_redis {
+        None
+    } else if redis::on_path("redis-server") && redis::on_path("redis-benchmark") {
+        Some(RedisBaseline::start(connections)?)
+    } else {
+        progress("redis-server or redis-benchmark is not on PATH: the Redis comparison is skipped");
+        None
+    };
+
+    let mut best: Option<PingOutcome> = None;
+    let mut kvwarden_cpu_us = f64::INFINITY;
+    for round in 1..=rounds {
+        let cpu_before = cpu_time(target.pid);
+        let outcome = fleet.run(Pacing::ClosedLoop, WARMUP, seconds)?;
+        if let Some(cost) = cpu_us_per_reply(target.pid, cpu_before, outcome.all_replies) {
+            kvwarden_cpu_us = kvwarden_cpu_us.min(cost);
+        }
+        if outcome.errors > 0 || outcome.untracked > 0 {
+            return Err(BenchError::Failed(format!(
+                "{} error replies and {} `false` answers to pings of registered instances",
+                outcome.errors, outcome.untracked
+            )));
+        }
+        progress(&format!(
+            "round {round}/{rounds}: kvwarden {:.0} req/s",
+            outcome.throughput()
+        ));
+        if let Some(redis) = &mut redis {
+            let requests = ((outcome.throughput() * seconds.as_secs_f64()) as u64).max(50_000);
+            redis.round(&format!("round {round}/{rounds}"), requests, seconds)?;
+        }
+        if best
+            .as_ref()
+            .is_none_or(|b| outcome.throughput() > b.throughput())
+        {
+            best = Some(outcome);
+        }
+    }
+    control.unregister_many(&ids)?;
+    let Some(best) = best else {
+        return Err(BenchError::Failed("no round ran".into()));
+    };
+
+    let setting = format!(
+        "{connections} connections, closed loop, each pinging its own registered instance, \
+         best of {rounds} x {:.1} s",
+        seconds.as_secs_f64()
+    );
+    figure(
+        "S1",
+        "kvwarden_ping_throughput",
+        format!("{:.0}", best.throughput()),
+        "req/s",
+        &setting,
+    );
+    if kvwarden_cpu_us.is_finite() {
+        figure(
+            "S1",
+            "kvwarden_server_cpu_per_ping",
+            format!("{kvwarden_cpu_us:.2}"),
+            "us",
+            "CPU time of the server process (all threads) / pings answered, best round",
+        );
+    }
+    let rt = &best.round_trips;
+    figure(
+        "S1",
+        "kvwarden_ping_round_trip_p50",
+        format!("{:.1}", rt.quantile_us(0.5)),
+        "us",
+        &format!("same run, {} round trips", rt.len()),
+    );
+    match redis {
+        Some(redis) => redis.print(best.throughput(), rounds),
+        None => figure(
+            "S1",
+            "ratio_vs_redis",
+            "skipped",
+            "-",
+            "redis-server/redis-benchmark not on PATH, or --no-redis",
+        ),
+    }
+    Ok(())
+}
+
+/// Redis, measured beside kvwarden round by round.
+struct RedisBaseline {
+    server: RedisServer,
+    fleet: PingFleet,
+    connections: usize,
+    /// Best `redis-benchmark` figure (the better of its two PING tests).
+    best_benchmark: f64,
+    /// Best figure with this load generator.
+    best_same_generator: f64,
+    cpu_us_per_ping: f64,
+}
+
+impl RedisBaseline {
+    fn start(connections: usize) -> Result<RedisBaseline, BenchError> {
+        let server = RedisServer::start()?;
+        let fleet = PingFleet::connect_resp(&server.socket, connections)?;
+        Ok(RedisBaseline {
+            server,
+            fleet,
+            connections,
+            best_benchmark: 0.0,
+            best_same_generator: 0.0,
+            cpu_us_per_ping: f64::INFINITY,
+        })
+    }
+
+    /// `redis-benchmark` with `requests`, then this generator for `seconds`.
+    fn round(&mut self, label: &str, requests: u64, seconds: Duration) -> Result<(), BenchError> {
+        let figures = redis::benchmark(&self.server.socket, self.connections, requests)?;
+        progress(&format!(
+            "{label}: redis-benchmark {} ({requests} requests)",
+            figures
+                .tests
+                .iter()
+                .map(|(test, rps)| format!("{test} {rps:.0} req/s"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+        self.best_benchmark = self.best_benchmark.max(figures.best());
+        let pid = self.server.pid();
+        let cpu_before = cpu_time(pid);
+        let same = self.fleet.run(Pacing::ClosedLoop, WARMUP, seconds)?;
+        if same.errors > 0 {
+            return Err(BenchError::Failed(format!(
+                "redis-server answered {} pings with something other than +PONG",
+                same.errors
+            )));
+        }
+        if let Some(cost) = cpu_us_per_reply(pid, cpu_before, same.all_replies) {
+            self.cpu_us_per_ping = self.cpu_us_per_ping.min(cost);
+        }
+        progress(&format!(
+            "{label}: redis with this load generator {:.0} req/s",
+            same.throughput()
+        ));
+        self.best_same_generator = self.best_same_generator.max(same.throughput());
+        Ok(())
+    }
+
+    /// The Redis figures and the ratio of `kvwarden_throughput` to the better one.
+    fn print(&self, kvwarden_throughput: f64, rounds: usize) {
+        let connections = self.connections;
+        figure(
+            "S1",
+            "redis_ping_throughput",
+            format!("{:.0}", self.best_benchmark),
+            "req/s",
+            &format!(
+                "redis-benchmark -t ping -c {connections} over a Unix socket, the better of \
+                 PING_INLINE and PING_MBULK, best of {rounds}"
+            ),
+        );
+        figure(
+            "S1",
+            "redis_ping_throughput_same_generator",
+            format!("{:.0}", self.best_same_generator),
+            "req/s",
+            &format!(
+                "this load generator speaking RESP PING, {connections} connections, closed loop, \
+                 best of {rounds}"
+            ),
+        );
+        if self.cpu_us_per_ping.is_finite() {
+            figure(
+                "S1",
+                "redis_server_cpu_per_ping",
+                format!("{:.2}", self.cpu_us_per_ping),
+                "us",
+                "CPU time of redis-server / PINGs answered (this load generator), best round",
+            );
+        }
+        let baseline = self.best_benchmark.max(self.best_same_generator).max(1.0);
+        figure(
+            "S1",
+            "ratio_vs_redis",
+            format!("{:.2}", kvwarden_throughput / baseline),
+            "x",
+            "against the better Redis figure of the two; target >= 0.8",
+        );
+    }
+}
+
+/// Microseconds of `pid`'s CPU time since `before`, per reply.
+fn cpu_us_per_reply(pid: i32, before: Option<Duration>, replies: u64) -> Option<f64> {
+    let used = cpu_time(pid)?.checked_sub(before?)?;
+    (replies > 0).then(|| used.as_secs_f64() * 1e6 / replies as f64)
+}

@@ -1,0 +1,107 @@
+//! The server under measurement: one this benchmark starts (the default), or a running
+//! one named by `--socket`.
+
+use super::BenchError;
+use super::process::ServerProcess;
+use super::raw::RawConnection;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+/// Where to find the server (flags shared by every `kvwarden bench` figure).
+#[derive(Clone, Debug, Default, clap::Args)]
+pub struct TargetArgs {
+    /// Measure the server already listening on this Unix socket instead of starting
+    /// one (its own flags then apply, not the ones this benchmark would pass).
+    #[arg(long, value_name = "PATH")]
+    pub socket: Option<PathBuf>,
+}
+
+/// The server a benchmark measures.
+pub struct Target {
+    /// Its Unix socket.
+    pub socket: PathBuf,
+    /// Its TCP address, when it listens on TCP.
+    pub tcp: Option<SocketAddr>,
+    /// Its process id.
+    pub pid: i32,
+    spawned: Option<ServerProcess>,
+}
+
+impl Target {
+    /// The server of `args.socket`, or a fresh `kvwarden serve <serve_args>`
+    /// (`RUST_LOG=warn`: a benchmark must not measure the log).
+    pub fn start(args: &TargetArgs, tag: &str, serve_args: &[&str]) -> Result<Target, BenchError> {
+        Target::start_with_open_files(args, tag, serve_args, None)
+    }
+
+    /// [`Target::start`], with a started server's open-file limit raised to
+    /// `open_files` where this process may (see
+    /// [`ServerProcess::start_with_open_files`]).
+    pub fn start_with_open_files(
+        args: &TargetArgs,
+        tag: &str,
+        serve_args: &[&str],
+        open_files: Option<u64>,
+    ) -> Result<Target, BenchError> {
+        match &args.socket {
+            Some(socket) => {
+                let pid = RawConnection::connect(socket)?.server_pid()?;
+                super::progress(&format!(
+                    "measuring the running server at {} (pid {pid}); its own flags apply, \
+                     this benchmark would have started one with {serve_args:?}",
+                    socket.display()
+                ));
+                Ok(Target {
+                    socket: socket.clone(),
+                    tcp: None,
+                    pid,
+                    spawned: None,
+                })
+            }
+            None => {
+                let serve_args: Vec<String> = serve_args.iter().map(|s| s.to_string()).collect();
+                let server =
+                    ServerProcess::start_with_open_files(tag, &serve_args, "warn", open_files)?;
+                let command = format!("kvwarden serve --http off {}", serve_args.join(" "));
+                super::progress(&format!(
+                    "started `{}` (pid {}) on {}",
+                    command.trim_end(),
+                    server.pid(),
+                    server.socket.display()
+                ));
+                Ok(Target {
+                    socket: server.socket.clone(),
+                    tcp: server.tcp,
+                    pid: server.pid(),
+                    spawned: Some(server),
+                })
+            }
+        }
+    }
+
+    /// A control connection.
+    pub fn connect(&self) -> Result<RawConnection, BenchError> {
+        RawConnection::connect(&self.socket)
+    }
+
+    /// Whether this benchmark started the server (so its flags are the ones asked for).
+    pub fn is_spawned(&self) -> bool {
+        self.spawned.is_some()
+    }
+
+    /// The last lines of the spawned server's log (empty for a running server).
+    pub fn log_tail(&self, lines: usize) -> String {
+        self.spawned
+            .as_ref()
+            .map(|s| s.log_tail(lines))
+            .unwrap_or_default()
+    }
+
+    /// The spawned server's whole log (empty for a running server).
+    pub fn log_text(&self) -> String {
+        self.spawned
+            .as_ref()
+            .map(ServerProcess::log_text)
+            .unwrap_or_default()
+    }
+}

@@ -1,0 +1,66 @@
+//! `kvwarden bench <figure>`: the server figures S1–S7 and R5 of
+//! `shared/spec/targets.md`, one a line on stdout; progress on stderr.
+
+use crate::bench;
+use std::process::ExitCode;
+
+/// Flags of `kvwarden bench`.
+#[derive(Debug, clap::Args)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    figure: Figure,
+}
+
+#[derive(Debug, clap::Subcommand)]
+enum Figure {
+    /// S1: closed-loop ping throughput, 50 connections with one ping in flight each, and
+    /// in the same run redis-server on a Unix socket, driven by redis-benchmark and by
+    /// this load generator speaking RESP, when both are on PATH (else skipped, said so).
+    /// Target: >= 0.8 x Redis.
+    Ping(bench::ping::PingArgs),
+    /// S2: ping round-trip p50/p99/p999 with 1,000 connected workers (each its own
+    /// registered instance) pinging every 100 ms. Target: p99 <= 1 ms.
+    Latency(bench::latency::LatencyArgs),
+    /// S3: ping round trips as in S2 while context builds take 200 ms, the first frees
+    /// hang for good, and instances are registered and unregistered without pause
+    /// (test-only server faults). Target: p99 <= 2 ms.
+    SlowContexts(bench::slow_contexts::SlowContextsArgs),
+    /// S4: SIGKILL of a same-host `kvwarden worker` -> its context freed (process-exit
+    /// proof), p50/p99/max over N kills. Target: p99 <= 100 ms.
+    Kill(bench::kill::KillArgs),
+    /// S5: a TCP worker (no process-exit proof) frozen by SIGSTOP -> reaped; the reap
+    /// time minus its last evidence. Target: within T + R (test timeouts T = 2 s,
+    /// R = 0.1 s).
+    Reap(bench::reap::ReapArgs),
+    /// S6: store + retrieve bandwidth of 2 MiB chunks (memfd <-> L1) against a
+    /// single-thread memcpy in the same run. Target: >= 0.5 x memcpy.
+    Copy(bench::copy::CopyArgs),
+    /// S7: server RSS with 10,000 registered instances, L1 excluded (a one-slot L1 that
+    /// is never stored into). Target: <= 64 MiB.
+    Memory(bench::memory::MemoryArgs),
+    /// R5: hold N concurrent connections that ping; a peer that never reads is
+    /// disconnected once its output buffer is full; server RSS before, while and after.
+    /// Target: N = 10,000 held, the slow peer disconnected, memory flat.
+    Connections(bench::connections::ConnectionsArgs),
+}
+
+/// Runs one figure; exit 0 when it was measured (whether or not it meets its target).
+pub fn run(args: BenchArgs) -> ExitCode {
+    let result = match &args.figure {
+        Figure::Ping(args) => bench::ping::run(args),
+        Figure::Latency(args) => bench::latency::run(args),
+        Figure::SlowContexts(args) => bench::slow_contexts::run(args),
+        Figure::Kill(args) => bench::kill::run(args),
+        Figure::Reap(args) => bench::reap::run(args),
+        Figure::Copy(args) => bench::copy::run(args),
+        Figure::Memory(args) => bench::memory::run(args),
+        Figure::Connections(args) => bench::connections::run(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("kvwarden bench: {error}");
+            ExitCode::from(1)
+        }
+    }
+}

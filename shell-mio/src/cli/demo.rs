@@ -1,0 +1,437 @@
+//! `kvwarden demo`: the point of kvwarden in under a minute, with real processes.
+//!
+//! A server with short (demo-only) timeouts and three `kvwarden worker` processes
+//! exchanging traffic; one worker is SIGKILLed (freed within milliseconds by the
+//! process-exit proof), one is frozen with SIGSTOP past the reap timeout (reaped) and
+//! thawed (it re-registers with exactly one fresh context), one is left alone. Every
+//! wait is on a condition with a bound, never a bare sleep, so a loaded machine only
+//! makes it slower. Every child is killed when the demo ends, however it ends.
+
+use crate::bench::BenchError;
+use crate::bench::process::{ServerProcess, TempDir, WorkerProcess};
+use crate::bench::raw::RawConnection;
+use serde_json::Value as Json;
+use std::io::{Read, Write};
+use std::process::{ExitCode, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+/// The bound of every wait for something that should take milliseconds to seconds.
+const PATIENCE: Duration = Duration::from_secs(30);
+
+/// Flags of `kvwarden demo`.
+#[derive(Debug, clap::Args)]
+pub struct DemoArgs {
+    /// The demo server's reap timeout T (a demo setting: production uses 120 s and
+    /// refuses anything under 30 s).
+    #[arg(long, default_value_t = 3.0, value_name = "SECONDS")]
+    reap_timeout_seconds: f64,
+}
+
+/// Runs the demo; exit 0 when everything happened as kvwarden promises.
+pub fn run(args: DemoArgs) -> ExitCode {
+    let interrupted = Arc::new(AtomicBool::new(false));
+    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        if let Err(error) = signal_hook::flag::register(signal, Arc::clone(&interrupted)) {
+            eprintln!("kvwarden demo: installing a signal handler failed: {error}");
+            return ExitCode::from(1);
+        }
+    }
+    let t = args.reap_timeout_seconds;
+    if !(0.5..=30.0).contains(&t) {
+        eprintln!(
+            "kvwarden demo: invalid --reap-timeout-seconds {t}: use 0.5 to 30 seconds (the demo \
+             waits out one timeout)"
+        );
+        return ExitCode::from(2);
+    }
+    let mut demo = Demo {
+        timeline: Timeline::new(),
+        interrupted,
+        reap_timeout_seconds: t,
+    };
+    match demo.run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("kvwarden demo: {error}");
+            eprintln!("kvwarden demo: every child process has been stopped");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// Elapsed time + event, printed as it happens and replayed at the end.
+struct Timeline {
+    origin: Instant,
+    events: Vec<(Duration, String)>,
+}
+
+impl Timeline {
+    fn new() -> Timeline {
+        Timeline {
+            origin: Instant::now(),
+            events: Vec::new(),
+        }
+    }
+
+    fn event(&mut self, text: impl Into<String>) {
+        let text = text.into();
+        let at = self.origin.elapsed();
+        say(&format!("[{:>7.3} s] {text}", at.as_secs_f64()));
+        self.events.push((at, text));
+    }
+
+    fn print(&self) {
+        say("\nTimeline:");
+        for (at, text) in &self.events {
+            say(&format!("  {:>7.3} s  {text}", at.as_secs_f64()));
+        }
+    }
+}
+
+fn say(line: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+struct Demo {
+    timeline: Timeline,
+    interrupted: Arc<AtomicBool>,
+    reap_timeout_seconds: f64,
+}
+
+/// The worker roles.
+const VICTIM: &str = "A";
+const FROZEN: &str = "B";
+const BYSTANDER: &str = "C";
+
+impl Demo {
+    fn run(&mut self) -> Result<(), BenchError> {
+        let t = self.reap_timeout_seconds;
+        let heartbeat = (t / 6.0).min(10.0);
+        let resolution = 0.1f64.min(t / 8.0);
+        say("kvwarden demo: a server and three workers. Worker A will be SIGKILLed, worker B");
+        say("frozen (SIGSTOP) past the reap timeout and thawed, worker C left alone.");
+        say(&format!(
+            "DEMO SETTINGS (--allow-short-timeouts, never in production): reap timeout T = {t} s, \
+             worker heartbeat {heartbeat:.2} s, resolution R = {resolution} s."
+        ));
+        say("Production defaults: T = 120 s (30 s at the least), heartbeat 10 s, R = 1 s.\n");
+
+        let server_args: Vec<String> = [
+            "--allow-short-timeouts",
+            "--worker-reap-timeout-seconds",
+            &t.to_string(),
+            "--worker-registration-grace-seconds",
+            &(2.0 * t).to_string(),
+            "--resolution-seconds",
+            &resolution.to_string(),
+            "--l1-bytes",
+            "64M",
+            "--slot-bytes",
+            "64K",
+            "--http",
+            "127.0.0.1:0",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let server = ServerProcess::start("demo", &server_args, "info")?;
+        let result = self.with_server(&server, heartbeat);
+        let interrupted = self.interrupted.load(Ordering::Relaxed);
+        let result = result.map_err(|error| match interrupted {
+            true => error,
+            false => BenchError::Failed(format!(
+                "{error}\nthe server's last log lines:\n{}",
+                server.log_tail(15)
+            )),
+        });
+        match server.terminate(PATIENCE) {
+            Some(status) if status.success() && result.is_ok() => {
+                self.timeline
+                    .event("server stopped by SIGTERM: every remaining context freed once, exit 0");
+            }
+            Some(status) if result.is_ok() => {
+                return Err(BenchError::Failed(format!(
+                    "the server exited with {status} after SIGTERM; expected 0"
+                )));
+            }
+            _ => {}
+        }
+        result?;
+        self.timeline.print();
+        Ok(())
+    }
+
+    fn with_server(&mut self, server: &ServerProcess, heartbeat: f64) -> Result<(), BenchError> {
+        self.timeline.event(format!(
+            "server up (pid {}) on {}",
+            server.pid(),
+            server.socket.display()
+        ));
+        let logs = TempDir::new("demo-workers")?;
+        let socket = server.socket.to_string_lossy().into_owned();
+        let mut control = RawConnection::connect(&server.socket)?;
+        let mut workers = Vec::new();
+        for role in [VICTIM, FROZEN, BYSTANDER] {
+            let log = std::fs::File::create(logs.path().join(format!("worker-{role}.log")))
+                .map_err(BenchError::io("creating a worker log"))?;
+            let args: Vec<String> = [
+                "--socket",
+                &socket,
+                "--heartbeat-interval-seconds",
+                &format!("{heartbeat:.3}"),
+                "--buffer-bytes",
+                "1M",
+                "--chunk-bytes",
+                "16K",
+                "--traffic-every-ms",
+                "100",
+                "--model-name",
+                &format!("demo-model-{role}"),
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+            let worker = WorkerProcess::start(&args, Stdio::from(log))?;
+            self.timeline.event(format!(
+                "worker {role} (pid {}) registered instance {}: one context built",
+                worker.pid(),
+                worker.instance_id
+            ));
+            workers.push(worker);
+        }
+        let mut frozen = workers.remove(1);
+        let victim = workers.remove(0);
+        let bystander = workers.remove(0);
+        let (victim_id, frozen_id, bystander_id) = (
+            victim.instance_id,
+            frozen.instance_id,
+            bystander.instance_id,
+        );
+
+        // Traffic: every worker stores and retrieves every 100 ms and pings.
+        self.wait_status(&mut control, "every worker's first ping", |s| {
+            [victim_id, frozen_id, bystander_id]
+                .iter()
+                .all(|id| instance(s, *id).is_some_and(|i| i["proven"] == true))
+        })?;
+        let window = Duration::from_millis(1500);
+        let before = server.http.and_then(request_counts);
+        self.pause(window)?;
+        let after = server.http.and_then(request_counts);
+        let status = control.status()?;
+        let traffic = match (before, after) {
+            (Some(b), Some(a)) => format!(
+                "{} stores, {} retrieves, {} pings",
+                a.store.saturating_sub(b.store),
+                a.retrieve.saturating_sub(b.retrieve),
+                a.ping.saturating_sub(b.ping)
+            ),
+            _ => "requests (metrics unavailable)".to_string(),
+        };
+        self.timeline.event(format!(
+            "traffic: {traffic} in {:.1} s from 3 workers; L1 holds {} slots; all 3 proven",
+            window.as_secs_f64(),
+            status["l1"]["slots_used"]
+        ));
+        say(&format!("\n{}", super::status::table(&status)));
+
+        // SIGKILL: the kernel's word (a pidfd) frees it at once.
+        let killed_at = Instant::now();
+        victim.signal(rustix::process::Signal::KILL);
+        self.timeline
+            .event(format!("SIGKILL worker {VICTIM} (pid {})", victim.pid()));
+        while control.ping(victim_id)? {
+            self.check_bound(killed_at, "worker A to be freed after SIGKILL")?;
+        }
+        let freed_after = killed_at.elapsed();
+        victim.reap();
+        let status = control.status()?;
+        if freed(&status, "process_exited") != 1 || freed(&status, "reaped") != 0 {
+            return Err(BenchError::Failed(format!(
+                "worker A was freed, but not by the process-exit proof: {}",
+                status["contexts"]["freed_total"]
+            )));
+        }
+        self.timeline.event(format!(
+            "worker {VICTIM} freed {:.1} ms after SIGKILL by the process-exit proof (pidfd), \
+             not by a timeout (T = {} s here, 120 s in production)",
+            freed_after.as_secs_f64() * 1e3,
+            self.reap_timeout_seconds
+        ));
+
+        // SIGSTOP: silent, but its process has not exited: reaped at T (+ R).
+        let built_before = built(&status);
+        let stopped_at = Instant::now();
+        frozen.signal(rustix::process::Signal::STOP);
+        self.timeline.event(format!(
+            "SIGSTOP worker {FROZEN} (pid {}): frozen, no heartbeat, no traffic",
+            frozen.pid()
+        ));
+        let status = self.wait_status(&mut control, "worker B to be reaped", |s| {
+            instance(s, frozen_id).is_none()
+        })?;
+        let silent_for = stopped_at.elapsed();
+        if freed(&status, "reaped") != 1 || instance(&status, bystander_id).is_none() {
+            return Err(BenchError::Failed(format!(
+                "expected worker B reaped by timeout and C untouched; freed {}, C present: {}",
+                status["contexts"]["freed_total"],
+                instance(&status, bystander_id).is_some()
+            )));
+        }
+        self.timeline.event(format!(
+            "worker {FROZEN} reaped {:.2} s after SIGSTOP (T = {} s, R = {} s): a stopped \
+             process has not exited, so only the timeout frees it; worker {BYSTANDER} untouched",
+            silent_for.as_secs_f64(),
+            self.reap_timeout_seconds,
+            status["worker_liveness"]["resolution_seconds"]
+        ));
+
+        // SIGCONT: its first ping is answered false; it re-registers: one fresh context.
+        frozen.signal(rustix::process::Signal::CONT);
+        self.timeline
+            .event(format!("SIGCONT worker {FROZEN}: thawed"));
+        // Its heartbeat (ping answered false) and its traffic (not_registered) may both
+        // learn of the reap; the second re-registration then takes the `refreshed` path.
+        let line = frozen.wait_line("`recoveries=`", |l| l.starts_with("recoveries="))?;
+        let status = self.wait_status(&mut control, "worker B back and pinging", |s| {
+            instance(s, frozen_id).is_some_and(|i| i["proven"] == true && i["building"] != true)
+        })?;
+        let rebuilt = built(&status) - built_before;
+        let entries = count_instance(&status, frozen_id);
+        if rebuilt != 1 || entries != 1 {
+            return Err(BenchError::Failed(format!(
+                "worker B came back with {rebuilt} contexts built and {entries} entries \
+                 (worker said {line:?}); expected exactly one fresh context"
+            )));
+        }
+        self.timeline.event(format!(
+            "worker {FROZEN} was told the server no longer holds it (a ping answered false, \
+             or not_registered); it re-registered the same instance {frozen_id}: \
+             outcome=created, exactly one context built, one entry in the status (worker: \
+             {line})"
+        ));
+        say("\nFinal status:");
+        let status = control.status()?;
+        say(&super::status::table(&status));
+        if built(&status) != built_before + 1 {
+            return Err(BenchError::Failed(format!(
+                "contexts built went from {built_before} to {} after the thaw; expected exactly \
+                 one more",
+                built(&status)
+            )));
+        }
+
+        let clean = [frozen, bystander]
+            .into_iter()
+            .map(|w| w.stop(PATIENCE))
+            .filter(|clean| *clean)
+            .count();
+        self.timeline.event(format!(
+            "SIGTERM workers {FROZEN} and {BYSTANDER}: {clean} of 2 shut down cleanly \
+             (heartbeat stopped, then unregister)"
+        ));
+        Ok(())
+    }
+
+    /// Polls the status every 10 ms until `condition` holds (bounded).
+    fn wait_status(
+        &self,
+        control: &mut RawConnection,
+        what: &str,
+        condition: impl Fn(&Json) -> bool,
+    ) -> Result<Json, BenchError> {
+        let start = Instant::now();
+        loop {
+            let status = control.status()?;
+            if condition(&status) {
+                return Ok(status);
+            }
+            self.check_bound(start, what)?;
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Waits `length` (interruptible): the window traffic is counted over.
+    fn pause(&self, length: Duration) -> Result<(), BenchError> {
+        let start = Instant::now();
+        while start.elapsed() < length {
+            self.check_bound(start, "a pause")?;
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Ok(())
+    }
+
+    fn check_bound(&self, since: Instant, what: &str) -> Result<(), BenchError> {
+        if self.interrupted.load(Ordering::Relaxed) {
+            return Err(BenchError::Failed("interrupted".into()));
+        }
+        let bound = PATIENCE + Duration::from_secs_f64(self.reap_timeout_seconds * 2.0);
+        if since.elapsed() > bound {
+            return Err(BenchError::Failed(format!(
+                "gave up after {bound:?} waiting for {what}"
+            )));
+        }
+        Ok(())
+    }
+}
+
+fn instance(status: &Json, id: u64) -> Option<&Json> {
+    status["instances"]
+        .as_array()?
+        .iter()
+        .find(|item| item["instance_id"].as_u64() == Some(id))
+}
+
+fn count_instance(status: &Json, id: u64) -> usize {
+    status["instances"].as_array().map_or(0, |items| {
+        items
+            .iter()
+            .filter(|item| item["instance_id"].as_u64() == Some(id))
+            .count()
+    })
+}
+
+fn freed(status: &Json, cause: &str) -> u64 {
+    status["contexts"]["freed_total"][cause]
+        .as_u64()
+        .unwrap_or(0)
+}
+
+fn built(status: &Json) -> u64 {
+    status["contexts"]["built_total"].as_u64().unwrap_or(0)
+}
+
+/// Requests served so far, by op, from `GET /metrics`.
+#[derive(Copy, Clone, Default)]
+struct RequestCounts {
+    store: u64,
+    retrieve: u64,
+    ping: u64,
+}
+
+fn request_counts(http: std::net::SocketAddr) -> Option<RequestCounts> {
+    let mut stream = std::net::TcpStream::connect_timeout(&http, Duration::from_secs(5)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    stream
+        .write_all(b"GET /metrics HTTP/1.1\r\nHost: kvwarden\r\nConnection: close\r\n\r\n")
+        .ok()?;
+    let mut text = String::new();
+    stream.read_to_string(&mut text).ok()?;
+    let count = |op: &str| {
+        let label = format!("op=\"{op}\"");
+        text.lines()
+            .filter(|l| l.starts_with("kvwarden_requests_total{") && l.contains(&label))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .map(|v| v as u64)
+            .sum()
+    };
+    Some(RequestCounts {
+        store: count("store"),
+        retrieve: count("retrieve"),
+        ping: count("ping"),
+    })
+}

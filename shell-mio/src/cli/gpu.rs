@@ -1,0 +1,481 @@
+//! `kvwarden gpu`: the GPU checks of `targets.md` (G1, G2), run by
+//! `shell-mio/scripts/gpu-check.sh` on a host with an NVIDIA GPU.
+//!
+//! - `gpu info`: what the driver reports (exit 3 when there is no usable GPU).
+//! - `gpu reclaim`: a worker registers N bytes over CUDA IPC and is SIGKILLed; how long
+//!   until the device has the memory back (G1). `--control` runs the same against a
+//!   server that cannot know (reaping disabled, worker over TCP: no process-exit proof).
+//! - `gpu copy`: `store`/`retrieve` device ↔ L1 bandwidth against a plain pinned
+//!   `cuMemcpyDtoH`/`HtoD` of the same chunks (G2).
+
+use crate::client::{Client, ClientBuffer, ClientConfig, Endpoint};
+use crate::cuda::{ExportedBuffer, Gpu, PinnedHost};
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::sync::mpsc::{Receiver, channel};
+use std::time::{Duration, Instant};
+
+/// Subcommands of `kvwarden gpu`.
+#[derive(Debug, clap::Subcommand)]
+pub enum GpuCommand {
+    /// Print the devices and their memory (exit 3 when no GPU is usable).
+    Info,
+    /// G1: SIGKILL a worker holding N bytes over CUDA IPC; time until the memory is back.
+    Reclaim(ReclaimArgs),
+    /// G2: store/retrieve device ↔ L1 bandwidth against plain pinned copies.
+    Copy(CopyArgs),
+}
+
+/// Flags of `kvwarden gpu reclaim`.
+#[derive(Debug, clap::Args)]
+pub struct ReclaimArgs {
+    /// Bytes the worker allocates and registers.
+    #[arg(long, default_value = "16G", value_parser = super::parse_bytes)]
+    bytes: u64,
+    /// The device.
+    #[arg(long, default_value_t = 0)]
+    device: u32,
+    /// Run the control instead: a server with reaping disabled and the worker on TCP,
+    /// so nothing tells the server the worker died.
+    #[arg(long)]
+    control: bool,
+    /// How long to wait for the memory to come back.
+    #[arg(long, default_value_t = 10.0, value_name = "SECONDS")]
+    wait_seconds: f64,
+    /// Kills to measure (each a fresh worker).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+}
+
+/// Flags of `kvwarden gpu copy`.
+#[derive(Debug, clap::Args)]
+pub struct CopyArgs {
+    /// Bytes per store/retrieve (one L1 slot).
+    #[arg(long, default_value = "2M", value_parser = super::parse_bytes)]
+    chunk_bytes: u64,
+    /// Bytes moved in each direction.
+    #[arg(long, default_value = "2G", value_parser = super::parse_bytes)]
+    total_bytes: u64,
+    /// Concurrent clients (each its own device buffer and connection).
+    #[arg(long, default_value_t = 4)]
+    clients: usize,
+    /// The device.
+    #[arg(long, default_value_t = 0)]
+    device: u32,
+}
+
+/// Runs `kvwarden gpu …`.
+pub fn run(command: GpuCommand) -> ExitCode {
+    let device = match &command {
+        GpuCommand::Info => None,
+        GpuCommand::Reclaim(args) => Some(args.device),
+        GpuCommand::Copy(args) => Some(args.device),
+    };
+    // A bench opens only the device it measures: every context costs device memory.
+    let gpu = match device.map_or_else(Gpu::probe, Gpu::probe_device) {
+        Ok(gpu) => gpu,
+        Err(error) => {
+            eprintln!("kvwarden gpu: {error}");
+            return ExitCode::from(3);
+        }
+    };
+    let result = match command {
+        GpuCommand::Info => info(&gpu),
+        GpuCommand::Reclaim(args) => reclaim(&gpu, &args),
+        GpuCommand::Copy(args) => copy(&gpu, &args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("kvwarden gpu: {error}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn info(gpu: &Gpu) -> Result<(), String> {
+    println!("devices {}", gpu.device_count());
+    for memory in gpu.memory().map_err(|e| e.to_string())? {
+        println!(
+            "device {} free_bytes {} total_bytes {}",
+            memory.device, memory.free_bytes, memory.total_bytes
+        );
+    }
+    Ok(())
+}
+
+fn free_bytes(gpu: &Gpu, device: u32) -> Result<u64, String> {
+    gpu.memory()
+        .map_err(|e| e.to_string())?
+        .into_iter()
+        .find(|m| m.device == device)
+        .map(|m| m.free_bytes)
+        .ok_or_else(|| format!("no device {device}"))
+}
+
+/// A child process whose stdout lines arrive on a channel; killed on drop.
+struct Spawned {
+    child: Child,
+    lines: Receiver<String>,
+}
+
+impl Spawned {
+    fn start(args: &[String]) -> Result<Spawned, String> {
+        let exe = std::env::current_exe().map_err(|e| format!("locating kvwarden: {e}"))?;
+        let mut child = Command::new(exe)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|e| format!("starting kvwarden {}: {e}", args.join(" ")))?;
+        let stdout = child.stdout.take().ok_or("no stdout")?;
+        let (send, lines) = channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if send.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Ok(Spawned { child, lines })
+    }
+
+    /// Waits for a line starting with `prefix`; returns it.
+    fn wait_for(&mut self, prefix: &str, within: Duration) -> Result<String, String> {
+        let deadline = Instant::now() + within;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) if line.starts_with(prefix) => return Ok(line),
+                Ok(_) => {}
+                Err(_) => return Err(format!("no `{prefix}` line within {within:?}")),
+            }
+        }
+    }
+}
+
+impl Drop for Spawned {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+struct TestServer {
+    _process: Spawned,
+    socket: PathBuf,
+    tcp: Option<String>,
+    _dir: TempDir,
+}
+
+/// A private directory removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new() -> Result<TempDir, String> {
+        let path = std::env::temp_dir().join(format!(
+            "kvwarden-gpu-{}-{}",
+            std::process::id(),
+            Instant::now().elapsed().as_nanos()
+        ));
+        std::fs::create_dir_all(&path).map_err(|e| format!("creating {}: {e}", path.display()))?;
+        Ok(TempDir(path))
+    }
+
+    fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn start_server(extra: &[&str]) -> Result<TestServer, String> {
+    let dir = TempDir::new()?;
+    let socket = dir.path().join("kvwarden.sock");
+    let mut args: Vec<String> = ["serve", "--http", "off", "--socket"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    args.push(socket.display().to_string());
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let process = Spawned::start(&args)?;
+    let mut tcp = None;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let line = process
+            .lines
+            .recv_timeout(left)
+            .map_err(|_| "the server did not get ready within 60 s".to_string())?;
+        if let Some(addr) = line.strip_prefix("tcp=") {
+            tcp = Some(addr.to_string());
+        }
+        if line == "ready" {
+            break;
+        }
+    }
+    Ok(TestServer {
+        _process: process,
+        socket,
+        tcp,
+        _dir: dir,
+    })
+}
+
+fn reclaim(gpu: &Gpu, args: &ReclaimArgs) -> Result<(), String> {
+    let gib = args.bytes as f64 / f64::from(1u32 << 30);
+    let server = if args.control {
+        start_server(&[
+            "--worker-reap-timeout-seconds",
+            "0",
+            "--worker-registration-grace-seconds",
+            "0",
+            "--tcp",
+            "127.0.0.1:0",
+        ])?
+    } else {
+        start_server(&[])?
+    };
+    let endpoint: Vec<String> = match (&server.tcp, args.control) {
+        (Some(addr), true) => vec!["--tcp".into(), addr.clone()],
+        _ => vec!["--socket".into(), server.socket.display().to_string()],
+    };
+    let tolerance = (args.bytes / 16).max(64 << 20);
+    let mut samples_ms = Vec::new();
+    for round in 1..=args.rounds {
+        let baseline = free_bytes(gpu, args.device)?;
+        let mut worker_args: Vec<String> = vec!["worker".into()];
+        worker_args.extend(endpoint.iter().cloned());
+        worker_args.extend([
+            "--cuda-bytes".into(),
+            args.bytes.to_string(),
+            "--device".into(),
+            args.device.to_string(),
+            "--traffic-every-ms".into(),
+            "0".into(),
+        ]);
+        let mut worker = Spawned::start(&worker_args)?;
+        worker.wait_for("registered outcome=", Duration::from_secs(120))?;
+        let held = free_bytes(gpu, args.device)?;
+        println!(
+            "round {round}: registered {gib:.1} GiB; device free {:.2} -> {:.2} GiB",
+            baseline as f64 / f64::from(1u32 << 30),
+            held as f64 / f64::from(1u32 << 30)
+        );
+        let killed = Instant::now();
+        worker.child.kill().map_err(|e| format!("SIGKILL: {e}"))?;
+        let _ = worker.child.wait();
+        let exited_ms = killed.elapsed().as_secs_f64() * 1e3;
+        let wait = Duration::from_secs_f64(args.wait_seconds);
+        let back = loop {
+            let free = free_bytes(gpu, args.device)?;
+            if free + tolerance >= baseline {
+                break Some(killed.elapsed());
+            }
+            if killed.elapsed() > wait {
+                break None;
+            }
+            std::thread::sleep(Duration::from_micros(500));
+        };
+        match back {
+            Some(after) => {
+                let ms = after.as_secs_f64() * 1e3;
+                println!(
+                    "round {round}: exited after {exited_ms:.1} ms; memory back after {ms:.1} ms"
+                );
+                samples_ms.push(ms);
+            }
+            None => {
+                let free = free_bytes(gpu, args.device)?;
+                println!(
+                    "round {round}: memory NOT back after {:.1} s (device free {:.2} GiB, baseline {:.2} GiB)",
+                    args.wait_seconds,
+                    free as f64 / f64::from(1u32 << 30),
+                    baseline as f64 / f64::from(1u32 << 30)
+                );
+            }
+        }
+        if args.control {
+            break; // the control's memory stays until the server exits
+        }
+    }
+    if args.control {
+        let leaked = samples_ms.is_empty();
+        println!(
+            "G1 control_memory_held_after_sigkill {} ({gib:.1} GiB; reaping disabled, TCP worker: no proof; {})",
+            if leaked { "yes" } else { "no" },
+            if leaked {
+                "the server's IPC mapping keeps the dead worker's memory"
+            } else {
+                "unexpected: the memory came back without a free"
+            }
+        );
+        drop(server);
+        let after_exit = Instant::now();
+        let base = free_bytes(gpu, args.device)?;
+        println!(
+            "control: server stopped; device free now {:.2} GiB ({:.0} ms after the stop)",
+            base as f64 / f64::from(1u32 << 30),
+            after_exit.elapsed().as_secs_f64() * 1e3
+        );
+        return Ok(());
+    }
+    if samples_ms.is_empty() {
+        return Err("the memory never came back".into());
+    }
+    samples_ms.sort_by(f64::total_cmp);
+    println!(
+        "G1 reclaim_after_sigkill_ms_max {:.1} ms (target <= 100 ms; {gib:.1} GiB, {} rounds, median {:.1} ms)",
+        samples_ms[samples_ms.len() - 1],
+        samples_ms.len(),
+        samples_ms[samples_ms.len() / 2]
+    );
+    drop(server);
+    Ok(())
+}
+
+fn copy(gpu: &Gpu, args: &CopyArgs) -> Result<(), String> {
+    let chunk = usize::try_from(args.chunk_bytes).map_err(|_| "chunk too large")?;
+    let clients = args.clients.max(1);
+    let per_client_bytes = 256usize << 20;
+    let chunks_per_buffer = (per_client_bytes / chunk).max(1);
+    let rounds = (args.total_bytes as usize / chunk / clients).max(1);
+    // L1 holds every chunk stored, so no retrieve misses for eviction.
+    let l1 = (clients * rounds * chunk).max(chunk).to_string();
+    let slot = chunk.to_string();
+    let server = start_server(&["--l1-bytes", &l1, "--slot-bytes", &slot])?;
+
+    // Baseline: plain copies between one client's device buffer and pinned host memory.
+    let buffer = ExportedBuffer::allocate(gpu, args.device, per_client_bytes, 1)
+        .map_err(|e| e.to_string())?;
+    let mut pinned = PinnedHost::allocate(gpu, args.device, chunk).map_err(|e| e.to_string())?;
+    let total = rounds * clients;
+    let started = Instant::now();
+    for i in 0..total {
+        buffer
+            .copy_to_pinned((i % chunks_per_buffer) * chunk, &mut pinned, chunk)
+            .map_err(|e| e.to_string())?;
+    }
+    let dtoh = bandwidth(total * chunk, started.elapsed());
+    let started = Instant::now();
+    for i in 0..total {
+        buffer
+            .copy_from_pinned((i % chunks_per_buffer) * chunk, &pinned, chunk)
+            .map_err(|e| e.to_string())?;
+    }
+    let htod = bandwidth(total * chunk, started.elapsed());
+    drop(buffer);
+
+    // Through the server: each client stores then retrieves its chunks.
+    let socket = server.socket.clone();
+    let phase = std::sync::Barrier::new(clients);
+    let results: Vec<Result<(Duration, Duration), String>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..clients)
+            .map(|c| {
+                let socket = socket.clone();
+                let phase = &phase;
+                scope.spawn(move || -> Result<(Duration, Duration), String> {
+                    // Every thread reaches the barrier, failed or not, so none waits forever.
+                    let stored =
+                        store_phase(gpu, args, &socket, c, rounds, chunk, per_client_bytes);
+                    phase.wait();
+                    let (client, _buffer, stored) = stored?;
+                    let started = Instant::now();
+                    for i in 0..rounds {
+                        let offset = ((i % chunks_per_buffer) * chunk) as u64;
+                        let copied = client
+                            .retrieve(&chunk_key(c, i), 0, offset)
+                            .map_err(|e| e.to_string())?;
+                        if copied != Some(chunk as u64) {
+                            return Err(format!(
+                                "retrieve of chunk {i} answered {copied:?}, expected {chunk} bytes"
+                            ));
+                        }
+                    }
+                    let retrieved = started.elapsed();
+                    let _ = client.shutdown();
+                    Ok((stored, retrieved))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err("a client thread panicked".into()))
+            })
+            .collect()
+    });
+    let mut slowest = (Duration::ZERO, Duration::ZERO);
+    for result in results {
+        let (stored, retrieved) = result?;
+        slowest.0 = slowest.0.max(stored);
+        slowest.1 = slowest.1.max(retrieved);
+    }
+    let store = bandwidth(total * chunk, slowest.0);
+    let retrieve = bandwidth(total * chunk, slowest.1);
+    let mib = chunk >> 20;
+    println!("G2 baseline_dtoh_pinned {dtoh:.2} GB/s ({mib} MiB chunks, one stream)");
+    println!("G2 baseline_htod_pinned {htod:.2} GB/s ({mib} MiB chunks, one stream)");
+    println!("G2 store_device_to_l1 {store:.2} GB/s ({clients} clients)");
+    println!("G2 retrieve_l1_to_device {retrieve:.2} GB/s ({clients} clients)");
+    println!("G2 store_ratio {:.2} (target >= 0.8)", store / dtoh);
+    println!("G2 retrieve_ratio {:.2} (target >= 0.8)", retrieve / htod);
+    drop(server);
+    Ok(())
+}
+
+fn chunk_key(client: usize, chunk: usize) -> Vec<u8> {
+    format!("{client}-{chunk}").into_bytes()
+}
+
+/// One client of `gpu copy`: its own device buffer and connection, then `rounds`
+/// stores of distinct keys (so that every store copies).
+fn store_phase(
+    gpu: &Gpu,
+    args: &CopyArgs,
+    socket: &Path,
+    c: usize,
+    rounds: usize,
+    chunk: usize,
+    buffer_bytes: usize,
+) -> Result<(Client, ExportedBuffer, Duration), String> {
+    let exported = ExportedBuffer::allocate(gpu, args.device, buffer_bytes, c as u8)
+        .map_err(|e| e.to_string())?;
+    let client = Client::connect(ClientConfig::new(Endpoint::Unix(socket.to_path_buf())))
+        .map_err(|e| e.to_string())?;
+    client
+        .register_buffers(
+            vec![ClientBuffer::CudaIpc {
+                device: args.device,
+                handle: *exported.handle(),
+                offset: 0,
+                nbytes: buffer_bytes as u64,
+            }],
+            "gpu-copy",
+            1,
+        )
+        .map_err(|e| e.to_string())?;
+    let chunks_per_buffer = (buffer_bytes / chunk).max(1);
+    let started = Instant::now();
+    for i in 0..rounds {
+        let offset = ((i % chunks_per_buffer) * chunk) as u64;
+        let stored = client
+            .store(&chunk_key(c, i), 0, offset, chunk as u64)
+            .map_err(|e| e.to_string())?;
+        if !stored {
+            return Err(format!("store {i} refused: L1 full of pinned data"));
+        }
+    }
+    Ok((client, exported, started.elapsed()))
+}
+
+fn bandwidth(bytes: usize, elapsed: Duration) -> f64 {
+    bytes as f64 / elapsed.as_secs_f64().max(1e-9) / 1e9
+}

@@ -1,0 +1,171 @@
+//! `kvwarden bench` smoke: every figure runs in a tiny configuration, exits 0 and prints
+//! its lines in the stable `ID name value unit (note)` form. Figures are never checked
+//! against their targets here (shared CI machines are noisy); `docs/benchmarks.md`
+//! holds the measured runs.
+
+use kvwarden_tests::kvwarden_bin;
+use std::process::Command;
+
+/// Runs `kvwarden bench <args>` and returns its stdout, which must hold a line starting
+/// with each of `figures`.
+fn bench(args: &[&str], figures: &[&str]) -> String {
+    let output = Command::new(kvwarden_bin())
+        .arg("bench")
+        .args(args)
+        .output()
+        .expect("running kvwarden bench");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "kvwarden bench {args:?} exited with {}\nstdout:\n{stdout}\nstderr:\n{stderr}",
+        output.status
+    );
+    for figure in figures {
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with(&format!("{figure} ")))
+            .unwrap_or_else(|| panic!("no `{figure}` line in:\n{stdout}\nstderr:\n{stderr}"));
+        // `ID name value unit (note)`.
+        let fields: Vec<&str> = line.splitn(5, ' ').collect();
+        assert_eq!(fields.len(), 5, "not `ID name value unit (note)`: {line:?}");
+        assert!(
+            line.ends_with(')'),
+            "the note is not in parentheses: {line:?}"
+        );
+    }
+    stdout
+}
+
+#[test]
+fn bench_ping_prints_throughput_and_says_when_redis_is_skipped() {
+    let out = bench(
+        &[
+            "ping",
+            "--connections",
+            "4",
+            "--seconds",
+            "0.2",
+            "--rounds",
+            "1",
+            "--no-redis",
+        ],
+        &["S1 kvwarden_ping_throughput", "S1 ratio_vs_redis"],
+    );
+    assert!(out.contains("S1 ratio_vs_redis skipped"), "{out}");
+}
+
+#[test]
+fn bench_ping_compares_with_redis_where_it_is_installed() {
+    let out = bench(
+        &[
+            "ping",
+            "--connections",
+            "4",
+            "--seconds",
+            "0.2",
+            "--rounds",
+            "1",
+        ],
+        &["S1 kvwarden_ping_throughput", "S1 ratio_vs_redis"],
+    );
+    // CI machines may lack redis-server/redis-benchmark: then it says it skipped.
+    if !out.contains("S1 ratio_vs_redis skipped") {
+        for figure in [
+            "S1 redis_ping_throughput ",
+            "S1 redis_ping_throughput_same_generator ",
+        ] {
+            assert!(out.contains(figure), "no `{figure}` in:\n{out}");
+        }
+    }
+}
+
+#[test]
+fn bench_latency_and_slow_contexts_print_percentiles() {
+    bench(
+        &[
+            "latency",
+            "--workers",
+            "20",
+            "--interval-ms",
+            "20",
+            "--seconds",
+            "0.3",
+        ],
+        &[
+            "S2 ping_round_trip_p50",
+            "S2 ping_round_trip_p99",
+            "S2 ping_round_trip_p999",
+        ],
+    );
+    bench(
+        &[
+            "slow-contexts",
+            "--workers",
+            "20",
+            "--interval-ms",
+            "20",
+            "--seconds",
+            "0.5",
+            "--build-delay-ms",
+            "20",
+            "--hung-frees",
+            "2",
+            "--churners",
+            "2",
+        ],
+        &["S3 ping_round_trip_p99", "S3 registrations_during_run"],
+    );
+}
+
+#[test]
+fn bench_kill_and_reap_measure_frees() {
+    bench(
+        &["kill", "--kills", "3"],
+        &["S4 sigkill_to_free_p50", "S4 sigkill_to_free_p99"],
+    );
+    bench(
+        &[
+            "reap",
+            "--samples",
+            "2",
+            "--reap-timeout-seconds",
+            "1",
+            "--resolution-seconds",
+            "0.1",
+        ],
+        &[
+            "S5 reap_after_last_evidence_max",
+            "S5 reap_lateness_past_t_max",
+        ],
+    );
+}
+
+#[test]
+fn bench_copy_memory_and_connections_print_their_figures() {
+    bench(
+        &[
+            "copy",
+            "--seconds",
+            "0.1",
+            "--buffer-bytes",
+            "8M",
+            "--l1-bytes",
+            "16M",
+        ],
+        &["S6 store_retrieve_bandwidth", "S6 ratio_vs_memcpy"],
+    );
+    bench(
+        &["memory", "--instances", "200"],
+        &["S7 server_rss_with_instances", "S7 rss_per_instance"],
+    );
+    let out = bench(
+        &["connections", "50", "--seconds", "0.5"],
+        &[
+            "R5 connections_held",
+            "R5 slow_peer_disconnected",
+            "R5 server_rss_after_close",
+        ],
+    );
+    assert!(out.contains("R5 slow_peer_disconnected yes"), "{out}");
+}
