@@ -8,13 +8,19 @@
 //! - `gpu copy`: `store`/`retrieve` device ↔ L1 bandwidth against a plain pinned
 //!   `cuMemcpyDtoH`/`HtoD` of the same chunks (G2).
 
+use crate::bench::process::{ServerProcess, WorkerProcess};
 use crate::client::{Client, ClientBuffer, ClientConfig, Endpoint};
 use crate::cuda::{ExportedBuffer, Gpu, PinnedHost};
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitCode, Stdio};
-use std::sync::mpsc::{Receiver, channel};
+use rustix::process::Signal;
+use std::path::Path;
+use std::process::{ExitCode, Stdio};
 use std::time::{Duration, Instant};
+
+/// Starts `kvwarden serve` (HTTP off, a temporary socket) with `extra` flags.
+fn start_server(extra: &[&str]) -> Result<ServerProcess, String> {
+    let args: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+    ServerProcess::start("gpu", &args, "warn").map_err(|e| e.to_string())
+}
 
 /// Subcommands of `kvwarden gpu`.
 #[derive(Debug, clap::Subcommand)]
@@ -114,120 +120,6 @@ fn free_bytes(gpu: &Gpu, device: u32) -> Result<u64, String> {
         .ok_or_else(|| format!("no device {device}"))
 }
 
-/// A child process whose stdout lines arrive on a channel; killed on drop.
-struct Spawned {
-    child: Child,
-    lines: Receiver<String>,
-}
-
-impl Spawned {
-    fn start(args: &[String]) -> Result<Spawned, String> {
-        let exe = std::env::current_exe().map_err(|e| format!("locating kvwarden: {e}"))?;
-        let mut child = Command::new(exe)
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .map_err(|e| format!("starting kvwarden {}: {e}", args.join(" ")))?;
-        let stdout = child.stdout.take().ok_or("no stdout")?;
-        let (send, lines) = channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if send.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        Ok(Spawned { child, lines })
-    }
-
-    /// Waits for a line starting with `prefix`; returns it.
-    fn wait_for(&mut self, prefix: &str, within: Duration) -> Result<String, String> {
-        let deadline = Instant::now() + within;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(line) if line.starts_with(prefix) => return Ok(line),
-                Ok(_) => {}
-                Err(_) => return Err(format!("no `{prefix}` line within {within:?}")),
-            }
-        }
-    }
-}
-
-impl Drop for Spawned {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-struct TestServer {
-    _process: Spawned,
-    socket: PathBuf,
-    tcp: Option<String>,
-    _dir: TempDir,
-}
-
-/// A private directory removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new() -> Result<TempDir, String> {
-        let path = std::env::temp_dir().join(format!(
-            "kvwarden-gpu-{}-{}",
-            std::process::id(),
-            Instant::now().elapsed().as_nanos()
-        ));
-        std::fs::create_dir_all(&path).map_err(|e| format!("creating {}: {e}", path.display()))?;
-        Ok(TempDir(path))
-    }
-
-    fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn start_server(extra: &[&str]) -> Result<TestServer, String> {
-    let dir = TempDir::new()?;
-    let socket = dir.path().join("kvwarden.sock");
-    let mut args: Vec<String> = ["serve", "--http", "off", "--socket"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    args.push(socket.display().to_string());
-    args.extend(extra.iter().map(|s| s.to_string()));
-    let process = Spawned::start(&args)?;
-    let mut tcp = None;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let line = process
-            .lines
-            .recv_timeout(left)
-            .map_err(|_| "the server did not get ready within 60 s".to_string())?;
-        if let Some(addr) = line.strip_prefix("tcp=") {
-            tcp = Some(addr.to_string());
-        }
-        if line == "ready" {
-            break;
-        }
-    }
-    Ok(TestServer {
-        _process: process,
-        socket,
-        tcp,
-        _dir: dir,
-    })
-}
-
 fn reclaim(gpu: &Gpu, args: &ReclaimArgs) -> Result<(), String> {
     let gib = args.bytes as f64 / f64::from(1u32 << 30);
     let server = if args.control {
@@ -243,15 +135,14 @@ fn reclaim(gpu: &Gpu, args: &ReclaimArgs) -> Result<(), String> {
         start_server(&[])?
     };
     let endpoint: Vec<String> = match (&server.tcp, args.control) {
-        (Some(addr), true) => vec!["--tcp".into(), addr.clone()],
+        (Some(addr), true) => vec!["--tcp".into(), addr.to_string()],
         _ => vec!["--socket".into(), server.socket.display().to_string()],
     };
     let tolerance = (args.bytes / 16).max(64 << 20);
     let mut samples_ms = Vec::new();
     for round in 1..=args.rounds {
         let baseline = free_bytes(gpu, args.device)?;
-        let mut worker_args: Vec<String> = vec!["worker".into()];
-        worker_args.extend(endpoint.iter().cloned());
+        let mut worker_args: Vec<String> = endpoint.clone();
         worker_args.extend([
             "--cuda-bytes".into(),
             args.bytes.to_string(),
@@ -260,8 +151,9 @@ fn reclaim(gpu: &Gpu, args: &ReclaimArgs) -> Result<(), String> {
             "--traffic-every-ms".into(),
             "0".into(),
         ]);
-        let mut worker = Spawned::start(&worker_args)?;
-        worker.wait_for("registered outcome=", Duration::from_secs(120))?;
+        // Returns once the worker has registered its device memory.
+        let worker =
+            WorkerProcess::start(&worker_args, Stdio::inherit()).map_err(|e| e.to_string())?;
         let held = free_bytes(gpu, args.device)?;
         println!(
             "round {round}: registered {gib:.1} GiB; device free {:.2} -> {:.2} GiB",
@@ -269,8 +161,8 @@ fn reclaim(gpu: &Gpu, args: &ReclaimArgs) -> Result<(), String> {
             held as f64 / f64::from(1u32 << 30)
         );
         let killed = Instant::now();
-        worker.child.kill().map_err(|e| format!("SIGKILL: {e}"))?;
-        let _ = worker.child.wait();
+        worker.signal(Signal::KILL);
+        worker.reap();
         let exited_ms = killed.elapsed().as_secs_f64() * 1e3;
         let wait = Duration::from_secs_f64(args.wait_seconds);
         let back = loop {
