@@ -79,10 +79,25 @@ pub fn table(status: &Value) -> String {
         number(&live["process_exits_total"]),
         number(&live["stalls_total"]),
     );
+    // "unregistered 3, reaped 1, ..." in the server's order, zero causes left out.
+    let freed = contexts["freed_total"]
+        .as_object()
+        .map(|causes| {
+            let listed: Vec<String> = causes
+                .iter()
+                .filter(|(_, count)| count.as_u64().is_some_and(|n| n > 0))
+                .map(|(cause, count)| format!("{cause} {count}"))
+                .collect();
+            if listed.is_empty() {
+                "none".to_string()
+            } else {
+                listed.join(", ")
+            }
+        })
+        .unwrap_or_else(|| "?".to_string());
     out += &format!(
-        "contexts: built {}, freed {}, frees in flight {}, hung frees {}\n",
+        "contexts: built {}, freed ({freed}), frees in flight {}, hung frees {}\n",
         number(&contexts["built_total"]),
-        contexts["freed_total"],
         number(&contexts["frees_in_flight"]),
         number(&contexts["frees_hung_total"]),
     );
