@@ -308,11 +308,19 @@ impl Demo {
                  (worker said {line:?}); expected exactly one fresh context"
             )));
         }
+        // The worker prints its count of re-registrations when it changes: two when its
+        // heartbeat and its traffic both noticed; the later one built nothing.
+        let extra = match line.starts_with("recoveries=1 ") {
+            true => String::new(),
+            false => format!(
+                " (the worker says {line:?}: its heartbeat and its traffic both noticed; the \
+                 later re-registrations were `refreshed` and built nothing)"
+            ),
+        };
         self.timeline.event(format!(
             "worker {FROZEN} was told the server no longer holds it (a ping answered false, \
              or not_registered); it re-registered the same instance {frozen_id}: \
-             outcome=created, exactly one context built, one entry in the status (worker: \
-             {line})"
+             outcome=created, exactly one context built, one entry in the status{extra}"
         ));
         say("\nFinal status:");
         let status = control.status()?;
