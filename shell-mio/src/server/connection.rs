@@ -64,6 +64,11 @@ pub struct Frame {
 pub enum ReadOutcome {
     /// Bytes arrived; there may be more.
     Data,
+    /// Bytes arrived and the socket's queue was empty after them (a short read that
+    /// carried no ancillary data): new bytes will raise a new readiness event, so the
+    /// extra read that would only see `EAGAIN` can be skipped. A read that carried fds
+    /// is never taken as this: the kernel ends such a read early, with more queued.
+    Drained,
     /// Read everything available for now.
     WouldBlock,
     /// The input buffer is full: process frames, then read again.
@@ -157,6 +162,7 @@ impl Connection {
             }
             let want = room.min(READ_CHUNK_BYTES);
             let offset = self.input_offset + self.input.len() as u64;
+            let mut ancillary = false;
             let read = match &mut self.stream {
                 Stream::Tcp(stream) => stream.read(&mut chunk[..want]),
                 Stream::Unix(stream) => {
@@ -174,6 +180,7 @@ impl Connection {
                         Ok(message) => {
                             let last = offset + message.bytes.saturating_sub(1) as u64;
                             for item in control.drain() {
+                                ancillary = true;
                                 if let RecvAncillaryMessage::ScmRights(fds) = item {
                                     for fd in fds {
                                         self.fds.push_back((last, fd));
@@ -190,7 +197,11 @@ impl Connection {
                 Ok(0) => Ok(ReadOutcome::Closed),
                 Ok(n) => {
                     self.input.extend_from_slice(&chunk[..n]);
-                    Ok(ReadOutcome::Data)
+                    if n < want && !ancillary {
+                        Ok(ReadOutcome::Drained)
+                    } else {
+                        Ok(ReadOutcome::Data)
+                    }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(ReadOutcome::WouldBlock),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
@@ -359,7 +370,7 @@ mod tests {
     }
 
     fn read_all(connection: &mut Connection) {
-        while connection.read().unwrap() == ReadOutcome::Data {}
+        while matches!(connection.read().unwrap(), ReadOutcome::Data | ReadOutcome::Drained) {}
     }
 
     /// A burst of small frames is handed out in order, and fds go to the frame whose

@@ -84,7 +84,10 @@ impl Server {
         self.read_again.remove(&token);
     }
 
-    pub(super) fn read_connection(&mut self, token: Token) {
+    /// Reads and answers what `token` sent. `peer_closed`: the readiness event said the
+    /// peer shut its side, so the end of the stream is queued and must be read even
+    /// after a short read.
+    pub(super) fn read_connection(&mut self, token: Token, peer_closed: bool) {
         if self.shutdown.is_some() {
             return;
         }
@@ -104,7 +107,14 @@ impl Server {
             }
             match connection.read() {
                 Ok(ReadOutcome::WouldBlock) => return,
-                Ok(ReadOutcome::Data | ReadOutcome::Full) => {}
+                Ok(ReadOutcome::Drained) if !peer_closed => {
+                    // The queue is empty: answer what came, and wait for the next event.
+                    if self.process_frames(token, budget) >= budget {
+                        self.read_again.insert(token);
+                    }
+                    return;
+                }
+                Ok(ReadOutcome::Data | ReadOutcome::Drained | ReadOutcome::Full) => {}
                 Ok(ReadOutcome::Closed) => {
                     // The peer may only have shut down its write side (a half-close) and
                     // still read: answer what it sent, close once the replies are out.

@@ -341,7 +341,8 @@ impl Server {
                 self.on_event(event);
             }
             for token in again {
-                self.read_connection(token);
+                // Read to the end: an earlier event may have said the peer closed.
+                self.read_connection(token, true);
             }
             self.take_completions();
             let now = self.now();
@@ -401,7 +402,7 @@ impl Server {
             token if self.http_connections.contains_key(&token) => self.on_http(token),
             token => {
                 if event.is_readable() || event.is_read_closed() {
-                    self.read_connection(token);
+                    self.read_connection(token, event.is_read_closed() || event.is_error());
                 }
                 if event.is_writable() {
                     self.dirty.insert(token);
