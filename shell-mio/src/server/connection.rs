@@ -370,7 +370,10 @@ mod tests {
     }
 
     fn read_all(connection: &mut Connection) {
-        while matches!(connection.read().unwrap(), ReadOutcome::Data | ReadOutcome::Drained) {}
+        while matches!(
+            connection.read().unwrap(),
+            ReadOutcome::Data | ReadOutcome::Drained
+        ) {}
     }
 
     /// A burst of small frames is handed out in order, and fds go to the frame whose
