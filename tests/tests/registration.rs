@@ -1,7 +1,9 @@
 //! Registration semantics and ownership: rows 13, 14, 15 and 23 of failure-modes.md.
 
 use kvwarden::protocol::ErrorCode;
-use kvwarden_tests::{RawClient, Server, TempDir, Worker, built, find_instance, memfd_spec};
+use kvwarden_tests::{
+    PATIENCE, RawClient, Server, TempDir, Worker, built, find_instance, memfd_spec, wait_for,
+};
 use rmpv::Value;
 use rustix::fd::AsFd;
 
@@ -154,4 +156,77 @@ fn row_23_other_uid_is_forbidden_and_instance_untouched() {
         .request("ping", vec![worker.instance_id.into()])
         .unwrap();
     assert_eq!(reply.result.unwrap(), Value::Boolean(true));
+}
+
+/// Sends `register_kv_cache` for `instance` with one memfd of `actual` bytes claimed as
+/// `claimed` bytes; returns the request id (the reply is read later).
+fn send_register(client: &mut RawClient, instance: u64, actual: u64, claimed: u64) -> u64 {
+    let memfd = kvwarden::memfd::create("row15-building", actual).unwrap();
+    let args = vec![
+        instance.into(),
+        Value::Array(vec![memfd_spec(0, claimed)]),
+        "m".into(),
+        1.into(),
+    ];
+    let (id, frame) = client.frame("register_kv_cache", args);
+    client.send_with_fds(&frame, &[memfd.as_fd()]).unwrap();
+    id
+}
+
+#[test]
+fn row_15_register_while_building_is_answered_after_the_build_succeeds() {
+    let dir = TempDir::new("row15-building-ok");
+    let server = Server::start(&dir, &["--fault-build-delay-ms", "300"]);
+    let mut first = RawClient::connect(&server.socket).unwrap();
+    let mut second = RawClient::connect(&server.socket).unwrap();
+    send_register(&mut first, 5151, 8192, 8192);
+    // The second REGISTER arrives while the first build sleeps.
+    wait_for("the first build to start", PATIENCE, || {
+        find_instance(&server.status(), 5151).filter(|i| i["building"] == true)
+    });
+    let id = send_register(&mut second, 5151, 8192, 8192);
+    let reply = second.read_reply().unwrap();
+    assert_eq!(reply.id, id);
+    let value = kvwarden::server::status::msgpack_to_json(&reply.result.unwrap());
+    assert_eq!(value["outcome"], "refreshed");
+    // Answered only once the context it refers to exists.
+    let status = server.status();
+    assert_eq!(find_instance(&status, 5151).unwrap()["building"], false);
+    assert_eq!(built(&status), 1, "one context, built once");
+    let created = first.read_reply().unwrap().result.unwrap();
+    assert_eq!(
+        kvwarden::server::status::msgpack_to_json(&created)["outcome"],
+        "created"
+    );
+}
+
+#[test]
+fn row_15_register_while_building_fails_with_the_build_it_joined() {
+    let dir = TempDir::new("row15-building-fail");
+    let server = Server::start(&dir, &["--fault-build-delay-ms", "300"]);
+    let mut first = RawClient::connect(&server.socket).unwrap();
+    let mut second = RawClient::connect(&server.socket).unwrap();
+    // The first claims more bytes than its memfd holds: its build will fail.
+    send_register(&mut first, 6161, 4096, 1 << 20);
+    wait_for("the first build to start", PATIENCE, || {
+        find_instance(&server.status(), 6161).filter(|i| i["building"] == true)
+    });
+    send_register(&mut second, 6161, 8192, 8192);
+    let error = second.read_reply().unwrap().result.unwrap_err();
+    assert_eq!(error.code.as_str(), "not_registered", "{}", error.message);
+    assert!(
+        error.message.contains("register again"),
+        "{}",
+        error.message
+    );
+    let error = first.read_reply().unwrap().result.unwrap_err();
+    assert_eq!(error.code.as_str(), "bad_args", "{}", error.message);
+    // Nothing is held, and a fresh REGISTER builds one context.
+    assert!(find_instance(&server.status(), 6161).is_none());
+    send_register(&mut second, 6161, 8192, 8192);
+    let created = second.read_reply().unwrap().result.unwrap();
+    assert_eq!(
+        kvwarden::server::status::msgpack_to_json(&created)["outcome"],
+        "created"
+    );
 }

@@ -103,10 +103,59 @@ impl Server {
             }
         };
         self.forget_if_gone(instance);
+        let waiting = self
+            .refreshes_waiting
+            .remove(&(instance, module))
+            .unwrap_or_default();
+        for refresh in waiting {
+            match &answer {
+                Ok(_) => self.reply_refreshed(refresh, module),
+                Err(error) => {
+                    let error = ProtocolError::new(
+                        ErrorCode::NotRegistered,
+                        format!(
+                            "instance {instance} is not registered: the registration this one \
+                             joined while it was being built failed ({}); register again",
+                            error.message
+                        ),
+                    );
+                    self.reply(refresh.token, refresh.request_id, refresh.op, Err(error));
+                }
+            }
+        }
         if module == Module::EngineDriven && answer.is_ok() {
             self.reply_engine_registration(reply, "created");
         } else {
             self.reply(reply.token, reply.request_id, reply.op, answer);
+        }
+    }
+
+    /// Answers a REGISTER that refreshed a present entry: now when the entry is built,
+    /// else once its build is done (it may yet fail).
+    pub(super) fn answer_refresh(&mut self, reply: ReplyTo, instance: InstanceId, module: Module) {
+        if self
+            .liveness
+            .entry(instance, module)
+            .is_some_and(|entry| entry.building)
+        {
+            self.refreshes_waiting
+                .entry((instance, module))
+                .or_default()
+                .push(reply);
+            return;
+        }
+        self.reply_refreshed(reply, module);
+    }
+
+    fn reply_refreshed(&mut self, reply: ReplyTo, module: Module) {
+        match module {
+            Module::EngineDriven => self.reply_engine_registration(reply, "refreshed"),
+            Module::ServerDriven => self.reply(
+                reply.token,
+                reply.request_id,
+                reply.op,
+                Ok(Value::Map(vec![("outcome".into(), "refreshed".into())])),
+            ),
         }
     }
 

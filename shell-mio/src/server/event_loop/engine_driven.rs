@@ -38,7 +38,7 @@ impl Server {
         self.watch_peer(reply.token, instance);
         match self.liveness.register(now, instance, Module::EngineDriven) {
             Registration::Refreshed => {
-                self.reply_engine_registration(reply, "refreshed");
+                self.answer_refresh(reply, instance, Module::EngineDriven);
                 None
             }
             Registration::Build(ticket) => {

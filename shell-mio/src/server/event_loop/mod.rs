@@ -162,6 +162,9 @@ pub struct Server {
     l1: L1,
     gpu: GpuState,
     records: HashMap<(InstanceId, Module), Record>,
+    /// REGISTERs that found their entry still building: answered once the build is
+    /// done, so that no worker is told `refreshed` about a context that never comes.
+    refreshes_waiting: HashMap<(InstanceId, Module), Vec<ReplyTo>>,
     watches: Watches,
     metrics: Metrics,
     frees: HashMap<u64, FreeWatch>,
@@ -293,6 +296,7 @@ impl Server {
             l1,
             gpu,
             records: HashMap::new(),
+            refreshes_waiting: HashMap::new(),
             watches: Watches::default(),
             metrics: Metrics::new(),
             frees: HashMap::new(),

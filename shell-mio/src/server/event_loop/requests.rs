@@ -233,7 +233,8 @@ impl Server {
         self.watch_peer(reply.token, instance);
         match self.liveness.register(now, instance, Module::ServerDriven) {
             Registration::Refreshed => {
-                Some(Ok(Value::Map(vec![("outcome".into(), "refreshed".into())])))
+                self.answer_refresh(reply, instance, Module::ServerDriven);
+                None
             }
             Registration::Build(ticket) => {
                 self.records.insert(
