@@ -274,10 +274,15 @@ class Worker:
         """Reserves a pool slot for ``key``: write the KV bytes into ``slot.view``, then
         ``commit_store``. None when there is nothing to write: already stored, skipped
         while unhealthy, or a transient failure."""
+        return self._prepare("prepare_store", key)
+
+    def _prepare(self, op: str, key: bytes) -> Optional[Slot]:
+        """``prepare_store`` / ``prepare_retrieve``: the slot the server reserved or
+        pinned, or None (nothing to do, unhealthy, or a transient failure)."""
         if self._shut_down:
             return None
-        pool = self._require_pool("prepare_store")
-        value = self._transfer("prepare_store", [self.instance_id, bytes(key)], None, start=True)
+        pool = self._require_pool(op)
+        value = self._transfer(op, [self.instance_id, bytes(key)], None, start=True)
         if value is None:
             return None
         return Slot(
@@ -307,19 +312,7 @@ class Worker:
     def prepare_retrieve(self, key: bytes) -> Optional[Slot]:
         """Pins the slot holding ``key``: read ``slot.view``, then ``commit_retrieve``.
         None on a miss, while unhealthy, or on a transient failure."""
-        if self._shut_down:
-            return None
-        pool = self._require_pool("prepare_retrieve")
-        value = self._transfer("prepare_retrieve", [self.instance_id, bytes(key)], None, start=True)
-        if value is None:
-            return None
-        return Slot(
-            self._pool or pool,
-            bytes(key),
-            int(value["offset"]),
-            int(value["nbytes"]),
-            value.get("slot"),
-        )
+        return self._prepare("prepare_retrieve", key)
 
     def commit_retrieve(self, key: bytes) -> bool:
         """Unpins the slot of ``key``. Sent even while unhealthy, so pins never linger."""
