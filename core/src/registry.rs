@@ -116,6 +116,18 @@ pub struct Status {
     pub stalls_total: u64,
 }
 
+/// `(instance, module)` packed into one word: an instance id has 63 bits, the module
+/// takes the last one. One `u64` hashes and compares faster than the pair, and every
+/// `ping` probes twice (one probe per module).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+struct EntryKey(u64);
+
+impl EntryKey {
+    fn new(instance: InstanceId, module: Module) -> EntryKey {
+        EntryKey(instance.get() << 1 | module.index() as u64)
+    }
+}
+
 #[derive(Debug)]
 struct Entry<C> {
     /// Stall-corrected nanoseconds.
@@ -134,7 +146,7 @@ pub struct Liveness<C> {
     reap_timeout_nanos: u64,
     registration_grace_nanos: u64,
     clock: StallClock,
-    entries: HashMap<(InstanceId, Module), Entry<C>, foldhash::fast::RandomState>,
+    entries: HashMap<EntryKey, Entry<C>, foldhash::fast::RandomState>,
     expiry: ExpiryQueue,
     effects: VecDeque<Effect<C>>,
     serials_issued: u64,
@@ -187,7 +199,7 @@ impl<C> Liveness<C> {
         };
         let mut tracked = false;
         for module in Module::ALL {
-            if let Some(entry) = self.entries.get_mut(&(instance, module)) {
+            if let Some(entry) = self.entries.get_mut(&EntryKey::new(instance, module)) {
                 entry.last_seen = now;
                 entry.proven = true;
                 tracked = true;
@@ -202,7 +214,7 @@ impl<C> Liveness<C> {
     /// context (opens IPC handles, maps memory) off its event loop and reports back.
     pub fn register(&mut self, now: Instant, instance: InstanceId, module: Module) -> Registration {
         let now = self.observe(now);
-        if let Some(entry) = self.entries.get_mut(&(instance, module)) {
+        if let Some(entry) = self.entries.get_mut(&EntryKey::new(instance, module)) {
             entry.last_seen = now;
             return Registration::Refreshed;
         }
@@ -214,7 +226,7 @@ impl<C> Liveness<C> {
             proven: false,
             context: None,
         };
-        self.entries.insert((instance, module), entry);
+        self.entries.insert(EntryKey::new(instance, module), entry);
         if self.config.reaping_enabled() {
             // The shorter window first: should the entry prove itself before then, its
             // deadline is never earlier than this re-check.
@@ -230,7 +242,10 @@ impl<C> Liveness<C> {
     pub fn context_built(&mut self, now: Instant, ticket: BuildTicket, context: C) {
         let now = self.observe(now);
         let module = ticket.module();
-        match self.entries.get_mut(&(ticket.instance, module)) {
+        match self
+            .entries
+            .get_mut(&EntryKey::new(ticket.instance, module))
+        {
             Some(entry) if entry.serial == ticket.serial && entry.context.is_none() => {
                 entry.last_seen = now;
                 entry.context = Some(context);
@@ -250,7 +265,7 @@ impl<C> Liveness<C> {
         let key = (ticket.instance, ticket.module());
         let building = self
             .entries
-            .get(&key)
+            .get(&EntryKey::new(key.0, key.1))
             .is_some_and(|entry| entry.serial == ticket.serial && entry.context.is_none());
         if building {
             self.remove(key, FreeCause::Cancelled);
@@ -277,7 +292,7 @@ impl<C> Liveness<C> {
         let now = self.observe(now);
         let entry = self
             .entries
-            .get_mut(&(instance, module))
+            .get_mut(&EntryKey::new(instance, module))
             .ok_or(TransferError::NotRegistered)?;
         entry.last_seen = now;
         entry.context.as_ref().ok_or(TransferError::NotReady)
@@ -340,7 +355,7 @@ impl<C> Liveness<C> {
 
     /// Read-only view of one entry, for status pages and tests.
     pub fn entry(&self, instance: InstanceId, module: Module) -> Option<EntryView> {
-        let entry = self.entries.get(&(instance, module))?;
+        let entry = self.entries.get(&EntryKey::new(instance, module))?;
         Some(EntryView {
             last_seen: self.clock.to_shell(entry.last_seen),
             proven: entry.proven,
@@ -361,7 +376,7 @@ impl<C> Liveness<C> {
     /// schedule the next re-check.
     fn recheck(&mut self, now: u64, item: DueItem) {
         let key = (item.instance, item.serial.module());
-        let Some(entry) = self.entries.get(&key) else {
+        let Some(entry) = self.entries.get(&EntryKey::new(key.0, key.1)) else {
             return; // the entry went; the item is stale
         };
         if entry.serial != item.serial {
@@ -397,7 +412,7 @@ impl<C> Liveness<C> {
     /// Removes the entry at `key`: its context (if built) goes out with `cause`, and
     /// when it was the instance's last entry the blend state goes after it.
     fn remove(&mut self, key: (InstanceId, Module), cause: FreeCause) -> bool {
-        let Some(entry) = self.entries.remove(&key) else {
+        let Some(entry) = self.entries.remove(&EntryKey::new(key.0, key.1)) else {
             return false;
         };
         let (instance, module) = key;
@@ -411,7 +426,7 @@ impl<C> Liveness<C> {
         }
         let last = Module::ALL
             .iter()
-            .all(|&other| !self.entries.contains_key(&(instance, other)));
+            .all(|&other| !self.entries.contains_key(&EntryKey::new(instance, other)));
         if last {
             self.effects.push_back(Effect::DropBlendState { instance });
         }
