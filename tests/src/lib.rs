@@ -7,17 +7,17 @@
 //! tests of its own. Running only this package needs `cargo build -p kvwarden` first,
 //! or `KVWARDEN_BIN=/path/to/kvwarden`.
 
+use kvwarden::bench::process::Lines;
 use kvwarden::protocol::{Reply, decode_reply, encode_request};
 use rmpv::Value;
 use rustix::fd::{AsFd, BorrowedFd};
 use serde_json::Value as Json;
-use std::io::{BufRead, BufReader, IoSlice, Read, Write};
+use std::io::{IoSlice, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{self, Receiver};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -96,55 +96,12 @@ pub fn signal(child: &Child, signal: rustix::process::Signal) {
     let _ = rustix::process::kill_process(pid, signal);
 }
 
-/// Lines a child prints on stdout, collected by a thread.
-struct Lines {
-    receiver: Receiver<String>,
-    seen: Vec<String>,
-}
-
-impl Lines {
-    fn spawn(stdout: impl Read + Send + 'static) -> Lines {
-        let (sender, receiver) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { return };
-                if sender.send(line).is_err() {
-                    return;
-                }
-            }
-        });
-        Lines {
-            receiver,
-            seen: Vec::new(),
-        }
-    }
-
-    fn wait(&mut self, what: &str, timeout: Duration, pred: impl Fn(&str) -> bool) -> String {
-        if let Some(line) = self.seen.iter().find(|l| pred(l)) {
-            return line.clone();
-        }
-        let deadline = Instant::now() + timeout;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.receiver.recv_timeout(left) {
-                Ok(line) => {
-                    self.seen.push(line.clone());
-                    if pred(&line) {
-                        return line;
-                    }
-                }
-                Err(mpsc::RecvTimeoutError::Disconnected) => {
-                    panic!(
-                        "the process closed its stdout (exited?) before a line {what}; saw {:?}",
-                        self.seen
-                    )
-                }
-                Err(mpsc::RecvTimeoutError::Timeout) => {
-                    panic!("timed out waiting for a line {what}; saw {:?}", self.seen)
-                }
-            }
-        }
-    }
+/// Waits up to [`PATIENCE`] for a stdout line matching `pred`; panics naming `what`
+/// and every line seen when none comes.
+fn wait_line(lines: &mut Lines, what: &str, pred: impl Fn(&str) -> bool) -> String {
+    lines
+        .wait(what, PATIENCE, pred)
+        .unwrap_or_else(|error| panic!("{error}"))
 }
 
 /// A running `kvwarden serve`.
@@ -219,7 +176,7 @@ impl Server {
             .expect("spawning kvwarden serve");
         let mut lines = Lines::spawn(child.stdout.take().expect("stdout"));
         let ready = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            lines.wait("ready", PATIENCE, |l| l == "ready")
+            wait_line(&mut lines, "ready", |l| l == "ready")
         }));
         if ready.is_err() {
             let _ = child.kill();
@@ -228,10 +185,9 @@ impl Server {
                 std::fs::read_to_string(&stderr_path).unwrap_or_default()
             );
         }
+        let seen = lines.seen();
         let addr = |prefix: &str| {
-            lines
-                .seen
-                .iter()
+            seen.iter()
                 .find_map(|l| l.strip_prefix(prefix))
                 .and_then(|a| a.parse().ok())
         };
@@ -370,7 +326,9 @@ impl Worker {
         let mut lines = Lines::spawn(child.stdout.take().expect("stdout"));
         let mut stderr = child.stderr.take().expect("stderr");
         let started = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            lines.wait("instance_id=", PATIENCE, |l| l.starts_with("instance_id="))
+            wait_line(&mut lines, "instance_id=", |l| {
+                l.starts_with("instance_id=")
+            })
         }));
         let Ok(line) = started else {
             let _ = child.kill();
@@ -383,7 +341,7 @@ impl Worker {
         let instance_id = line["instance_id=".len()..]
             .parse()
             .expect("a numeric instance id");
-        lines.wait("registered", PATIENCE, |l| {
+        wait_line(&mut lines, "registered", |l| {
             l.starts_with("registered outcome=")
         });
         Worker {
@@ -411,12 +369,12 @@ impl Worker {
 
     /// Waits for a stdout line matching `pred`.
     pub fn wait_line(&mut self, what: &str, pred: impl Fn(&str) -> bool) -> String {
-        self.lines.wait(what, PATIENCE, pred)
+        wait_line(&mut self.lines, what, pred)
     }
 
     /// Every line seen so far.
-    pub fn lines_seen(&self) -> &[String] {
-        &self.lines.seen
+    pub fn lines_seen(&mut self) -> &[String] {
+        self.lines.seen()
     }
 
     /// Sends a signal.
