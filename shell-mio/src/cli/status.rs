@@ -79,6 +79,11 @@ pub fn table(status: &Value) -> String {
         number(&live["process_exits_total"]),
         number(&live["stalls_total"]),
     );
+    out += &format!(
+        "pings {}, answered false (not held: re-register) {}\n",
+        number(&live["pings_total"]),
+        number(&live["pings_answered_false_total"]),
+    );
     // "unregistered 3, reaped 1, ..." in the server's order, zero causes left out.
     let freed = contexts["freed_total"]
         .as_object()

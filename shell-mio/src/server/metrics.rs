@@ -33,6 +33,10 @@ pub struct Metrics {
     pub process_exits: Counter,
     /// Server stalls detected (mirrors the core's counter).
     pub stalls: Counter,
+    /// Pings answered `false`: the instance was not held (reaped, freed, never
+    /// registered, or registered with an earlier server). A live worker that was not
+    /// reaped is never told this.
+    pub pings_answered_false: Counter,
     /// Time from a ping's decode to its reply being queued, in seconds.
     pub ping_seconds: Histogram,
     /// L1 slots by state (`used`, `total`).
@@ -63,6 +67,7 @@ impl Metrics {
             reaps: Counter::default(),
             process_exits: Counter::default(),
             stalls: Counter::default(),
+            pings_answered_false: Counter::default(),
             ping_seconds: Histogram::new(exponential_buckets(1e-6, 4.0, 10)),
             l1_slots: Family::default(),
             connections: Gauge::default(),
@@ -103,6 +108,13 @@ impl Metrics {
             "stalls",
             "Stalls of the server itself detected",
             metrics.stalls.clone(),
+        );
+        registry.register(
+            "pings_answered_false",
+            "Pings answered false: the instance is not held here (reaped, freed by its \
+             process exit or unregister, or registered with an earlier server); the worker \
+             re-registers",
+            metrics.pings_answered_false.clone(),
         );
         registry.register(
             "ping_handling_seconds",
@@ -157,6 +169,11 @@ impl Metrics {
     /// Frees counted for `cause`.
     pub fn frees_for(&self, cause: &str) -> u64 {
         self.frees.get_or_create(&label("cause", cause)).get()
+    }
+
+    /// Requests of `op` so far.
+    pub fn requests_for(&self, op: &str) -> u64 {
+        self.requests.get_or_create(&label("op", op)).get()
     }
 
     /// Sets a mirrored counter to `value` (it only ever grows).

@@ -143,6 +143,8 @@ impl Server {
                 "reaped_total": status.reaped_total,
                 "process_exits_total": status.process_exits_total,
                 "stalls_total": status.stalls_total,
+                "pings_total": self.metrics.requests_for("ping"),
+                "pings_answered_false_total": self.metrics.pings_answered_false.get(),
             },
             "contexts": {
                 "built_total": self.metrics.contexts_built.get(),

@@ -67,6 +67,9 @@ impl Server {
             Op::Ping { instance } => {
                 let started = std::time::Instant::now();
                 let tracked = self.liveness.ping(now, instance);
+                if !tracked {
+                    self.metrics.pings_answered_false.inc();
+                }
                 self.metrics
                     .ping_seconds
                     .observe(started.elapsed().as_secs_f64());
