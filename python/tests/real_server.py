@@ -64,6 +64,9 @@ class RealServer:
         ]
         self.proc: Optional[subprocess.Popen] = None
         self._probe: Optional[Connection] = None
+        #: Why the test makes this server answer pings ``false`` on purpose (a reap, a
+        #: restart, an unknown id); None: any such answer fails the test at teardown.
+        self.pings_answered_false_expected: Optional[str] = None
 
     def start(self, timeout: float = 20.0) -> "RealServer":
         log = open(self.log_path, "ab")
@@ -129,6 +132,24 @@ class RealServer:
     def request(self, op: str, args: List[Any]) -> Any:
         assert self._probe is not None
         return self._probe.request(op, args, timeout=10.0)[0]
+
+    def check_no_ping_answered_false(self) -> None:
+        """Fails when this server answered a ping ``false`` and the test declared no
+        reason (``pings_answered_false_expected``): a live worker told that its instance
+        is not held is the failure kvwarden exists to prevent."""
+        if self.pings_answered_false_expected is not None:
+            return
+        if self.proc is None or self.proc.poll() is not None or self._probe is None:
+            return
+        self.proc.send_signal(signal.SIGCONT)  # a test may have paused it
+        liveness = self.status()["worker_liveness"]
+        answered_false = liveness["pings_answered_false_total"]
+        assert answered_false == 0, (
+            f"the server answered {answered_false} of {liveness['pings_total']} pings false "
+            "in a test that declared no reap, restart or unknown id "
+            "(pings_answered_false_expected): a live worker was told its instance is not "
+            f"held\n{self.log_tail()}"
+        )
 
     def entries(self, instance_id: int) -> List[Dict[str, Any]]:
         """The status entries (one per module) of one instance."""

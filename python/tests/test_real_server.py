@@ -56,8 +56,12 @@ def start_server(kvwarden_bin: str, short_tmp: str) -> Iterator[Callable[..., Re
         return server
 
     yield start
-    for server in servers:
-        server.stop()
+    try:
+        for server in servers:
+            server.check_no_ping_answered_false()
+    finally:
+        for server in servers:
+            server.stop()
         print(f"--- server log ({server.log_path}) ---\n{server.log_tail(60)}")
 
 
@@ -242,6 +246,7 @@ def test_real_frozen_worker_recovers_on_thaw_with_exactly_one_context(
     start_server, children
 ) -> None:
     server = start_server()
+    server.pings_answered_false_expected = "the frozen worker is reaped; its first ping on thaw"
     child = Child(server.socket_path)
     children.append(child)
     wait_until(lambda: bool(server.entries(child.instance_id)), 10, "child registered")
@@ -267,6 +272,7 @@ def test_real_server_restart_under_live_workers_each_end_with_one_context(
     start_server, buffers, how: str
 ) -> None:
     server = start_server()
+    server.pings_answered_false_expected = "a restarted server holds nothing"
     workers = [make_worker(server, buffers) for _ in range(2)]
     for index, worker in enumerate(workers):
         buffers[index].view[:4] = f"w{index}!!".encode()
@@ -312,6 +318,7 @@ def test_real_idle_worker_reaped_at_grace_rejoins_through_not_registered(
     start_server, buffers
 ) -> None:
     server = start_server()
+    server.pings_answered_false_expected = "the idle worker is reaped at the registration grace"
     worker = make_worker(server, buffers)
     assert not worker.heartbeat_started()
     wait_until(

@@ -5,6 +5,8 @@
 # cargo (x86-64, `cargo build --release -p kvwarden`; CUDA is loaded at run time):
 #   KVWARDEN_BIN=path/to/kvwarden shell-mio/scripts/gpu-check.sh
 # Prints one figure per line (`G1 …`, `G2 …`) and finishes in well under 4 minutes.
+# Every step fails (and stops the script) when the server answered a ping `false`: a
+# live worker told that its instance is not held voids the figures.
 #   GPU_CHECK_BYTES   bytes the worker registers for G1 (default 16G)
 #   GPU_CHECK_DEVICE  device ordinal (default 0)
 set -euo pipefail
@@ -32,5 +34,8 @@ timeout 60 "$bin" gpu reclaim --bytes "$bytes" --device "$device" --control --wa
 step "G2: store/retrieve device <-> L1 against plain pinned copies"
 timeout 60 "$bin" gpu copy --device "$device" --chunk-bytes 2M --total-bytes 2G --clients 4
 timeout 60 "$bin" gpu copy --device "$device" --chunk-bytes 8M --total-bytes 2G --clients 4
+
+step "issue 16: one client, 8 MiB chunks (a live worker's ping answered false fails the run)"
+timeout 60 "$bin" gpu copy --device "$device" --chunk-bytes 8M --total-bytes 1G --clients 1
 
 step "done"

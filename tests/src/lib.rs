@@ -116,6 +116,8 @@ pub struct Server {
     pub tcp: Option<SocketAddr>,
     stderr_path: PathBuf,
     status_client: Mutex<Option<RawClient>>,
+    /// Why this test makes the server answer pings `false` on purpose, if it does.
+    pings_answered_false_expected: Mutex<Option<String>>,
 }
 
 /// The flags every test server gets unless a test overrides them: T = 2 s,
@@ -198,6 +200,7 @@ impl Server {
             socket,
             stderr_path,
             status_client: Mutex::new(None),
+            pings_answered_false_expected: Mutex::new(None),
         }
     }
 
@@ -238,8 +241,62 @@ impl Server {
         })
     }
 
+    /// Declares that this test makes the server answer pings `false` on purpose: a
+    /// reap, a server restart, a partition longer than T, a ping of an id never
+    /// registered. Without it, the server answering any ping `false` fails the test
+    /// when the server is dropped or terminated: a live worker told that its instance
+    /// is not held is the failure kvwarden exists to prevent (issue 16).
+    pub fn expect_pings_answered_false(&self, why: &str) {
+        *self
+            .pings_answered_false_expected
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(why.to_string());
+    }
+
+    /// The check [`Server::expect_pings_answered_false`] turns off: while the server
+    /// still runs, it must not have answered any ping `false`.
+    fn check_no_ping_answered_false(&mut self) {
+        let expected = self
+            .pings_answered_false_expected
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some();
+        if expected || std::thread::panicking() || !matches!(self.child.try_wait(), Ok(None)) {
+            return;
+        }
+        signal(&self.child, rustix::process::Signal::CONT); // a test may have paused it
+        let Some(status) = self.try_status() else {
+            return; // not answering: the test is about something else
+        };
+        let liveness = &status["worker_liveness"];
+        let answered_false = liveness["pings_answered_false_total"].as_u64().unwrap_or(0);
+        if answered_false > 0 {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+            panic!(
+                "the server answered {answered_false} of {} pings `false` in a test that \
+                 declared no reap, restart, partition or unknown id \
+                 (Server::expect_pings_answered_false): a live worker was told its instance \
+                 is not held; log:\n{}",
+                liveness["pings_total"],
+                self.log()
+            );
+        }
+    }
+
+    /// The status map, or None when the server does not answer within a few seconds.
+    fn try_status(&self) -> Option<Json> {
+        let mut raw = RawClient::connect(&self.socket).ok()?;
+        raw.stream
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .ok()?;
+        let value = raw.request("status", vec![]).ok()?.result.ok()?;
+        Some(kvwarden::server::status::msgpack_to_json(&value))
+    }
+
     /// SIGTERM, then wait for the exit.
     pub fn terminate(mut self) -> (ExitStatus, String) {
+        self.check_no_ping_answered_false();
         signal(&self.child, rustix::process::Signal::TERM);
         let status = wait_exit(&mut self.child, PATIENCE).expect("the server exits after SIGTERM");
         (status, self.log())
@@ -248,6 +305,7 @@ impl Server {
 
 impl Drop for Server {
     fn drop(&mut self) {
+        self.check_no_ping_answered_false();
         let _ = self.child.kill();
         let _ = self.child.wait();
     }

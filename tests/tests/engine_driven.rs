@@ -198,6 +198,7 @@ fn hold_a_reservation_and_a_pin(
 fn row_21_freed_engine_instance_discards_reservation_and_releases_pins() {
     let dir = TempDir::new("row21");
     let server = Server::start(&dir, &[]);
+    server.expect_pings_answered_false("the instance is reaped, then pinged");
 
     // Unregister.
     let mut worker = hold_a_reservation_and_a_pin(&server, 211, b"pub-u", b"half-u");

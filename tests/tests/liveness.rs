@@ -86,6 +86,7 @@ fn row_02_invisible_worker_is_reaped_after_the_timeout_and_not_before() {
 fn row_09_frozen_worker_is_reaped_and_rebuilds_one_context_on_thaw() {
     let dir = TempDir::new("row09");
     let server = Server::start(&dir, &[]);
+    server.expect_pings_answered_false("the frozen worker is reaped; its first ping on thaw");
     let mut worker = Worker::unix(&server, &["--traffic-every-ms", "0"]);
     server.wait_status("the worker proven", |s| {
         find_instance(s, worker.instance_id).is_some_and(|i| i["proven"] == true)

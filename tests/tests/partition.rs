@@ -70,6 +70,7 @@ fn row_07_partition_shorter_than_timeout_refreshes_without_rebuilding() {
 fn row_08_partition_longer_than_timeout_rebuilds_one_context() {
     let dir = TempDir::new("row08");
     let server = Server::start(&dir, &["--tcp", "127.0.0.1:0"]);
+    server.expect_pings_answered_false("reaped during a partition longer than T");
     let proxy = Proxy::start(server.tcp.expect("tcp"));
     let mut worker = tcp_worker(&proxy);
     server.wait_status("proven", |s| {
@@ -103,6 +104,7 @@ fn row_11_server_restart_workers_reregister_once() {
     let first_boot = server.status()["boot_id"].clone();
     drop(server); // SIGKILL: the socket file stays behind, stale
     let server = Server::start(&dir, &[]);
+    server.expect_pings_answered_false("a restarted server holds nothing");
     assert_ne!(server.status()["boot_id"], first_boot);
     for worker in &mut workers {
         // The first recovery creates; a later one (a transfer answered not_registered

@@ -52,3 +52,55 @@ fn row_19_server_sigterm_frees_every_context_and_removes_socket() {
     );
     drop(workers);
 }
+
+/// Issue 16 (seen on an H200 in `kvwarden gpu copy`): a worker's first ping, due when
+/// its first transfer started, waited behind back-to-back transfers on the shared
+/// connection until the worker's own shutdown had unregistered it, and was then
+/// answered `false`: a live worker told it was not held. Here with memfd buffers, the
+/// same sequence and chunk size as `gpu copy` (register, 8 MiB stores, retrieves,
+/// shutdown), many times over: the server must never answer a ping `false`.
+#[test]
+fn row_18_a_ping_due_at_shutdown_goes_out_before_the_unregister() {
+    const CHUNK: u64 = 8 << 20;
+    const CHUNKS: u64 = 2;
+    const ROUNDS: usize = 64;
+    let dir = TempDir::new("row18-ping");
+    let server = Server::start(&dir, &["--l1-bytes", "64M", "--slot-bytes", "8M"]);
+    let endpoint = kvwarden::client::Endpoint::Unix(server.socket.clone());
+    for round in 0..ROUNDS {
+        let client = kvwarden::client::Client::connect(kvwarden::client::ClientConfig::new(
+            endpoint.clone(),
+        ))
+        .expect("connecting");
+        let buffer = std::sync::Arc::new(
+            kvwarden::client::MemfdBuffer::new((CHUNK * CHUNKS) as usize).expect("a memfd"),
+        );
+        client
+            .register(vec![buffer], "row18", 1)
+            .expect("registering");
+        for i in 0..CHUNKS {
+            let key = format!("{round}-{i}");
+            assert!(client.store(key.as_bytes(), 0, i * CHUNK, CHUNK).unwrap());
+        }
+        for i in 0..CHUNKS {
+            let key = format!("{round}-{i}");
+            let copied = client.retrieve(key.as_bytes(), 0, i * CHUNK).unwrap();
+            assert_eq!(copied, Some(CHUNK));
+        }
+        assert_eq!(client.pings_answered_false(), 0, "round {round}");
+        client.shutdown().expect("a clean shutdown");
+    }
+    let status = server.status();
+    let pings = status["worker_liveness"]["pings_total"]
+        .as_u64()
+        .unwrap_or(0);
+    assert_eq!(
+        status["worker_liveness"]["pings_answered_false_total"], 0,
+        "live workers' pings were answered false ({pings} pings in {ROUNDS} rounds)"
+    );
+    assert!(
+        pings >= 1,
+        "no ping was sent at all: the test proves nothing"
+    );
+    assert_eq!(freed(&status, "unregistered"), ROUNDS as u64);
+}

@@ -226,6 +226,7 @@ pub fn run(args: &ConnectionsArgs) -> Result<(), BenchError> {
         "bytes",
         "(VmRSS holding - idle) / connections",
     );
+    target.check_no_ping_answered_false()?;
     Ok(())
 }
 

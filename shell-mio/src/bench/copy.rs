@@ -181,6 +181,7 @@ pub fn run(args: &CopyArgs) -> Result<(), BenchError> {
         "x",
         &format!("{depth} in flight (the server's pool copies in parallel)"),
     );
+    target.check_no_ping_answered_false()?;
     Ok(())
 }
 

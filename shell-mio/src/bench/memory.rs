@@ -96,5 +96,6 @@ pub fn run(args: &MemoryArgs) -> Result<(), BenchError> {
         "bytes",
         "(VmRSS with instances - idle) / instances",
     );
+    target.check_no_ping_answered_false()?;
     Ok(())
 }

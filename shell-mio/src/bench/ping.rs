@@ -134,6 +134,7 @@ pub fn run(args: &PingArgs) -> Result<(), BenchError> {
             "redis-server/redis-benchmark not on PATH, or --no-redis",
         ),
     }
+    target.check_no_ping_answered_false()?;
     Ok(())
 }
 

@@ -136,6 +136,7 @@ pub fn run(args: &SlowContextsArgs) -> Result<(), BenchError> {
             status["contexts"]["frees_hung_total"],
         ),
     );
+    target.check_no_ping_answered_false()?;
     Ok(())
 }
 

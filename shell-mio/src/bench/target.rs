@@ -25,6 +25,8 @@ pub struct Target {
     /// Its process id.
     pub pid: i32,
     spawned: Option<ServerProcess>,
+    /// Pings it had answered `false` before this benchmark (a running server's past).
+    pings_answered_false_before: u64,
 }
 
 impl Target {
@@ -51,12 +53,15 @@ impl Target {
                      this benchmark would have started one with {serve_args:?}",
                     socket.display()
                 ));
-                Ok(Target {
+                let mut target = Target {
                     socket: socket.clone(),
                     tcp: None,
                     pid,
                     spawned: None,
-                })
+                    pings_answered_false_before: 0,
+                };
+                target.pings_answered_false_before = target.pings_answered_false()?;
+                Ok(target)
             }
             None => {
                 let serve_args: Vec<String> = serve_args.iter().map(|s| s.to_string()).collect();
@@ -74,6 +79,7 @@ impl Target {
                     tcp: server.tcp,
                     pid: server.pid(),
                     spawned: Some(server),
+                    pings_answered_false_before: 0,
                 })
             }
         }
@@ -82,6 +88,34 @@ impl Target {
     /// A control connection.
     pub fn connect(&self) -> Result<RawConnection, BenchError> {
         RawConnection::connect(&self.socket)
+    }
+
+    /// Pings the server has answered `false` so far.
+    fn pings_answered_false(&self) -> Result<u64, BenchError> {
+        let status = self.connect()?.status()?;
+        Ok(status["worker_liveness"]["pings_answered_false_total"]
+            .as_u64()
+            .unwrap_or(0))
+    }
+
+    /// Fails when the server answered a ping `false` during this benchmark. Every
+    /// worker a benchmark runs is alive and registered, and nothing reaps or restarts
+    /// it, so such an answer (a live worker told its instance is not held) is a bug to
+    /// chase, never a figure to print.
+    pub fn check_no_ping_answered_false(&self) -> Result<(), BenchError> {
+        let answered_false = self
+            .pings_answered_false()?
+            .saturating_sub(self.pings_answered_false_before);
+        if answered_false == 0 {
+            return Ok(());
+        }
+        Err(BenchError::Failed(format!(
+            "FAILED: the server answered {answered_false} ping(s) `false` during this \
+             benchmark, although none of its workers was reaped, restarted or cut off: a live \
+             worker was told that its instance is not held. The figures above are void; the \
+             server's log ends:\n{}",
+            self.log_tail(40)
+        )))
     }
 
     /// Whether this benchmark started the server (so its flags are the ones asked for).

@@ -9,6 +9,7 @@
 //!   `cuMemcpyDtoH`/`HtoD` of the same chunks (G2).
 
 use crate::bench::process::{ServerProcess, WorkerProcess};
+use crate::bench::raw::RawConnection;
 use crate::client::{Client, ClientBuffer, ClientConfig, Endpoint};
 use crate::cuda::{ExportedBuffer, Gpu, PinnedHost};
 use rustix::process::Signal;
@@ -20,6 +21,29 @@ use std::time::{Duration, Instant};
 fn start_server(extra: &[&str]) -> Result<ServerProcess, String> {
     let args: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
     ServerProcess::start("gpu", &args, "warn").map_err(|e| e.to_string())
+}
+
+/// Fails loudly when the server answered a ping `false`: nothing in these checks reaps,
+/// restarts or cuts off a live worker, so a worker told that its instance is not held
+/// is a bug (issue 16 was found this way), whatever the figures say.
+fn check_no_ping_answered_false(server: &ServerProcess) -> Result<(), String> {
+    let status = RawConnection::connect(&server.socket)
+        .and_then(|mut control| control.status())
+        .map_err(|e| format!("reading the server's status: {e}"))?;
+    let liveness = &status["worker_liveness"];
+    match liveness["pings_answered_false_total"].as_u64() {
+        Some(0) => Ok(()),
+        Some(answered_false) => Err(format!(
+            "FAILED: the server answered {answered_false} of {} pings `false`: a live worker \
+             was told that its instance is not held, although nothing was reaped or \
+             restarted. The figures above are void. The server's log ends:\n{}",
+            liveness["pings_total"],
+            server.log_tail(40)
+        )),
+        None => Err(format!(
+            "the server's status has no worker_liveness.pings_answered_false_total: {liveness}"
+        )),
+    }
 }
 
 /// Subcommands of `kvwarden gpu`.
@@ -218,6 +242,7 @@ fn reclaim(gpu: &Gpu, args: &ReclaimArgs) -> Result<(), String> {
         );
         return Ok(());
     }
+    check_no_ping_answered_false(&server)?;
     if samples_ms.is_empty() {
         return Err("the memory never came back".into());
     }
@@ -319,6 +344,7 @@ fn copy(gpu: &Gpu, args: &CopyArgs) -> Result<(), String> {
     println!("G2 retrieve_l1_to_device {retrieve:.2} GB/s ({clients} clients)");
     println!("G2 store_ratio {:.2} (target >= 0.8)", store / dtoh);
     println!("G2 retrieve_ratio {:.2} (target >= 0.8)", retrieve / htod);
+    check_no_ping_answered_false(&server)?;
     drop(server);
     Ok(())
 }

@@ -3,8 +3,14 @@
 //!
 //! Recovery (after a ping answered `false`, a ping that failed and then succeeded, or a
 //! transfer answered `not_registered`) re-registers the same instance id and the same
-//! buffers before health is set again. [`Client::shutdown`] stops the heartbeat, then
-//! unregisters, then closes, so no ghost registration is ever re-created.
+//! buffers before health is set again. [`Client::shutdown`] stops the heartbeat and
+//! waits for a cycle still running, then unregisters, then closes, so no ghost
+//! registration is ever re-created and no ping ever follows this worker's own
+//! unregister.
+//!
+//! The heartbeat and the engine's transfers share one connection. Its lock is fair
+//! (FIFO hand-off): a ping that falls due during a stream of transfers goes out after
+//! the transfer in progress, instead of waiting until the stream ends.
 
 mod wire;
 
@@ -16,6 +22,7 @@ use kvwarden_core::{
     Heartbeat, HeartbeatAction, HeartbeatConfig, InstanceId, Instant, PingReply,
     reap_timeout_floor_warning,
 };
+use parking_lot::FairMutex;
 use rmpv::Value;
 use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -167,7 +174,8 @@ struct Shared {
     config: ClientConfig,
     instance: InstanceId,
     origin: std::time::Instant,
-    wire: Mutex<Option<Wire>>,
+    /// Fair, so that the heartbeat's ping is never starved by back-to-back transfers.
+    wire: FairMutex<Option<Wire>>,
     registration: Mutex<Option<Registration>>,
     heartbeat: Mutex<Heartbeat>,
     wake: Condvar,
@@ -175,6 +183,7 @@ struct Shared {
     lifecycle: Mutex<()>,
     next_request_id: AtomicU64,
     recoveries: AtomicU64,
+    pings_answered_false: AtomicU64,
     last_outcome: Mutex<Option<String>>,
 }
 
@@ -196,7 +205,7 @@ impl Shared {
         fds: &[BorrowedFd<'_>],
         timeout: Duration,
     ) -> Result<Value, ClientError> {
-        let mut wire = lock(&self.wire);
+        let mut wire = self.wire.lock();
         if wire.is_none() {
             let fresh = Wire::connect(
                 &self.config.endpoint,
@@ -224,6 +233,7 @@ impl Shared {
         match self.call("ping", args, &[], self.config.heartbeat_interval) {
             Ok(Value::Boolean(true)) => PingReply::Known,
             Ok(Value::Boolean(false)) => {
+                self.pings_answered_false.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(instance = %self.instance, "the server does not hold this instance (reaped or restarted); re-registering");
                 PingReply::Unknown
             }
@@ -386,13 +396,14 @@ impl Client {
                 config,
                 instance,
                 origin: std::time::Instant::now(),
-                wire: Mutex::new(Some(wire)),
+                wire: FairMutex::new(Some(wire)),
                 registration: Mutex::new(None),
                 heartbeat: Mutex::new(heartbeat),
                 wake: Condvar::new(),
                 lifecycle: Mutex::new(()),
                 next_request_id: AtomicU64::new(1),
                 recoveries: AtomicU64::new(0),
+                pings_answered_false: AtomicU64::new(0),
                 last_outcome: Mutex::new(None),
             }),
             heartbeat_thread: Mutex::new(None),
@@ -413,6 +424,13 @@ impl Client {
     /// Recoveries (re-registrations) done so far.
     pub fn recoveries(&self) -> u64 {
         self.shared.recoveries.load(Ordering::Relaxed)
+    }
+
+    /// Pings the server answered `false` (it did not hold this instance). For a live
+    /// worker that was neither reaped nor cut off and whose server did not restart,
+    /// this stays 0; anything else is a bug (or a reap the caller expected).
+    pub fn pings_answered_false(&self) -> u64 {
+        self.shared.pings_answered_false.load(Ordering::Relaxed)
     }
 
     /// The outcome of the latest registration (`created` or `refreshed`).
@@ -549,11 +567,16 @@ impl Client {
             .call(op, args, &[], self.shared.config.request_timeout)
     }
 
-    /// Stops the heartbeat, then unregisters, then closes. A heartbeat cycle still
-    /// running neither recovers nor changes health after this.
+    /// Stops the heartbeat and waits for a cycle still running (its ping, at most one
+    /// ping timeout), then unregisters, then closes. A cycle still running neither
+    /// recovers nor changes health after the stop, and no ping is sent after the
+    /// unregister: one would be answered `false` for a worker that is alive.
     pub fn shutdown(self) -> Result<(), ClientError> {
         lock(&self.shared.heartbeat).stop();
         self.shared.wake.notify_all();
+        if let Some(handle) = lock(&self.heartbeat_thread).take() {
+            let _ = handle.join();
+        }
         let result = {
             let _lifecycle = lock(&self.shared.lifecycle);
             let registered = lock(&self.shared.registration).take().is_some();
@@ -571,10 +594,7 @@ impl Client {
                 Ok(())
             }
         };
-        *lock(&self.shared.wire) = None;
-        if let Some(handle) = lock(&self.heartbeat_thread).take() {
-            let _ = handle.join();
-        }
+        *self.shared.wire.lock() = None;
         result
     }
 }
