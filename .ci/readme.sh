@@ -36,10 +36,20 @@ block() {
     $0 == "<!-- readme-test: " name " -->" { armed = 1; next }
     armed && /^```/ { if (inside) exit; inside = 1; next }
     inside { print }
-  ' README.md)"
+  ' "$root/README.md")"
   [ -n "$text" ] || die "README.md has no block marked <!-- readme-test: $1 -->"
   printf '%s\n' "$text"
 }
+
+# Every block up front: a missing one stops the script here (an assignment fails with
+# its command substitution; a substitution inside another command would not).
+serve_block="$(block serve)"
+demo_block="$(block demo)"
+install_block="$(block install)"
+commands_block="$(block commands)"
+python_install_block="$(block python-install)"
+python_block="$(block python)"
+python_output_block="$(block python-output)"
 
 say "the repository is self-contained: every Markdown link resolves inside it"
 if git grep -n -I -e 'shared/spec' -e '\.\./shared' -- . ':!.ci/readme.sh'; then
@@ -69,8 +79,8 @@ PY
 export XDG_RUNTIME_DIR="$work/run"
 mkdir -m 700 "$XDG_RUNTIME_DIR"
 
-say "serve: $(block serve)"
-setsid bash -euo pipefail -c "$(block serve)" >"$work/serve.out" 2>"$work/serve.err" &
+say "serve: $serve_block"
+setsid bash -euo pipefail -c "$serve_block" >"$work/serve.out" 2>"$work/serve.err" &
 serve_pid=$!
 # The first release build takes minutes on a 2-core machine.
 for _ in $(seq 1800); do
@@ -83,39 +93,42 @@ cat "$work/serve.out"
 grep -qx "socket=$XDG_RUNTIME_DIR/kvwarden.sock" "$work/serve.out" \
   || die "the server's socket is not the default the README names"
 
-say "demo: $(block demo)"
-timeout 600 bash -euo pipefail -c "$(block demo)" >"$work/demo.out" 2>&1 \
+say "demo: $demo_block"
+timeout 600 bash -euo pipefail -c "$demo_block" >"$work/demo.out" 2>&1 \
   || { cat "$work/demo.out" >&2; die "the demo failed"; }
 tail -3 "$work/demo.out"
 
-say "install: $(block install)"
+say "install: $install_block"
 # Into a scratch root, building in the workspace's target directory (what was just
 # built is reused).
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$root/target}"
-CARGO_INSTALL_ROOT="$work/cargo" bash -euo pipefail -c "$(block install)"
+CARGO_INSTALL_ROOT="$work/cargo" bash -euo pipefail -c "$install_block"
 export PATH="$work/cargo/bin:$PATH"
 command -v kvwarden
 
 say "commands"
-block commands
-bash -euo pipefail -c "$(block commands)" >"$work/commands.out" 2>&1 \
+printf '%s\n' "$commands_block"
+bash -euo pipefail -c "$commands_block" >"$work/commands.out" 2>&1 \
   || { cat "$work/commands.out" >&2; die "a command failed"; }
 grep -q "kvwarden_tracked_instances" "$work/commands.out" || die "no metrics from curl"
 
-say "python-install: $(block python-install | tr '\n' ';')"
+say "python-install: $(tr '\n' ';' <<<"$python_install_block")"
 if ! python3 -c 'import ensurepip, venv' 2>/dev/null && [ "$(id -u)" -eq 0 ] \
   && command -v apt-get >/dev/null; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null
 fi
-rm -rf .venv
-bash -euo pipefail -c "$(block python-install)" >"$work/pip.out" 2>&1 \
+# In a scratch directory that sees the checkout's python/: the venv the block makes
+# goes there, not into the checkout.
+mkdir "$work/py"
+ln -s "$root/python" "$work/py/python"
+(cd "$work/py" && bash -euo pipefail -c "$python_install_block") >"$work/pip.out" 2>&1 \
   || { cat "$work/pip.out" >&2; die "the Python install failed"; }
 
 say "python: the quick start"
-.venv/bin/python -c "$(block python)" >"$work/python.out" 2>"$work/python.err" \
+"$work/py/.venv/bin/python" -c "$python_block" >"$work/python.out" 2>"$work/python.err" \
   || { cat "$work/python.out" "$work/python.err" >&2; die "the Python quick start failed"; }
 cat "$work/python.out"
-if ! diff -u <(block python-output) "$work/python.out"; then
+if ! diff -u <(printf '%s\n' "$python_output_block") "$work/python.out"; then
   die "the quick start does not print what the README says (diff above)"
 fi
 
