@@ -51,6 +51,12 @@ python_install_block="$(block python-install)"
 python_block="$(block python)"
 python_output_block="$(block python-output)"
 
+# What the README's commands use besides cargo and python3 (CI: a bare Debian).
+if ! command -v curl >/dev/null; then
+  [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null || die "curl is missing: install it"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq curl >/dev/null
+fi
+
 say "the repository is self-contained: every Markdown link resolves inside it"
 if git grep -n -I -e 'shared/spec' -e '\.\./shared' -- . ':!.ci/readme.sh'; then
   die "the lines above point outside the repository"
