@@ -1,4 +1,4 @@
-//! C1–C4 of `targets.md`: `cargo bench -p kvwarden-core`.
+//! C1–C4 of `docs/targets.md`: `cargo bench -p kvwarden-core`.
 //!
 //! Prints one figure per line, `C<n> <name> <value> <unit> (target ...)`, so that runs
 //! can be compared with `diff`. Timings are medians over many batches; the full-scan
@@ -202,7 +202,7 @@ fn main() {
         c4_memory(1000, "1k");
         return;
     }
-    println!("kvwarden-core benchmarks (C1-C4 of targets.md)");
+    println!("kvwarden-core benchmarks (C1-C4 of docs/targets.md)");
     c1_ping(100_000, "100k", 50);
     c1_ping(1_000_000, "1m", 150);
     c2_idle_timeout_and_scan(1_000_000);

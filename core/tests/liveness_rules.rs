@@ -1,4 +1,4 @@
-//! Every rule of the liveness registry (`core-api.md`), one test per behaviour.
+//! Every rule of the liveness registry (see `docs/design.md`), one test per behaviour.
 
 mod support;
 

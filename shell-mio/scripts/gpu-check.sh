@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of targets.md, G1 and G2, on a host with an NVIDIA GPU.
+# The GPU checks of docs/targets.md, G1 and G2, on a host with an NVIDIA GPU.
 #
 # Run from the repository root, with a kvwarden built elsewhere if this host has no
 # cargo (x86-64, `cargo build --release -p kvwarden`; CUDA is loaded at run time):

@@ -2,7 +2,7 @@
 //!
 //! It drives the real `kvwarden-core` (the server's [`kvwarden_core::Liveness`] and one
 //! [`kvwarden_core::Heartbeat`] per worker) in virtual time, with a simulated network
-//! and faults, and checks the invariants of `failure-modes.md` at every step. Every
+//! and faults, and checks the invariants of `docs/failure-modes.md` at every step. Every
 //! random choice comes from one seeded generator ([`rng::Rng`]), so a seed replays bit
 //! for bit.
 //!

@@ -1,6 +1,6 @@
 //! The reference model: what the core must have done, computed independently.
 //!
-//! Two clocks and a shadow registry, written from `core-api.md` rather than from the
+//! Two clocks and a shadow registry, written from the core's documented rules (`docs/design.md`) rather than from the
 //! core's code:
 //! - [`CorrectedClock`] credits only the gaps in which the simulated server really was
 //!   paused. A gap the core credits that was no pause means the server loop slept past

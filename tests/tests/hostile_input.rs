@@ -1,4 +1,4 @@
-//! Garbage on the socket (row 24 of `failure-modes.md`, target R4): every case is
+//! Garbage on the socket (row 24 of `docs/failure-modes.md`, target R4): every case is
 //! answered as `protocol.md` says, only the hostile peer is affected, and afterwards the
 //! server still serves a healthy worker (a separately registered `kvwarden worker`, whose
 //! instance a fresh connection pings: `true`) and holds no more fds or mappings than

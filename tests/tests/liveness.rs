@@ -1,5 +1,5 @@
 //! Workers that die, freeze or restart, and a server that pauses: rows 1, 2, 9, 10
-//! and 12 of failure-modes.md, and
+//! and 12 of docs/failure-modes.md, and
 //! the S4 measurement (SIGKILL → free latency, ignored by default).
 
 use kvwarden_tests::{PATIENCE, Server, TempDir, Worker, built, find_instance, freed};

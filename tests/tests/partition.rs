@@ -1,4 +1,4 @@
-//! Partitions and server restarts: rows 7, 8 and 11 of failure-modes.md.
+//! Partitions and server restarts: rows 7, 8 and 11 of docs/failure-modes.md.
 //!
 //! Partitions are made with a TCP proxy the test cuts and heals: the worker reaches the
 //! server only through it (over TCP there is no process-exit proof, so only the

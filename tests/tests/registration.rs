@@ -1,4 +1,4 @@
-//! Registration semantics and ownership: rows 13, 14, 15 and 23 of failure-modes.md.
+//! Registration semantics and ownership: rows 13, 14, 15 and 23 of docs/failure-modes.md.
 
 use kvwarden::protocol::ErrorCode;
 use kvwarden_tests::{

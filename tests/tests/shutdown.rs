@@ -1,4 +1,4 @@
-//! Clean shutdowns: rows 18 (worker) and 19 (server) of failure-modes.md.
+//! Clean shutdowns: rows 18 (worker) and 19 (server) of docs/failure-modes.md.
 
 use kvwarden_tests::{PATIENCE, Server, TempDir, Worker, built, find_instance, freed, wait_exit};
 use rustix::process::Signal;

@@ -1,4 +1,4 @@
-//! `kvwarden bench`: the server figures S1–S7 of `shared/spec/targets.md` and the load
+//! `kvwarden bench`: the server figures S1–S7 of `docs/targets.md` and the load
 //! figure R5, measured against a real server process.
 //!
 //! Each figure starts its own `kvwarden serve` (this same executable, on a temporary

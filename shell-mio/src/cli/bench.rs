@@ -1,5 +1,5 @@
 //! `kvwarden bench <figure>`: the server figures S1–S7 and R5 of
-//! `shared/spec/targets.md`, one a line on stdout; progress on stderr.
+//! `docs/targets.md`, one a line on stdout; progress on stderr.
 
 use crate::bench;
 use std::process::ExitCode;
@@ -16,7 +16,7 @@ enum Figure {
     /// S1: closed-loop ping throughput, 50 connections with one ping in flight each, and
     /// in the same run redis-server on a Unix socket, driven by redis-benchmark and by
     /// this load generator speaking RESP, when both are on PATH (else skipped, said so).
-    /// Target: >= 0.8 x Redis.
+    /// Target: >= 1.0 x Redis.
     Ping(bench::ping::PingArgs),
     /// S2: ping round-trip p50/p99/p999 with 1,000 connected workers (each its own
     /// registered instance) pinging every 100 ms. Target: p99 <= 1 ms.

@@ -61,32 +61,21 @@ pub fn run(args: DemoArgs) -> ExitCode {
     }
 }
 
-/// Elapsed time + event, printed as it happens and replayed at the end.
+/// Elapsed time + event, printed once, as it happens.
 struct Timeline {
     origin: Instant,
-    events: Vec<(Duration, String)>,
 }
 
 impl Timeline {
     fn new() -> Timeline {
         Timeline {
             origin: Instant::now(),
-            events: Vec::new(),
         }
     }
 
     fn event(&mut self, text: impl Into<String>) {
-        let text = text.into();
         let at = self.origin.elapsed();
-        say(&format!("[{:>7.3} s] {text}", at.as_secs_f64()));
-        self.events.push((at, text));
-    }
-
-    fn print(&self) {
-        say("\nTimeline:");
-        for (at, text) in &self.events {
-            say(&format!("  {:>7.3} s  {text}", at.as_secs_f64()));
-        }
+        say(&format!("[{:>6.3} s] {}", at.as_secs_f64(), text.into()));
     }
 }
 
@@ -112,8 +101,10 @@ impl Demo {
         let t = self.reap_timeout_seconds;
         let heartbeat = (t / 6.0).min(10.0);
         let resolution = 0.1f64.min(t / 8.0);
-        say("kvwarden demo: a server and three workers. Worker A will be SIGKILLed, worker B");
-        say("frozen (SIGSTOP) past the reap timeout and thawed, worker C left alone.");
+        say(
+            "kvwarden demo: a server and three workers; A is SIGKILLed, B frozen (SIGSTOP) past \
+             the reap timeout then thawed, C left alone.",
+        );
         say(&format!(
             "DEMO SETTINGS (--allow-short-timeouts, never in production): reap timeout T = {t} s, \
              worker heartbeat {heartbeat:.2} s, resolution R = {resolution} s."
@@ -150,8 +141,9 @@ impl Demo {
         });
         match server.terminate(PATIENCE) {
             Some(status) if status.success() && result.is_ok() => {
-                self.timeline
-                    .event("server stopped by SIGTERM: every remaining context freed once, exit 0");
+                self.timeline.event(
+                    "server stopped (SIGTERM): every remaining context freed once, socket removed, exit 0",
+                );
             }
             Some(status) if result.is_ok() => {
                 return Err(BenchError::Failed(format!(
@@ -160,9 +152,7 @@ impl Demo {
             }
             _ => {}
         }
-        result?;
-        self.timeline.print();
-        Ok(())
+        result
     }
 
     fn with_server(&mut self, server: &ServerProcess, heartbeat: f64) -> Result<(), BenchError> {
@@ -233,11 +223,10 @@ impl Demo {
             _ => "requests (metrics unavailable)".to_string(),
         };
         self.timeline.event(format!(
-            "traffic: {traffic} in {:.1} s from 3 workers; L1 holds {} slots; all 3 proven",
+            "traffic: {traffic} in {:.1} s from 3 workers; L1 holds {} slots; all 3 have pinged (proven)",
             window.as_secs_f64(),
             status["l1"]["slots_used"]
         ));
-        say(&format!("\n{}", super::status::table(&status)));
 
         // SIGKILL: the kernel's word (a pidfd) frees it at once.
         let killed_at = Instant::now();
@@ -257,8 +246,9 @@ impl Demo {
             )));
         }
         self.timeline.event(format!(
-            "worker {VICTIM} freed {:.1} ms after SIGKILL by the process-exit proof (pidfd), \
-             not by a timeout (T = {} s here, 120 s in production)",
+            "worker {VICTIM} freed {:.1} ms after SIGKILL: the kernel said its process exited \
+             (the process-exit proof, a pidfd); no timeout needed (T = {} s here, 120 s in \
+             production)",
             freed_after.as_secs_f64() * 1e3,
             self.reap_timeout_seconds
         ));
@@ -283,8 +273,9 @@ impl Demo {
             )));
         }
         self.timeline.event(format!(
-            "worker {FROZEN} reaped {:.2} s after SIGSTOP (T = {} s, R = {} s): a stopped \
-             process has not exited, so only the timeout frees it; worker {BYSTANDER} untouched",
+            "worker {FROZEN} reaped {:.2} s after SIGSTOP: silent past the reap timeout \
+             (T = {} s, R = {} s); a stopped process has not exited, so only the timeout frees \
+             it. Worker {BYSTANDER} untouched",
             silent_for.as_secs_f64(),
             self.reap_timeout_seconds,
             status["worker_liveness"]["resolution_seconds"]
@@ -308,20 +299,20 @@ impl Demo {
                  (worker said {line:?}); expected exactly one fresh context"
             )));
         }
-        // The worker prints its count of re-registrations when it changes: two when its
-        // heartbeat and its traffic both noticed; the later one built nothing.
-        let extra = match line.starts_with("recoveries=1 ") {
-            true => String::new(),
-            false => format!(
-                " (the worker says {line:?}: its heartbeat and its traffic both noticed; the \
-                 later re-registrations were `refreshed` and built nothing)"
-            ),
-        };
         self.timeline.event(format!(
-            "worker {FROZEN} was told the server no longer holds it (a ping answered false, \
-             or not_registered); it re-registered the same instance {frozen_id}: \
-             outcome=created, exactly one context built, one entry in the status{extra}"
+            "worker {FROZEN} re-registered instance {frozen_id}: the server said it no longer \
+             held it (a ping answered false, or not_registered); exactly one fresh context \
+             built (outcome=created)"
         ));
+        // The worker prints its count of re-registrations when it changes: two when its
+        // heartbeat and its traffic both noticed the reap; the later one built nothing.
+        if !line.starts_with("recoveries=1 ") {
+            self.timeline.event(format!(
+                "worker {FROZEN}'s heartbeat and its traffic both noticed; its second \
+                 re-registration found the entry already back and built nothing \
+                 (outcome=refreshed)"
+            ));
+        }
         say("\nFinal status:");
         let status = control.status()?;
         say(&super::status::table(&status));

@@ -1,4 +1,4 @@
-//! `kvwarden gpu`: the GPU checks of `targets.md` (G1, G2), run by
+//! `kvwarden gpu`: the GPU checks of `docs/targets.md` (G1, G2), run by
 //! `shell-mio/scripts/gpu-check.sh` on a host with an NVIDIA GPU.
 //!
 //! - `gpu info`: what the driver reports (exit 3 when there is no usable GPU).

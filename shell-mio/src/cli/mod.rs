@@ -33,9 +33,10 @@ enum Command {
     /// See the point of kvwarden in under a minute: a demo server (short timeouts) and
     /// three workers; one SIGKILLed, one frozen past the timeout and thawed.
     Demo(demo::DemoArgs),
-    /// Measure the server figures S1-S7 and R5 (one figure per line).
+    /// Measure the server figures S1-S7 and R5 (one figure per line; targets and latest
+    /// figures: docs/targets.md in the repository).
     Bench(bench::BenchArgs),
-    /// GPU checks (G1, G2 of targets.md): device info, reclaim after SIGKILL, copy bandwidth.
+    /// GPU checks (G1, G2 of docs/targets.md): device info, reclaim after SIGKILL, copy bandwidth.
     #[command(subcommand)]
     Gpu(gpu::GpuCommand),
 }

@@ -1,7 +1,7 @@
 //! `kvwarden serve`.
 
 use crate::server::fault::Faults;
-use crate::server::{Server, ServerConfig, listen};
+use crate::server::{DEFAULT_MAX_CONNECTIONS, Server, ServerConfig, listen};
 use kvwarden_core::{Config, ConfigError, REAP_TIMEOUT_FLOOR};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -52,9 +52,10 @@ pub struct ServeArgs {
     /// connection is closed.
     #[arg(long, default_value = "1M", value_name = "BYTES", value_parser = super::parse_bytes)]
     max_frame_bytes: u64,
-    /// The most worker connections held at once.
-    #[arg(long, default_value_t = 10_000, value_name = "N")]
-    max_connections: usize,
+    /// The most worker connections held at once [default: 10000, lowered to what the
+    /// open-file limit holds: 2 fds per connection, 256 kept aside].
+    #[arg(long, value_name = "N")]
+    max_connections: Option<usize>,
     /// A context free still running after this long is logged and counted
     /// (kvwarden_frees_hung_total); it never blocks pings or other frees.
     #[arg(long, default_value_t = 10.0, value_name = "SECONDS")]
@@ -169,7 +170,7 @@ fn server_config(args: ServeArgs) -> Result<ServerConfig, String> {
                 args.max_frame_bytes
             )
         })?;
-    if args.max_connections == 0 {
+    if args.max_connections == Some(0) {
         return Err("invalid --max-connections 0: at least 1".into());
     }
     let free_watchdog = Duration::try_from_secs_f64(args.free_watchdog_seconds)
@@ -191,7 +192,8 @@ fn server_config(args: ServeArgs) -> Result<ServerConfig, String> {
         l1_bytes: args.l1_bytes,
         slot_bytes: args.slot_bytes,
         max_frame_bytes,
-        max_connections: args.max_connections,
+        max_connections: args.max_connections.unwrap_or(DEFAULT_MAX_CONNECTIONS),
+        max_connections_from_flag: args.max_connections.is_some(),
         free_watchdog,
         pool_threads: args.pool_threads.clamp(1, 256),
     })

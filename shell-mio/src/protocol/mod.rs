@@ -1,5 +1,5 @@
 //! The wire protocol (version 1): framing, typed requests and replies, and the error
-//! codes of `shared/spec/protocol.md`.
+//! codes of `docs/protocol.md`.
 //!
 //! Everything here is pure: bytes in, values out. Decoding never panics on any input
 //! and never allocates more than a constant multiple of the frame it is given, which is

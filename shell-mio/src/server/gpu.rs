@@ -70,6 +70,14 @@ impl GpuState {
         self.gpu.as_ref().map_err(String::as_str)
     }
 
+    /// The last device-memory sample (empty without a GPU).
+    pub fn memory_samples(&self) -> Vec<DeviceMemory> {
+        self.memory
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
     /// The `gpu` section of the status map.
     pub fn status_json(&self) -> serde_json::Value {
         match &self.gpu {

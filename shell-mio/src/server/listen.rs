@@ -26,6 +26,38 @@ pub enum ListenError {
         /// The path.
         path: PathBuf,
     },
+    /// The directory that should hold the Unix socket does not exist.
+    #[error(
+        "cannot create the socket {path}: its directory {dir} does not exist; create it \
+         (systemd: RuntimeDirectory=), or pick another path with --socket PATH"
+    )]
+    SocketDirMissing {
+        /// The socket path.
+        path: PathBuf,
+        /// Its missing directory.
+        dir: PathBuf,
+    },
+    /// The Unix socket could not be bound.
+    #[error(
+        "binding the socket {path}: {source}; check its directory's permissions, or pick \
+         another path with --socket PATH"
+    )]
+    UnixBind {
+        /// The socket path.
+        path: PathBuf,
+        /// The error.
+        source: io::Error,
+    },
+    /// A TCP listener could not be bound.
+    #[error("binding {addr} for {}: {source}; {}", role.flag(), role.fix())]
+    TcpBind {
+        /// What the listener is for.
+        role: TcpRole,
+        /// The address.
+        addr: std::net::SocketAddr,
+        /// The error.
+        source: io::Error,
+    },
     /// A system call failed.
     #[error("{what} {target}: {source}")]
     Io {
@@ -36,6 +68,39 @@ pub enum ListenError {
         /// The error.
         source: io::Error,
     },
+}
+
+/// What a TCP listener is for; it decides which flag an error names.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum TcpRole {
+    /// `--tcp`: workers over TCP.
+    Workers,
+    /// `--http`: /status, /metrics and /healthz.
+    Http,
+}
+
+impl TcpRole {
+    /// The flag that sets the address.
+    pub fn flag(self) -> &'static str {
+        match self {
+            TcpRole::Workers => "--tcp",
+            TcpRole::Http => "--http",
+        }
+    }
+
+    /// What the operator can do about a bind error.
+    pub fn fix(self) -> &'static str {
+        match self {
+            TcpRole::Workers => {
+                "pick a free address with --tcp ADDR, or leave --tcp out to serve the Unix \
+                 socket only"
+            }
+            TcpRole::Http => {
+                "pick a free address with --http ADDR (e.g. --http 127.0.0.1:8081), or \
+                 --http off to run without /status, /metrics and /healthz"
+            }
+        }
+    }
 }
 
 /// `$XDG_RUNTIME_DIR/kvwarden.sock`, else `/tmp/kvwarden-<uid>.sock`.
@@ -79,19 +144,36 @@ pub fn bind_unix(path: &Path, mode: u32) -> Result<mio::net::UnixListener, Liste
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => return Err(io_error("inspecting", e)),
     }
-    let listener = mio::net::UnixListener::bind(path).map_err(|e| io_error("binding", e))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
-        .map_err(|e| io_error("setting the mode of", e))?;
+    let dir_missing = || {
+        let dir = path.parent().filter(|dir| !dir.as_os_str().is_empty())?;
+        (!dir.is_dir()).then(|| ListenError::SocketDirMissing {
+            path: path.to_path_buf(),
+            dir: dir.to_path_buf(),
+        })
+    };
+    if let Some(error) = dir_missing() {
+        return Err(error);
+    }
+    let listener = mio::net::UnixListener::bind(path).map_err(|source| {
+        dir_missing().unwrap_or_else(|| ListenError::UnixBind {
+            path: path.to_path_buf(),
+            source,
+        })
+    })?;
+    if let Err(error) = std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)) {
+        // A failed start leaves no socket file behind.
+        let _ = std::fs::remove_file(path);
+        return Err(io_error("setting the mode of", error));
+    }
     Ok(listener)
 }
 
-/// Binds a TCP listener.
-pub fn bind_tcp(addr: std::net::SocketAddr) -> Result<mio::net::TcpListener, ListenError> {
-    mio::net::TcpListener::bind(addr).map_err(|source| ListenError::Io {
-        what: "binding",
-        target: addr.to_string(),
-        source,
-    })
+/// Binds a TCP listener for `role`.
+pub fn bind_tcp(
+    addr: std::net::SocketAddr,
+    role: TcpRole,
+) -> Result<mio::net::TcpListener, ListenError> {
+    mio::net::TcpListener::bind(addr).map_err(|source| ListenError::TcpBind { role, addr, source })
 }
 
 /// fds kept aside from worker connections: listeners, epoll, waker, signal pipe, the L1

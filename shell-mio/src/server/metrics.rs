@@ -47,7 +47,20 @@ pub struct Metrics {
     pub blend_bytes: Gauge,
     /// Instances holding CacheBlend rope tables (set at scrape).
     pub blend_instances: Gauge,
+    /// Device memory by `device` and `state` (`free`, `total`), on hosts with a GPU
+    /// (set at scrape from the last sample; absent without one).
+    pub gpu_memory_bytes: Family<Labels, Gauge>,
 }
+
+/// Every cause a context is freed for: each series exists from the start, so that
+/// `rate()` and `increase()` see the first free of each.
+pub const FREE_CAUSES: [&str; 5] = [
+    "unregistered",
+    "reaped",
+    "process_exited",
+    "cancelled",
+    "shutdown",
+];
 
 fn label(key: &str, value: &str) -> Labels {
     vec![(key.to_string(), value.to_string())]
@@ -73,6 +86,7 @@ impl Metrics {
             connections: Gauge::default(),
             blend_bytes: Gauge::default(),
             blend_instances: Gauge::default(),
+            gpu_memory_bytes: Family::default(),
             registry: Registry::default(),
             request_counters: std::collections::HashMap::new(),
         };
@@ -137,6 +151,14 @@ impl Metrics {
             "Instances holding CacheBlend rope tables",
             metrics.blend_instances.clone(),
         );
+        registry.register(
+            "gpu_memory_bytes",
+            "Device memory by device and state (free, total), on hosts with a GPU",
+            metrics.gpu_memory_bytes.clone(),
+        );
+        for cause in FREE_CAUSES {
+            let _ = metrics.frees.get_or_create(&label("cause", cause));
+        }
         Metrics {
             registry,
             ..metrics
@@ -205,6 +227,23 @@ impl Metrics {
         self.l1_slots
             .get_or_create(&label("state", "total"))
             .set(as_i64(total));
+    }
+
+    /// Sets the device-memory gauges from the last sample.
+    pub fn gpu_memory(&self, samples: &[crate::cuda::DeviceMemory]) {
+        let as_i64 = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+        for sample in samples {
+            let device = sample.device.to_string();
+            for (state, bytes) in [("free", sample.free_bytes), ("total", sample.total_bytes)] {
+                let labels = vec![
+                    ("device".to_string(), device.clone()),
+                    ("state".to_string(), state.to_string()),
+                ];
+                self.gpu_memory_bytes
+                    .get_or_create(&labels)
+                    .set(as_i64(bytes));
+            }
+        }
     }
 
     /// The text exposition.

@@ -25,6 +25,10 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
+/// `--max-connections` when the operator does not say: lowered at start, quietly, to
+/// what the open-file limit holds.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
+
 /// Everything `kvwarden serve` decides.
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
@@ -48,6 +52,9 @@ pub struct ServerConfig {
     pub max_frame_bytes: usize,
     /// The most worker connections held at once.
     pub max_connections: usize,
+    /// `max_connections` came from the operator's `--max-connections`, not the
+    /// default: lowering it to the open-file limit is then worth a warning.
+    pub max_connections_from_flag: bool,
     /// A free running longer than this is reported.
     pub free_watchdog: Duration,
     /// Threads for builds and copies.

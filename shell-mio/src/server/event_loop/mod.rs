@@ -188,17 +188,33 @@ impl Server {
         let fd_limit = listen::raise_fd_limit();
         let capacity = fd_limit.connection_capacity();
         if config.max_connections > capacity {
-            tracing::warn!(
-                max_connections = config.max_connections,
-                connection_capacity = capacity,
-                open_files_soft = fd_limit.soft,
-                open_files_hard = fd_limit.hard,
-                "--max-connections lowered to what the open-file limit holds ({} fds per \
-                 connection, {} kept aside); raise the hard limit (LimitNOFILE=, ulimit -Hn) \
-                 to hold more",
-                listen::FDS_PER_CONNECTION,
-                listen::RESERVED_FDS,
-            );
+            // The default asks for more than an ordinary shell's limit holds: that is
+            // worth a line, not a warning. An operator's explicit number is.
+            if config.max_connections_from_flag {
+                tracing::warn!(
+                    max_connections = config.max_connections,
+                    connection_capacity = capacity,
+                    open_files_soft = fd_limit.soft,
+                    open_files_hard = fd_limit.hard,
+                    "--max-connections lowered to what the open-file limit holds ({} fds per \
+                     connection, {} kept aside); raise the hard limit (LimitNOFILE=, ulimit -Hn) \
+                     to hold more",
+                    listen::FDS_PER_CONNECTION,
+                    listen::RESERVED_FDS,
+                );
+            } else {
+                tracing::info!(
+                    connection_capacity = capacity,
+                    open_files_soft = fd_limit.soft,
+                    open_files_hard = fd_limit.hard,
+                    "worker connections limited to what the open-file limit holds ({} fds per \
+                     connection, {} kept aside; the default asks for {}); raise the hard limit \
+                     (LimitNOFILE=, ulimit -Hn) to hold more",
+                    listen::FDS_PER_CONNECTION,
+                    listen::RESERVED_FDS,
+                    config.max_connections,
+                );
+            }
             config.max_connections = capacity;
         }
         let floor = if config.allow_short_timeouts {
@@ -219,15 +235,18 @@ impl Server {
 
         let gpu = GpuState::start(l1.mapping());
 
-        let mut unix_listener = listen::bind_unix(&config.socket_path, config.socket_mode)?;
-        poll.registry()
-            .register(&mut unix_listener, UNIX_LISTENER, Interest::READABLE)?;
-        let mut tcp_listener = config.tcp.map(listen::bind_tcp).transpose()?;
+        let mut tcp_listener = config
+            .tcp
+            .map(|addr| listen::bind_tcp(addr, listen::TcpRole::Workers))
+            .transpose()?;
         if let Some(listener) = &mut tcp_listener {
             poll.registry()
                 .register(listener, TCP_LISTENER, Interest::READABLE)?;
         }
-        let mut http_listener = config.http.map(listen::bind_tcp).transpose()?;
+        let mut http_listener = config
+            .http
+            .map(|addr| listen::bind_tcp(addr, listen::TcpRole::Http))
+            .transpose()?;
         if let Some(listener) = &mut http_listener {
             poll.registry()
                 .register(listener, HTTP_LISTENER, Interest::READABLE)?;
@@ -240,6 +259,25 @@ impl Server {
         let mut signals = mio::net::UnixStream::from_std(signal_read);
         poll.registry()
             .register(&mut signals, SIGNALS, Interest::READABLE)?;
+        let mut lines = format!("socket={}\n", config.socket_path.display());
+        if let Some(listener) = &tcp_listener {
+            lines += &format!("tcp={}\n", listener.local_addr()?);
+        }
+        if let Some(listener) = &http_listener {
+            lines += &format!("http={}\n", listener.local_addr()?);
+        }
+        lines += "ready\n";
+
+        // The Unix socket last, once nothing else can fail: a failed start never
+        // leaves a socket file behind.
+        let mut unix_listener = listen::bind_unix(&config.socket_path, config.socket_mode)?;
+        if let Err(error) =
+            poll.registry()
+                .register(&mut unix_listener, UNIX_LISTENER, Interest::READABLE)
+        {
+            let _ = std::fs::remove_file(&config.socket_path);
+            return Err(error.into());
+        }
 
         let status = liveness.status();
         tracing::info!(
@@ -263,14 +301,6 @@ impl Server {
                  never in production"
             );
         }
-        let mut lines = format!("socket={}\n", config.socket_path.display());
-        if let Some(listener) = &tcp_listener {
-            lines += &format!("tcp={}\n", listener.local_addr()?);
-        }
-        if let Some(listener) = &http_listener {
-            lines += &format!("http={}\n", listener.local_addr()?);
-        }
-        lines += "ready\n";
         {
             use std::io::Write;
             let mut stdout = std::io::stdout().lock();
@@ -337,7 +367,12 @@ impl Server {
             match self.poll.poll(&mut events, Some(timeout)) {
                 Ok(()) => {}
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e.into()),
+                Err(e) => {
+                    if self.unix_listener.is_some() {
+                        let _ = std::fs::remove_file(&self.config.socket_path);
+                    }
+                    return Err(e.into());
+                }
             }
             // Connections left unread last turn go after this turn's events.
             let again: Vec<Token> = self.read_again.drain().collect();

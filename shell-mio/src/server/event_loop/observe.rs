@@ -103,6 +103,7 @@ impl Server {
         self.metrics
             .blend_instances
             .set(as_i64(self.blend.instances() as u64));
+        self.metrics.gpu_memory(&self.gpu.memory_samples());
     }
 
     pub(super) fn status_json(&self) -> serde_json::Value {
