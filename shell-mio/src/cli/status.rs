@@ -109,8 +109,16 @@ pub fn table(status: &Value) -> String {
         number(&status["connections"]),
     );
     out += &format!(
-        "{:<20} {:<14} {:>9} {:>11} {:>7} {:>7} {:>8} {}\n",
-        "INSTANCE", "MODULE", "AGE(s)", "SILENCE(s)", "PROVEN", "OWNER", "PID", "MODEL"
+        "{:<20} {:<14} {:>9} {:>11} {:>7} {:>7} {:>8} {:<15} {}\n",
+        "INSTANCE",
+        "MODULE",
+        "AGE(s)",
+        "SILENCE(s)",
+        "PROVEN",
+        "OWNER",
+        "PID",
+        "DEATH_NOTICED",
+        "MODEL"
     );
     let empty = Vec::new();
     let instances = status["instances"].as_array().unwrap_or(&empty);
@@ -121,7 +129,7 @@ pub fn table(status: &Value) -> String {
             ""
         };
         out += &format!(
-            "{:<20} {:<14} {:>9} {:>11} {:>7} {:>7} {:>8} {}{}\n",
+            "{:<20} {:<14} {:>9} {:>11} {:>7} {:>7} {:>8} {:<15} {}{}\n",
             number(&item["instance_id"]),
             number(&item["module"]),
             number(&item["age_seconds"]),
@@ -129,6 +137,7 @@ pub fn table(status: &Value) -> String {
             number(&item["proven"]),
             number(&item["owner_uid"]),
             number(&item["watched_pid"]),
+            number(&item["death_noticed_by"]),
             number(&item["model_name"]),
             state
         );

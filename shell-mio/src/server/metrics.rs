@@ -43,6 +43,9 @@ pub struct Metrics {
     pub blend_bytes: Gauge,
     /// Instances holding CacheBlend rope tables (set at scrape).
     pub blend_instances: Gauge,
+    /// Instances by how their death will be noticed (`pidfd_from_peer`,
+    /// `pidfd_by_pid`, `timeout_only`; set at scrape).
+    pub instances_by_death_notice: Family<Labels, Gauge>,
 }
 
 fn label(key: &str, value: &str) -> Labels {
@@ -68,6 +71,7 @@ impl Metrics {
             connections: Gauge::default(),
             blend_bytes: Gauge::default(),
             blend_instances: Gauge::default(),
+            instances_by_death_notice: Family::default(),
             registry: Registry::default(),
             request_counters: std::collections::HashMap::new(),
         };
@@ -125,6 +129,12 @@ impl Metrics {
             "Instances holding CacheBlend rope tables",
             metrics.blend_instances.clone(),
         );
+        registry.register(
+            "instances_by_death_notice",
+            "Registered instances by how their process's death will be noticed: a pidfd \
+             the worker sent, a pidfd opened by its pid, or only the reap timeout",
+            metrics.instances_by_death_notice.clone(),
+        );
         Metrics {
             registry,
             ..metrics
@@ -177,6 +187,13 @@ impl Metrics {
         self.l1_slots
             .get_or_create(&label("state", "pinned"))
             .set(as_i64(pinned));
+    }
+
+    /// Sets the gauge of instances whose death will be noticed by `notice`.
+    pub fn instances_by_death_notice(&self, notice: &str, count: i64) {
+        self.instances_by_death_notice
+            .get_or_create(&label("noticed_by", notice))
+            .set(count);
     }
 
     /// Sets the L1 gauges.
