@@ -80,6 +80,11 @@ pub struct ClientConfig {
     pub client_name: String,
     /// How long any other request may take.
     pub request_timeout: Duration,
+    /// Send a pidfd of this process with every `hello` over a Unix socket (default
+    /// true): the server then frees this worker's state within milliseconds of its
+    /// death even where it cannot see the worker's pid (another PID namespace, no
+    /// `hostPID`). Off: the server proves the death only by pid, where visible.
+    pub send_pidfd: bool,
 }
 
 impl ClientConfig {
@@ -91,6 +96,7 @@ impl ClientConfig {
             instance_id: None,
             client_name: concat!("kvwarden-client ", env!("CARGO_PKG_VERSION")).to_string(),
             request_timeout: Duration::from_secs(30),
+            send_pidfd: true,
         }
     }
 }
@@ -176,6 +182,8 @@ struct Shared {
     next_request_id: AtomicU64,
     recoveries: AtomicU64,
     last_outcome: Mutex<Option<String>>,
+    /// `hello`'s `exit_proof` on the latest connection.
+    exit_proof: Mutex<Option<String>>,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -202,7 +210,9 @@ impl Shared {
                 &self.config.endpoint,
                 &self.config.client_name,
                 self.config.request_timeout,
+                self.config.send_pidfd,
             )?;
+            *lock(&self.exit_proof) = fresh.exit_proof.clone();
             *wire = Some(fresh);
         }
         let Some(connection) = wire.as_mut() else {
@@ -377,10 +387,12 @@ impl Client {
             &config.endpoint,
             &config.client_name,
             config.request_timeout,
+            config.send_pidfd,
         )?;
         let heartbeat = Heartbeat::new(HeartbeatConfig {
             interval: config.heartbeat_interval,
         });
+        let exit_proof = wire.exit_proof.clone();
         Ok(Client {
             shared: Arc::new(Shared {
                 config,
@@ -394,6 +406,7 @@ impl Client {
                 next_request_id: AtomicU64::new(1),
                 recoveries: AtomicU64::new(0),
                 last_outcome: Mutex::new(None),
+                exit_proof: Mutex::new(exit_proof),
             }),
             heartbeat_thread: Mutex::new(None),
         })
@@ -413,6 +426,13 @@ impl Client {
     /// Recoveries (re-registrations) done so far.
     pub fn recoveries(&self) -> u64 {
         self.shared.recoveries.load(Ordering::Relaxed)
+    }
+
+    /// How the server said it will notice this process's death, on the latest
+    /// connection: `pidfd_from_peer`, `pidfd_by_pid` or `timeout_only` (None from a
+    /// server that does not say).
+    pub fn exit_proof(&self) -> Option<String> {
+        lock(&self.shared.exit_proof).clone()
     }
 
     /// The outcome of the latest registration (`created` or `refreshed`).
