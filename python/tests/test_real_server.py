@@ -357,7 +357,7 @@ def test_real_register_blend(start_server, buffers) -> None:
 
 
 @pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="os.pidfd_open needs Linux 5.3+")
-def test_real_worker_sends_its_pidfd_and_send_pidfd_false_falls_back_to_the_pid(
+def test_real_row_01_worker_sends_its_pidfd_and_row_02_send_pidfd_false_falls_back_to_the_pid(
     start_server, buffers
 ) -> None:
     """Rows 1 and 2: by default the server notices this worker's death through the

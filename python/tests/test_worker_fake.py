@@ -451,7 +451,7 @@ def test_worker_used_after_fork_refuses_loudly(fake: FakeServer, buffer: MemfdBu
 
 
 @pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="os.pidfd_open needs Linux 5.3+")
-def test_hello_carries_a_pidfd_of_this_process_by_default(
+def test_row_01_hello_carries_a_pidfd_of_this_process_by_default(
     fake: FakeServer, buffer: MemfdBuffer
 ) -> None:
     worker = make_worker(fake, buffer)
@@ -463,7 +463,7 @@ def test_hello_carries_a_pidfd_of_this_process_by_default(
     worker.shutdown()
 
 
-def test_send_pidfd_false_says_the_two_argument_hello_of_older_clients(
+def test_row_02_send_pidfd_false_says_the_two_argument_hello_of_older_clients(
     fake: FakeServer, buffer: MemfdBuffer
 ) -> None:
     worker = Worker(fake.path, heartbeat_interval_seconds=INTERVAL, send_pidfd=False)
@@ -475,7 +475,7 @@ def test_send_pidfd_false_says_the_two_argument_hello_of_older_clients(
 
 
 @pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="os.pidfd_open needs Linux 5.3+")
-def test_a_server_that_refuses_the_pidfd_gets_the_plain_hello_on_the_same_connection(
+def test_row_13_a_server_that_refuses_the_pidfd_gets_the_plain_hello_on_the_same_connection(
     fake: FakeServer, buffer: MemfdBuffer, caplog: pytest.LogCaptureFixture
 ) -> None:
     fake.hello_max_args = 2  # a server from before the pidfd

@@ -781,7 +781,7 @@ mod tests {
     /// `hello [protocol, client]` (every client before the pidfd) stays valid; the
     /// optional options map carries `pidfd_index`; anything else is `bad_args` naming it.
     #[test]
-    fn hello_takes_an_optional_pidfd_index_and_refuses_a_bad_one() {
+    fn row_24_hello_takes_an_optional_pidfd_index_and_refuses_a_bad_one() {
         let decode = |args: Vec<Value>| decode_request(&request(3.into(), "hello", args));
         let hello = |pidfd_index| Op::Hello {
             protocol: 1,

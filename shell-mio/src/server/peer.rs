@@ -335,3 +335,152 @@ impl Watches {
         watch.instances.into_iter().collect()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::server::connection::Peer;
+    use rustix::process::{Pid, PidfdFlags, getpid, pidfd_open};
+
+    fn own_pidfd() -> OwnedFd {
+        pidfd_open(getpid(), PidfdFlags::empty()).unwrap()
+    }
+
+    struct Sleeper(std::process::Child);
+
+    impl Sleeper {
+        fn start() -> Sleeper {
+            Sleeper(
+                std::process::Command::new("sleep")
+                    .arg("30")
+                    .spawn()
+                    .unwrap(),
+            )
+        }
+
+        fn pid(&self) -> i32 {
+            self.0.id() as i32
+        }
+
+        fn pidfd(&self) -> OwnedFd {
+            pidfd_open(Pid::from_raw(self.pid()).unwrap(), PidfdFlags::empty()).unwrap()
+        }
+    }
+
+    impl Drop for Sleeper {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
+    fn visible_peer() -> Peer {
+        Peer {
+            uid: Some(0),
+            pid: Some(getpid().as_raw_nonzero().get()),
+            pidfd: Some(own_pidfd()),
+            pidfd_from_peer: false,
+            process: None,
+        }
+    }
+
+    #[test]
+    fn row_01_a_visible_peer_may_send_only_its_own_pidfd() {
+        let peer = visible_peer();
+        let own_pid = getpid().as_raw_nonzero().get();
+        let process = check_peer_pidfd(&peer, &own_pidfd(), 0, mio::Token(7)).unwrap();
+        assert_eq!(process.pid, Some(own_pid));
+        assert_ne!(
+            process.key,
+            ProcessKey::Connection(7),
+            "a visible process has a key"
+        );
+        let other = Sleeper::start();
+        let error = check_peer_pidfd(&peer, &other.pidfd(), 0, mio::Token(7)).unwrap_err();
+        assert!(error.contains(&format!("pid {}", other.pid())), "{error}");
+        assert!(error.contains(&format!("pid {own_pid}")), "{error}");
+        let memfd = crate::memfd::create("not-a-pidfd", 16).unwrap();
+        let error = check_peer_pidfd(&peer, &memfd, 2, mio::Token(7)).unwrap_err();
+        assert!(error.contains("pidfd_index 2 is not a pidfd"), "{error}");
+    }
+
+    #[test]
+    fn row_02_an_invisible_peer_is_taken_at_its_word() {
+        let peer = Peer {
+            uid: Some(0),
+            ..Peer::default()
+        };
+        let other = Sleeper::start();
+        let process = check_peer_pidfd(&peer, &other.pidfd(), 0, mio::Token(9)).unwrap();
+        assert_eq!(
+            process.pid, None,
+            "its pid is not shown: it is not the peer's view"
+        );
+        let expected = pidfs_key(&other.pidfd()).unwrap_or(ProcessKey::Connection(9));
+        assert_eq!(process.key, expected);
+        // Still only pidfds.
+        let memfd = crate::memfd::create("not-a-pidfd", 16).unwrap();
+        assert!(check_peer_pidfd(&peer, &memfd, 0, mio::Token(9)).is_err());
+    }
+
+    #[test]
+    fn row_01_one_watch_per_process_however_its_pidfd_came() {
+        let poll = mio::Poll::new().unwrap();
+        let mut watches = Watches::default();
+        let peer = visible_peer();
+        let by_pid = Process {
+            key: pidfs_key(&own_pidfd()).unwrap_or(ProcessKey::Pid(peer.pid.unwrap())),
+            pid: peer.pid,
+        };
+        let from_peer = check_peer_pidfd(&peer, &own_pidfd(), 0, mio::Token(3)).unwrap();
+        assert_eq!(by_pid.key, from_peer.key);
+        let [a, b] = [1, 2].map(|n| InstanceId::new(n).unwrap());
+        let mut next = 100;
+        let mut token = || {
+            next += 1;
+            mio::Token(next)
+        };
+        let registry = poll.registry();
+        watches.watch(
+            registry,
+            by_pid,
+            &own_pidfd(),
+            DeathNotice::PidfdByPid,
+            a,
+            &mut token,
+        );
+        let fd = own_pidfd();
+        watches.watch(
+            registry,
+            from_peer,
+            &fd,
+            DeathNotice::PidfdFromPeer,
+            b,
+            &mut token,
+        );
+        assert_eq!(watches.len(), 1);
+        assert_eq!(watches.notice_of(a), DeathNotice::PidfdByPid);
+        assert_eq!(watches.notice_of(b), DeathNotice::PidfdFromPeer);
+        assert_eq!(watches.pid_of(b), peer.pid);
+        // Another process is another watch; forgetting the last instance drops it.
+        let other = Sleeper::start();
+        let invisible = Process {
+            key: ProcessKey::Connection(55),
+            pid: None,
+        };
+        let c = InstanceId::new(3).unwrap();
+        watches.watch(
+            registry,
+            invisible,
+            &other.pidfd(),
+            DeathNotice::PidfdFromPeer,
+            c,
+            &mut token,
+        );
+        assert_eq!(watches.len(), 2);
+        assert_eq!(watches.pid_of(c), None);
+        watches.forget(registry, c);
+        assert_eq!(watches.len(), 1);
+        assert_eq!(watches.notice_of(c), DeathNotice::TimeoutOnly);
+    }
+}
