@@ -190,7 +190,17 @@ fn bin(bytes: &[u8]) -> Value {
 fn reencode(request: &Request) -> Option<Vec<u8>> {
     #[allow(unreachable_patterns)] // an op added later is skipped, not a build failure
     let args = match &request.op {
-        Op::Hello { protocol, client } => vec![uint(*protocol), client.as_str().into()],
+        Op::Hello {
+            protocol,
+            client,
+            pidfd_index,
+        } => {
+            let mut args = vec![uint(*protocol), client.as_str().into()];
+            if let Some(index) = pidfd_index {
+                args.push(Value::Map(vec![("pidfd_index".into(), uint(*index))]));
+            }
+            args
+        }
         Op::Ping { instance } => vec![instance.map_or(Value::Nil, |id| uint(id.get()))],
         Op::RegisterKvCache {
             instance,

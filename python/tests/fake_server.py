@@ -61,6 +61,10 @@ class FakeServer:
         self.hook: Optional[Callable[[Recorded], None]] = None
         self.boot_id = 1
         self.reap_timeout_seconds = 30.0
+        # 2: answer a `hello` with an options map `bad_args`, as servers before the
+        # pidfd did. `hello_pidfd_pids`: the pid each hello's pidfd named (its fdinfo).
+        self.hello_max_args = 3
+        self.hello_pidfd_pids: List[int] = []
         self._listener: Optional[socket.socket] = None
         self._conns: List[socket.socket] = []
         self._conn_serial = 0
@@ -197,6 +201,16 @@ class FakeServer:
             return False, {"code": code, "message": message}, []
 
         if op == "hello":
+            if len(args) > self.hello_max_args:
+                return error(
+                    "bad_args",
+                    f"bad arguments for `hello`: {len(args)} arguments instead of 2",
+                )
+            if len(args) == 3 and fds:
+                index = args[2].get("pidfd_index", 0)
+                with open(f"/proc/self/fdinfo/{fds[index]}") as info:
+                    pid = [line.split()[1] for line in info if line.startswith("Pid:")]
+                self.hello_pidfd_pids.append(int(pid[0]) if pid else -100)
             return (
                 True,
                 {

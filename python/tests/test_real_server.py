@@ -229,6 +229,7 @@ def test_real_sigkilled_worker_is_freed_by_process_exit(start_server, buffers, c
         "child pinged",
     )
     assert server.entries(child.instance_id)[0]["watched_pid"] == child.proc.pid
+    assert server.entries(child.instance_id)[0]["death_noticed_by"] == "pidfd_from_peer"
     child.proc.kill()
     child.proc.wait()
     killed_at = time.monotonic()
@@ -360,3 +361,29 @@ def test_real_register_blend(start_server, buffers) -> None:
         assert worker.register_blend(128, 4096, 10000.0) is True
     finally:
         worker.shutdown()
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="os.pidfd_open needs Linux 5.3+")
+def test_real_row_01_worker_sends_its_pidfd_and_row_02_send_pidfd_false_falls_back_to_the_pid(
+    start_server, buffers
+) -> None:
+    """Rows 1 and 2: by default the server notices this worker's death through the
+    pidfd it sent (which works in any PID namespace); with ``send_pidfd=False`` only
+    through the pid it can see (none in another namespace)."""
+    server = start_server()
+    sends = make_worker(server, buffers)
+    buffer = MemfdBuffer.create(1 << 16, "real-kv-old")
+    buffers.append(buffer)
+    old = Worker(server.socket_path, heartbeat_interval_seconds=INTERVAL, send_pidfd=False)
+    assert old.register_kv_cache([buffer], "real-model") == "created"
+    assert sends.server is not None and sends.server.exit_proof == "pidfd_from_peer"
+    assert old.server is not None and old.server.exit_proof == "pidfd_by_pid"
+    [entry] = server.entries(sends.instance_id)
+    assert entry["death_noticed_by"] == "pidfd_from_peer"
+    assert entry["watched_pid"] == os.getpid()
+    [entry] = server.entries(old.instance_id)
+    assert entry["death_noticed_by"] == "pidfd_by_pid"
+    counts = server.status()["instances_by_death_notice"]
+    assert counts == {"pidfd_from_peer": 1, "pidfd_by_pid": 1, "timeout_only": 0}
+    sends.shutdown()
+    old.shutdown()

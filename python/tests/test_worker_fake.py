@@ -445,3 +445,45 @@ def test_worker_used_after_fork_refuses_loudly(fake: FakeServer, buffer: MemfdBu
     assert fake.ops("store") == [], "nothing was sent under the parent's id"
     assert worker.store(b"k") is True, "the parent carries on"
     worker.shutdown()
+
+
+# -- the pidfd in hello (rows 1 and 2: the server's proof of this worker's death) --------
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="os.pidfd_open needs Linux 5.3+")
+def test_row_01_hello_carries_a_pidfd_of_this_process_by_default(
+    fake: FakeServer, buffer: MemfdBuffer
+) -> None:
+    worker = make_worker(fake, buffer)
+    hellos = fake.ops("hello")
+    assert len(hellos) == 1
+    assert hellos[0].args[2:] == [{"pidfd_index": 0}] and hellos[0].nfds == 1
+    # The fd is a pidfd, and of this very process.
+    assert fake.hello_pidfd_pids == [os.getpid()]
+    worker.shutdown()
+
+
+def test_row_02_send_pidfd_false_says_the_two_argument_hello_of_older_clients(
+    fake: FakeServer, buffer: MemfdBuffer
+) -> None:
+    worker = Worker(fake.path, heartbeat_interval_seconds=INTERVAL, send_pidfd=False)
+    assert worker.register_kv_cache([buffer], "test-model") == "created"
+    hellos = fake.ops("hello")
+    assert [(len(h.args), h.nfds) for h in hellos] == [(2, 0)]
+    assert fake.hello_pidfd_pids == []
+    worker.shutdown()
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="os.pidfd_open needs Linux 5.3+")
+def test_row_13_a_server_that_refuses_the_pidfd_gets_the_plain_hello_on_the_same_connection(
+    fake: FakeServer, buffer: MemfdBuffer, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake.hello_max_args = 2  # a server from before the pidfd
+    with caplog.at_level(logging.WARNING, logger="kvwarden"):
+        worker = make_worker(fake, buffer)
+    hellos = fake.ops("hello")
+    assert [(len(h.args), h.nfds) for h in hellos] == [(3, 1), (2, 0)]
+    assert hellos[0].conn == hellos[1].conn
+    assert any("refused this worker's pidfd" in r.getMessage() for r in caplog.records)
+    assert worker.server is not None and worker.server.exit_proof is None
+    worker.shutdown()

@@ -157,6 +157,30 @@ impl Server {
 
     /// Starts a server with exactly `args` (plus `--socket`) and `env`.
     pub fn start_raw_env(dir: &TempDir, args: &[&str], env: &[(&str, &str)]) -> Server {
+        Server::spawn(dir, args, env, None)
+    }
+
+    /// As [`Server::start`], but the server runs in a PID namespace of its own (and a
+    /// `/proc` of that namespace), as in a container without `hostPID`: every worker
+    /// started by the test is outside it, so `SO_PEERCRED` shows it pid 0. Check
+    /// [`pid_namespace_unavailable`] first.
+    pub fn start_in_pid_namespace(dir: &TempDir, extra: &[&str]) -> Server {
+        let unshare = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"];
+        Server::spawn(
+            dir,
+            &merge_flags(SHORT_TIMEOUTS, extra),
+            &[],
+            Some(&unshare),
+        )
+    }
+
+    /// Starts `kvwarden serve`, under `wrapper` (a command that runs the rest) if given.
+    fn spawn(
+        dir: &TempDir,
+        args: &[&str],
+        env: &[(&str, &str)],
+        wrapper: Option<&[&str]>,
+    ) -> Server {
         let socket = dir.path().join("kvwarden.sock");
         static SERIAL: AtomicU64 = AtomicU64::new(0);
         let stderr_path = dir.path().join(format!(
@@ -164,7 +188,15 @@ impl Server {
             SERIAL.fetch_add(1, Ordering::Relaxed)
         ));
         let stderr = std::fs::File::create(&stderr_path).expect("server log");
-        let mut child = Command::new(kvwarden_bin())
+        let mut command = match wrapper {
+            Some([program, wrapper_args @ ..]) => {
+                let mut command = Command::new(program);
+                command.args(wrapper_args).arg(kvwarden_bin());
+                command
+            }
+            _ => Command::new(kvwarden_bin()),
+        };
+        let mut child = command
             .arg("serve")
             .arg("--socket")
             .arg(&socket)
@@ -226,6 +258,28 @@ impl Server {
             std::thread::sleep(Duration::from_millis(20));
         }
         panic!("the server does not answer `status`; log:\n{}", self.log());
+    }
+
+    /// `GET path` on the HTTP listener: the status code and the body.
+    pub fn http_get(&self, path: &str) -> (u16, String) {
+        let address = self.http.expect("the server's HTTP address (--http)");
+        let mut stream = TcpStream::connect(address).expect("connecting to the HTTP listener");
+        stream
+            .set_read_timeout(Some(PATIENCE))
+            .expect("a read timeout");
+        write!(stream, "GET {path} HTTP/1.1\r\nHost: test\r\n\r\n").expect("the request");
+        let mut response = String::new();
+        stream.read_to_string(&mut response).expect("the response");
+        let code = response
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        let body = response
+            .split_once("\r\n\r\n")
+            .map(|(_, body)| body.to_string())
+            .unwrap_or_default();
+        (code, body)
     }
 
     /// The status entry of `instance`, if tracked.
@@ -308,6 +362,32 @@ impl Drop for Server {
         self.check_no_ping_answered_false();
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// Why a server cannot be put in a PID namespace of its own here, or None when it
+/// can: that takes root (CAP_SYS_ADMIN) and util-linux `unshare`. Tests that need one
+/// print the reason and pass without checking anything.
+pub fn pid_namespace_unavailable() -> Option<String> {
+    if !rustix::process::geteuid().is_root() {
+        return Some("not running as root: unshare --pid needs CAP_SYS_ADMIN".into());
+    }
+    let probe = Command::new("unshare")
+        .args(["--pid", "--fork", "--mount-proc", "--kill-child", "true"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .output();
+    match probe {
+        Err(error) => Some(format!(
+            "`unshare` (util-linux) cannot be run: {error}; install util-linux"
+        )),
+        Ok(output) if !output.status.success() => Some(format!(
+            "`unshare --pid --fork --mount-proc --kill-child true` failed ({}): {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr).trim()
+        )),
+        Ok(_) => None,
     }
 }
 

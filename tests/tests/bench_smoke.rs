@@ -169,3 +169,19 @@ fn bench_copy_memory_and_connections_print_their_figures() {
     );
     assert!(out.contains("R5 slow_peer_disconnected yes"), "{out}");
 }
+
+#[test]
+fn bench_kill_with_the_server_in_its_own_pid_namespace_frees_by_the_workers_pidfd() {
+    if let Some(reason) = kvwarden_tests::pid_namespace_unavailable() {
+        println!("SKIPPED bench kill --server-pid-namespace: {reason}");
+        return;
+    }
+    let out = bench(
+        &["kill", "--kills", "2", "--server-pid-namespace"],
+        &[
+            "S4 sigkill_to_free_p99",
+            "S4 control_without_pidfd_held_at_least",
+        ],
+    );
+    assert!(out.contains("(2 proofs counted)"), "{out}");
+}

@@ -122,11 +122,14 @@ class HelloInfo:
         self.boot_id = value.get("boot_id")
         self.reap_timeout_seconds = float(value.get("reap_timeout_seconds", 0.0))
         self.registration_grace_seconds = float(value.get("registration_grace_seconds", 0.0))
+        #: How the server will notice this worker's death: ``"pidfd_from_peer"``,
+        #: ``"pidfd_by_pid"`` or ``"timeout_only"``; None from an older server.
+        self.exit_proof: Optional[str] = value.get("exit_proof")
 
     def __repr__(self) -> str:
         return (
             f"HelloInfo(server={self.server!r}, protocol={self.protocol}, boot_id={self.boot_id}, "
-            f"reap_timeout_seconds={self.reap_timeout_seconds})"
+            f"reap_timeout_seconds={self.reap_timeout_seconds}, exit_proof={self.exit_proof!r})"
         )
 
 
@@ -136,6 +139,11 @@ class Connection:
     Connects lazily, says ``hello`` on every new connection, and closes itself on any
     stream error so that the next request starts over on a fresh socket (a restarted
     server is reached this way). ``on_connect`` is called with the hello reply.
+
+    With ``send_pidfd`` (the default), every ``hello`` carries a pidfd of this process
+    (``os.pidfd_open(os.getpid())``, Linux 5.3+), so the server can prove this worker's
+    death in any PID namespace; where the platform has none, or the server refuses it
+    (an older server), hello goes without it.
     """
 
     def __init__(
@@ -143,9 +151,11 @@ class Connection:
         socket_path: str,
         client_name: str,
         on_connect: Optional[Any] = None,
+        send_pidfd: bool = True,
     ) -> None:
         self.socket_path = socket_path
         self.client_name = client_name
+        self.send_pidfd = send_pidfd
         self._on_connect = on_connect
         self._lock = FifoLock()
         self._sock: Optional[socket.socket] = None
@@ -251,15 +261,26 @@ class Connection:
         self._pending_fds.clear()
         self.connects += 1
         try:
-            request_id = self._take_id()
-            self._send(
-                sock,
-                encode_frame(request_id, "hello", [PROTOCOL_VERSION, self.client_name]),
-                (),
-                deadline,
-                "hello",
-            )
-            reply = self._read_reply(sock, request_id, deadline, "hello")
+            reply = None
+            pidfd = own_pidfd() if self.send_pidfd else None
+            if pidfd is not None:
+                try:
+                    reply = self._hello(sock, [{"pidfd_index": 0}], [pidfd], deadline)
+                finally:
+                    _close_quietly(pidfd)
+                if not reply.ok:
+                    # An older server (two arguments only) or one that cannot check
+                    # pidfds; the connection is still good.
+                    _, message = _error_fields(reply.value)
+                    log.warning(
+                        "kvwarden: the server refused this worker's pidfd (%s); carrying on "
+                        "without it: its death is then noticed by pid where the server can "
+                        "see it, else only by the reap timeout",
+                        message,
+                    )
+                    reply = None
+            if reply is None:
+                reply = self._hello(sock, [], [], deadline)
         except KvwardenError:
             self._drop("hello failed")
             raise
@@ -285,6 +306,14 @@ class Connection:
             except Exception:  # a logging hook must never break the connection
                 log.exception("kvwarden: the on_connect hook failed")
         return sock
+
+    def _hello(
+        self, sock: socket.socket, options: List[Any], fds: Sequence[int], deadline: float
+    ) -> _Reply:
+        request_id = self._take_id()
+        args = [PROTOCOL_VERSION, self.client_name, *options]
+        self._send(sock, encode_frame(request_id, "hello", args), fds, deadline, "hello")
+        return self._read_reply(sock, request_id, deadline, "hello")
 
     def _drop(self, why: str) -> None:
         if self._sock is not None:
@@ -412,6 +441,19 @@ class Connection:
                 f"a reply must be [request_id: uint, ok: bool, value], got {message!r:.200}"
             )
         return _Reply(message[0], message[1], message[2], mine)
+
+
+def own_pidfd() -> Optional[int]:
+    """A pidfd of this process, or None where there is none to be had (not Linux,
+    Python < 3.9, a kernel before 5.3, or a sandbox that forbids ``pidfd_open``)."""
+    pidfd_open = getattr(os, "pidfd_open", None)
+    if pidfd_open is None:
+        return None
+    try:
+        return pidfd_open(os.getpid())
+    except OSError as error:
+        log.debug("kvwarden: pidfd_open(getpid()) failed (%s); hello goes without a pidfd", error)
+        return None
 
 
 def _error_fields(value: Any) -> Tuple[str, str]:

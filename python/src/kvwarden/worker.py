@@ -84,6 +84,12 @@ class Worker:
     ping's timeout; keep 3 × interval within the server's reap timeout.
     ``request_timeout_seconds`` bounds every other request. ``socket_path`` defaults
     to the server's default (:func:`default_socket_path`).
+
+    ``send_pidfd`` (default True): each connection's ``hello`` carries a pidfd of this
+    process, so the server frees this worker's state within milliseconds of its death
+    even where it cannot see its pid (a server in another container without
+    ``hostPID``). False behaves as clients before it did: the death is proven by pid
+    where the server sees it, else noticed only at the reap timeout.
     """
 
     def __init__(
@@ -93,6 +99,7 @@ class Worker:
         heartbeat_interval_seconds: float = DEFAULT_INTERVAL_SECONDS,
         request_timeout_seconds: float = 30.0,
         client_name: Optional[str] = None,
+        send_pidfd: bool = True,
     ) -> None:
         self.socket_path = default_socket_path() if socket_path is None else str(socket_path)
         # A Worker copied into a forked child would share this id and this socket with
@@ -113,6 +120,7 @@ class Worker:
             self.socket_path,
             client_name or f"kvwarden-python/{__version__}",
             on_connect=self._on_connect,
+            send_pidfd=send_pidfd,
         )
         self._hb = Heartbeat(self.interval)
         self._hb_lock = threading.Lock()  # guards _hb, _thread and the health edge

@@ -25,13 +25,28 @@ pub struct KillArgs {
     /// Workers started and SIGKILLed, one at a time.
     #[arg(long, default_value_t = 100, value_name = "N")]
     kills: usize,
+    /// Run the server in a PID namespace of its own (`unshare --pid --fork
+    /// --mount-proc`; needs root), as a DaemonSet without `hostPID`: it cannot see the
+    /// workers' pids, so only the pidfd each worker sends of itself can free them in
+    /// time. A control worker started with `--no-send-pidfd` is then killed too, to
+    /// show it is still held after the wait (freed only at the reap timeout).
+    #[arg(long)]
+    server_pid_namespace: bool,
 }
+
+/// How long the control worker (no pidfd, server in another PID namespace) is watched
+/// after its SIGKILL: far above every pidfd free, far below the reap timeout.
+const CONTROL_WAIT: Duration = Duration::from_secs(2);
 
 /// Runs S4 and prints its figures.
 pub fn run(args: &KillArgs) -> Result<(), BenchError> {
     let kills = args.kills.max(1);
     super::print_machine();
-    let target = Target::start(&args.target, "bench-kill", &[])?;
+    let target = if args.server_pid_namespace {
+        Target::start_in_pid_namespace(&args.target, "bench-kill", &[])?
+    } else {
+        Target::start(&args.target, "bench-kill", &[])?
+    };
     let socket = target.socket.to_string_lossy().into_owned();
     let worker_args: Vec<String> = [
         "--socket",
@@ -58,14 +73,17 @@ pub fn run(args: &KillArgs) -> Result<(), BenchError> {
                 "worker {instance} said it registered, but the server does not hold it"
             )));
         }
+        if kill == 1 && args.server_pid_namespace {
+            check_proof(&control.status()?, instance)?;
+        }
         let killed_at = Instant::now();
         worker.signal(Signal::KILL);
         while control.ping(instance)? {
             if killed_at.elapsed() > FREE_BOUND {
                 return Err(BenchError::Failed(format!(
                     "worker {instance} was SIGKILLed {FREE_BOUND:?} ago and the server still \
-                     holds it: is the process-exit proof available (the worker's pid visible \
-                     to the server, a Unix socket)?"
+                     holds it: is the process-exit proof available (a Unix socket, and a \
+                     server that accepts the worker's pidfd or sees its pid)?"
                 )));
             }
         }
@@ -80,9 +98,15 @@ pub fn run(args: &KillArgs) -> Result<(), BenchError> {
     }
     let proven = process_exits(&control.status()?) - exits_before;
     let samples = Samples::from_durations(&latencies);
+    let layout = if args.server_pid_namespace {
+        "server in its own PID namespace (worker pid invisible to it: pid 0), each worker \
+         sending its pidfd"
+    } else {
+        "same PID namespace"
+    };
     let setting = format!(
-        "{kills} SIGKILLs of a same-host `kvwarden worker`, freed by the process-exit proof \
-         ({proven} proofs counted), reap timeout {reap_timeout} s"
+        "{kills} SIGKILLs of a same-host `kvwarden worker`, {layout}, freed by the \
+         process-exit proof ({proven} proofs counted), reap timeout {reap_timeout} s"
     );
     for (name, q) in [("p50", 0.5), ("p99", 0.99)] {
         let note = if name == "p99" {
@@ -104,6 +128,83 @@ pub fn run(args: &KillArgs) -> Result<(), BenchError> {
         format!("{:.3}", samples.max_ms()),
         "ms",
         &setting,
+    );
+    if args.server_pid_namespace {
+        control_without_pidfd(&worker_args, &mut control, &reap_timeout)?;
+    }
+    Ok(())
+}
+
+/// Checks that the server in another PID namespace watches the worker by the pidfd the
+/// worker sent, without seeing its pid.
+fn check_proof(status: &serde_json::Value, instance: u64) -> Result<(), BenchError> {
+    let entry = status["instances"]
+        .as_array()
+        .and_then(|all| {
+            all.iter()
+                .find(|item| item["instance_id"].as_u64() == Some(instance))
+        })
+        .cloned()
+        .unwrap_or_default();
+    let noticed_by = entry["death_noticed_by"].as_str().unwrap_or("?");
+    let pid_seen = !entry["watched_pid"].is_null();
+    if noticed_by != "pidfd_from_peer" || pid_seen {
+        return Err(BenchError::Failed(format!(
+            "worker {instance}: the server says death_noticed_by {noticed_by:?}, watched_pid \
+             {}; expected pidfd_from_peer and no visible pid (a server in another PID \
+             namespace)",
+            entry["watched_pid"],
+        )));
+    }
+    Ok(())
+}
+
+/// One `--no-send-pidfd` worker killed with the server in another PID namespace: no
+/// proof, so it must still be held `CONTROL_WAIT` later (the reap timeout frees it).
+fn control_without_pidfd(
+    worker_args: &[String],
+    control: &mut super::raw::RawConnection,
+    reap_timeout: &serde_json::Value,
+) -> Result<(), BenchError> {
+    let mut args = worker_args.to_vec();
+    args.push("--no-send-pidfd".into());
+    let worker = WorkerProcess::start(&args, Stdio::null())?;
+    let instance = worker.instance_id;
+    let killed_at = Instant::now();
+    worker.signal(Signal::KILL);
+    let mut held = true;
+    while held && killed_at.elapsed() < CONTROL_WAIT {
+        held = control.ping(instance)?;
+    }
+    worker.reap();
+    let verdict = if held {
+        format!(
+            "still held {:.1} s after its SIGKILL: the server cannot see its pid and got no \
+             pidfd, so only the reap timeout ({reap_timeout} s) frees it",
+            CONTROL_WAIT.as_secs_f64()
+        )
+    } else {
+        "FREED before the reap timeout without a pidfd: the server must have seen its pid \
+         (is it really in another PID namespace?)"
+            .to_string()
+    };
+    let (name, seconds) = if held {
+        (
+            "control_without_pidfd_held_at_least",
+            CONTROL_WAIT.as_secs_f64(),
+        )
+    } else {
+        (
+            "control_without_pidfd_freed_after",
+            killed_at.elapsed().as_secs_f64(),
+        )
+    };
+    figure(
+        "S4",
+        name,
+        format!("{seconds:.3}"),
+        "s",
+        &format!("1 `kvwarden worker --no-send-pidfd`, {verdict}"),
     );
     Ok(())
 }

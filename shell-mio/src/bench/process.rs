@@ -223,12 +223,46 @@ impl ServerProcess {
         log_level: &str,
         open_files: Option<u64>,
     ) -> Result<ServerProcess, BenchError> {
+        ServerProcess::spawn(tag, args, log_level, open_files, false)
+    }
+
+    /// [`ServerProcess::start`], with the server in a PID namespace of its own (`unshare
+    /// --pid --fork --mount-proc --kill-child`, which needs root), as in a container
+    /// without `hostPID`: it sees every worker this process starts as pid 0. [`pid`]
+    /// is then `unshare`'s.
+    ///
+    /// [`pid`]: ServerProcess::pid
+    pub fn start_in_pid_namespace(
+        tag: &str,
+        args: &[String],
+        log_level: &str,
+    ) -> Result<ServerProcess, BenchError> {
+        ServerProcess::spawn(tag, args, log_level, None, true)
+    }
+
+    fn spawn(
+        tag: &str,
+        args: &[String],
+        log_level: &str,
+        open_files: Option<u64>,
+        pid_namespace: bool,
+    ) -> Result<ServerProcess, BenchError> {
         let dir = TempDir::new(tag)?;
         let socket = dir.path().join("kvwarden.sock");
         let log = dir.path().join("server.log");
         let stderr = std::fs::File::create(&log)
             .map_err(BenchError::io(format!("creating {}", log.display())))?;
-        let mut command = kvwarden_command("serve")?;
+        let mut command = if pid_namespace {
+            let mut command = Command::new("unshare");
+            command
+                .args(["--pid", "--fork", "--mount-proc", "--kill-child"])
+                .arg(kvwarden_exe()?)
+                .arg("serve");
+            die_with_parent(&mut command);
+            command
+        } else {
+            kvwarden_command("serve")?
+        };
         if let Some(open_files) = open_files {
             raise_open_files_in_child(&mut command, open_files);
         }
@@ -242,9 +276,12 @@ impl ServerProcess {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(stderr);
-        let mut child = command
-            .spawn()
-            .map_err(BenchError::io("spawning `kvwarden serve`"))?;
+        let mut child = command.spawn().map_err(BenchError::io(if pid_namespace {
+            "spawning `unshare --pid --fork --mount-proc --kill-child kvwarden serve` (is \
+             util-linux installed?)"
+        } else {
+            "spawning `kvwarden serve`"
+        }))?;
         let stdout = child.stdout.take();
         let mut server = ServerProcess {
             child,

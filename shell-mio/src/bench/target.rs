@@ -85,6 +85,49 @@ impl Target {
         }
     }
 
+    /// A fresh `kvwarden serve <serve_args>` in a PID namespace of its own (see
+    /// [`ServerProcess::start_in_pid_namespace`]); a running server (`--socket`) cannot
+    /// be moved into one.
+    pub fn start_in_pid_namespace(
+        args: &TargetArgs,
+        tag: &str,
+        serve_args: &[&str],
+    ) -> Result<Target, BenchError> {
+        if let Some(socket) = &args.socket {
+            return Err(BenchError::Failed(format!(
+                "--server-pid-namespace starts a server of its own in a new PID namespace, but \
+                 --socket {} names a running one; drop one of the two",
+                socket.display()
+            )));
+        }
+        if !rustix::process::geteuid().is_root() {
+            return Err(BenchError::Failed(
+                "--server-pid-namespace needs root (unshare --pid needs CAP_SYS_ADMIN); run \
+                 as root or drop the flag"
+                    .into(),
+            ));
+        }
+        let serve_args: Vec<String> = serve_args.iter().map(|s| s.to_string()).collect();
+        let server = ServerProcess::start_in_pid_namespace(tag, &serve_args, "warn")?;
+        let command = format!(
+            "unshare --pid --fork --mount-proc --kill-child kvwarden serve --http off {}",
+            serve_args.join(" ")
+        );
+        super::progress(&format!(
+            "started `{}` (unshare pid {}) on {}",
+            command.trim_end(),
+            server.pid(),
+            server.socket.display()
+        ));
+        Ok(Target {
+            socket: server.socket.clone(),
+            tcp: server.tcp,
+            pid: server.pid(),
+            spawned: Some(server),
+            pings_answered_false_before: 0,
+        })
+    }
+
     /// A control connection.
     pub fn connect(&self) -> Result<RawConnection, BenchError> {
         RawConnection::connect(&self.socket)

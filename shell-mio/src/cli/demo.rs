@@ -333,6 +333,20 @@ impl Demo {
             "SIGTERM workers {FROZEN} and {BYSTANDER}: {clean} of 2 shut down cleanly \
              (heartbeat stopped, then unregister)"
         ));
+        // Two pings may be answered `false`: the one that saw worker A gone, and worker
+        // B's first ping after its reap. A `false` to any live worker is the bug this
+        // project prevents.
+        let status = control.status()?;
+        let answered_false = status["worker_liveness"]["pings_answered_false_total"]
+            .as_u64()
+            .unwrap_or(0);
+        if answered_false > 2 {
+            return Err(BenchError::Failed(format!(
+                "the server answered {answered_false} pings `false`; only the ping that saw \
+                 worker {VICTIM} gone and worker {FROZEN}'s first ping after its reap may be: \
+                 a live worker was told its instance is not held"
+            )));
+        }
         Ok(())
     }
 

@@ -73,14 +73,12 @@ pub fn table(status: &Value) -> String {
         number(&live["resolution_seconds"]),
     );
     out += &format!(
-        "tracked {}, reaped {}, process exits {}, server stalls {}\n",
+        "tracked {}, reaped {}, process exits {}, server stalls {}, pings {} ({} answered \
+         false: not held, re-register)\n",
         number(&live["tracked_instances"]),
         number(&live["reaped_total"]),
         number(&live["process_exits_total"]),
         number(&live["stalls_total"]),
-    );
-    out += &format!(
-        "pings {}, answered false (not held: re-register) {}\n",
         number(&live["pings_total"]),
         number(&live["pings_answered_false_total"]),
     );
@@ -114,8 +112,16 @@ pub fn table(status: &Value) -> String {
         number(&status["connections"]),
     );
     out += &format!(
-        "{:<20} {:<14} {:>9} {:>11} {:>7} {:>7} {:>8} {}\n",
-        "INSTANCE", "MODULE", "AGE(s)", "SILENCE(s)", "PROVEN", "OWNER", "PID", "MODEL"
+        "{:<20} {:<14} {:>9} {:>11} {:>7} {:>7} {:>8} {:<15} {}\n",
+        "INSTANCE",
+        "MODULE",
+        "AGE(s)",
+        "SILENCE(s)",
+        "PROVEN",
+        "OWNER",
+        "PID",
+        "DEATH_NOTICED",
+        "MODEL"
     );
     let empty = Vec::new();
     let instances = status["instances"].as_array().unwrap_or(&empty);
@@ -126,7 +132,7 @@ pub fn table(status: &Value) -> String {
             ""
         };
         out += &format!(
-            "{:<20} {:<14} {:>9} {:>11} {:>7} {:>7} {:>8} {}{}\n",
+            "{:<20} {:<14} {:>9} {:>11} {:>7} {:>7} {:>8} {:<15} {}{}\n",
             number(&item["instance_id"]),
             number(&item["module"]),
             number(&item["age_seconds"]),
@@ -134,6 +140,7 @@ pub fn table(status: &Value) -> String {
             number(&item["proven"]),
             number(&item["owner_uid"]),
             number(&item["watched_pid"]),
+            number(&item["death_noticed_by"]),
             number(&item["model_name"]),
             state
         );

@@ -1,6 +1,7 @@
 //! `kvwarden worker`: a real worker process for tests, demos and load.
 //!
-//! It prints `instance_id=<n>` first, then one line per event (`registered outcome=…`,
+//! It prints `instance_id=<n>` first, then `exit_proof=<how the server will notice its
+//! death>`, then one line per event (`registered outcome=…`,
 //! `healthy=…`, `recoveries=… outcome=…`, `shutdown=clean`), so a test can follow it.
 
 use crate::client::{Client, ClientBuffer, ClientConfig, MemfdBuffer};
@@ -51,6 +52,11 @@ pub struct WorkerArgs {
     /// The CUDA device for `--cuda-bytes`.
     #[arg(long, default_value_t = 0, value_name = "ORDINAL")]
     device: u32,
+    /// Do not send the server a pidfd of this process in `hello` (as clients before it
+    /// did): its death is then proven only by pid where the server can see it, else
+    /// noticed only by the reap timeout.
+    #[arg(long)]
+    no_send_pidfd: bool,
 }
 
 /// Allocates and exports the worker's device buffer; the allocation lives as long as
@@ -102,6 +108,7 @@ pub fn run(args: WorkerArgs) -> ExitCode {
     config.heartbeat_interval = interval;
     config.instance_id = instance_id;
     config.client_name = concat!("kvwarden-worker ", env!("CARGO_PKG_VERSION")).to_string();
+    config.send_pidfd = !args.no_send_pidfd;
     let client = match Client::connect(config) {
         Ok(client) => client,
         Err(error) => {
@@ -110,6 +117,10 @@ pub fn run(args: WorkerArgs) -> ExitCode {
         }
     };
     say(&format!("instance_id={}", client.instance_id()));
+    say(&format!(
+        "exit_proof={}",
+        client.exit_proof().as_deref().unwrap_or("unknown")
+    ));
     // Kept alive to the end of the process: a SIGKILL leaves the device memory to
     // whoever still maps it.
     let mut _device_buffer = None;

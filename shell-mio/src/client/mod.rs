@@ -87,6 +87,11 @@ pub struct ClientConfig {
     pub client_name: String,
     /// How long any other request may take.
     pub request_timeout: Duration,
+    /// Send a pidfd of this process with every `hello` over a Unix socket (default
+    /// true): the server then frees this worker's state within milliseconds of its
+    /// death even where it cannot see the worker's pid (another PID namespace, no
+    /// `hostPID`). Off: the server proves the death only by pid, where visible.
+    pub send_pidfd: bool,
 }
 
 impl ClientConfig {
@@ -98,6 +103,7 @@ impl ClientConfig {
             instance_id: None,
             client_name: concat!("kvwarden-client ", env!("CARGO_PKG_VERSION")).to_string(),
             request_timeout: Duration::from_secs(30),
+            send_pidfd: true,
         }
     }
 }
@@ -185,6 +191,8 @@ struct Shared {
     recoveries: AtomicU64,
     pings_answered_false: AtomicU64,
     last_outcome: Mutex<Option<String>>,
+    /// `hello`'s `exit_proof` on the latest connection.
+    exit_proof: Mutex<Option<String>>,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -211,7 +219,9 @@ impl Shared {
                 &self.config.endpoint,
                 &self.config.client_name,
                 self.config.request_timeout,
+                self.config.send_pidfd,
             )?;
+            *lock(&self.exit_proof) = fresh.exit_proof.clone();
             *wire = Some(fresh);
         }
         let Some(connection) = wire.as_mut() else {
@@ -387,10 +397,12 @@ impl Client {
             &config.endpoint,
             &config.client_name,
             config.request_timeout,
+            config.send_pidfd,
         )?;
         let heartbeat = Heartbeat::new(HeartbeatConfig {
             interval: config.heartbeat_interval,
         });
+        let exit_proof = wire.exit_proof.clone();
         Ok(Client {
             shared: Arc::new(Shared {
                 config,
@@ -405,6 +417,7 @@ impl Client {
                 recoveries: AtomicU64::new(0),
                 pings_answered_false: AtomicU64::new(0),
                 last_outcome: Mutex::new(None),
+                exit_proof: Mutex::new(exit_proof),
             }),
             heartbeat_thread: Mutex::new(None),
         })
@@ -431,6 +444,13 @@ impl Client {
     /// this stays 0; anything else is a bug (or a reap the caller expected).
     pub fn pings_answered_false(&self) -> u64 {
         self.shared.pings_answered_false.load(Ordering::Relaxed)
+    }
+
+    /// How the server said it will notice this process's death, on the latest
+    /// connection: `pidfd_from_peer`, `pidfd_by_pid` or `timeout_only` (None from a
+    /// server that does not say).
+    pub fn exit_proof(&self) -> Option<String> {
+        lock(&self.shared.exit_proof).clone()
     }
 
     /// The outcome of the latest registration (`created` or `refreshed`).

@@ -3,7 +3,7 @@
 use super::ClientError;
 use crate::protocol::{LENGTH_PREFIX_BYTES, PROTOCOL_VERSION, decode_reply, encode_request};
 use rmpv::Value;
-use rustix::fd::BorrowedFd;
+use rustix::fd::{AsFd, BorrowedFd};
 use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
 use std::io::{IoSlice, Read, Write};
 use std::mem::MaybeUninit;
@@ -42,14 +42,20 @@ enum Socket {
 pub struct Wire {
     socket: Socket,
     endpoint: String,
+    /// How the server said it will notice this process's death (`hello`'s
+    /// `exit_proof`; None from a server that does not say).
+    pub exit_proof: Option<String>,
 }
 
 impl Wire {
-    /// Connects and says hello.
+    /// Connects and says hello; over a Unix socket with `send_pidfd`, the hello
+    /// carries a pidfd of this process (the server's proof of its death in every PID
+    /// namespace layout).
     pub fn connect(
         endpoint: &Endpoint,
         client_name: &str,
         timeout: Duration,
+        send_pidfd: bool,
     ) -> Result<Wire, ClientError> {
         let name = endpoint.to_string();
         let io = |source| ClientError::Io {
@@ -67,9 +73,34 @@ impl Wire {
         let mut wire = Wire {
             socket,
             endpoint: name.clone(),
+            exit_proof: None,
         };
         let args = vec![PROTOCOL_VERSION.into(), client_name.into()];
-        wire.call(0, "hello", args, &[], timeout)?;
+        let pidfd = match (&wire.socket, send_pidfd) {
+            (Socket::Unix(_), true) => own_pidfd(),
+            _ => None,
+        };
+        if let Some(pidfd) = pidfd {
+            let mut with_pidfd = args.clone();
+            with_pidfd.push(Value::Map(vec![("pidfd_index".into(), 0u64.into())]));
+            match wire.call(0, "hello", with_pidfd, &[pidfd.as_fd()], timeout) {
+                Ok(hello) => {
+                    wire.exit_proof = exit_proof(&hello);
+                    return Ok(wire);
+                }
+                // An older server (it takes two arguments) or one that cannot check
+                // pidfds: the connection is still good; say hello without it.
+                Err(ClientError::Server { error, .. }) => tracing::warn!(
+                    %error,
+                    "the server refused this worker's pidfd; carrying on without it (its \
+                     death is then noticed by pid where the server can see it, else only \
+                     by the reap timeout)"
+                ),
+                Err(other) => return Err(other),
+            }
+        }
+        let hello = wire.call(0, "hello", args, &[], timeout)?;
+        wire.exit_proof = exit_proof(&hello);
         Ok(wire)
     }
 
@@ -156,4 +187,26 @@ impl Wire {
         reader.read_exact(&mut body)?;
         Ok(body)
     }
+}
+
+/// A pidfd of this process, or None where the kernel has no `pidfd_open` (before 5.3).
+fn own_pidfd() -> Option<rustix::fd::OwnedFd> {
+    let pid = rustix::process::getpid();
+    match rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()) {
+        Ok(pidfd) => Some(pidfd),
+        Err(error) => {
+            tracing::debug!(%error, "pidfd_open(getpid()) failed; hello goes without a pidfd");
+            None
+        }
+    }
+}
+
+fn exit_proof(hello: &Value) -> Option<String> {
+    let Value::Map(map) = hello else {
+        return None;
+    };
+    map.iter()
+        .find(|(key, _)| key.as_str() == Some("exit_proof"))
+        .and_then(|(_, value)| value.as_str())
+        .map(str::to_owned)
 }

@@ -60,6 +60,9 @@ pub enum Op {
     Hello {
         protocol: u64,
         client: String,
+        /// Index among the frame's fds of a pidfd of the sending process (the optional
+        /// third argument, `{"pidfd_index": uint}`).
+        pidfd_index: Option<u64>,
     },
     Ping {
         instance: Option<InstanceId>,
@@ -260,11 +263,32 @@ fn decode_op(op: &str, items: &[Value]) -> Result<Op, ProtocolError> {
     };
     Ok(match op {
         "hello" => {
-            let a = args("[protocol: uint, client: str]", "hello");
-            a.count(2)?;
+            let a = args(
+                "[protocol: uint, client: str] or [protocol: uint, client: str, options: {\"pidfd_index\": uint}]",
+                "hello",
+            );
+            if !(2..=3).contains(&items.len()) {
+                return Err(a.mismatch(format!("{} arguments instead of 2 or 3", items.len())));
+            }
+            let pidfd_index = match items.get(2) {
+                None => None,
+                Some(_) => {
+                    let options = a.map(2, "options")?;
+                    match field(options, "pidfd_index") {
+                        None | Some(Value::Nil) => None,
+                        Some(value) => Some(value.as_u64().ok_or_else(|| {
+                            a.mismatch(format!(
+                                "options.pidfd_index must be an unsigned integer, got {}",
+                                describe(value)
+                            ))
+                        })?),
+                    }
+                }
+            };
             Op::Hello {
                 protocol: a.uint(0, "protocol")?,
                 client: a.string(1, "client")?,
+                pidfd_index,
             }
         }
         "ping" => {
@@ -752,5 +776,52 @@ mod tests {
                 nbytes: 4096
             }]
         );
+    }
+
+    /// `hello [protocol, client]` (every client before the pidfd) stays valid; the
+    /// optional options map carries `pidfd_index`; anything else is `bad_args` naming it.
+    #[test]
+    fn row_24_hello_takes_an_optional_pidfd_index_and_refuses_a_bad_one() {
+        let decode = |args: Vec<Value>| decode_request(&request(3.into(), "hello", args));
+        let hello = |pidfd_index| Op::Hello {
+            protocol: 1,
+            client: "c".into(),
+            pidfd_index,
+        };
+        assert_eq!(decode(vec![1.into(), "c".into()]).unwrap().op, hello(None));
+        let options = |entries: Vec<(Value, Value)>| Value::Map(entries);
+        let with = |value: Value| options(vec![("pidfd_index".into(), value)]);
+        assert_eq!(
+            decode(vec![1.into(), "c".into(), with(0.into())])
+                .unwrap()
+                .op,
+            hello(Some(0))
+        );
+        // Unknown options are ignored (room to grow); an empty map means no pidfd.
+        let other = options(vec![("later".into(), true.into())]);
+        assert_eq!(
+            decode(vec![1.into(), "c".into(), other]).unwrap().op,
+            hello(None)
+        );
+        for (args, says) in [
+            (
+                vec![1.into(), "c".into(), with((-1).into())],
+                "negative int -1",
+            ),
+            (vec![1.into(), "c".into(), with("0".into())], "pidfd_index"),
+            (
+                vec![1.into(), "c".into(), 0.into()],
+                "`options` must be a map",
+            ),
+            (
+                vec![1.into(), "c".into(), Value::Nil, Value::Nil],
+                "4 arguments instead of 2 or 3",
+            ),
+            (vec![1.into()], "1 arguments instead of 2 or 3"),
+        ] {
+            let error = decode(args).unwrap_err().error;
+            assert_eq!(error.code, ErrorCode::BadArgs);
+            assert!(error.message.contains(says), "{}", error.message);
+        }
     }
 }

@@ -46,8 +46,25 @@ pub struct Peer {
     pub uid: Option<u32>,
     /// The peer's pid, when visible in this PID namespace.
     pub pid: Option<i32>,
-    /// A pidfd of the peer process, taken at accept time.
+    /// A pidfd of the peer process: opened by pid at accept time, or the one the peer
+    /// sent of itself in `hello` (which then replaces it).
     pub pidfd: Option<OwnedFd>,
+    /// Whether `pidfd` is the one the peer sent.
+    pub pidfd_from_peer: bool,
+    /// The process `pidfd` names, as the watches key it.
+    pub process: Option<super::peer::Process>,
+}
+
+impl Peer {
+    /// How the death of what this connection registers will be noticed.
+    pub fn death_notice(&self) -> super::peer::DeathNotice {
+        use super::peer::DeathNotice;
+        match (&self.pidfd, self.process) {
+            (Some(_), Some(_)) if self.pidfd_from_peer => DeathNotice::PidfdFromPeer,
+            (Some(_), Some(_)) => DeathNotice::PidfdByPid,
+            _ => DeathNotice::TimeoutOnly,
+        }
+    }
 }
 
 /// A complete frame and the fds that came with it.

@@ -50,6 +50,9 @@ pub struct Metrics {
     /// Device memory by `device` and `state` (`free`, `total`), on hosts with a GPU
     /// (set at scrape from the last sample; absent without one).
     pub gpu_memory_bytes: Family<Labels, Gauge>,
+    /// Instances by how their death will be noticed (`pidfd_from_peer`,
+    /// `pidfd_by_pid`, `timeout_only`; set at scrape).
+    pub instances_by_death_notice: Family<Labels, Gauge>,
 }
 
 /// Every cause a context is freed for: each series exists from the start, so that
@@ -87,6 +90,7 @@ impl Metrics {
             blend_bytes: Gauge::default(),
             blend_instances: Gauge::default(),
             gpu_memory_bytes: Family::default(),
+            instances_by_death_notice: Family::default(),
             registry: Registry::default(),
             request_counters: std::collections::HashMap::new(),
         };
@@ -159,6 +163,12 @@ impl Metrics {
         for cause in FREE_CAUSES {
             let _ = metrics.frees.get_or_create(&label("cause", cause));
         }
+        registry.register(
+            "instances_by_death_notice",
+            "Registered instances by how their process's death will be noticed: a pidfd \
+             the worker sent, a pidfd opened by its pid, or only the reap timeout",
+            metrics.instances_by_death_notice.clone(),
+        );
         Metrics {
             registry,
             ..metrics
@@ -216,6 +226,13 @@ impl Metrics {
         self.l1_slots
             .get_or_create(&label("state", "pinned"))
             .set(as_i64(pinned));
+    }
+
+    /// Sets the gauge of instances whose death will be noticed by `notice`.
+    pub fn instances_by_death_notice(&self, notice: &str, count: i64) {
+        self.instances_by_death_notice
+            .get_or_create(&label("noticed_by", notice))
+            .set(count);
     }
 
     /// Sets the L1 gauges.

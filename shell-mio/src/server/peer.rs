@@ -12,15 +12,161 @@ pub fn peer_of(stream: &mio::net::UnixStream) -> super::connection::Peer {
     let Some((pid, uid)) = peer_credentials(stream) else {
         return super::connection::Peer::default();
     };
-    // pid 0 means the peer lives in a PID namespace we cannot see: no proof possible.
+    // pid 0 means the peer lives in a PID namespace we cannot see: no proof by pid (the
+    // worker may still hand over a pidfd of itself in `hello`).
     let pidfd = rustix::process::Pid::from_raw(pid).and_then(|pid| {
         rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::NONBLOCK).ok()
     });
+    let pid = (pid > 0).then_some(pid);
+    let process = pidfd.as_ref().and_then(|pidfd| {
+        pid.map(|pid| Process {
+            key: pidfs_key(pidfd).unwrap_or(ProcessKey::Pid(pid)),
+            pid: Some(pid),
+        })
+    });
     super::connection::Peer {
         uid: Some(uid),
-        pid: (pid > 0).then_some(pid),
+        pid,
         pidfd,
+        pidfd_from_peer: false,
+        process,
     }
+}
+
+/// How the death of an instance's process will be noticed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DeathNotice {
+    /// A pidfd the worker sent of itself (`hello`'s `pidfd_index`).
+    PidfdFromPeer,
+    /// A pidfd the server opened on the pid `SO_PEERCRED` reported.
+    PidfdByPid,
+    /// No pidfd: only the heartbeat rules (reap timeout, registration grace).
+    TimeoutOnly,
+}
+
+impl DeathNotice {
+    /// Every kind, in the order status and metrics list them.
+    pub const ALL: [DeathNotice; 3] = [
+        DeathNotice::PidfdFromPeer,
+        DeathNotice::PidfdByPid,
+        DeathNotice::TimeoutOnly,
+    ];
+
+    /// The label in `/status` and `/metrics`.
+    pub fn label(self) -> &'static str {
+        match self {
+            DeathNotice::PidfdFromPeer => "pidfd_from_peer",
+            DeathNotice::PidfdByPid => "pidfd_by_pid",
+            DeathNotice::TimeoutOnly => "timeout_only",
+        }
+    }
+}
+
+/// What names a watched process, so that one process gets one watch however its pidfd
+/// was obtained. A pidfd of a process this server cannot see has no usable pid.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ProcessKey {
+    /// The pidfs inode of the process (Linux 6.9+): unique per process, in every
+    /// namespace, never reused.
+    Pidfs(u64),
+    /// The pid, in the server's PID namespace (older kernels).
+    Pid(i32),
+    /// Neither: the process as seen through one connection (its token).
+    Connection(usize),
+}
+
+/// A process a connection's registrations are tied to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Process {
+    /// Its watch key.
+    pub key: ProcessKey,
+    /// Its pid in the server's PID namespace, when visible there.
+    pub pid: Option<i32>,
+}
+
+/// `statfs.f_type` of pidfs (`PID_FS_MAGIC`).
+const PIDFS_MAGIC: i64 = 0x5049_4446;
+
+/// The pidfs inode of `pidfd`, on kernels whose pidfds live on pidfs.
+fn pidfs_key(pidfd: &OwnedFd) -> Option<ProcessKey> {
+    let fs = rustix::fs::fstatfs(pidfd).ok()?;
+    #[allow(clippy::useless_conversion, clippy::unnecessary_cast)] // f_type's width varies
+    if i64::from(fs.f_type as i64) != PIDFS_MAGIC {
+        return None;
+    }
+    let stat = rustix::fs::fstat(pidfd).ok()?;
+    #[allow(clippy::useless_conversion, clippy::unnecessary_cast)]
+    Some(ProcessKey::Pidfs(stat.st_ino as u64))
+}
+
+/// The `Pid:` line of `/proc/self/fdinfo/<fd>`: the process a pidfd names, in the PID
+/// namespace of this `/proc` (0: not visible there; -1: it has exited). None when the
+/// fd is not a pidfd; Err when `/proc` cannot be read.
+fn pidfd_pid(fd: &OwnedFd) -> std::io::Result<Option<i32>> {
+    let path = format!("/proc/self/fdinfo/{}", fd.as_raw_fd());
+    let text = std::fs::read_to_string(path)?;
+    Ok(text
+        .lines()
+        .find_map(|line| line.strip_prefix("Pid:"))
+        .and_then(|pid| pid.trim().parse().ok()))
+}
+
+/// Checks a pidfd the peer sent of itself (`hello`'s `pidfd_index`) and returns the
+/// process it names, or the reason to refuse it (a `bad_args` message).
+///
+/// It must be a pidfd. Where `SO_PEERCRED` shows the peer's pid, the pidfd must name
+/// that process: a worker cannot tie its instances to someone else's life. Where the
+/// peer is not visible (pid 0), it is taken on trust: a worker that lies can only
+/// shorten or lengthen the life of its own instances, which ownership already confines
+/// to its uid.
+pub fn check_peer_pidfd(
+    peer: &super::connection::Peer,
+    pidfd: &OwnedFd,
+    index: u64,
+    connection: mio::Token,
+) -> Result<Process, String> {
+    let named = match pidfd_pid(pidfd) {
+        Ok(Some(pid)) => pid,
+        Ok(None) => {
+            return Err(format!(
+                "`hello`: the fd at pidfd_index {index} is not a pidfd (its                  /proc/self/fdinfo has no `Pid:` line); send a pidfd of the worker itself,                  from pidfd_open(getpid(), 0) (Linux 5.3+), or leave pidfd_index out"
+            ));
+        }
+        Err(error) => {
+            return Err(format!(
+                "`hello`: cannot check the pidfd at pidfd_index {index}: reading                  /proc/self/fdinfo failed ({error}); the server needs /proc mounted to accept                  pidfds; leave pidfd_index out meanwhile"
+            ));
+        }
+    };
+    if let Some(peer_pid) = peer.pid {
+        // Both `Pid:` lines come from the same /proc, so they compare even where that
+        // /proc belongs to another PID namespace than the server's.
+        let expected = peer
+            .pidfd
+            .as_ref()
+            .filter(|_| !peer.pidfd_from_peer)
+            .and_then(|own| pidfd_pid(own).ok().flatten())
+            .filter(|&pid| pid > 0)
+            .unwrap_or(peer_pid);
+        if named != expected {
+            let which = if named == -1 {
+                "a process that has exited".to_string()
+            } else if named == 0 {
+                "a process this server cannot see".to_string()
+            } else {
+                format!("pid {named}")
+            };
+            return Err(format!(
+                "`hello`: the pidfd at pidfd_index {index} names {which}, but this                  connection's peer is pid {peer_pid} (SO_PEERCRED); a worker may send only                  a pidfd of itself: pidfd_open(getpid(), 0) in the process that connected"
+            ));
+        }
+    }
+    // A `Pid:` of an invisible peer is not used as a key: it may come from a /proc of
+    // another PID namespace than SO_PEERCRED's, where the same number is someone else.
+    let key = pidfs_key(pidfd)
+        .or(peer.pid.map(ProcessKey::Pid))
+        .unwrap_or(ProcessKey::Connection(connection.0));
+    Ok(Process { key, pid: peer.pid })
 }
 
 /// `SO_PEERCRED` as raw numbers. (rustix's `UCred` holds the pid as a non-zero type,
@@ -49,38 +195,45 @@ fn peer_credentials(stream: &mio::net::UnixStream) -> Option<(i32, u32)> {
 struct Watch {
     pidfd: OwnedFd,
     token: mio::Token,
+    pid: Option<i32>,
     instances: BTreeSet<InstanceId>,
 }
 
-/// The processes watched, each with the instances it registered.
+/// The processes watched, each with the instances it registered; one watch per process
+/// (by [`ProcessKey`]), however its pidfd was obtained.
 #[derive(Default)]
 pub struct Watches {
-    by_pid: HashMap<i32, Watch>,
-    by_token: HashMap<mio::Token, i32>,
-    by_instance: HashMap<InstanceId, i32>,
+    by_process: HashMap<ProcessKey, Watch>,
+    by_token: HashMap<mio::Token, ProcessKey>,
+    by_instance: HashMap<InstanceId, (ProcessKey, DeathNotice)>,
 }
 
 impl Watches {
-    /// Watches `pid` (with a pidfd cloned from the connection's) for `instance`.
-    /// `token` is used only when the pid is not yet watched.
+    /// Watches `process` (with a clone of `pidfd`, the connection's) for `instance`,
+    /// noting how the pidfd was obtained. `token` is used only when the process is not
+    /// yet watched.
     pub fn watch(
         &mut self,
         registry: &mio::Registry,
-        pid: i32,
+        process: Process,
         pidfd: &OwnedFd,
+        notice: DeathNotice,
         instance: InstanceId,
         token: impl FnOnce() -> mio::Token,
     ) {
-        if let Some(previous) = self.by_instance.get(&instance).copied() {
-            if previous == pid {
+        let key = process.key;
+        if let Some((previous, _)) = self.by_instance.get(&instance).copied() {
+            if previous == key {
+                self.by_instance.insert(instance, (key, notice));
                 return;
             }
             // Re-registered from another process: the newest registrant is the proof.
             self.forget(registry, instance);
         }
-        if !self.by_pid.contains_key(&pid) {
+        if !self.by_process.contains_key(&key) {
+            let pid = process.pid;
             let Ok(pidfd) = pidfd.try_clone() else {
-                tracing::warn!(pid, %instance, "cloning a pidfd failed; this instance is left to the heartbeat rules");
+                tracing::warn!(?pid, %instance, "cloning a pidfd failed; this instance is left to the heartbeat rules");
                 return;
             };
             let token = token();
@@ -91,31 +244,32 @@ impl Watches {
                 mio::Interest::READABLE,
             );
             if let Err(error) = registered {
-                tracing::warn!(pid, %error, "watching a pidfd failed; this instance is left to the heartbeat rules");
+                tracing::warn!(?pid, %error, "watching a pidfd failed; this instance is left to the heartbeat rules");
                 return;
             }
-            self.by_token.insert(token, pid);
-            self.by_pid.insert(
-                pid,
+            self.by_token.insert(token, key);
+            self.by_process.insert(
+                key,
                 Watch {
                     pidfd,
                     token,
+                    pid,
                     instances: BTreeSet::new(),
                 },
             );
         }
-        if let Some(watch) = self.by_pid.get_mut(&pid) {
+        if let Some(watch) = self.by_process.get_mut(&key) {
             watch.instances.insert(instance);
-            self.by_instance.insert(instance, pid);
+            self.by_instance.insert(instance, (key, notice));
         }
     }
 
     /// The instance holds nothing any more: stop watching for it.
     pub fn forget(&mut self, registry: &mio::Registry, instance: InstanceId) {
-        let Some(pid) = self.by_instance.remove(&instance) else {
+        let Some((key, _)) = self.by_instance.remove(&instance) else {
             return;
         };
-        let empty = match self.by_pid.get_mut(&pid) {
+        let empty = match self.by_process.get_mut(&key) {
             Some(watch) => {
                 watch.instances.remove(&instance);
                 watch.instances.is_empty()
@@ -123,18 +277,20 @@ impl Watches {
             None => false,
         };
         if empty {
-            self.remove_pid(registry, pid);
+            self.remove_process(registry, key);
         }
     }
 
-    /// The pidfd behind `token` fired: the process exited. Returns its instances.
+    /// The pidfd behind `token` fired: the process exited. Returns its pid (when
+    /// visible) and its instances.
     pub fn exited(
         &mut self,
         registry: &mio::Registry,
         token: mio::Token,
-    ) -> Option<(i32, Vec<InstanceId>)> {
-        let pid = *self.by_token.get(&token)?;
-        let instances = self.remove_pid(registry, pid);
+    ) -> Option<(Option<i32>, Vec<InstanceId>)> {
+        let key = *self.by_token.get(&token)?;
+        let pid = self.by_process.get(&key).and_then(|watch| watch.pid);
+        let instances = self.remove_process(registry, key);
         Some((pid, instances))
     }
 
@@ -145,21 +301,29 @@ impl Watches {
 
     /// Processes watched.
     pub fn len(&self) -> usize {
-        self.by_pid.len()
+        self.by_process.len()
     }
 
     /// Whether nothing is watched.
     pub fn is_empty(&self) -> bool {
-        self.by_pid.is_empty()
+        self.by_process.is_empty()
     }
 
-    /// The watched pid of an instance.
+    /// The watched pid of an instance (None when unwatched or not visible).
     pub fn pid_of(&self, instance: InstanceId) -> Option<i32> {
-        self.by_instance.get(&instance).copied()
+        let (key, _) = self.by_instance.get(&instance)?;
+        self.by_process.get(key).and_then(|watch| watch.pid)
     }
 
-    fn remove_pid(&mut self, registry: &mio::Registry, pid: i32) -> Vec<InstanceId> {
-        let Some(watch) = self.by_pid.remove(&pid) else {
+    /// How the death of `instance`'s process will be noticed.
+    pub fn notice_of(&self, instance: InstanceId) -> DeathNotice {
+        self.by_instance
+            .get(&instance)
+            .map_or(DeathNotice::TimeoutOnly, |(_, notice)| *notice)
+    }
+
+    fn remove_process(&mut self, registry: &mio::Registry, key: ProcessKey) -> Vec<InstanceId> {
+        let Some(watch) = self.by_process.remove(&key) else {
             return Vec::new();
         };
         self.by_token.remove(&watch.token);
@@ -169,5 +333,154 @@ impl Watches {
             self.by_instance.remove(instance);
         }
         watch.instances.into_iter().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::server::connection::Peer;
+    use rustix::process::{Pid, PidfdFlags, getpid, pidfd_open};
+
+    fn own_pidfd() -> OwnedFd {
+        pidfd_open(getpid(), PidfdFlags::empty()).unwrap()
+    }
+
+    struct Sleeper(std::process::Child);
+
+    impl Sleeper {
+        fn start() -> Sleeper {
+            Sleeper(
+                std::process::Command::new("sleep")
+                    .arg("30")
+                    .spawn()
+                    .unwrap(),
+            )
+        }
+
+        fn pid(&self) -> i32 {
+            self.0.id() as i32
+        }
+
+        fn pidfd(&self) -> OwnedFd {
+            pidfd_open(Pid::from_raw(self.pid()).unwrap(), PidfdFlags::empty()).unwrap()
+        }
+    }
+
+    impl Drop for Sleeper {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
+    fn visible_peer() -> Peer {
+        Peer {
+            uid: Some(0),
+            pid: Some(getpid().as_raw_nonzero().get()),
+            pidfd: Some(own_pidfd()),
+            pidfd_from_peer: false,
+            process: None,
+        }
+    }
+
+    #[test]
+    fn row_01_a_visible_peer_may_send_only_its_own_pidfd() {
+        let peer = visible_peer();
+        let own_pid = getpid().as_raw_nonzero().get();
+        let process = check_peer_pidfd(&peer, &own_pidfd(), 0, mio::Token(7)).unwrap();
+        assert_eq!(process.pid, Some(own_pid));
+        assert_ne!(
+            process.key,
+            ProcessKey::Connection(7),
+            "a visible process has a key"
+        );
+        let other = Sleeper::start();
+        let error = check_peer_pidfd(&peer, &other.pidfd(), 0, mio::Token(7)).unwrap_err();
+        assert!(error.contains(&format!("pid {}", other.pid())), "{error}");
+        assert!(error.contains(&format!("pid {own_pid}")), "{error}");
+        let memfd = crate::memfd::create("not-a-pidfd", 16).unwrap();
+        let error = check_peer_pidfd(&peer, &memfd, 2, mio::Token(7)).unwrap_err();
+        assert!(error.contains("pidfd_index 2 is not a pidfd"), "{error}");
+    }
+
+    #[test]
+    fn row_02_an_invisible_peer_is_taken_at_its_word() {
+        let peer = Peer {
+            uid: Some(0),
+            ..Peer::default()
+        };
+        let other = Sleeper::start();
+        let process = check_peer_pidfd(&peer, &other.pidfd(), 0, mio::Token(9)).unwrap();
+        assert_eq!(
+            process.pid, None,
+            "its pid is not shown: it is not the peer's view"
+        );
+        let expected = pidfs_key(&other.pidfd()).unwrap_or(ProcessKey::Connection(9));
+        assert_eq!(process.key, expected);
+        // Still only pidfds.
+        let memfd = crate::memfd::create("not-a-pidfd", 16).unwrap();
+        assert!(check_peer_pidfd(&peer, &memfd, 0, mio::Token(9)).is_err());
+    }
+
+    #[test]
+    fn row_01_one_watch_per_process_however_its_pidfd_came() {
+        let poll = mio::Poll::new().unwrap();
+        let mut watches = Watches::default();
+        let peer = visible_peer();
+        let by_pid = Process {
+            key: pidfs_key(&own_pidfd()).unwrap_or(ProcessKey::Pid(peer.pid.unwrap())),
+            pid: peer.pid,
+        };
+        let from_peer = check_peer_pidfd(&peer, &own_pidfd(), 0, mio::Token(3)).unwrap();
+        assert_eq!(by_pid.key, from_peer.key);
+        let [a, b] = [1, 2].map(|n| InstanceId::new(n).unwrap());
+        let mut next = 100;
+        let mut token = || {
+            next += 1;
+            mio::Token(next)
+        };
+        let registry = poll.registry();
+        watches.watch(
+            registry,
+            by_pid,
+            &own_pidfd(),
+            DeathNotice::PidfdByPid,
+            a,
+            &mut token,
+        );
+        let fd = own_pidfd();
+        watches.watch(
+            registry,
+            from_peer,
+            &fd,
+            DeathNotice::PidfdFromPeer,
+            b,
+            &mut token,
+        );
+        assert_eq!(watches.len(), 1);
+        assert_eq!(watches.notice_of(a), DeathNotice::PidfdByPid);
+        assert_eq!(watches.notice_of(b), DeathNotice::PidfdFromPeer);
+        assert_eq!(watches.pid_of(b), peer.pid);
+        // Another process is another watch; forgetting the last instance drops it.
+        let other = Sleeper::start();
+        let invisible = Process {
+            key: ProcessKey::Connection(55),
+            pid: None,
+        };
+        let c = InstanceId::new(3).unwrap();
+        watches.watch(
+            registry,
+            invisible,
+            &other.pidfd(),
+            DeathNotice::PidfdFromPeer,
+            c,
+            &mut token,
+        );
+        assert_eq!(watches.len(), 2);
+        assert_eq!(watches.pid_of(c), None);
+        watches.forget(registry, c);
+        assert_eq!(watches.len(), 1);
+        assert_eq!(watches.notice_of(c), DeathNotice::TimeoutOnly);
     }
 }

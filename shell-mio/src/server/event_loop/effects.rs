@@ -264,7 +264,7 @@ impl Server {
         let now = self.now();
         for instance in instances {
             if self.liveness.process_exited(now, instance) {
-                tracing::info!(pid, %instance, "process exited; freeing its entries now");
+                tracing::info!(?pid, %instance, "process exited; freeing its entries now");
             }
         }
         self.drain_effects();

@@ -104,6 +104,34 @@ impl Server {
             .blend_instances
             .set(as_i64(self.blend.instances() as u64));
         self.metrics.gpu_memory(&self.gpu.memory_samples());
+        for (notice, count) in self.death_notice_counts() {
+            self.metrics
+                .instances_by_death_notice(notice.label(), as_i64(count as u64));
+        }
+    }
+
+    /// Instances (not entries: an instance is one process) by how their death will be
+    /// noticed.
+    fn death_notice_counts(&self) -> [(peer::DeathNotice, usize); 3] {
+        let instances: HashSet<InstanceId> =
+            self.records.keys().map(|(instance, _)| *instance).collect();
+        let mut counts = peer::DeathNotice::ALL.map(|notice| (notice, 0));
+        for instance in instances {
+            let notice = self.watches.notice_of(instance);
+            for (kind, count) in &mut counts {
+                if *kind == notice {
+                    *count += 1;
+                }
+            }
+        }
+        counts
+    }
+
+    fn instances_by_death_notice(&self) -> serde_json::Value {
+        let counts = self
+            .death_notice_counts()
+            .map(|(notice, count)| (notice.label().to_string(), serde_json::Value::from(count)));
+        serde_json::Value::Object(counts.into_iter().collect())
     }
 
     pub(super) fn status_json(&self) -> serde_json::Value {
@@ -124,6 +152,7 @@ impl Server {
                 "building": entry.building,
                 "owner_uid": record.owner_uid,
                 "watched_pid": self.watches.pid_of(*instance),
+                "death_noticed_by": self.watches.notice_of(*instance).label(),
                 "model_name": record.model_name,
                 "blend_bytes": self.blend.bytes_of(*instance),
             }));
@@ -180,6 +209,7 @@ impl Server {
                 "max_connections": self.config.max_connections,
             },
             "watched_processes": self.watches.len(),
+            "instances_by_death_notice": self.instances_by_death_notice(),
             "instances": instances,
         })
     }

@@ -44,8 +44,18 @@ impl Server {
             op: name,
         };
         match op {
-            Op::Hello { protocol, client } => {
-                tracing::debug!(protocol, client = %client, "hello");
+            Op::Hello {
+                protocol,
+                client,
+                pidfd_index,
+            } => {
+                tracing::debug!(protocol, client = %client, ?pidfd_index, "hello");
+                if let Some(index) = pidfd_index
+                    && let Err(error) = self.adopt_peer_pidfd(token, index, fds)
+                {
+                    return Some(Err(error));
+                }
+                let exit_proof = self.connections.get(&token)?.peer.death_notice();
                 let status = self.liveness.status();
                 Some(Ok(Value::Map(vec![
                     ("protocol".into(), PROTOCOL_VERSION.into()),
@@ -62,6 +72,7 @@ impl Server {
                         "registration_grace_seconds".into(),
                         Value::F64(status.registration_grace.as_secs_f64()),
                     ),
+                    ("exit_proof".into(), exit_proof.label().into()),
                 ])))
             }
             Op::Ping { instance } => {
@@ -268,20 +279,68 @@ impl Server {
         }
     }
 
+    /// Takes the pidfd the peer sent of itself with `hello` (fd `index` of the frame)
+    /// as this connection's proof of death, once it checks out.
+    pub(super) fn adopt_peer_pidfd(
+        &mut self,
+        token: Token,
+        index: u64,
+        mut fds: Vec<rustix::fd::OwnedFd>,
+    ) -> Result<(), ProtocolError> {
+        let bad_args = |message: String| ProtocolError::new(ErrorCode::BadArgs, message);
+        let Some(connection) = self.connections.get_mut(&token) else {
+            return Ok(());
+        };
+        if !matches!(connection.stream, Stream::Unix(_)) {
+            return Err(bad_args(format!(
+                "`hello`: pidfd_index {index}, but a pidfd travels only over the Unix socket \
+                 (SCM_RIGHTS) and this connection is TCP; leave pidfd_index out over TCP"
+            )));
+        }
+        if connection.peer.pidfd_from_peer {
+            return Err(bad_args(format!(
+                "`hello`: pidfd_index {index}, but this connection already sent its pidfd; \
+                 send it once per connection"
+            )));
+        }
+        let carried = fds.len();
+        let Some(position) = usize::try_from(index).ok().filter(|&i| i < carried) else {
+            return Err(bad_args(format!(
+                "`hello`: pidfd_index {index} names an fd this frame did not carry (it \
+                 carried {carried}); send the pidfd as SCM_RIGHTS with the frame's first byte"
+            )));
+        };
+        let pidfd = fds.swap_remove(position);
+        let process =
+            peer::check_peer_pidfd(&connection.peer, &pidfd, index, token).map_err(bad_args)?;
+        tracing::debug!(token = token.0, pid = ?process.pid, key = ?process.key, "peer sent its pidfd");
+        connection.peer.pidfd = Some(pidfd);
+        connection.peer.pidfd_from_peer = true;
+        connection.peer.process = Some(process);
+        Ok(())
+    }
+
     pub(super) fn watch_peer(&mut self, token: Token, instance: InstanceId) {
         let Some(connection) = self.connections.get(&token) else {
             return;
         };
-        let (Some(pid), Some(pidfd)) = (connection.peer.pid, &connection.peer.pidfd) else {
+        let (Some(process), Some(pidfd)) = (connection.peer.process, &connection.peer.pidfd) else {
             return;
         };
+        let notice = connection.peer.death_notice();
         let next_token = &mut self.next_token;
-        self.watches
-            .watch(self.poll.registry(), pid, pidfd, instance, || {
+        self.watches.watch(
+            self.poll.registry(),
+            process,
+            pidfd,
+            notice,
+            instance,
+            || {
                 let token = Token(*next_token);
                 *next_token += 1;
                 token
-            });
+            },
+        );
     }
 
     pub(super) fn start_job(&mut self, token: Token) {
