@@ -129,12 +129,16 @@ pub fn check_peer_pidfd(
         Ok(Some(pid)) => pid,
         Ok(None) => {
             return Err(format!(
-                "`hello`: the fd at pidfd_index {index} is not a pidfd (its                  /proc/self/fdinfo has no `Pid:` line); send a pidfd of the worker itself,                  from pidfd_open(getpid(), 0) (Linux 5.3+), or leave pidfd_index out"
+                "`hello`: the fd at pidfd_index {index} is not a pidfd (its \
+                 /proc/self/fdinfo has no `Pid:` line); send a pidfd of the worker itself, \
+                 from pidfd_open(getpid(), 0) (Linux 5.3+), or leave pidfd_index out"
             ));
         }
         Err(error) => {
             return Err(format!(
-                "`hello`: cannot check the pidfd at pidfd_index {index}: reading                  /proc/self/fdinfo failed ({error}); the server needs /proc mounted to accept                  pidfds; leave pidfd_index out meanwhile"
+                "`hello`: cannot check the pidfd at pidfd_index {index}: reading \
+                 /proc/self/fdinfo failed ({error}); the server needs /proc mounted to accept \
+                 pidfds; leave pidfd_index out meanwhile"
             ));
         }
     };
@@ -157,7 +161,9 @@ pub fn check_peer_pidfd(
                 format!("pid {named}")
             };
             return Err(format!(
-                "`hello`: the pidfd at pidfd_index {index} names {which}, but this                  connection's peer is pid {peer_pid} (SO_PEERCRED); a worker may send only                  a pidfd of itself: pidfd_open(getpid(), 0) in the process that connected"
+                "`hello`: the pidfd at pidfd_index {index} names {which}, but this \
+                 connection's peer is pid {peer_pid} (SO_PEERCRED); a worker may send only \
+                 a pidfd of itself: pidfd_open(getpid(), 0) in the process that connected"
             ));
         }
     }
