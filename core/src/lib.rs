@@ -46,7 +46,6 @@
 //!         match effect {
 //!             Effect::FreeContext { context, .. } => release(context),
 //!             Effect::DropBlendState { .. } | Effect::StallDetected { .. } => {}
-//!             _ => {}
 //!         }
 //!     }
 //! }
@@ -61,6 +60,7 @@ mod effect;
 mod expiry;
 mod heartbeat;
 mod id;
+mod module;
 mod registry;
 mod stall;
 mod time;
@@ -71,5 +71,6 @@ pub use heartbeat::{
     Heartbeat, HeartbeatAction, HeartbeatConfig, PingReply, reap_timeout_floor_warning,
 };
 pub use id::{InstanceId, InvalidInstanceId};
-pub use registry::{BuildTicket, EntryView, Liveness, Module, Registration, Status, TransferError};
+pub use module::Module;
+pub use registry::{BuildTicket, EntryView, Liveness, Registration, Status, TransferError};
 pub use time::Instant;

@@ -11,41 +11,11 @@ use crate::config::{Config, ConfigError, REAP_TIMEOUT_FLOOR};
 use crate::effect::{Effect, FreeCause};
 use crate::expiry::{DueItem, ExpiryQueue, Serial};
 use crate::id::InstanceId;
+use crate::module::Module;
 use crate::stall::StallClock;
 use crate::time::{Instant, nanos_saturating};
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
-
-/// Where a worker's per-instance state lives on the server.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Module {
-    /// The server copies KV data in and out of memory the worker registered
-    /// (CUDA IPC mappings, or memfd mappings on hosts without a GPU).
-    ServerDriven,
-    /// The worker copies KV data in and out of slots of a server-owned pool;
-    /// the server keeps a transfer strategy (pending reservations, pins) per instance.
-    EngineDriven,
-}
-
-impl Module {
-    /// Every module, in a fixed order.
-    pub const ALL: [Module; 2] = [Module::ServerDriven, Module::EngineDriven];
-
-    pub(crate) const fn index(self) -> usize {
-        match self {
-            Module::ServerDriven => 0,
-            Module::EngineDriven => 1,
-        }
-    }
-
-    /// A short stable label for logs and metrics: `server_driven`, `engine_driven`.
-    pub fn label(self) -> &'static str {
-        match self {
-            Module::ServerDriven => "server_driven",
-            Module::EngineDriven => "engine_driven",
-        }
-    }
-}
 
 /// The outcome of REGISTER, phase one.
 #[derive(Debug, PartialEq, Eq)]
