@@ -9,6 +9,8 @@
 //! - [`Liveness`]: the server's registry: two-phase registration, pings, transfers,
 //!   process-exit proofs, expiry without scans, and the self-stall guard.
 //! - [`Heartbeat`]: the worker's side: when to ping and when to recover.
+//! - [`protocol`]: the wire protocol's pure half (framing, typed requests and replies,
+//!   error codes), shared by the server, the client, the simulator and the fuzz targets.
 //!
 //! # The run loop
 //!
@@ -61,6 +63,7 @@ mod expiry;
 mod heartbeat;
 mod id;
 mod module;
+pub mod protocol;
 mod registry;
 mod stall;
 mod time;

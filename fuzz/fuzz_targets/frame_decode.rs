@@ -15,7 +15,7 @@
 //! compares equal to itself).
 #![no_main]
 
-use kvwarden::protocol::{
+use kvwarden_core::protocol::{
     BufferSpec, ErrorCode, LENGTH_PREFIX_BYTES, Op, Request, decode_reply, decode_request,
     encode_reply, encode_request, split_frame,
 };
@@ -110,8 +110,8 @@ fuzz_target!(|data: &[u8]| {
             Err(error) => {
                 let n = u32::from_be_bytes(*rest.first_chunk::<4>().expect("a header was read"));
                 let code = match error {
-                    kvwarden::protocol::FrameError::Empty => ErrorCode::BadFrame,
-                    kvwarden::protocol::FrameError::TooLarge { .. } => ErrorCode::TooLarge,
+                    kvwarden_core::protocol::FrameError::Empty => ErrorCode::BadFrame,
+                    kvwarden_core::protocol::FrameError::TooLarge { .. } => ErrorCode::TooLarge,
                 };
                 assert_eq!(code == ErrorCode::BadFrame, n == 0, "{error}");
                 assert_eq!(

@@ -9,5 +9,5 @@ pub mod cli;
 pub mod client;
 pub mod cuda;
 pub mod memfd;
-pub mod protocol;
+pub use kvwarden_core::protocol;
 pub mod server;

@@ -8,7 +8,7 @@
 //! or `KVWARDEN_BIN=/path/to/kvwarden`.
 
 use kvwarden::bench::process::Lines;
-use kvwarden::protocol::{Reply, decode_reply, encode_request};
+use kvwarden_core::protocol::{Reply, decode_reply, encode_request};
 use rmpv::Value;
 use rustix::fd::{AsFd, BorrowedFd};
 use serde_json::Value as Json;

@@ -7,7 +7,7 @@
 
 use super::error::{DecodeError, ErrorCode, ProtocolError};
 use super::{MAX_DEPTH, PROTOCOL_VERSION};
-use kvwarden_core::InstanceId;
+use crate::InstanceId;
 use rmpv::Value;
 
 /// A decoded request.
