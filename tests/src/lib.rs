@@ -526,11 +526,7 @@ impl RawClient {
 
 /// A memfd buffer spec for `register_kv_cache`.
 pub fn memfd_spec(fd_index: u64, nbytes: u64) -> Value {
-    Value::Map(vec![
-        ("kind".into(), "memfd".into()),
-        ("fd_index".into(), fd_index.into()),
-        ("nbytes".into(), nbytes.into()),
-    ])
+    kvwarden_core::protocol::BufferSpec::Memfd { fd_index, nbytes }.to_value()
 }
 
 /// A TCP proxy between workers and the server's TCP listener that a test can cut

@@ -6,6 +6,7 @@
 //! not know is `unknown_op`.
 
 use super::error::{DecodeError, ErrorCode, ProtocolError};
+use super::reply::encode_request;
 use super::{MAX_DEPTH, PROTOCOL_VERSION};
 use crate::InstanceId;
 use rmpv::Value;
@@ -178,6 +179,111 @@ impl Op {
             | Op::PrepareRetrieve { instance, .. }
             | Op::CommitRetrieve { instance, .. }
             | Op::RegisterBlend { instance, .. } => Some(*instance),
+        }
+    }
+}
+
+impl Request {
+    /// The framed request, as a worker sends it: the one typed request encoder, shared
+    /// by the client, the benches, the simulator and the fuzz targets.
+    ///
+    /// Decoding the frame's body gives this request back (`decode_request`).
+    pub fn encode(&self) -> Vec<u8> {
+        encode_request(self.id, self.op.name(), self.op.args())
+    }
+}
+
+impl BufferSpec {
+    /// The buffer map of `register_kv_cache`.
+    pub fn to_value(&self) -> Value {
+        match self {
+            BufferSpec::Memfd { fd_index, nbytes } => Value::Map(vec![
+                ("kind".into(), "memfd".into()),
+                ("fd_index".into(), Value::from(*fd_index)),
+                ("nbytes".into(), Value::from(*nbytes)),
+            ]),
+            BufferSpec::CudaIpc {
+                device,
+                handle,
+                offset,
+                nbytes,
+            } => Value::Map(vec![
+                ("kind".into(), "cuda_ipc".into()),
+                ("device".into(), Value::from(*device)),
+                ("handle".into(), Value::Binary(handle.clone())),
+                ("offset".into(), Value::from(*offset)),
+                ("nbytes".into(), Value::from(*nbytes)),
+            ]),
+        }
+    }
+}
+
+impl Op {
+    /// The op's arguments as they travel (`args` of `[request_id, op, args]`), in the
+    /// order of the op table in `docs/protocol.md`.
+    pub fn args(&self) -> Vec<Value> {
+        let uint = Value::from;
+        let id = |instance: &InstanceId| Value::from(instance.get());
+        let bin = |bytes: &[u8]| Value::Binary(bytes.to_vec());
+        match self {
+            Op::Hello { protocol, client } => vec![uint(*protocol), client.as_str().into()],
+            Op::Ping { instance } => vec![instance.as_ref().map_or(Value::Nil, id)],
+            Op::RegisterKvCache {
+                instance,
+                buffers,
+                model_name,
+                world_size,
+            } => vec![
+                id(instance),
+                Value::Array(buffers.iter().map(BufferSpec::to_value).collect()),
+                model_name.as_str().into(),
+                uint(*world_size),
+            ],
+            Op::UnregisterKvCache { instance } | Op::UnregisterEngineDriven { instance } => {
+                vec![id(instance)]
+            }
+            Op::Store {
+                instance,
+                key,
+                buffer,
+                offset,
+                nbytes,
+            } => vec![
+                id(instance),
+                bin(key),
+                uint(*buffer),
+                uint(*offset),
+                uint(*nbytes),
+            ],
+            Op::Retrieve {
+                instance,
+                key,
+                buffer,
+                offset,
+            } => vec![id(instance), bin(key), uint(*buffer), uint(*offset)],
+            Op::Lookup { keys } => vec![Value::Array(keys.iter().map(|k| bin(k)).collect())],
+            Op::RegisterEngineDriven {
+                instance,
+                model_name,
+                world_size,
+            } => vec![id(instance), model_name.as_str().into(), uint(*world_size)],
+            Op::PrepareStore { instance, key }
+            | Op::PrepareRetrieve { instance, key }
+            | Op::CommitRetrieve { instance, key } => vec![id(instance), bin(key)],
+            Op::CommitStore {
+                instance,
+                key,
+                nbytes,
+            } => vec![id(instance), bin(key), uint(*nbytes)],
+            Op::RegisterBlend { instance, rope } => vec![
+                id(instance),
+                Value::Map(vec![
+                    ("rotary_dim".into(), uint(rope.rotary_dim)),
+                    ("max_positions".into(), uint(rope.max_positions)),
+                    ("base".into(), Value::F64(rope.base)),
+                ]),
+            ],
+            Op::Status => vec![],
         }
     }
 }
@@ -752,5 +858,97 @@ mod tests {
                 nbytes: 4096
             }]
         );
+    }
+
+    #[test]
+    fn every_op_encodes_to_a_frame_that_decodes_back_to_it() {
+        let instance = InstanceId::new(42).unwrap();
+        let key = vec![1, 2, 3];
+        let ops = [
+            Op::Hello {
+                protocol: PROTOCOL_VERSION,
+                client: "w".into(),
+            },
+            Op::Ping { instance: None },
+            Op::Ping {
+                instance: Some(instance),
+            },
+            Op::RegisterKvCache {
+                instance,
+                buffers: vec![
+                    BufferSpec::Memfd {
+                        fd_index: 0,
+                        nbytes: 4096,
+                    },
+                    BufferSpec::CudaIpc {
+                        device: 1,
+                        handle: vec![7; 64],
+                        offset: 8,
+                        nbytes: 16,
+                    },
+                ],
+                model_name: "m".into(),
+                world_size: 2,
+            },
+            Op::UnregisterKvCache { instance },
+            Op::Store {
+                instance,
+                key: key.clone(),
+                buffer: 0,
+                offset: 1,
+                nbytes: 2,
+            },
+            Op::Retrieve {
+                instance,
+                key: key.clone(),
+                buffer: 0,
+                offset: 1,
+            },
+            Op::Lookup {
+                keys: vec![key.clone(), vec![]],
+            },
+            Op::RegisterEngineDriven {
+                instance,
+                model_name: "m".into(),
+                world_size: 1,
+            },
+            Op::UnregisterEngineDriven { instance },
+            Op::PrepareStore {
+                instance,
+                key: key.clone(),
+            },
+            Op::CommitStore {
+                instance,
+                key: key.clone(),
+                nbytes: 9,
+            },
+            Op::PrepareRetrieve {
+                instance,
+                key: key.clone(),
+            },
+            Op::CommitRetrieve {
+                instance,
+                key: key.clone(),
+            },
+            Op::RegisterBlend {
+                instance,
+                rope: RopeSpec {
+                    rotary_dim: 64,
+                    max_positions: 128,
+                    base: 10000.0,
+                },
+            },
+            Op::Status,
+        ];
+        assert_eq!(ops.len(), OP_NAMES.len() + 1, "one op per name, ping twice");
+        for (id, op) in ops.into_iter().enumerate() {
+            let request = Request { id: id as u64, op };
+            let frame = request.encode();
+            let (body, consumed) = crate::protocol::split_frame(&frame, 1 << 20)
+                .unwrap()
+                .unwrap();
+            assert_eq!(consumed, frame.len());
+            assert_eq!(decode_request(body).unwrap(), request);
+        }
     }
 }

@@ -280,11 +280,7 @@ pub fn outcome(value: &Value) -> Result<String, BenchError> {
 
 /// A memfd buffer spec for `register_kv_cache`.
 pub fn memfd_spec(fd_index: u64, nbytes: u64) -> Value {
-    Value::Map(vec![
-        ("kind".into(), "memfd".into()),
-        ("fd_index".into(), fd_index.into()),
-        ("nbytes".into(), nbytes.into()),
-    ])
+    crate::protocol::BufferSpec::Memfd { fd_index, nbytes }.to_value()
 }
 
 /// Distinct instance ids for a benchmark run: random high bits, so that two runs

@@ -17,7 +17,7 @@ mod wire;
 pub use wire::Endpoint;
 
 use crate::memfd::{self, SharedMapping};
-use crate::protocol::{ErrorCode, ProtocolError};
+use crate::protocol::{BufferSpec, ErrorCode, Op, ProtocolError};
 use kvwarden_core::{
     Heartbeat, HeartbeatAction, HeartbeatConfig, InstanceId, Instant, PingReply,
     reap_timeout_floor_warning,
@@ -229,7 +229,10 @@ impl Shared {
     }
 
     fn ping(&self) -> PingReply {
-        let args = vec![self.instance.get().into()];
+        let args = Op::Ping {
+            instance: Some(self.instance),
+        }
+        .args();
         match self.call("ping", args, &[], self.config.heartbeat_interval) {
             Ok(Value::Boolean(true)) => PingReply::Known,
             Ok(Value::Boolean(false)) => {
@@ -254,38 +257,37 @@ impl Shared {
 
     fn register(&self, registration: &Registration) -> Result<String, ClientError> {
         let mut fds: Vec<BorrowedFd<'_>> = Vec::new();
-        let buffers: Vec<Value> = registration
+        let buffers: Vec<BufferSpec> = registration
             .buffers
             .iter()
             .map(|buffer| match buffer {
                 ClientBuffer::Memfd(memfd) => {
                     fds.push(memfd.fd());
-                    Value::Map(vec![
-                        ("kind".into(), "memfd".into()),
-                        ("fd_index".into(), (fds.len() as u64 - 1).into()),
-                        ("nbytes".into(), (memfd.len() as u64).into()),
-                    ])
+                    BufferSpec::Memfd {
+                        fd_index: fds.len() as u64 - 1,
+                        nbytes: memfd.len() as u64,
+                    }
                 }
                 ClientBuffer::CudaIpc {
                     device,
                     handle,
                     offset,
                     nbytes,
-                } => Value::Map(vec![
-                    ("kind".into(), "cuda_ipc".into()),
-                    ("device".into(), u64::from(*device).into()),
-                    ("handle".into(), Value::Binary(handle.to_vec())),
-                    ("offset".into(), (*offset).into()),
-                    ("nbytes".into(), (*nbytes).into()),
-                ]),
+                } => BufferSpec::CudaIpc {
+                    device: u64::from(*device),
+                    handle: handle.to_vec(),
+                    offset: *offset,
+                    nbytes: *nbytes,
+                },
             })
             .collect();
-        let args = vec![
-            self.instance.get().into(),
-            Value::Array(buffers),
-            registration.model_name.as_str().into(),
-            registration.world_size.into(),
-        ];
+        let op = Op::RegisterKvCache {
+            instance: self.instance,
+            buffers,
+            model_name: registration.model_name.clone(),
+            world_size: registration.world_size,
+        };
+        let args = op.args();
         let value = self.call("register_kv_cache", args, &fds, self.config.request_timeout)?;
         let outcome = match &value {
             Value::Map(map) => map
@@ -513,13 +515,14 @@ impl Client {
         offset: u64,
         nbytes: u64,
     ) -> Result<bool, ClientError> {
-        let args = vec![
-            self.shared.instance.get().into(),
-            Value::Binary(key.to_vec()),
-            buffer.into(),
-            offset.into(),
-            nbytes.into(),
-        ];
+        let args = Op::Store {
+            instance: self.shared.instance,
+            key: key.to_vec(),
+            buffer,
+            offset,
+            nbytes,
+        }
+        .args();
         match self.transfer("store", args)? {
             Value::Boolean(stored) => Ok(stored),
             other => Err(unexpected("store", &other)),
@@ -534,12 +537,13 @@ impl Client {
         buffer: u64,
         offset: u64,
     ) -> Result<Option<u64>, ClientError> {
-        let args = vec![
-            self.shared.instance.get().into(),
-            Value::Binary(key.to_vec()),
-            buffer.into(),
-            offset.into(),
-        ];
+        let args = Op::Retrieve {
+            instance: self.shared.instance,
+            key: key.to_vec(),
+            buffer,
+            offset,
+        }
+        .args();
         match self.transfer("retrieve", args)? {
             Value::Nil => Ok(None),
             other => other
@@ -551,13 +555,13 @@ impl Client {
 
     /// How many leading keys L1 holds.
     pub fn lookup(&self, keys: &[Vec<u8>]) -> Result<u64, ClientError> {
-        let keys = keys.iter().map(|k| Value::Binary(k.clone())).collect();
-        let value = self.shared.call(
-            "lookup",
-            vec![Value::Array(keys)],
-            &[],
-            self.shared.config.request_timeout,
-        )?;
+        let args = Op::Lookup {
+            keys: keys.to_vec(),
+        }
+        .args();
+        let value = self
+            .shared
+            .call("lookup", args, &[], self.shared.config.request_timeout)?;
         value.as_u64().ok_or_else(|| unexpected("lookup", &value))
     }
 

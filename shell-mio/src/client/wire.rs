@@ -1,7 +1,7 @@
 //! The client's blocking connection: frames out (with fds as `SCM_RIGHTS`), replies in.
 
 use super::ClientError;
-use crate::protocol::{LENGTH_PREFIX_BYTES, PROTOCOL_VERSION, decode_reply, encode_request};
+use crate::protocol::{LENGTH_PREFIX_BYTES, Op, PROTOCOL_VERSION, decode_reply, encode_request};
 use rmpv::Value;
 use rustix::fd::BorrowedFd;
 use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
@@ -68,7 +68,11 @@ impl Wire {
             socket,
             endpoint: name.clone(),
         };
-        let args = vec![PROTOCOL_VERSION.into(), client_name.into()];
+        let args = Op::Hello {
+            protocol: PROTOCOL_VERSION,
+            client: client_name.to_owned(),
+        }
+        .args();
         wire.call(0, "hello", args, &[], timeout)?;
         Ok(wire)
     }
