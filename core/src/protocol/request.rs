@@ -5,9 +5,9 @@
 //! `bad_args`, naming the op, what it expects and what arrived; an op this server does
 //! not know is `unknown_op`.
 
-use super::error::{DecodeError, ErrorCode, ProtocolError};
+use super::error::DecodeError;
 use super::reply::encode_request;
-use super::{MAX_DEPTH, PROTOCOL_VERSION};
+use super::{diagnose, wire_args};
 use crate::InstanceId;
 use rmpv::Value;
 
@@ -290,417 +290,17 @@ impl Op {
 
 /// Decodes one frame body into a request. Never panics; see the module docs for the
 /// error codes.
+///
+/// A valid body goes through the typed serde decoder alone; only a refused one is
+/// decoded again, into a value tree, to say what is wrong with it.
 pub fn decode_request(body: &[u8]) -> Result<Request, DecodeError> {
-    let bad_frame = |message: String| DecodeError {
-        request_id: None,
-        error: ProtocolError::new(ErrorCode::BadFrame, message),
-    };
-    let mut reader = body;
-    let value = rmpv::decode::read_value_with_max_depth(&mut reader, MAX_DEPTH).map_err(|e| {
-        bad_frame(format!(
-            "the frame body ({} bytes) is not a MessagePack value: {e}; expected \
-             [request_id: uint, op: str, args: array]",
-            body.len()
-        ))
-    })?;
-    if !reader.is_empty() {
-        return Err(bad_frame(format!(
-            "{} trailing bytes after the request in the frame; a frame carries exactly one \
-             MessagePack request [request_id, op, args]",
-            reader.len()
-        )));
-    }
-    let Value::Array(mut parts) = value else {
-        return Err(bad_frame(format!(
-            "a request is a MessagePack array [request_id: uint, op: str, args: array], got {}",
-            describe(&value)
-        )));
-    };
-    if parts.len() != 3 {
-        return Err(bad_frame(format!(
-            "a request is [request_id: uint, op: str, args: array], got an array of {} items",
-            parts.len()
-        )));
-    }
-    let args = parts.pop().unwrap_or(Value::Nil);
-    let op = parts.pop().unwrap_or(Value::Nil);
-    let id_value = parts.pop().unwrap_or(Value::Nil);
-    let Some(id) = id_value.as_u64() else {
-        return Err(bad_frame(format!(
-            "request_id must be an unsigned integer, got {}",
-            describe(&id_value)
-        )));
-    };
-    let fail = |code: ErrorCode, message: String| DecodeError {
-        request_id: Some(id),
-        error: ProtocolError::new(code, message),
-    };
-    let Some(op_name) = op.as_str() else {
-        return Err(fail(
-            ErrorCode::BadArgs,
-            format!("op must be a string, got {}", describe(&op)),
-        ));
-    };
-    let Value::Array(items) = args else {
-        return Err(fail(
-            ErrorCode::BadArgs,
-            format!(
-                "args of `{}` must be an array, got {}",
-                truncate(op_name),
-                describe(&args)
-            ),
-        ));
-    };
-    let op = decode_op(op_name, &items).map_err(|error| DecodeError {
-        request_id: Some(id),
-        error,
-    })?;
-    Ok(Request { id, op })
-}
-
-fn decode_op(op: &str, items: &[Value]) -> Result<Op, ProtocolError> {
-    let args = |expects: &'static str, name: &'static str| Args {
-        op: name,
-        expects,
-        items,
-    };
-    Ok(match op {
-        "hello" => {
-            let a = args("[protocol: uint, client: str]", "hello");
-            a.count(2)?;
-            Op::Hello {
-                protocol: a.uint(0, "protocol")?,
-                client: a.string(1, "client")?,
-            }
-        }
-        "ping" => {
-            let a = args("[instance_id: uint | nil]", "ping");
-            a.count(1)?;
-            let instance = match &items[0] {
-                Value::Nil => None,
-                _ => Some(a.instance(0)?),
-            };
-            Op::Ping { instance }
-        }
-        "register_kv_cache" => {
-            let a = args(
-                "[instance_id: uint, buffers: [buffer], model_name: str, world_size: uint]",
-                "register_kv_cache",
-            );
-            a.count(4)?;
-            Op::RegisterKvCache {
-                instance: a.instance(0)?,
-                buffers: a.buffers(1)?,
-                model_name: a.string(2, "model_name")?,
-                world_size: a.uint(3, "world_size")?,
-            }
-        }
-        "unregister_kv_cache" => {
-            let a = args("[instance_id: uint]", "unregister_kv_cache");
-            a.count(1)?;
-            Op::UnregisterKvCache {
-                instance: a.instance(0)?,
-            }
-        }
-        "store" => {
-            let a = args(
-                "[instance_id: uint, key: bin, buffer: uint, offset: uint, nbytes: uint]",
-                "store",
-            );
-            a.count(5)?;
-            Op::Store {
-                instance: a.instance(0)?,
-                key: a.bin(1, "key")?,
-                buffer: a.uint(2, "buffer")?,
-                offset: a.uint(3, "offset")?,
-                nbytes: a.uint(4, "nbytes")?,
-            }
-        }
-        "retrieve" => {
-            let a = args(
-                "[instance_id: uint, key: bin, buffer: uint, offset: uint]",
-                "retrieve",
-            );
-            a.count(4)?;
-            Op::Retrieve {
-                instance: a.instance(0)?,
-                key: a.bin(1, "key")?,
-                buffer: a.uint(2, "buffer")?,
-                offset: a.uint(3, "offset")?,
-            }
-        }
-        "lookup" => {
-            let a = args("[keys: [bin]]", "lookup");
-            a.count(1)?;
-            let Value::Array(keys) = &items[0] else {
-                return Err(a.wrong(0, "keys", "an array of bin"));
-            };
-            let mut out = Vec::with_capacity(keys.len());
-            for key in keys {
-                match key_bytes(key) {
-                    Some(bytes) => out.push(bytes),
-                    None => return Err(a.wrong(0, "keys", "an array of bin")),
-                }
-            }
-            Op::Lookup { keys: out }
-        }
-        "register_engine_driven" => {
-            let a = args(
-                "[instance_id: uint, model_name: str, world_size: uint]",
-                "register_engine_driven",
-            );
-            a.count(3)?;
-            Op::RegisterEngineDriven {
-                instance: a.instance(0)?,
-                model_name: a.string(1, "model_name")?,
-                world_size: a.uint(2, "world_size")?,
-            }
-        }
-        "unregister_engine_driven" => {
-            let a = args("[instance_id: uint]", "unregister_engine_driven");
-            a.count(1)?;
-            Op::UnregisterEngineDriven {
-                instance: a.instance(0)?,
-            }
-        }
-        "prepare_store" | "prepare_retrieve" | "commit_retrieve" => {
-            let name = match op {
-                "prepare_store" => "prepare_store",
-                "prepare_retrieve" => "prepare_retrieve",
-                _ => "commit_retrieve",
-            };
-            let a = args("[instance_id: uint, key: bin]", name);
-            a.count(2)?;
-            let instance = a.instance(0)?;
-            let key = a.bin(1, "key")?;
-            match name {
-                "prepare_store" => Op::PrepareStore { instance, key },
-                "prepare_retrieve" => Op::PrepareRetrieve { instance, key },
-                _ => Op::CommitRetrieve { instance, key },
-            }
-        }
-        "commit_store" => {
-            let a = args(
-                "[instance_id: uint, key: bin, nbytes: uint]",
-                "commit_store",
-            );
-            a.count(3)?;
-            Op::CommitStore {
-                instance: a.instance(0)?,
-                key: a.bin(1, "key")?,
-                nbytes: a.uint(2, "nbytes")?,
-            }
-        }
-        "register_blend" => {
-            let a = args(
-                "[instance_id: uint, rope: {rotary_dim: uint, max_positions: uint, base: float}]",
-                "register_blend",
-            );
-            a.count(2)?;
-            let instance = a.instance(0)?;
-            let map = a.map(1, "rope")?;
-            let rope = RopeSpec {
-                rotary_dim: field_uint(&a, map, "rotary_dim")?,
-                max_positions: field_uint(&a, map, "max_positions")?,
-                base: match field(map, "base").and_then(Value::as_f64) {
-                    Some(base) => base,
-                    None => return Err(a.wrong(1, "rope.base", "a float")),
-                },
-            };
-            Op::RegisterBlend { instance, rope }
-        }
-        "status" => {
-            let a = args("[]", "status");
-            a.count(0)?;
-            Op::Status
-        }
-        other => {
-            return Err(ProtocolError::new(
-                ErrorCode::UnknownOp,
-                format!(
-                    "unknown op `{}`; this server (protocol {PROTOCOL_VERSION}) knows: {}; \
-                     a newer client may need a newer server",
-                    truncate(other),
-                    OP_NAMES.join(", ")
-                ),
-            ));
-        }
-    })
-}
-
-/// The arguments of one op, with the words to complain about them.
-struct Args<'a> {
-    op: &'static str,
-    expects: &'static str,
-    items: &'a [Value],
-}
-
-impl Args<'_> {
-    fn mismatch(&self, detail: String) -> ProtocolError {
-        ProtocolError::new(
-            ErrorCode::BadArgs,
-            format!(
-                "bad arguments for `{}`: expects {}, got {}: {detail}; this usually means \
-                 the client and the server speak different versions of the protocol \
-                 (server: protocol {PROTOCOL_VERSION}); upgrade the older side",
-                self.op,
-                self.expects,
-                describe_args(self.items),
-            ),
-        )
-    }
-
-    fn count(&self, n: usize) -> Result<(), ProtocolError> {
-        if self.items.len() == n {
-            return Ok(());
-        }
-        Err(self.mismatch(format!("{} arguments instead of {n}", self.items.len())))
-    }
-
-    fn wrong(&self, index: usize, name: &str, wanted: &str) -> ProtocolError {
-        let got = self
-            .items
-            .get(index)
-            .map_or("nothing".to_string(), describe);
-        self.mismatch(format!("`{name}` must be {wanted}, got {got}"))
-    }
-
-    fn uint(&self, index: usize, name: &str) -> Result<u64, ProtocolError> {
-        self.items
-            .get(index)
-            .and_then(Value::as_u64)
-            .ok_or_else(|| self.wrong(index, name, "an unsigned integer"))
-    }
-
-    fn instance(&self, index: usize) -> Result<InstanceId, ProtocolError> {
-        let raw = self.uint(index, "instance_id")?;
-        InstanceId::new(raw).map_err(|e| self.mismatch(e.to_string()))
-    }
-
-    fn string(&self, index: usize, name: &str) -> Result<String, ProtocolError> {
-        self.items
-            .get(index)
-            .and_then(Value::as_str)
-            .map(str::to_owned)
-            .ok_or_else(|| self.wrong(index, name, "a UTF-8 string"))
-    }
-
-    fn bin(&self, index: usize, name: &str) -> Result<Vec<u8>, ProtocolError> {
-        self.items
-            .get(index)
-            .and_then(key_bytes)
-            .ok_or_else(|| self.wrong(index, name, "bin"))
-    }
-
-    fn map(&self, index: usize, name: &str) -> Result<&[(Value, Value)], ProtocolError> {
-        match self.items.get(index) {
-            Some(Value::Map(map)) => Ok(map),
-            _ => Err(self.wrong(index, name, "a map")),
-        }
-    }
-
-    fn buffers(&self, index: usize) -> Result<Vec<BufferSpec>, ProtocolError> {
-        let Some(Value::Array(items)) = self.items.get(index) else {
-            return Err(self.wrong(index, "buffers", "an array of buffer maps"));
-        };
-        let mut buffers = Vec::with_capacity(items.len());
-        for (position, item) in items.iter().enumerate() {
-            let Value::Map(map) = item else {
-                return Err(self.mismatch(format!(
-                    "buffers[{position}] must be a map with a \"kind\", got {}",
-                    describe(item)
-                )));
-            };
-            let uint = |key: &str| {
-                field(map, key).and_then(Value::as_u64).ok_or_else(|| {
-                    self.mismatch(format!(
-                        "buffers[{position}].{key} must be an unsigned integer"
-                    ))
-                })
-            };
-            let kind = field(map, "kind").and_then(Value::as_str);
-            buffers.push(match kind {
-                Some("memfd") => BufferSpec::Memfd {
-                    fd_index: uint("fd_index")?,
-                    nbytes: uint("nbytes")?,
-                },
-                Some("cuda_ipc") => BufferSpec::CudaIpc {
-                    device: uint("device")?,
-                    handle: field(map, "handle").and_then(key_bytes).ok_or_else(|| {
-                        self.mismatch(format!("buffers[{position}].handle must be bin(64)"))
-                    })?,
-                    offset: uint("offset")?,
-                    nbytes: uint("nbytes")?,
-                },
-                other => {
-                    return Err(self.mismatch(format!(
-                        "buffers[{position}].kind must be \"memfd\" or \"cuda_ipc\", got {}",
-                        other.map_or("nothing".to_string(), |k| format!("{:?}", truncate(k)))
-                    )));
-                }
-            });
-        }
-        Ok(buffers)
-    }
-}
-
-fn field<'a>(map: &'a [(Value, Value)], key: &str) -> Option<&'a Value> {
-    map.iter()
-        .find(|(k, _)| k.as_str() == Some(key))
-        .map(|(_, v)| v)
-}
-
-fn field_uint(args: &Args<'_>, map: &[(Value, Value)], key: &str) -> Result<u64, ProtocolError> {
-    field(map, key)
-        .and_then(Value::as_u64)
-        .ok_or_else(|| args.mismatch(format!("rope.{key} must be an unsigned integer")))
-}
-
-/// Keys travel as bin; a str is accepted too (some MessagePack clients cannot tell).
-fn key_bytes(value: &Value) -> Option<Vec<u8>> {
-    match value {
-        Value::Binary(bytes) => Some(bytes.clone()),
-        Value::String(text) => Some(text.as_bytes().to_vec()),
-        _ => None,
-    }
-}
-
-/// Caps names echoed back into messages.
-fn truncate(text: &str) -> &str {
-    match text.char_indices().nth(64) {
-        Some((end, _)) => &text[..end],
-        None => text,
-    }
-}
-
-fn describe_args(items: &[Value]) -> String {
-    let shown: Vec<String> = items.iter().take(8).map(describe).collect();
-    let more = if items.len() > 8 { ", …" } else { "" };
-    format!("[{}{more}] ({} arguments)", shown.join(", "), items.len())
-}
-
-/// A short type description of a value, never its whole content.
-pub(crate) fn describe(value: &Value) -> String {
-    match value {
-        Value::Nil => "nil".into(),
-        Value::Boolean(b) => format!("bool {b}"),
-        Value::Integer(i) => match (i.as_u64(), i.as_i64()) {
-            (Some(u), _) => format!("uint {u}"),
-            (None, Some(n)) => format!("negative int {n}"),
-            _ => "int".into(),
-        },
-        Value::F32(_) | Value::F64(_) => "float".into(),
-        Value::String(s) => format!("str({} bytes)", s.as_bytes().len()),
-        Value::Binary(b) => format!("bin({} bytes)", b.len()),
-        Value::Array(a) => format!("array({} items)", a.len()),
-        Value::Map(m) => format!("map({} entries)", m.len()),
-        Value::Ext(t, _) => format!("ext type {t}"),
-    }
+    wire_args::decode(body).map_err(|refusal| diagnose::diagnose(body, &refusal))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::protocol::{ErrorCode, PROTOCOL_VERSION};
 
     fn body(value: Value) -> Vec<u8> {
         let mut out = Vec::new();
@@ -949,6 +549,101 @@ mod tests {
                 .unwrap();
             assert_eq!(consumed, frame.len());
             assert_eq!(decode_request(body).unwrap(), request);
+        }
+    }
+
+    /// The typed decoder and the diagnosis agree: a body the typed decoder refuses gets
+    /// a precise cause from the diagnosis, never the fallback that quotes serde (except
+    /// for the never-used marker 0xc1, which the value tree reads as nil).
+    #[test]
+    fn every_refused_body_is_diagnosed_precisely() {
+        let mut state: u64 = 0x2545_f491_4f6c_dd1d;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        fn value(next: &mut dyn FnMut() -> u64, depth: u32) -> Value {
+            const WORDS: [&str; 12] = [
+                "memfd",
+                "cuda_ipc",
+                "kind",
+                "fd_index",
+                "nbytes",
+                "device",
+                "handle",
+                "offset",
+                "rotary_dim",
+                "max_positions",
+                "base",
+                "x",
+            ];
+            match next() % if depth > 3 { 9 } else { 12 } {
+                0 => Value::Nil,
+                1 => Value::from(next() % 5),
+                2 => Value::from(-((next() % 5) as i64) - 1),
+                3 => Value::from(next()),
+                4 => Value::F64(1.5),
+                5 => Value::from(WORDS[(next() % 12) as usize]),
+                6 => Value::Binary(vec![1; (next() % 3) as usize]),
+                7 => Value::Boolean(true),
+                8 => Value::F32(2.0),
+                9 | 10 => Value::Array((0..next() % 4).map(|_| value(next, depth + 1)).collect()),
+                _ => Value::Map(
+                    (0..next() % 6)
+                        .map(|_| (value(next, depth + 1), value(next, depth + 1)))
+                        .collect(),
+                ),
+            }
+        }
+        let mut ops: Vec<&str> = OP_NAMES.to_vec();
+        ops.push("fly");
+        for round in 0..100_000u32 {
+            let op = ops[(next() % ops.len() as u64) as usize];
+            let mut args: Vec<Value> = (0..next() % 6).map(|_| value(&mut next, 1)).collect();
+            if round % 3 == 0 && !args.is_empty() {
+                args[0] = Value::from(next() % 3);
+            }
+            if round % 2 == 0 && args.len() > 1 {
+                let keys: &[&str] = if op == "register_blend" {
+                    &["rotary_dim", "max_positions", "base"]
+                } else {
+                    &["kind", "fd_index", "nbytes", "device", "handle", "offset"]
+                };
+                let mut map: Vec<(Value, Value)> = Vec::new();
+                for key in keys {
+                    if next() % 5 != 0 {
+                        let v = match (*key, next() % 6) {
+                            (_, 0) => value(&mut next, 3),
+                            ("kind", _) => ["memfd", "cuda_ipc"][(next() % 2) as usize].into(),
+                            ("handle", _) => Value::Binary(vec![0; 64]),
+                            _ => Value::from(next() % 9),
+                        };
+                        map.push(((*key).into(), v));
+                    }
+                }
+                args[1] = if op == "register_blend" {
+                    Value::Map(map)
+                } else {
+                    Value::Array(vec![Value::Map(map)])
+                };
+            }
+            let mut bytes = body(Value::Array(vec![
+                Value::from(next() % 100),
+                op.into(),
+                Value::Array(args),
+            ]));
+            if next() % 10 == 0 {
+                let at = (next() as usize) % bytes.len();
+                bytes[at] = next() as u8;
+            }
+            if let Err(error) = decode_request(&bytes) {
+                assert!(
+                    !error.error.message.contains("do not decode") || bytes.contains(&0xc1),
+                    "{bytes:02x?}: {error}"
+                );
+            }
         }
     }
 }
