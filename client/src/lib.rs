@@ -11,17 +11,22 @@
 //! The heartbeat and the engine's transfers share one connection. Its lock is fair
 //! (FIFO hand-off): a ping that falls due during a stream of transfers goes out after
 //! the transfer in progress, instead of waiting until the stream ends.
+//!
+//! A worker links this crate and the core (protocol, heartbeat), not the server: no
+//! event loop, no metrics, no HTTP, no CUDA driver. The server (`kvwarden`) re-exports
+//! it as `kvwarden::client`, and its [`memfd`] helpers as `kvwarden::memfd`.
 
+pub mod memfd;
 mod wire;
 
 pub use wire::Endpoint;
 
-use crate::memfd::{self, SharedMapping};
-use crate::protocol::{BufferSpec, ErrorCode, Op, ProtocolError};
+use kvwarden_core::protocol::{BufferSpec, ErrorCode, Op, ProtocolError};
 use kvwarden_core::{
     Heartbeat, HeartbeatAction, HeartbeatConfig, InstanceId, Instant, PingReply,
     reap_timeout_floor_warning,
 };
+use memfd::SharedMapping;
 use parking_lot::FairMutex;
 use rmpv::Value;
 use rustix::fd::{AsFd, BorrowedFd, OwnedFd};

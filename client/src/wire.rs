@@ -1,7 +1,9 @@
 //! The client's blocking connection: frames out (with fds as `SCM_RIGHTS`), replies in.
 
 use super::ClientError;
-use crate::protocol::{LENGTH_PREFIX_BYTES, Op, PROTOCOL_VERSION, decode_reply, encode_request};
+use kvwarden_core::protocol::{
+    LENGTH_PREFIX_BYTES, Op, PROTOCOL_VERSION, decode_reply, encode_request,
+};
 use rmpv::Value;
 use rustix::fd::BorrowedFd;
 use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
