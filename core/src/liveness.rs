@@ -1,11 +1,12 @@
-//! The liveness registry: which worker instances hold state here, how long each has
-//! been silent, and when each is due.
+//! The liveness registry (`kvwarden_core::liveness`; its names are re-exported at the
+//! crate root): which worker instances hold state here, how long each has been silent,
+//! and when each is due.
 //!
 //! Entries are keyed by `(instance, module)`. An entry is *building* from REGISTER until
 //! the shell reports its context, then *ready*. It is *proven* once the instance has
 //! pinged. Its window is the reap timeout when proven, the registration grace when not;
 //! it is due when its silence strictly exceeds the window. Silence is measured on the
-//! stall-corrected clock (see [`crate::stall`]), so a paused server reaps nobody.
+//! stall-corrected clock (see `core/src/stall.rs`), so a paused server reaps nobody.
 
 use crate::config::{Config, ConfigError, REAP_TIMEOUT_FLOOR};
 use crate::effect::{Effect, FreeCause};
