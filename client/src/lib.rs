@@ -17,7 +17,12 @@
 //! it as `kvwarden::client`, and its [`memfd`] helpers as `kvwarden::memfd`.
 
 pub mod memfd;
+mod reply_json;
+mod units;
 mod wire;
+
+pub use reply_json::msgpack_to_json;
+pub use units::parse_bytes;
 
 pub use wire::Endpoint;
 

@@ -5,11 +5,11 @@
 //! [`client`] is what an inference-engine worker links; it lives in its own crate
 //! (`kvwarden-client`), which does not depend on this one.
 
-pub mod bench;
 pub mod cli;
 pub mod cuda;
 pub mod server;
 
+pub use kvwarden_bench as bench;
 pub use kvwarden_client as client;
 pub use kvwarden_client::memfd;
 pub use kvwarden_core::protocol;

@@ -40,9 +40,27 @@ impl TempDir {
     }
 }
 
-/// This executable (`kvwarden`), which the benchmarks spawn as server and workers.
+/// The `kvwarden` executable the benchmarks spawn as server and workers: this one when
+/// it is `kvwarden` (run as `kvwarden bench`), else `$KVWARDEN_BIN` when set, else the
+/// `kvwarden` beside this executable (run as `kvwarden-bench`).
 pub fn kvwarden_exe() -> Result<PathBuf, BenchError> {
-    std::env::current_exe().map_err(BenchError::io("finding this executable (current_exe)"))
+    let this =
+        std::env::current_exe().map_err(BenchError::io("finding this executable (current_exe)"))?;
+    if this.file_name().is_some_and(|name| name == "kvwarden") {
+        return Ok(this);
+    }
+    if let Some(path) = std::env::var_os("KVWARDEN_BIN") {
+        return Ok(PathBuf::from(path));
+    }
+    let beside = this.with_file_name("kvwarden");
+    if beside.exists() {
+        return Ok(beside);
+    }
+    Err(BenchError::Failed(format!(
+        "no `kvwarden` executable beside {}: build it (`cargo build --release -p kvwarden`) \
+         or set KVWARDEN_BIN to its path",
+        this.display()
+    )))
 }
 
 /// A command for this executable that dies with us.
