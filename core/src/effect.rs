@@ -3,12 +3,11 @@
 //! Each effect is an edge, never a level: it is emitted once for the change it reports.
 
 use crate::id::InstanceId;
-use crate::registry::Module;
+use crate::module::Module;
 use std::time::Duration;
 
 /// Something the shell must carry out.
 #[derive(Debug, PartialEq, Eq)]
-#[non_exhaustive]
 pub enum Effect<C> {
     /// Release this context exactly as a clean UNREGISTER would. Edge: once per entry.
     FreeContext {

@@ -12,7 +12,7 @@
 //! `resolution` late.
 
 use crate::id::InstanceId;
-use crate::registry::Module;
+use crate::module::Module;
 use std::collections::BTreeMap;
 
 /// Identifies one lifetime of one entry: unique per `Liveness`, never reused. The low

@@ -6,9 +6,12 @@
 //! out as an [`Effect`]. The production shell (`kvwarden`) and the simulator
 //! (`kvwarden-sim`) drive the same core.
 //!
-//! - [`Liveness`]: the server's registry: two-phase registration, pings, transfers,
-//!   process-exit proofs, expiry without scans, and the self-stall guard.
+//! - [`Liveness`] (module [`liveness`]): the server's registry: two-phase
+//!   registration, pings, transfers, process-exit proofs, expiry without scans, and the
+//!   self-stall guard.
 //! - [`Heartbeat`]: the worker's side: when to ping and when to recover.
+//! - [`protocol`]: the wire protocol's pure half (framing, typed requests and replies,
+//!   error codes), shared by the server, the client, the simulator and the fuzz targets.
 //!
 //! # The run loop
 //!
@@ -46,7 +49,6 @@
 //!         match effect {
 //!             Effect::FreeContext { context, .. } => release(context),
 //!             Effect::DropBlendState { .. } | Effect::StallDetected { .. } => {}
-//!             _ => {}
 //!         }
 //!     }
 //! }
@@ -61,7 +63,9 @@ mod effect;
 mod expiry;
 mod heartbeat;
 mod id;
-mod registry;
+pub mod liveness;
+mod module;
+pub mod protocol;
 mod stall;
 mod time;
 
@@ -71,5 +75,6 @@ pub use heartbeat::{
     Heartbeat, HeartbeatAction, HeartbeatConfig, PingReply, reap_timeout_floor_warning,
 };
 pub use id::{InstanceId, InvalidInstanceId};
-pub use registry::{BuildTicket, EntryView, Liveness, Module, Registration, Status, TransferError};
+pub use liveness::{BuildTicket, EntryView, Liveness, Registration, Status, TransferError};
+pub use module::Module;
 pub use time::Instant;

@@ -184,7 +184,6 @@ fuzz_target!(|input: Input| {
                     }
                 }
                 Effect::StallDetected { gap } => assert!(gap > config.stall_threshold),
-                _ => {}
             }
         }
         evidence.retain(|&(i, m), _| liveness.entry(i, m).is_some());

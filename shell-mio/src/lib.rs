@@ -2,12 +2,14 @@
 //!
 //! The liveness rules live in [`kvwarden_core`]; this crate only translates: bytes ↔
 //! messages ([`protocol`]) ↔ core calls ↔ effects ↔ syscalls ([`server`]). The
-//! [`client`] is what an inference-engine worker links.
+//! [`client`] is what an inference-engine worker links; it lives in its own crate
+//! (`kvwarden-client`), which does not depend on this one.
 
-pub mod bench;
 pub mod cli;
-pub mod client;
 pub mod cuda;
-pub mod memfd;
-pub mod protocol;
 pub mod server;
+
+pub use kvwarden_bench as bench;
+pub use kvwarden_client as client;
+pub use kvwarden_client::memfd;
+pub use kvwarden_core::protocol;

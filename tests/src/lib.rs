@@ -8,7 +8,7 @@
 //! or `KVWARDEN_BIN=/path/to/kvwarden`.
 
 use kvwarden::bench::process::Lines;
-use kvwarden::protocol::{Reply, decode_reply, encode_request};
+use kvwarden_core::protocol::{Reply, decode_reply, encode_request};
 use rmpv::Value;
 use rustix::fd::{AsFd, BorrowedFd};
 use serde_json::Value as Json;
@@ -61,32 +61,25 @@ pub fn wait_for<T>(what: &str, timeout: Duration, mut condition: impl FnMut() ->
     }
 }
 
-/// A private temporary directory, removed on drop.
-pub struct TempDir(PathBuf);
+/// A private temporary directory (from `tempfile`: an unpredictable name, created
+/// exclusively), removed on drop.
+pub struct TempDir(tempfile::TempDir);
 
 impl TempDir {
     /// A fresh directory (mode 0755, so other users can reach a socket in it).
     pub fn new(tag: &str) -> TempDir {
-        static COUNTER: AtomicU64 = AtomicU64::new(0);
-        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-        let path =
-            std::env::temp_dir().join(format!("kvwarden-test-{tag}-{}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&path);
-        std::fs::create_dir_all(&path).expect("creating a temp dir");
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("kvwarden-test-{tag}-"))
+            .tempdir()
+            .expect("creating a temp dir");
         use std::os::unix::fs::PermissionsExt;
-        let _ = std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755));
-        TempDir(path)
+        let _ = std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755));
+        TempDir(dir)
     }
 
     /// Its path.
     pub fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
+        self.0.path()
     }
 }
 
@@ -613,11 +606,7 @@ impl RawClient {
 
 /// A memfd buffer spec for `register_kv_cache`.
 pub fn memfd_spec(fd_index: u64, nbytes: u64) -> Value {
-    Value::Map(vec![
-        ("kind".into(), "memfd".into()),
-        ("fd_index".into(), fd_index.into()),
-        ("nbytes".into(), nbytes.into()),
-    ])
+    kvwarden_core::protocol::BufferSpec::Memfd { fd_index, nbytes }.to_value()
 }
 
 /// A TCP proxy between workers and the server's TCP listener that a test can cut

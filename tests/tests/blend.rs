@@ -5,7 +5,7 @@
 mod engine_support;
 
 use engine_support::{EngineWorker, Helper, rope};
-use kvwarden::protocol::ErrorCode;
+use kvwarden_core::protocol::ErrorCode;
 use kvwarden_tests::{PATIENCE, RawClient, Server, TempDir, find_instance};
 use rmpv::Value;
 use serde_json::Value as Json;
@@ -47,7 +47,7 @@ fn register_blend(
     raw: &mut RawClient,
     instance: u64,
     rope: Value,
-) -> Result<Value, kvwarden::protocol::ProtocolError> {
+) -> Result<Value, kvwarden_core::protocol::ProtocolError> {
     raw.request("register_blend", vec![instance.into(), rope])
         .unwrap()
         .result

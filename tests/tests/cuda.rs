@@ -19,7 +19,7 @@ fn cuda_buffer() -> Value {
     ])
 }
 
-fn register_cuda(server: &Server, instance: u64) -> kvwarden::protocol::Reply {
+fn register_cuda(server: &Server, instance: u64) -> kvwarden_core::protocol::Reply {
     let mut client = RawClient::connect(&server.socket).expect("connect");
     client
         .request(

@@ -7,7 +7,7 @@
 mod engine_support;
 
 use engine_support::{EngineWorker, Helper, l1};
-use kvwarden::protocol::ErrorCode;
+use kvwarden_core::protocol::ErrorCode;
 use kvwarden_tests::{Server, TempDir, find_instance, freed};
 use rmpv::Value;
 
@@ -369,7 +369,7 @@ fn pipelined_registrations_each_carry_their_own_pool_fd() {
             if buffer.len() < end {
                 break;
             }
-            let reply = kvwarden::protocol::decode_reply(&buffer[start + 4..end]).unwrap();
+            let reply = kvwarden_core::protocol::decode_reply(&buffer[start + 4..end]).unwrap();
             reply.result.expect("every request succeeds");
             let fds: usize = fds_at_end
                 .iter()

@@ -10,8 +10,8 @@
 //! times, and waits (bounded) until both are back at the baseline: a case that leaks one
 //! fd or one mapping per run cannot pass.
 
-use kvwarden::protocol::request::OP_NAMES;
-use kvwarden::protocol::{ErrorCode, ProtocolError, encode_frame};
+use kvwarden_core::protocol::request::OP_NAMES;
+use kvwarden_core::protocol::{ErrorCode, ProtocolError, encode_frame};
 use kvwarden_tests::{PATIENCE, RawClient, Server, TempDir, Worker, find_instance, memfd_spec};
 use rmpv::Value;
 use rustix::fd::{AsFd, OwnedFd};
@@ -887,7 +887,7 @@ fn row_24_a_flood_without_reading_replies_disconnects_only_that_peer() {
 #[test]
 fn row_24_half_open_connection_mid_frame_is_closed_without_a_reply() {
     Harness::start("row24-half-open").check(|h| {
-        let frame = kvwarden::protocol::encode_request(1, "ping", vec![Value::Nil]);
+        let frame = kvwarden_core::protocol::encode_request(1, "ping", vec![Value::Nil]);
         let mut client = h.connect();
         client.send_bytes(&frame[..frame.len() - 2]).unwrap();
         client.stream.shutdown(Shutdown::Write).unwrap();

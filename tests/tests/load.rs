@@ -5,7 +5,7 @@
 //! CI runs this at 1,000 connections; `kvwarden bench connections N` measures larger N.
 //! Figures are printed (`r5: ...` lines), never asserted against time.
 
-use kvwarden::protocol::encode_request;
+use kvwarden_core::protocol::encode_request;
 use kvwarden_tests::{PATIENCE, RawClient, Server, TempDir, kvwarden_bin, wait_for};
 use rmpv::Value;
 use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};

@@ -1,6 +1,6 @@
 //! Registration semantics and ownership: rows 13, 14, 15 and 23 of docs/failure-modes.md.
 
-use kvwarden::protocol::ErrorCode;
+use kvwarden_core::protocol::ErrorCode;
 use kvwarden_tests::{
     PATIENCE, RawClient, Server, TempDir, Worker, built, find_instance, memfd_spec, wait_for,
 };

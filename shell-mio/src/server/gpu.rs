@@ -5,6 +5,7 @@
 
 use crate::cuda::{DeviceMemory, Gpu};
 use crate::memfd::SharedMapping;
+use crate::server::status::{GpuMemoryStatus, GpuStatus};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -79,27 +80,27 @@ impl GpuState {
     }
 
     /// The `gpu` section of the status map.
-    pub fn status_json(&self) -> serde_json::Value {
+    pub fn status(&self) -> GpuStatus {
         match &self.gpu {
-            Ok(gpu) => serde_json::json!({
-                "available": true,
-                "devices": gpu.device_count(),
-                "memory": self
+            Ok(gpu) => GpuStatus::Available {
+                available: true,
+                devices: gpu.device_count(),
+                memory: self
                     .memory
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .iter()
-                    .map(|m| serde_json::json!({
-                        "device": m.device,
-                        "free_bytes": m.free_bytes,
-                        "total_bytes": m.total_bytes,
-                    }))
-                    .collect::<Vec<_>>(),
-            }),
-            Err(reason) => serde_json::json!({
-                "available": false,
-                "reason": reason,
-            }),
+                    .map(|m| GpuMemoryStatus {
+                        device: m.device,
+                        free_bytes: m.free_bytes,
+                        total_bytes: m.total_bytes,
+                    })
+                    .collect(),
+            },
+            Err(reason) => GpuStatus::Unavailable {
+                available: false,
+                reason: reason.clone(),
+            },
         }
     }
 }

@@ -1,9 +1,178 @@
-//! The status map: `status` op (MessagePack) and `GET /status` (JSON) show the same.
+//! The status map: `status` op (MessagePack) and `GET /status` (JSON) show the same
+//! typed [`StatusReport`], serialized by serde for each.
 
 use rmpv::Value;
+use serde::Serialize;
 use serde_json::Value as Json;
 
-/// Converts the JSON status into MessagePack for the `status` op.
+/// Everything `status` and `GET /status` report. Field names are the map's keys.
+#[derive(Clone, Debug, Serialize)]
+pub struct StatusReport {
+    /// `kvwarden <version>`.
+    pub server: &'static str,
+    /// The wire protocol version.
+    pub protocol: u64,
+    /// Random per server start: a changed value means the server restarted.
+    pub boot_id: u64,
+    /// Seconds since the server started.
+    pub uptime_seconds: f64,
+    /// The liveness registry.
+    pub worker_liveness: LivenessStatus,
+    /// Contexts built and freed.
+    pub contexts: ContextsStatus,
+    /// The L1 pool.
+    pub l1: L1Status,
+    /// CacheBlend rope tables.
+    pub blend: BlendStatus,
+    /// The GPUs, or why there are none.
+    pub gpu: GpuStatus,
+    /// Open worker connections.
+    pub connections: usize,
+    /// File-descriptor and connection limits.
+    pub limits: LimitsStatus,
+    /// Processes watched for their exit (pidfds).
+    pub watched_processes: usize,
+    /// Registered instances by how their process's death will be noticed.
+    pub instances_by_death_notice: DeathNoticeCounts,
+    /// Every tracked instance, by id.
+    pub instances: Vec<InstanceStatus>,
+}
+
+/// The `worker_liveness` section.
+#[derive(Clone, Debug, Serialize)]
+#[allow(missing_docs)] // the keys of docs/protocol.md's status section
+pub struct LivenessStatus {
+    pub enabled: bool,
+    pub reap_timeout_seconds: f64,
+    pub registration_grace_seconds: f64,
+    pub resolution_seconds: f64,
+    pub tracked_instances: usize,
+    pub reaped_total: u64,
+    pub process_exits_total: u64,
+    pub stalls_total: u64,
+    pub pings_total: u64,
+    pub pings_answered_false_total: u64,
+}
+
+/// The `contexts` section.
+#[derive(Clone, Debug, Serialize)]
+#[allow(missing_docs)]
+pub struct ContextsStatus {
+    pub built_total: u64,
+    pub freed_total: FreedTotals,
+    pub frees_in_flight: usize,
+    pub frees_hung_total: u64,
+}
+
+/// Contexts freed, by cause.
+#[derive(Clone, Debug, Serialize)]
+#[allow(missing_docs)]
+pub struct FreedTotals {
+    pub unregistered: u64,
+    pub reaped: u64,
+    pub process_exited: u64,
+    pub cancelled: u64,
+    pub shutdown: u64,
+}
+
+/// The `l1` section.
+#[derive(Clone, Debug, Serialize)]
+#[allow(missing_docs)]
+pub struct L1Status {
+    pub slot_bytes: u64,
+    pub slots_total: usize,
+    pub slots_used: usize,
+    pub slots_reserved: usize,
+    pub slots_pinned: usize,
+}
+
+/// The `blend` section.
+#[derive(Clone, Debug, Serialize)]
+#[allow(missing_docs)]
+pub struct BlendStatus {
+    pub bytes_total: u64,
+    pub instances: usize,
+    pub computing: usize,
+}
+
+/// The `gpu` section: `{available: true, devices, memory}` or `{available: false, reason}`.
+#[derive(Clone, Debug, Serialize)]
+#[serde(untagged)]
+#[allow(missing_docs)]
+pub enum GpuStatus {
+    Available {
+        available: bool,
+        devices: usize,
+        memory: Vec<GpuMemoryStatus>,
+    },
+    Unavailable {
+        available: bool,
+        reason: String,
+    },
+}
+
+/// One device's memory.
+#[derive(Clone, Debug, Serialize)]
+#[allow(missing_docs)]
+pub struct GpuMemoryStatus {
+    pub device: u32,
+    pub free_bytes: u64,
+    pub total_bytes: u64,
+}
+
+/// The `limits` section.
+#[derive(Clone, Debug, Serialize)]
+#[allow(missing_docs)]
+pub struct LimitsStatus {
+    pub open_files_soft: u64,
+    pub open_files_hard: u64,
+    pub connection_capacity: usize,
+    pub max_connections: usize,
+}
+
+/// Instances by how their death will be noticed (`instances[].death_noticed_by`).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct DeathNoticeCounts {
+    /// By a pidfd the worker sent of itself in `hello`.
+    pub pidfd_from_peer: usize,
+    /// By a pidfd the server opened on the worker's visible pid.
+    pub pidfd_by_pid: usize,
+    /// Only by the reap timeout (or the registration grace).
+    pub timeout_only: usize,
+}
+
+/// One tracked instance.
+#[derive(Clone, Debug, Serialize)]
+#[allow(missing_docs)]
+pub struct InstanceStatus {
+    pub instance_id: u64,
+    pub module: &'static str,
+    pub age_seconds: f64,
+    pub silence_seconds: f64,
+    pub proven: bool,
+    pub building: bool,
+    pub owner_uid: Option<u32>,
+    pub watched_pid: Option<i32>,
+    pub death_noticed_by: &'static str,
+    pub model_name: String,
+    pub blend_bytes: u64,
+}
+
+impl StatusReport {
+    /// The report as the `status` op's reply value (a MessagePack map).
+    pub fn to_msgpack(&self) -> Value {
+        // Serializing plain structs of numbers and strings into a Vec cannot fail.
+        let bytes = rmp_serde::to_vec_named(self).unwrap_or_default();
+        rmpv::decode::read_value(&mut bytes.as_slice()).unwrap_or(Value::Nil)
+    }
+
+    /// The report as `GET /status` serves it.
+    pub fn to_json_pretty(&self) -> Vec<u8> {
+        serde_json::to_vec_pretty(self).unwrap_or_default()
+    }
+}
+
+/// Converts JSON into MessagePack (the arguments `kvwarden call` reads as JSON).
 pub fn json_to_msgpack(json: &Json) -> Value {
     match json {
         Json::Null => Value::Nil,
@@ -27,29 +196,97 @@ pub fn json_to_msgpack(json: &Json) -> Value {
     }
 }
 
-/// Converts a MessagePack value (a `status` reply) back into JSON, for `kvwarden status`.
-pub fn msgpack_to_json(value: &Value) -> Json {
-    match value {
-        Value::Nil => Json::Null,
-        Value::Boolean(b) => Json::Bool(*b),
-        Value::Integer(i) => match (i.as_u64(), i.as_i64()) {
-            (Some(u), _) => Json::from(u),
-            (None, Some(n)) => Json::from(n),
-            _ => Json::Null,
-        },
-        Value::F32(f) => Json::from(f64::from(*f)),
-        Value::F64(f) => Json::from(*f),
-        Value::String(s) => Json::from(s.as_str().unwrap_or("")),
-        Value::Binary(b) => Json::from(b.iter().map(|x| format!("{x:02x}")).collect::<String>()),
-        Value::Array(items) => Json::Array(items.iter().map(msgpack_to_json).collect()),
-        Value::Map(map) => Json::Object(
-            map.iter()
-                .map(|(k, v)| {
-                    let key = k.as_str().map_or_else(|| k.to_string(), str::to_owned);
-                    (key, msgpack_to_json(v))
-                })
-                .collect(),
-        ),
-        Value::Ext(_, _) => Json::Null,
+pub use kvwarden_client::msgpack_to_json;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report() -> StatusReport {
+        StatusReport {
+            server: "kvwarden test",
+            protocol: 1,
+            boot_id: 7,
+            uptime_seconds: 1.5,
+            worker_liveness: LivenessStatus {
+                enabled: true,
+                reap_timeout_seconds: 120.0,
+                registration_grace_seconds: 3600.0,
+                resolution_seconds: 1.0,
+                tracked_instances: 1,
+                reaped_total: 0,
+                process_exits_total: 0,
+                stalls_total: 0,
+                pings_total: 3,
+                pings_answered_false_total: 0,
+            },
+            contexts: ContextsStatus {
+                built_total: 1,
+                freed_total: FreedTotals {
+                    unregistered: 0,
+                    reaped: 0,
+                    process_exited: 0,
+                    cancelled: 0,
+                    shutdown: 0,
+                },
+                frees_in_flight: 0,
+                frees_hung_total: 0,
+            },
+            l1: L1Status {
+                slot_bytes: 4096,
+                slots_total: 8,
+                slots_used: 0,
+                slots_reserved: 0,
+                slots_pinned: 0,
+            },
+            blend: BlendStatus {
+                bytes_total: 0,
+                instances: 0,
+                computing: 0,
+            },
+            gpu: GpuStatus::Unavailable {
+                available: false,
+                reason: "no CUDA driver".into(),
+            },
+            connections: 1,
+            limits: LimitsStatus {
+                open_files_soft: 1024,
+                open_files_hard: 4096,
+                connection_capacity: 400,
+                max_connections: 1000,
+            },
+            watched_processes: 0,
+            instances_by_death_notice: DeathNoticeCounts {
+                timeout_only: 1,
+                ..DeathNoticeCounts::default()
+            },
+            instances: vec![InstanceStatus {
+                instance_id: 42,
+                module: "server_driven",
+                age_seconds: 2.0,
+                silence_seconds: 0.5,
+                proven: true,
+                building: false,
+                owner_uid: Some(1000),
+                watched_pid: None,
+                death_noticed_by: "timeout_only",
+                model_name: "m".into(),
+                blend_bytes: 0,
+            }],
+        }
+    }
+
+    #[test]
+    fn the_status_op_and_get_status_show_the_same_map() {
+        let report = report();
+        let from_msgpack = msgpack_to_json(&report.to_msgpack());
+        let from_http: Json = serde_json::from_slice(&report.to_json_pretty()).unwrap();
+        assert_eq!(from_msgpack, from_http);
+        assert_eq!(from_http["worker_liveness"]["pings_total"], 3);
+        assert_eq!(from_http["gpu"]["available"], false);
+        assert_eq!(from_http["gpu"]["reason"], "no CUDA driver");
+        assert_eq!(from_http["instances"][0]["instance_id"], 42);
+        assert_eq!(from_http["instances"][0]["watched_pid"], Json::Null);
+        assert_eq!(from_http["uptime_seconds"], 1.5);
     }
 }

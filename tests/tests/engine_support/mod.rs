@@ -9,7 +9,7 @@
 #![allow(dead_code)] // each test binary uses a part
 
 use kvwarden::memfd::SharedMapping;
-use kvwarden::protocol::{Reply, decode_reply};
+use kvwarden_core::protocol::{Reply, decode_reply};
 use kvwarden_tests::{PATIENCE, RawClient};
 use rmpv::Value;
 use rustix::fd::OwnedFd;

@@ -180,7 +180,6 @@ impl Server {
                         "the server itself was stalled (paused or starved); the gap does not count as any worker's silence"
                     );
                 }
-                _ => {}
             }
         }
     }

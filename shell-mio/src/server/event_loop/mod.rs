@@ -14,7 +14,6 @@ use super::listen::{self, ListenError};
 use super::metrics::Metrics;
 use super::peer::{self, Watches};
 use super::pool::Pool;
-use super::status::json_to_msgpack;
 use crate::protocol::{
     BufferSpec, ErrorCode, FrameError, Op, PROTOCOL_VERSION, ProtocolError, decode_request,
     encode_reply,
@@ -26,7 +25,6 @@ use kvwarden_core::{
 use mio::net::{TcpListener, UnixListener};
 use mio::{Events, Interest, Poll, Token};
 use rmpv::Value;
-use serde_json::json;
 use std::collections::{HashMap, HashSet};
 use std::io::{self, Read};
 use std::sync::Arc;

@@ -1,6 +1,10 @@
 //! What operators see: the HTTP listener, `/status`, `/metrics`.
 
 use super::*;
+use crate::server::status::{
+    BlendStatus, ContextsStatus, DeathNoticeCounts, FreedTotals, InstanceStatus, L1Status,
+    LimitsStatus, LivenessStatus, StatusReport,
+};
 
 impl Server {
     // ---------------------------------------------------------------- http
@@ -51,7 +55,7 @@ impl Server {
                 code: 200,
                 reason: "OK",
                 content_type: "application/json",
-                body: serde_json::to_vec_pretty(&self.status_json()).unwrap_or_default(),
+                body: self.status().to_json_pretty(),
             }),
             Ok(Some(Route::Metrics)) => {
                 self.refresh_metrics();
@@ -127,90 +131,97 @@ impl Server {
         counts
     }
 
-    fn instances_by_death_notice(&self) -> serde_json::Value {
-        let counts = self
-            .death_notice_counts()
-            .map(|(notice, count)| (notice.label().to_string(), serde_json::Value::from(count)));
-        serde_json::Value::Object(counts.into_iter().collect())
+    fn instances_by_death_notice(&self) -> DeathNoticeCounts {
+        let mut counts = DeathNoticeCounts::default();
+        for (notice, count) in self.death_notice_counts() {
+            match notice {
+                peer::DeathNotice::PidfdFromPeer => counts.pidfd_from_peer = count,
+                peer::DeathNotice::PidfdByPid => counts.pidfd_by_pid = count,
+                peer::DeathNotice::TimeoutOnly => counts.timeout_only = count,
+            }
+        }
+        counts
     }
 
-    pub(super) fn status_json(&self) -> serde_json::Value {
+    pub(super) fn status(&self) -> StatusReport {
         let occupancy = self.l1.occupancy();
         let now = self.now();
         let status = self.liveness.status();
-        let mut instances: Vec<serde_json::Value> = Vec::with_capacity(self.records.len());
+        let mut instances: Vec<InstanceStatus> = Vec::with_capacity(self.records.len());
         for ((instance, module), record) in &self.records {
             let Some(entry) = self.liveness.entry(*instance, *module) else {
                 continue;
             };
-            instances.push(json!({
-                "instance_id": instance.get(),
-                "module": module.label(),
-                "age_seconds": now.saturating_duration_since(record.registered_at).as_secs_f64(),
-                "silence_seconds": now.saturating_duration_since(entry.last_seen).as_secs_f64(),
-                "proven": entry.proven,
-                "building": entry.building,
-                "owner_uid": record.owner_uid,
-                "watched_pid": self.watches.pid_of(*instance),
-                "death_noticed_by": self.watches.notice_of(*instance).label(),
-                "model_name": record.model_name,
-                "blend_bytes": self.blend.bytes_of(*instance),
-            }));
+            instances.push(InstanceStatus {
+                instance_id: instance.get(),
+                module: module.label(),
+                age_seconds: now
+                    .saturating_duration_since(record.registered_at)
+                    .as_secs_f64(),
+                silence_seconds: now.saturating_duration_since(entry.last_seen).as_secs_f64(),
+                proven: entry.proven,
+                building: entry.building,
+                owner_uid: record.owner_uid,
+                watched_pid: self.watches.pid_of(*instance),
+                death_noticed_by: self.watches.notice_of(*instance).label(),
+                model_name: record.model_name.clone(),
+                blend_bytes: self.blend.bytes_of(*instance),
+            });
         }
-        instances.sort_by_key(|item| item["instance_id"].as_u64());
+        instances.sort_by_key(|item| item.instance_id);
         let freed = |cause: &str| self.metrics.frees_for(cause);
-        json!({
-            "server": concat!("kvwarden ", env!("CARGO_PKG_VERSION")),
-            "protocol": PROTOCOL_VERSION,
-            "boot_id": self.boot_id,
-            "uptime_seconds": self.clock_origin.elapsed().as_secs_f64(),
-            "worker_liveness": {
-                "enabled": status.enabled,
-                "reap_timeout_seconds": status.reap_timeout.as_secs_f64(),
-                "registration_grace_seconds": status.registration_grace.as_secs_f64(),
-                "resolution_seconds": self.liveness.config().resolution.as_secs_f64(),
-                "tracked_instances": status.tracked_instances,
-                "reaped_total": status.reaped_total,
-                "process_exits_total": status.process_exits_total,
-                "stalls_total": status.stalls_total,
-                "pings_total": self.metrics.requests_for("ping"),
-                "pings_answered_false_total": self.metrics.pings_answered_false.get(),
+        StatusReport {
+            server: concat!("kvwarden ", env!("CARGO_PKG_VERSION")),
+            protocol: PROTOCOL_VERSION,
+            boot_id: self.boot_id,
+            uptime_seconds: self.clock_origin.elapsed().as_secs_f64(),
+            worker_liveness: LivenessStatus {
+                enabled: status.enabled,
+                reap_timeout_seconds: status.reap_timeout.as_secs_f64(),
+                registration_grace_seconds: status.registration_grace.as_secs_f64(),
+                resolution_seconds: self.liveness.config().resolution.as_secs_f64(),
+                tracked_instances: status.tracked_instances,
+                reaped_total: status.reaped_total,
+                process_exits_total: status.process_exits_total,
+                stalls_total: status.stalls_total,
+                pings_total: self.metrics.requests_for("ping"),
+                pings_answered_false_total: self.metrics.pings_answered_false.get(),
             },
-            "contexts": {
-                "built_total": self.metrics.contexts_built.get(),
-                "freed_total": {
-                    "unregistered": freed("unregistered"),
-                    "reaped": freed("reaped"),
-                    "process_exited": freed("process_exited"),
-                    "cancelled": freed("cancelled"),
-                    "shutdown": freed("shutdown"),
+            contexts: ContextsStatus {
+                built_total: self.metrics.contexts_built.get(),
+                freed_total: FreedTotals {
+                    unregistered: freed("unregistered"),
+                    reaped: freed("reaped"),
+                    process_exited: freed("process_exited"),
+                    cancelled: freed("cancelled"),
+                    shutdown: freed("shutdown"),
                 },
-                "frees_in_flight": self.frees.len(),
-                "frees_hung_total": self.metrics.frees_hung.get(),
+                frees_in_flight: self.frees.len(),
+                frees_hung_total: self.metrics.frees_hung.get(),
             },
-            "l1": {
-                "slot_bytes": self.l1.slot_bytes(),
-                "slots_total": self.l1.num_slots(),
-                "slots_used": self.l1.used_slots(),
-                "slots_reserved": occupancy.reserved,
-                "slots_pinned": occupancy.pinned,
+            l1: L1Status {
+                slot_bytes: self.l1.slot_bytes(),
+                slots_total: self.l1.num_slots(),
+                slots_used: self.l1.used_slots(),
+                slots_reserved: occupancy.reserved,
+                slots_pinned: occupancy.pinned,
             },
-            "blend": {
-                "bytes_total": self.blend.held_bytes(),
-                "instances": self.blend.instances(),
-                "computing": self.blend.pending(),
+            blend: BlendStatus {
+                bytes_total: self.blend.held_bytes(),
+                instances: self.blend.instances(),
+                computing: self.blend.pending(),
             },
-            "gpu": self.gpu.status_json(),
-            "connections": self.connections.len(),
-            "limits": {
-                "open_files_soft": self.fd_limit.soft,
-                "open_files_hard": self.fd_limit.hard,
-                "connection_capacity": self.fd_limit.connection_capacity(),
-                "max_connections": self.config.max_connections,
+            gpu: self.gpu.status(),
+            connections: self.connections.len(),
+            limits: LimitsStatus {
+                open_files_soft: self.fd_limit.soft,
+                open_files_hard: self.fd_limit.hard,
+                connection_capacity: self.fd_limit.connection_capacity(),
+                max_connections: self.config.max_connections,
             },
-            "watched_processes": self.watches.len(),
-            "instances_by_death_notice": self.instances_by_death_notice(),
-            "instances": instances,
-        })
+            watched_processes: self.watches.len(),
+            instances_by_death_notice: self.instances_by_death_notice(),
+            instances,
+        }
     }
 }

@@ -130,7 +130,7 @@ impl Server {
             Op::PrepareRetrieve { instance, key } => self.prepare_retrieve(instance, &key),
             Op::CommitRetrieve { instance, key } => self.commit_retrieve(instance, &key),
             Op::RegisterBlend { instance, rope } => self.register_blend(reply, instance, rope),
-            Op::Status => Some(Ok(json_to_msgpack(&self.status_json()))),
+            Op::Status => Some(Ok(self.status().to_msgpack())),
         }
     }
 

@@ -9,45 +9,58 @@ use std::io::{BufRead, BufReader, Read};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 /// How long a child may take to start (a loaded 2-core machine is slow).
 pub const START_BOUND: Duration = Duration::from_secs(30);
 
-/// A private temporary directory, removed on drop.
+/// A private temporary directory (from `tempfile`: an unpredictable name, created
+/// exclusively), removed on drop.
 #[derive(Debug)]
-pub struct TempDir(PathBuf);
+pub struct TempDir(tempfile::TempDir);
 
 impl TempDir {
     /// A fresh directory under the system temp dir, named after `tag`.
     pub fn new(tag: &str) -> Result<TempDir, BenchError> {
-        static SERIAL: AtomicU64 = AtomicU64::new(0);
-        let serial = SERIAL.fetch_add(1, Ordering::Relaxed);
-        let path =
-            std::env::temp_dir().join(format!("kvwarden-{tag}-{}-{serial}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&path);
-        std::fs::create_dir_all(&path)
-            .map_err(BenchError::io(format!("creating {}", path.display())))?;
-        Ok(TempDir(path))
+        let prefix = format!("kvwarden-{tag}-");
+        tempfile::Builder::new()
+            .prefix(&prefix)
+            .tempdir()
+            .map(TempDir)
+            .map_err(BenchError::io(format!(
+                "creating a temporary directory {prefix}* under {}",
+                std::env::temp_dir().display()
+            )))
     }
 
     /// Its path.
     pub fn path(&self) -> &Path {
-        &self.0
+        self.0.path()
     }
 }
 
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// This executable (`kvwarden`), which the benchmarks spawn as server and workers.
+/// The `kvwarden` executable the benchmarks spawn as server and workers: this one when
+/// it is `kvwarden` (run as `kvwarden bench`), else `$KVWARDEN_BIN` when set, else the
+/// `kvwarden` beside this executable (run as `kvwarden-bench`).
 pub fn kvwarden_exe() -> Result<PathBuf, BenchError> {
-    std::env::current_exe().map_err(BenchError::io("finding this executable (current_exe)"))
+    let this =
+        std::env::current_exe().map_err(BenchError::io("finding this executable (current_exe)"))?;
+    if this.file_name().is_some_and(|name| name == "kvwarden") {
+        return Ok(this);
+    }
+    if let Some(path) = std::env::var_os("KVWARDEN_BIN") {
+        return Ok(PathBuf::from(path));
+    }
+    let beside = this.with_file_name("kvwarden");
+    if beside.exists() {
+        return Ok(beside);
+    }
+    Err(BenchError::Failed(format!(
+        "no `kvwarden` executable beside {}: build it (`cargo build --release -p kvwarden`) \
+         or set KVWARDEN_BIN to its path",
+        this.display()
+    )))
 }
 
 /// A command for this executable that dies with us.

@@ -1,7 +1,7 @@
-//! `kvwarden bench <figure>`: the server figures S1–S7 and R5 of
-//! `docs/targets.md`, one a line on stdout; progress on stderr.
+//! `kvwarden-bench <figure>` (and `kvwarden bench <figure>`): the server figures S1–S7
+//! and R5 of `docs/targets.md`, one a line on stdout; progress on stderr.
 
-use crate::bench;
+use crate as bench;
 use std::process::ExitCode;
 
 /// Flags of `kvwarden bench`.

@@ -19,13 +19,13 @@ pub struct CopyArgs {
     #[command(flatten)]
     target: TargetArgs,
     /// Bytes per store/retrieve (the L1 slot size of the started server).
-    #[arg(long, default_value = "2M", value_name = "BYTES", value_parser = crate::cli::parse_bytes)]
+    #[arg(long, default_value = "2M", value_name = "BYTES", value_parser = kvwarden_client::parse_bytes)]
     chunk_bytes: u64,
     /// The worker's memfd buffer (chunks are taken from it round robin).
-    #[arg(long, default_value = "64M", value_name = "BYTES", value_parser = crate::cli::parse_bytes)]
+    #[arg(long, default_value = "64M", value_name = "BYTES", value_parser = kvwarden_client::parse_bytes)]
     buffer_bytes: u64,
     /// The L1 of the started server.
-    #[arg(long, default_value = "256M", value_name = "BYTES", value_parser = crate::cli::parse_bytes)]
+    #[arg(long, default_value = "256M", value_name = "BYTES", value_parser = kvwarden_client::parse_bytes)]
     l1_bytes: u64,
     /// Seconds per direction and per setting.
     #[arg(long, default_value_t = 1.0, value_name = "SECONDS")]

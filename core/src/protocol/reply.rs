@@ -2,9 +2,9 @@
 //! decoding replies.
 
 use super::MAX_DEPTH;
+use super::diagnose::describe;
 use super::error::{DecodeError, ErrorCode, ProtocolError};
 use super::frame::encode_frame;
-use super::request::describe;
 use rmpv::Value;
 
 /// A decoded reply.

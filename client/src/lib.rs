@@ -11,17 +11,27 @@
 //! The heartbeat and the engine's transfers share one connection. Its lock is fair
 //! (FIFO hand-off): a ping that falls due during a stream of transfers goes out after
 //! the transfer in progress, instead of waiting until the stream ends.
+//!
+//! A worker links this crate and the core (protocol, heartbeat), not the server: no
+//! event loop, no metrics, no HTTP, no CUDA driver. The server (`kvwarden`) re-exports
+//! it as `kvwarden::client`, and its [`memfd`] helpers as `kvwarden::memfd`.
 
+pub mod memfd;
+mod reply_json;
+mod units;
 mod wire;
+
+pub use reply_json::msgpack_to_json;
+pub use units::parse_bytes;
 
 pub use wire::Endpoint;
 
-use crate::memfd::{self, SharedMapping};
-use crate::protocol::{ErrorCode, ProtocolError};
+use kvwarden_core::protocol::{BufferSpec, ErrorCode, Op, ProtocolError};
 use kvwarden_core::{
     Heartbeat, HeartbeatAction, HeartbeatConfig, InstanceId, Instant, PingReply,
     reap_timeout_floor_warning,
 };
+use memfd::SharedMapping;
 use parking_lot::FairMutex;
 use rmpv::Value;
 use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -239,7 +249,10 @@ impl Shared {
     }
 
     fn ping(&self) -> PingReply {
-        let args = vec![self.instance.get().into()];
+        let args = Op::Ping {
+            instance: Some(self.instance),
+        }
+        .args();
         match self.call("ping", args, &[], self.config.heartbeat_interval) {
             Ok(Value::Boolean(true)) => PingReply::Known,
             Ok(Value::Boolean(false)) => {
@@ -264,38 +277,37 @@ impl Shared {
 
     fn register(&self, registration: &Registration) -> Result<String, ClientError> {
         let mut fds: Vec<BorrowedFd<'_>> = Vec::new();
-        let buffers: Vec<Value> = registration
+        let buffers: Vec<BufferSpec> = registration
             .buffers
             .iter()
             .map(|buffer| match buffer {
                 ClientBuffer::Memfd(memfd) => {
                     fds.push(memfd.fd());
-                    Value::Map(vec![
-                        ("kind".into(), "memfd".into()),
-                        ("fd_index".into(), (fds.len() as u64 - 1).into()),
-                        ("nbytes".into(), (memfd.len() as u64).into()),
-                    ])
+                    BufferSpec::Memfd {
+                        fd_index: fds.len() as u64 - 1,
+                        nbytes: memfd.len() as u64,
+                    }
                 }
                 ClientBuffer::CudaIpc {
                     device,
                     handle,
                     offset,
                     nbytes,
-                } => Value::Map(vec![
-                    ("kind".into(), "cuda_ipc".into()),
-                    ("device".into(), u64::from(*device).into()),
-                    ("handle".into(), Value::Binary(handle.to_vec())),
-                    ("offset".into(), (*offset).into()),
-                    ("nbytes".into(), (*nbytes).into()),
-                ]),
+                } => BufferSpec::CudaIpc {
+                    device: u64::from(*device),
+                    handle: handle.to_vec(),
+                    offset: *offset,
+                    nbytes: *nbytes,
+                },
             })
             .collect();
-        let args = vec![
-            self.instance.get().into(),
-            Value::Array(buffers),
-            registration.model_name.as_str().into(),
-            registration.world_size.into(),
-        ];
+        let op = Op::RegisterKvCache {
+            instance: self.instance,
+            buffers,
+            model_name: registration.model_name.clone(),
+            world_size: registration.world_size,
+        };
+        let args = op.args();
         let value = self.call("register_kv_cache", args, &fds, self.config.request_timeout)?;
         let outcome = match &value {
             Value::Map(map) => map
@@ -533,13 +545,14 @@ impl Client {
         offset: u64,
         nbytes: u64,
     ) -> Result<bool, ClientError> {
-        let args = vec![
-            self.shared.instance.get().into(),
-            Value::Binary(key.to_vec()),
-            buffer.into(),
-            offset.into(),
-            nbytes.into(),
-        ];
+        let args = Op::Store {
+            instance: self.shared.instance,
+            key: key.to_vec(),
+            buffer,
+            offset,
+            nbytes,
+        }
+        .args();
         match self.transfer("store", args)? {
             Value::Boolean(stored) => Ok(stored),
             other => Err(unexpected("store", &other)),
@@ -554,12 +567,13 @@ impl Client {
         buffer: u64,
         offset: u64,
     ) -> Result<Option<u64>, ClientError> {
-        let args = vec![
-            self.shared.instance.get().into(),
-            Value::Binary(key.to_vec()),
-            buffer.into(),
-            offset.into(),
-        ];
+        let args = Op::Retrieve {
+            instance: self.shared.instance,
+            key: key.to_vec(),
+            buffer,
+            offset,
+        }
+        .args();
         match self.transfer("retrieve", args)? {
             Value::Nil => Ok(None),
             other => other
@@ -571,13 +585,13 @@ impl Client {
 
     /// How many leading keys L1 holds.
     pub fn lookup(&self, keys: &[Vec<u8>]) -> Result<u64, ClientError> {
-        let keys = keys.iter().map(|k| Value::Binary(k.clone())).collect();
-        let value = self.shared.call(
-            "lookup",
-            vec![Value::Array(keys)],
-            &[],
-            self.shared.config.request_timeout,
-        )?;
+        let args = Op::Lookup {
+            keys: keys.to_vec(),
+        }
+        .args();
+        let value = self
+            .shared
+            .call("lookup", args, &[], self.shared.config.request_timeout)?;
         value.as_u64().ok_or_else(|| unexpected("lookup", &value))
     }
 

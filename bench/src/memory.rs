@@ -22,7 +22,7 @@ pub struct MemoryArgs {
     #[arg(long, default_value_t = 10_000, value_name = "N")]
     instances: usize,
     /// Bytes of the memfd buffer each instance registers (0: none).
-    #[arg(long, default_value = "4K", value_name = "BYTES", value_parser = crate::cli::parse_bytes)]
+    #[arg(long, default_value = "4K", value_name = "BYTES", value_parser = kvwarden_client::parse_bytes)]
     buffer_bytes: u64,
 }
 

@@ -1,51 +1,22 @@
-//! The liveness registry: which worker instances hold state here, how long each has
-//! been silent, and when each is due.
+//! The liveness registry (`kvwarden_core::liveness`; its names are re-exported at the
+//! crate root): which worker instances hold state here, how long each has been silent,
+//! and when each is due.
 //!
 //! Entries are keyed by `(instance, module)`. An entry is *building* from REGISTER until
 //! the shell reports its context, then *ready*. It is *proven* once the instance has
 //! pinged. Its window is the reap timeout when proven, the registration grace when not;
 //! it is due when its silence strictly exceeds the window. Silence is measured on the
-//! stall-corrected clock (see [`crate::stall`]), so a paused server reaps nobody.
+//! stall-corrected clock (see `core/src/stall.rs`), so a paused server reaps nobody.
 
 use crate::config::{Config, ConfigError, REAP_TIMEOUT_FLOOR};
 use crate::effect::{Effect, FreeCause};
 use crate::expiry::{DueItem, ExpiryQueue, Serial};
 use crate::id::InstanceId;
+use crate::module::Module;
 use crate::stall::StallClock;
 use crate::time::{Instant, nanos_saturating};
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
-
-/// Where a worker's per-instance state lives on the server.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Module {
-    /// The server copies KV data in and out of memory the worker registered
-    /// (CUDA IPC mappings, or memfd mappings on hosts without a GPU).
-    ServerDriven,
-    /// The worker copies KV data in and out of slots of a server-owned pool;
-    /// the server keeps a transfer strategy (pending reservations, pins) per instance.
-    EngineDriven,
-}
-
-impl Module {
-    /// Every module, in a fixed order.
-    pub const ALL: [Module; 2] = [Module::ServerDriven, Module::EngineDriven];
-
-    pub(crate) const fn index(self) -> usize {
-        match self {
-            Module::ServerDriven => 0,
-            Module::EngineDriven => 1,
-        }
-    }
-
-    /// A short stable label for logs and metrics: `server_driven`, `engine_driven`.
-    pub fn label(self) -> &'static str {
-        match self {
-            Module::ServerDriven => "server_driven",
-            Module::EngineDriven => "engine_driven",
-        }
-    }
-}
 
 /// The outcome of REGISTER, phase one.
 #[derive(Debug, PartialEq, Eq)]

@@ -6,10 +6,12 @@
 //! itself bounded by `--max-frame-bytes`. The fuzzer drives [`decode_request`] and
 //! [`frame::parse_header`] directly.
 
+mod diagnose;
 pub mod error;
 pub mod frame;
 pub mod reply;
 pub mod request;
+mod wire_args;
 
 pub use error::{DecodeError, ErrorCode, ProtocolError};
 pub use frame::{FrameError, LENGTH_PREFIX_BYTES, encode_frame, parse_header, split_frame};

@@ -1,14 +1,18 @@
-//! `kvwarden bench`: the server figures S1–S7 of `docs/targets.md` and the load
-//! figure R5, measured against a real server process.
+//! `kvwarden-bench` (also run as `kvwarden bench`): the server figures S1–S7 of
+//! `docs/targets.md` and the load figure R5, measured against a real server process.
 //!
-//! Each figure starts its own `kvwarden serve` (this same executable, on a temporary
-//! socket, `--http off` unless needed) unless `--socket` names a running one, prints
-//! progress on stderr, and prints its figures on stdout, one a line, in a stable form:
+//! A crate of its own, beside the server as `redis-benchmark` ships beside
+//! `redis-server`: it links the core and the worker client, not the server. Each figure
+//! starts its own `kvwarden serve` (the `kvwarden` executable, see
+//! [`process::kvwarden_exe`], on a temporary socket, `--http off` unless needed) unless
+//! `--socket` names a running one, prints progress on stderr, and prints its figures on
+//! stdout, one a line, in a stable form:
 //! `ID name value unit (what it was measured under; the target)`. Figures are measured,
 //! never asserted: the machines they run on are shared and noisy.
 
 pub mod connections;
 pub mod copy;
+mod figures;
 pub mod kill;
 pub mod latency;
 pub mod load;
@@ -22,6 +26,10 @@ pub mod slow_contexts;
 pub mod stats;
 pub mod target;
 
+pub use figures::{BenchArgs, run};
+
+use kvwarden_client::memfd;
+use kvwarden_core::protocol;
 use std::io::Write;
 use thiserror::Error;
 

@@ -1,7 +1,9 @@
 //! The client's blocking connection: frames out (with fds as `SCM_RIGHTS`), replies in.
 
 use super::ClientError;
-use crate::protocol::{LENGTH_PREFIX_BYTES, PROTOCOL_VERSION, decode_reply, encode_request};
+use kvwarden_core::protocol::{
+    LENGTH_PREFIX_BYTES, Op, PROTOCOL_VERSION, decode_reply, encode_request,
+};
 use rmpv::Value;
 use rustix::fd::{AsFd, BorrowedFd};
 use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
@@ -75,15 +77,20 @@ impl Wire {
             endpoint: name.clone(),
             exit_proof: None,
         };
-        let args = vec![PROTOCOL_VERSION.into(), client_name.into()];
+        let hello_args = |pidfd_index| {
+            Op::Hello {
+                protocol: PROTOCOL_VERSION,
+                client: client_name.to_owned(),
+                pidfd_index,
+            }
+            .args()
+        };
         let pidfd = match (&wire.socket, send_pidfd) {
             (Socket::Unix(_), true) => own_pidfd(),
             _ => None,
         };
         if let Some(pidfd) = pidfd {
-            let mut with_pidfd = args.clone();
-            with_pidfd.push(Value::Map(vec![("pidfd_index".into(), 0u64.into())]));
-            match wire.call(0, "hello", with_pidfd, &[pidfd.as_fd()], timeout) {
+            match wire.call(0, "hello", hello_args(Some(0)), &[pidfd.as_fd()], timeout) {
                 Ok(hello) => {
                     wire.exit_proof = exit_proof(&hello);
                     return Ok(wire);
@@ -99,7 +106,7 @@ impl Wire {
                 Err(other) => return Err(other),
             }
         }
-        let hello = wire.call(0, "hello", args, &[], timeout)?;
+        let hello = wire.call(0, "hello", hello_args(None), &[], timeout)?;
         wire.exit_proof = exit_proof(&hello);
         Ok(wire)
     }

@@ -1,7 +1,7 @@
 //! A blocking protocol connection for the benchmarks' control traffic: any op, any
 //! instance id, fds as `SCM_RIGHTS`, and pipelining (send several, then receive).
 //!
-//! The worker client ([`crate::client`]) binds one connection to one instance; the
+//! The worker client ([`kvwarden_client`]) binds one connection to one instance; the
 //! benchmarks register thousands of instances, time single round trips and pipeline
 //! copies, so they speak the protocol here directly.
 
@@ -159,7 +159,7 @@ impl RawConnection {
     /// The status map, as JSON.
     pub fn status(&mut self) -> Result<serde_json::Value, BenchError> {
         let value = self.call("status", Vec::new())?;
-        Ok(crate::server::status::msgpack_to_json(&value))
+        Ok(kvwarden_client::msgpack_to_json(&value))
     }
 
     /// Registers `instance` with `buffers` (memfd specs whose fds are `fds`) and
@@ -280,11 +280,7 @@ pub fn outcome(value: &Value) -> Result<String, BenchError> {
 
 /// A memfd buffer spec for `register_kv_cache`.
 pub fn memfd_spec(fd_index: u64, nbytes: u64) -> Value {
-    Value::Map(vec![
-        ("kind".into(), "memfd".into()),
-        ("fd_index".into(), fd_index.into()),
-        ("nbytes".into(), nbytes.into()),
-    ])
+    crate::protocol::BufferSpec::Memfd { fd_index, nbytes }.to_value()
 }
 
 /// Distinct instance ids for a benchmark run: random high bits, so that two runs

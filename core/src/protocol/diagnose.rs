@@ -1,0 +1,428 @@
+//! Why a body is not a valid request: the messages of `bad_frame`, `bad_args` and
+//! `unknown_op`, which name the op, what it expects and what arrived.
+//!
+//! This runs only when the typed decoder ([`super::wire_args`]) refused a body, so it
+//! may build a MessagePack value tree (depth-limited, like the typed decoder). Each op's
+//! arguments are checked in order against its shape; the first mismatch is the answer.
+
+use super::error::{DecodeError, ErrorCode, ProtocolError};
+use super::request::OP_NAMES;
+use super::{MAX_DEPTH, PROTOCOL_VERSION};
+use crate::InstanceId;
+use rmpv::Value;
+
+/// One argument of an op: what it must be.
+#[derive(Copy, Clone)]
+enum Arg {
+    /// An unsigned integer, named.
+    Uint(&'static str),
+    /// `instance_id`: an unsigned integer no larger than `InstanceId::MAX`.
+    Instance,
+    /// `instance_id` or nil (ping).
+    InstanceOrNil,
+    /// A UTF-8 str, named.
+    Text(&'static str),
+    /// bin (or a str taken as its bytes), named.
+    Bin(&'static str),
+    /// `keys`: an array of bin.
+    Keys,
+    /// `buffers`: an array of buffer maps.
+    Buffers,
+    /// `rope`: `{rotary_dim: uint, max_positions: uint, base: float}`.
+    Rope,
+    /// `hello`'s optional last argument: `{"pidfd_index": uint}` (other keys ignored).
+    HelloOptions,
+}
+
+/// What op `name` expects, in the words of the op table, and its arguments in order.
+fn shape(name: &str) -> Option<(&'static str, &'static str, &'static [Arg])> {
+    use Arg::*;
+    const KEYED: &str = "[instance_id: uint, key: bin]";
+    Some(match name {
+        "hello" => (
+            "hello",
+            "[protocol: uint, client: str] or [protocol: uint, client: str, options: \
+             {\"pidfd_index\": uint}]",
+            &[Uint("protocol"), Text("client"), HelloOptions],
+        ),
+        "ping" => ("ping", "[instance_id: uint | nil]", &[InstanceOrNil]),
+        "register_kv_cache" => (
+            "register_kv_cache",
+            "[instance_id: uint, buffers: [buffer], model_name: str, world_size: uint]",
+            &[Instance, Buffers, Text("model_name"), Uint("world_size")],
+        ),
+        "unregister_kv_cache" => ("unregister_kv_cache", "[instance_id: uint]", &[Instance]),
+        "store" => (
+            "store",
+            "[instance_id: uint, key: bin, buffer: uint, offset: uint, nbytes: uint]",
+            &[
+                Instance,
+                Bin("key"),
+                Uint("buffer"),
+                Uint("offset"),
+                Uint("nbytes"),
+            ],
+        ),
+        "retrieve" => (
+            "retrieve",
+            "[instance_id: uint, key: bin, buffer: uint, offset: uint]",
+            &[Instance, Bin("key"), Uint("buffer"), Uint("offset")],
+        ),
+        "lookup" => ("lookup", "[keys: [bin]]", &[Keys]),
+        "register_engine_driven" => (
+            "register_engine_driven",
+            "[instance_id: uint, model_name: str, world_size: uint]",
+            &[Instance, Text("model_name"), Uint("world_size")],
+        ),
+        "unregister_engine_driven" => (
+            "unregister_engine_driven",
+            "[instance_id: uint]",
+            &[Instance],
+        ),
+        "prepare_store" => ("prepare_store", KEYED, &[Instance, Bin("key")]),
+        "prepare_retrieve" => ("prepare_retrieve", KEYED, &[Instance, Bin("key")]),
+        "commit_retrieve" => ("commit_retrieve", KEYED, &[Instance, Bin("key")]),
+        "commit_store" => (
+            "commit_store",
+            "[instance_id: uint, key: bin, nbytes: uint]",
+            &[Instance, Bin("key"), Uint("nbytes")],
+        ),
+        "register_blend" => (
+            "register_blend",
+            "[instance_id: uint, rope: {rotary_dim: uint, max_positions: uint, base: float}]",
+            &[Instance, Rope],
+        ),
+        "status" => ("status", "[]", &[]),
+        _ => return None,
+    })
+}
+
+/// The error for a body the typed decoder refused. `refusal` is what it said, used
+/// only when no check here names a more precise cause.
+pub(super) fn diagnose(body: &[u8], refusal: &str) -> DecodeError {
+    match envelope(body) {
+        Err(error) => error,
+        Ok((id, op, items)) => DecodeError {
+            request_id: Some(id),
+            error: check_args(&op, &items).err().unwrap_or_else(|| {
+                let args = Args {
+                    op: shape(&op).map_or("?", |(name, _, _)| name),
+                    expects: shape(&op).map_or("?", |(_, expects, _)| expects),
+                    items: &items,
+                };
+                args.mismatch(format!(
+                    "the arguments do not decode: {}",
+                    truncate(refusal)
+                ))
+            }),
+        },
+    }
+}
+
+/// The request id, op name and argument list of a body, or the `bad_frame` /
+/// `bad_args` error of an envelope that is not `[request_id, op, args]`.
+fn envelope(body: &[u8]) -> Result<(u64, String, Vec<Value>), DecodeError> {
+    let bad_frame = |message: String| DecodeError {
+        request_id: None,
+        error: ProtocolError::new(ErrorCode::BadFrame, message),
+    };
+    let mut reader = body;
+    let value = rmpv::decode::read_value_with_max_depth(&mut reader, MAX_DEPTH).map_err(|e| {
+        bad_frame(format!(
+            "the frame body ({} bytes) is not a MessagePack value: {e}; expected \
+             [request_id: uint, op: str, args: array]",
+            body.len()
+        ))
+    })?;
+    if !reader.is_empty() {
+        return Err(bad_frame(format!(
+            "{} trailing bytes after the request in the frame; a frame carries exactly one \
+             MessagePack request [request_id, op, args]",
+            reader.len()
+        )));
+    }
+    let Value::Array(mut parts) = value else {
+        return Err(bad_frame(format!(
+            "a request is a MessagePack array [request_id: uint, op: str, args: array], got {}",
+            describe(&value)
+        )));
+    };
+    if parts.len() != 3 {
+        return Err(bad_frame(format!(
+            "a request is [request_id: uint, op: str, args: array], got an array of {} items",
+            parts.len()
+        )));
+    }
+    let args = parts.pop().unwrap_or(Value::Nil);
+    let op = parts.pop().unwrap_or(Value::Nil);
+    let id_value = parts.pop().unwrap_or(Value::Nil);
+    let Some(id) = id_value.as_u64() else {
+        return Err(bad_frame(format!(
+            "request_id must be an unsigned integer, got {}",
+            describe(&id_value)
+        )));
+    };
+    let fail = |code: ErrorCode, message: String| DecodeError {
+        request_id: Some(id),
+        error: ProtocolError::new(code, message),
+    };
+    let Some(op_name) = op.as_str() else {
+        return Err(fail(
+            ErrorCode::BadArgs,
+            format!("op must be a string, got {}", describe(&op)),
+        ));
+    };
+    let Value::Array(items) = args else {
+        return Err(fail(
+            ErrorCode::BadArgs,
+            format!(
+                "args of `{}` must be an array, got {}",
+                truncate(op_name),
+                describe(&args)
+            ),
+        ));
+    };
+    Ok((id, op_name.to_owned(), items))
+}
+
+/// Checks each argument of `op` in order; the first mismatch is the error.
+fn check_args(op: &str, items: &[Value]) -> Result<(), ProtocolError> {
+    let Some((name, expects, shape)) = shape(op) else {
+        return Err(ProtocolError::new(
+            ErrorCode::UnknownOp,
+            format!(
+                "unknown op `{}`; this server (protocol {PROTOCOL_VERSION}) knows: {}; \
+                 a newer client may need a newer server",
+                truncate(op),
+                OP_NAMES.join(", ")
+            ),
+        ));
+    };
+    let a = Args {
+        op: name,
+        expects,
+        items,
+    };
+    let optional = shape
+        .iter()
+        .filter(|arg| matches!(arg, Arg::HelloOptions))
+        .count();
+    if optional == 0 {
+        a.count(shape.len())?;
+    } else if !(shape.len() - optional..=shape.len()).contains(&items.len()) {
+        return Err(a.mismatch(format!(
+            "{} arguments instead of {} or {}",
+            items.len(),
+            shape.len() - optional,
+            shape.len()
+        )));
+    }
+    for (index, arg) in shape.iter().enumerate().take(items.len()) {
+        match *arg {
+            Arg::Uint(name) => drop(a.uint(index, name)?),
+            Arg::Instance => drop(a.instance(index)?),
+            Arg::InstanceOrNil => {
+                if items[index] != Value::Nil {
+                    a.instance(index)?;
+                }
+            }
+            Arg::Text(name) => a.string(index, name)?,
+            Arg::Bin(name) => a.bin(index, name)?,
+            Arg::Keys => {
+                let Value::Array(keys) = &items[index] else {
+                    return Err(a.wrong(index, "keys", "an array of bin"));
+                };
+                if !keys.iter().all(is_key) {
+                    return Err(a.wrong(index, "keys", "an array of bin"));
+                }
+            }
+            Arg::Buffers => a.buffers(index)?,
+            Arg::HelloOptions => {
+                let map = a.map(index, "options")?;
+                match field(map, "pidfd_index") {
+                    None | Some(Value::Nil) => {}
+                    Some(value) if value.as_u64().is_some() => {}
+                    Some(value) => {
+                        return Err(a.mismatch(format!(
+                            "options.pidfd_index must be an unsigned integer, got {}",
+                            describe(value)
+                        )));
+                    }
+                }
+            }
+            Arg::Rope => {
+                let map = a.map(index, "rope")?;
+                field_uint(&a, map, "rotary_dim")?;
+                field_uint(&a, map, "max_positions")?;
+                if field(map, "base").and_then(Value::as_f64).is_none() {
+                    return Err(a.wrong(index, "rope.base", "a float"));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The arguments of one op, with the words to complain about them.
+struct Args<'a> {
+    op: &'static str,
+    expects: &'static str,
+    items: &'a [Value],
+}
+
+impl Args<'_> {
+    fn mismatch(&self, detail: String) -> ProtocolError {
+        ProtocolError::new(
+            ErrorCode::BadArgs,
+            format!(
+                "bad arguments for `{}`: expects {}, got {}: {detail}; this usually means \
+                 the client and the server speak different versions of the protocol \
+                 (server: protocol {PROTOCOL_VERSION}); upgrade the older side",
+                self.op,
+                self.expects,
+                describe_args(self.items),
+            ),
+        )
+    }
+
+    fn count(&self, n: usize) -> Result<(), ProtocolError> {
+        if self.items.len() == n {
+            return Ok(());
+        }
+        Err(self.mismatch(format!("{} arguments instead of {n}", self.items.len())))
+    }
+
+    fn wrong(&self, index: usize, name: &str, wanted: &str) -> ProtocolError {
+        let got = self
+            .items
+            .get(index)
+            .map_or("nothing".to_string(), describe);
+        self.mismatch(format!("`{name}` must be {wanted}, got {got}"))
+    }
+
+    fn uint(&self, index: usize, name: &str) -> Result<u64, ProtocolError> {
+        self.items
+            .get(index)
+            .and_then(Value::as_u64)
+            .ok_or_else(|| self.wrong(index, name, "an unsigned integer"))
+    }
+
+    fn instance(&self, index: usize) -> Result<InstanceId, ProtocolError> {
+        let raw = self.uint(index, "instance_id")?;
+        InstanceId::new(raw).map_err(|e| self.mismatch(e.to_string()))
+    }
+
+    fn string(&self, index: usize, name: &str) -> Result<(), ProtocolError> {
+        match self.items.get(index).and_then(Value::as_str) {
+            Some(_) => Ok(()),
+            None => Err(self.wrong(index, name, "a UTF-8 string")),
+        }
+    }
+
+    fn bin(&self, index: usize, name: &str) -> Result<(), ProtocolError> {
+        match self.items.get(index) {
+            Some(value) if is_key(value) => Ok(()),
+            _ => Err(self.wrong(index, name, "bin")),
+        }
+    }
+
+    fn map(&self, index: usize, name: &str) -> Result<&[(Value, Value)], ProtocolError> {
+        match self.items.get(index) {
+            Some(Value::Map(map)) => Ok(map),
+            _ => Err(self.wrong(index, name, "a map")),
+        }
+    }
+
+    fn buffers(&self, index: usize) -> Result<(), ProtocolError> {
+        let Some(Value::Array(items)) = self.items.get(index) else {
+            return Err(self.wrong(index, "buffers", "an array of buffer maps"));
+        };
+        for (position, item) in items.iter().enumerate() {
+            let Value::Map(map) = item else {
+                return Err(self.mismatch(format!(
+                    "buffers[{position}] must be a map with a \"kind\", got {}",
+                    describe(item)
+                )));
+            };
+            let uint = |key: &str| match field(map, key).and_then(Value::as_u64) {
+                Some(_) => Ok(()),
+                None => Err(self.mismatch(format!(
+                    "buffers[{position}].{key} must be an unsigned integer"
+                ))),
+            };
+            match field(map, "kind").and_then(Value::as_str) {
+                Some("memfd") => {
+                    uint("fd_index")?;
+                    uint("nbytes")?;
+                }
+                Some("cuda_ipc") => {
+                    uint("device")?;
+                    if !field(map, "handle").is_some_and(is_key) {
+                        return Err(
+                            self.mismatch(format!("buffers[{position}].handle must be bin(64)"))
+                        );
+                    }
+                    uint("offset")?;
+                    uint("nbytes")?;
+                }
+                other => {
+                    return Err(self.mismatch(format!(
+                        "buffers[{position}].kind must be \"memfd\" or \"cuda_ipc\", got {}",
+                        other.map_or("nothing".to_string(), |k| format!("{:?}", truncate(k)))
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn field<'a>(map: &'a [(Value, Value)], key: &str) -> Option<&'a Value> {
+    map.iter()
+        .find(|(k, _)| k.as_str() == Some(key))
+        .map(|(_, v)| v)
+}
+
+fn field_uint(args: &Args<'_>, map: &[(Value, Value)], key: &str) -> Result<u64, ProtocolError> {
+    field(map, key)
+        .and_then(Value::as_u64)
+        .ok_or_else(|| args.mismatch(format!("rope.{key} must be an unsigned integer")))
+}
+
+/// Keys travel as bin; a str is accepted too (some MessagePack clients cannot tell).
+fn is_key(value: &Value) -> bool {
+    matches!(value, Value::Binary(_) | Value::String(_))
+}
+
+/// Caps names echoed back into messages.
+fn truncate(text: &str) -> &str {
+    match text.char_indices().nth(64) {
+        Some((end, _)) => &text[..end],
+        None => text,
+    }
+}
+
+fn describe_args(items: &[Value]) -> String {
+    let shown: Vec<String> = items.iter().take(8).map(describe).collect();
+    let more = if items.len() > 8 { ", …" } else { "" };
+    format!("[{}{more}] ({} arguments)", shown.join(", "), items.len())
+}
+
+/// A short type description of a value, never its whole content.
+pub(crate) fn describe(value: &Value) -> String {
+    match value {
+        Value::Nil => "nil".into(),
+        Value::Boolean(b) => format!("bool {b}"),
+        Value::Integer(i) => match (i.as_u64(), i.as_i64()) {
+            (Some(u), _) => format!("uint {u}"),
+            (None, Some(n)) => format!("negative int {n}"),
+            _ => "int".into(),
+        },
+        Value::F32(_) | Value::F64(_) => "float".into(),
+        Value::String(s) => format!("str({} bytes)", s.as_bytes().len()),
+        Value::Binary(b) => format!("bin({} bytes)", b.len()),
+        Value::Array(a) => format!("array({} items)", a.len()),
+        Value::Map(m) => format!("map({} entries)", m.len()),
+        Value::Ext(t, _) => format!("ext type {t}"),
+    }
+}

@@ -1,0 +1,731 @@
+//! Requests: `[request_id: uint, op: str, args: array]`, decoded into typed values.
+//!
+//! Every malformed input maps to an error code of the spec: a body that is not a
+//! MessagePack request at all is `bad_frame`; a known op with the wrong arguments is
+//! `bad_args`, naming the op, what it expects and what arrived; an op this server does
+//! not know is `unknown_op`.
+
+use super::error::DecodeError;
+use super::reply::encode_request;
+use super::{diagnose, wire_args};
+use crate::InstanceId;
+use rmpv::Value;
+
+/// A decoded request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Request {
+    /// The id the reply must carry.
+    pub id: u64,
+    /// What is asked.
+    pub op: Op,
+}
+
+/// A buffer a worker registers.
+#[derive(Clone, Debug, PartialEq)]
+pub enum BufferSpec {
+    /// Host memory shared as a memfd sent with the frame (`SCM_RIGHTS`).
+    Memfd {
+        /// Index of the fd among those that arrived with the frame.
+        fd_index: u64,
+        /// Bytes the worker claims the memfd holds.
+        nbytes: u64,
+    },
+    /// A `cuIpcGetMemHandle` handle of an allocation's base.
+    CudaIpc {
+        /// The CUDA device ordinal.
+        device: u64,
+        /// The 64-byte IPC handle.
+        handle: Vec<u8>,
+        /// Where the buffer starts inside the allocation.
+        offset: u64,
+        /// The buffer's length.
+        nbytes: u64,
+    },
+}
+
+/// CacheBlend rope parameters.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RopeSpec {
+    /// Rotary dimension.
+    pub rotary_dim: u64,
+    /// Positions to precompute.
+    pub max_positions: u64,
+    /// RoPE base.
+    pub base: f64,
+}
+
+/// An op with its arguments.
+#[derive(Clone, Debug, PartialEq)]
+#[allow(missing_docs)] // the fields are those of the op table in protocol.md
+pub enum Op {
+    Hello {
+        protocol: u64,
+        client: String,
+        /// Index among the frame's fds of a pidfd of the sending process (the optional
+        /// third argument, `{"pidfd_index": uint}`).
+        pidfd_index: Option<u64>,
+    },
+    Ping {
+        instance: Option<InstanceId>,
+    },
+    RegisterKvCache {
+        instance: InstanceId,
+        buffers: Vec<BufferSpec>,
+        model_name: String,
+        world_size: u64,
+    },
+    UnregisterKvCache {
+        instance: InstanceId,
+    },
+    Store {
+        instance: InstanceId,
+        key: Vec<u8>,
+        buffer: u64,
+        offset: u64,
+        nbytes: u64,
+    },
+    Retrieve {
+        instance: InstanceId,
+        key: Vec<u8>,
+        buffer: u64,
+        offset: u64,
+    },
+    Lookup {
+        keys: Vec<Vec<u8>>,
+    },
+    RegisterEngineDriven {
+        instance: InstanceId,
+        model_name: String,
+        world_size: u64,
+    },
+    UnregisterEngineDriven {
+        instance: InstanceId,
+    },
+    PrepareStore {
+        instance: InstanceId,
+        key: Vec<u8>,
+    },
+    CommitStore {
+        instance: InstanceId,
+        key: Vec<u8>,
+        nbytes: u64,
+    },
+    PrepareRetrieve {
+        instance: InstanceId,
+        key: Vec<u8>,
+    },
+    CommitRetrieve {
+        instance: InstanceId,
+        key: Vec<u8>,
+    },
+    RegisterBlend {
+        instance: InstanceId,
+        rope: RopeSpec,
+    },
+    Status,
+}
+
+/// Every op name this server knows, for metrics labels and error messages.
+pub const OP_NAMES: [&str; 15] = [
+    "hello",
+    "ping",
+    "register_kv_cache",
+    "unregister_kv_cache",
+    "store",
+    "retrieve",
+    "lookup",
+    "register_engine_driven",
+    "unregister_engine_driven",
+    "prepare_store",
+    "commit_store",
+    "prepare_retrieve",
+    "commit_retrieve",
+    "register_blend",
+    "status",
+];
+
+impl Op {
+    /// The op's wire name.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Hello { .. } => "hello",
+            Op::Ping { .. } => "ping",
+            Op::RegisterKvCache { .. } => "register_kv_cache",
+            Op::UnregisterKvCache { .. } => "unregister_kv_cache",
+            Op::Store { .. } => "store",
+            Op::Retrieve { .. } => "retrieve",
+            Op::Lookup { .. } => "lookup",
+            Op::RegisterEngineDriven { .. } => "register_engine_driven",
+            Op::UnregisterEngineDriven { .. } => "unregister_engine_driven",
+            Op::PrepareStore { .. } => "prepare_store",
+            Op::CommitStore { .. } => "commit_store",
+            Op::PrepareRetrieve { .. } => "prepare_retrieve",
+            Op::CommitRetrieve { .. } => "commit_retrieve",
+            Op::RegisterBlend { .. } => "register_blend",
+            Op::Status => "status",
+        }
+    }
+
+    /// The instance the op names, if any (ownership is checked against it).
+    pub fn instance(&self) -> Option<InstanceId> {
+        match self {
+            Op::Hello { .. } | Op::Lookup { .. } | Op::Status => None,
+            Op::Ping { instance } => *instance,
+            Op::RegisterKvCache { instance, .. }
+            | Op::UnregisterKvCache { instance }
+            | Op::Store { instance, .. }
+            | Op::Retrieve { instance, .. }
+            | Op::RegisterEngineDriven { instance, .. }
+            | Op::UnregisterEngineDriven { instance }
+            | Op::PrepareStore { instance, .. }
+            | Op::CommitStore { instance, .. }
+            | Op::PrepareRetrieve { instance, .. }
+            | Op::CommitRetrieve { instance, .. }
+            | Op::RegisterBlend { instance, .. } => Some(*instance),
+        }
+    }
+}
+
+impl Request {
+    /// The framed request, as a worker sends it: the one typed request encoder, shared
+    /// by the client, the benches, the simulator and the fuzz targets.
+    ///
+    /// Decoding the frame's body gives this request back (`decode_request`).
+    pub fn encode(&self) -> Vec<u8> {
+        encode_request(self.id, self.op.name(), self.op.args())
+    }
+}
+
+impl BufferSpec {
+    /// The buffer map of `register_kv_cache`.
+    pub fn to_value(&self) -> Value {
+        match self {
+            BufferSpec::Memfd { fd_index, nbytes } => Value::Map(vec![
+                ("kind".into(), "memfd".into()),
+                ("fd_index".into(), Value::from(*fd_index)),
+                ("nbytes".into(), Value::from(*nbytes)),
+            ]),
+            BufferSpec::CudaIpc {
+                device,
+                handle,
+                offset,
+                nbytes,
+            } => Value::Map(vec![
+                ("kind".into(), "cuda_ipc".into()),
+                ("device".into(), Value::from(*device)),
+                ("handle".into(), Value::Binary(handle.clone())),
+                ("offset".into(), Value::from(*offset)),
+                ("nbytes".into(), Value::from(*nbytes)),
+            ]),
+        }
+    }
+}
+
+impl Op {
+    /// The op's arguments as they travel (`args` of `[request_id, op, args]`), in the
+    /// order of the op table in `docs/protocol.md`.
+    pub fn args(&self) -> Vec<Value> {
+        let uint = Value::from;
+        let id = |instance: &InstanceId| Value::from(instance.get());
+        let bin = |bytes: &[u8]| Value::Binary(bytes.to_vec());
+        match self {
+            Op::Hello {
+                protocol,
+                client,
+                pidfd_index,
+            } => {
+                let mut args = vec![uint(*protocol), client.as_str().into()];
+                if let Some(index) = pidfd_index {
+                    args.push(Value::Map(vec![("pidfd_index".into(), uint(*index))]));
+                }
+                args
+            }
+            Op::Ping { instance } => vec![instance.as_ref().map_or(Value::Nil, id)],
+            Op::RegisterKvCache {
+                instance,
+                buffers,
+                model_name,
+                world_size,
+            } => vec![
+                id(instance),
+                Value::Array(buffers.iter().map(BufferSpec::to_value).collect()),
+                model_name.as_str().into(),
+                uint(*world_size),
+            ],
+            Op::UnregisterKvCache { instance } | Op::UnregisterEngineDriven { instance } => {
+                vec![id(instance)]
+            }
+            Op::Store {
+                instance,
+                key,
+                buffer,
+                offset,
+                nbytes,
+            } => vec![
+                id(instance),
+                bin(key),
+                uint(*buffer),
+                uint(*offset),
+                uint(*nbytes),
+            ],
+            Op::Retrieve {
+                instance,
+                key,
+                buffer,
+                offset,
+            } => vec![id(instance), bin(key), uint(*buffer), uint(*offset)],
+            Op::Lookup { keys } => vec![Value::Array(keys.iter().map(|k| bin(k)).collect())],
+            Op::RegisterEngineDriven {
+                instance,
+                model_name,
+                world_size,
+            } => vec![id(instance), model_name.as_str().into(), uint(*world_size)],
+            Op::PrepareStore { instance, key }
+            | Op::PrepareRetrieve { instance, key }
+            | Op::CommitRetrieve { instance, key } => vec![id(instance), bin(key)],
+            Op::CommitStore {
+                instance,
+                key,
+                nbytes,
+            } => vec![id(instance), bin(key), uint(*nbytes)],
+            Op::RegisterBlend { instance, rope } => vec![
+                id(instance),
+                Value::Map(vec![
+                    ("rotary_dim".into(), uint(rope.rotary_dim)),
+                    ("max_positions".into(), uint(rope.max_positions)),
+                    ("base".into(), Value::F64(rope.base)),
+                ]),
+            ],
+            Op::Status => vec![],
+        }
+    }
+}
+
+/// Decodes one frame body into a request. Never panics; see the module docs for the
+/// error codes.
+///
+/// A valid body goes through the typed serde decoder alone; only a refused one is
+/// decoded again, into a value tree, to say what is wrong with it.
+pub fn decode_request(body: &[u8]) -> Result<Request, DecodeError> {
+    wire_args::decode(body).map_err(|refusal| diagnose::diagnose(body, &refusal))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::{ErrorCode, PROTOCOL_VERSION};
+
+    fn body(value: Value) -> Vec<u8> {
+        let mut out = Vec::new();
+        rmpv::encode::write_value(&mut out, &value).unwrap();
+        out
+    }
+
+    fn request(id: Value, op: &str, args: Vec<Value>) -> Vec<u8> {
+        body(Value::Array(vec![id, op.into(), Value::Array(args)]))
+    }
+
+    #[test]
+    fn ping_with_empty_args_is_bad_args_naming_the_mismatch() {
+        let error = decode_request(&request(7.into(), "ping", vec![])).unwrap_err();
+        assert_eq!(error.request_id, Some(7));
+        assert_eq!(error.error.code, ErrorCode::BadArgs);
+        let message = error.error.message;
+        assert!(message.contains("`ping`"), "{message}");
+        assert!(message.contains("[instance_id: uint | nil]"), "{message}");
+        assert!(message.contains("0 arguments"), "{message}");
+        assert!(message.contains("versions"), "{message}");
+    }
+
+    #[test]
+    fn any_integer_encoding_is_accepted_and_ids_above_max_are_bad_args() {
+        for encoded in [
+            vec![0x93, 0x01, 0xa4, b'p', b'i', b'n', b'g', 0x91, 0x05],
+            vec![
+                0x93, 0xcc, 0x01, 0xa4, b'p', b'i', b'n', b'g', 0x91, 0xd0, 0x05,
+            ],
+            vec![
+                0x93, 0xd3, 0, 0, 0, 0, 0, 0, 0, 1, 0xa4, b'p', b'i', b'n', b'g', 0x91, 0xcf, 0, 0,
+                0, 0, 0, 0, 0, 5,
+            ],
+        ] {
+            let request = decode_request(&encoded).unwrap();
+            assert_eq!(request.id, 1);
+            assert_eq!(
+                request.op,
+                Op::Ping {
+                    instance: Some(InstanceId::new(5).unwrap())
+                }
+            );
+        }
+        let too_big = request(1.into(), "ping", vec![Value::from(1u64 << 63)]);
+        let error = decode_request(&too_big).unwrap_err();
+        assert_eq!(error.error.code, ErrorCode::BadArgs);
+        assert!(error.error.message.contains("9223372036854775808"));
+        let negative = request(1.into(), "ping", vec![Value::from(-1)]);
+        assert_eq!(
+            decode_request(&negative).unwrap_err().error.code,
+            ErrorCode::BadArgs
+        );
+    }
+
+    #[test]
+    fn garbage_is_bad_frame_and_unknown_ops_are_unknown_op() {
+        for garbage in [&b""[..], b"\xc1", b"\x93\x01", b"\x01", b"\x92\x01\x02"] {
+            let error = decode_request(garbage).unwrap_err();
+            assert_eq!(error.error.code, ErrorCode::BadFrame, "{garbage:?}");
+        }
+        let error = decode_request(&request(3.into(), "fly", vec![])).unwrap_err();
+        assert_eq!(error.error.code, ErrorCode::UnknownOp);
+        assert_eq!(error.request_id, Some(3));
+    }
+
+    #[test]
+    fn deep_nesting_is_rejected_without_recursion_blowup() {
+        let mut nested = vec![0x91; 100_000];
+        nested.push(0xc0);
+        assert_eq!(
+            decode_request(&nested).unwrap_err().error.code,
+            ErrorCode::BadFrame
+        );
+    }
+
+    /// A cheap stand-in for the fuzzer until `fuzz/` has a `frame_decode` target:
+    /// random bytes and random mutations of valid requests never panic.
+    #[test]
+    fn random_and_mutated_inputs_never_panic() {
+        let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let valid = [
+            request(1.into(), "ping", vec![Value::Nil]),
+            request(
+                2.into(),
+                "store",
+                vec![
+                    1.into(),
+                    Value::Binary(vec![1]),
+                    0.into(),
+                    0.into(),
+                    8.into(),
+                ],
+            ),
+            request(
+                3.into(),
+                "register_kv_cache",
+                vec![
+                    1.into(),
+                    Value::Array(vec![Value::Map(vec![
+                        ("kind".into(), "memfd".into()),
+                        ("fd_index".into(), 0.into()),
+                        ("nbytes".into(), 8.into()),
+                    ])]),
+                    "m".into(),
+                    1.into(),
+                ],
+            ),
+        ];
+        for round in 0..50_000 {
+            let mut bytes = if round % 2 == 0 {
+                let len = (next() % 64) as usize;
+                (0..len).map(|_| next() as u8).collect::<Vec<u8>>()
+            } else {
+                valid[(next() % 3) as usize].clone()
+            };
+            for _ in 0..(next() % 4) {
+                if bytes.is_empty() {
+                    break;
+                }
+                let at = (next() as usize) % bytes.len();
+                bytes[at] = next() as u8;
+            }
+            let _ = decode_request(&bytes);
+            let _ = crate::protocol::decode_reply(&bytes);
+        }
+    }
+
+    #[test]
+    fn register_decodes_memfd_and_cuda_buffers() {
+        let memfd = Value::Map(vec![
+            ("kind".into(), "memfd".into()),
+            ("fd_index".into(), 0.into()),
+            ("nbytes".into(), 4096.into()),
+        ]);
+        let request = decode_request(&request(
+            9.into(),
+            "register_kv_cache",
+            vec![5.into(), Value::Array(vec![memfd]), "m".into(), 1.into()],
+        ))
+        .unwrap();
+        let Op::RegisterKvCache { buffers, .. } = request.op else {
+            panic!("wrong op");
+        };
+        assert_eq!(
+            buffers,
+            vec![BufferSpec::Memfd {
+                fd_index: 0,
+                nbytes: 4096
+            }]
+        );
+    }
+
+    #[test]
+    fn every_op_encodes_to_a_frame_that_decodes_back_to_it() {
+        let instance = InstanceId::new(42).unwrap();
+        let key = vec![1, 2, 3];
+        let ops = [
+            Op::Hello {
+                protocol: PROTOCOL_VERSION,
+                client: "w".into(),
+                pidfd_index: None,
+            },
+            Op::Hello {
+                protocol: PROTOCOL_VERSION,
+                client: "w".into(),
+                pidfd_index: Some(0),
+            },
+            Op::Ping { instance: None },
+            Op::Ping {
+                instance: Some(instance),
+            },
+            Op::RegisterKvCache {
+                instance,
+                buffers: vec![
+                    BufferSpec::Memfd {
+                        fd_index: 0,
+                        nbytes: 4096,
+                    },
+                    BufferSpec::CudaIpc {
+                        device: 1,
+                        handle: vec![7; 64],
+                        offset: 8,
+                        nbytes: 16,
+                    },
+                ],
+                model_name: "m".into(),
+                world_size: 2,
+            },
+            Op::UnregisterKvCache { instance },
+            Op::Store {
+                instance,
+                key: key.clone(),
+                buffer: 0,
+                offset: 1,
+                nbytes: 2,
+            },
+            Op::Retrieve {
+                instance,
+                key: key.clone(),
+                buffer: 0,
+                offset: 1,
+            },
+            Op::Lookup {
+                keys: vec![key.clone(), vec![]],
+            },
+            Op::RegisterEngineDriven {
+                instance,
+                model_name: "m".into(),
+                world_size: 1,
+            },
+            Op::UnregisterEngineDriven { instance },
+            Op::PrepareStore {
+                instance,
+                key: key.clone(),
+            },
+            Op::CommitStore {
+                instance,
+                key: key.clone(),
+                nbytes: 9,
+            },
+            Op::PrepareRetrieve {
+                instance,
+                key: key.clone(),
+            },
+            Op::CommitRetrieve {
+                instance,
+                key: key.clone(),
+            },
+            Op::RegisterBlend {
+                instance,
+                rope: RopeSpec {
+                    rotary_dim: 64,
+                    max_positions: 128,
+                    base: 10000.0,
+                },
+            },
+            Op::Status,
+        ];
+        assert_eq!(
+            ops.len(),
+            OP_NAMES.len() + 2,
+            "one op per name; hello and ping twice"
+        );
+        for (id, op) in ops.into_iter().enumerate() {
+            let request = Request { id: id as u64, op };
+            let frame = request.encode();
+            let (body, consumed) = crate::protocol::split_frame(&frame, 1 << 20)
+                .unwrap()
+                .unwrap();
+            assert_eq!(consumed, frame.len());
+            assert_eq!(decode_request(body).unwrap(), request);
+        }
+    }
+
+    /// The typed decoder and the diagnosis agree: a body the typed decoder refuses gets
+    /// a precise cause from the diagnosis, never the fallback that quotes serde (except
+    /// for the never-used marker 0xc1, which the value tree reads as nil).
+    #[test]
+    fn every_refused_body_is_diagnosed_precisely() {
+        let mut state: u64 = 0x2545_f491_4f6c_dd1d;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        fn value(next: &mut dyn FnMut() -> u64, depth: u32) -> Value {
+            const WORDS: [&str; 12] = [
+                "memfd",
+                "cuda_ipc",
+                "kind",
+                "fd_index",
+                "nbytes",
+                "device",
+                "handle",
+                "offset",
+                "rotary_dim",
+                "max_positions",
+                "base",
+                "x",
+            ];
+            match next() % if depth > 3 { 9 } else { 12 } {
+                0 => Value::Nil,
+                1 => Value::from(next() % 5),
+                2 => Value::from(-((next() % 5) as i64) - 1),
+                3 => Value::from(next()),
+                4 => Value::F64(1.5),
+                5 => Value::from(WORDS[(next() % 12) as usize]),
+                6 => Value::Binary(vec![1; (next() % 3) as usize]),
+                7 => Value::Boolean(true),
+                8 => Value::F32(2.0),
+                9 | 10 => Value::Array((0..next() % 4).map(|_| value(next, depth + 1)).collect()),
+                _ => Value::Map(
+                    (0..next() % 6)
+                        .map(|_| (value(next, depth + 1), value(next, depth + 1)))
+                        .collect(),
+                ),
+            }
+        }
+        let mut ops: Vec<&str> = OP_NAMES.to_vec();
+        ops.push("fly");
+        for round in 0..100_000u32 {
+            let op = ops[(next() % ops.len() as u64) as usize];
+            let mut args: Vec<Value> = (0..next() % 6).map(|_| value(&mut next, 1)).collect();
+            if round % 3 == 0 && !args.is_empty() {
+                args[0] = Value::from(next() % 3);
+            }
+            if round % 2 == 0 && args.len() > 1 {
+                let keys: &[&str] = if op == "register_blend" {
+                    &["rotary_dim", "max_positions", "base"]
+                } else {
+                    &["kind", "fd_index", "nbytes", "device", "handle", "offset"]
+                };
+                let mut map: Vec<(Value, Value)> = Vec::new();
+                for key in keys {
+                    if next() % 5 != 0 {
+                        let v = match (*key, next() % 6) {
+                            (_, 0) => value(&mut next, 3),
+                            ("kind", _) => ["memfd", "cuda_ipc"][(next() % 2) as usize].into(),
+                            ("handle", _) => Value::Binary(vec![0; 64]),
+                            _ => Value::from(next() % 9),
+                        };
+                        map.push(((*key).into(), v));
+                    }
+                }
+                args[1] = if op == "register_blend" {
+                    Value::Map(map)
+                } else {
+                    Value::Array(vec![Value::Map(map)])
+                };
+            }
+            let mut bytes = body(Value::Array(vec![
+                Value::from(next() % 100),
+                op.into(),
+                Value::Array(args),
+            ]));
+            if next() % 10 == 0 {
+                let at = (next() as usize) % bytes.len();
+                bytes[at] = next() as u8;
+            }
+            if let Err(error) = decode_request(&bytes) {
+                assert!(
+                    !error.error.message.contains("do not decode") || bytes.contains(&0xc1),
+                    "{bytes:02x?}: {error}"
+                );
+            }
+        }
+    }
+
+    /// `hello [protocol, client]` (every client before the pidfd) stays valid; the
+    /// optional options map carries `pidfd_index`; anything else is `bad_args` naming it.
+    #[test]
+    fn row_24_hello_takes_an_optional_pidfd_index_and_refuses_a_bad_one() {
+        let decode = |args: Vec<Value>| decode_request(&request(3.into(), "hello", args));
+        let hello = |pidfd_index| Op::Hello {
+            protocol: 1,
+            client: "c".into(),
+            pidfd_index,
+        };
+        assert_eq!(decode(vec![1.into(), "c".into()]).unwrap().op, hello(None));
+        let options = |entries: Vec<(Value, Value)>| Value::Map(entries);
+        let with = |value: Value| options(vec![("pidfd_index".into(), value)]);
+        assert_eq!(
+            decode(vec![1.into(), "c".into(), with(0.into())])
+                .unwrap()
+                .op,
+            hello(Some(0))
+        );
+        assert_eq!(
+            decode(vec![1.into(), "c".into(), with(Value::Nil)])
+                .unwrap()
+                .op,
+            hello(None)
+        );
+        // Unknown options are ignored (room to grow); an empty map means no pidfd.
+        let other = options(vec![("later".into(), true.into())]);
+        assert_eq!(
+            decode(vec![1.into(), "c".into(), other]).unwrap().op,
+            hello(None)
+        );
+        assert_eq!(
+            decode(vec![1.into(), "c".into(), options(vec![])])
+                .unwrap()
+                .op,
+            hello(None)
+        );
+        for (args, says) in [
+            (
+                vec![1.into(), "c".into(), with((-1).into())],
+                "negative int -1",
+            ),
+            (vec![1.into(), "c".into(), with("0".into())], "pidfd_index"),
+            (
+                vec![1.into(), "c".into(), 0.into()],
+                "`options` must be a map",
+            ),
+            (
+                vec![1.into(), "c".into(), Value::Nil, Value::Nil],
+                "4 arguments instead of 2 or 3",
+            ),
+            (vec![1.into()], "1 arguments instead of 2 or 3"),
+        ] {
+            let error = decode(args).unwrap_err().error;
+            assert_eq!(error.code, ErrorCode::BadArgs);
+            assert!(error.message.contains(says), "{}", error.message);
+        }
+    }
+}

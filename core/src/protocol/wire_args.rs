@@ -1,0 +1,552 @@
+//! The typed decoder: a request body straight into an [`Op`] with serde and
+//! `rmp-serde`, without building a MessagePack value tree.
+//!
+//! It accepts exactly the requests the protocol allows and nothing else; it says only
+//! *whether* a body is a valid request. Why a body is not one (the `bad_frame`,
+//! `bad_args` and `unknown_op` messages that name the op, what it expects and what
+//! arrived) is [`super::diagnose`]'s job, which runs only on the rare invalid body.
+//!
+//! The wire types are strict where serde's defaults are lenient, and lenient where the
+//! protocol always was, so that a body is valid here exactly when the diagnosis finds
+//! nothing wrong: a string is a MessagePack str (not bin); a key or handle is bin or
+//! str; a number is any integer encoding of its value; a map is a map (not an array
+//! standing for a struct), only str keys name its fields, the first value under a key
+//! counts, and a field the buffer's kind does not use is ignored whatever its type;
+//! the rope base is any number.
+
+use super::MAX_DEPTH;
+use super::request::{BufferSpec, OP_NAMES, Op, Request, RopeSpec};
+use crate::InstanceId;
+use serde::Deserialize;
+use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use std::fmt;
+
+/// Decodes `body` as one request followed by nothing; otherwise serde's reason, which
+/// the diagnosis uses only when it finds no more precise one.
+pub(super) fn decode(body: &[u8]) -> Result<Request, String> {
+    let mut rest = body;
+    let request = {
+        let mut deserializer = rmp_serde::Deserializer::new(&mut rest);
+        deserializer.set_max_depth(MAX_DEPTH);
+        deserializer
+            .deserialize_any(RequestVisitor)
+            .map_err(|error| error.to_string())?
+    };
+    if !rest.is_empty() {
+        return Err(format!("{} trailing bytes", rest.len()));
+    }
+    Ok(request)
+}
+
+/// `[request_id: uint, op: str, args: array]`.
+struct RequestVisitor;
+
+impl<'de> Visitor<'de> for RequestVisitor {
+    type Value = Request;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("[request_id: uint, op: str, args: array]")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Request, A::Error> {
+        let missing = || de::Error::custom("a request has 3 items");
+        let id: u64 = seq.next_element()?.ok_or_else(missing)?;
+        let OpName(name) = seq.next_element()?.ok_or_else(missing)?;
+        let op = seq.next_element_seed(ArgsSeed(name))?.ok_or_else(missing)?;
+        // More than 3 items: rmp-serde refuses a sequence left unread.
+        Ok(Request { id, op })
+    }
+}
+
+/// An op name this server knows.
+struct OpName(&'static str);
+
+impl<'de> Deserialize<'de> for OpName {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<OpName, D::Error> {
+        struct NameVisitor;
+        impl Visitor<'_> for NameVisitor {
+            type Value = OpName;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("an op name")
+            }
+            fn visit_str<E: de::Error>(self, name: &str) -> Result<OpName, E> {
+                OP_NAMES
+                    .iter()
+                    .find(|known| **known == name)
+                    .map(|known| OpName(known))
+                    .ok_or_else(|| E::custom("unknown op"))
+            }
+        }
+        deserializer.deserialize_str(NameVisitor)
+    }
+}
+
+/// The args array of the op named `.0`.
+struct ArgsSeed(&'static str);
+
+impl<'de> DeserializeSeed<'de> for ArgsSeed {
+    type Value = Op;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Op, D::Error> {
+        Ok(match self.0 {
+            "hello" => {
+                let HelloArgs {
+                    protocol,
+                    client,
+                    pidfd_index,
+                } = d.deserialize_any(HelloVisitor)?;
+                Op::Hello {
+                    protocol,
+                    client,
+                    pidfd_index,
+                }
+            }
+            "ping" => {
+                let (instance,): (Option<Instance>,) = array(d)?;
+                Op::Ping {
+                    instance: instance.map(|Instance(id)| id),
+                }
+            }
+            "register_kv_cache" => {
+                let (Instance(instance), Bounded(buffers), Text(model_name), world_size): (
+                    _,
+                    Bounded<WireBuffer>,
+                    _,
+                    _,
+                ) = array(d)?;
+                let buffers = buffers
+                    .into_iter()
+                    .map(WireBuffer::into_spec)
+                    .collect::<Option<Vec<BufferSpec>>>()
+                    .ok_or_else(|| de::Error::custom("a buffer lacks a field its kind needs"))?;
+                Op::RegisterKvCache {
+                    instance,
+                    buffers,
+                    model_name,
+                    world_size,
+                }
+            }
+            "unregister_kv_cache" => {
+                let (Instance(instance),) = array(d)?;
+                Op::UnregisterKvCache { instance }
+            }
+            "store" => {
+                let (Instance(instance), Key(key), buffer, offset, nbytes) = array(d)?;
+                Op::Store {
+                    instance,
+                    key,
+                    buffer,
+                    offset,
+                    nbytes,
+                }
+            }
+            "retrieve" => {
+                let (Instance(instance), Key(key), buffer, offset) = array(d)?;
+                Op::Retrieve {
+                    instance,
+                    key,
+                    buffer,
+                    offset,
+                }
+            }
+            "lookup" => {
+                let (Bounded(keys),): (Bounded<Key>,) = array(d)?;
+                Op::Lookup {
+                    keys: keys.into_iter().map(|Key(key)| key).collect(),
+                }
+            }
+            "register_engine_driven" => {
+                let (Instance(instance), Text(model_name), world_size) = array(d)?;
+                Op::RegisterEngineDriven {
+                    instance,
+                    model_name,
+                    world_size,
+                }
+            }
+            "unregister_engine_driven" => {
+                let (Instance(instance),) = array(d)?;
+                Op::UnregisterEngineDriven { instance }
+            }
+            "prepare_store" => {
+                let (Instance(instance), Key(key)) = array(d)?;
+                Op::PrepareStore { instance, key }
+            }
+            "prepare_retrieve" => {
+                let (Instance(instance), Key(key)) = array(d)?;
+                Op::PrepareRetrieve { instance, key }
+            }
+            "commit_retrieve" => {
+                let (Instance(instance), Key(key)) = array(d)?;
+                Op::CommitRetrieve { instance, key }
+            }
+            "commit_store" => {
+                let (Instance(instance), Key(key), nbytes) = array(d)?;
+                Op::CommitStore {
+                    instance,
+                    key,
+                    nbytes,
+                }
+            }
+            "register_blend" => {
+                let (Instance(instance), WireRope(rope)) = array(d)?;
+                Op::RegisterBlend { instance, rope }
+            }
+            "status" => {
+                let []: [IgnoredAny; 0] = array(d)?;
+                Op::Status
+            }
+            _ => return Err(de::Error::custom("unknown op")),
+        })
+    }
+}
+
+/// A tuple or array read from a MessagePack array only. Serde reads tuples with
+/// `deserialize_tuple`, for which rmp-serde also takes a bin as an array of bytes.
+fn array<'de, D: Deserializer<'de>, T: Deserialize<'de>>(deserializer: D) -> Result<T, D::Error> {
+    struct ArrayVisitor<T>(std::marker::PhantomData<T>);
+    impl<'de, T: Deserialize<'de>> Visitor<'de> for ArrayVisitor<T> {
+        type Value = T;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("an array")
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<T, A::Error> {
+            T::deserialize(de::value::SeqAccessDeserializer::new(seq))
+        }
+    }
+    deserializer.deserialize_any(ArrayVisitor(std::marker::PhantomData))
+}
+
+/// `hello`'s `[protocol: uint, client: str]`, or the same with a third argument, an
+/// options map whose `pidfd_index` (uint or nil) counts and whose other keys are
+/// ignored (room to grow).
+struct HelloArgs {
+    protocol: u64,
+    client: String,
+    pidfd_index: Option<u64>,
+}
+
+struct HelloVisitor;
+
+impl<'de> Visitor<'de> for HelloVisitor {
+    type Value = HelloArgs;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("[protocol: uint, client: str, options?: map]")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<HelloArgs, A::Error> {
+        let missing = || de::Error::custom("hello has 2 or 3 arguments");
+        let protocol: u64 = seq.next_element()?.ok_or_else(missing)?;
+        let Text(client) = seq.next_element()?.ok_or_else(missing)?;
+        let pidfd_index = match seq.next_element::<HelloOptions>()? {
+            Some(HelloOptions(index)) => index,
+            None => None,
+        };
+        // A fourth argument: rmp-serde refuses a sequence left unread.
+        Ok(HelloArgs {
+            protocol,
+            client,
+            pidfd_index,
+        })
+    }
+}
+
+/// `hello`'s options map: `pidfd_index` when present and not nil.
+struct HelloOptions(Option<u64>);
+
+impl<'de> Deserialize<'de> for HelloOptions {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<HelloOptions, D::Error> {
+        struct OptionsVisitor;
+        impl<'de> Visitor<'de> for OptionsVisitor {
+            type Value = HelloOptions;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("an options map")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<HelloOptions, A::Error> {
+                let mut fields = fields(map, &["pidfd_index"])?;
+                match take(&mut fields, "pidfd_index") {
+                    None | Some(Loose::Nil) => Ok(HelloOptions(None)),
+                    Some(Loose::Uint(index)) => Ok(HelloOptions(Some(index))),
+                    _ => Err(de::Error::custom("options.pidfd_index is not a uint")),
+                }
+            }
+        }
+        deserializer.deserialize_map(OptionsVisitor)
+    }
+}
+
+/// An instance id as it travels: a uint no larger than [`InstanceId::MAX`].
+struct Instance(InstanceId);
+
+impl<'de> Deserialize<'de> for Instance {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Instance, D::Error> {
+        let raw = u64::deserialize(deserializer)?;
+        InstanceId::new(raw)
+            .map(Instance)
+            .map_err(de::Error::custom)
+    }
+}
+
+/// A key or handle: bin, or a str taken as its bytes (some MessagePack clients cannot
+/// tell the two apart).
+struct Key(Vec<u8>);
+
+impl<'de> Deserialize<'de> for Key {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Key, D::Error> {
+        struct KeyVisitor;
+        impl Visitor<'_> for KeyVisitor {
+            type Value = Key;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("bin")
+            }
+            fn visit_bytes<E: de::Error>(self, bytes: &[u8]) -> Result<Key, E> {
+                Ok(Key(bytes.to_vec()))
+            }
+            fn visit_str<E: de::Error>(self, text: &str) -> Result<Key, E> {
+                Ok(Key(text.as_bytes().to_vec()))
+            }
+        }
+        deserializer.deserialize_bytes(KeyVisitor)
+    }
+}
+
+/// A UTF-8 str (a bin is not a string here).
+struct Text(String);
+
+impl<'de> Deserialize<'de> for Text {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Text, D::Error> {
+        struct TextVisitor;
+        impl Visitor<'_> for TextVisitor {
+            type Value = Text;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a UTF-8 string")
+            }
+            fn visit_str<E: de::Error>(self, text: &str) -> Result<Text, E> {
+                Ok(Text(text.to_owned()))
+            }
+        }
+        deserializer.deserialize_str(TextVisitor)
+    }
+}
+
+/// An array whose declared length does not decide the allocation: a 5-byte header
+/// claiming 4 billion items must not reserve memory for them.
+struct Bounded<T>(Vec<T>);
+
+/// Items reserved up front, whatever the header claims; more grow the vector.
+const RESERVE_ITEMS: usize = 64;
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for Bounded<T> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Bounded<T>, D::Error> {
+        struct BoundedVisitor<T>(std::marker::PhantomData<T>);
+        impl<'de, T: Deserialize<'de>> Visitor<'de> for BoundedVisitor<T> {
+            type Value = Bounded<T>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("an array")
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Bounded<T>, A::Error> {
+                let hint = seq.size_hint().unwrap_or(0).min(RESERVE_ITEMS);
+                let mut items = Vec::with_capacity(hint);
+                while let Some(item) = seq.next_element()? {
+                    items.push(item);
+                }
+                Ok(Bounded(items))
+            }
+        }
+        // Not `deserialize_seq`: rmp-serde would hand a bin over as an array of bytes.
+        deserializer.deserialize_any(BoundedVisitor(std::marker::PhantomData))
+    }
+}
+
+/// Any MessagePack value, kept only as far as a map of buffers or rope parameters needs
+/// it. A field of the wrong type is not an error here: the kind decides which fields
+/// count (a memfd buffer ignores `handle`), and a missing or mistyped one that counts
+/// sends the body to the diagnosis.
+enum Loose {
+    Uint(u64),
+    /// A negative integer.
+    Int(i64),
+    Float(f64),
+    Text(String),
+    Bytes(Vec<u8>),
+    Nil,
+    Other,
+}
+
+impl Loose {
+    fn uint(self) -> Option<u64> {
+        match self {
+            Loose::Uint(value) => Some(value),
+            _ => None,
+        }
+    }
+
+    /// bin, or a str taken as its bytes (as keys are).
+    fn bytes(self) -> Option<Vec<u8>> {
+        match self {
+            Loose::Bytes(bytes) => Some(bytes),
+            Loose::Text(text) => Some(text.into_bytes()),
+            _ => None,
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Loose {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Loose, D::Error> {
+        struct LooseVisitor;
+        impl<'de> Visitor<'de> for LooseVisitor {
+            type Value = Loose;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("any value")
+            }
+            fn visit_str<E: de::Error>(self, text: &str) -> Result<Loose, E> {
+                Ok(Loose::Text(text.to_owned()))
+            }
+            fn visit_bytes<E: de::Error>(self, bytes: &[u8]) -> Result<Loose, E> {
+                Ok(Loose::Bytes(bytes.to_vec()))
+            }
+            fn visit_u64<E: de::Error>(self, value: u64) -> Result<Loose, E> {
+                Ok(Loose::Uint(value))
+            }
+            fn visit_i64<E: de::Error>(self, value: i64) -> Result<Loose, E> {
+                Ok(u64::try_from(value).map_or(Loose::Int(value), Loose::Uint))
+            }
+            fn visit_f64<E: de::Error>(self, value: f64) -> Result<Loose, E> {
+                Ok(Loose::Float(value))
+            }
+            fn visit_bool<E: de::Error>(self, _: bool) -> Result<Loose, E> {
+                Ok(Loose::Other)
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<Loose, E> {
+                Ok(Loose::Nil)
+            }
+            fn visit_none<E: de::Error>(self) -> Result<Loose, E> {
+                Ok(Loose::Nil)
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Loose, A::Error> {
+                while seq.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(Loose::Other)
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Loose, A::Error> {
+                while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                Ok(Loose::Other)
+            }
+            fn visit_newtype_struct<D: Deserializer<'de>>(self, d: D) -> Result<Loose, D::Error> {
+                IgnoredAny::deserialize(d)?;
+                Ok(Loose::Other)
+            }
+        }
+        deserializer.deserialize_any(LooseVisitor)
+    }
+}
+
+/// Reads a map field by field: the first value under each str key of `known` counts
+/// (as the protocol has always read them); every other entry is skipped. What is kept
+/// is bounded by `known`, whatever the map's size.
+fn fields<'de, A: MapAccess<'de>>(
+    mut map: A,
+    known: &[&str],
+) -> Result<Vec<(String, Loose)>, A::Error> {
+    let mut out: Vec<(String, Loose)> = Vec::new();
+    while let Some(key) = map.next_key::<Loose>()? {
+        let value: Loose = map.next_value()?;
+        if let Loose::Text(key) = key {
+            if known.contains(&key.as_str()) && !out.iter().any(|(seen, _)| *seen == key) {
+                out.push((key, value));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Takes the value under `key` out of `fields`.
+fn take(fields: &mut [(String, Loose)], key: &str) -> Option<Loose> {
+    fields
+        .iter_mut()
+        .find(|(name, _)| name == key)
+        .map(|(_, value)| std::mem::replace(value, Loose::Other))
+}
+/// One buffer map of `register_kv_cache`, before its kind is checked.
+struct WireBuffer(Vec<(String, Loose)>);
+
+impl WireBuffer {
+    /// The buffer its kind describes, or None when the kind is unknown or a field it
+    /// needs is missing or mistyped.
+    fn into_spec(mut self) -> Option<BufferSpec> {
+        let fields = &mut self.0;
+        let kind = match take(fields, "kind")? {
+            Loose::Text(kind) => kind,
+            _ => return None,
+        };
+        let uint = |fields: &mut [(String, Loose)], key| take(fields, key).and_then(Loose::uint);
+        match kind.as_str() {
+            "memfd" => Some(BufferSpec::Memfd {
+                fd_index: uint(fields, "fd_index")?,
+                nbytes: uint(fields, "nbytes")?,
+            }),
+            "cuda_ipc" => Some(BufferSpec::CudaIpc {
+                device: uint(fields, "device")?,
+                handle: take(fields, "handle").and_then(Loose::bytes)?,
+                offset: uint(fields, "offset")?,
+                nbytes: uint(fields, "nbytes")?,
+            }),
+            _ => None,
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for WireBuffer {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<WireBuffer, D::Error> {
+        struct BufferVisitor;
+        impl<'de> Visitor<'de> for BufferVisitor {
+            type Value = WireBuffer;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a buffer map")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<WireBuffer, A::Error> {
+                fields(
+                    map,
+                    &["kind", "fd_index", "device", "handle", "offset", "nbytes"],
+                )
+                .map(WireBuffer)
+            }
+        }
+        deserializer.deserialize_map(BufferVisitor)
+    }
+}
+
+/// The rope map of `register_blend`.
+struct WireRope(RopeSpec);
+
+impl<'de> Deserialize<'de> for WireRope {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<WireRope, D::Error> {
+        struct RopeVisitor;
+        impl<'de> Visitor<'de> for RopeVisitor {
+            type Value = WireRope;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a rope map")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<WireRope, A::Error> {
+                let mut fields = fields(map, &["rotary_dim", "max_positions", "base"])?;
+                let uint =
+                    |fields: &mut [(String, Loose)], key| take(fields, key).and_then(Loose::uint);
+                let rope = (|| {
+                    Some(RopeSpec {
+                        rotary_dim: uint(&mut fields, "rotary_dim")?,
+                        max_positions: uint(&mut fields, "max_positions")?,
+                        // Any number, as the protocol has always read the base.
+                        base: match take(&mut fields, "base")? {
+                            Loose::Float(base) => base,
+                            Loose::Uint(base) => base as f64,
+                            Loose::Int(base) => base as f64,
+                            _ => return None,
+                        },
+                    })
+                })();
+                rope.map(WireRope)
+                    .ok_or_else(|| de::Error::custom("a rope field is missing or mistyped"))
+            }
+        }
+        deserializer.deserialize_map(RopeVisitor)
+    }
+}
