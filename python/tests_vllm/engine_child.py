@@ -1,10 +1,12 @@
-"""A vLLM engine (CPU, dummy weights) driven line by line, for the tests of the connector.
+"""A vLLM engine (CPU, a tiny random model) driven line by line, for the tests of the connector.
 
     python engine_child.py MODEL_DIR [SOCKET]
 
 Without SOCKET the engine runs without a KV connector (the reference tokens). It prints
 ``KVW-READY {...}`` once started, then for each JSON line on stdin
-(``{"prompts": [[token ids], ...], "max_tokens": n}``) one ``KVW-RESULT {...}`` line:
+(``{"prompts": [[token ids], ...], "max_tokens": n}``, optionally
+``"kill_at_first_load": PID``: SIGKILL that process when the generate's first step
+starts loading) one ``KVW-RESULT {...}`` line:
 the greedy tokens of each prompt and what the connector did during that generate.
 vLLM's own output goes to stderr. The engine core runs in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so both connectors can be inspected.
@@ -12,6 +14,7 @@ vLLM's own output goes to stderr. The engine core runs in this process
 
 import json
 import os
+import signal
 import sys
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -39,23 +42,54 @@ MODEL_CONFIG = {
 BLOCK_SIZE = 32
 
 
+#: Standard deviation of each weight kind (norms are 1). Big enough that every block
+#: of the prompt changes the greedy tokens.
+WEIGHT_STD = {"embed_tokens": 1.0, "self_attn": 0.3, "mlp": 0.1, "lm_head": 0.3}
+
+
 def write_model(directory, config=None):
-    """A model described only by its config.json (weights: load_format="dummy")."""
+    """A model described by its config.json and seeded random weights, written here
+    (nothing is downloaded). vLLM's load_format="dummy" would do without the weights
+    file, but its values (uniform in ±1e-3) make the output independent of the
+    prompt, and on CPU the linear layers are repacked at load, out of reach of a
+    re-initialisation afterwards: the token comparisons would prove nothing."""
+    import torch
+    from safetensors.torch import save_file
+
+    config = config or MODEL_CONFIG
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(config or MODEL_CONFIG, f)
-    return directory
-
-
-def reinit_weights(model):
-    """vLLM's dummy weights are uniform in ±1e-3 (the output barely depends on the
-    input); seeded normal weights make every token matter, the same in every process."""
-    import torch
-
+        json.dump(config, f)
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head = config["head_dim"]
+    q_out = config["num_attention_heads"] * head
+    kv_out = config["num_key_value_heads"] * head
+    shapes = {"model.embed_tokens.weight": (config["vocab_size"], hidden),
+              "model.norm.weight": (hidden,),
+              "lm_head.weight": (config["vocab_size"], hidden)}
+    for i in range(config["num_hidden_layers"]):
+        layer = f"model.layers.{i}."
+        shapes.update({
+            layer + "input_layernorm.weight": (hidden,),
+            layer + "post_attention_layernorm.weight": (hidden,),
+            layer + "self_attn.q_proj.weight": (q_out, hidden),
+            layer + "self_attn.k_proj.weight": (kv_out, hidden),
+            layer + "self_attn.v_proj.weight": (kv_out, hidden),
+            layer + "self_attn.o_proj.weight": (hidden, q_out),
+            layer + "mlp.gate_proj.weight": (inter, hidden),
+            layer + "mlp.up_proj.weight": (inter, hidden),
+            layer + "mlp.down_proj.weight": (hidden, inter),
+        })
     generator = torch.Generator().manual_seed(0)
-    for parameter in model.parameters():
-        values = torch.randn(parameter.shape, generator=generator) * 0.2
-        parameter.data.copy_(values.to(parameter.dtype))
+    tensors = {}
+    for name in sorted(shapes):
+        if name.endswith("norm.weight"):
+            tensors[name] = torch.ones(shapes[name], dtype=torch.bfloat16)
+            continue
+        std = next(v for k, v in WEIGHT_STD.items() if k in name)
+        tensors[name] = (torch.randn(shapes[name], generator=generator) * std).to(torch.bfloat16)
+    save_file(tensors, os.path.join(directory, "model.safetensors"))
+    return directory
 
 
 def kv_transfer_config(socket_path, **extra):
@@ -75,7 +109,6 @@ def make_llm(model_dir, socket_path=None, **extra):
         kwargs["kv_transfer_config"] = kv_transfer_config(socket_path, **extra)
     llm = LLM(
         model=model_dir,
-        load_format="dummy",
         skip_tokenizer_init=True,
         block_size=BLOCK_SIZE,
         max_model_len=4096,
@@ -84,10 +117,11 @@ def make_llm(model_dir, socket_path=None, **extra):
         seed=0,
         # The second run of a prompt must come from kvwarden, not vLLM's own cache.
         enable_prefix_caching=False,
+        # On CPU vLLM would otherwise reserve most of the host's memory for KV blocks.
+        kv_cache_memory_bytes=256 << 20,
         disable_log_stats=True,
         **kwargs,
     )
-    llm.apply_model(reinit_weights)
     return llm
 
 
@@ -120,10 +154,23 @@ def main():
     ready = {"pid": os.getpid()}
     if worker is not None:
         ready["instance_id"] = worker._worker.instance_id if worker._worker else None
+        ready["root"] = scheduler._root.hex()
+        load = worker.start_load_kv
+        kill_at_load = []
+
+        def start_load_kv(*args, **kwargs):
+            # A deterministic "server killed mid-run": right when this step's loads start.
+            while kill_at_load:
+                os.kill(kill_at_load.pop(), signal.SIGKILL)
+            return load(*args, **kwargs)
+
+        worker.start_load_kv = start_load_kv
     out.write("KVW-READY " + json.dumps(ready) + "\n")
     out.flush()
     for line in sys.stdin:
         command = json.loads(line)
+        if "kill_at_first_load" in command:
+            kill_at_load.append(command["kill_at_first_load"])
         before_s = dict(scheduler.stats) if scheduler else {}
         before_w = dict(worker.stats) if worker else {}
         tokens = generate(llm, command["prompts"], command.get("max_tokens", 8))
