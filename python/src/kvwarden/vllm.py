@@ -165,7 +165,13 @@ class KvwardenConnector(KVConnectorBase_V1):
             self._registered = False
             self._load_errors: Set[int] = set()
             #: Counters, for tests and the benchmark.
-            self.stats = {"blocks_loaded": 0, "blocks_saved": 0, "load_errors": 0}
+            self.stats = {
+                "blocks_loaded": 0,
+                "blocks_saved": 0,
+                "load_errors": 0,
+                "load_seconds": 0.0,
+                "save_seconds": 0.0,
+            }
 
     # -- the server connection, shared by both roles ---------------------------------
 
@@ -349,6 +355,7 @@ class KvwardenConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvwardenConnectorMetadata)
+        started = time.perf_counter()
         for moves in meta.loads:
             loaded = self._route.load(moves) if self._usable() and self._route else 0
             self.stats["blocks_loaded"] += loaded
@@ -363,6 +370,7 @@ class KvwardenConnector(KVConnectorBase_V1):
                     loaded,
                     len(moves.block_ids),
                 )
+        self.stats["load_seconds"] += time.perf_counter() - started
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv loads every layer before the forward pass
@@ -375,10 +383,12 @@ class KvwardenConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvwardenConnectorMetadata)
+        started = time.perf_counter()
         for moves in meta.saves:
             if not (self._usable() and self._route):
-                return
+                break
             self.stats["blocks_saved"] += self._route.save(moves)
+        self.stats["save_seconds"] += time.perf_counter() - started
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
         errors, self._load_errors = self._load_errors, set()
