@@ -81,6 +81,9 @@ say "install ./python into it"
 say "locate the kvwarden server"
 if [ -n "${KVWARDEN_BIN:-}" ]; then
   [ -x "$KVWARDEN_BIN" ] || die "KVWARDEN_BIN=$KVWARDEN_BIN is not an executable file"
+  # The tests run from python/: a relative path would point elsewhere there.
+  KVWARDEN_BIN="$(cd "$(dirname "$KVWARDEN_BIN")" && pwd)/$(basename "$KVWARDEN_BIN")"
+  export KVWARDEN_BIN
 else
   bin="${CARGO_TARGET_DIR:-$root/target}/debug/kvwarden"
   if command -v cargo >/dev/null; then

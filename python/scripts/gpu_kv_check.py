@@ -41,12 +41,16 @@ NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE, LAYERS, MOVED = 2048, 16, 8, 128, 4
 def main() -> int:
     binary = os.environ.get("KVWARDEN_BIN", "target/release/kvwarden")
     if not os.access(binary, os.X_OK):
-        cannot(f"no kvwarden binary at {binary}; cargo build --release -p kvwarden or set KVWARDEN_BIN")
+        cannot(
+            f"no kvwarden binary at {binary}; cargo build --release -p kvwarden or set KVWARDEN_BIN"
+        )
     device = int(os.environ.get("GPU_CHECK_DEVICE", "0"))
     torch.cuda.set_device(device)
     with tempfile.TemporaryDirectory(prefix="kvw-gpu-") as tmp:
         sock = os.path.join(tmp, "kv.sock")
-        server = subprocess.Popen([binary, "serve", "--socket", sock, "--http", "off", "--l1-bytes", "2G"])
+        server = subprocess.Popen(
+            [binary, "serve", "--socket", sock, "--http", "off", "--l1-bytes", "2G"]
+        )
         try:
             while not os.path.exists(sock):
                 if server.poll() is not None:
@@ -68,7 +72,9 @@ def check(sock: str, device: int) -> int:
         t = torch.randn(shape, generator=g, device=f"cuda:{device}").to(torch.bfloat16)
         layers.append((t, block_dim(t, NUM_BLOCKS)))
     # One allocation holding two layers, as vLLM may carve several out of one buffer.
-    shared = torch.randn((2,) + shape_kv_first, generator=g, device=f"cuda:{device}").to(torch.bfloat16)
+    shared = torch.randn((2,) + shape_kv_first, generator=g, device=f"cuda:{device}").to(
+        torch.bfloat16
+    )
     layers += [(shared[0], 1), (shared[1], 1)]
     torch.cuda.synchronize()
 
@@ -83,7 +89,12 @@ def check(sock: str, device: int) -> int:
     expected = [t.index_select(d, torch.tensor(src, device=t.device)).clone() for t, d in layers]
     worker = Worker(sock)
     try:
-        print("registered:", worker.register_kv_cache(buffers, model_name="gpu-kv-check"), len(buffers), "buffers")
+        print(
+            "registered:",
+            worker.register_kv_cache(buffers, model_name="gpu-kv-check"),
+            len(buffers),
+            "buffers",
+        )
         moved = 0
         started = time.perf_counter()
         for li, (t, d) in enumerate(layers):
@@ -105,12 +116,16 @@ def check(sock: str, device: int) -> int:
                 for part, (offset, nbytes) in enumerate(block_regions(t, d, into)):
                     got = worker.retrieve(f"{li}/{block}/{part}".encode(), b, offset)
                     if got != nbytes:
-                        print(f"FAIL: retrieve of layer {li} block {block} part {part}: {got!r}, expected {nbytes}")
+                        print(
+                            f"FAIL: retrieve of layer {li} block {block} part {part}: "
+                            f"{got!r}, expected {nbytes}"
+                        )
                         return 1
         retrieved_s = time.perf_counter() - started
         torch.cuda.synchronize()
         bad = [
-            li for li, ((t, d), want) in enumerate(zip(layers, expected))
+            li
+            for li, ((t, d), want) in enumerate(zip(layers, expected))
             if not torch.equal(t.index_select(d, torch.tensor(dst, device=t.device)), want)
         ]
     finally:

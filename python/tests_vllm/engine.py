@@ -46,7 +46,9 @@ class Engine:
         try:
             line = self._lines.get(timeout=timeout)
         except queue.Empty:
-            raise AssertionError(f"the engine said no {tag} within {timeout} s\n{self.log_tail()}")
+            raise AssertionError(
+                f"the engine said no {tag} within {timeout} s\n{self.log_tail()}"
+            ) from None
         if line is None:
             raise AssertionError(
                 f"the engine exited ({self.proc.wait()}) before {tag}\n{self.log_tail()}"
@@ -55,7 +57,9 @@ class Engine:
         assert name == tag, f"expected {tag}, got {line[:200]}"
         return json.loads(body)
 
-    def generate(self, prompts: List[List[int]], max_tokens: int = 8, **options: Any) -> Dict[str, Any]:
+    def generate(
+        self, prompts: List[List[int]], max_tokens: int = 8, **options: Any
+    ) -> Dict[str, Any]:
         """Greedy tokens of each prompt and the connector's counters for this generate."""
         assert self.proc.stdin is not None
         command = {"prompts": prompts, "max_tokens": max_tokens, **options}

@@ -64,22 +64,26 @@ def write_model(directory, config=None):
     head = config["head_dim"]
     q_out = config["num_attention_heads"] * head
     kv_out = config["num_key_value_heads"] * head
-    shapes = {"model.embed_tokens.weight": (config["vocab_size"], hidden),
-              "model.norm.weight": (hidden,),
-              "lm_head.weight": (config["vocab_size"], hidden)}
+    shapes = {
+        "model.embed_tokens.weight": (config["vocab_size"], hidden),
+        "model.norm.weight": (hidden,),
+        "lm_head.weight": (config["vocab_size"], hidden),
+    }
     for i in range(config["num_hidden_layers"]):
         layer = f"model.layers.{i}."
-        shapes.update({
-            layer + "input_layernorm.weight": (hidden,),
-            layer + "post_attention_layernorm.weight": (hidden,),
-            layer + "self_attn.q_proj.weight": (q_out, hidden),
-            layer + "self_attn.k_proj.weight": (kv_out, hidden),
-            layer + "self_attn.v_proj.weight": (kv_out, hidden),
-            layer + "self_attn.o_proj.weight": (hidden, q_out),
-            layer + "mlp.gate_proj.weight": (inter, hidden),
-            layer + "mlp.up_proj.weight": (inter, hidden),
-            layer + "mlp.down_proj.weight": (hidden, inter),
-        })
+        shapes.update(
+            {
+                layer + "input_layernorm.weight": (hidden,),
+                layer + "post_attention_layernorm.weight": (hidden,),
+                layer + "self_attn.q_proj.weight": (q_out, hidden),
+                layer + "self_attn.k_proj.weight": (kv_out, hidden),
+                layer + "self_attn.v_proj.weight": (kv_out, hidden),
+                layer + "self_attn.o_proj.weight": (hidden, q_out),
+                layer + "mlp.gate_proj.weight": (inter, hidden),
+                layer + "mlp.up_proj.weight": (inter, hidden),
+                layer + "mlp.down_proj.weight": (hidden, inter),
+            }
+        )
     generator = torch.Generator().manual_seed(0)
     tensors = {}
     for name in sorted(shapes):
@@ -139,7 +143,9 @@ def generate(llm, prompts, max_tokens):
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    outputs = llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+    )
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 

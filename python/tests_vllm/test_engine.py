@@ -91,7 +91,9 @@ def module_server(module_tmp: str) -> Iterator[RealServer]:
 
 @pytest.fixture(scope="module")
 def engine(model: str, module_server: RealServer, module_tmp: str) -> Iterator[Engine]:
-    running = Engine(model, os.path.join(module_tmp, "engine.log"), module_server.socket_path, **FAST)
+    running = Engine(
+        model, os.path.join(module_tmp, "engine.log"), module_server.socket_path, **FAST
+    )
     try:
         yield running
     finally:
@@ -134,7 +136,9 @@ def test_a_second_run_loads_the_stored_blocks_and_gives_the_same_tokens(engine, 
     assert second["tokens"] == baseline["A"]
 
 
-def test_a_corrupted_stored_block_is_recomputed_with_those_after_it(engine, module_server, baseline):
+def test_a_corrupted_stored_block_is_recomputed_with_those_after_it(
+    engine, module_server, baseline
+):
     engine.generate([B])
     corrupt(module_server.socket_path, server_key(engine, B, 4))
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import List, Tuple
 
-import pytest
 import torch
 from conftest import store_blocks
 from engine_child import BLOCK_SIZE, MODEL_CONFIG, kv_transfer_config
@@ -47,7 +46,9 @@ def make_scheduler(model_dir: str, socket_path: str) -> Scheduler:
         ),
         cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=False),
         scheduler_config=SchedulerConfig(
-            max_num_seqs=8, max_num_batched_tokens=4096, max_model_len=4096,
+            max_num_seqs=8,
+            max_num_batched_tokens=4096,
+            max_model_len=4096,
             is_encoder_decoder=False,
         ),
         load_config=LoadConfig(load_format="dummy"),
@@ -59,7 +60,9 @@ def make_scheduler(model_dir: str, socket_path: str) -> Scheduler:
     config.cache_config.num_gpu_blocks = NUM_BLOCKS
     heads = MODEL_CONFIG["num_key_value_heads"]
     spec = FullAttentionSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=heads, head_size=MODEL_CONFIG["head_dim"],
+        block_size=BLOCK_SIZE,
+        num_kv_heads=heads,
+        head_size=MODEL_CONFIG["head_dim"],
         dtype=torch.bfloat16,
     )
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(MODEL_CONFIG["num_hidden_layers"])]
@@ -77,16 +80,16 @@ def make_scheduler(model_dir: str, socket_path: str) -> Scheduler:
     return scheduler
 
 
-def server_keys(scheduler: Scheduler, tokens: List[int], blocks: int) -> Tuple[List[bytes], List[bytes]]:
+def server_keys(
+    scheduler: Scheduler, tokens: List[int], blocks: int
+) -> Tuple[List[bytes], List[bytes]]:
     """The chain keys of the first ``blocks`` blocks, and their rank-0 server keys."""
     keys = prefix.chain_keys(scheduler.connector._root, tokens, BLOCK_SIZE)[:blocks]
     return keys, [prefix.rank_key(k, 0) for k in keys]
 
 
 def first_step(scheduler: Scheduler, tokens: List[int]):
-    scheduler.add_request(
-        Request("r1", tokens, SamplingParams(max_tokens=1, temperature=0), None)
-    )
+    scheduler.add_request(Request("r1", tokens, SamplingParams(max_tokens=1, temperature=0), None))
     out = scheduler.schedule()
     meta = out.kv_connector_metadata
     assert isinstance(meta, KvwardenConnectorMetadata)

@@ -3,8 +3,8 @@
 A paged KV tensor has one dimension of ``num_blocks``: dimension 0 on vLLM's CPU
 backend (``[num_blocks, kv_heads, block_size, 2 * head_size]``) and on layouts that put
 the block first, dimension 1 on those that put K/V first (``[2, num_blocks, ...]``).
-One block of one layer is then one contiguous region per index of the dimensions before
-it: one region, or a K and a V region. The GPU check (``python/scripts/gpu-kv-check.py``)
+One block of one layer is then one contiguous region per index of the dimensions laid
+out before it in memory: one region, or a K and a V region. The GPU check (``python/scripts/gpu-kv-check.py``)
 and the vLLM connector both use these helpers.
 """
 
@@ -30,19 +30,29 @@ def block_dim(tensor: Any, num_blocks: int) -> int:
 
 def block_regions(tensor: Any, dim: int, block_id: int) -> List[Tuple[int, int]]:
     """``(byte offset within the tensor's storage, nbytes)`` of each contiguous region
-    holding block ``block_id`` (one per index of the dimensions before ``dim``)."""
-    if not tensor.is_contiguous():
+    holding block ``block_id``: one per index of the dimensions laid out before the
+    block dimension in memory.
+
+    The tensor may be a permuted view of a contiguous one (vLLM permutes its KV views
+    for head-major layouts): regions follow the memory order, and a region copied into
+    another block's regions of a tensor of the same layout moves exactly that block."""
+    # Memory order: dimensions by decreasing stride (stable, so ties keep their order).
+    order = sorted(range(tensor.dim()), key=lambda d: -tensor.stride(d))
+    physical = tensor.permute(order)
+    if not physical.is_contiguous():
         raise ValueError(
-            f"a KV tensor of shape {tuple(tensor.shape)} is not contiguous; kvwarden "
-            f"copies blocks as contiguous byte ranges"
+            f"a KV tensor of shape {tuple(tensor.shape)} and strides {tuple(tensor.stride())} "
+            f"is not a permutation of a contiguous one; kvwarden copies blocks as "
+            f"contiguous byte ranges"
         )
+    position = order.index(dim)
     element = tensor.element_size()
-    stride = tensor.stride()
-    base = tensor.storage_offset()
-    nbytes = stride[dim] * element
+    stride = physical.stride()
+    base = physical.storage_offset()
+    nbytes = stride[position] * element
     regions = []
-    for prefix in itertools.product(*(range(n) for n in tensor.shape[:dim])):
-        first = base + sum(i * s for i, s in zip(prefix, stride)) + block_id * stride[dim]
+    for outer in itertools.product(*(range(n) for n in physical.shape[:position])):
+        first = base + sum(i * s for i, s in zip(outer, stride)) + block_id * stride[position]
         regions.append((first * element, nbytes))
     return regions
 

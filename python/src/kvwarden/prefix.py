@@ -39,9 +39,7 @@ def namespace(fields: Mapping[str, Union[str, int]]) -> bytes:
     Put every property that changes the KV bytes of a token: model, dtype, KV layout,
     block size, tensor-parallel size."""
     text = "\n".join(f"{name}={fields[name]}" for name in sorted(fields))
-    return hashlib.blake2b(
-        b"kvwarden-prefix/1\n" + text.encode(), digest_size=KEY_BYTES
-    ).digest()
+    return hashlib.blake2b(b"kvwarden-prefix/1\n" + text.encode(), digest_size=KEY_BYTES).digest()
 
 
 def chain_keys(root: bytes, token_ids: Sequence[int], block_size: int) -> List[bytes]:

@@ -23,13 +23,16 @@ Where the bytes go:
   trips per block). CPU records carry a header with a CRC-32: a record that fails it is
   a load error and vLLM recomputes the block.
 
-Transfers go one round trip per block part, in plan order (``_StepPlan``): the current
-protocol has no batched op; a batched ``store``/``retrieve`` can replace ``_move`` later.
+Transfers go one round trip per block (CPU) or block region (GPU), in the order of the
+step's plan (``KvwardenConnectorMetadata.loads``/``saves``): the current protocol has no
+batched op; a batched ``store``/``retrieve`` can replace the per-block loops of the
+routes' ``save`` and ``load`` later.
 
-kvwarden never fails or stalls a request: while the server is down, restarting or has
-reaped this worker, lookups report no hits and saves are skipped; a load that fails is
-reported through ``get_block_ids_with_load_errors`` and vLLM recomputes those blocks
-(the connector sets ``kv_load_failure_policy`` to ``"recompute"``). See
+kvwarden never fails a request: while the server is down, restarting or has reaped
+this worker, lookups report no hits and saves are skipped; a load that fails is reported
+through ``get_block_ids_with_load_errors`` and vLLM recomputes those blocks (the
+connector sets ``kv_load_failure_policy`` to ``"recompute"``). A stalled server costs at
+most one request timeout, then nothing is asked of it for a while. See
 ``docs/vllm.md``.
 """
 
@@ -242,7 +245,9 @@ class KvwardenConnector(KVConnectorBase_V1):
                 continue
             state.block_ids = list(new.block_ids[0])
             state.saved_blocks = new.num_computed_tokens // self._block_size
-            self._plan(meta, new.req_id, state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+            self._plan(
+                meta, new.req_id, state, new.num_computed_tokens + scheduled.get(new.req_id, 0)
+            )
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self._requests.get(req_id)
@@ -260,7 +265,11 @@ class KvwardenConnector(KVConnectorBase_V1):
         return meta
 
     def _plan(
-        self, meta: KvwardenConnectorMetadata, req_id: str, state: _RequestState, computed_after: int
+        self,
+        meta: KvwardenConnectorMetadata,
+        req_id: str,
+        state: _RequestState,
+        computed_after: int,
     ) -> None:
         """Adds the request's pending load and the blocks this step completes."""
         if state.load_count:
@@ -308,9 +317,10 @@ class KvwardenConnector(KVConnectorBase_V1):
             self._layers.append((name, tensor, block_dim(tensor, num_blocks)))
         first = self._layers[0][1]
         # Shapes without the block dimension: num_blocks differs from start to start.
-        description = ";".join(
-            f"{_without(tuple(t.shape), d)}:{t.dtype}:{d}" for _, t, d in self._layers
-        ) + f";{first.device.type}"
+        description = (
+            ";".join(f"{_without(tuple(t.shape), d)}:{t.dtype}:{d}" for _, t, d in self._layers)
+            + f";{first.device.type}"
+        )
         self._layout = prefix.layout_digest(description)
         self._route = _GpuRoute(self) if first.is_cuda else _CpuRoute(self)
         log.info(
@@ -357,7 +367,7 @@ class KvwardenConnector(KVConnectorBase_V1):
         assert isinstance(meta, KvwardenConnectorMetadata)
         started = time.perf_counter()
         for moves in meta.loads:
-            loaded = self._route.load(moves) if self._usable() and self._route else 0
+            loaded = self._guarded("load", moves, 0)
             self.stats["blocks_loaded"] += loaded
             if loaded < len(moves.block_ids):
                 # vLLM recomputes from the first block not loaded.
@@ -385,11 +395,25 @@ class KvwardenConnector(KVConnectorBase_V1):
         assert isinstance(meta, KvwardenConnectorMetadata)
         started = time.perf_counter()
         for moves in meta.saves:
-            if not (self._usable() and self._route):
-                break
-            self.stats["blocks_saved"] += self._route.save(moves)
+            self.stats["blocks_saved"] += self._guarded("save", moves, 0)
         self.stats["save_seconds"] += time.perf_counter() - started
 
+    def _guarded(self, what: str, moves: BlockMoves, failure: int) -> int:
+        """``self._route.load``/``save``; never raises into vLLM: any error (a server
+        of another configuration, a bug) counts as nothing moved, and pauses transfers."""
+        if not (self._usable() and self._route):
+            return failure
+        try:
+            return getattr(self._route, what)(moves)
+        except Exception:
+            log.exception(
+                "kvwarden: %s of request %s failed; vLLM computes without it for %g s",
+                what,
+                moves.req_id,
+                self._backoff.retry_after_seconds,
+            )
+            self._backoff.failed()
+            return failure
     def get_block_ids_with_load_errors(self) -> Set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
@@ -414,10 +438,12 @@ class _Route:
         return prefix.rank_key(key, self.c._rank, part)
 
     def failed(self, what: str) -> None:
-        worker = self.c._worker
-        if worker is not None and not worker.is_healthy():
-            self.c._backoff.failed()
-        log.info("kvwarden: %s", what)
+        # A stalled or dead server would cost a timeout per request and step: pause.
+        # (A plain miss, a block evicted since the lookup, pauses too; it is rare.)
+        self.c._backoff.failed()
+        log.info(
+            "kvwarden: %s; no transfers for %g s", what, self.c._backoff.retry_after_seconds
+        )
 
 
 class _CpuRoute(_Route):
@@ -435,16 +461,21 @@ class _CpuRoute(_Route):
         self.record_bytes = record
         self.stride = -(-record // 4096) * 4096
         self.rows = max(1, self.c._staging_blocks)
-        staging = MemfdBuffer.create(self.rows * self.stride, f"kvwarden-vllm-rank{self.c._rank}")
-        worker.register_kv_cache([staging], model_name=_model_name(self.c._vllm_config))
-        self.staging = staging
-        flat = torch.frombuffer(staging.view, dtype=torch.uint8)
-        self.table = flat.view(self.rows, self.stride)
+        if getattr(self, "staging", None) is None:  # kept across failed registrations
+            self.staging = MemfdBuffer.create(
+                self.rows * self.stride, f"kvwarden-vllm-rank{self.c._rank}"
+            )
+            flat = torch.frombuffer(self.staging.view, dtype=torch.uint8)
+            self.table = flat.view(self.rows, self.stride)
+        worker.register_kv_cache([self.staging], model_name=_model_name(self.c._vllm_config))
 
     def _part_spans(self, row: int) -> List[Tuple[int, int]]:
         start = row * self.stride
         return [
-            (start + p * self.slot_bytes, min(self.slot_bytes, self.record_bytes - p * self.slot_bytes))
+            (
+                start + p * self.slot_bytes,
+                min(self.slot_bytes, self.record_bytes - p * self.slot_bytes),
+            )
             for p in range(self.parts)
         ]
 
@@ -456,7 +487,9 @@ class _CpuRoute(_Route):
             ids = moves.block_ids[first : first + self.rows]
             self._gather(ids)
             for row, key in enumerate(keys):
-                record = self.staging.view[row * self.stride : row * self.stride + self.record_bytes]
+                record = self.staging.view[
+                    row * self.stride : row * self.stride + self.record_bytes
+                ]
                 payload = record[prefix.RECORD_HEADER_BYTES :]
                 record[: prefix.RECORD_HEADER_BYTES] = prefix.pack_header(
                     self.key(key, 0), payload, self.c._layout
@@ -615,6 +648,8 @@ def _tp_rank() -> int:
         )
 
         tp_rank = int(get_tensor_model_parallel_rank())
-        return tp_rank + int(get_tensor_model_parallel_world_size()) * int(get_pp_group().rank_in_group)
+        return tp_rank + int(get_tensor_model_parallel_world_size()) * int(
+            get_pp_group().rank_in_group
+        )
     except Exception:  # no parallel state (a unit test): a single rank
         return 0
