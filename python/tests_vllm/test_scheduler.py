@@ -34,7 +34,7 @@ NUM_BLOCKS = 100
 PROMPT = [(i * 7) % 1000 + 3 for i in range(300)]  # 9 full blocks and 12 tokens
 
 
-def make_scheduler(model_dir: str, socket_path: str) -> Scheduler:
+def make_scheduler(model_dir: str, socket_path: str, step_tokens: int = 4096) -> Scheduler:
     config = VllmConfig(
         model_config=ModelConfig(
             model=model_dir,
@@ -47,9 +47,10 @@ def make_scheduler(model_dir: str, socket_path: str) -> Scheduler:
         cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=False),
         scheduler_config=SchedulerConfig(
             max_num_seqs=8,
-            max_num_batched_tokens=4096,
+            max_num_batched_tokens=step_tokens,
             max_model_len=4096,
             is_encoder_decoder=False,
+            enable_chunked_prefill=step_tokens < 4096,
         ),
         load_config=LoadConfig(load_format="dummy"),
         device_config=DeviceConfig("cpu"),
@@ -191,3 +192,40 @@ def test_a_stalled_server_costs_one_timeout_then_lookups_pause(model_dir, server
     assert scheduler.connector.stats["lookup_failures"] == 1
     assert out.num_scheduled_tokens["r1"] == len(PROMPT)
     assert second.num_scheduled_tokens["r2"] == len(PROMPT)
+
+
+def test_a_chunked_prefill_saves_each_block_once_in_the_step_that_completes_it(model_dir, server):
+    # 100 tokens a step: the 300-token prompt takes 3 steps, after 2 loaded blocks.
+    scheduler = make_scheduler(model_dir, server.socket_path, step_tokens=100)
+    keys, on_server = server_keys(scheduler, PROMPT, 2)
+    store_blocks(server.socket_path, on_server)
+    all_keys = prefix.chain_keys(scheduler.connector._root, PROMPT, BLOCK_SIZE)
+
+    out, meta, block_ids = first_step(scheduler, PROMPT)
+    plans = [meta]
+    computed = 2 * BLOCK_SIZE + out.num_scheduled_tokens["r1"]
+    while computed < len(PROMPT):
+        # Plays the model runner for a step that ends inside the prompt: nothing sampled.
+        runner = ModelRunnerOutput(
+            req_ids=["r1"], req_id_to_index={"r1": 0}, sampled_token_ids=[[]]
+        )
+        scheduler.update_from_output(out, runner)
+        out = scheduler.schedule()
+        computed += out.num_scheduled_tokens["r1"]
+        for blocks in out.scheduled_cached_reqs.new_block_ids:
+            if blocks is not None:
+                block_ids += blocks[0]
+        plans.append(out.kv_connector_metadata)
+
+    assert [len(p.loads) for p in plans] == [1] + [0] * (len(plans) - 1)
+    assert plans[0].loads == [BlockMoves("r1", keys, block_ids[:2])]
+    saved = [
+        (key, block)
+        for plan in plans
+        for moves in plan.saves
+        for key, block in zip(moves.keys, moves.block_ids)
+    ]
+    assert saved == list(zip(all_keys[2:9], block_ids[2:9]))  # each block once, in order
+    assert len(plans) == 3
+    assert [len(p.saves[0].keys) if p.saves else 0 for p in plans] == [3, 3, 1]
+    finish(scheduler, out)

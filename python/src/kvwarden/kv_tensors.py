@@ -4,8 +4,8 @@ A paged KV tensor has one dimension of ``num_blocks``: dimension 0 on vLLM's CPU
 backend (``[num_blocks, kv_heads, block_size, 2 * head_size]``) and on layouts that put
 the block first, dimension 1 on those that put K/V first (``[2, num_blocks, ...]``).
 One block of one layer is then one contiguous region per index of the dimensions laid
-out before it in memory: one region, or a K and a V region. The GPU check (``python/scripts/gpu-kv-check.py``)
-and the vLLM connector both use these helpers.
+out before it in memory: one region, or a K and a V region. The GPU check
+(``python/scripts/gpu_kv_check.py``) and the vLLM connector both use these helpers.
 """
 
 from __future__ import annotations
