@@ -1,0 +1,143 @@
+"""GPU check of the vLLM connector's CUDA route: KV tensors laid out like vLLM's GPU
+KV cache, registered over CUDA IPC (``CudaIpcBuffer``), every region of some blocks
+stored, the blocks zeroed, retrieved into other blocks, and the bytes compared.
+
+    KVWARDEN_BIN=target/release/kvwarden python3 python/scripts/gpu_kv_check.py
+
+Needs PyTorch with CUDA and msgpack (not vLLM). Exits 0 when every byte came back,
+1 when some did not, 2 when it cannot run here (no torch, no CUDA, no binary).
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "src"))
+
+
+def cannot(why: str) -> None:
+    print(f"gpu_kv_check: cannot run: {why}", file=sys.stderr)
+    sys.exit(2)
+
+
+try:
+    import torch
+except ImportError:
+    cannot("PyTorch is not installed (pip install torch, a CUDA build)")
+if not torch.cuda.is_available():
+    cannot(f"torch {torch.__version__} sees no CUDA device (CPU-only build, no driver or no GPU)")
+try:
+    from kvwarden import Worker
+    from kvwarden.kv_tensors import block_dim, block_regions, cuda_ipc_buffer
+except ImportError as error:
+    cannot(f"{error} (pip install msgpack)")
+
+NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE, LAYERS, MOVED = 2048, 16, 8, 128, 4, 64
+
+
+def main() -> int:
+    binary = os.environ.get("KVWARDEN_BIN", "target/release/kvwarden")
+    if not os.access(binary, os.X_OK):
+        cannot(
+            f"no kvwarden binary at {binary}; cargo build --release -p kvwarden or set KVWARDEN_BIN"
+        )
+    device = int(os.environ.get("GPU_CHECK_DEVICE", "0"))
+    torch.cuda.set_device(device)
+    with tempfile.TemporaryDirectory(prefix="kvw-gpu-") as tmp:
+        sock = os.path.join(tmp, "kv.sock")
+        server = subprocess.Popen(
+            [binary, "serve", "--socket", sock, "--http", "off", "--l1-bytes", "2G"]
+        )
+        try:
+            while not os.path.exists(sock):
+                if server.poll() is not None:
+                    cannot(f"kvwarden serve exited with {server.returncode}")
+                time.sleep(0.05)
+            return check(sock, device)
+        finally:
+            server.terminate()
+            server.wait(30)
+
+
+def check(sock: str, device: int) -> int:
+    g = torch.Generator(device=f"cuda:{device}").manual_seed(0)
+    shape_kv_first = (2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE)  # FlashAttention
+    shape_block_first = (NUM_BLOCKS, 2, BLOCK_SIZE, KV_HEADS, HEAD_SIZE)  # FlashInfer
+    layers = []
+    for i in range(LAYERS):
+        shape = shape_kv_first if i % 2 == 0 else shape_block_first
+        t = torch.randn(shape, generator=g, device=f"cuda:{device}").to(torch.bfloat16)
+        layers.append((t, block_dim(t, NUM_BLOCKS)))
+    # One allocation holding two layers, as vLLM may carve several out of one buffer.
+    shared = torch.randn((2,) + shape_kv_first, generator=g, device=f"cuda:{device}").to(
+        torch.bfloat16
+    )
+    layers += [(shared[0], 1), (shared[1], 1)]
+    torch.cuda.synchronize()
+
+    buffers, index_of = [], {}
+    for t, _ in layers:
+        base = t.untyped_storage().data_ptr()
+        if base not in index_of:
+            index_of[base] = len(buffers)
+            buffers.append(cuda_ipc_buffer(t))
+    src = list(range(MOVED))
+    dst = list(range(NUM_BLOCKS - MOVED, NUM_BLOCKS))
+    expected = [t.index_select(d, torch.tensor(src, device=t.device)).clone() for t, d in layers]
+    worker = Worker(sock)
+    try:
+        print(
+            "registered:",
+            worker.register_kv_cache(buffers, model_name="gpu-kv-check"),
+            len(buffers),
+            "buffers",
+        )
+        moved = 0
+        started = time.perf_counter()
+        for li, (t, d) in enumerate(layers):
+            b = index_of[t.untyped_storage().data_ptr()]
+            for block in src:
+                for part, (offset, nbytes) in enumerate(block_regions(t, d, block)):
+                    if not worker.store(f"{li}/{block}/{part}".encode(), b, offset, nbytes):
+                        print(f"FAIL: store of layer {li} block {block} part {part} refused")
+                        return 1
+                    moved += nbytes
+        stored_s = time.perf_counter() - started
+        for t, d in layers:
+            t.index_fill_(d, torch.tensor(dst, device=t.device), 0)
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for li, (t, d) in enumerate(layers):
+            b = index_of[t.untyped_storage().data_ptr()]
+            for block, into in zip(src, dst):
+                for part, (offset, nbytes) in enumerate(block_regions(t, d, into)):
+                    got = worker.retrieve(f"{li}/{block}/{part}".encode(), b, offset)
+                    if got != nbytes:
+                        print(
+                            f"FAIL: retrieve of layer {li} block {block} part {part}: "
+                            f"{got!r}, expected {nbytes}"
+                        )
+                        return 1
+        retrieved_s = time.perf_counter() - started
+        torch.cuda.synchronize()
+        bad = [
+            li
+            for li, ((t, d), want) in enumerate(zip(layers, expected))
+            if not torch.equal(t.index_select(d, torch.tensor(dst, device=t.device)), want)
+        ]
+    finally:
+        worker.shutdown()
+    if bad:
+        print(f"FAIL: the bytes of layers {bad} differ after store and retrieve")
+        return 1
+    print(f"gpu_kv ok layers {len(layers)} blocks {MOVED} bytes {moved}")
+    print(f"gpu_kv store_GBps {moved / stored_s / 1e9:.2f} (one round trip per region)")
+    print(f"gpu_kv retrieve_GBps {moved / retrieved_s / 1e9:.2f} (one round trip per region)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""A vLLM engine (CPU, a tiny random model) driven line by line, for the tests of the connector.
+
+    python engine_child.py MODEL_DIR [SOCKET]
+
+Without SOCKET the engine runs without a KV connector (the reference tokens). It prints
+``KVW-READY {...}`` once started, then for each JSON line on stdin
+(``{"prompts": [[token ids], ...], "max_tokens": n}``, optionally
+``"kill_at_first_load": PID``: SIGKILL that process when the generate's first step
+starts loading) one ``KVW-RESULT {...}`` line:
+the greedy tokens of each prompt and what the connector did during that generate.
+vLLM's own output goes to stderr. The engine core runs in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so both connectors can be inspected.
+"""
+
+import json
+import os
+import signal
+import sys
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+#: The tiny llama-like model of the tests: small enough for a CPU, big enough that a
+#: wrong KV block changes the greedy tokens.
+MODEL_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "vocab_size": 1024,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+BLOCK_SIZE = 32
+
+
+#: Standard deviation of each weight kind (norms are 1). Big enough that every block
+#: of the prompt changes the greedy tokens.
+WEIGHT_STD = {"embed_tokens": 1.0, "self_attn": 0.3, "mlp": 0.1, "lm_head": 0.3}
+
+
+def write_model(directory, config=None):
+    """A model described by its config.json and seeded random weights, written here
+    (nothing is downloaded). vLLM's load_format="dummy" would do without the weights
+    file, but its values (uniform in ±1e-3) make the output independent of the
+    prompt, and on CPU the linear layers are repacked at load, out of reach of a
+    re-initialisation afterwards: the token comparisons would prove nothing."""
+    import torch
+    from safetensors.torch import save_file
+
+    config = config or MODEL_CONFIG
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(config, f)
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head = config["head_dim"]
+    q_out = config["num_attention_heads"] * head
+    kv_out = config["num_key_value_heads"] * head
+    shapes = {
+        "model.embed_tokens.weight": (config["vocab_size"], hidden),
+        "model.norm.weight": (hidden,),
+        "lm_head.weight": (config["vocab_size"], hidden),
+    }
+    for i in range(config["num_hidden_layers"]):
+        layer = f"model.layers.{i}."
+        shapes.update(
+            {
+                layer + "input_layernorm.weight": (hidden,),
+                layer + "post_attention_layernorm.weight": (hidden,),
+                layer + "self_attn.q_proj.weight": (q_out, hidden),
+                layer + "self_attn.k_proj.weight": (kv_out, hidden),
+                layer + "self_attn.v_proj.weight": (kv_out, hidden),
+                layer + "self_attn.o_proj.weight": (hidden, q_out),
+                layer + "mlp.gate_proj.weight": (inter, hidden),
+                layer + "mlp.up_proj.weight": (inter, hidden),
+                layer + "mlp.down_proj.weight": (hidden, inter),
+            }
+        )
+    generator = torch.Generator().manual_seed(0)
+    tensors = {}
+    for name in sorted(shapes):
+        if name.endswith("norm.weight"):
+            tensors[name] = torch.ones(shapes[name], dtype=torch.bfloat16)
+            continue
+        std = next(v for k, v in WEIGHT_STD.items() if k in name)
+        tensors[name] = (torch.randn(shapes[name], generator=generator) * std).to(torch.bfloat16)
+    save_file(tensors, os.path.join(directory, "model.safetensors"))
+    return directory
+
+
+def kv_transfer_config(socket_path, **extra):
+    return {
+        "kv_connector": "KvwardenConnector",
+        "kv_connector_module_path": "kvwarden.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"kvwarden_socket": socket_path, **extra},
+    }
+
+
+def make_llm(model_dir, socket_path=None, **extra):
+    from vllm import LLM
+
+    kwargs = {}
+    if socket_path:
+        kwargs["kv_transfer_config"] = kv_transfer_config(socket_path, **extra)
+    llm = LLM(
+        model=model_dir,
+        skip_tokenizer_init=True,
+        block_size=BLOCK_SIZE,
+        max_model_len=4096,
+        enforce_eager=True,
+        dtype="bfloat16",
+        seed=0,
+        # The second run of a prompt must come from kvwarden, not vLLM's own cache.
+        enable_prefix_caching=False,
+        # On CPU vLLM would otherwise reserve most of the host's memory for KV blocks.
+        kv_cache_memory_bytes=256 << 20,
+        disable_log_stats=True,
+        **kwargs,
+    )
+    return llm
+
+
+def connectors(llm):
+    """(scheduler-side, worker-side) connectors of an in-process engine."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    worker = get_kv_transfer_group() if has_kv_transfer_group() else None
+    return scheduler, worker
+
+
+def generate(llm, prompts, max_tokens):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    outputs = llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+    )
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def main():
+    model_dir = sys.argv[1]
+    socket_path = sys.argv[2] if len(sys.argv) > 2 else None
+    extra = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+    out = sys.stdout
+    sys.stdout = sys.stderr  # vLLM's prints must not mix with the result lines
+    llm = make_llm(model_dir, socket_path, **extra)
+    scheduler, worker = connectors(llm)
+    ready = {"pid": os.getpid()}
+    if worker is not None:
+        ready["instance_id"] = worker._worker.instance_id if worker._worker else None
+        ready["root"] = scheduler._root.hex()
+        load = worker.start_load_kv
+        kill_at_load = []
+
+        def start_load_kv(*args, **kwargs):
+            # A deterministic "server killed mid-run": right when this step's loads start.
+            while kill_at_load:
+                os.kill(kill_at_load.pop(), signal.SIGKILL)
+            return load(*args, **kwargs)
+
+        worker.start_load_kv = start_load_kv
+    out.write("KVW-READY " + json.dumps(ready) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        command = json.loads(line)
+        if "kill_at_first_load" in command:
+            kill_at_load.append(command["kill_at_first_load"])
+        before_s = dict(scheduler.stats) if scheduler else {}
+        before_w = dict(worker.stats) if worker else {}
+        tokens = generate(llm, command["prompts"], command.get("max_tokens", 8))
+        result = {"tokens": tokens}
+        if scheduler is not None:
+            result.update({k: v - before_s[k] for k, v in scheduler.stats.items()})
+        if worker is not None:
+            result.update({k: v - before_w[k] for k, v in worker.stats.items()})
+            result["healthy"] = bool(worker._worker and worker._worker.is_healthy())
+        out.write("KVW-RESULT " + json.dumps(result) + "\n")
+        out.flush()
+
+
+if __name__ == "__main__":
+    main()

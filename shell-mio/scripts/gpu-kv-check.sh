@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The vLLM connector's CUDA route on a host with an NVIDIA GPU and PyTorch (no vLLM
+# needed): KV tensors laid out like vLLM's GPU KV cache registered as CudaIpcBuffers,
+# blocks stored, zeroed, retrieved elsewhere, bytes compared (docs/vllm.md).
+#
+#   KVWARDEN_BIN=path/to/kvwarden shell-mio/scripts/gpu-kv-check.sh
+#
+# Exit 0: every byte came back; 1: some did not; 2: cannot run here (no torch, no
+# CUDA, no binary). Takes seconds.
+#   PYTHON            interpreter with torch (default python3)
+#   GPU_CHECK_DEVICE  device ordinal (default 0)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+python=${PYTHON:-python3}
+export KVWARDEN_BIN=${KVWARDEN_BIN:-target/release/kvwarden}
+if ! "$python" -c 'import msgpack' 2>/dev/null; then
+  # The client's one dependency, into a scratch dir (the image has torch, maybe not it).
+  deps="$(mktemp -d)"; trap 'rm -rf "$deps"' EXIT
+  "$python" -m pip install -q --target "$deps" msgpack \
+    || { echo "gpu-kv-check: msgpack is missing and pip could not install it" >&2; exit 2; }
+  export PYTHONPATH="$deps${PYTHONPATH:+:$PYTHONPATH}"
+fi
+timeout 300 "$python" python/scripts/gpu_kv_check.py
