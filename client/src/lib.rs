@@ -26,7 +26,8 @@ pub use units::parse_bytes;
 
 pub use wire::Endpoint;
 
-use kvwarden_core::protocol::{BufferSpec, ErrorCode, Op, ProtocolError};
+pub use kvwarden_core::protocol::MAX_BATCH_ITEMS;
+use kvwarden_core::protocol::{BufferSpec, ErrorCode, Op, ProtocolError, RetrieveItem, StoreItem};
 use kvwarden_core::{
     Heartbeat, HeartbeatAction, HeartbeatConfig, InstanceId, Instant, PingReply,
     reap_timeout_floor_warning,
@@ -583,6 +584,56 @@ impl Client {
         }
     }
 
+    /// Stores many blocks in one request: each item is `(key, buffer, offset, nbytes)`
+    /// as for [`Client::store`], and each answer is what `store` would have answered.
+    /// A bad item refuses the whole batch (`bad_args` naming its index) and copies
+    /// nothing; at most [`MAX_BATCH_ITEMS`] items.
+    pub fn store_batch(&self, items: &[(&[u8], u64, u64, u64)]) -> Result<Vec<bool>, ClientError> {
+        let args = Op::StoreBatch {
+            instance: self.shared.instance,
+            items: items
+                .iter()
+                .map(|&(key, buffer, offset, nbytes)| StoreItem {
+                    key: key.to_vec(),
+                    buffer,
+                    offset,
+                    nbytes,
+                })
+                .collect(),
+        }
+        .args();
+        let reply = self.transfer("store_batch", args)?;
+        batch_answers("store_batch", &reply, items.len(), |value| match value {
+            Value::Boolean(stored) => Some(*stored),
+            _ => None,
+        })
+    }
+
+    /// Retrieves many blocks in one request: each item is `(key, buffer, offset)` as
+    /// for [`Client::retrieve`], and each answer is bytes copied or None on a miss.
+    pub fn retrieve_batch(
+        &self,
+        items: &[(&[u8], u64, u64)],
+    ) -> Result<Vec<Option<u64>>, ClientError> {
+        let args = Op::RetrieveBatch {
+            instance: self.shared.instance,
+            items: items
+                .iter()
+                .map(|&(key, buffer, offset)| RetrieveItem {
+                    key: key.to_vec(),
+                    buffer,
+                    offset,
+                })
+                .collect(),
+        }
+        .args();
+        let reply = self.transfer("retrieve_batch", args)?;
+        batch_answers("retrieve_batch", &reply, items.len(), |value| match value {
+            Value::Nil => Some(None),
+            other => other.as_u64().map(Some),
+        })
+    }
+
     /// How many leading keys L1 holds.
     pub fn lookup(&self, keys: &[Vec<u8>]) -> Result<u64, ClientError> {
         let args = Op::Lookup {
@@ -645,4 +696,26 @@ fn unexpected(op: &str, value: &Value) -> ClientError {
         op: op.to_string(),
         detail: format!("unexpected value {value}"),
     }
+}
+
+/// A batch reply: one answer per item sent, each read by `read`.
+fn batch_answers<T>(
+    op: &str,
+    reply: &Value,
+    sent: usize,
+    read: impl Fn(&Value) -> Option<T>,
+) -> Result<Vec<T>, ClientError> {
+    let Value::Array(answers) = reply else {
+        return Err(unexpected(op, reply));
+    };
+    if answers.len() != sent {
+        return Err(ClientError::Reply {
+            op: op.to_string(),
+            detail: format!("{} answers for {sent} items", answers.len()),
+        });
+    }
+    answers
+        .iter()
+        .map(|answer| read(answer).ok_or_else(|| unexpected(op, answer)))
+        .collect()
 }

@@ -166,13 +166,15 @@ fn msgpack(value: &Value) -> Vec<u8> {
 }
 
 /// The ops of `protocol.md` with their argument counts.
-const OPS: [(&str, usize); 15] = [
+const OPS: [(&str, usize); 17] = [
     ("hello", 2),
     ("ping", 1),
     ("register_kv_cache", 4),
     ("unregister_kv_cache", 1),
     ("store", 5),
     ("retrieve", 4),
+    ("store_batch", 2),
+    ("retrieve_batch", 2),
     ("lookup", 1),
     ("register_engine_driven", 3),
     ("unregister_engine_driven", 1),

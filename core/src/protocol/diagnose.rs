@@ -6,7 +6,7 @@
 //! arguments are checked in order against its shape; the first mismatch is the answer.
 
 use super::error::{DecodeError, ErrorCode, ProtocolError};
-use super::request::OP_NAMES;
+use super::request::{MAX_BATCH_ITEMS, OP_NAMES};
 use super::{MAX_DEPTH, PROTOCOL_VERSION};
 use crate::InstanceId;
 use rmpv::Value;
@@ -28,6 +28,10 @@ enum Arg {
     Keys,
     /// `buffers`: an array of buffer maps.
     Buffers,
+    /// `items` of `store_batch`: an array of `[key: bin, buffer, offset, nbytes]`.
+    StoreItems,
+    /// `items` of `retrieve_batch`: an array of `[key: bin, buffer, offset]`.
+    RetrieveItems,
     /// `rope`: `{rotary_dim: uint, max_positions: uint, base: float}`.
     Rope,
     /// `hello`'s optional last argument: `{"pidfd_index": uint}` (other keys ignored).
@@ -67,6 +71,16 @@ fn shape(name: &str) -> Option<(&'static str, &'static str, &'static [Arg])> {
             "retrieve",
             "[instance_id: uint, key: bin, buffer: uint, offset: uint]",
             &[Instance, Bin("key"), Uint("buffer"), Uint("offset")],
+        ),
+        "store_batch" => (
+            "store_batch",
+            "[instance_id: uint, items: [[key: bin, buffer: uint, offset: uint, nbytes: uint]]]",
+            &[Instance, StoreItems],
+        ),
+        "retrieve_batch" => (
+            "retrieve_batch",
+            "[instance_id: uint, items: [[key: bin, buffer: uint, offset: uint]]]",
+            &[Instance, RetrieveItems],
         ),
         "lookup" => ("lookup", "[keys: [bin]]", &[Keys]),
         "register_engine_driven" => (
@@ -237,6 +251,8 @@ fn check_args(op: &str, items: &[Value]) -> Result<(), ProtocolError> {
                 }
             }
             Arg::Buffers => a.buffers(index)?,
+            Arg::StoreItems => a.batch_items(index, &["key", "buffer", "offset", "nbytes"])?,
+            Arg::RetrieveItems => a.batch_items(index, &["key", "buffer", "offset"])?,
             Arg::HelloOptions => {
                 let map = a.map(index, "options")?;
                 match field(map, "pidfd_index") {
@@ -331,6 +347,56 @@ impl Args<'_> {
             Some(Value::Map(map)) => Ok(map),
             _ => Err(self.wrong(index, name, "a map")),
         }
+    }
+
+    /// A batch's items: at most [`MAX_BATCH_ITEMS`] arrays of `fields`, the first a key
+    /// and the others unsigned integers.
+    fn batch_items(&self, index: usize, fields: &[&str]) -> Result<(), ProtocolError> {
+        let Some(Value::Array(items)) = self.items.get(index) else {
+            return Err(self.wrong(index, "items", "an array of item arrays"));
+        };
+        if items.len() > MAX_BATCH_ITEMS {
+            return Err(self.mismatch(format!(
+                "{} items; a batch holds at most {MAX_BATCH_ITEMS}; split it",
+                items.len()
+            )));
+        }
+        for (position, item) in items.iter().enumerate() {
+            let Value::Array(parts) = item else {
+                return Err(self.mismatch(format!(
+                    "items[{position}] must be an array of {} values, got {}",
+                    fields.len(),
+                    describe(item)
+                )));
+            };
+            if parts.len() != fields.len() {
+                return Err(self.mismatch(format!(
+                    "items[{position}] has {} values instead of {} ({})",
+                    parts.len(),
+                    fields.len(),
+                    fields.join(", ")
+                )));
+            }
+            for (part, name) in parts.iter().zip(fields) {
+                let fits = if *name == "key" {
+                    is_key(part)
+                } else {
+                    part.as_u64().is_some()
+                };
+                if !fits {
+                    let wanted = if *name == "key" {
+                        "bin"
+                    } else {
+                        "an unsigned integer"
+                    };
+                    return Err(self.mismatch(format!(
+                        "items[{position}].{name} must be {wanted}, got {}",
+                        describe(part)
+                    )));
+                }
+            }
+        }
+        Ok(())
     }
 
     fn buffers(&self, index: usize) -> Result<(), ProtocolError> {

@@ -16,7 +16,9 @@ mod wire_args;
 pub use error::{DecodeError, ErrorCode, ProtocolError};
 pub use frame::{FrameError, LENGTH_PREFIX_BYTES, encode_frame, parse_header, split_frame};
 pub use reply::{Reply, decode_reply, encode_reply, encode_request};
-pub use request::{BufferSpec, Op, Request, RopeSpec, decode_request};
+pub use request::{
+    BufferSpec, MAX_BATCH_ITEMS, Op, Request, RetrieveItem, RopeSpec, StoreItem, decode_request,
+};
 
 /// The protocol version this build speaks.
 pub const PROTOCOL_VERSION: u64 = 1;

@@ -43,6 +43,34 @@ pub enum BufferSpec {
     },
 }
 
+/// At most this many items travel in one `store_batch` or `retrieve_batch`: a batch is
+/// one step's blocks, and its reply and pending copies must stay bounded.
+pub const MAX_BATCH_ITEMS: usize = 1024;
+
+/// One item of `store_batch`: what `store` takes, less the instance.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StoreItem {
+    /// The L1 key.
+    pub key: Vec<u8>,
+    /// Index of the registered buffer.
+    pub buffer: u64,
+    /// Where the bytes start in the buffer.
+    pub offset: u64,
+    /// How many bytes (at most one L1 slot).
+    pub nbytes: u64,
+}
+
+/// One item of `retrieve_batch`: what `retrieve` takes, less the instance.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RetrieveItem {
+    /// The L1 key.
+    pub key: Vec<u8>,
+    /// Index of the registered buffer.
+    pub buffer: u64,
+    /// Where the bytes go in the buffer.
+    pub offset: u64,
+}
+
 /// CacheBlend rope parameters.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RopeSpec {
@@ -90,6 +118,14 @@ pub enum Op {
         buffer: u64,
         offset: u64,
     },
+    StoreBatch {
+        instance: InstanceId,
+        items: Vec<StoreItem>,
+    },
+    RetrieveBatch {
+        instance: InstanceId,
+        items: Vec<RetrieveItem>,
+    },
     Lookup {
         keys: Vec<Vec<u8>>,
     },
@@ -126,13 +162,15 @@ pub enum Op {
 }
 
 /// Every op name this server knows, for metrics labels and error messages.
-pub const OP_NAMES: [&str; 15] = [
+pub const OP_NAMES: [&str; 17] = [
     "hello",
     "ping",
     "register_kv_cache",
     "unregister_kv_cache",
     "store",
     "retrieve",
+    "store_batch",
+    "retrieve_batch",
     "lookup",
     "register_engine_driven",
     "unregister_engine_driven",
@@ -154,6 +192,8 @@ impl Op {
             Op::UnregisterKvCache { .. } => "unregister_kv_cache",
             Op::Store { .. } => "store",
             Op::Retrieve { .. } => "retrieve",
+            Op::StoreBatch { .. } => "store_batch",
+            Op::RetrieveBatch { .. } => "retrieve_batch",
             Op::Lookup { .. } => "lookup",
             Op::RegisterEngineDriven { .. } => "register_engine_driven",
             Op::UnregisterEngineDriven { .. } => "unregister_engine_driven",
@@ -175,6 +215,8 @@ impl Op {
             | Op::UnregisterKvCache { instance }
             | Op::Store { instance, .. }
             | Op::Retrieve { instance, .. }
+            | Op::StoreBatch { instance, .. }
+            | Op::RetrieveBatch { instance, .. }
             | Op::RegisterEngineDriven { instance, .. }
             | Op::UnregisterEngineDriven { instance }
             | Op::PrepareStore { instance, .. }
@@ -274,6 +316,33 @@ impl Op {
                 buffer,
                 offset,
             } => vec![id(instance), bin(key), uint(*buffer), uint(*offset)],
+            Op::StoreBatch { instance, items } => vec![
+                id(instance),
+                Value::Array(
+                    items
+                        .iter()
+                        .map(|item| {
+                            Value::Array(vec![
+                                bin(&item.key),
+                                uint(item.buffer),
+                                uint(item.offset),
+                                uint(item.nbytes),
+                            ])
+                        })
+                        .collect(),
+                ),
+            ],
+            Op::RetrieveBatch { instance, items } => vec![
+                id(instance),
+                Value::Array(
+                    items
+                        .iter()
+                        .map(|item| {
+                            Value::Array(vec![bin(&item.key), uint(item.buffer), uint(item.offset)])
+                        })
+                        .collect(),
+                ),
+            ],
             Op::Lookup { keys } => vec![Value::Array(keys.iter().map(|k| bin(k)).collect())],
             Op::RegisterEngineDriven {
                 instance,
@@ -523,6 +592,31 @@ mod tests {
                 buffer: 0,
                 offset: 1,
             },
+            Op::StoreBatch {
+                instance,
+                items: vec![
+                    StoreItem {
+                        key: key.clone(),
+                        buffer: 0,
+                        offset: 1,
+                        nbytes: 2,
+                    },
+                    StoreItem {
+                        key: vec![],
+                        buffer: 3,
+                        offset: 4,
+                        nbytes: 5,
+                    },
+                ],
+            },
+            Op::RetrieveBatch {
+                instance,
+                items: vec![RetrieveItem {
+                    key: key.clone(),
+                    buffer: 1,
+                    offset: 2,
+                }],
+            },
             Op::Lookup {
                 keys: vec![key.clone(), vec![]],
             },
@@ -727,5 +821,92 @@ mod tests {
             assert_eq!(error.code, ErrorCode::BadArgs);
             assert!(error.message.contains(says), "{}", error.message);
         }
+    }
+
+    /// A batch is `[instance_id, items]`; a bad item is `bad_args` naming its index and
+    /// field, and more than `MAX_BATCH_ITEMS` items is `bad_args` naming the limit.
+    #[test]
+    fn batch_ops_decode_and_refuse_a_bad_item_by_its_index() {
+        let item = |key: &[u8], rest: &[u64]| {
+            let mut parts = vec![Value::Binary(key.to_vec())];
+            parts.extend(rest.iter().map(|&n| Value::from(n)));
+            Value::Array(parts)
+        };
+        let decode = |op: &str, items: Vec<Value>| {
+            decode_request(&request(4.into(), op, vec![7.into(), Value::Array(items)]))
+        };
+        let instance = InstanceId::new(7).unwrap();
+        assert_eq!(
+            decode("retrieve_batch", vec![item(b"k", &[0, 8])])
+                .unwrap()
+                .op,
+            Op::RetrieveBatch {
+                instance,
+                items: vec![RetrieveItem {
+                    key: b"k".to_vec(),
+                    buffer: 0,
+                    offset: 8
+                }]
+            }
+        );
+        assert_eq!(
+            decode("store_batch", vec![]).unwrap().op,
+            Op::StoreBatch {
+                instance,
+                items: vec![]
+            }
+        );
+        let good = item(b"k", &[0, 0, 8]);
+        for (op, items, says) in [
+            (
+                "store_batch",
+                vec![good.clone(), item(b"k", &[0, 0])],
+                "items[1] has 3 values instead of 4",
+            ),
+            (
+                "store_batch",
+                vec![good.clone(), good.clone(), Value::from(3)],
+                "items[2] must be an array of 4 values, got uint 3",
+            ),
+            (
+                "store_batch",
+                vec![Value::Array(vec![
+                    Value::Binary(vec![1]),
+                    0.into(),
+                    (-1).into(),
+                    8.into(),
+                ])],
+                "items[0].offset must be an unsigned integer, got negative int -1",
+            ),
+            (
+                "retrieve_batch",
+                vec![Value::Array(vec![1.into(), 0.into(), 0.into()])],
+                "items[0].key must be bin, got uint 1",
+            ),
+            (
+                "retrieve_batch",
+                vec![item(b"k", &[0, 0]); MAX_BATCH_ITEMS + 1],
+                "1025 items; a batch holds at most 1024",
+            ),
+        ] {
+            let error = decode(op, items).unwrap_err();
+            assert_eq!(error.request_id, Some(4));
+            assert_eq!(error.error.code, ErrorCode::BadArgs);
+            assert!(
+                error.error.message.contains(says),
+                "{}",
+                error.error.message
+            );
+            assert!(error.error.message.contains(op), "{}", error.error.message);
+        }
+        let error = decode_request(&request(4.into(), "store_batch", vec![7.into()])).unwrap_err();
+        assert!(error.error.message.contains("1 arguments instead of 2"));
+        assert_eq!(
+            decode("retrieve_batch", vec![item(b"k", &[0, 0]); MAX_BATCH_ITEMS])
+                .unwrap()
+                .op
+                .name(),
+            "retrieve_batch"
+        );
     }
 }

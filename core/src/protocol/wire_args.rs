@@ -15,7 +15,9 @@
 //! the rope base is any number.
 
 use super::MAX_DEPTH;
-use super::request::{BufferSpec, OP_NAMES, Op, Request, RopeSpec};
+use super::request::{
+    BufferSpec, MAX_BATCH_ITEMS, OP_NAMES, Op, Request, RetrieveItem, RopeSpec, StoreItem,
+};
 use crate::InstanceId;
 use serde::Deserialize;
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
@@ -149,6 +151,21 @@ impl<'de> DeserializeSeed<'de> for ArgsSeed {
                     offset,
                 }
             }
+            "store_batch" => {
+                let (Instance(instance), Bounded(items)): (_, Bounded<WireStoreItem>) = array(d)?;
+                Op::StoreBatch {
+                    instance,
+                    items: batch(items)?.into_iter().map(|item| item.0).collect(),
+                }
+            }
+            "retrieve_batch" => {
+                let (Instance(instance), Bounded(items)): (_, Bounded<WireRetrieveItem>) =
+                    array(d)?;
+                Op::RetrieveBatch {
+                    instance,
+                    items: batch(items)?.into_iter().map(|item| item.0).collect(),
+                }
+            }
             "lookup" => {
                 let (Bounded(keys),): (Bounded<Key>,) = array(d)?;
                 Op::Lookup {
@@ -214,6 +231,43 @@ fn array<'de, D: Deserializer<'de>, T: Deserialize<'de>>(deserializer: D) -> Res
         }
     }
     deserializer.deserialize_any(ArrayVisitor(std::marker::PhantomData))
+}
+
+/// The items of a batch, refused past [`MAX_BATCH_ITEMS`].
+fn batch<T, E: de::Error>(items: Vec<T>) -> Result<Vec<T>, E> {
+    if items.len() > MAX_BATCH_ITEMS {
+        return Err(E::custom("too many batch items"));
+    }
+    Ok(items)
+}
+
+/// `[key: bin, buffer: uint, offset: uint, nbytes: uint]`, an item of `store_batch`.
+struct WireStoreItem(StoreItem);
+
+impl<'de> Deserialize<'de> for WireStoreItem {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<WireStoreItem, D::Error> {
+        let (Key(key), buffer, offset, nbytes) = array(d)?;
+        Ok(WireStoreItem(StoreItem {
+            key,
+            buffer,
+            offset,
+            nbytes,
+        }))
+    }
+}
+
+/// `[key: bin, buffer: uint, offset: uint]`, an item of `retrieve_batch`.
+struct WireRetrieveItem(RetrieveItem);
+
+impl<'de> Deserialize<'de> for WireRetrieveItem {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<WireRetrieveItem, D::Error> {
+        let (Key(key), buffer, offset) = array(d)?;
+        Ok(WireRetrieveItem(RetrieveItem {
+            key,
+            buffer,
+            offset,
+        }))
+    }
 }
 
 /// `hello`'s `[protocol: uint, client: str]`, or the same with a third argument, an

@@ -59,6 +59,8 @@ impl Server {
                         copied.map(Value::from),
                     );
                 }
+                Done::BatchStored(done) => self.on_batch_stored(done),
+                Done::BatchRetrieved(done) => self.on_batch_retrieved(done),
                 Done::BlendComputed {
                     reply,
                     ticket,

@@ -31,6 +31,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use thiserror::Error;
 
+mod batch;
 mod blend;
 mod connections;
 mod effects;
@@ -111,6 +112,10 @@ enum Done {
         slot: SlotId,
         copied: Result<u64, ProtocolError>,
     },
+    /// One item of a `store_batch` copied.
+    BatchStored(batch::ItemDone),
+    /// One item of a `retrieve_batch` copied.
+    BatchRetrieved(batch::ItemDone),
     /// CacheBlend rope tables computed for `register_blend`.
     BlendComputed {
         reply: ReplyTo,
@@ -168,6 +173,9 @@ pub struct Server {
     frees: HashMap<u64, FreeWatch>,
     next_free_id: u64,
     jobs_in_flight: usize,
+    /// Batches with copies still running, by a server-assigned id.
+    batches: HashMap<u64, batch::Batch>,
+    next_batch_id: u64,
     boot_id: u64,
     server_uid: u32,
     shutdown: Option<Shutdown>,
@@ -330,6 +338,8 @@ impl Server {
             frees: HashMap::new(),
             next_free_id: 0,
             jobs_in_flight: 0,
+            batches: HashMap::new(),
+            next_batch_id: 0,
             boot_id: InstanceId::generate().get(),
             server_uid: rustix::process::getuid().as_raw(),
             shutdown: None,

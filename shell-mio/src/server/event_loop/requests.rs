@@ -114,6 +114,8 @@ impl Server {
                 buffer,
                 offset,
             } => self.retrieve(reply, instance, key, buffer, offset),
+            Op::StoreBatch { instance, items } => self.store_batch(reply, instance, items),
+            Op::RetrieveBatch { instance, items } => self.retrieve_batch(reply, instance, items),
             Op::Lookup { keys } => Some(Ok(self.l1.lookup_prefix(&keys).into())),
             Op::RegisterEngineDriven {
                 instance,
@@ -380,9 +382,10 @@ impl Server {
     }
 
     /// The mapping of `buffer` in `context`, checked against `[offset, offset + nbytes)`.
+    /// `what` names the request (or the batch item) in the message: "`store`".
     pub(super) fn checked_buffer(
         context: &Context,
-        op: &str,
+        what: &str,
         instance: InstanceId,
         buffer: u64,
         offset: u64,
@@ -391,19 +394,19 @@ impl Server {
         let bad = |message: String| Err(ProtocolError::new(ErrorCode::BadArgs, message));
         let Some(server_driven) = context.server_driven() else {
             return bad(format!(
-                "`{op}`: instance {instance} holds no server-driven buffers"
+                "{what}: instance {instance} holds no server-driven buffers"
             ));
         };
         let count = server_driven.buffers.len();
         let Some(index) = usize::try_from(buffer).ok().filter(|&i| i < count) else {
             return bad(format!(
-                "`{op}`: buffer index {buffer}, but instance {instance} registered {count} buffers (valid: 0..{count})"
+                "{what}: buffer index {buffer}, but instance {instance} registered {count} buffers (valid: 0..{count})"
             ));
         };
         let registered = &server_driven.buffers[index];
         if !registered.contains(offset, nbytes) {
             return bad(format!(
-                "`{op}`: offset {offset} + nbytes {nbytes} runs past the end of buffer {buffer} ({} bytes)",
+                "{what}: offset {offset} + nbytes {nbytes} runs past the end of buffer {buffer} ({} bytes)",
                 registered.len()
             ));
         }
@@ -423,11 +426,11 @@ impl Server {
             Ok(context) => context,
             Err(error) => return Some(Err(error)),
         };
-        let index = match Self::checked_buffer(&context, "store", instance, buffer, offset, nbytes)
-        {
-            Ok(index) => index,
-            Err(error) => return Some(Err(error)),
-        };
+        let index =
+            match Self::checked_buffer(&context, "`store`", instance, buffer, offset, nbytes) {
+                Ok(index) => index,
+                Err(error) => return Some(Err(error)),
+            };
         let slot_bytes = self.l1.slot_bytes();
         if nbytes > slot_bytes {
             return Some(Err(ProtocolError::new(
@@ -475,7 +478,8 @@ impl Server {
             Ok(context) => context,
             Err(error) => return Some(Err(error)),
         };
-        if let Err(error) = Self::checked_buffer(&context, "retrieve", instance, buffer, offset, 0)
+        if let Err(error) =
+            Self::checked_buffer(&context, "`retrieve`", instance, buffer, offset, 0)
         {
             return Some(Err(error));
         }
@@ -486,7 +490,7 @@ impl Server {
             return Some(Ok(Value::Nil)); // a miss
         };
         let index =
-            match Self::checked_buffer(&context, "retrieve", instance, buffer, offset, nbytes) {
+            match Self::checked_buffer(&context, "`retrieve`", instance, buffer, offset, nbytes) {
                 Ok(index) => index,
                 Err(error) => {
                     self.l1.unpin(slot);
@@ -511,7 +515,7 @@ impl Server {
     }
 }
 
-fn overloaded() -> ProtocolError {
+pub(super) fn overloaded() -> ProtocolError {
     ProtocolError::new(
         ErrorCode::Overloaded,
         format!(
@@ -521,7 +525,7 @@ fn overloaded() -> ProtocolError {
     )
 }
 
-fn copy_result(copied: bool, nbytes: u64) -> Result<u64, ProtocolError> {
+pub(super) fn copy_result(copied: bool, nbytes: u64) -> Result<u64, ProtocolError> {
     if copied {
         Ok(nbytes)
     } else {
