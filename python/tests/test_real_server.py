@@ -150,6 +150,46 @@ def test_real_memfd_store_retrieve_lookup_round_trip(start_server, buffers) -> N
     worker.shutdown()
 
 
+def test_real_store_batch_then_retrieve_batch_moves_every_block(start_server, buffers) -> None:
+    server = start_server()
+    worker = make_worker(server, buffers)
+    view = buffers[0].view
+    block = 256
+    for i in range(16):
+        view[i * block : (i + 1) * block] = bytes([i]) * block
+    stores = [(b"blk-%d" % i, 0, i * block, block) for i in range(16)]
+    assert worker.store_batch(stores) == [True] * 16
+    assert worker.lookup([key for key, _, _, _ in stores]) == 16
+    view[32768 : 32768 + 16 * block] = b"\0" * (16 * block)
+    retrieves = [(b"blk-%d" % i, 0, 32768 + i * block) for i in range(16)]
+    retrieves[5] = (b"absent", 0, 32768 + 5 * block)
+    answers = worker.retrieve_batch(retrieves)
+    assert answers[5] is None, "a miss is None"
+    assert answers[:5] + answers[6:] == [block] * 15
+    for i in range(16):
+        want = b"\0" * block if i == 5 else bytes([i]) * block
+        got = bytes(view[32768 + i * block : 32768 + (i + 1) * block])
+        assert got == want, f"block {i}"
+    assert worker.store_batch([]) == [] and worker.retrieve_batch([]) == []
+    worker.shutdown()
+
+
+def test_real_batch_with_a_bad_item_is_bad_args_naming_it_and_copies_nothing(
+    start_server, buffers
+) -> None:
+    server = start_server()
+    worker = make_worker(server, buffers)
+    with pytest.raises(BadArgs, match=r"items\[1\]: offset 65000"):
+        worker.store_batch([(b"good", 0, 0, 8), (b"bad", 0, 65000, 1000)])
+    assert worker.lookup([b"good"]) == 0, "nothing stored"
+    assert worker.store_batch([(b"good", 0, 0, 8)]) == [True]
+    with pytest.raises(BadArgs, match=r"items\[1\]: offset 65535"):
+        worker.retrieve_batch([(b"good", 0, 100), (b"good", 0, 65535)])
+    with pytest.raises(IndexError, match=r"items\[0\]: buffer index 3"):
+        worker.retrieve_batch([(b"good", 3, 0)])
+    worker.shutdown()
+
+
 def test_real_shutdown_unregisters_and_frees_the_context(start_server, buffers) -> None:
     server = start_server()
     worker = make_worker(server, buffers)

@@ -41,7 +41,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -53,7 +53,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from . import prefix
 from .buffers import MemfdBuffer
 from .kv_tensors import block_dim, block_regions, cuda_ipc_buffer
-from .worker import Worker
+from .worker import MAX_BATCH_ITEMS, Worker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -65,6 +65,9 @@ if TYPE_CHECKING:
 
 # Under vLLM's logger, so that lines show with vLLM's own (its handlers cover "vllm.*").
 log = logging.getLogger("vllm.kvwarden")
+
+#: Where one part of a block lives: (registered buffer index, offset, nbytes).
+Region = Tuple[int, int, int]
 
 #: ``kv_connector_extra_config`` keys and their defaults.
 DEFAULTS: Dict[str, Any] = {
@@ -445,6 +448,58 @@ class _Route:
             "kvwarden: %s; no transfers for %g s", what, self.c._backoff.retry_after_seconds
         )
 
+    def save_parts(self, keys: Sequence[bytes], parts: Sequence[Sequence[Region]]) -> int:
+        """Stores block ``i``'s ``parts[i]`` (``(buffer, offset, nbytes)`` each) under
+        ``key(keys[i], part)``; how many leading blocks were stored whole. Two batch
+        requests (one when every block is one part): every part but the first, then the
+        first parts of the blocks stored so far, so that a lookup that finds a block's
+        part 0 finds a complete block."""
+        rest = [
+            (self.key(key, part), *region)
+            for key, regions in zip(keys, parts)
+            for part, region in enumerate(regions)
+            if part > 0
+        ]
+        stored = self._batches(self.c._worker.store_batch, rest)
+        whole, at = 0, 0
+        for regions in parts:
+            if not all(stored[at : at + len(regions) - 1]):
+                break
+            at += len(regions) - 1
+            whole += 1
+        heads = [(self.key(key, 0), *regions[0]) for key, regions in zip(keys, parts[:whole])]
+        done = _leading(self._batches(self.c._worker.store_batch, heads))
+        if done < len(keys):
+            self.failed(f"save of a block stopped after {done} blocks")
+        return done
+
+    def load_parts(self, keys: Sequence[bytes], parts: Sequence[Sequence[Region]]) -> int:
+        """Retrieves every part of every block in one batch request; how many leading
+        blocks came back whole (a later block may have been written too: vLLM computes
+        it again, as it does every block after the first not loaded)."""
+        items = [
+            (self.key(key, part), buffer, offset)
+            for key, regions in zip(keys, parts)
+            for part, (buffer, offset, _) in enumerate(regions)
+        ]
+        got = self._batches(self.c._worker.retrieve_batch, items)
+        whole, at = 0, 0
+        for regions in parts:
+            if any(got[at + i] != nbytes for i, (_, _, nbytes) in enumerate(regions)):
+                break
+            at += len(regions)
+            whole += 1
+        return whole
+
+    @staticmethod
+    def _batches(send: Callable[[List[Any]], List[Any]], items: List[Any]) -> List[Any]:
+        """``send`` in batches of at most ``MAX_BATCH_ITEMS``: one request per step
+        unless a step moves more parts than a batch holds."""
+        out: List[Any] = []
+        for first in range(0, len(items), MAX_BATCH_ITEMS):
+            out += send(items[first : first + MAX_BATCH_ITEMS])
+        return out
+
 
 class _CpuRoute(_Route):
     """Block records staged in a registered memfd; the server copies them to and from L1."""
@@ -479,8 +534,10 @@ class _CpuRoute(_Route):
             for p in range(self.parts)
         ]
 
+    def _parts(self, row: int) -> List[Region]:
+        return [(0, offset, nbytes) for offset, nbytes in self._part_spans(row)]
+
     def save(self, moves: BlockMoves) -> int:
-        worker = self.c._worker
         done = 0
         for first in range(0, len(moves.block_ids), self.rows):
             keys = moves.keys[first : first + self.rows]
@@ -495,28 +552,22 @@ class _CpuRoute(_Route):
                     self.key(key, 0), payload, self.c._layout
                 )
                 del payload, record
-                # Part 0 last: a lookup that finds it finds a complete record.
-                for part, (offset, nbytes) in reversed(list(enumerate(self._part_spans(row)))):
-                    if not worker.store(self.key(key, part), 0, offset, nbytes):
-                        self.failed(f"save of a block stopped after {done} blocks")
-                        return done
-                done += 1
+            stored = self.save_parts(keys, [self._parts(row) for row in range(len(keys))])
+            done += stored
+            if stored < len(keys):
+                return done
         return done
 
     def load(self, moves: BlockMoves) -> int:
-        worker = self.c._worker
         done = 0
         for first in range(0, len(moves.block_ids), self.rows):
             keys = moves.keys[first : first + self.rows]
             ids = moves.block_ids[first : first + self.rows]
+            retrieved = self.load_parts(keys, [self._parts(row) for row in range(len(keys))])
+            if retrieved < len(keys):
+                self.failed(f"block {ids[retrieved]}: not retrieved")
             good = 0
-            for row, key in enumerate(keys):
-                if not all(
-                    worker.retrieve(self.key(key, part), 0, offset) == nbytes
-                    for part, (offset, nbytes) in enumerate(self._part_spans(row))
-                ):
-                    self.failed(f"block {ids[row]}: not retrieved")
-                    break
+            for row, key in enumerate(keys[:retrieved]):
                 start = row * self.stride
                 problem = prefix.record_problem(
                     self.staging.view[start : start + self.record_bytes],
@@ -580,23 +631,23 @@ class _GpuRoute(_Route):
 
     def save(self, moves: BlockMoves) -> int:
         torch.cuda.current_stream().synchronize()  # the forward pass wrote these blocks
-        worker = self.c._worker
-        for done, (key, block) in enumerate(zip(moves.keys, moves.block_ids)):
-            regions = list(enumerate(self._regions(block)))
-            for part, (buffer, offset, nbytes) in reversed(regions):
-                if not worker.store(self.key(key, part), buffer, offset, nbytes):
-                    self.failed(f"save of a block stopped after {done} blocks")
-                    return done
-        return len(moves.block_ids)
+        return self.save_parts(moves.keys, [self._regions(block) for block in moves.block_ids])
 
     def load(self, moves: BlockMoves) -> int:
-        worker = self.c._worker
-        for done, (key, block) in enumerate(zip(moves.keys, moves.block_ids)):
-            for part, (buffer, offset, nbytes) in enumerate(self._regions(block)):
-                if worker.retrieve(self.key(key, part), buffer, offset) != nbytes:
-                    self.failed(f"block {block}: not retrieved")
-                    return done
-        return len(moves.block_ids)
+        done = self.load_parts(moves.keys, [self._regions(block) for block in moves.block_ids])
+        if done < len(moves.block_ids):
+            self.failed(f"block {moves.block_ids[done]}: not retrieved")
+        return done
+
+
+def _leading(answers: List[Any]) -> int:
+    """How many answers, from the first, are true."""
+    count = 0
+    for answer in answers:
+        if not answer:
+            break
+        count += 1
+    return count
 
 
 def _without(shape: Tuple[int, ...], dim: int) -> Tuple[int, ...]:

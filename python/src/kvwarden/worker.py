@@ -58,6 +58,9 @@ _TRANSIENT = (ConnectionLost, RequestTimeout, NotReady, Overloaded, Internal, Pr
 
 INSTANCE_ID_MAX = (1 << 63) - 1
 
+#: The most items one ``store_batch`` / ``retrieve_batch`` carries (the server's limit).
+MAX_BATCH_ITEMS = 1024
+
 
 def default_socket_path() -> str:
     """The server's default socket: ``$XDG_RUNTIME_DIR/kvwarden.sock``, else
@@ -263,6 +266,61 @@ class Worker:
             "retrieve", [self.instance_id, bytes(key), buffer, offset], None, start=True
         )
         return None if value is None else int(value)
+
+    def store_batch(
+        self, items: Sequence[Tuple[bytes, int, int, Optional[int]]]
+    ) -> List[bool]:
+        """Many :meth:`store` calls in one request (at most :data:`MAX_BATCH_ITEMS`):
+        each item is ``(key, buffer, offset, nbytes)`` (``nbytes`` None: the rest of the
+        buffer), each answer what ``store`` would have answered. All False when skipped
+        (unhealthy) or on a transient failure. A bad item (a buffer bound, ``nbytes`` above
+        a slot) is :class:`~kvwarden.errors.BadArgs` naming its index; nothing is copied."""
+        if self._shut_down:
+            return [False] * len(items)
+        kv = self._require_kv("store_batch")
+        wire: List[List[Any]] = []
+        for index, (key, buffer, offset, nbytes) in enumerate(items):
+            if not 0 <= buffer < len(kv[0]):
+                raise IndexError(
+                    f"store_batch: items[{index}]: buffer index {buffer} out of range; "
+                    f"{len(kv[0])} buffers are registered"
+                )
+            if nbytes is None:
+                nbytes = kv[0][buffer].nbytes - offset
+            wire.append([bytes(key), buffer, offset, nbytes])
+        _check_batch_size("store_batch", len(wire))
+        failure = [False] * len(wire)
+        value = self._transfer("store_batch", [self.instance_id, wire], failure, start=True)
+        if value is failure:
+            return failure
+        return [bool(answer) for answer in _batch_answers("store_batch", value, len(wire))]
+
+    def retrieve_batch(self, items: Sequence[Tuple[bytes, int, int]]) -> List[Optional[int]]:
+        """Many :meth:`retrieve` calls in one request (at most :data:`MAX_BATCH_ITEMS`):
+        each item is ``(key, buffer, offset)``, each answer the bytes copied or None on a
+        miss. All None while unhealthy or on a transient failure (the engine recomputes).
+        A bad item is :class:`~kvwarden.errors.BadArgs` naming its index; nothing is
+        copied."""
+        if self._shut_down:
+            return [None] * len(items)
+        kv = self._require_kv("retrieve_batch")
+        wire: List[List[Any]] = []
+        for index, (key, buffer, offset) in enumerate(items):
+            if not 0 <= buffer < len(kv[0]):
+                raise IndexError(
+                    f"retrieve_batch: items[{index}]: buffer index {buffer} out of range; "
+                    f"{len(kv[0])} buffers are registered"
+                )
+            wire.append([bytes(key), buffer, offset])
+        _check_batch_size("retrieve_batch", len(wire))
+        failure: List[Optional[int]] = [None] * len(wire)
+        value = self._transfer("retrieve_batch", [self.instance_id, wire], failure, start=True)
+        if value is failure:
+            return failure
+        return [
+            None if answer is None else int(answer)
+            for answer in _batch_answers("retrieve_batch", value, len(wire))
+        ]
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` L1 holds; 0 while unhealthy or on a transient failure
@@ -689,6 +747,19 @@ class Worker:
                 3 * self.interval,
                 reap / 3,
             )
+
+
+def _check_batch_size(op: str, count: int) -> None:
+    if count > MAX_BATCH_ITEMS:
+        raise ValueError(
+            f"{op}: {count} items; a batch holds at most {MAX_BATCH_ITEMS}; split it"
+        )
+
+
+def _batch_answers(op: str, value: Any, sent: int) -> List[Any]:
+    if not isinstance(value, list) or len(value) != sent:
+        raise ProtocolViolation(f"{op}: expected a list of {sent} answers, got {value!r:.200}")
+    return value
 
 
 def _outcome(value: Any, op: str) -> str:
