@@ -35,6 +35,9 @@ enum Figure {
     /// S6: store + retrieve bandwidth of 2 MiB chunks (memfd <-> L1) against a
     /// single-thread memcpy in the same run. Target: >= 0.5 x memcpy.
     Copy(bench::copy::CopyArgs),
+    /// B1: 64 blocks in one store_batch / retrieve_batch against 64 single store /
+    /// retrieve requests one at a time (how the vLLM connector moved a step before).
+    Batch(bench::batch::BatchArgs),
     /// S7: server RSS with 10,000 registered instances, L1 excluded (a one-slot L1 that
     /// is never stored into). Target: <= 64 MiB.
     Memory(bench::memory::MemoryArgs),
@@ -53,6 +56,7 @@ pub fn run(args: BenchArgs) -> ExitCode {
         Figure::Kill(args) => bench::kill::run(args),
         Figure::Reap(args) => bench::reap::run(args),
         Figure::Copy(args) => bench::copy::run(args),
+        Figure::Batch(args) => bench::batch::run(args),
         Figure::Memory(args) => bench::memory::run(args),
         Figure::Connections(args) => bench::connections::run(args),
     };

@@ -1,5 +1,6 @@
 //! `kvwarden-bench` (also run as `kvwarden bench`): the server figures S1–S7 of
-//! `docs/targets.md` and the load figure R5, measured against a real server process.
+//! `docs/targets.md`, the load figure R5 and the batch figure B1, measured against a
+//! real server process.
 //!
 //! A crate of its own, beside the server as `redis-benchmark` ships beside
 //! `redis-server`: it links the core and the worker client, not the server. Each figure
@@ -10,6 +11,7 @@
 //! `ID name value unit (what it was measured under; the target)`. Figures are measured,
 //! never asserted: the machines they run on are shared and noisy.
 
+pub mod batch;
 pub mod connections;
 pub mod copy;
 mod figures;

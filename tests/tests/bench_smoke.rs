@@ -156,6 +156,27 @@ fn bench_copy_memory_and_connections_print_their_figures() {
         &["S6 store_retrieve_bandwidth", "S6 ratio_vs_memcpy"],
     );
     bench(
+        &[
+            "batch",
+            "--seconds",
+            "0.1",
+            "--blocks",
+            "8",
+            "--block-bytes",
+            "64K",
+            "--l1-bytes",
+            "8M",
+        ],
+        &[
+            "B1 store_batch_8",
+            "B1 store_single_8",
+            "B1 store_batch_speedup",
+            "B1 retrieve_batch_8",
+            "B1 retrieve_single_8",
+            "B1 retrieve_batch_speedup",
+        ],
+    );
+    bench(
         &["memory", "--instances", "200"],
         &["S7 server_rss_with_instances", "S7 rss_per_instance"],
     );
