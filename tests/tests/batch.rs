@@ -105,7 +105,20 @@ fn a_batch_of_stores_then_a_batch_of_retrieves_moves_every_block() {
         0,
         "every reservation settled"
     );
+    // One request each, counted under its own op; no single transfer was sent.
+    assert_eq!(requests(&server, "store_batch"), Some(3.0));
+    assert_eq!(requests(&server, "retrieve_batch"), Some(2.0));
+    assert_eq!(requests(&server, "store"), None);
     client.shutdown().unwrap();
+}
+
+fn requests(server: &Server, op: &str) -> Option<f64> {
+    let (code, body) = server.http_get("/metrics");
+    assert_eq!(code, 200);
+    let start = format!("kvwarden_requests_total{{op=\"{op}\"}}");
+    body.lines()
+        .find_map(|line| line.strip_prefix(start.as_str()))
+        .and_then(|value| value.trim().parse().ok())
 }
 
 #[test]
