@@ -247,3 +247,28 @@ fn a_batch_for_an_unregistered_instance_is_not_registered() {
         .unwrap();
     assert_eq!(reply.result.unwrap(), Value::Array(vec![Value::Nil]));
 }
+
+#[test]
+fn a_batch_for_an_instance_the_server_forgot_re_registers_and_goes_through() {
+    let dir = TempDir::new("batch-recover");
+    let server = Server::start(&dir, &[]);
+    let (client, source, _) = connect(&server);
+    assert!(source.write(0, &pattern(7)));
+    let mut raw = RawClient::connect(&server.socket).unwrap();
+    let instance = client.instance_id().get();
+    let reply = raw
+        .request("unregister_kv_cache", vec![instance.into()])
+        .unwrap();
+    assert_eq!(reply.result.unwrap(), Value::Boolean(true));
+    assert_eq!(
+        client.store_batch(&[(b"after", 0, 0, BLOCK)]).unwrap(),
+        vec![true],
+        "answered not_registered, re-registered, sent again"
+    );
+    assert_eq!(client.recoveries(), 1);
+    assert_eq!(
+        client.retrieve_batch(&[(b"after", 1, 0)]).unwrap(),
+        vec![Some(BLOCK)]
+    );
+    client.shutdown().unwrap();
+}
