@@ -68,19 +68,7 @@ impl Target {
                 let server =
                     ServerProcess::start_with_open_files(tag, &serve_args, "warn", open_files)?;
                 let command = format!("kvwarden serve --http off {}", serve_args.join(" "));
-                super::progress(&format!(
-                    "started `{}` (pid {}) on {}",
-                    command.trim_end(),
-                    server.pid(),
-                    server.socket.display()
-                ));
-                Ok(Target {
-                    socket: server.socket.clone(),
-                    tcp: server.tcp,
-                    pid: server.pid(),
-                    spawned: Some(server),
-                    pings_answered_false_before: 0,
-                })
+                Ok(Target::spawned(server, &command, "pid"))
             }
         }
     }
@@ -113,19 +101,25 @@ impl Target {
             "unshare --pid --fork --mount-proc --kill-child kvwarden serve --http off {}",
             serve_args.join(" ")
         );
+        Ok(Target::spawned(server, &command, "unshare pid"))
+    }
+
+    /// The target of a server this benchmark started with `command` (said on stderr,
+    /// with the process id as `pid_label`).
+    fn spawned(server: ServerProcess, command: &str, pid_label: &str) -> Target {
         super::progress(&format!(
-            "started `{}` (unshare pid {}) on {}",
+            "started `{}` ({pid_label} {}) on {}",
             command.trim_end(),
             server.pid(),
             server.socket.display()
         ));
-        Ok(Target {
+        Target {
             socket: server.socket.clone(),
             tcp: server.tcp,
             pid: server.pid(),
             spawned: Some(server),
             pings_answered_false_before: 0,
-        })
+        }
     }
 
     /// A control connection.

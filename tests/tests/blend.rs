@@ -6,10 +6,9 @@ mod engine_support;
 
 use engine_support::{EngineWorker, Helper, rope};
 use kvwarden_core::protocol::ErrorCode;
-use kvwarden_tests::{PATIENCE, RawClient, Server, TempDir, find_instance};
+use kvwarden_tests::{RawClient, Server, TempDir, find_instance};
 use rmpv::Value;
 use serde_json::Value as Json;
-use std::io::{Read, Write};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -183,15 +182,6 @@ fn blend_state_dropped_after_unregister_reap_and_process_exit() {
     assert_eq!(status["blend"]["instances"], 1);
 }
 
-fn http_get(server: &Server, path: &str) -> String {
-    let mut stream = std::net::TcpStream::connect(server.http.expect("http address")).unwrap();
-    stream.set_read_timeout(Some(PATIENCE)).unwrap();
-    write!(stream, "GET {path} HTTP/1.1\r\nHost: test\r\n\r\n").unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).unwrap();
-    response
-}
-
 #[test]
 fn register_blend_checks_its_parameters_and_needs_a_registration() {
     let dir = TempDir::new("blend-args");
@@ -237,7 +227,7 @@ fn register_blend_checks_its_parameters_and_needs_a_registration() {
     let status = server.status();
     assert_eq!(blend_bytes(&status, 410), Some(2 << 20));
     assert_eq!(total_blend_bytes(&status), 2 << 20);
-    let metrics = http_get(&server, "/metrics");
+    let metrics = server.http_get("/metrics").1;
     assert!(
         metrics.contains("kvwarden_blend_bytes 2097152"),
         "{metrics}"

@@ -6,16 +6,6 @@ use kvwarden_tests::{
     PATIENCE, RawClient, Server, TempDir, find_instance, freed, kvwarden_bin, wait_for,
 };
 use rmpv::Value;
-use std::io::{Read, Write};
-
-fn http_get(server: &Server, path: &str) -> String {
-    let mut stream = std::net::TcpStream::connect(server.http.expect("http address")).unwrap();
-    stream.set_read_timeout(Some(PATIENCE)).unwrap();
-    write!(stream, "GET {path} HTTP/1.1\r\nHost: test\r\n\r\n").unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).unwrap();
-    response
-}
 
 fn register_kv(raw: &mut RawClient, instance: u64) -> Value {
     raw.request(
@@ -92,7 +82,7 @@ fn row_20_hung_free_does_not_block_pings_or_other_frees() {
 
     // The hung one is reported once the watchdog period has passed: log and metric.
     server.wait_status("the hung free reported", |s| frees_hung(s) == 1);
-    let metrics = http_get(&server, "/metrics");
+    let metrics = server.http_get("/metrics").1;
     assert!(metrics.contains("kvwarden_frees_hung_total 1"), "{metrics}");
     wait_for("the watchdog's log line", PATIENCE, || {
         server
@@ -101,7 +91,7 @@ fn row_20_hung_free_does_not_block_pings_or_other_frees() {
             .then_some(())
     });
     // ... and the loop still turns afterwards, with the hung free still in flight.
-    assert!(http_get(&server, "/healthz").contains("ok"));
+    assert!(server.http_get("/healthz").1.contains("ok"));
     let reply = raw.request("ping", vec![Value::Nil]).unwrap();
     assert_eq!(reply.result.unwrap(), Value::Boolean(true));
     let status = server.status();

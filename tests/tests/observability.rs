@@ -1,28 +1,9 @@
 //! What an operator sees: HTTP `/status`, `/metrics`, `/healthz`, `kvwarden status`,
 //! a second server refused on a live socket, and reaping disabled (row 17).
 
-use kvwarden_tests::{PATIENCE, Server, TempDir, Worker, find_instance, freed, kvwarden_bin};
+use kvwarden_tests::{Server, TempDir, Worker, find_instance, freed, kvwarden_bin};
 use rustix::process::Signal;
-use std::io::{Read, Write};
 use std::time::Duration;
-
-fn http_get(server: &Server, path: &str) -> (u16, String) {
-    let mut stream = std::net::TcpStream::connect(server.http.expect("http address")).unwrap();
-    stream.set_read_timeout(Some(PATIENCE)).unwrap();
-    write!(stream, "GET {path} HTTP/1.1\r\nHost: test\r\n\r\n").unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).unwrap();
-    let code = response
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|(_, body)| body.to_string())
-        .unwrap_or_default();
-    (code, body)
-}
 
 #[test]
 fn http_status_metrics_and_healthz_describe_the_server() {
@@ -32,9 +13,9 @@ fn http_status_metrics_and_healthz_describe_the_server() {
     server.wait_status("proven", |s| {
         find_instance(s, worker.instance_id).is_some_and(|i| i["proven"] == true)
     });
-    let (code, body) = http_get(&server, "/healthz");
+    let (code, body) = server.http_get("/healthz");
     assert_eq!((code, body.as_str()), (200, "ok\n"));
-    let (code, body) = http_get(&server, "/status");
+    let (code, body) = server.http_get("/status");
     assert_eq!(code, 200);
     let status: serde_json::Value = serde_json::from_str(&body).unwrap();
     let live = &status["worker_liveness"];
@@ -52,7 +33,7 @@ fn http_status_metrics_and_healthz_describe_the_server() {
     ] {
         assert!(!instance[field].is_null(), "{field} missing: {instance:#}");
     }
-    let (code, metrics) = http_get(&server, "/metrics");
+    let (code, metrics) = server.http_get("/metrics");
     assert_eq!(code, 200);
     for name in [
         "kvwarden_tracked_instances 1",
@@ -64,7 +45,7 @@ fn http_status_metrics_and_healthz_describe_the_server() {
     ] {
         assert!(metrics.contains(name), "{name} missing:\n{metrics}");
     }
-    assert_eq!(http_get(&server, "/nope").0, 404);
+    assert_eq!(server.http_get("/nope").0, 404);
 }
 
 #[test]
