@@ -65,6 +65,7 @@ mod heartbeat;
 mod id;
 pub mod liveness;
 mod module;
+pub mod node;
 pub mod protocol;
 mod stall;
 mod time;

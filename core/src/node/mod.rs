@@ -1,0 +1,913 @@
+//! The server's request logic as one sans-IO state machine: the node.
+//!
+//! Both shells drive it unchanged — the mio server with sockets, memfds, CUDA and
+//! pidfds, the simulator with simulated ones. It owns the liveness registry, the
+//! per-context metadata (buffer lengths for bounds checks), the L1 slot table
+//! (reservations, pins, LRU), the engine-driven transfer strategies, the CacheBlend
+//! bookkeeping and its limits, owners, per-connection in-flight counts, REGISTER
+//! replies held while a build runs, frees deferred while copies run, the free
+//! watchdog, the process watches and the shutdown sequence.
+//!
+//! Shape (like quinn-proto's `Endpoint` or str0m's `Rtc`): time is passed in on every
+//! call; [`Node::handle_input`] for everything that arrives, [`Node::handle_timeout`]
+//! when [`Node::poll_timeout`] says, and [`Node::poll_output`] drained until empty
+//! after each. Nothing here reads a clock, spawns, blocks or touches an fd: fds,
+//! mappings, pidfds and rope tables stay in the shell, named by the ids below.
+//!
+//! The shell's loop, the rule of the core's crate docs made whole:
+//!
+//! 1. hand every input that has arrived to `handle_input` (requests before time);
+//! 2. then `handle_timeout(now)`;
+//! 3. drain `poll_output`, carrying out each output;
+//! 4. sleep until `poll_timeout`, or the next input.
+
+pub mod blend;
+pub mod engine;
+pub mod l1;
+mod ops;
+mod outcomes;
+
+use crate::config::{Config, ConfigError};
+use crate::effect::FreeCause;
+use crate::id::InstanceId;
+use crate::liveness::{BuildTicket, Liveness, Status};
+use crate::module::Module;
+use crate::protocol::{BufferSpec, Op, ProtocolError, RopeSpec};
+use crate::time::Instant;
+use blend::{BlendBook, BlendId};
+use engine::TransferStrategy;
+use l1::{SlotId, SlotTable};
+use rmpv::Value;
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::time::Duration;
+
+/// Requests of one connection that may run (build, copy, blend) at once.
+pub const MAX_IN_FLIGHT_PER_CONNECTION: usize = 64;
+/// Buffers one registration may name.
+pub const MAX_BUFFERS_PER_REGISTRATION: usize = 1024;
+/// How long a shutdown waits for builds, copies and blends in flight.
+pub const SHUTDOWN_DRAIN: Duration = Duration::from_secs(10);
+
+/// A connection, named by the shell (its token).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ConnId(pub u64);
+
+/// A process the shell can watch for its exit, named by the shell.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ProcessKey(pub u64);
+
+/// A context the node asked the shell to build; the shell keeps the real one (its
+/// mappings) under this id until the node says `StartFree`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ContextId(pub u64);
+
+/// One copy between a registered buffer and an L1 slot.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct CopyId(pub u64);
+
+/// One free of a context.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct FreeId(pub u64);
+
+/// How a connection reached the server.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Transport {
+    /// The Unix socket: fds travel (`SCM_RIGHTS`), the peer's uid is known.
+    Unix,
+    /// TCP: no fds, no uid.
+    Tcp,
+}
+
+/// How the death of an instance's process will be noticed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DeathNotice {
+    /// A pidfd the worker sent of itself (`hello`'s `pidfd_index`).
+    PidfdFromPeer,
+    /// A pidfd the server opened on the pid `SO_PEERCRED` reported.
+    PidfdByPid,
+    /// No pidfd: only the heartbeat rules (reap timeout, registration grace).
+    TimeoutOnly,
+}
+
+impl DeathNotice {
+    /// Every kind, in the order status and metrics list them.
+    pub const ALL: [DeathNotice; 3] = [
+        DeathNotice::PidfdFromPeer,
+        DeathNotice::PidfdByPid,
+        DeathNotice::TimeoutOnly,
+    ];
+
+    /// The label in `/status` and `/metrics`.
+    pub fn label(self) -> &'static str {
+        match self {
+            DeathNotice::PidfdFromPeer => "pidfd_from_peer",
+            DeathNotice::PidfdByPid => "pidfd_by_pid",
+            DeathNotice::TimeoutOnly => "timeout_only",
+        }
+    }
+}
+
+/// What a finished build gives the node: what it must know of the context.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Built {
+    /// Server-driven buffers, by index: their lengths, for bounds checks.
+    ServerDriven {
+        /// Each registered buffer's length in bytes.
+        buffer_lens: Vec<u64>,
+    },
+    /// An engine-driven context (its strategy lives on the node).
+    EngineDriven,
+}
+
+/// Which way a copy goes.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Direction {
+    /// From a registered buffer into an L1 slot (`store`).
+    ToL1,
+    /// From an L1 slot into a registered buffer (`retrieve`).
+    FromL1,
+}
+
+/// What the shell's environment offers that the node must know to judge requests.
+#[derive(Clone, Debug)]
+pub struct NodeConfig {
+    /// The liveness configuration.
+    pub liveness: Config,
+    /// The floor on the reap timeout ([`crate::REAP_TIMEOUT_FLOOR`], or zero in tests).
+    pub reap_timeout_floor: Duration,
+    /// Slots in the L1 pool.
+    pub num_slots: usize,
+    /// Bytes per slot.
+    pub slot_bytes: u64,
+    /// The server's own uid: it may act on any instance.
+    pub server_uid: u32,
+    /// Random per server start, told to every `hello`.
+    pub boot_id: u64,
+    /// The server's name and version, told to every `hello`.
+    pub server_name: String,
+    /// A free running longer than this is reported (once).
+    pub free_watchdog: Duration,
+    /// How long a shutdown waits for work in flight.
+    pub shutdown_drain: Duration,
+    /// CUDA devices on this host, or why CUDA is unavailable.
+    pub cuda_devices: Result<u64, String>,
+}
+
+/// Something that arrived: a request, a connection, a completion, a signal.
+#[derive(Debug)]
+pub enum Input {
+    /// A worker connected.
+    Connected {
+        /// The connection.
+        conn: ConnId,
+        /// The peer's uid (`SO_PEERCRED`); None over TCP.
+        uid: Option<u32>,
+        /// How it connected.
+        transport: Transport,
+        /// The peer's process, when the shell could open a pidfd of it.
+        process: Option<(ProcessKey, DeathNotice)>,
+    },
+    /// The peer sent a pidfd of itself (`hello`), which the shell checked: it is now
+    /// the connection's process. Comes before that `hello`'s `Request`.
+    PeerProcess {
+        /// The connection.
+        conn: ConnId,
+        /// The process.
+        process: ProcessKey,
+        /// How its death will be noticed.
+        notice: DeathNotice,
+    },
+    /// A decoded request.
+    Request {
+        /// The connection.
+        conn: ConnId,
+        /// The request's id, echoed in its reply.
+        request_id: u64,
+        /// The op.
+        op: Op,
+        /// How many fds came with the frame (the shell keeps them, keyed by
+        /// `(conn, request_id)`, until `StartBuild` takes them or the turn ends).
+        fds: usize,
+    },
+    /// The connection closed (never a proof of death).
+    Disconnected {
+        /// The connection.
+        conn: ConnId,
+    },
+    /// A build asked by `StartBuild` finished.
+    BuildDone {
+        /// The context.
+        context: ContextId,
+        /// What the node must know of it, or why it failed.
+        result: Result<Built, ProtocolError>,
+    },
+    /// A copy asked by `StartCopy` finished: the bytes copied, or why it failed.
+    CopyDone {
+        /// The copy.
+        copy: CopyId,
+        /// Bytes copied.
+        result: Result<u64, ProtocolError>,
+    },
+    /// Rope tables asked by `StartBlend` are computed (the shell holds them), or could
+    /// not be.
+    BlendDone {
+        /// The computation.
+        blend: BlendId,
+        /// Ok, or why not.
+        result: Result<(), String>,
+    },
+    /// A free asked by `StartFree` returned.
+    FreeDone {
+        /// The free.
+        free: FreeId,
+    },
+    /// The kernel proved that a watched process exited (its pidfd became readable).
+    ProcessExited {
+        /// The process.
+        process: ProcessKey,
+    },
+    /// SIGTERM/SIGINT: answer what is in flight, free everything, stop.
+    Shutdown,
+}
+
+/// Something the node asks of its shell. Not `#[non_exhaustive]`: a shell matches
+/// every output, so none is ever ignored silently.
+#[derive(Debug, PartialEq)]
+pub enum Output {
+    /// Send a reply.
+    Reply {
+        /// The connection (gone? then nobody to answer).
+        conn: ConnId,
+        /// The request's id.
+        request_id: u64,
+        /// The op answered, for metrics.
+        op: &'static str,
+        /// The value, or the error.
+        result: Result<Value, ProtocolError>,
+        /// Send the L1 pool's memfd with it (`SCM_RIGHTS`; engine-driven registrations).
+        pool_fd: bool,
+    },
+    /// Answer a `status` request with the node's [`NodeStatus`] and the shell's own
+    /// figures.
+    ReplyStatus {
+        /// The connection.
+        conn: ConnId,
+        /// The request's id.
+        request_id: u64,
+    },
+    /// Build a context off the loop, then report `BuildDone`.
+    StartBuild {
+        /// The context's id.
+        context: ContextId,
+        /// Whose fds it uses: the stash of `(conn, request_id)`.
+        conn: ConnId,
+        /// The request that carried them.
+        request_id: u64,
+        /// The instance.
+        instance: InstanceId,
+        /// The module.
+        module: Module,
+        /// The buffers to map (server-driven; empty for engine-driven).
+        buffers: Vec<BufferSpec>,
+        /// The model's name.
+        model_name: String,
+    },
+    /// Copy between a buffer of `context` and L1 `slot`, then report `CopyDone`.
+    StartCopy {
+        /// The copy.
+        copy: CopyId,
+        /// The context whose buffer it uses (never freed before the copy is done).
+        context: ContextId,
+        /// Which way.
+        direction: Direction,
+        /// The buffer's index in the context.
+        buffer: usize,
+        /// Where in the buffer.
+        offset: u64,
+        /// The slot.
+        slot: SlotId,
+        /// Bytes to copy.
+        nbytes: u64,
+    },
+    /// Compute rope tables off the loop and hold them under `blend`, then report
+    /// `BlendDone`.
+    StartBlend {
+        /// The computation.
+        blend: BlendId,
+        /// For whom.
+        instance: InstanceId,
+        /// The parameters.
+        spec: RopeSpec,
+    },
+    /// The tables of `blend` are now the instance's; drop any it held before.
+    KeepBlend {
+        /// The computation.
+        blend: BlendId,
+        /// The instance.
+        instance: InstanceId,
+    },
+    /// Drop the tables of `blend`: nobody wants them.
+    DiscardBlend {
+        /// The computation.
+        blend: BlendId,
+    },
+    /// Drop the instance's tables: its last entry went.
+    DropBlend {
+        /// The instance.
+        instance: InstanceId,
+    },
+    /// Free a context (close its mappings) off the loop, then report `FreeDone`.
+    StartFree {
+        /// The free.
+        free: FreeId,
+        /// The context.
+        context: ContextId,
+        /// Whose.
+        instance: InstanceId,
+        /// Which module.
+        module: Module,
+        /// Why.
+        cause: FreeCause,
+        /// The label for logs and metrics: the cause's, or `shutdown`.
+        label: &'static str,
+    },
+    /// Watch this process's exit, with the pidfd of `conn`'s peer.
+    Watch {
+        /// The process.
+        process: ProcessKey,
+        /// The connection whose pidfd it is.
+        conn: ConnId,
+    },
+    /// Stop watching this process.
+    Unwatch {
+        /// The process.
+        process: ProcessKey,
+    },
+    /// Something an operator reads: log it, count it.
+    Note(Note),
+    /// The shutdown is complete: exit.
+    Stopped {
+        /// Contexts freed by the shutdown.
+        contexts_freed: u64,
+        /// Frees still running when the node gave up waiting.
+        frees_unfinished: usize,
+    },
+}
+
+/// What the node reports for logs and metrics.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Note {
+    /// A context was built and is the instance's.
+    ContextBuilt {
+        /// The instance.
+        instance: InstanceId,
+        /// The module.
+        module: Module,
+    },
+    /// A build failed.
+    BuildFailed {
+        /// The instance.
+        instance: InstanceId,
+        /// Why.
+        error: ProtocolError,
+    },
+    /// The node saw no input for `gap`: the server itself was stalled.
+    Stall {
+        /// How long.
+        gap: Duration,
+    },
+    /// The kernel proved that an instance's process exited.
+    ProcessExited {
+        /// The instance.
+        instance: InstanceId,
+        /// Whether it held any entry.
+        held: bool,
+    },
+    /// An UNREGISTER named an instance not registered here.
+    UnregisterUnknown {
+        /// The instance.
+        instance: InstanceId,
+        /// The module.
+        module: Module,
+    },
+    /// An engine-driven context went: unpublished reservations were discarded and
+    /// pins released.
+    EngineReleased {
+        /// The instance.
+        instance: InstanceId,
+        /// Why it went.
+        label: &'static str,
+        /// Reservations discarded unpublished.
+        reservations_discarded: usize,
+        /// Pins released.
+        pins_released: u64,
+    },
+    /// A free has run longer than the watchdog.
+    FreeHung {
+        /// The instance.
+        instance: InstanceId,
+        /// The module.
+        module: Module,
+        /// The watchdog period.
+        watchdog: Duration,
+    },
+    /// A free reported hung finished at last.
+    FreeFinishedLate {
+        /// The instance.
+        instance: InstanceId,
+        /// The module.
+        module: Module,
+        /// How long it ran.
+        after: Duration,
+    },
+    /// An instance now holds rope tables.
+    BlendHeld {
+        /// The instance.
+        instance: InstanceId,
+        /// Bytes.
+        bytes: u64,
+    },
+    /// An instance's rope tables were dropped.
+    BlendDropped {
+        /// The instance.
+        instance: InstanceId,
+        /// Bytes.
+        bytes: u64,
+    },
+    /// A shutdown began.
+    ShutdownStarted,
+}
+
+/// One tracked entry, for status pages.
+#[derive(Clone, Debug, PartialEq)]
+pub struct InstanceView {
+    /// The instance.
+    pub instance: InstanceId,
+    /// The module.
+    pub module: Module,
+    /// When it was registered.
+    pub registered_at: Instant,
+    /// Its last evidence of life.
+    pub last_seen: Instant,
+    /// Whether it has pinged.
+    pub proven: bool,
+    /// Whether its context is being built.
+    pub building: bool,
+    /// The uid that registered it.
+    pub owner_uid: Option<u32>,
+    /// The model.
+    pub model_name: String,
+    /// The process watched for it.
+    pub process: Option<ProcessKey>,
+    /// How its death will be noticed.
+    pub death_notice: DeathNotice,
+    /// Bytes of rope tables it holds.
+    pub blend_bytes: u64,
+}
+
+/// The node's figures, for `/status` and metrics.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NodeStatus {
+    /// The liveness registry's counters.
+    pub liveness: Status,
+    /// The liveness resolution.
+    pub resolution: Duration,
+    /// Pings answered.
+    pub pings_total: u64,
+    /// Pings answered `false`.
+    pub pings_answered_false_total: u64,
+    /// Contexts built.
+    pub contexts_built_total: u64,
+    /// Frees started, by label.
+    pub freed_total: BTreeMap<&'static str, u64>,
+    /// Frees running.
+    pub frees_in_flight: usize,
+    /// Frees that exceeded the watchdog.
+    pub frees_hung_total: u64,
+    /// Builds, copies and blends running.
+    pub jobs_in_flight: usize,
+    /// L1 slots: total, used, reserved, pinned.
+    pub l1_slots: (usize, usize, usize, usize),
+    /// Bytes per slot.
+    pub slot_bytes: u64,
+    /// Rope tables: bytes, instances, computations running.
+    pub blend: (u64, usize, usize),
+    /// Processes watched.
+    pub watched_processes: usize,
+    /// Connections open.
+    pub connections: usize,
+    /// Every tracked entry, by instance then module.
+    pub instances: Vec<InstanceView>,
+}
+
+/// Where a reply goes.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+struct ReplyTo {
+    conn: ConnId,
+    request_id: u64,
+    op: &'static str,
+}
+
+struct Conn {
+    uid: Option<u32>,
+    transport: Transport,
+    process: Option<(ProcessKey, DeathNotice)>,
+    in_flight: usize,
+}
+
+/// What the node knows of an entry besides liveness.
+struct Record {
+    owner_uid: Option<u32>,
+    registered_at: Instant,
+    model_name: String,
+}
+
+struct PendingBuild {
+    ticket: BuildTicket,
+    reply: ReplyTo,
+    /// REGISTERs that found this build running: answered with its outcome.
+    waiters: Vec<ReplyTo>,
+}
+
+/// A built context's metadata.
+struct ContextInfo {
+    built: Built,
+    /// Copies running against it; its free waits for them.
+    copies: u32,
+    /// The free decided while copies ran.
+    deferred: Option<(InstanceId, Module, FreeCause, &'static str)>,
+}
+
+enum CopyFor {
+    Store(ReplyTo),
+    Retrieve(ReplyTo),
+    BatchStore { batch: u64, item: usize },
+    BatchRetrieve { batch: u64, item: usize },
+}
+
+struct Copy {
+    context: ContextId,
+    slot: SlotId,
+    purpose: CopyFor,
+}
+
+struct Batch {
+    reply: ReplyTo,
+    results: Vec<Value>,
+    pending: usize,
+    failed: Option<ProtocolError>,
+}
+
+struct FreeWatch {
+    instance: InstanceId,
+    module: Module,
+    started: Instant,
+    reported: bool,
+}
+
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum Shutdown {
+    Draining { since: Instant },
+    Freeing { since: Instant },
+    Stopped,
+}
+
+/// The server's request logic. See the module docs.
+pub struct Node {
+    config: NodeConfig,
+    liveness: Liveness<ContextId>,
+    conns: HashMap<ConnId, Conn>,
+    records: BTreeMap<(InstanceId, Module), Record>,
+    contexts: HashMap<ContextId, ContextInfo>,
+    builds: HashMap<ContextId, PendingBuild>,
+    /// The build each entry's REGISTERs join while it runs.
+    building: HashMap<(InstanceId, Module), ContextId>,
+    strategies: HashMap<ContextId, TransferStrategy>,
+    l1: SlotTable,
+    copies: HashMap<CopyId, Copy>,
+    batches: HashMap<u64, Batch>,
+    blend: BlendBook,
+    blends: HashMap<BlendId, (ReplyTo, InstanceId)>,
+    frees: BTreeMap<FreeId, FreeWatch>,
+    /// process → the instances it registered; instance → its process.
+    watched: HashMap<ProcessKey, BTreeSet<InstanceId>>,
+    watch_of: HashMap<InstanceId, (ProcessKey, DeathNotice)>,
+    jobs_in_flight: usize,
+    shutdown: Option<Shutdown>,
+    freed_at_shutdown: u64,
+    next_id: u64,
+    /// The `now` of the call being handled.
+    last_now: Instant,
+    outputs: VecDeque<Output>,
+    pings_total: u64,
+    pings_false: u64,
+    contexts_built: u64,
+    freed_total: BTreeMap<&'static str, u64>,
+    frees_hung: u64,
+    #[cfg(feature = "planted-bugs")]
+    bug: Option<PlantedBug>,
+}
+
+/// Bugs planted in the node on purpose, so that the simulator's checker is shown to
+/// catch bugs in the real node. Only a build with the test-only feature `planted-bugs`
+/// can plant one ([`Node::plant`]); without it every check below is `false`.
+#[doc(hidden)]
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum PlantedBug {
+    /// A ping is answered `true` without asking the registry.
+    PingAlwaysTrue,
+    /// A REGISTER that finds its entry building is answered `refreshed` at once.
+    RefreshBeforeBuild,
+    /// A free is started while copies still use the context.
+    FreeDuringCopy,
+    /// Frees are never started: contexts leak.
+    LeakOnFree,
+    /// `handle_timeout` is never passed to the registry: nothing is reaped.
+    SkipReap,
+    /// A process exit frees nothing.
+    IgnoreProcessExit,
+    /// An engine-driven free keeps its reservations and pins.
+    KeepReservations,
+    /// A transfer does not refresh liveness.
+    TransferNotEvidence,
+    /// A build's context is never handed to the registry (it leaks and the entry stays
+    /// building).
+    DropBuiltContext,
+    /// Shutdown stops without freeing anything.
+    ShutdownLeaks,
+    /// Two contexts are freed for one entry.
+    DoubleFree,
+}
+
+impl Node {
+    /// A node started at `now`.
+    pub fn new(config: NodeConfig, now: Instant) -> Result<Node, ConfigError> {
+        let liveness =
+            Liveness::new_with_floor(config.liveness.clone(), now, config.reap_timeout_floor)?;
+        Ok(Node {
+            l1: SlotTable::new(config.num_slots, config.slot_bytes),
+            config,
+            liveness,
+            conns: HashMap::new(),
+            records: BTreeMap::new(),
+            contexts: HashMap::new(),
+            builds: HashMap::new(),
+            building: HashMap::new(),
+            strategies: HashMap::new(),
+            copies: HashMap::new(),
+            batches: HashMap::new(),
+            blend: BlendBook::default(),
+            blends: HashMap::new(),
+            frees: BTreeMap::new(),
+            watched: HashMap::new(),
+            watch_of: HashMap::new(),
+            jobs_in_flight: 0,
+            shutdown: None,
+            freed_at_shutdown: 0,
+            next_id: 0,
+            last_now: now,
+            outputs: VecDeque::new(),
+            pings_total: 0,
+            pings_false: 0,
+            contexts_built: 0,
+            freed_total: BTreeMap::new(),
+            frees_hung: 0,
+            #[cfg(feature = "planted-bugs")]
+            bug: None,
+        })
+    }
+
+    /// Plants a bug (test-only).
+    #[cfg(feature = "planted-bugs")]
+    pub fn plant(&mut self, bug: PlantedBug) {
+        self.bug = Some(bug);
+    }
+
+    #[inline(always)]
+    fn planted(&self, bug: PlantedBug) -> bool {
+        #[cfg(feature = "planted-bugs")]
+        {
+            self.bug == Some(bug)
+        }
+        #[cfg(not(feature = "planted-bugs"))]
+        {
+            let _ = bug;
+            false
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &NodeConfig {
+        &self.config
+    }
+
+    /// Something arrived at `now`.
+    pub fn handle_input(&mut self, now: Instant, input: Input) {
+        self.last_now = now;
+        match input {
+            Input::Connected {
+                conn,
+                uid,
+                transport,
+                process,
+            } => {
+                self.conns.insert(
+                    conn,
+                    Conn {
+                        uid,
+                        transport,
+                        process,
+                        in_flight: 0,
+                    },
+                );
+            }
+            Input::PeerProcess {
+                conn,
+                process,
+                notice,
+            } => {
+                if let Some(connection) = self.conns.get_mut(&conn) {
+                    connection.process = Some((process, notice));
+                }
+            }
+            Input::Request {
+                conn,
+                request_id,
+                op,
+                fds,
+            } => self.request(now, conn, request_id, op, fds),
+            Input::Disconnected { conn } => {
+                self.conns.remove(&conn);
+            }
+            Input::BuildDone { context, result } => self.build_done(now, context, result),
+            Input::CopyDone { copy, result } => self.copy_done(copy, result),
+            Input::BlendDone { blend, result } => self.blend_done(blend, result),
+            Input::FreeDone { free } => self.free_done(now, free),
+            Input::ProcessExited { process } => self.process_exited(now, process),
+            Input::Shutdown => {
+                if self.shutdown.is_none() {
+                    self.shutdown = Some(Shutdown::Draining { since: now });
+                    self.note(Note::ShutdownStarted);
+                }
+            }
+        }
+        self.drain_effects();
+        self.step_shutdown(now);
+    }
+
+    /// Time passed: reaps what is due, reports hung frees, advances a shutdown.
+    /// Spurious calls are harmless.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        self.last_now = now;
+        if !self.planted(PlantedBug::SkipReap) {
+            self.liveness.handle_timeout(now);
+        }
+        self.drain_effects();
+        self.check_free_watchdog(now);
+        self.step_shutdown(now);
+    }
+
+    /// When `handle_timeout` must next be called (None: only after an input).
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        let mut at = match self.shutdown {
+            Some(Shutdown::Stopped) => return None,
+            Some(Shutdown::Draining { since }) => Some(since + self.config.shutdown_drain),
+            Some(Shutdown::Freeing { since }) => Some(since + self.config.free_watchdog),
+            None => None,
+        };
+        let mut earliest = |candidate: Instant| {
+            at = Some(at.map_or(candidate, |at: Instant| at.min(candidate)));
+        };
+        if let Some(reap) = self.liveness.poll_timeout() {
+            earliest(reap);
+        }
+        for free in self.frees.values().filter(|free| !free.reported) {
+            earliest(free.started + self.config.free_watchdog);
+        }
+        at
+    }
+
+    /// The next thing to carry out, oldest first; drain until None after every call.
+    pub fn poll_output(&mut self) -> Option<Output> {
+        self.outputs.pop_front()
+    }
+
+    /// Whether the shutdown is complete.
+    pub fn is_stopped(&self) -> bool {
+        self.shutdown == Some(Shutdown::Stopped)
+    }
+
+    /// Whether a shutdown has begun.
+    pub fn is_shutting_down(&self) -> bool {
+        self.shutdown.is_some()
+    }
+
+    /// The node's figures at `now` (a scan: for status pages, not the request path).
+    pub fn status(&self) -> NodeStatus {
+        let occupancy = self.l1.occupancy();
+        let mut instances = Vec::with_capacity(self.records.len());
+        for (&(instance, module), record) in &self.records {
+            let Some(entry) = self.liveness.entry(instance, module) else {
+                continue;
+            };
+            let watch = self.watch_of.get(&instance).copied();
+            instances.push(InstanceView {
+                instance,
+                module,
+                registered_at: record.registered_at,
+                last_seen: entry.last_seen,
+                proven: entry.proven,
+                building: entry.building,
+                owner_uid: record.owner_uid,
+                model_name: record.model_name.clone(),
+                process: watch.map(|(process, _)| process),
+                death_notice: watch.map_or(DeathNotice::TimeoutOnly, |(_, notice)| notice),
+                blend_bytes: self.blend.bytes_of(instance),
+            });
+        }
+        NodeStatus {
+            liveness: self.liveness.status(),
+            resolution: self.liveness.config().resolution,
+            pings_total: self.pings_total,
+            pings_answered_false_total: self.pings_false,
+            contexts_built_total: self.contexts_built,
+            freed_total: self.freed_total.clone(),
+            frees_in_flight: self.frees.len()
+                + self
+                    .contexts
+                    .values()
+                    .filter(|info| info.deferred.is_some())
+                    .count(),
+            frees_hung_total: self.frees_hung,
+            jobs_in_flight: self.jobs_in_flight,
+            l1_slots: (
+                self.l1.num_slots(),
+                self.l1.used_slots(),
+                occupancy.reserved,
+                occupancy.pinned,
+            ),
+            slot_bytes: self.l1.slot_bytes(),
+            blend: (
+                self.blend.held_bytes(),
+                self.blend.instances(),
+                self.blend.pending(),
+            ),
+            watched_processes: self.watched.len(),
+            connections: self.conns.len(),
+            instances,
+        }
+    }
+
+    /// Read-only view of one entry's liveness (tests, the simulator).
+    pub fn entry(&self, instance: InstanceId, module: Module) -> Option<crate::EntryView> {
+        self.liveness.entry(instance, module)
+    }
+
+    /// Entries tracked.
+    pub fn tracked(&self) -> usize {
+        self.liveness.status().tracked_instances
+    }
+
+    /// How many leading keys L1 holds (the `lookup` op), for tests.
+    pub fn l1_lookup(&self, keys: &[Vec<u8>]) -> u64 {
+        self.l1.lookup_prefix(keys)
+    }
+
+    /// Slots held by reservations and pins, for the simulator's invariants.
+    pub fn l1_occupancy(&self) -> l1::Occupancy {
+        self.l1.occupancy()
+    }
+
+    fn next_id(&mut self) -> u64 {
+        self.next_id += 1;
+        self.next_id
+    }
+
+    fn note(&mut self, note: Note) {
+        self.outputs.push_back(Output::Note(note));
+    }
+
+    fn reply(&mut self, to: ReplyTo, result: Result<Value, ProtocolError>) {
+        self.outputs.push_back(Output::Reply {
+            conn: to.conn,
+            request_id: to.request_id,
+            op: to.op,
+            result,
+            pool_fd: false,
+        });
+    }
+
+    fn start_job(&mut self, conn: ConnId) {
+        self.jobs_in_flight += 1;
+        if let Some(connection) = self.conns.get_mut(&conn) {
+            connection.in_flight += 1;
+        }
+    }
+
+    fn end_job(&mut self, conn: ConnId) {
+        self.jobs_in_flight = self.jobs_in_flight.saturating_sub(1);
+        if let Some(connection) = self.conns.get_mut(&conn) {
+            connection.in_flight = connection.in_flight.saturating_sub(1);
+        }
+    }
+}

@@ -1,0 +1,925 @@
+//! Requests: ownership first, then one decision per op.
+//!
+//! Evidence of life: every request of an instance's owner that names a tracked
+//! instance refreshes it, whether it is acted on or refused for its arguments or the
+//! connection's load (the worker's process sent it). A request from another uid
+//! (`forbidden`) never does.
+
+use super::engine::{
+    CommitStore, MAX_HELD_SLOTS_PER_INSTANCE, MAX_PINS_PER_KEY, PrepareRetrieve, PrepareStore,
+    SlotGrant,
+};
+use super::l1::Reservation;
+use super::*;
+use crate::liveness::{Registration, TransferError};
+use crate::protocol::{ErrorCode, PROTOCOL_VERSION, RetrieveItem, StoreItem};
+
+type Answer = Option<Result<Value, ProtocolError>>;
+
+fn bad_args(message: String) -> ProtocolError {
+    ProtocolError::new(ErrorCode::BadArgs, message)
+}
+
+fn overloaded() -> ProtocolError {
+    ProtocolError::new(
+        ErrorCode::Overloaded,
+        format!(
+            "this connection already has {MAX_IN_FLIGHT_PER_CONNECTION} requests running; wait \
+             for replies before sending more"
+        ),
+    )
+}
+
+fn describe_uid(uid: Option<u32>) -> String {
+    match uid {
+        Some(uid) => format!("uid {uid}"),
+        None => "a TCP peer (no uid)".to_string(),
+    }
+}
+
+impl Node {
+    pub(super) fn request(
+        &mut self,
+        now: Instant,
+        conn: ConnId,
+        request_id: u64,
+        op: Op,
+        fds: usize,
+    ) {
+        let to = ReplyTo {
+            conn,
+            request_id,
+            op: op.name(),
+        };
+        if let Some(answer) = self.dispatch(now, to, op, fds) {
+            self.reply(to, answer);
+        }
+    }
+
+    /// Answers now (`Some`) or once the work it started is done (`None`).
+    fn dispatch(&mut self, now: Instant, to: ReplyTo, op: Op, fds: usize) -> Answer {
+        if self.shutdown.is_some() {
+            return Some(Err(ProtocolError::new(
+                ErrorCode::Unavailable,
+                "the server is shutting down; reconnect to its successor and register again",
+            )));
+        }
+        let Some(connection) = self.conns.get(&to.conn) else {
+            return None; // a request of a connection the shell never announced
+        };
+        let (uid, transport) = (connection.uid, connection.transport);
+        if let Some(instance) = op.instance() {
+            if let Err(error) = self.check_owner(uid, instance, to.op) {
+                return Some(Err(error));
+            }
+        }
+        if let Op::Ping { instance } = op {
+            return Some(Ok(self.ping(now, instance).into()));
+        }
+        // Refused or not, the owner's request is evidence of life (see the module docs).
+        if let Some(instance) = op.instance() {
+            self.evidence(now, instance);
+        }
+        match op {
+            Op::Ping { .. } => None,
+            Op::Hello { .. } => Some(Ok(self.hello(to.conn))),
+            Op::Status => {
+                self.outputs.push_back(Output::ReplyStatus {
+                    conn: to.conn,
+                    request_id: to.request_id,
+                });
+                None
+            }
+            Op::Lookup { keys } => Some(Ok(self.l1.lookup_prefix(&keys).into())),
+            Op::RegisterKvCache {
+                instance,
+                buffers,
+                model_name,
+                world_size: _,
+            } => self.register_kv_cache(now, to, transport, instance, buffers, model_name, fds),
+            Op::RegisterEngineDriven {
+                instance,
+                model_name,
+                world_size: _,
+            } => {
+                if transport != Transport::Unix {
+                    return Some(Err(bad_args(
+                        "register_engine_driven: the L1 pool's memfd travels only over the Unix \
+                         socket (SCM_RIGHTS), and this connection is TCP; connect over the Unix \
+                         socket, or use register_kv_cache with store/retrieve over TCP"
+                            .into(),
+                    )));
+                }
+                self.register(
+                    now,
+                    to,
+                    instance,
+                    Module::EngineDriven,
+                    Vec::new(),
+                    model_name,
+                )
+            }
+            Op::UnregisterKvCache { instance } => Some(Ok(self
+                .unregister(now, instance, Module::ServerDriven)
+                .into())),
+            Op::UnregisterEngineDriven { instance } => Some(Ok(self
+                .unregister(now, instance, Module::EngineDriven)
+                .into())),
+            Op::Store {
+                instance,
+                key,
+                buffer,
+                offset,
+                nbytes,
+            } => self.store(now, to, instance, key, buffer, offset, nbytes),
+            Op::Retrieve {
+                instance,
+                key,
+                buffer,
+                offset,
+            } => self.retrieve(now, to, instance, key, buffer, offset),
+            Op::StoreBatch { instance, items } => self.store_batch(now, to, instance, items),
+            Op::RetrieveBatch { instance, items } => self.retrieve_batch(now, to, instance, items),
+            Op::PrepareStore { instance, key } => Some(self.prepare_store(now, instance, &key)),
+            Op::CommitStore {
+                instance,
+                key,
+                nbytes,
+            } => Some(self.commit_store(now, instance, &key, nbytes)),
+            Op::PrepareRetrieve { instance, key } => {
+                Some(self.prepare_retrieve(now, instance, &key))
+            }
+            Op::CommitRetrieve { instance, key } => Some(self.with_strategy(
+                now,
+                instance,
+                "commit_retrieve",
+                |strategy, l1| strategy.commit_retrieve(l1, &key).into(),
+            )),
+            Op::RegisterBlend { instance, rope } => self.register_blend(to, instance, rope),
+        }
+    }
+
+    /// An instance belongs to the uid that registered it; the server's own uid may act
+    /// on any instance.
+    fn check_owner(
+        &self,
+        uid: Option<u32>,
+        instance: InstanceId,
+        op: &str,
+    ) -> Result<(), ProtocolError> {
+        if uid == Some(self.config.server_uid) {
+            return Ok(());
+        }
+        let owner = Module::ALL
+            .iter()
+            .find_map(|&module| self.records.get(&(instance, module)))
+            .map(|record| record.owner_uid);
+        match owner {
+            Some(owner) if owner != uid => Err(ProtocolError::new(
+                ErrorCode::Forbidden,
+                format!(
+                    "`{op}`: instance {instance} belongs to {}, and this connection is {}; only \
+                     its owner (or the server's own uid {}) may name it",
+                    describe_uid(owner),
+                    describe_uid(uid),
+                    self.config.server_uid
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    fn ping(&mut self, now: Instant, instance: Option<InstanceId>) -> bool {
+        let tracked = self.liveness.ping(now, instance) || self.planted(PlantedBug::PingAlwaysTrue);
+        self.pings_total += 1;
+        if !tracked {
+            self.pings_false += 1;
+        }
+        tracked
+    }
+
+    /// Refreshes every tracked entry of `instance` (a transfer's evidence: `last_seen`
+    /// without latching `proven`).
+    fn evidence(&mut self, now: Instant, instance: InstanceId) {
+        if self.planted(PlantedBug::TransferNotEvidence) {
+            return;
+        }
+        for module in Module::ALL {
+            let _ = self.liveness.transfer(now, instance, module);
+        }
+    }
+
+    fn hello(&self, conn: ConnId) -> Value {
+        let notice = self
+            .conns
+            .get(&conn)
+            .and_then(|connection| connection.process)
+            .map_or(DeathNotice::TimeoutOnly, |(_, notice)| notice);
+        let status = self.liveness.status();
+        Value::Map(vec![
+            ("protocol".into(), PROTOCOL_VERSION.into()),
+            ("server".into(), self.config.server_name.as_str().into()),
+            ("boot_id".into(), self.config.boot_id.into()),
+            (
+                "reap_timeout_seconds".into(),
+                Value::F64(status.reap_timeout.as_secs_f64()),
+            ),
+            (
+                "registration_grace_seconds".into(),
+                Value::F64(status.registration_grace.as_secs_f64()),
+            ),
+            ("exit_proof".into(), notice.label().into()),
+        ])
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn register_kv_cache(
+        &mut self,
+        now: Instant,
+        to: ReplyTo,
+        transport: Transport,
+        instance: InstanceId,
+        buffers: Vec<BufferSpec>,
+        model_name: String,
+        fds: usize,
+    ) -> Answer {
+        if buffers.len() > MAX_BUFFERS_PER_REGISTRATION {
+            return Some(Err(bad_args(format!(
+                "register_kv_cache: {} buffers; at most {MAX_BUFFERS_PER_REGISTRATION} per registration",
+                buffers.len()
+            ))));
+        }
+        for (index, spec) in buffers.iter().enumerate() {
+            match spec {
+                BufferSpec::Memfd { fd_index, .. } => {
+                    if transport != Transport::Unix {
+                        return Some(Err(bad_args(format!(
+                            "register_kv_cache: buffers[{index}] is a memfd, but memfds travel \
+                             only over the Unix socket (SCM_RIGHTS); this connection is TCP"
+                        ))));
+                    }
+                    if usize::try_from(*fd_index).map_or(true, |i| i >= fds) {
+                        return Some(Err(bad_args(format!(
+                            "register_kv_cache: buffers[{index}].fd_index {fd_index} names an fd \
+                             this frame did not carry (it carried {fds}); send the memfds as \
+                             SCM_RIGHTS with the frame's first byte"
+                        ))));
+                    }
+                }
+                BufferSpec::CudaIpc { device, .. } => match &self.config.cuda_devices {
+                    Err(reason) => {
+                        return Some(Err(ProtocolError::new(
+                            ErrorCode::Unavailable,
+                            format!(
+                                "register_kv_cache: buffers[{index}] is a cuda_ipc buffer on \
+                                 device {device}, but this server cannot use CUDA: {reason}; \
+                                 register memfd buffers instead, or run the server on the GPU host"
+                            ),
+                        )));
+                    }
+                    Ok(count) if device >= count => {
+                        return Some(Err(bad_args(format!(
+                            "register_kv_cache: buffers[{index}].device {device}, but this host \
+                             has {count} CUDA device(s) (0..{count})"
+                        ))));
+                    }
+                    Ok(_) => {}
+                },
+            }
+        }
+        self.register(now, to, instance, Module::ServerDriven, buffers, model_name)
+    }
+
+    /// REGISTER of either module, arguments checked.
+    fn register(
+        &mut self,
+        now: Instant,
+        to: ReplyTo,
+        instance: InstanceId,
+        module: Module,
+        buffers: Vec<BufferSpec>,
+        model_name: String,
+    ) -> Answer {
+        let connection = self.conns.get(&to.conn)?;
+        if connection.in_flight >= MAX_IN_FLIGHT_PER_CONNECTION {
+            return Some(Err(overloaded()));
+        }
+        let owner_uid = connection.uid;
+        self.watch(to.conn, instance);
+        match self.liveness.register(now, instance, module) {
+            Registration::Refreshed => {
+                self.answer_refresh(to, instance, module);
+                None
+            }
+            Registration::Build(ticket) => {
+                self.records.insert(
+                    (instance, module),
+                    Record {
+                        owner_uid,
+                        registered_at: now,
+                        model_name: model_name.clone(),
+                    },
+                );
+                let context = ContextId(self.next_id());
+                self.builds.insert(
+                    context,
+                    PendingBuild {
+                        ticket,
+                        reply: to,
+                        waiters: Vec::new(),
+                    },
+                );
+                self.building.insert((instance, module), context);
+                self.start_job(to.conn);
+                self.outputs.push_back(Output::StartBuild {
+                    context,
+                    conn: to.conn,
+                    request_id: to.request_id,
+                    instance,
+                    module,
+                    buffers,
+                    model_name,
+                });
+                None
+            }
+        }
+    }
+
+    /// A REGISTER that refreshed a present entry: answered now when the entry is
+    /// built, else with the outcome of the build it found running (it may yet fail).
+    fn answer_refresh(&mut self, to: ReplyTo, instance: InstanceId, module: Module) {
+        let building = self
+            .liveness
+            .entry(instance, module)
+            .is_some_and(|entry| entry.building);
+        if building && !self.planted(PlantedBug::RefreshBeforeBuild) {
+            if let Some(build) = self
+                .building
+                .get(&(instance, module))
+                .and_then(|context| self.builds.get_mut(context))
+            {
+                build.waiters.push(to);
+                return;
+            }
+        }
+        self.reply_registered(to, module, "refreshed");
+    }
+
+    /// The reply to a REGISTER that holds: `{outcome}` (engine-driven: with the pool's
+    /// geometry and memfd).
+    pub(super) fn reply_registered(&mut self, to: ReplyTo, module: Module, outcome: &str) {
+        let value = match module {
+            Module::ServerDriven => Value::Map(vec![("outcome".into(), outcome.into())]),
+            Module::EngineDriven => Value::Map(vec![
+                ("outcome".into(), outcome.into()),
+                ("slot_bytes".into(), self.l1.slot_bytes().into()),
+                ("num_slots".into(), (self.l1.num_slots() as u64).into()),
+                ("pool_fd_index".into(), 0u64.into()),
+            ]),
+        };
+        self.outputs.push_back(Output::Reply {
+            conn: to.conn,
+            request_id: to.request_id,
+            op: to.op,
+            result: Ok(value),
+            pool_fd: module == Module::EngineDriven,
+        });
+    }
+
+    fn unregister(&mut self, now: Instant, instance: InstanceId, module: Module) -> bool {
+        let was = self.liveness.unregister(now, instance, module);
+        if !was {
+            self.note(Note::UnregisterUnknown { instance, module });
+        }
+        was
+    }
+
+    /// The context of a transfer (liveness already refreshed by `evidence`).
+    fn transfer_context(
+        &mut self,
+        now: Instant,
+        instance: InstanceId,
+        module: Module,
+        op: &str,
+    ) -> Result<ContextId, ProtocolError> {
+        match self.liveness.transfer(now, instance, module) {
+            Ok(&context) => Ok(context),
+            Err(TransferError::NotRegistered) => Err(ProtocolError::new(
+                ErrorCode::NotRegistered,
+                match module {
+                    Module::ServerDriven => format!(
+                        "`{op}`: instance {instance} is not registered here; re-register it \
+                         (register_kv_cache) and retry"
+                    ),
+                    Module::EngineDriven => format!(
+                        "`{op}`: instance {instance} is not registered for engine-driven \
+                         transfers here; re-register it (register_engine_driven) and retry"
+                    ),
+                },
+            )),
+            Err(TransferError::NotReady) => Err(ProtocolError::new(
+                ErrorCode::NotReady,
+                format!("`{op}`: instance {instance} is still being registered; retry shortly"),
+            )),
+        }
+    }
+
+    /// Index of `buffer` in `context`, checked against `[offset, offset + nbytes)`.
+    /// `what` names the request (or the batch item) in the message: "`store`".
+    fn checked_buffer(
+        &self,
+        context: ContextId,
+        what: &str,
+        instance: InstanceId,
+        buffer: u64,
+        offset: u64,
+        nbytes: u64,
+    ) -> Result<usize, ProtocolError> {
+        let lens = match self.contexts.get(&context).map(|info| &info.built) {
+            Some(Built::ServerDriven { buffer_lens }) => buffer_lens,
+            _ => {
+                return Err(bad_args(format!(
+                    "{what}: instance {instance} holds no server-driven buffers"
+                )));
+            }
+        };
+        let count = lens.len();
+        let Some(index) = usize::try_from(buffer).ok().filter(|&i| i < count) else {
+            return Err(bad_args(format!(
+                "{what}: buffer index {buffer}, but instance {instance} registered {count} buffers (valid: 0..{count})"
+            )));
+        };
+        let len = lens[index];
+        let fits = offset.checked_add(nbytes).is_some_and(|end| end <= len);
+        if !fits {
+            return Err(bad_args(format!(
+                "{what}: offset {offset} + nbytes {nbytes} runs past the end of buffer {buffer} ({len} bytes)"
+            )));
+        }
+        Ok(index)
+    }
+
+    fn has_room(&self, conn: ConnId) -> bool {
+        self.conns
+            .get(&conn)
+            .is_some_and(|connection| connection.in_flight < MAX_IN_FLIGHT_PER_CONNECTION)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn start_copy(
+        &mut self,
+        context: ContextId,
+        direction: Direction,
+        buffer: usize,
+        offset: u64,
+        slot: SlotId,
+        nbytes: u64,
+        purpose: CopyFor,
+    ) {
+        let copy = CopyId(self.next_id());
+        if let Some(info) = self.contexts.get_mut(&context) {
+            info.copies += 1;
+        }
+        self.copies.insert(
+            copy,
+            Copy {
+                context,
+                slot,
+                purpose,
+            },
+        );
+        self.outputs.push_back(Output::StartCopy {
+            copy,
+            context,
+            direction,
+            buffer,
+            offset,
+            slot,
+            nbytes,
+        });
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn store(
+        &mut self,
+        now: Instant,
+        to: ReplyTo,
+        instance: InstanceId,
+        key: Vec<u8>,
+        buffer: u64,
+        offset: u64,
+        nbytes: u64,
+    ) -> Answer {
+        let context = match self.transfer_context(now, instance, Module::ServerDriven, "store") {
+            Ok(context) => context,
+            Err(error) => return Some(Err(error)),
+        };
+        let index = match self.checked_buffer(context, "`store`", instance, buffer, offset, nbytes)
+        {
+            Ok(index) => index,
+            Err(error) => return Some(Err(error)),
+        };
+        let slot_bytes = self.l1.slot_bytes();
+        if nbytes > slot_bytes {
+            return Some(Err(bad_args(format!(
+                "`store`: nbytes {nbytes} is larger than an L1 slot ({slot_bytes} bytes, --slot-bytes); store chunks of at most one slot"
+            ))));
+        }
+        if !self.has_room(to.conn) {
+            return Some(Err(overloaded()));
+        }
+        match self.l1.reserve(&key) {
+            Reservation::AlreadyStored => Some(Ok(true.into())),
+            Reservation::Full => Some(Ok(false.into())),
+            Reservation::Reserved(slot) => {
+                self.start_job(to.conn);
+                self.start_copy(
+                    context,
+                    Direction::ToL1,
+                    index,
+                    offset,
+                    slot,
+                    nbytes,
+                    CopyFor::Store(to),
+                );
+                None
+            }
+        }
+    }
+
+    fn retrieve(
+        &mut self,
+        now: Instant,
+        to: ReplyTo,
+        instance: InstanceId,
+        key: Vec<u8>,
+        buffer: u64,
+        offset: u64,
+    ) -> Answer {
+        let context = match self.transfer_context(now, instance, Module::ServerDriven, "retrieve") {
+            Ok(context) => context,
+            Err(error) => return Some(Err(error)),
+        };
+        if let Err(error) = self.checked_buffer(context, "`retrieve`", instance, buffer, offset, 0)
+        {
+            return Some(Err(error));
+        }
+        if !self.has_room(to.conn) {
+            return Some(Err(overloaded()));
+        }
+        let Some((slot, nbytes)) = self.l1.pin(&key) else {
+            return Some(Ok(Value::Nil)); // a miss
+        };
+        let index =
+            match self.checked_buffer(context, "`retrieve`", instance, buffer, offset, nbytes) {
+                Ok(index) => index,
+                Err(error) => {
+                    self.l1.unpin(slot);
+                    return Some(Err(error));
+                }
+            };
+        self.start_job(to.conn);
+        self.start_copy(
+            context,
+            Direction::FromL1,
+            index,
+            offset,
+            slot,
+            nbytes,
+            CopyFor::Retrieve(to),
+        );
+        None
+    }
+
+    /// A batch is one transfer (one refresh, one slot of the connection's cap). Every
+    /// item is validated before any slot is reserved, so a bad item refuses the whole
+    /// batch and copies nothing; each item then copies on its own and the reply goes
+    /// out once the last is done.
+    fn store_batch(
+        &mut self,
+        now: Instant,
+        to: ReplyTo,
+        instance: InstanceId,
+        items: Vec<StoreItem>,
+    ) -> Answer {
+        let context =
+            match self.transfer_context(now, instance, Module::ServerDriven, "store_batch") {
+                Ok(context) => context,
+                Err(error) => return Some(Err(error)),
+            };
+        let slot_bytes = self.l1.slot_bytes();
+        let mut indexes = Vec::with_capacity(items.len());
+        for (position, item) in items.iter().enumerate() {
+            let what = format!("`store_batch` items[{position}]");
+            let index = match self.checked_buffer(
+                context,
+                &what,
+                instance,
+                item.buffer,
+                item.offset,
+                item.nbytes,
+            ) {
+                Ok(index) => index,
+                Err(error) => return Some(Err(error)),
+            };
+            if item.nbytes > slot_bytes {
+                return Some(Err(bad_args(format!(
+                    "{what}: nbytes {} is larger than an L1 slot ({slot_bytes} bytes, \
+                     --slot-bytes); store chunks of at most one slot",
+                    item.nbytes
+                ))));
+            }
+            indexes.push(index);
+        }
+        if !self.has_room(to.conn) {
+            return Some(Err(overloaded()));
+        }
+        let mut results = vec![Value::Nil; items.len()];
+        let mut copies = Vec::new();
+        for (position, (item, index)) in items.into_iter().zip(indexes).enumerate() {
+            results[position] = match self.l1.reserve(&item.key) {
+                Reservation::AlreadyStored => true.into(),
+                Reservation::Full => false.into(),
+                Reservation::Reserved(slot) => {
+                    copies.push((position, slot, index, item.offset, item.nbytes));
+                    Value::Nil
+                }
+            };
+        }
+        if copies.is_empty() {
+            return Some(Ok(Value::Array(results)));
+        }
+        let batch = self.open_batch(to, results, copies.len());
+        for (item, slot, index, offset, nbytes) in copies {
+            self.start_copy(
+                context,
+                Direction::ToL1,
+                index,
+                offset,
+                slot,
+                nbytes,
+                CopyFor::BatchStore { batch, item },
+            );
+        }
+        None
+    }
+
+    fn retrieve_batch(
+        &mut self,
+        now: Instant,
+        to: ReplyTo,
+        instance: InstanceId,
+        items: Vec<RetrieveItem>,
+    ) -> Answer {
+        let context =
+            match self.transfer_context(now, instance, Module::ServerDriven, "retrieve_batch") {
+                Ok(context) => context,
+                Err(error) => return Some(Err(error)),
+            };
+        let what = |position: usize| format!("`retrieve_batch` items[{position}]");
+        for (position, item) in items.iter().enumerate() {
+            if let Err(error) = self.checked_buffer(
+                context,
+                &what(position),
+                instance,
+                item.buffer,
+                item.offset,
+                0,
+            ) {
+                return Some(Err(error));
+            }
+        }
+        if !self.has_room(to.conn) {
+            return Some(Err(overloaded()));
+        }
+        let pins: Vec<Option<(SlotId, u64)>> =
+            items.iter().map(|item| self.l1.pin(&item.key)).collect();
+        // The value's length is known only once pinned: a value that does not fit where
+        // its item asks refuses the whole batch, before any copy starts.
+        let mut copies = Vec::new();
+        for (position, (item, pin)) in items.iter().zip(&pins).enumerate() {
+            let Some((slot, nbytes)) = *pin else {
+                continue;
+            };
+            match self.checked_buffer(
+                context,
+                &what(position),
+                instance,
+                item.buffer,
+                item.offset,
+                nbytes,
+            ) {
+                Ok(index) => copies.push((position, slot, index, item.offset, nbytes)),
+                Err(error) => {
+                    for (slot, _) in pins.iter().flatten() {
+                        self.l1.unpin(*slot);
+                    }
+                    return Some(Err(error));
+                }
+            }
+        }
+        let results = vec![Value::Nil; items.len()]; // nil: a miss
+        if copies.is_empty() {
+            return Some(Ok(Value::Array(results)));
+        }
+        let batch = self.open_batch(to, results, copies.len());
+        for (item, slot, index, offset, nbytes) in copies {
+            self.start_copy(
+                context,
+                Direction::FromL1,
+                index,
+                offset,
+                slot,
+                nbytes,
+                CopyFor::BatchRetrieve { batch, item },
+            );
+        }
+        None
+    }
+
+    /// Holds a batch until its `pending` copies are done; it counts as one job.
+    fn open_batch(&mut self, to: ReplyTo, results: Vec<Value>, pending: usize) -> u64 {
+        let id = self.next_id();
+        self.start_job(to.conn);
+        self.batches.insert(
+            id,
+            Batch {
+                reply: to,
+                results,
+                pending,
+                failed: None,
+            },
+        );
+        id
+    }
+
+    /// Runs `step` on the instance's transfer strategy and the slot table.
+    fn with_strategy(
+        &mut self,
+        now: Instant,
+        instance: InstanceId,
+        op: &str,
+        step: impl FnOnce(&mut TransferStrategy, &mut SlotTable) -> Value,
+    ) -> Result<Value, ProtocolError> {
+        let context = self.transfer_context(now, instance, Module::EngineDriven, op)?;
+        let Some(strategy) = self.strategies.get_mut(&context) else {
+            return Err(ProtocolError::new(
+                ErrorCode::Internal,
+                format!("`{op}`: instance {instance}'s engine-driven entry holds another context"),
+            ));
+        };
+        Ok(step(strategy, &mut self.l1))
+    }
+
+    fn prepare_store(
+        &mut self,
+        now: Instant,
+        instance: InstanceId,
+        key: &[u8],
+    ) -> Result<Value, ProtocolError> {
+        let num_slots = self.l1.num_slots();
+        let mut refused = None;
+        let value = self.with_strategy(now, instance, "prepare_store", |strategy, l1| {
+            match strategy.prepare_store(l1, key) {
+                PrepareStore::Reserved(grant) => grant_value(grant, true),
+                PrepareStore::AlreadyStored => Value::Nil,
+                PrepareStore::PoolFull => {
+                    refused = Some(ProtocolError::new(
+                        ErrorCode::Overloaded,
+                        format!(
+                            "`prepare_store`: every one of the {num_slots} L1 slots is reserved \
+                             or pinned; commit what you prepared and retry later"
+                        ),
+                    ));
+                    Value::Nil
+                }
+                PrepareStore::TooManyHeld => {
+                    refused = Some(too_many_held("prepare_store", instance));
+                    Value::Nil
+                }
+            }
+        })?;
+        refused.map_or(Ok(value), Err)
+    }
+
+    fn commit_store(
+        &mut self,
+        now: Instant,
+        instance: InstanceId,
+        key: &[u8],
+        nbytes: u64,
+    ) -> Result<Value, ProtocolError> {
+        let mut refused = None;
+        let value =
+            self.with_strategy(now, instance, "commit_store", |strategy, l1| match strategy
+                .commit_store(l1, key, nbytes)
+            {
+                CommitStore::Published => true.into(),
+                CommitStore::NotReserved => false.into(),
+                CommitStore::TooLarge { nbytes, slot_bytes } => {
+                    refused = Some(bad_args(format!(
+                        "`commit_store`: nbytes {nbytes} is larger than an L1 slot ({slot_bytes} \
+                         bytes); commit at most one slot (the reservation is kept)"
+                    )));
+                    Value::Nil
+                }
+            })?;
+        refused.map_or(Ok(value), Err)
+    }
+
+    fn prepare_retrieve(
+        &mut self,
+        now: Instant,
+        instance: InstanceId,
+        key: &[u8],
+    ) -> Result<Value, ProtocolError> {
+        let mut refused = None;
+        let value =
+            self.with_strategy(
+                now,
+                instance,
+                "prepare_retrieve",
+                |strategy, l1| match strategy.prepare_retrieve(l1, key) {
+                    PrepareRetrieve::Pinned(grant) => grant_value(grant, false),
+                    PrepareRetrieve::Miss => Value::Nil,
+                    PrepareRetrieve::TooManyHeld => {
+                        refused = Some(too_many_held("prepare_retrieve", instance));
+                        Value::Nil
+                    }
+                },
+            )?;
+        refused.map_or(Ok(value), Err)
+    }
+
+    fn register_blend(&mut self, to: ReplyTo, instance: InstanceId, rope: RopeSpec) -> Answer {
+        let bytes = match blend::table_bytes(&rope) {
+            Ok(bytes) => bytes,
+            Err(message) => return Some(Err(bad_args(format!("`register_blend`: {message}")))),
+        };
+        let registered = Module::ALL
+            .iter()
+            .any(|&module| self.liveness.entry(instance, module).is_some());
+        if !registered {
+            return Some(Err(ProtocolError::new(
+                ErrorCode::NotRegistered,
+                format!(
+                    "`register_blend`: instance {instance} is not registered here, so there is \
+                     nothing to attach rope state to; register it (register_kv_cache or \
+                     register_engine_driven) first, then retry"
+                ),
+            )));
+        }
+        if self.blend.holds(instance, &rope) {
+            return Some(Ok(true.into()));
+        }
+        let committed = self
+            .blend
+            .committed_bytes()
+            .saturating_sub(self.blend.bytes_of(instance));
+        if committed.saturating_add(bytes) > blend::MAX_TOTAL_BYTES {
+            return Some(Err(ProtocolError::new(
+                ErrorCode::Overloaded,
+                format!(
+                    "`register_blend`: {bytes} more bytes of rope tables would take the server \
+                     past its limit of {} bytes for all instances ({committed} held or being \
+                     computed); retry later",
+                    blend::MAX_TOTAL_BYTES
+                ),
+            )));
+        }
+        if !self.has_room(to.conn) {
+            return Some(Err(overloaded()));
+        }
+        let id = BlendId(self.next_id());
+        self.blend.begin(id, instance, rope.clone(), bytes);
+        self.blends.insert(id, (to, instance));
+        self.start_job(to.conn);
+        self.outputs.push_back(Output::StartBlend {
+            blend: id,
+            instance,
+            spec: rope,
+        });
+        None
+    }
+}
+
+fn grant_value(grant: SlotGrant, with_slot: bool) -> Value {
+    let mut map = Vec::with_capacity(3);
+    if with_slot {
+        map.push(("slot".into(), (grant.slot as u64).into()));
+    }
+    map.push(("offset".into(), grant.offset.into()));
+    map.push(("nbytes".into(), grant.nbytes.into()));
+    Value::Map(map)
+}
+
+fn too_many_held(op: &str, instance: InstanceId) -> ProtocolError {
+    ProtocolError::new(
+        ErrorCode::Overloaded,
+        format!(
+            "`{op}`: instance {instance} already holds {MAX_HELD_SLOTS_PER_INSTANCE} slots \
+             (reservations plus pinned keys) or {MAX_PINS_PER_KEY} pins of this key; commit \
+             what it holds, then retry"
+        ),
+    )
+}

@@ -1,0 +1,498 @@
+//! What comes back: builds, copies, blends and frees done, process exits; the
+//! registry's effects; the free watchdog; the shutdown sequence.
+
+use super::*;
+use crate::effect::Effect;
+use crate::protocol::ErrorCode;
+
+impl Node {
+    pub(super) fn build_done(
+        &mut self,
+        now: Instant,
+        context: ContextId,
+        result: Result<Built, ProtocolError>,
+    ) {
+        let Some(PendingBuild {
+            ticket,
+            reply,
+            waiters,
+        }) = self.builds.remove(&context)
+        else {
+            return; // not a build of this node
+        };
+        self.end_job(reply.conn);
+        let (instance, module) = (ticket.instance(), ticket.module());
+        if self.building.get(&(instance, module)) == Some(&context) {
+            self.building.remove(&(instance, module));
+        }
+        let answer = match result {
+            Ok(built) => {
+                self.contexts_built += 1;
+                if matches!(built, Built::EngineDriven) {
+                    self.strategies.insert(context, TransferStrategy::default());
+                }
+                self.contexts.insert(
+                    context,
+                    ContextInfo {
+                        built,
+                        copies: 0,
+                        deferred: None,
+                    },
+                );
+                if self.planted(PlantedBug::DropBuiltContext) {
+                    return;
+                }
+                self.liveness.context_built(now, ticket, context);
+                // A context whose entry went while it was built comes straight back
+                // (`Cancelled`); any other outcome means it is the entry's now.
+                let cancelled = self.drain_effects_seeing(context);
+                if cancelled {
+                    Err(ProtocolError::new(
+                        ErrorCode::NotRegistered,
+                        format!(
+                            "instance {instance} was removed (unregistered, reaped or its \
+                             process exited) while its context was being built; register again"
+                        ),
+                    ))
+                } else {
+                    self.note(Note::ContextBuilt { instance, module });
+                    Ok(())
+                }
+            }
+            Err(error) => {
+                self.note(Note::BuildFailed {
+                    instance,
+                    error: error.clone(),
+                });
+                self.liveness.context_build_failed(now, ticket);
+                self.drain_effects();
+                Err(error)
+            }
+        };
+        self.forget_if_gone(instance);
+        for waiter in waiters {
+            match &answer {
+                Ok(()) => self.reply_registered(waiter, module, "refreshed"),
+                Err(error) => {
+                    let error = ProtocolError::new(
+                        ErrorCode::NotRegistered,
+                        format!(
+                            "instance {instance} is not registered: the registration this one \
+                             joined while it was being built failed ({}); register again",
+                            error.message
+                        ),
+                    );
+                    self.reply(waiter, Err(error));
+                }
+            }
+        }
+        match answer {
+            Ok(()) => self.reply_registered(reply, module, "created"),
+            Err(error) => self.reply(reply, Err(error)),
+        }
+    }
+
+    pub(super) fn copy_done(&mut self, copy: CopyId, result: Result<u64, ProtocolError>) {
+        let Some(Copy {
+            context,
+            slot,
+            purpose,
+        }) = self.copies.remove(&copy)
+        else {
+            return;
+        };
+        let deferred = match self.contexts.get_mut(&context) {
+            Some(info) => {
+                info.copies = info.copies.saturating_sub(1);
+                if info.copies == 0 {
+                    info.deferred.take()
+                } else {
+                    None
+                }
+            }
+            None => None,
+        };
+        match purpose {
+            CopyFor::Store(to) => {
+                self.end_job(to.conn);
+                let answer = self.stored(slot, result);
+                self.reply(to, answer);
+            }
+            CopyFor::Retrieve(to) => {
+                self.end_job(to.conn);
+                self.l1.unpin(slot);
+                self.reply(to, result.map(Value::from));
+            }
+            CopyFor::BatchStore { batch, item } => {
+                let answer = self.stored(slot, result);
+                self.item_done(batch, item, answer);
+            }
+            CopyFor::BatchRetrieve { batch, item } => {
+                self.l1.unpin(slot);
+                self.item_done(batch, item, result.map(Value::from));
+            }
+        }
+        if let Some((instance, module, cause, label)) = deferred {
+            self.start_free(context, instance, module, cause, label);
+        }
+    }
+
+    /// A store's copy finished: publish the slot, or give it back unpublished.
+    fn stored(
+        &mut self,
+        slot: SlotId,
+        result: Result<u64, ProtocolError>,
+    ) -> Result<Value, ProtocolError> {
+        match result {
+            Ok(nbytes) => {
+                self.l1.commit(slot, nbytes);
+                Ok(true.into())
+            }
+            Err(error) => {
+                self.l1.abort(slot);
+                Err(error)
+            }
+        }
+    }
+
+    fn item_done(&mut self, id: u64, item: usize, result: Result<Value, ProtocolError>) {
+        let Some(batch) = self.batches.get_mut(&id) else {
+            return;
+        };
+        match result {
+            Ok(value) => {
+                if let Some(slot) = batch.results.get_mut(item) {
+                    *slot = value;
+                }
+            }
+            Err(error) => {
+                batch.failed.get_or_insert(error);
+            }
+        }
+        batch.pending = batch.pending.saturating_sub(1);
+        if batch.pending > 0 {
+            return;
+        }
+        let Some(Batch {
+            reply,
+            results,
+            failed,
+            ..
+        }) = self.batches.remove(&id)
+        else {
+            return;
+        };
+        self.end_job(reply.conn);
+        let answer = match failed {
+            Some(error) => Err(error),
+            None => Ok(Value::Array(results)),
+        };
+        self.reply(reply, answer);
+    }
+
+    pub(super) fn blend_done(&mut self, id: BlendId, result: Result<(), String>) {
+        let Some((to, instance)) = self.blends.remove(&id) else {
+            return;
+        };
+        self.end_job(to.conn);
+        let answer = match result {
+            Err(message) => {
+                self.blend.abandon(id, instance);
+                Err(ProtocolError::new(
+                    ErrorCode::Unavailable,
+                    format!("`register_blend`: {message}"),
+                ))
+            }
+            Ok(()) => match self.blend.finish(id, instance) {
+                blend::Finished::Installed => {
+                    self.outputs.push_back(Output::KeepBlend {
+                        blend: id,
+                        instance,
+                    });
+                    let bytes = self.blend.bytes_of(instance);
+                    self.note(Note::BlendHeld { instance, bytes });
+                    Ok(true.into())
+                }
+                blend::Finished::Superseded => {
+                    self.outputs.push_back(Output::DiscardBlend { blend: id });
+                    Ok(true.into())
+                }
+                blend::Finished::Freed => {
+                    self.outputs.push_back(Output::DiscardBlend { blend: id });
+                    Err(ProtocolError::new(
+                        ErrorCode::NotRegistered,
+                        format!(
+                            "`register_blend`: instance {instance} was freed (unregistered, \
+                             reaped or its process exited) while its rope tables were \
+                             computed; register again"
+                        ),
+                    ))
+                }
+            },
+        };
+        self.reply(to, answer);
+    }
+
+    pub(super) fn free_done(&mut self, now: Instant, free: FreeId) {
+        if let Some(watch) = self.frees.remove(&free)
+            && watch.reported
+        {
+            self.note(Note::FreeFinishedLate {
+                instance: watch.instance,
+                module: watch.module,
+                after: now.saturating_duration_since(watch.started),
+            });
+        }
+    }
+
+    pub(super) fn process_exited(&mut self, now: Instant, process: ProcessKey) {
+        let instances = self.watched.remove(&process).unwrap_or_default();
+        self.outputs.push_back(Output::Unwatch { process });
+        for instance in instances {
+            self.watch_of.remove(&instance);
+            if self.planted(PlantedBug::IgnoreProcessExit) {
+                continue;
+            }
+            let held = self.liveness.process_exited(now, instance);
+            self.note(Note::ProcessExited { instance, held });
+            self.drain_effects();
+        }
+    }
+
+    /// Watches the process of `conn`'s peer for `instance`: the newest registrant's
+    /// process is the instance's proof of exit.
+    pub(super) fn watch(&mut self, conn: ConnId, instance: InstanceId) {
+        let Some((process, notice)) = self.conns.get(&conn).and_then(|c| c.process) else {
+            return;
+        };
+        if let Some(&(previous, _)) = self.watch_of.get(&instance) {
+            if previous == process {
+                self.watch_of.insert(instance, (process, notice));
+                return;
+            }
+            self.unwatch(instance);
+        }
+        let instances = self.watched.entry(process).or_default();
+        if instances.is_empty() {
+            self.outputs.push_back(Output::Watch { process, conn });
+        }
+        instances.insert(instance);
+        self.watch_of.insert(instance, (process, notice));
+    }
+
+    fn unwatch(&mut self, instance: InstanceId) {
+        let Some((process, _)) = self.watch_of.remove(&instance) else {
+            return;
+        };
+        if let Some(instances) = self.watched.get_mut(&process) {
+            instances.remove(&instance);
+            if instances.is_empty() {
+                self.watched.remove(&process);
+                self.outputs.push_back(Output::Unwatch { process });
+            }
+        }
+    }
+
+    /// Drops what the node keeps of an instance's entries that the registry no longer
+    /// holds; an instance holding nothing is no longer watched.
+    pub(super) fn forget_if_gone(&mut self, instance: InstanceId) {
+        let mut any = false;
+        for module in Module::ALL {
+            if self.liveness.entry(instance, module).is_none() {
+                self.records.remove(&(instance, module));
+            } else {
+                any = true;
+            }
+        }
+        if !any {
+            self.unwatch(instance);
+        }
+    }
+
+    /// Carries out every effect the registry queued.
+    pub(super) fn drain_effects(&mut self) {
+        self.drain_effects_seeing(ContextId(0));
+    }
+
+    /// Carries out every effect; true when `context` came back among them.
+    fn drain_effects_seeing(&mut self, watched: ContextId) -> bool {
+        let mut seen = false;
+        while let Some(effect) = self.liveness.poll_effect() {
+            match effect {
+                Effect::FreeContext {
+                    instance,
+                    module,
+                    context,
+                    cause,
+                } => {
+                    seen |= context == watched;
+                    self.free(instance, module, context, cause);
+                }
+                Effect::DropBlendState { instance } => {
+                    if let Some(bytes) = self.blend.drop_instance(instance) {
+                        self.outputs.push_back(Output::DropBlend { instance });
+                        self.note(Note::BlendDropped { instance, bytes });
+                    }
+                    self.forget_if_gone(instance);
+                }
+                Effect::StallDetected { gap } => self.note(Note::Stall { gap }),
+            }
+        }
+        seen
+    }
+
+    /// The registry handed a context back: release what it holds in L1 now, then free
+    /// it once no copy uses it.
+    fn free(&mut self, instance: InstanceId, module: Module, context: ContextId, cause: FreeCause) {
+        let label = if self.shutdown.is_some() && cause == FreeCause::Unregistered {
+            "shutdown"
+        } else {
+            cause.label()
+        };
+        self.forget_if_gone(instance);
+        if let Some(mut strategy) = self.strategies.remove(&context) {
+            if self.planted(PlantedBug::KeepReservations) {
+                std::mem::forget(strategy);
+            } else {
+                let released = strategy.release(&mut self.l1);
+                if released.reservations_discarded > 0 || released.pins_released > 0 {
+                    self.note(Note::EngineReleased {
+                        instance,
+                        label,
+                        reservations_discarded: released.reservations_discarded,
+                        pins_released: released.pins_released,
+                    });
+                }
+            }
+        }
+        let wait_for_copies = !self.planted(PlantedBug::FreeDuringCopy);
+        if let Some(info) = self.contexts.get_mut(&context)
+            && info.copies > 0
+            && wait_for_copies
+        {
+            info.deferred = Some((instance, module, cause, label));
+            return;
+        }
+        self.start_free(context, instance, module, cause, label);
+    }
+
+    fn start_free(
+        &mut self,
+        context: ContextId,
+        instance: InstanceId,
+        module: Module,
+        cause: FreeCause,
+        label: &'static str,
+    ) {
+        self.contexts.remove(&context);
+        *self.freed_total.entry(label).or_default() += 1;
+        if self.shutdown.is_some() {
+            self.freed_at_shutdown += 1;
+        }
+        if self.planted(PlantedBug::LeakOnFree) {
+            return;
+        }
+        let free = FreeId(self.next_id());
+        self.frees.insert(
+            free,
+            FreeWatch {
+                instance,
+                module,
+                started: self.last_now,
+                reported: false,
+            },
+        );
+        self.outputs.push_back(Output::StartFree {
+            free,
+            context,
+            instance,
+            module,
+            cause,
+            label,
+        });
+        if self.planted(PlantedBug::DoubleFree) {
+            let again = FreeId(self.next_id());
+            self.frees.insert(
+                again,
+                FreeWatch {
+                    instance,
+                    module,
+                    started: self.last_now,
+                    reported: false,
+                },
+            );
+            self.outputs.push_back(Output::StartFree {
+                free: again,
+                context,
+                instance,
+                module,
+                cause,
+                label,
+            });
+        }
+    }
+
+    pub(super) fn check_free_watchdog(&mut self, now: Instant) {
+        let watchdog = self.config.free_watchdog;
+        let mut hung = Vec::new();
+        for watch in self.frees.values_mut() {
+            if !watch.reported && now.saturating_duration_since(watch.started) >= watchdog {
+                watch.reported = true;
+                hung.push((watch.instance, watch.module));
+            }
+        }
+        for (instance, module) in hung {
+            self.frees_hung += 1;
+            self.note(Note::FreeHung {
+                instance,
+                module,
+                watchdog,
+            });
+        }
+    }
+
+    /// Advances a shutdown: drain work in flight (at most `shutdown_drain`), then free
+    /// every entry, then wait for the frees (at most the free watchdog), then stop.
+    pub(super) fn step_shutdown(&mut self, now: Instant) {
+        loop {
+            match self.shutdown {
+                None | Some(Shutdown::Stopped) => return,
+                Some(Shutdown::Draining { since }) => {
+                    let drained = self.jobs_in_flight == 0;
+                    if !drained && now.saturating_duration_since(since) < self.config.shutdown_drain
+                    {
+                        return;
+                    }
+                    self.shutdown = Some(Shutdown::Freeing { since: now });
+                    if self.planted(PlantedBug::ShutdownLeaks) {
+                        continue;
+                    }
+                    let keys: Vec<(InstanceId, Module)> = self.records.keys().copied().collect();
+                    for (instance, module) in keys {
+                        self.liveness.unregister(now, instance, module);
+                    }
+                    self.drain_effects();
+                }
+                Some(Shutdown::Freeing { since }) => {
+                    let deferred = self
+                        .contexts
+                        .values()
+                        .filter(|info| info.deferred.is_some())
+                        .count();
+                    let unfinished = self.frees.len() + deferred;
+                    if unfinished > 0
+                        && now.saturating_duration_since(since) < self.config.free_watchdog
+                    {
+                        return;
+                    }
+                    self.shutdown = Some(Shutdown::Stopped);
+                    self.outputs.push_back(Output::Stopped {
+                        contexts_freed: self.freed_at_shutdown,
+                        frees_unfinished: unfinished,
+                    });
+                    return;
+                }
+            }
+        }
+    }
+}
