@@ -614,8 +614,10 @@ pub struct Node {
 #[doc(hidden)]
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum PlantedBug {
-    /// A ping is answered `true` without asking the registry.
-    PingAlwaysTrue,
+    /// A ping is answered `true` but never reaches the registry.
+    IgnorePings,
+    /// `DropBlendState` is ignored: rope tables outlive their instance.
+    KeepBlendState,
     /// A REGISTER that finds its entry building is answered `refreshed` at once.
     RefreshBeforeBuild,
     /// A free is started while copies still use the context.

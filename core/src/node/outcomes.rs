@@ -329,6 +329,9 @@ impl Node {
                     self.free(instance, module, context, cause);
                 }
                 Effect::DropBlendState { instance } => {
+                    if self.planted(PlantedBug::KeepBlendState) {
+                        continue;
+                    }
                     if let Some(bytes) = self.blend.drop_instance(instance) {
                         self.outputs.push_back(Output::DropBlend { instance });
                         self.note(Note::BlendDropped { instance, bytes });
