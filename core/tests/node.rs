@@ -1,0 +1,769 @@
+//! The node's decisions, one test per rule. The eleven places where the production
+//! server and the simulator's old model behaved differently are decided here once;
+//! each test is named for the decision (`docs/design.md`, "The node").
+
+use kvwarden_core::node::{
+    Built, ConnId, ContextId, DeathNotice, Direction, Input, Node, NodeConfig, Note, Output,
+    ProcessKey, Transport,
+};
+use kvwarden_core::protocol::{BufferSpec, ErrorCode, Op, ProtocolError, RopeSpec};
+use kvwarden_core::{Config, FreeCause, InstanceId, Instant, Module};
+use rmpv::Value;
+use std::time::Duration;
+
+const OWNER: u32 = 1000;
+const SLOT: u64 = 4096;
+
+fn secs(s: f64) -> Duration {
+    Duration::from_secs_f64(s)
+}
+
+fn at(s: f64) -> Instant {
+    Instant::ZERO + secs(s)
+}
+
+fn id(raw: u64) -> InstanceId {
+    InstanceId::new(raw).unwrap()
+}
+
+/// A shell that records every output and hands the node time like the real loop.
+struct Harness {
+    node: Node,
+    now: Instant,
+    out: Vec<Output>,
+    next_request: u64,
+}
+
+impl Harness {
+    fn new() -> Harness {
+        Harness::with_slots(4)
+    }
+
+    fn with_slots(num_slots: usize) -> Harness {
+        let config = NodeConfig {
+            liveness: Config {
+                reap_timeout: secs(30.0),
+                registration_grace: secs(60.0),
+                resolution: secs(1.0),
+                stall_threshold: secs(5.0),
+            },
+            reap_timeout_floor: Duration::ZERO,
+            num_slots,
+            slot_bytes: SLOT,
+            server_uid: 0,
+            boot_id: 7,
+            server_name: "kvwarden test".into(),
+            free_watchdog: secs(5.0),
+            shutdown_drain: secs(10.0),
+            cuda_devices: Err("no CUDA in tests".into()),
+        };
+        let mut harness = Harness {
+            node: Node::new(config, Instant::ZERO).unwrap(),
+            now: Instant::ZERO,
+            out: Vec::new(),
+            next_request: 0,
+        };
+        harness.connect(ConnId(1), Some(OWNER), Some(ProcessKey(1)));
+        harness
+    }
+
+    fn input(&mut self, input: Input) {
+        self.node.handle_input(self.now, input);
+        self.drain();
+    }
+
+    fn drain(&mut self) {
+        while let Some(output) = self.node.poll_output() {
+            self.out.push(output);
+        }
+    }
+
+    fn connect(&mut self, conn: ConnId, uid: Option<u32>, process: Option<ProcessKey>) {
+        self.input(Input::Connected {
+            conn,
+            uid,
+            transport: Transport::Unix,
+            process: process.map(|p| (p, DeathNotice::PidfdByPid)),
+        });
+    }
+
+    /// Advances time as the loop does: `handle_timeout` whenever `poll_timeout` asks.
+    fn run_until(&mut self, until: Instant) {
+        loop {
+            let next = self.node.poll_timeout().filter(|&t| t <= until);
+            let Some(next) = next else { break };
+            self.now = next.max(self.now);
+            self.node.handle_timeout(self.now);
+            self.drain();
+        }
+        self.now = until;
+        self.node.handle_timeout(self.now);
+        self.drain();
+    }
+
+    /// Sends `op` on `conn`; returns its request id.
+    fn send_on(&mut self, conn: ConnId, op: Op, fds: usize) -> u64 {
+        self.next_request += 1;
+        let request_id = self.next_request;
+        self.input(Input::Request {
+            conn,
+            request_id,
+            op,
+            fds,
+        });
+        request_id
+    }
+
+    fn send(&mut self, op: Op) -> u64 {
+        self.send_on(ConnId(1), op, 1)
+    }
+
+    /// The reply to `request_id`, taken out of the record.
+    fn reply(&mut self, request_id: u64) -> Option<Result<Value, ProtocolError>> {
+        let position = self.out.iter().position(
+            |output| matches!(output, Output::Reply { request_id: r, .. } if *r == request_id),
+        )?;
+        match self.out.remove(position) {
+            Output::Reply { result, .. } => Some(result),
+            _ => None,
+        }
+    }
+
+    fn answer(&mut self, request_id: u64) -> Value {
+        match self.reply(request_id) {
+            Some(Ok(value)) => value,
+            other => panic!("request {request_id}: {other:?}"),
+        }
+    }
+
+    fn error(&mut self, request_id: u64) -> ErrorCode {
+        match self.reply(request_id) {
+            Some(Err(error)) => error.code,
+            other => panic!("request {request_id}: expected an error, got {other:?}"),
+        }
+    }
+
+    fn ask(&mut self, op: Op) -> Value {
+        let request = self.send(op);
+        self.answer(request)
+    }
+
+    fn refuse(&mut self, op: Op) -> ErrorCode {
+        let request = self.send(op);
+        self.error(request)
+    }
+
+    fn builds(&mut self) -> Vec<ContextId> {
+        let mut builds = Vec::new();
+        self.out.retain(|output| match output {
+            Output::StartBuild { context, .. } => {
+                builds.push(*context);
+                false
+            }
+            _ => true,
+        });
+        builds
+    }
+
+    fn frees(&mut self) -> Vec<(ContextId, FreeCause, &'static str)> {
+        let mut frees = Vec::new();
+        self.out.retain(|output| match output {
+            Output::StartFree {
+                context,
+                cause,
+                label,
+                ..
+            } => {
+                frees.push((*context, *cause, *label));
+                false
+            }
+            _ => true,
+        });
+        frees
+    }
+
+    fn copies(&mut self) -> Vec<(kvwarden_core::node::CopyId, Direction, u64)> {
+        let mut copies = Vec::new();
+        self.out.retain(|output| match output {
+            Output::StartCopy {
+                copy,
+                direction,
+                nbytes,
+                ..
+            } => {
+                copies.push((*copy, *direction, *nbytes));
+                false
+            }
+            _ => true,
+        });
+        copies
+    }
+
+    fn build(&mut self, context: ContextId) {
+        self.input(Input::BuildDone {
+            context,
+            result: Ok(Built::ServerDriven {
+                buffer_lens: vec![1 << 20],
+            }),
+        });
+    }
+
+    /// Registers `instance` (server-driven) and builds its context.
+    fn registered(&mut self, instance: InstanceId) -> ContextId {
+        let request = self.send(register(instance));
+        let [context] = self.builds()[..] else {
+            panic!("one build")
+        };
+        self.build(context);
+        assert_eq!(outcome(&self.answer(request)), "created");
+        context
+    }
+
+    fn notes(&mut self) -> Vec<Note> {
+        let mut notes = Vec::new();
+        self.out.retain(|output| match output {
+            Output::Note(note) => {
+                notes.push(note.clone());
+                false
+            }
+            _ => true,
+        });
+        notes
+    }
+}
+
+fn register(instance: InstanceId) -> Op {
+    Op::RegisterKvCache {
+        instance,
+        buffers: vec![BufferSpec::Memfd {
+            fd_index: 0,
+            nbytes: 1 << 20,
+        }],
+        model_name: "m".into(),
+        world_size: 1,
+    }
+}
+
+fn store(instance: InstanceId, key: &[u8]) -> Op {
+    Op::Store {
+        instance,
+        key: key.to_vec(),
+        buffer: 0,
+        offset: 0,
+        nbytes: 100,
+    }
+}
+
+fn outcome(value: &Value) -> String {
+    match value {
+        Value::Map(map) => map
+            .iter()
+            .find(|(k, _)| k.as_str() == Some("outcome"))
+            .and_then(|(_, v)| v.as_str())
+            .unwrap_or("")
+            .to_string(),
+        _ => String::new(),
+    }
+}
+
+// 1. Held REGISTERs wait on the build they joined, not on the (instance, module).
+#[test]
+fn decision_1_a_held_register_gets_the_outcome_of_the_build_it_joined() {
+    let mut h = Harness::new();
+    let worker = id(1);
+    let first = h.send(register(worker));
+    let [build_1] = h.builds()[..] else { panic!() };
+    assert_eq!(
+        h.ask(Op::UnregisterKvCache { instance: worker }),
+        Value::from(true)
+    );
+    let second = h.send(register(worker));
+    let [build_2] = h.builds()[..] else { panic!() };
+    let third = h.send(register(worker)); // joins build 2
+    assert!(
+        h.builds().is_empty(),
+        "a REGISTER while building starts no build"
+    );
+
+    h.build(build_1); // the first build comes back after its entry went
+    assert_eq!(h.error(first), ErrorCode::NotRegistered);
+    assert!(
+        h.reply(third).is_none(),
+        "the third REGISTER waits for build 2, not build 1"
+    );
+    let frees = h.frees();
+    assert_eq!(frees.len(), 1);
+    assert_eq!((frees[0].0, frees[0].1), (build_1, FreeCause::Cancelled));
+
+    h.build(build_2);
+    assert_eq!(outcome(&h.answer(second)), "created");
+    assert_eq!(outcome(&h.answer(third)), "refreshed");
+}
+
+#[test]
+fn decision_1_waiters_of_a_failed_build_are_told_not_registered() {
+    let mut h = Harness::new();
+    let worker = id(1);
+    let first = h.send(register(worker));
+    let [build] = h.builds()[..] else { panic!() };
+    let second = h.send(register(worker));
+    h.input(Input::BuildDone {
+        context: build,
+        result: Err(ProtocolError::new(ErrorCode::BadArgs, "not a memfd")),
+    });
+    assert_eq!(h.error(first), ErrorCode::BadArgs);
+    assert_eq!(h.error(second), ErrorCode::NotRegistered);
+    assert!(h.node.entry(worker, Module::ServerDriven).is_none());
+}
+
+// 2. Shutdown: answer what is in flight (at most the drain), then free everything.
+#[test]
+fn decision_2_shutdown_answers_builds_in_flight_then_frees_every_context() {
+    let mut h = Harness::new();
+    let built = h.registered(id(1));
+    let pending = h.send(register(id(2)));
+    let [building] = h.builds()[..] else { panic!() };
+    h.input(Input::Shutdown);
+    assert!(
+        h.frees().is_empty(),
+        "nothing is freed while a build is in flight"
+    );
+    assert_eq!(
+        h.refuse(Op::Ping {
+            instance: Some(id(1))
+        }),
+        ErrorCode::Unavailable
+    );
+
+    h.build(building);
+    assert_eq!(
+        outcome(&h.answer(pending)),
+        "created",
+        "the build in flight is answered"
+    );
+    let mut frees = h.frees();
+    frees.sort_by_key(|free| free.0);
+    assert_eq!(
+        frees.iter().map(|f| (f.0, f.2)).collect::<Vec<_>>(),
+        vec![(built, "shutdown"), (building, "shutdown")]
+    );
+    assert!(!h.node.is_stopped(), "waits for the frees");
+}
+
+#[test]
+fn decision_2_shutdown_stops_once_the_frees_return_and_gives_up_after_the_drain() {
+    let mut h = Harness::new();
+    h.registered(id(1));
+    h.send(register(id(2))); // a build that never returns
+    assert_eq!(h.builds().len(), 1);
+    h.input(Input::Shutdown);
+    h.run_until(at(9.0));
+    assert!(h.frees().is_empty());
+    h.out.clear();
+    h.run_until(at(10.5)); // the drain is over: free what is built
+    let frees: Vec<_> = h
+        .out
+        .iter()
+        .filter_map(|o| match o {
+            Output::StartFree { free, label, .. } => Some((*free, *label)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(frees.len(), 1);
+    assert_eq!(frees[0].1, "shutdown");
+    assert!(!h.node.is_stopped());
+    h.input(Input::FreeDone { free: frees[0].0 });
+    assert!(h.node.is_stopped());
+    assert!(h.out.iter().any(|o| matches!(
+        o,
+        Output::Stopped {
+            contexts_freed: 1,
+            frees_unfinished: 0
+        }
+    )));
+}
+
+// 3. Transfers are answered after their copy.
+#[test]
+fn decision_3_a_store_is_answered_once_its_copy_is_done_and_only_then_published() {
+    let mut h = Harness::new();
+    let worker = id(1);
+    h.registered(worker);
+    let request = h.send(store(worker, b"k"));
+    let [(copy, Direction::ToL1, 100)] = h.copies()[..] else {
+        panic!()
+    };
+    assert!(h.reply(request).is_none());
+    assert_eq!(
+        h.node.l1_lookup(&[b"k".to_vec()]),
+        0,
+        "not published mid-copy"
+    );
+    h.input(Input::CopyDone {
+        copy,
+        result: Ok(100),
+    });
+    assert_eq!(h.answer(request), Value::from(true));
+    assert_eq!(h.node.l1_lookup(&[b"k".to_vec()]), 1);
+    // A failed copy publishes nothing.
+    let request = h.send(store(worker, b"j"));
+    let [(copy, ..)] = h.copies()[..] else {
+        panic!()
+    };
+    h.input(Input::CopyDone {
+        copy,
+        result: Err(ProtocolError::new(ErrorCode::Internal, "copy failed")),
+    });
+    assert_eq!(h.error(request), ErrorCode::Internal);
+    assert_eq!(h.node.l1_lookup(&[b"j".to_vec()]), 0);
+}
+
+// 4. Commits: not registered, not ready, too large.
+#[test]
+fn decision_4_engine_driven_commits_answer_every_state() {
+    let mut h = Harness::new();
+    let worker = id(1);
+    let commit = |nbytes| Op::CommitStore {
+        instance: worker,
+        key: b"k".to_vec(),
+        nbytes,
+    };
+    assert_eq!(h.refuse(commit(1)), ErrorCode::NotRegistered);
+    let request = h.send(Op::RegisterEngineDriven {
+        instance: worker,
+        model_name: "m".into(),
+        world_size: 1,
+    });
+    let [context] = h.builds()[..] else { panic!() };
+    assert_eq!(h.refuse(commit(1)), ErrorCode::NotReady);
+    h.input(Input::BuildDone {
+        context,
+        result: Ok(Built::EngineDriven),
+    });
+    assert!(matches!(
+        h.out
+            .iter()
+            .find(|o| matches!(o, Output::Reply { request_id, .. } if *request_id == request)),
+        Some(Output::Reply { pool_fd: true, .. })
+    ));
+    let grant = h.ask(Op::PrepareStore {
+        instance: worker,
+        key: b"k".to_vec(),
+    });
+    assert!(matches!(grant, Value::Map(_)), "{grant:?}");
+    assert_eq!(h.refuse(commit(SLOT + 1)), ErrorCode::BadArgs);
+    assert_eq!(
+        h.ask(commit(SLOT)),
+        Value::from(true),
+        "the reservation was kept"
+    );
+    assert_eq!(
+        h.ask(commit(SLOT)),
+        Value::from(false),
+        "nothing reserved now"
+    );
+}
+
+// 5. The L1 pool is the node's: a full pool, eviction, and the per-instance cap.
+#[test]
+fn decision_5_a_pool_full_of_reservations_refuses_and_a_freed_instance_gives_them_back() {
+    let mut h = Harness::with_slots(1);
+    let (a, b) = (id(1), id(2));
+    for worker in [a, b] {
+        let request = h.send(Op::RegisterEngineDriven {
+            instance: worker,
+            model_name: "m".into(),
+            world_size: 1,
+        });
+        let [context] = h.builds()[..] else { panic!() };
+        h.input(Input::BuildDone {
+            context,
+            result: Ok(Built::EngineDriven),
+        });
+        h.answer(request);
+    }
+    let prepare = |instance, key: &[u8]| Op::PrepareStore {
+        instance,
+        key: key.to_vec(),
+    };
+    assert!(matches!(h.ask(prepare(a, b"x")), Value::Map(_)));
+    assert_eq!(h.refuse(prepare(b, b"y")), ErrorCode::Overloaded);
+    h.ask(Op::UnregisterEngineDriven { instance: a });
+    assert_eq!(
+        h.node.l1_occupancy().reserved,
+        0,
+        "a's reservation discarded"
+    );
+    assert!(matches!(h.ask(prepare(b, b"y")), Value::Map(_)));
+    assert_eq!(h.node.l1_lookup(&[b"x".to_vec()]), 0, "never published");
+}
+
+// 6. Blend limits and a free while computing.
+#[test]
+fn decision_6_rope_tables_of_an_instance_freed_while_computing_are_discarded() {
+    let mut h = Harness::new();
+    let worker = id(1);
+    let rope = RopeSpec {
+        rotary_dim: 4,
+        max_positions: 8,
+        base: 10_000.0,
+    };
+    let blend = |rope: &RopeSpec| Op::RegisterBlend {
+        instance: worker,
+        rope: rope.clone(),
+    };
+    assert_eq!(h.refuse(blend(&rope)), ErrorCode::NotRegistered);
+    h.registered(worker);
+    let too_big = RopeSpec {
+        rotary_dim: 128,
+        max_positions: 1 << 20,
+        base: 10.0,
+    };
+    assert_eq!(h.refuse(blend(&too_big)), ErrorCode::BadArgs);
+    let request = h.send(blend(&rope));
+    let started = h.out.iter().find_map(|o| match o {
+        Output::StartBlend { blend, .. } => Some(*blend),
+        _ => None,
+    });
+    let started = started.expect("a computation starts");
+    h.ask(Op::UnregisterKvCache { instance: worker });
+    h.input(Input::BlendDone {
+        blend: started,
+        result: Ok(()),
+    });
+    assert_eq!(h.error(request), ErrorCode::NotRegistered);
+    assert!(h.out.contains(&Output::DiscardBlend { blend: started }));
+    assert!(!h.out.iter().any(|o| matches!(o, Output::KeepBlend { .. })));
+}
+
+// 7. Owners, per-connection caps, and which refusals count as evidence of life.
+#[test]
+fn decision_7_a_forbidden_request_never_refreshes_an_overloaded_one_does() {
+    let mut h = Harness::with_slots(128);
+    let worker = id(1);
+    h.registered(worker);
+    h.connect(ConnId(2), Some(OWNER + 1), None);
+    h.run_until(at(20.0));
+    let before = h
+        .node
+        .entry(worker, Module::ServerDriven)
+        .unwrap()
+        .last_seen;
+    let forbidden = h.send_on(ConnId(2), store(worker, b"k"), 0);
+    assert_eq!(h.error(forbidden), ErrorCode::Forbidden);
+    assert_eq!(
+        h.node
+            .entry(worker, Module::ServerDriven)
+            .unwrap()
+            .last_seen,
+        before
+    );
+
+    // 64 stores in flight on one connection; the 65th is refused but is evidence.
+    for n in 0..64u32 {
+        h.send(store(worker, format!("k{n}").as_bytes()));
+    }
+    h.run_until(at(25.0));
+    let refused = h.send(store(worker, b"one too many"));
+    assert_eq!(h.error(refused), ErrorCode::Overloaded);
+    assert_eq!(
+        h.node
+            .entry(worker, Module::ServerDriven)
+            .unwrap()
+            .last_seen,
+        at(25.0)
+    );
+    // Another connection of the same owner is not limited by the first one's load.
+    h.connect(ConnId(3), Some(OWNER), None);
+    let other = h.send_on(ConnId(3), Op::Lookup { keys: vec![] }, 0);
+    assert_eq!(h.answer(other), Value::from(0u64));
+}
+
+#[test]
+fn decision_7_buffers_are_validated_against_what_the_frame_carried() {
+    let mut h = Harness::new();
+    let request = h.send_on(ConnId(1), register(id(1)), 0);
+    assert_eq!(h.error(request), ErrorCode::BadArgs);
+    let cuda = Op::RegisterKvCache {
+        instance: id(1),
+        buffers: vec![BufferSpec::CudaIpc {
+            device: 0,
+            handle: vec![0; 64],
+            offset: 0,
+            nbytes: 1,
+        }],
+        model_name: "m".into(),
+        world_size: 1,
+    };
+    assert_eq!(h.refuse(cuda), ErrorCode::Unavailable);
+    assert!(h.builds().is_empty());
+    let worker = id(2);
+    h.registered(worker);
+    let past_end = Op::Store {
+        instance: worker,
+        key: b"k".to_vec(),
+        buffer: 0,
+        offset: (1 << 20) - 10,
+        nbytes: 100,
+    };
+    assert_eq!(h.refuse(past_end), ErrorCode::BadArgs);
+    assert!(h.copies().is_empty());
+}
+
+// 8. Input before deadlines: what was handed in before handle_timeout(now) counts.
+#[test]
+fn decision_8_a_ping_handed_in_before_the_timeout_call_keeps_its_worker() {
+    let mut h = Harness::new();
+    let worker = id(1);
+    h.registered(worker);
+    assert_eq!(
+        h.ask(Op::Ping {
+            instance: Some(worker)
+        }),
+        Value::from(true)
+    );
+    h.run_until(at(29.0));
+    // The loop woke at 31 s (past the 30 s deadline) with a ping already arrived: it
+    // hands the ping in first, then judges time.
+    h.now = at(31.0);
+    let ping = h.send(Op::Ping {
+        instance: Some(worker),
+    });
+    h.node.handle_timeout(h.now);
+    h.drain();
+    assert_eq!(h.answer(ping), Value::from(true));
+    assert!(h.frees().is_empty());
+    // Both directions: with no ping, the same wake reaps it.
+    h.run_until(at(62.5));
+    assert_eq!(h.frees().len(), 1);
+}
+
+// 9. A free waits for the copies using its context.
+#[test]
+fn decision_9_a_context_is_freed_only_after_its_copies_are_done() {
+    let mut h = Harness::new();
+    let worker = id(1);
+    let context = h.registered(worker);
+    let request = h.send(store(worker, b"k"));
+    let [(copy, ..)] = h.copies()[..] else {
+        panic!()
+    };
+    h.ask(Op::UnregisterKvCache { instance: worker });
+    assert!(h.frees().is_empty(), "the copy still uses the mapping");
+    h.input(Input::CopyDone {
+        copy,
+        result: Ok(100),
+    });
+    assert_eq!(h.answer(request), Value::from(true));
+    let frees = h.frees();
+    assert_eq!(frees.len(), 1);
+    assert_eq!((frees[0].0, frees[0].2), (context, "unregistered"));
+}
+
+// 10. Frees take time; the watchdog reports one that never returns, once.
+#[test]
+fn decision_10_a_free_that_never_returns_is_reported_once_and_pings_go_on() {
+    let mut h = Harness::new();
+    let worker = id(1);
+    h.registered(worker);
+    h.registered(id(2));
+    h.ask(Op::UnregisterKvCache { instance: worker });
+    assert_eq!(h.frees().len(), 1);
+    h.run_until(at(4.9));
+    assert!(!h.notes().iter().any(|n| matches!(n, Note::FreeHung { .. })));
+    h.run_until(at(5.1));
+    let hung = h
+        .notes()
+        .iter()
+        .filter(|n| matches!(n, Note::FreeHung { .. }))
+        .count();
+    assert_eq!(hung, 1);
+    h.run_until(at(20.0));
+    assert!(
+        !h.notes().iter().any(|n| matches!(n, Note::FreeHung { .. })),
+        "once"
+    );
+    assert_eq!(
+        h.ask(Op::Ping {
+            instance: Some(id(2))
+        }),
+        Value::from(true)
+    );
+    assert_eq!(h.node.status().frees_hung_total, 1);
+    assert_eq!(h.node.status().frees_in_flight, 1);
+}
+
+// 11. Process exits: the newest registrant's process is the proof; watches go with
+// the last entry.
+#[test]
+fn decision_11_the_newest_registrants_process_is_the_proof_of_exit() {
+    let mut h = Harness::new();
+    let worker = id(1);
+    h.registered(worker);
+    assert!(h.out.contains(&Output::Watch {
+        process: ProcessKey(1),
+        conn: ConnId(1)
+    }));
+    h.connect(ConnId(2), Some(OWNER), Some(ProcessKey(2)));
+    let again = h.send_on(ConnId(2), register(worker), 1);
+    assert_eq!(outcome(&h.answer(again)), "refreshed");
+    assert!(h.out.contains(&Output::Unwatch {
+        process: ProcessKey(1)
+    }));
+    assert!(h.out.contains(&Output::Watch {
+        process: ProcessKey(2),
+        conn: ConnId(2)
+    }));
+    h.input(Input::ProcessExited {
+        process: ProcessKey(1),
+    });
+    assert!(
+        h.frees().is_empty(),
+        "the old process's exit proves nothing now"
+    );
+    h.input(Input::ProcessExited {
+        process: ProcessKey(2),
+    });
+    let frees = h.frees();
+    assert_eq!(frees.len(), 1);
+    assert_eq!(frees[0].1, FreeCause::ProcessExited);
+}
+
+#[test]
+fn decision_11_an_instance_holding_nothing_is_no_longer_watched() {
+    let mut h = Harness::new();
+    let worker = id(1);
+    h.registered(worker);
+    h.out.clear();
+    h.ask(Op::UnregisterKvCache { instance: worker });
+    assert!(h.out.contains(&Output::Unwatch {
+        process: ProcessKey(1)
+    }));
+    assert_eq!(h.node.status().watched_processes, 0);
+}
+
+#[test]
+fn reaped_when_due_not_before_through_the_node() {
+    let mut h = Harness::new();
+    let worker = id(1);
+    h.registered(worker);
+    assert_eq!(
+        h.ask(Op::Ping {
+            instance: Some(worker)
+        }),
+        Value::from(true)
+    );
+    h.run_until(at(30.0));
+    assert!(h.frees().is_empty(), "silence exactly T: not yet");
+    h.run_until(at(31.5));
+    let frees = h.frees();
+    assert_eq!(frees.len(), 1);
+    assert!(matches!(frees[0].1, FreeCause::Reaped { proven: true, .. }));
+    assert_eq!(
+        h.ask(Op::Ping {
+            instance: Some(worker)
+        }),
+        Value::from(false)
+    );
+    assert_eq!(h.node.status().pings_answered_false_total, 1);
+}
