@@ -1,0 +1,253 @@
+//! Arbitrary sequences of every input of the server's state machine (`node`): requests
+//! (typed, and raw bytes through the real decoder), connections, completions in any
+//! order, process exits, shutdown, time steps.
+//!
+//! Oracles: no panic; a context is freed at most once and only one that was built; no
+//! context is freed while a copy using it runs; every request is answered at most
+//! once; a copy, build or blend is reported back only for what the node started;
+//! after `Stopped` nothing starts (requests are refused).
+#![no_main]
+
+use arbitrary::Arbitrary;
+use kvwarden_core::node::{
+    Built, ConnId, ContextId, CopyId, DeathNotice, FreeId, Input, Node, NodeConfig, Output,
+    ProcessKey, Transport,
+};
+use kvwarden_core::protocol::{BufferSpec, ErrorCode, Op, ProtocolError, RopeSpec, decode_request};
+use kvwarden_core::{Config, InstanceId, Instant};
+use libfuzzer_sys::fuzz_target;
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+#[derive(Arbitrary, Debug)]
+enum Step {
+    Connect { conn: u8, uid: u8, unix: bool, process: Option<u8> },
+    Disconnect(u8),
+    Raw { conn: u8, bytes: Vec<u8>, fds: u8 },
+    Typed { conn: u8, op: TypedOp, instance: u8, key: u8, n: u16 },
+    BuildDone { which: u8, ok: bool, lens: Vec<u16> },
+    CopyDone { which: u8, ok: bool },
+    BlendDone { which: u8, ok: bool },
+    FreeDone(u8),
+    Exit(u8),
+    Shutdown,
+    Step(u16),
+    Tick,
+}
+
+#[derive(Arbitrary, Debug)]
+enum TypedOp {
+    Ping,
+    Register,
+    RegisterEngine,
+    Unregister,
+    UnregisterEngine,
+    Store,
+    Retrieve,
+    Prepare,
+    Commit,
+    PrepareRetrieve,
+    CommitRetrieve,
+    Blend,
+    Lookup,
+}
+
+fn instance(raw: u8) -> InstanceId {
+    InstanceId::new(u64::from(raw % 6) + 1).unwrap()
+}
+
+fn typed(op: &TypedOp, instance: InstanceId, key: u8, n: u16) -> Op {
+    let key = vec![key % 8];
+    let n = u64::from(n);
+    match op {
+        TypedOp::Ping => Op::Ping { instance: Some(instance) },
+        TypedOp::Register => Op::RegisterKvCache {
+            instance,
+            buffers: vec![BufferSpec::Memfd { fd_index: n % 2, nbytes: 4096 }],
+            model_name: "m".into(),
+            world_size: 1,
+        },
+        TypedOp::RegisterEngine => Op::RegisterEngineDriven {
+            instance,
+            model_name: "m".into(),
+            world_size: 1,
+        },
+        TypedOp::Unregister => Op::UnregisterKvCache { instance },
+        TypedOp::UnregisterEngine => Op::UnregisterEngineDriven { instance },
+        TypedOp::Store => Op::Store { instance, key, buffer: n % 2, offset: n % 64, nbytes: n % 5000 },
+        TypedOp::Retrieve => Op::Retrieve { instance, key, buffer: n % 2, offset: n % 64 },
+        TypedOp::Prepare => Op::PrepareStore { instance, key },
+        TypedOp::Commit => Op::CommitStore { instance, key, nbytes: n },
+        TypedOp::PrepareRetrieve => Op::PrepareRetrieve { instance, key },
+        TypedOp::CommitRetrieve => Op::CommitRetrieve { instance, key },
+        TypedOp::Blend => Op::RegisterBlend {
+            instance,
+            rope: RopeSpec { rotary_dim: n % 9, max_positions: n, base: 10.0 },
+        },
+        TypedOp::Lookup => Op::Lookup { keys: vec![key] },
+    }
+}
+
+#[derive(Default)]
+struct Ledger {
+    builds: Vec<ContextId>,
+    built: BTreeSet<ContextId>,
+    freed: BTreeSet<ContextId>,
+    copies: BTreeMap<CopyId, ContextId>,
+    blends: Vec<kvwarden_core::node::blend::BlendId>,
+    frees: Vec<FreeId>,
+    answered: BTreeSet<(ConnId, u64)>,
+    stopped: bool,
+}
+
+impl Ledger {
+    fn take(&mut self, node: &mut Node) {
+        while let Some(output) = node.poll_output() {
+            if self.stopped {
+                // Late completions may still be answered and free what they bring back;
+                // nothing new starts.
+                let starts = matches!(
+                    output,
+                    Output::StartBuild { .. } | Output::StartCopy { .. } | Output::StartBlend { .. }
+                );
+                assert!(!starts, "{output:?} after Stopped");
+            }
+            match output {
+                Output::Reply { conn, request_id, .. } | Output::ReplyStatus { conn, request_id } => {
+                    assert!(self.answered.insert((conn, request_id)), "request {request_id} answered twice");
+                }
+                Output::StartBuild { context, .. } => self.builds.push(context),
+                Output::StartCopy { copy, context, .. } => {
+                    assert!(self.built.contains(&context) && !self.freed.contains(&context));
+                    self.copies.insert(copy, context);
+                }
+                Output::StartBlend { blend, .. } => self.blends.push(blend),
+                Output::StartFree { free, context, .. } => {
+                    assert!(self.built.contains(&context), "free of a context never built");
+                    assert!(self.freed.insert(context), "context {context:?} freed twice");
+                    assert!(!self.copies.values().any(|&c| c == context), "freed while a copy runs");
+                    self.frees.push(free);
+                }
+                Output::Stopped { .. } => self.stopped = true,
+                Output::KeepBlend { .. }
+                | Output::DiscardBlend { .. }
+                | Output::DropBlend { .. }
+                | Output::Watch { .. }
+                | Output::Unwatch { .. }
+                | Output::Note(_) => {}
+            }
+        }
+    }
+}
+
+fn pick<T: Copy>(list: &mut Vec<T>, which: u8) -> Option<T> {
+    if list.is_empty() {
+        return None;
+    }
+    let index = usize::from(which) % list.len();
+    Some(list.swap_remove(index))
+}
+
+fuzz_target!(|steps: Vec<Step>| {
+    let config = NodeConfig {
+        liveness: Config {
+            reap_timeout: Duration::from_millis(300),
+            registration_grace: Duration::from_millis(900),
+            resolution: Duration::from_millis(20),
+            stall_threshold: Duration::from_millis(200),
+        },
+        reap_timeout_floor: Duration::ZERO,
+        num_slots: 4,
+        slot_bytes: 4096,
+        server_uid: 0,
+        boot_id: 1,
+        server_name: "fuzz".into(),
+        free_watchdog: Duration::from_millis(500),
+        shutdown_drain: Duration::from_millis(500),
+        cuda_devices: Err("none".into()),
+    };
+    let mut node = Node::new(config, Instant::ZERO).unwrap();
+    let mut ledger = Ledger::default();
+    let mut now = Instant::ZERO;
+    let mut request_id = 0u64;
+    for step in steps.into_iter().take(512) {
+        let input = match step {
+            Step::Connect { conn, uid, unix, process } => Some(Input::Connected {
+                conn: ConnId(u64::from(conn % 4)),
+                uid: unix.then_some(u32::from(uid % 3)),
+                transport: if unix { Transport::Unix } else { Transport::Tcp },
+                process: process.map(|p| (ProcessKey(u64::from(p % 4)), DeathNotice::PidfdByPid)),
+            }),
+            Step::Disconnect(conn) => Some(Input::Disconnected { conn: ConnId(u64::from(conn % 4)) }),
+            Step::Raw { conn, bytes, fds } => match decode_request(&bytes) {
+                Ok(request) => {
+                    // The wire's id may repeat; the ledger's "answered once" needs its own.
+                    request_id += 1;
+                    Some(Input::Request {
+                        conn: ConnId(u64::from(conn % 4)),
+                        request_id: request_id << 32,
+                        op: request.op,
+                        fds: usize::from(fds % 3),
+                    })
+                }
+                Err(_) => None,
+            },
+            Step::Typed { conn, op, instance: raw, key, n } => {
+                request_id += 1;
+                Some(Input::Request {
+                    conn: ConnId(u64::from(conn % 4)),
+                    request_id: request_id << 32,
+                    op: typed(&op, instance(raw), key, n),
+                    fds: 1,
+                })
+            }
+            Step::BuildDone { which, ok, lens } => pick(&mut ledger.builds, which).map(|context| {
+                let result = if ok {
+                    ledger.built.insert(context);
+                    Ok(if lens.is_empty() {
+                        Built::EngineDriven
+                    } else {
+                        Built::ServerDriven { buffer_lens: lens.iter().map(|&l| u64::from(l)).collect() }
+                    })
+                } else {
+                    Err(ProtocolError::new(ErrorCode::BadArgs, "no"))
+                };
+                Input::BuildDone { context, result }
+            }),
+            Step::CopyDone { which, ok } => {
+                let copies: Vec<CopyId> = ledger.copies.keys().copied().collect();
+                (!copies.is_empty()).then(|| {
+                    let copy = copies[usize::from(which) % copies.len()];
+                    ledger.copies.remove(&copy);
+                    Input::CopyDone {
+                        copy,
+                        result: if ok { Ok(1) } else { Err(ProtocolError::new(ErrorCode::Internal, "no")) },
+                    }
+                })
+            }
+            Step::BlendDone { which, ok } => pick(&mut ledger.blends, which).map(|blend| Input::BlendDone {
+                blend,
+                result: if ok { Ok(()) } else { Err("no".into()) },
+            }),
+            Step::FreeDone(which) => pick(&mut ledger.frees, which).map(|free| Input::FreeDone { free }),
+            Step::Exit(process) => Some(Input::ProcessExited { process: ProcessKey(u64::from(process % 4)) }),
+            Step::Shutdown => Some(Input::Shutdown),
+            Step::Step(ms) => {
+                now = now + Duration::from_millis(u64::from(ms % 1000));
+                None
+            }
+            Step::Tick => {
+                if let Some(at) = node.poll_timeout() {
+                    now = now.max(at);
+                }
+                node.handle_timeout(now);
+                None
+            }
+        };
+        if let Some(input) = input {
+            node.handle_input(now, input);
+        }
+        ledger.take(&mut node);
+        let _ = node.status();
+    }
+});
