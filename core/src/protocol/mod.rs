@@ -15,7 +15,7 @@ mod wire_args;
 
 pub use error::{DecodeError, ErrorCode, ProtocolError};
 pub use frame::{FrameError, LENGTH_PREFIX_BYTES, encode_frame, parse_header, split_frame};
-pub use reply::{Reply, decode_reply, encode_reply, encode_request};
+pub use reply::{Reply, decode_reply, encode_reply, encode_reply_into, encode_request};
 pub use request::{
     BufferSpec, MAX_BATCH_ITEMS, Op, Request, RetrieveItem, RopeSpec, StoreItem, decode_request,
 };

@@ -4,7 +4,7 @@
 use super::MAX_DEPTH;
 use super::diagnose::describe;
 use super::error::{DecodeError, ErrorCode, ProtocolError};
-use super::frame::encode_frame;
+use super::frame::{LENGTH_PREFIX_BYTES, encode_frame};
 use rmpv::Value;
 
 /// A decoded reply.
@@ -27,17 +27,36 @@ fn to_bytes(value: &Value) -> Vec<u8> {
 
 /// A framed reply.
 pub fn encode_reply(id: u64, result: &Result<Value, ProtocolError>) -> Vec<u8> {
-    let (ok, value) = match result {
-        Ok(value) => (true, value.clone()),
-        Err(error) => (
-            false,
-            Value::Map(vec![
-                ("code".into(), error.code.as_str().into()),
-                ("message".into(), error.message.as_str().into()),
-            ]),
-        ),
-    };
-    to_bytes(&Value::Array(vec![id.into(), ok.into(), value]))
+    let mut out = Vec::new();
+    encode_reply_into(&mut out, id, result);
+    out
+}
+
+/// Appends a framed reply to `out`: the length prefix, then `[id, ok, value]` written
+/// straight into the buffer. Allocates nothing when `out` has room for it (the reply
+/// path of a ping).
+pub fn encode_reply_into(out: &mut Vec<u8>, id: u64, result: &Result<Value, ProtocolError>) {
+    let start = out.len();
+    out.extend_from_slice(&[0; LENGTH_PREFIX_BYTES]);
+    // Writing into a Vec cannot fail.
+    let _ = rmp::encode::write_array_len(out, 3);
+    let _ = rmp::encode::write_uint(out, id);
+    match result {
+        Ok(value) => {
+            let _ = rmp::encode::write_bool(out, true);
+            let _ = rmpv::encode::write_value(out, value);
+        }
+        Err(error) => {
+            let _ = rmp::encode::write_bool(out, false);
+            let _ = rmp::encode::write_map_len(out, 2);
+            let _ = rmp::encode::write_str(out, "code");
+            let _ = rmp::encode::write_str(out, error.code.as_str());
+            let _ = rmp::encode::write_str(out, "message");
+            let _ = rmp::encode::write_str(out, &error.message);
+        }
+    }
+    let length = u32::try_from(out.len() - start - LENGTH_PREFIX_BYTES).unwrap_or(u32::MAX);
+    out[start..start + LENGTH_PREFIX_BYTES].copy_from_slice(&length.to_be_bytes());
 }
 
 /// A framed request.
@@ -110,5 +129,17 @@ mod tests {
             let reply = decode_reply(&frame[4..]).unwrap();
             assert_eq!(reply, Reply { id: 42, result });
         }
+        // Appended after what the buffer already holds, each with its own prefix.
+        let mut out = b"xy".to_vec();
+        encode_reply_into(&mut out, 1, &Ok(Value::from(true)));
+        encode_reply_into(&mut out, 2, &Ok(Value::from(false)));
+        let first = super::super::split_frame(&out[2..], 1 << 20)
+            .unwrap()
+            .unwrap();
+        assert_eq!(decode_reply(first.0).unwrap().result, Ok(Value::from(true)));
+        let second = super::super::split_frame(&out[2 + first.1..], 1 << 20)
+            .unwrap()
+            .unwrap();
+        assert_eq!(decode_reply(second.0).unwrap().id, 2);
     }
 }

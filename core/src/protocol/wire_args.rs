@@ -26,18 +26,22 @@ use std::fmt;
 /// Decodes `body` as one request followed by nothing; otherwise serde's reason, which
 /// the diagnosis uses only when it finds no more precise one.
 pub(super) fn decode(body: &[u8]) -> Result<Request, String> {
-    let mut rest = body;
-    let request = {
-        let mut deserializer = rmp_serde::Deserializer::new(&mut rest);
-        deserializer.set_max_depth(MAX_DEPTH);
-        deserializer
-            .deserialize_any(RequestVisitor)
-            .map_err(|error| error.to_string())?
-    };
-    if !rest.is_empty() {
-        return Err(format!("{} trailing bytes", rest.len()));
+    // Borrowing from `body` (not reading through `io::Read`, which copies every string
+    // into a scratch buffer): a ping is decoded without one allocation.
+    let mut deserializer = rmp_serde::Deserializer::from_read_ref(body);
+    deserializer.set_max_depth(MAX_DEPTH);
+    let request = deserializer
+        .deserialize_any(RequestVisitor)
+        .map_err(|error| error.to_string())?;
+    // Nothing may follow the request: reading one more value must hit the end.
+    match IgnoredAny::deserialize(&mut deserializer) {
+        Err(rmp_serde::decode::Error::InvalidMarkerRead(error))
+            if error.kind() == std::io::ErrorKind::UnexpectedEof =>
+        {
+            Ok(request)
+        }
+        _ => Err("trailing bytes after the request".to_string()),
     }
-    Ok(request)
 }
 
 /// `[request_id: uint, op: str, args: array]`.
