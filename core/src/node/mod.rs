@@ -858,6 +858,14 @@ impl Node {
         }
     }
 
+    /// Requests of `conn` still running (builds, copies, blends): a shell closes a
+    /// connection only once they are answered.
+    pub fn in_flight(&self, conn: ConnId) -> usize {
+        self.conns
+            .get(&conn)
+            .map_or(0, |connection| connection.in_flight)
+    }
+
     /// Read-only view of one entry's liveness (tests, the simulator).
     pub fn entry(&self, instance: InstanceId, module: Module) -> Option<crate::EntryView> {
         self.liveness.entry(instance, module)

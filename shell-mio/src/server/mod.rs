@@ -7,7 +7,6 @@
 pub mod blend;
 pub mod connection;
 pub mod context;
-pub mod engine_driven;
 mod event_loop;
 pub mod fault;
 pub mod gpu;
