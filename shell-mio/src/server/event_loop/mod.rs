@@ -57,8 +57,9 @@ const FRAMES_PER_TURN: usize = 256;
 /// already queued behind other frames counts before any deadline is judged (after a
 /// pause of the server, say). To stay bounded against a peer that floods forever,
 /// after this many consecutive turns that deferred the judgement, one turn judges
-/// anyway (and the count starts again). A queue of up to `64 × 256` = 16,384 frames
-/// per connection is thus always read before a deadline is judged.
+/// anyway, after reading its own frames (and the count starts again): a queue of up to
+/// `(64 + 1) × 256` = 16,640 frames per connection is thus always read before a
+/// deadline is judged.
 const MAX_DEFERRED_TURNS: u32 = 64;
 /// HTTP connections held at once.
 const MAX_HTTP_CONNECTIONS: usize = 64;
