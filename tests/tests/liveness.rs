@@ -238,3 +238,56 @@ fn s4_sigkill_to_free_latency() {
     let status = server.status();
     assert_eq!(freed(&status, "process_exited") as usize, kills);
 }
+
+/// Input before deadlines (issue 11, decision 8): a live worker's heartbeat that is
+/// already queued when a server pause longer than T ends counts before any deadline
+/// is judged, even behind more frames than the loop reads per connection per turn
+/// (256). The pause (3 s) is longer than T (2 s) and shorter than the stall threshold
+/// (5 s, the default): the stall detector does not excuse it, only reading the queued
+/// ping first does.
+#[test]
+fn input_before_deadlines_a_ping_queued_behind_more_than_a_turn_of_frames_counts() {
+    use kvwarden_tests::RawClient;
+    use rmpv::Value;
+    let dir = TempDir::new("input-first");
+    let server = Server::start(&dir, &[]);
+    let mut raw = RawClient::connect(&server.socket).unwrap();
+    let instance = 4242u64;
+    let reply = raw
+        .request(
+            "register_engine_driven",
+            vec![instance.into(), "m".into(), 1.into()],
+        )
+        .unwrap();
+    assert!(reply.result.is_ok(), "{reply:?}");
+    let reply = raw.request("ping", vec![instance.into()]).unwrap();
+    assert_eq!(reply.result.unwrap(), Value::Boolean(true));
+
+    kvwarden_tests::signal(&server.child, Signal::STOP);
+    // Pipelined while the server is stopped: more than two turns' worth of pings that
+    // name no instance (no evidence for it), then the worker's own heartbeat.
+    let mut frames = Vec::new();
+    for _ in 0..600 {
+        frames.extend_from_slice(&raw.frame("ping", vec![Value::Nil]).1);
+    }
+    let (heartbeat, frame) = raw.frame("ping", vec![instance.into()]);
+    frames.extend_from_slice(&frame);
+    raw.send_bytes(&frames).unwrap();
+    std::thread::sleep(Duration::from_millis(3000)); // > T = 2 s, < the stall threshold
+    kvwarden_tests::signal(&server.child, Signal::CONT);
+
+    for _ in 0..600 {
+        let reply = raw.read_reply().unwrap();
+        assert_eq!(reply.result.unwrap(), Value::Boolean(true));
+    }
+    let reply = raw.read_reply().unwrap();
+    assert_eq!(reply.id, heartbeat);
+    assert_eq!(
+        reply.result.unwrap(),
+        Value::Boolean(true),
+        "the worker's heartbeat, queued before the pause ended, was judged after its deadline"
+    );
+    let status = server.status();
+    assert_eq!(status["worker_liveness"]["reaped_total"], 0, "{status:#}");
+    assert!(find_instance(&status, instance).is_some(), "{status:#}");
+}

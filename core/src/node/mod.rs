@@ -860,6 +860,14 @@ impl Node {
         }
     }
 
+    /// Requests of `conn` still running (builds, copies, blends): a shell closes a
+    /// connection only once they are answered.
+    pub fn in_flight(&self, conn: ConnId) -> usize {
+        self.conns
+            .get(&conn)
+            .map_or(0, |connection| connection.in_flight)
+    }
+
     /// Read-only view of one entry's liveness (tests, the simulator).
     pub fn entry(&self, instance: InstanceId, module: Module) -> Option<crate::EntryView> {
         self.liveness.entry(instance, module)
@@ -911,5 +919,76 @@ impl Node {
         if let Some(connection) = self.conns.get_mut(&conn) {
             connection.in_flight = connection.in_flight.saturating_sub(1);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node() -> Node {
+        let config = NodeConfig {
+            liveness: Config::default(),
+            reap_timeout_floor: Duration::ZERO,
+            num_slots: 4,
+            slot_bytes: 64,
+            server_uid: 0,
+            boot_id: 1,
+            server_name: "test".into(),
+            free_watchdog: Duration::from_secs(10),
+            shutdown_drain: SHUTDOWN_DRAIN,
+            cuda_devices: Err("none".into()),
+        };
+        Node::new(config, Instant::ZERO).unwrap()
+    }
+
+    #[test]
+    fn in_flight_counts_a_connections_running_requests_until_they_are_answered() {
+        let mut node = node();
+        let (conn, other) = (ConnId(1), ConnId(2));
+        for conn in [conn, other] {
+            node.handle_input(
+                Instant::ZERO,
+                Input::Connected {
+                    conn,
+                    uid: Some(1000),
+                    transport: Transport::Unix,
+                    process: None,
+                },
+            );
+        }
+        let instance = InstanceId::new(7).unwrap();
+        node.handle_input(
+            Instant::ZERO,
+            Input::Request {
+                conn,
+                request_id: 1,
+                op: Op::RegisterEngineDriven {
+                    instance,
+                    model_name: "m".into(),
+                    world_size: 1,
+                },
+                fds: 0,
+            },
+        );
+        let Some(Output::StartBuild { context, .. }) = node.poll_output() else {
+            panic!("a REGISTER starts a build");
+        };
+        assert_eq!(node.in_flight(conn), 1);
+        assert_eq!(node.in_flight(other), 0);
+        node.handle_input(
+            Instant::ZERO,
+            Input::BuildDone {
+                context,
+                result: Ok(Built::EngineDriven),
+            },
+        );
+        assert_eq!(node.in_flight(conn), 0, "answered: nothing runs");
+        node.handle_input(Instant::ZERO, Input::Disconnected { conn });
+        assert_eq!(
+            node.in_flight(conn),
+            0,
+            "an unknown connection runs nothing"
+        );
     }
 }

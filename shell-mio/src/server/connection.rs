@@ -51,8 +51,10 @@ pub struct Peer {
     pub pidfd: Option<OwnedFd>,
     /// Whether `pidfd` is the one the peer sent.
     pub pidfd_from_peer: bool,
-    /// The process `pidfd` names, as the watches key it.
+    /// The process `pidfd` names.
     pub process: Option<super::peer::Process>,
+    /// Its key for the node, once held in the shell's process table.
+    pub key: Option<kvwarden_core::node::ProcessKey>,
 }
 
 impl Peer {
@@ -125,8 +127,6 @@ pub struct Connection {
     /// Close once the output is flushed and no request runs on the pool (after
     /// bad_frame / too_large, or once the peer has shut down its sending side).
     pub close_after_flush: bool,
-    /// Requests of this connection still running on the pool.
-    pub in_flight: usize,
 }
 
 impl Connection {
@@ -151,7 +151,6 @@ impl Connection {
             max_input_bytes: LENGTH_PREFIX_BYTES + max_frame_bytes + READ_CHUNK_BYTES,
             max_output_bytes,
             close_after_flush: false,
-            in_flight: 0,
         }
     }
 

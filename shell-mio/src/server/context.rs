@@ -1,9 +1,8 @@
 //! Per-(instance, module) contexts: what the server holds for a worker, built and freed
 //! off the event loop.
 //!
-//! A context is shared (`Arc`): the core holds one reference, every transfer in flight
-//! another, so a free that races a copy only drops its reference and the mapping goes
-//! when the copy is done.
+//! The shell keeps each context under the node's `ContextId` until the node says
+//! `StartFree`; the node never frees a context while a copy uses it.
 
 use crate::cuda::{Gpu, IPC_HANDLE_BYTES, IpcMapping};
 use crate::memfd::{self, SharedMapping};
@@ -11,45 +10,10 @@ use crate::protocol::{BufferSpec, ErrorCode, ProtocolError};
 use rustix::fd::OwnedFd;
 use std::sync::Arc;
 
-/// What the server holds for one (instance, module) entry.
+/// What the server holds for a server-driven entry: the buffers it registered. (An
+/// engine-driven entry holds nothing here: its reservations and pins are the node's.)
 #[derive(Debug)]
-pub enum Context {
-    /// The server copies between the worker's registered buffers and L1.
-    ServerDriven(ServerDrivenContext),
-    /// The worker copies in and out of L1 slots itself; the server keeps its transfer
-    /// strategy (the reservations and pins it holds).
-    EngineDriven(EngineDrivenContext),
-}
-
-/// What an engine-driven worker holds: its transfer strategy. Only the event loop
-/// locks it (the lock makes the shared context `Sync`; it is never contended).
-#[derive(Debug)]
-pub struct EngineDrivenContext {
-    /// The reservations and pins the instance holds in the L1 pool.
-    pub strategy: std::sync::Mutex<super::engine_driven::TransferStrategy>,
-    /// The model the worker serves (status only).
-    pub model_name: String,
-}
-
-impl EngineDrivenContext {
-    /// A context holding nothing yet.
-    pub fn new(model_name: String) -> EngineDrivenContext {
-        EngineDrivenContext {
-            strategy: std::sync::Mutex::new(Default::default()),
-            model_name,
-        }
-    }
-
-    /// The strategy, locked (a poisoned lock still holds consistent bookkeeping:
-    /// every method leaves it whole before anything can panic).
-    pub fn strategy(&self) -> std::sync::MutexGuard<'_, super::engine_driven::TransferStrategy> {
-        self.strategy.lock().unwrap_or_else(|e| e.into_inner())
-    }
-}
-
-/// The buffers a server-driven worker registered.
-#[derive(Debug)]
-pub struct ServerDrivenContext {
+pub struct Context {
     /// In registration order: `store`/`retrieve` name them by index.
     pub buffers: Vec<RegisteredBuffer>,
     /// The model the worker serves (status only).
@@ -151,24 +115,6 @@ impl RegisteredBuffer {
     }
 }
 
-impl Context {
-    /// The buffers of a server-driven context.
-    pub fn server_driven(&self) -> Option<&ServerDrivenContext> {
-        match self {
-            Context::ServerDriven(context) => Some(context),
-            Context::EngineDriven(_) => None,
-        }
-    }
-
-    /// The transfer strategy of an engine-driven context.
-    pub fn engine_driven(&self) -> Option<&EngineDrivenContext> {
-        match self {
-            Context::EngineDriven(context) => Some(context),
-            Context::ServerDriven(_) => None,
-        }
-    }
-}
-
 /// What a build needs: the buffer specs with the fds each memfd buffer uses.
 #[derive(Debug)]
 pub struct BuildRequest {
@@ -256,8 +202,8 @@ pub fn build(request: BuildRequest) -> Result<Context, ProtocolError> {
             }
         }
     }
-    Ok(Context::ServerDriven(ServerDrivenContext {
+    Ok(Context {
         buffers,
         model_name: request.model_name,
-    }))
+    })
 }

@@ -1,13 +1,13 @@
-//! The production server: one mio event loop that owns the liveness core, a context
-//! pool for builds, frees and copies, and the listeners.
+//! The production server: one mio event loop that drives the node
+//! ([`kvwarden_core::node`]), a context pool for builds, copies, rope tables and frees,
+//! and the listeners.
 //!
-//! The loop only translates: bytes ↔ messages ([`crate::protocol`]) ↔ core calls ↔
-//! effects ↔ syscalls. Every liveness rule lives in [`kvwarden_core`].
+//! The loop only translates: bytes ↔ requests ([`crate::protocol`]) ↔ node inputs;
+//! node outputs ↔ replies, pool jobs and syscalls. Every rule lives in the node.
 
 pub mod blend;
 pub mod connection;
 pub mod context;
-pub mod engine_driven;
 mod event_loop;
 pub mod fault;
 pub mod gpu;

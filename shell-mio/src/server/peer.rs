@@ -3,9 +3,9 @@
 //! A pidfd names one process for good (PID reuse cannot fool it) and turns readable
 //! when that process exits. A closed connection proves nothing; an exited process does.
 
-use kvwarden_core::InstanceId;
+use kvwarden_core::node;
 use rustix::fd::{AsRawFd, OwnedFd};
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 
 /// The peer credentials of a Unix-socket connection and a pidfd of its process.
 pub fn peer_of(stream: &mio::net::UnixStream) -> super::connection::Peer {
@@ -30,37 +30,11 @@ pub fn peer_of(stream: &mio::net::UnixStream) -> super::connection::Peer {
         pidfd,
         pidfd_from_peer: false,
         process,
+        key: None,
     }
 }
 
-/// How the death of an instance's process will be noticed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum DeathNotice {
-    /// A pidfd the worker sent of itself (`hello`'s `pidfd_index`).
-    PidfdFromPeer,
-    /// A pidfd the server opened on the pid `SO_PEERCRED` reported.
-    PidfdByPid,
-    /// No pidfd: only the heartbeat rules (reap timeout, registration grace).
-    TimeoutOnly,
-}
-
-impl DeathNotice {
-    /// Every kind, in the order status and metrics list them.
-    pub const ALL: [DeathNotice; 3] = [
-        DeathNotice::PidfdFromPeer,
-        DeathNotice::PidfdByPid,
-        DeathNotice::TimeoutOnly,
-    ];
-
-    /// The label in `/status` and `/metrics`.
-    pub fn label(self) -> &'static str {
-        match self {
-            DeathNotice::PidfdFromPeer => "pidfd_from_peer",
-            DeathNotice::PidfdByPid => "pidfd_by_pid",
-            DeathNotice::TimeoutOnly => "timeout_only",
-        }
-    }
-}
+pub use kvwarden_core::node::DeathNotice;
 
 /// What names a watched process, so that one process gets one watch however its pidfd
 /// was obtained. A pidfd of a process this server cannot see has no usable pid.
@@ -198,147 +172,124 @@ fn peer_credentials(stream: &mio::net::UnixStream) -> Option<(i32, u32)> {
     (rc == 0).then_some((cred.pid, cred.uid))
 }
 
-struct Watch {
-    pidfd: OwnedFd,
-    token: mio::Token,
+/// One process the shell knows: a peer's, named for the node by an opaque key.
+struct Known {
     pid: Option<i32>,
-    instances: BTreeSet<InstanceId>,
+    /// Connections whose peer it is.
+    connections: usize,
+    /// The pidfd in the poll set, while the node watches it.
+    watch: Option<(OwnedFd, mio::Token)>,
 }
 
-/// The processes watched, each with the instances it registered; one watch per process
-/// (by [`ProcessKey`]), however its pidfd was obtained.
+/// The processes of connected peers, under the node's opaque [`node::ProcessKey`]s
+/// (one per process however its pidfd came: by pid at accept, or sent in `hello`),
+/// and the pidfds in the poll set for those the node watches. A process is forgotten
+/// once no connection is its and it is not watched.
 #[derive(Default)]
-pub struct Watches {
-    by_process: HashMap<ProcessKey, Watch>,
-    by_token: HashMap<mio::Token, ProcessKey>,
-    by_instance: HashMap<InstanceId, (ProcessKey, DeathNotice)>,
+pub struct Processes {
+    keys: HashMap<ProcessKey, node::ProcessKey>,
+    known: HashMap<node::ProcessKey, (ProcessKey, Known)>,
+    by_token: HashMap<mio::Token, node::ProcessKey>,
+    next: u64,
 }
 
-impl Watches {
-    /// Watches `process` (with a clone of `pidfd`, the connection's) for `instance`,
-    /// noting how the pidfd was obtained. `token` is used only when the process is not
-    /// yet watched.
+impl Processes {
+    /// A connection's peer is `process`: its key for the node.
+    pub fn hold(&mut self, process: Process) -> node::ProcessKey {
+        let key = match self.keys.get(&process.key) {
+            Some(&key) => key,
+            None => {
+                self.next += 1;
+                let key = node::ProcessKey(self.next);
+                self.keys.insert(process.key, key);
+                key
+            }
+        };
+        let (_, known) = self.known.entry(key).or_insert((
+            process.key,
+            Known {
+                pid: process.pid,
+                connections: 0,
+                watch: None,
+            },
+        ));
+        known.connections += 1;
+        if known.pid.is_none() {
+            known.pid = process.pid;
+        }
+        key
+    }
+
+    /// A connection whose peer `key` was closed (or named another process).
+    pub fn release(&mut self, key: node::ProcessKey) {
+        if let Some((_, known)) = self.known.get_mut(&key) {
+            known.connections = known.connections.saturating_sub(1);
+        }
+        self.forget_if_unused(key);
+    }
+
+    /// Puts a clone of `pidfd` (the process `key`'s) in the poll set.
     pub fn watch(
         &mut self,
         registry: &mio::Registry,
-        process: Process,
+        key: node::ProcessKey,
         pidfd: &OwnedFd,
-        notice: DeathNotice,
-        instance: InstanceId,
         token: impl FnOnce() -> mio::Token,
-    ) {
-        let key = process.key;
-        if let Some((previous, _)) = self.by_instance.get(&instance).copied() {
-            if previous == key {
-                self.by_instance.insert(instance, (key, notice));
-                return;
-            }
-            // Re-registered from another process: the newest registrant is the proof.
-            self.forget(registry, instance);
+    ) -> Result<(), std::io::Error> {
+        let Some((_, known)) = self.known.get_mut(&key) else {
+            return Err(std::io::Error::other("a process no connection named"));
+        };
+        if known.watch.is_some() {
+            return Ok(());
         }
-        if !self.by_process.contains_key(&key) {
-            let pid = process.pid;
-            let Ok(pidfd) = pidfd.try_clone() else {
-                tracing::warn!(?pid, %instance, "cloning a pidfd failed; this instance is left to the heartbeat rules");
-                return;
-            };
-            let token = token();
+        let pidfd = pidfd.try_clone()?;
+        let token = token();
+        let raw = pidfd.as_raw_fd();
+        registry.register(
+            &mut mio::unix::SourceFd(&raw),
+            token,
+            mio::Interest::READABLE,
+        )?;
+        known.watch = Some((pidfd, token));
+        self.by_token.insert(token, key);
+        Ok(())
+    }
+
+    /// Takes the process's pidfd out of the poll set.
+    pub fn unwatch(&mut self, registry: &mio::Registry, key: node::ProcessKey) {
+        if let Some((_, known)) = self.known.get_mut(&key)
+            && let Some((pidfd, token)) = known.watch.take()
+        {
             let raw = pidfd.as_raw_fd();
-            let registered = registry.register(
-                &mut mio::unix::SourceFd(&raw),
-                token,
-                mio::Interest::READABLE,
-            );
-            if let Err(error) = registered {
-                tracing::warn!(?pid, %error, "watching a pidfd failed; this instance is left to the heartbeat rules");
-                return;
-            }
-            self.by_token.insert(token, key);
-            self.by_process.insert(
-                key,
-                Watch {
-                    pidfd,
-                    token,
-                    pid,
-                    instances: BTreeSet::new(),
-                },
-            );
+            let _ = registry.deregister(&mut mio::unix::SourceFd(&raw));
+            self.by_token.remove(&token);
         }
-        if let Some(watch) = self.by_process.get_mut(&key) {
-            watch.instances.insert(instance);
-            self.by_instance.insert(instance, (key, notice));
+        self.forget_if_unused(key);
+    }
+
+    /// The watched process whose pidfd is `token`, if any.
+    pub fn watched_by(&self, token: mio::Token) -> Option<node::ProcessKey> {
+        self.by_token.get(&token).copied()
+    }
+
+    /// The process's pid, when visible in this PID namespace.
+    pub fn pid_of(&self, key: node::ProcessKey) -> Option<i32> {
+        self.known.get(&key).and_then(|(_, known)| known.pid)
+    }
+
+    /// Processes whose pidfd is in the poll set.
+    pub fn watched(&self) -> usize {
+        self.by_token.len()
+    }
+
+    fn forget_if_unused(&mut self, key: node::ProcessKey) {
+        if let Some((process, known)) = self.known.get(&key)
+            && known.connections == 0
+            && known.watch.is_none()
+        {
+            self.keys.remove(process);
+            self.known.remove(&key);
         }
-    }
-
-    /// The instance holds nothing any more: stop watching for it.
-    pub fn forget(&mut self, registry: &mio::Registry, instance: InstanceId) {
-        let Some((key, _)) = self.by_instance.remove(&instance) else {
-            return;
-        };
-        let empty = match self.by_process.get_mut(&key) {
-            Some(watch) => {
-                watch.instances.remove(&instance);
-                watch.instances.is_empty()
-            }
-            None => false,
-        };
-        if empty {
-            self.remove_process(registry, key);
-        }
-    }
-
-    /// The pidfd behind `token` fired: the process exited. Returns its pid (when
-    /// visible) and its instances.
-    pub fn exited(
-        &mut self,
-        registry: &mio::Registry,
-        token: mio::Token,
-    ) -> Option<(Option<i32>, Vec<InstanceId>)> {
-        let key = *self.by_token.get(&token)?;
-        let pid = self.by_process.get(&key).and_then(|watch| watch.pid);
-        let instances = self.remove_process(registry, key);
-        Some((pid, instances))
-    }
-
-    /// Whether `token` is a pidfd watch.
-    pub fn is_watch(&self, token: mio::Token) -> bool {
-        self.by_token.contains_key(&token)
-    }
-
-    /// Processes watched.
-    pub fn len(&self) -> usize {
-        self.by_process.len()
-    }
-
-    /// Whether nothing is watched.
-    pub fn is_empty(&self) -> bool {
-        self.by_process.is_empty()
-    }
-
-    /// The watched pid of an instance (None when unwatched or not visible).
-    pub fn pid_of(&self, instance: InstanceId) -> Option<i32> {
-        let (key, _) = self.by_instance.get(&instance)?;
-        self.by_process.get(key).and_then(|watch| watch.pid)
-    }
-
-    /// How the death of `instance`'s process will be noticed.
-    pub fn notice_of(&self, instance: InstanceId) -> DeathNotice {
-        self.by_instance
-            .get(&instance)
-            .map_or(DeathNotice::TimeoutOnly, |(_, notice)| *notice)
-    }
-
-    fn remove_process(&mut self, registry: &mio::Registry, key: ProcessKey) -> Vec<InstanceId> {
-        let Some(watch) = self.by_process.remove(&key) else {
-            return Vec::new();
-        };
-        self.by_token.remove(&watch.token);
-        let raw = watch.pidfd.as_raw_fd();
-        let _ = registry.deregister(&mut mio::unix::SourceFd(&raw));
-        for instance in &watch.instances {
-            self.by_instance.remove(instance);
-        }
-        watch.instances.into_iter().collect()
     }
 }
 
@@ -387,6 +338,7 @@ mod tests {
             pidfd: Some(own_pidfd()),
             pidfd_from_peer: false,
             process: None,
+            key: None,
         }
     }
 
@@ -432,7 +384,7 @@ mod tests {
     #[test]
     fn row_01_one_watch_per_process_however_its_pidfd_came() {
         let poll = mio::Poll::new().unwrap();
-        let mut watches = Watches::default();
+        let mut processes = Processes::default();
         let peer = visible_peer();
         let by_pid = Process {
             key: pidfs_key(&own_pidfd()).unwrap_or(ProcessKey::Pid(peer.pid.unwrap())),
@@ -440,53 +392,47 @@ mod tests {
         };
         let from_peer = check_peer_pidfd(&peer, &own_pidfd(), 0, mio::Token(3)).unwrap();
         assert_eq!(by_pid.key, from_peer.key);
-        let [a, b] = [1, 2].map(|n| InstanceId::new(n).unwrap());
         let mut next = 100;
         let mut token = || {
             next += 1;
             mio::Token(next)
         };
         let registry = poll.registry();
-        watches.watch(
-            registry,
-            by_pid,
-            &own_pidfd(),
-            DeathNotice::PidfdByPid,
-            a,
-            &mut token,
-        );
-        let fd = own_pidfd();
-        watches.watch(
-            registry,
-            from_peer,
-            &fd,
-            DeathNotice::PidfdFromPeer,
-            b,
-            &mut token,
-        );
-        assert_eq!(watches.len(), 1);
-        assert_eq!(watches.notice_of(a), DeathNotice::PidfdByPid);
-        assert_eq!(watches.notice_of(b), DeathNotice::PidfdFromPeer);
-        assert_eq!(watches.pid_of(b), peer.pid);
-        // Another process is another watch; forgetting the last instance drops it.
+        let a = processes.hold(by_pid);
+        let b = processes.hold(from_peer);
+        assert_eq!(a, b, "one key per process");
+        processes
+            .watch(registry, a, &own_pidfd(), &mut token)
+            .unwrap();
+        processes
+            .watch(registry, b, &own_pidfd(), &mut token)
+            .unwrap();
+        assert_eq!(processes.watched(), 1);
+        assert_eq!(processes.watched_by(mio::Token(101)), Some(a));
+        assert_eq!(processes.pid_of(a), peer.pid);
+        // Another process is another key; once unwatched and without connections it
+        // is forgotten.
         let other = Sleeper::start();
         let invisible = Process {
             key: ProcessKey::Connection(55),
             pid: None,
         };
-        let c = InstanceId::new(3).unwrap();
-        watches.watch(
-            registry,
-            invisible,
-            &other.pidfd(),
-            DeathNotice::PidfdFromPeer,
-            c,
-            &mut token,
+        let c = processes.hold(invisible);
+        assert_ne!(c, a);
+        processes
+            .watch(registry, c, &other.pidfd(), &mut token)
+            .unwrap();
+        assert_eq!(processes.watched(), 2);
+        assert_eq!(processes.pid_of(c), None);
+        processes.release(c);
+        assert_eq!(processes.watched(), 2, "watched: still known");
+        processes.unwatch(registry, c);
+        assert_eq!(processes.watched(), 1);
+        assert!(!processes.known.contains_key(&c));
+        assert!(
+            processes
+                .watch(registry, c, &other.pidfd(), &mut token)
+                .is_err()
         );
-        assert_eq!(watches.len(), 2);
-        assert_eq!(watches.pid_of(c), None);
-        watches.forget(registry, c);
-        assert_eq!(watches.len(), 1);
-        assert_eq!(watches.notice_of(c), DeathNotice::TimeoutOnly);
     }
 }

@@ -4,6 +4,10 @@
 //! Builds and copies share a small fixed set of threads. Frees get a thread each: a
 //! free may hang (a CUDA call that never returns) and must never hold up another free
 //! or a build; the event loop's watchdog reports the ones that take too long.
+//!
+//! Every job reports back, even when it panics ([`guarded`]): the node waits for each
+//! build, copy, blend and free it asked for, so a job that vanished would leak its
+//! context (and hold its connection's in-flight count) for good.
 
 use std::collections::VecDeque;
 use std::sync::mpsc::{self, Receiver, Sender};
@@ -80,21 +84,34 @@ impl<T: Send + 'static> Pool<T> {
         })
     }
 
-    /// Runs `task` on a pool thread; its result comes back through `completions`.
-    pub fn submit(&self, task: impl FnOnce() -> T + Send + 'static) {
+    /// Runs `task` on a pool thread; its result comes back through `completions`
+    /// (`on_panic`'s, with the panic's message, if `task` panics).
+    pub fn submit(
+        &self,
+        task: impl FnOnce() -> T + Send + 'static,
+        on_panic: impl FnOnce(String) -> T + Send + 'static,
+    ) {
         if let Some(sender) = &self.sender
-            && sender.send(Box::new(task)).is_err()
+            && sender
+                .send(Box::new(move || guarded(task, on_panic)))
+                .is_err()
         {
             tracing::error!("the context pool is gone; a task was dropped");
         }
     }
 
-    /// Runs `task` on a thread of its own (frees: one hung free never blocks another).
-    pub fn submit_detached(&self, name: &str, task: impl FnOnce() -> T + Send + 'static) {
+    /// Runs `task` on a thread of its own (frees: one hung free never blocks another);
+    /// `on_panic` as for [`Pool::submit`].
+    pub fn submit_detached(
+        &self,
+        name: &str,
+        task: impl FnOnce() -> T + Send + 'static,
+        on_panic: impl FnOnce(String) -> T + Send + 'static,
+    ) {
         let completions = Arc::clone(&self.completions);
         let spawned = std::thread::Builder::new()
             .name(name.to_string())
-            .spawn(move || completions.push(task()));
+            .spawn(move || completions.push(guarded(task, on_panic)));
         if let Err(error) = spawned {
             tracing::error!(%error, "spawning a free thread failed; the context leaks");
         }
@@ -112,5 +129,55 @@ impl<T: Send + 'static> Drop for Pool<T> {
         for handle in self.threads.drain(..) {
             let _ = handle.join();
         }
+    }
+}
+
+/// Runs `task`; if it panics, logs the panic and returns `on_panic(message)` instead,
+/// so that whoever waits for the result always gets one.
+pub fn guarded<T>(task: impl FnOnce() -> T, on_panic: impl FnOnce(String) -> T) -> T {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(task)) {
+        Ok(result) => result,
+        Err(payload) => {
+            let message = payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic without a message".to_string());
+            tracing::error!(panic = %message, "a pool job panicked; its result is reported as an error");
+            on_panic(message)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_panicking_job_still_reports_back() {
+        assert_eq!(guarded(|| 7, |_| 0), 7);
+        let reported = guarded(|| -> Result<u32, String> { panic!("boom") }, Err);
+        assert_eq!(reported, Err("boom".to_string()));
+
+        let poll = mio::Poll::new().unwrap();
+        let waker = mio::Waker::new(poll.registry(), mio::Token(0)).unwrap();
+        let pool: Pool<Result<u32, String>> = Pool::new(1, waker).unwrap();
+        pool.submit(|| panic!("in the pool"), Err);
+        pool.submit(|| Ok(2), Err);
+        pool.submit_detached("test-free", || panic!("detached {}", 3), Err);
+        let mut results = Vec::new();
+        while results.len() < 3 {
+            results.extend(pool.completions().drain());
+            std::thread::yield_now();
+        }
+        results.sort();
+        assert_eq!(
+            results,
+            vec![
+                Ok(2),
+                Err("detached 3".to_string()),
+                Err("in the pool".to_string())
+            ]
+        );
     }
 }

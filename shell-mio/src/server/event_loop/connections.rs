@@ -5,7 +5,7 @@ use super::*;
 impl Server {
     // ---------------------------------------------------------------- connections
 
-    pub(super) fn admit(&mut self, mut stream: Stream, peer: crate::server::connection::Peer) {
+    pub(super) fn admit(&mut self, mut stream: Stream, mut peer: crate::server::connection::Peer) {
         if self.connections.len() >= self.config.max_connections {
             tracing::warn!(
                 max_connections = self.config.max_connections,
@@ -23,10 +23,29 @@ impl Server {
             tracing::warn!(%error, "registering a connection failed");
             return;
         }
+        let transport = match stream {
+            Stream::Unix(_) => Transport::Unix,
+            Stream::Tcp(_) => Transport::Tcp,
+        };
+        let process = match (peer.process, &peer.pidfd) {
+            (Some(process), Some(_)) => {
+                let key = self.processes.hold(process);
+                peer.key = Some(key);
+                Some((key, peer.death_notice()))
+            }
+            _ => None,
+        };
+        let uid = peer.uid;
         let max_output = (4 * self.config.max_frame_bytes).max(4 << 20);
         let connection = Connection::new(stream, peer, self.config.max_frame_bytes, max_output);
         self.connections.insert(token, connection);
         self.metrics.connections.set(self.connections.len() as i64);
+        self.input(Input::Connected {
+            conn: conn_id(token),
+            uid,
+            transport,
+            process,
+        });
     }
 
     pub(super) fn accept_unix(&mut self) {
@@ -79,16 +98,22 @@ impl Server {
                 "connection closed (not a proof of death)"
             );
             self.metrics.connections.set(self.connections.len() as i64);
+            if let Some(key) = connection.peer.key {
+                self.processes.release(key);
+            }
+            self.dirty.remove(&token);
+            self.read_again.remove(&token);
+            self.input(Input::Disconnected {
+                conn: conn_id(token),
+            });
         }
-        self.dirty.remove(&token);
-        self.read_again.remove(&token);
     }
 
     /// Reads and answers what `token` sent. `peer_closed`: the readiness event said the
     /// peer shut its side, so the end of the stream is queued and must be read even
     /// after a short read.
     pub(super) fn read_connection(&mut self, token: Token, peer_closed: bool) {
-        if self.shutdown.is_some() {
+        if self.node.is_shutting_down() {
             return;
         }
         let mut budget = FRAMES_PER_TURN;
@@ -192,17 +217,66 @@ impl Server {
         }
     }
 
+    /// A reply that carries the L1 pool's memfd (`SCM_RIGHTS`): engine-driven
+    /// registrations, `refreshed` too (a recovering worker may have lost its mapping).
+    pub(super) fn reply_with_pool_fd(
+        &mut self,
+        token: Token,
+        request_id: u64,
+        op: &str,
+        value: Value,
+    ) {
+        let fd = match self.l1.pool_fd().try_clone_to_owned() {
+            Ok(fd) => fd,
+            Err(error) => {
+                let error = ProtocolError::new(
+                    ErrorCode::Internal,
+                    format!(
+                        "register_engine_driven: duplicating the L1 pool's fd failed ({error}); \
+                         the server may be out of file descriptors; retry later"
+                    ),
+                );
+                self.reply(token, request_id, op, Err(error));
+                return;
+            }
+        };
+        let bytes = encode_reply(request_id, &Ok(value));
+        let Some(connection) = self.connections.get_mut(&token) else {
+            return; // the peer left; the fd closes here
+        };
+        if !connection.has_room_for_fd_reply() {
+            // Replies pipelined within one loop turn: send what the socket takes now,
+            // so that only a peer that does not read is ever cut off.
+            if let Err(error) = connection.flush() {
+                self.close(token, &format!("write failed: {error}"));
+                return;
+            }
+        }
+        let Some(connection) = self.connections.get_mut(&token) else {
+            return;
+        };
+        if connection.queue_with_fds(&bytes, vec![fd]) {
+            self.dirty.insert(token);
+        } else {
+            tracing::warn!(
+                token = token.0,
+                "disconnecting a peer that does not read its replies (output buffer or \
+                 pool-fd replies queued full)"
+            );
+            self.close(token, "output full");
+        }
+    }
+
     pub(super) fn flush_dirty(&mut self) {
         let dirty: Vec<Token> = self.dirty.drain().collect();
         for token in dirty {
             let Some(connection) = self.connections.get_mut(&token) else {
                 continue;
             };
+            let running = self.node.in_flight(conn_id(token));
             match connection.flush() {
                 Ok(())
-                    if connection.close_after_flush
-                        && !connection.has_output()
-                        && connection.in_flight == 0 =>
+                    if connection.close_after_flush && !connection.has_output() && running == 0 =>
                 {
                     self.close(token, "closed after its last reply");
                 }
@@ -211,4 +285,14 @@ impl Server {
             }
         }
     }
+}
+
+/// The node's name of a connection: its token.
+pub(super) fn conn_id(token: Token) -> ConnId {
+    ConnId(token.0 as u64)
+}
+
+/// The token of a connection the node names.
+pub(super) fn token_of(conn: ConnId) -> Token {
+    Token(usize::try_from(conn.0).unwrap_or(usize::MAX))
 }

@@ -1,42 +1,42 @@
-//! The event loop: one mio thread that owns the liveness core.
+//! The event loop: one mio thread that drives the node ([`kvwarden_core::node`]) and
+//! only translates: bytes ↔ requests ↔ node inputs; node outputs ↔ replies, pool jobs
+//! (builds, copies, rope tables, frees), pidfd watches, logs and metrics.
 //!
-//! Each turn: wait for I/O or the core's deadline; handle socket input (queued pings
-//! count before any deadline is judged); take the pool's results; call
-//! `handle_timeout`; drain every effect; flush replies.
+//! Each turn: wait for I/O, a pool result or the node's deadline; hand the node every
+//! input that arrived (socket frames, pool results, process exits, signals), carrying
+//! out its outputs after each; then `handle_timeout`, unless input that has already
+//! arrived is still unread (see [`MAX_DEFERRED_TURNS`]); flush replies.
 
 use super::ServerConfig;
+use super::blend::RopeTables;
 use super::connection::{Connection, Frame, ReadOutcome, Stream};
-use super::context::{self, BuildRequest, Context};
+use super::context::Context;
 use super::gpu::GpuState;
 use super::http::{HttpConnection, Response, Route};
-use super::l1::{L1, Reservation, SlotId};
+use super::l1::L1;
 use super::listen::{self, ListenError};
 use super::metrics::Metrics;
-use super::peer::{self, Watches};
+use super::peer::{self, Processes};
 use super::pool::Pool;
-use crate::protocol::{
-    BufferSpec, ErrorCode, FrameError, Op, PROTOCOL_VERSION, ProtocolError, decode_request,
-    encode_reply,
+use crate::protocol::{ErrorCode, FrameError, ProtocolError, decode_request, encode_reply};
+use kvwarden_core::node::blend::BlendId;
+use kvwarden_core::node::{
+    ConnId, ContextId, CopyId, FreeId, Input, Node, NodeConfig, Output, SHUTDOWN_DRAIN, Transport,
 };
-use kvwarden_core::{
-    BuildTicket, Effect, FreeCause, InstanceId, Instant, Liveness, Module, Registration,
-    TransferError,
-};
+use kvwarden_core::{InstanceId, Instant};
 use mio::net::{TcpListener, UnixListener};
 use mio::{Events, Interest, Poll, Token};
 use rmpv::Value;
-use std::collections::{HashMap, HashSet};
+use rustix::fd::OwnedFd;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::{self, Read};
 use std::sync::Arc;
 use std::time::Duration;
 use thiserror::Error;
 
-mod batch;
-mod blend;
 mod connections;
-mod effects;
-mod engine_driven;
 mod observe;
+mod outputs;
 mod requests;
 mod shutdown;
 
@@ -47,17 +47,25 @@ const WAKER: Token = Token(3);
 const SIGNALS: Token = Token(4);
 const FIRST_DYNAMIC_TOKEN: usize = 16;
 
-/// Requests of one connection that may run on the pool at once.
-const MAX_IN_FLIGHT_PER_CONNECTION: usize = 64;
-/// Buffers one registration may name.
-const MAX_BUFFERS_PER_REGISTRATION: usize = 1024;
-/// How long shutdown waits for builds and copies in flight.
-const SHUTDOWN_DRAIN: Duration = Duration::from_secs(10);
 /// Frames of one connection handled per loop turn, so that a flooding peer cannot
-/// starve the others (edge-triggered: a connection left unread is revisited next turn).
+/// starve the others (edge-triggered: a connection left unread is revisited next turn,
+/// after everyone else's).
 const FRAMES_PER_TURN: usize = 256;
+/// Input before deadlines: while a connection was left unread at the end of a turn
+/// (more than [`FRAMES_PER_TURN`] frames arrived), the loop does not call
+/// `handle_timeout`: it polls with a zero timeout and reads on, so that a heartbeat
+/// already queued behind other frames counts before any deadline is judged (after a
+/// pause of the server, say). To stay bounded against a peer that floods forever,
+/// after this many consecutive turns that deferred the judgement, one turn judges
+/// anyway, after reading its own frames (and the count starts again): a queue of up to
+/// `(64 + 1) × 256` = 16,640 frames per connection is thus always read before a
+/// deadline is judged.
+const MAX_DEFERRED_TURNS: u32 = 64;
 /// HTTP connections held at once.
 const MAX_HTTP_CONNECTIONS: usize = 64;
+
+/// The server's name and version, told to every `hello`.
+const SERVER_NAME: &str = concat!("kvwarden ", env!("CARGO_PKG_VERSION"));
 
 /// Why the server could not start or stopped.
 #[derive(Debug, Error)]
@@ -85,65 +93,26 @@ pub enum ServerError {
     Io(#[from] io::Error),
 }
 
-/// Where a deferred reply goes.
-struct ReplyTo {
-    token: Token,
-    request_id: u64,
-    op: &'static str,
-}
-
-/// Results of the context pool.
+/// Results of the context pool, reported to the node (rope tables and contexts stay
+/// in the shell).
 enum Done {
     Built {
-        ticket: BuildTicket,
-        reply: ReplyTo,
-        result: Result<Context, ProtocolError>,
+        context: ContextId,
+        result: Result<Option<Context>, ProtocolError>,
+    },
+    Copied {
+        copy: CopyId,
+        result: Result<u64, ProtocolError>,
+    },
+    Blend {
+        blend: BlendId,
+        result: Result<RopeTables, String>,
     },
     Freed {
-        free_id: u64,
+        free: FreeId,
     },
-    Stored {
-        reply: ReplyTo,
-        slot: SlotId,
-        copied: Result<u64, ProtocolError>,
-    },
-    Retrieved {
-        reply: ReplyTo,
-        slot: SlotId,
-        copied: Result<u64, ProtocolError>,
-    },
-    /// One item of a `store_batch` copied.
-    BatchStored(batch::ItemDone),
-    /// One item of a `retrieve_batch` copied.
-    BatchRetrieved(batch::ItemDone),
-    /// CacheBlend rope tables computed for `register_blend`.
-    BlendComputed {
-        reply: ReplyTo,
-        ticket: super::blend::BlendTicket,
-        result: Result<super::blend::RopeTables, String>,
-    },
-    /// Something big was dropped off the loop; nothing to do.
+    /// Something big was dropped off the loop; nothing to report.
     Discarded,
-}
-
-/// What the shell knows about an entry besides liveness (status and ownership).
-struct Record {
-    owner_uid: Option<u32>,
-    registered_at: Instant,
-    model_name: String,
-}
-
-struct FreeWatch {
-    instance: InstanceId,
-    module: Module,
-    started: std::time::Instant,
-    reported: bool,
-}
-
-#[derive(Copy, Clone)]
-enum Shutdown {
-    Draining { since: std::time::Instant },
-    Freeing { since: std::time::Instant },
 }
 
 /// The server.
@@ -151,7 +120,7 @@ pub struct Server {
     config: ServerConfig,
     poll: Poll,
     clock_origin: std::time::Instant,
-    liveness: Liveness<Arc<Context>>,
+    node: Node,
     unix_listener: Option<UnixListener>,
     tcp_listener: Option<TcpListener>,
     http_listener: Option<TcpListener>,
@@ -160,28 +129,31 @@ pub struct Server {
     http_connections: HashMap<Token, HttpConnection>,
     dirty: HashSet<Token>,
     read_again: HashSet<Token>,
+    /// Consecutive turns that left a connection unread and so judged no deadline.
+    deferred_turns: u32,
     next_token: usize,
     pool: Pool<Done>,
     l1: L1,
     gpu: GpuState,
-    records: HashMap<(InstanceId, Module), Record>,
-    /// REGISTERs that found their entry still building: answered once the build is
-    /// done, so that no worker is told `refreshed` about a context that never comes.
-    refreshes_waiting: HashMap<(InstanceId, Module), Vec<ReplyTo>>,
-    watches: Watches,
+    /// The fds of the request being handed to the node, by (connection, request id):
+    /// `StartBuild` takes them; the rest are closed once its outputs are carried out.
+    fd_stash: HashMap<(ConnId, u64), Vec<OwnedFd>>,
+    /// Built server-driven contexts, until the node says `StartFree`.
+    contexts: HashMap<ContextId, Arc<Context>>,
+    /// Rope tables computed and not yet kept or discarded by the node.
+    blends_computed: HashMap<BlendId, RopeTables>,
+    /// Rope tables each instance holds.
+    blend_tables: HashMap<InstanceId, RopeTables>,
+    /// Inputs that outputs produced (a job that could not start): handed to the node
+    /// before the outputs are done.
+    inputs: VecDeque<Input>,
+    /// Peers' processes by the node's keys, and the pidfds of those it watches.
+    processes: Processes,
+    /// The pid of the process whose exit is being handed to the node (for its logs).
+    exiting_pid: Option<i32>,
     metrics: Metrics,
-    frees: HashMap<u64, FreeWatch>,
-    next_free_id: u64,
-    jobs_in_flight: usize,
-    /// Batches with copies still running, by a server-assigned id.
-    batches: HashMap<u64, batch::Batch>,
-    next_batch_id: u64,
     boot_id: u64,
-    server_uid: u32,
-    shutdown: Option<Shutdown>,
-    freed_at_shutdown: u64,
-    /// CacheBlend rope tables per instance.
-    blend: super::blend::BlendStates,
+    stopped: bool,
     /// Test-only faults (`--fault-*`); none in production.
     faults: super::fault::FaultState,
     fd_limit: listen::FdLimit,
@@ -228,7 +200,12 @@ impl Server {
         } else {
             kvwarden_core::REAP_TIMEOUT_FLOOR
         };
-        let liveness = Liveness::new_with_floor(config.liveness.clone(), Instant::ZERO, floor)?;
+        // The configuration is judged before anything is opened or probed.
+        kvwarden_core::Liveness::<()>::new_with_floor(
+            config.liveness.clone(),
+            Instant::ZERO,
+            floor,
+        )?;
         let clock_origin = std::time::Instant::now();
         let poll = Poll::new()?;
         let waker = mio::Waker::new(poll.registry(), WAKER)?;
@@ -240,6 +217,25 @@ impl Server {
         })?;
 
         let gpu = GpuState::start(l1.mapping());
+        let boot_id = InstanceId::generate().get();
+        let node = Node::new(
+            NodeConfig {
+                liveness: config.liveness.clone(),
+                reap_timeout_floor: floor,
+                num_slots: l1.num_slots(),
+                slot_bytes: l1.slot_bytes(),
+                server_uid: rustix::process::getuid().as_raw(),
+                boot_id,
+                server_name: SERVER_NAME.to_string(),
+                free_watchdog: config.free_watchdog,
+                shutdown_drain: SHUTDOWN_DRAIN,
+                cuda_devices: gpu
+                    .gpu()
+                    .map(|gpu| gpu.device_count() as u64)
+                    .map_err(str::to_string),
+            },
+            Instant::ZERO,
+        )?;
 
         let mut tcp_listener = config
             .tcp
@@ -285,7 +281,7 @@ impl Server {
             return Err(error.into());
         }
 
-        let status = liveness.status();
+        let status = node.status().liveness;
         tracing::info!(
             socket = %config.socket_path.display(),
             reap_timeout_seconds = status.reap_timeout.as_secs_f64(),
@@ -318,7 +314,7 @@ impl Server {
         Ok(Server {
             poll,
             clock_origin,
-            liveness,
+            node,
             unix_listener: Some(unix_listener),
             tcp_listener,
             http_listener,
@@ -327,24 +323,21 @@ impl Server {
             http_connections: HashMap::new(),
             dirty: HashSet::new(),
             read_again: HashSet::new(),
+            deferred_turns: 0,
             next_token: FIRST_DYNAMIC_TOKEN,
             pool,
             l1,
             gpu,
-            records: HashMap::new(),
-            refreshes_waiting: HashMap::new(),
-            watches: Watches::default(),
+            fd_stash: HashMap::new(),
+            contexts: HashMap::new(),
+            blends_computed: HashMap::new(),
+            blend_tables: HashMap::new(),
+            inputs: VecDeque::new(),
+            processes: Processes::default(),
+            exiting_pid: None,
             metrics: Metrics::new(),
-            frees: HashMap::new(),
-            next_free_id: 0,
-            jobs_in_flight: 0,
-            batches: HashMap::new(),
-            next_batch_id: 0,
-            boot_id: InstanceId::generate().get(),
-            server_uid: rustix::process::getuid().as_raw(),
-            shutdown: None,
-            freed_at_shutdown: 0,
-            blend: super::blend::BlendStates::default(),
+            boot_id,
+            stopped: false,
             faults: super::fault::FaultState::default(),
             fd_limit,
             config,
@@ -392,12 +385,17 @@ impl Server {
                 self.read_connection(token, true);
             }
             self.take_completions();
-            let now = self.now();
-            self.liveness.handle_timeout(now);
-            self.drain_effects();
-            self.check_free_watchdog();
+            // Input before deadlines (see MAX_DEFERRED_TURNS).
+            if self.read_again.is_empty() || self.deferred_turns >= MAX_DEFERRED_TURNS {
+                self.deferred_turns = 0;
+                let now = self.now();
+                self.node.handle_timeout(now);
+                self.carry_out();
+            } else {
+                self.deferred_turns += 1;
+            }
             self.flush_dirty();
-            if self.shutdown_step() {
+            if self.stopped {
                 return Ok(());
             }
         }
@@ -409,27 +407,22 @@ impl Server {
     }
 
     fn poll_timeout(&self) -> Duration {
-        if self.shutdown.is_some() {
-            return Duration::from_millis(10);
-        }
         if !self.read_again.is_empty() {
             return Duration::ZERO;
         }
         let now = self.now();
-        let mut timeout = self
-            .liveness
+        self.node
             .poll_timeout()
             .map_or(Duration::from_secs(1), |at| {
                 at.saturating_duration_since(now)
-            });
-        for free in self.frees.values().filter(|free| !free.reported) {
-            let due = self
-                .config
-                .free_watchdog
-                .saturating_sub(free.started.elapsed());
-            timeout = timeout.min(due + Duration::from_millis(1));
-        }
-        timeout
+            })
+    }
+
+    /// Hands `input` to the node and carries out what it asks.
+    fn input(&mut self, input: Input) {
+        let now = self.now();
+        self.node.handle_input(now, input);
+        self.carry_out();
     }
 
     fn token(&mut self) -> Token {
@@ -445,7 +438,7 @@ impl Server {
             HTTP_LISTENER => self.accept_http(),
             WAKER => {} // completions are taken every turn
             SIGNALS => self.on_signal(),
-            token if self.watches.is_watch(token) => self.on_process_exit(token),
+            token if self.processes.watched_by(token).is_some() => self.on_process_exit(token),
             token if self.http_connections.contains_key(&token) => self.on_http(token),
             token => {
                 if event.is_readable() || event.is_read_closed() {

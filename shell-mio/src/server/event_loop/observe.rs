@@ -1,10 +1,12 @@
 //! What operators see: the HTTP listener, `/status`, `/metrics`.
 
 use super::*;
+use crate::protocol::PROTOCOL_VERSION;
 use crate::server::status::{
     BlendStatus, ContextsStatus, DeathNoticeCounts, FreedTotals, InstanceStatus, L1Status,
     LimitsStatus, LivenessStatus, StatusReport,
 };
+use kvwarden_core::node::NodeStatus;
 
 impl Server {
     // ---------------------------------------------------------------- http
@@ -90,88 +92,70 @@ impl Server {
     // ---------------------------------------------------------------- status
 
     pub(super) fn refresh_metrics(&self) {
-        let status = self.liveness.status();
+        let node = self.node.status();
+        let status = &node.liveness;
+        let as_i64 = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
         self.metrics
             .tracked_instances
-            .set(i64::try_from(status.tracked_instances).unwrap_or(i64::MAX));
+            .set(as_i64(status.tracked_instances as u64));
         Metrics::mirror(&self.metrics.reaps, status.reaped_total);
         Metrics::mirror(&self.metrics.process_exits, status.process_exits_total);
         Metrics::mirror(&self.metrics.stalls, status.stalls_total);
-        self.metrics.l1(self.l1.used_slots(), self.l1.num_slots());
-        let occupancy = self.l1.occupancy();
-        self.metrics.l1_held(occupancy.reserved, occupancy.pinned);
-        let as_i64 = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
-        self.metrics
-            .blend_bytes
-            .set(as_i64(self.blend.held_bytes()));
+        Metrics::mirror(
+            &self.metrics.pings_answered_false,
+            node.pings_answered_false_total,
+        );
+        let (total, used, reserved, pinned) = node.l1_slots;
+        self.metrics.l1(used, total);
+        self.metrics.l1_held(reserved, pinned);
+        let (blend_bytes, blend_instances, _) = node.blend;
+        self.metrics.blend_bytes.set(as_i64(blend_bytes));
         self.metrics
             .blend_instances
-            .set(as_i64(self.blend.instances() as u64));
+            .set(as_i64(blend_instances as u64));
         self.metrics.gpu_memory(&self.gpu.memory_samples());
-        for (notice, count) in self.death_notice_counts() {
+        for (notice, count) in death_notice_counts(&node) {
             self.metrics
                 .instances_by_death_notice(notice.label(), as_i64(count as u64));
         }
     }
 
-    /// Instances (not entries: an instance is one process) by how their death will be
-    /// noticed.
-    fn death_notice_counts(&self) -> [(peer::DeathNotice, usize); 3] {
-        let instances: HashSet<InstanceId> =
-            self.records.keys().map(|(instance, _)| *instance).collect();
-        let mut counts = peer::DeathNotice::ALL.map(|notice| (notice, 0));
-        for instance in instances {
-            let notice = self.watches.notice_of(instance);
-            for (kind, count) in &mut counts {
-                if *kind == notice {
-                    *count += 1;
-                }
-            }
-        }
-        counts
-    }
-
-    fn instances_by_death_notice(&self) -> DeathNoticeCounts {
-        let mut counts = DeathNoticeCounts::default();
-        for (notice, count) in self.death_notice_counts() {
-            match notice {
-                peer::DeathNotice::PidfdFromPeer => counts.pidfd_from_peer = count,
-                peer::DeathNotice::PidfdByPid => counts.pidfd_by_pid = count,
-                peer::DeathNotice::TimeoutOnly => counts.timeout_only = count,
-            }
-        }
-        counts
-    }
-
     pub(super) fn status(&self) -> StatusReport {
-        let occupancy = self.l1.occupancy();
+        let node = self.node.status();
         let now = self.now();
-        let status = self.liveness.status();
-        let mut instances: Vec<InstanceStatus> = Vec::with_capacity(self.records.len());
-        for ((instance, module), record) in &self.records {
-            let Some(entry) = self.liveness.entry(*instance, *module) else {
-                continue;
-            };
-            instances.push(InstanceStatus {
-                instance_id: instance.get(),
-                module: module.label(),
+        let status = &node.liveness;
+        let mut instances: Vec<InstanceStatus> = node
+            .instances
+            .iter()
+            .map(|view| InstanceStatus {
+                instance_id: view.instance.get(),
+                module: view.module.label(),
                 age_seconds: now
-                    .saturating_duration_since(record.registered_at)
+                    .saturating_duration_since(view.registered_at)
                     .as_secs_f64(),
-                silence_seconds: now.saturating_duration_since(entry.last_seen).as_secs_f64(),
-                proven: entry.proven,
-                building: entry.building,
-                owner_uid: record.owner_uid,
-                watched_pid: self.watches.pid_of(*instance),
-                death_noticed_by: self.watches.notice_of(*instance).label(),
-                model_name: record.model_name.clone(),
-                blend_bytes: self.blend.bytes_of(*instance),
-            });
-        }
+                silence_seconds: now.saturating_duration_since(view.last_seen).as_secs_f64(),
+                proven: view.proven,
+                building: view.building,
+                owner_uid: view.owner_uid,
+                watched_pid: view.process.and_then(|key| self.processes.pid_of(key)),
+                death_noticed_by: view.death_notice.label(),
+                model_name: view.model_name.clone(),
+                blend_bytes: view.blend_bytes,
+            })
+            .collect();
         instances.sort_by_key(|item| item.instance_id);
         let freed = |cause: &str| self.metrics.frees_for(cause);
+        let counts = death_notice_counts(&node);
+        let count_of = |notice: peer::DeathNotice| {
+            counts
+                .iter()
+                .find(|(kind, _)| *kind == notice)
+                .map_or(0, |(_, count)| *count)
+        };
+        let (slots_total, slots_used, slots_reserved, slots_pinned) = node.l1_slots;
+        let (bytes_total, blend_instances, computing) = node.blend;
         StatusReport {
-            server: concat!("kvwarden ", env!("CARGO_PKG_VERSION")),
+            server: SERVER_NAME,
             protocol: PROTOCOL_VERSION,
             boot_id: self.boot_id,
             uptime_seconds: self.clock_origin.elapsed().as_secs_f64(),
@@ -179,16 +163,16 @@ impl Server {
                 enabled: status.enabled,
                 reap_timeout_seconds: status.reap_timeout.as_secs_f64(),
                 registration_grace_seconds: status.registration_grace.as_secs_f64(),
-                resolution_seconds: self.liveness.config().resolution.as_secs_f64(),
+                resolution_seconds: node.resolution.as_secs_f64(),
                 tracked_instances: status.tracked_instances,
                 reaped_total: status.reaped_total,
                 process_exits_total: status.process_exits_total,
                 stalls_total: status.stalls_total,
                 pings_total: self.metrics.requests_for("ping"),
-                pings_answered_false_total: self.metrics.pings_answered_false.get(),
+                pings_answered_false_total: node.pings_answered_false_total,
             },
             contexts: ContextsStatus {
-                built_total: self.metrics.contexts_built.get(),
+                built_total: node.contexts_built_total,
                 freed_total: FreedTotals {
                     unregistered: freed("unregistered"),
                     reaped: freed("reaped"),
@@ -196,20 +180,20 @@ impl Server {
                     cancelled: freed("cancelled"),
                     shutdown: freed("shutdown"),
                 },
-                frees_in_flight: self.frees.len(),
-                frees_hung_total: self.metrics.frees_hung.get(),
+                frees_in_flight: node.frees_in_flight,
+                frees_hung_total: node.frees_hung_total,
             },
             l1: L1Status {
-                slot_bytes: self.l1.slot_bytes(),
-                slots_total: self.l1.num_slots(),
-                slots_used: self.l1.used_slots(),
-                slots_reserved: occupancy.reserved,
-                slots_pinned: occupancy.pinned,
+                slot_bytes: node.slot_bytes,
+                slots_total,
+                slots_used,
+                slots_reserved,
+                slots_pinned,
             },
             blend: BlendStatus {
-                bytes_total: self.blend.held_bytes(),
-                instances: self.blend.instances(),
-                computing: self.blend.pending(),
+                bytes_total,
+                instances: blend_instances,
+                computing,
             },
             gpu: self.gpu.status(),
             connections: self.connections.len(),
@@ -219,9 +203,31 @@ impl Server {
                 connection_capacity: self.fd_limit.connection_capacity(),
                 max_connections: self.config.max_connections,
             },
-            watched_processes: self.watches.len(),
-            instances_by_death_notice: self.instances_by_death_notice(),
+            watched_processes: node.watched_processes,
+            instances_by_death_notice: DeathNoticeCounts {
+                pidfd_from_peer: count_of(peer::DeathNotice::PidfdFromPeer),
+                pidfd_by_pid: count_of(peer::DeathNotice::PidfdByPid),
+                timeout_only: count_of(peer::DeathNotice::TimeoutOnly),
+            },
             instances,
         }
     }
+}
+
+/// Instances (not entries: an instance is one process) by how their death will be
+/// noticed.
+fn death_notice_counts(node: &NodeStatus) -> [(peer::DeathNotice, usize); 3] {
+    let mut seen = HashSet::new();
+    let mut counts = peer::DeathNotice::ALL.map(|notice| (notice, 0));
+    for view in &node.instances {
+        if !seen.insert(view.instance) {
+            continue;
+        }
+        for (kind, count) in &mut counts {
+            if *kind == view.death_notice {
+                *count += 1;
+            }
+        }
+    }
+    counts
 }

@@ -1,4 +1,5 @@
-//! Clean shutdown on SIGTERM/SIGINT (row 19).
+//! Clean shutdown on SIGTERM/SIGINT (row 19): the shell stops listening; the node
+//! drains, frees and stops.
 
 use super::*;
 
@@ -8,7 +9,7 @@ impl Server {
     pub(super) fn on_signal(&mut self) {
         let mut buf = [0u8; 64];
         while matches!(self.signals.read(&mut buf), Ok(n) if n > 0) {}
-        if self.shutdown.is_some() {
+        if self.node.is_shutting_down() {
             return;
         }
         tracing::info!(
@@ -28,45 +29,7 @@ impl Server {
         if let Err(error) = std::fs::remove_file(&self.config.socket_path) {
             tracing::warn!(%error, path = %self.config.socket_path.display(), "removing the socket file failed");
         }
-        self.shutdown = Some(Shutdown::Draining {
-            since: std::time::Instant::now(),
-        });
-    }
-
-    /// Advances a shutdown; true once it is complete.
-    pub(super) fn shutdown_step(&mut self) -> bool {
-        match self.shutdown {
-            None => false,
-            Some(Shutdown::Draining { since }) => {
-                if self.jobs_in_flight > 0 && since.elapsed() < SHUTDOWN_DRAIN {
-                    return false;
-                }
-                let now = self.now();
-                let keys: Vec<(InstanceId, Module)> = self.records.keys().copied().collect();
-                for (instance, module) in keys {
-                    self.liveness.unregister(now, instance, module);
-                }
-                self.drain_effects();
-                self.flush_dirty();
-                self.shutdown = Some(Shutdown::Freeing {
-                    since: std::time::Instant::now(),
-                });
-                false
-            }
-            Some(Shutdown::Freeing { since }) => {
-                self.take_completions();
-                if !self.frees.is_empty() && since.elapsed() < self.config.free_watchdog {
-                    return false;
-                }
-                self.flush_dirty();
-                tracing::info!(
-                    contexts_freed = self.freed_at_shutdown,
-                    frees_unfinished = self.frees.len(),
-                    "shutdown complete: freed {} contexts",
-                    self.freed_at_shutdown
-                );
-                true
-            }
-        }
+        // The node answers what runs, then frees every entry, then says `Stopped`.
+        self.input(Input::Shutdown);
     }
 }

@@ -1,0 +1,426 @@
+//! The node's outputs carried out (replies, pool jobs, watches, logs and metrics), and
+//! the pool's results and process exits handed back to it.
+
+use super::connections::token_of;
+use super::*;
+use crate::server::context::{self, BuildRequest};
+use crate::server::fault;
+use kvwarden_core::node::{Built, Direction, Note};
+use kvwarden_core::protocol::BufferSpec;
+use kvwarden_core::{FreeCause, Module};
+
+fn internal(message: String) -> ProtocolError {
+    ProtocolError::new(ErrorCode::Internal, message)
+}
+
+impl Server {
+    /// Drains the node's outputs, carrying out each; inputs they produced (a job that
+    /// could not start) go to the node in turn, until nothing is left.
+    pub(super) fn carry_out(&mut self) {
+        loop {
+            while let Some(output) = self.node.poll_output() {
+                self.apply(output);
+            }
+            let Some(input) = self.inputs.pop_front() else {
+                return;
+            };
+            let now = self.now();
+            self.node.handle_input(now, input);
+        }
+    }
+
+    fn apply(&mut self, output: Output) {
+        match output {
+            Output::Reply {
+                conn,
+                request_id,
+                op,
+                result,
+                pool_fd,
+            } => match result {
+                Ok(value) if pool_fd => {
+                    self.reply_with_pool_fd(token_of(conn), request_id, op, value)
+                }
+                result => self.reply(token_of(conn), request_id, op, result),
+            },
+            Output::ReplyStatus { conn, request_id } => {
+                let status = self.status().to_msgpack();
+                self.reply(token_of(conn), request_id, "status", Ok(status));
+            }
+            Output::StartBuild {
+                context,
+                conn,
+                request_id,
+                instance: _,
+                module,
+                buffers,
+                model_name,
+            } => {
+                let fds = self
+                    .fd_stash
+                    .remove(&(conn, request_id))
+                    .unwrap_or_default();
+                self.start_build(context, module, buffers, fds, model_name);
+            }
+            Output::StartCopy {
+                copy,
+                context,
+                direction,
+                buffer,
+                offset,
+                slot,
+                nbytes,
+            } => {
+                let Some(context) = self.contexts.get(&context).cloned() else {
+                    self.inputs.push_back(Input::CopyDone {
+                        copy,
+                        result: Err(internal(format!(
+                            "a copy named context {context:?}, which the server does not hold"
+                        ))),
+                    });
+                    return;
+                };
+                let pool = Arc::clone(self.l1.mapping());
+                let slot_offset = self.l1.offset(slot);
+                self.pool.submit(
+                    move || {
+                        let copied = context
+                            .buffers
+                            .get(buffer)
+                            .is_some_and(|b| match direction {
+                                Direction::ToL1 => b.copy_to_l1(offset, &pool, slot_offset, nbytes),
+                                Direction::FromL1 => {
+                                    b.copy_from_l1(&pool, slot_offset, offset, nbytes)
+                                }
+                            });
+                        let result = if copied {
+                            Ok(nbytes)
+                        } else {
+                            Err(internal(
+                                "a copy between a registered buffer and L1 went out of bounds \
+                                 after validation"
+                                    .into(),
+                            ))
+                        };
+                        Done::Copied { copy, result }
+                    },
+                    move |panic| Done::Copied {
+                        copy,
+                        result: Err(internal(format!("the copy failed: {panic}"))),
+                    },
+                );
+            }
+            Output::StartBlend {
+                blend,
+                instance: _,
+                spec,
+            } => self.pool.submit(
+                move || Done::Blend {
+                    blend,
+                    result: RopeTables::compute(&spec),
+                },
+                move |panic| Done::Blend {
+                    blend,
+                    result: Err(format!("computing the rope tables failed: {panic}")),
+                },
+            ),
+            Output::KeepBlend { blend, instance } => {
+                if let Some(tables) = self.blends_computed.remove(&blend)
+                    && let Some(old) = self.blend_tables.insert(instance, tables)
+                {
+                    self.drop_off_loop(old);
+                }
+            }
+            Output::DiscardBlend { blend } => {
+                if let Some(tables) = self.blends_computed.remove(&blend) {
+                    self.drop_off_loop(tables);
+                }
+            }
+            Output::DropBlend { instance } => {
+                if let Some(tables) = self.blend_tables.remove(&instance) {
+                    self.drop_off_loop(tables);
+                }
+            }
+            Output::StartFree {
+                free,
+                context,
+                instance,
+                module,
+                cause,
+                label,
+            } => self.start_free(free, context, instance, module, cause, label),
+            Output::Watch { process, conn } => {
+                let token = token_of(conn);
+                let Some(pidfd) = self
+                    .connections
+                    .get(&token)
+                    .and_then(|connection| connection.peer.pidfd.as_ref())
+                else {
+                    return;
+                };
+                let next_token = &mut self.next_token;
+                let watched = self
+                    .processes
+                    .watch(self.poll.registry(), process, pidfd, || {
+                        let token = Token(*next_token);
+                        *next_token += 1;
+                        token
+                    });
+                if let Err(error) = watched {
+                    let pid = self.processes.pid_of(process);
+                    tracing::warn!(?pid, %error, "watching a pidfd failed; its instances are left to the heartbeat rules");
+                }
+            }
+            Output::Unwatch { process } => self.processes.unwatch(self.poll.registry(), process),
+            Output::Note(note) => self.note(note),
+            Output::Stopped {
+                contexts_freed,
+                frees_unfinished,
+            } => {
+                tracing::info!(
+                    contexts_freed,
+                    frees_unfinished,
+                    "shutdown complete: freed {contexts_freed} contexts"
+                );
+                self.stopped = true;
+            }
+        }
+    }
+
+    fn start_build(
+        &mut self,
+        context: ContextId,
+        module: Module,
+        buffers: Vec<BufferSpec>,
+        fds: Vec<OwnedFd>,
+        model_name: String,
+    ) {
+        let delay = self.faults.build_delay();
+        let gpu = self.gpu.gpu().ok().cloned();
+        self.pool.submit(
+            move || {
+                fault::delay_build(delay); // --fault-build-delay-ms
+                // Nothing to map for an engine-driven context, but it is built like any
+                // other (off the loop), so that the build-delay fault and a removal
+                // during the build behave the same for both modules.
+                let result = match module {
+                    Module::EngineDriven => Ok(None),
+                    Module::ServerDriven => with_fds(buffers, fds)
+                        .and_then(|buffers| {
+                            context::build(BuildRequest {
+                                buffers,
+                                model_name,
+                                gpu,
+                            })
+                        })
+                        .map(Some),
+                };
+                Done::Built { context, result }
+            },
+            move |panic| Done::Built {
+                context,
+                result: Err(internal(format!("building the context failed: {panic}"))),
+            },
+        );
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn start_free(
+        &mut self,
+        free: FreeId,
+        context: ContextId,
+        instance: InstanceId,
+        module: Module,
+        cause: FreeCause,
+        label: &'static str,
+    ) {
+        match cause {
+            FreeCause::Reaped { silence, proven } => tracing::warn!(
+                %instance,
+                module = module.label(),
+                silence_seconds = silence.as_secs_f64(),
+                proven,
+                "reaped: silent longer than its window{}",
+                if proven { " (reap timeout)" } else { " (registration grace; it never pinged)" }
+            ),
+            FreeCause::ProcessExited => tracing::warn!(
+                %instance,
+                module = module.label(),
+                "freed: the kernel proved its process exited"
+            ),
+            FreeCause::Unregistered | FreeCause::Cancelled => {
+                tracing::info!(%instance, module = module.label(), cause = label, "freed");
+            }
+        }
+        self.metrics.free(label);
+        let context = self.contexts.remove(&context);
+        let hang = self.faults.next_free_hang();
+        self.pool.submit_detached(
+            "kvwarden-free",
+            move || {
+                if let Some(hang) = hang {
+                    hang.block(); // --fault-free-hang-instances: a free that never returns
+                }
+                drop(context); // unmaps (no copy uses it: the node waited for them)
+                Done::Freed { free }
+            },
+            move |_| Done::Freed { free },
+        );
+    }
+
+    /// Frees big tables on the pool: returning hundreds of MiB to the allocator can
+    /// take longer than a loop turn.
+    fn drop_off_loop(&mut self, tables: RopeTables) {
+        self.pool.submit(
+            move || {
+                drop(tables);
+                Done::Discarded
+            },
+            |_| Done::Discarded,
+        );
+    }
+
+    /// What the node reports, as logs and metrics.
+    fn note(&mut self, note: Note) {
+        match note {
+            Note::ContextBuilt { instance, module } => {
+                self.metrics.contexts_built.inc();
+                tracing::info!(%instance, module = module.label(), "context built");
+            }
+            Note::BuildFailed { instance, error } => {
+                tracing::warn!(%instance, %error, "building a context failed");
+            }
+            Note::Stall { gap } => tracing::warn!(
+                gap_seconds = gap.as_secs_f64(),
+                "the server itself was stalled (paused or starved); the gap does not count as any worker's silence"
+            ),
+            Note::ProcessExited { instance, held } => {
+                if held {
+                    let pid = self.exiting_pid;
+                    tracing::info!(?pid, %instance, "process exited; freeing its entries now");
+                }
+            }
+            Note::UnregisterUnknown { instance, module } => {
+                let op = match module {
+                    Module::ServerDriven => "unregister_kv_cache",
+                    Module::EngineDriven => "unregister_engine_driven",
+                };
+                tracing::warn!(%instance, "{op} of an instance that is not registered here (unknown or already freed)");
+            }
+            Note::EngineReleased {
+                instance,
+                label,
+                reservations_discarded,
+                pins_released,
+            } => tracing::info!(
+                %instance,
+                cause = label,
+                reservations_discarded,
+                pins_released,
+                "engine-driven context freed: unpublished reservations discarded, pins released"
+            ),
+            Note::FreeHung {
+                instance,
+                module,
+                watchdog,
+            } => {
+                self.metrics.frees_hung.inc();
+                tracing::error!(
+                    %instance,
+                    module = module.label(),
+                    watchdog_seconds = watchdog.as_secs_f64(),
+                    "a context free is still running after the watchdog period; pings and other frees go on"
+                );
+            }
+            Note::FreeFinishedLate {
+                instance,
+                module,
+                after,
+            } => tracing::warn!(
+                %instance,
+                module = module.label(),
+                seconds = after.as_secs_f64(),
+                "a free that exceeded the watchdog finished at last"
+            ),
+            Note::BlendHeld { instance, bytes } => {
+                tracing::info!(%instance, bytes, "CacheBlend rope tables held");
+            }
+            Note::BlendDropped { instance, bytes } => {
+                tracing::info!(%instance, bytes, "CacheBlend rope tables dropped");
+            }
+            Note::ShutdownStarted => {}
+        }
+    }
+
+    /// Hands the pool's results to the node.
+    pub(super) fn take_completions(&mut self) {
+        let done = self.pool.completions().drain();
+        for item in done {
+            let input = match item {
+                Done::Built { context, result } => Input::BuildDone {
+                    context,
+                    result: result.map(|built| match built {
+                        Some(built) => {
+                            let buffer_lens = built.buffers.iter().map(|b| b.len()).collect();
+                            self.contexts.insert(context, Arc::new(built));
+                            Built::ServerDriven { buffer_lens }
+                        }
+                        None => Built::EngineDriven,
+                    }),
+                },
+                Done::Copied { copy, result } => Input::CopyDone { copy, result },
+                Done::Blend { blend, result } => Input::BlendDone {
+                    blend,
+                    result: result.map(|tables| {
+                        self.blends_computed.insert(blend, tables);
+                    }),
+                },
+                Done::Freed { free } => Input::FreeDone { free },
+                Done::Discarded => continue,
+            };
+            self.input(input);
+        }
+    }
+
+    /// A watched pidfd turned readable: the kernel proved that process exited.
+    pub(super) fn on_process_exit(&mut self, token: Token) {
+        let Some(process) = self.processes.watched_by(token) else {
+            return;
+        };
+        self.exiting_pid = self.processes.pid_of(process);
+        self.input(Input::ProcessExited { process });
+        self.exiting_pid = None;
+        // The node unwatches it; should it not, the pidfd stays readable for nothing.
+        self.processes.unwatch(self.poll.registry(), process);
+    }
+}
+
+/// Pairs each memfd buffer with its fd from the frame (a duplicate where two buffers
+/// name the same one).
+fn with_fds(
+    buffers: Vec<BufferSpec>,
+    fds: Vec<OwnedFd>,
+) -> Result<Vec<(BufferSpec, Option<OwnedFd>)>, ProtocolError> {
+    let mut paired = Vec::with_capacity(buffers.len());
+    for (index, spec) in buffers.into_iter().enumerate() {
+        let fd = match &spec {
+            BufferSpec::Memfd { fd_index, .. } => {
+                let fd = usize::try_from(*fd_index).ok().and_then(|i| fds.get(i));
+                let Some(fd) = fd else {
+                    return Err(internal(format!(
+                        "register_kv_cache: buffers[{index}].fd_index {fd_index} reached the \
+                         build without its fd"
+                    )));
+                };
+                Some(fd.try_clone().map_err(|e| {
+                    internal(format!(
+                        "register_kv_cache: duplicating buffers[{index}]'s fd failed: {e}"
+                    ))
+                })?)
+            }
+            BufferSpec::CudaIpc { .. } => None,
+        };
+        paired.push((spec, fd));
+    }
+    Ok(paired)
+}
