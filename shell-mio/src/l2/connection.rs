@@ -14,7 +14,11 @@
 
 use redis::cluster::{ClusterClient, ClusterConnection};
 use redis::{ConnectionLike, RedisError, RedisResult};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
+
+/// Whether the warning about several seeds of a plain Redis was logged (once a process).
+static PLAIN_WITH_SEEDS_WARNED: AtomicBool = AtomicBool::new(false);
 
 /// Redirections (MOVED, ASK) and retries redis-rs may make inside one operation. Kept
 /// small: the caller's wait is bounded anyway, and a dead node is better left to the
@@ -63,7 +67,7 @@ impl Conn {
             {
                 Ok(_) => return Conn::connect_cluster(seeds, timeout),
                 Err(error) if is_server_refusal(&error) => {
-                    if seeds.len() > 1 {
+                    if seeds.len() > 1 && !PLAIN_WITH_SEEDS_WARNED.swap(true, Ordering::Relaxed) {
                         tracing::warn!(
                             %seed,
                             "L2: the seed is a plain Redis, not a cluster node; only it is used, the other seeds are ignored"

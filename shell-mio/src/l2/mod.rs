@@ -25,7 +25,9 @@ pub use connection::Mode;
 use connection::Conn;
 use deadline::Deadlines;
 use kvwarden_core::l2::{self, L2Counters, OpResult, Push, ReadOutcome, WriteOutcome, WriteQueue};
+use std::collections::hash_map::RandomState;
 use std::collections::{HashSet, VecDeque};
+use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
@@ -34,8 +36,8 @@ use std::time::Instant;
 /// once: it could not be served within the timeout anyway.
 pub const READS_WAITING_MAX: usize = 4096;
 
-/// Corrupt keys remembered so that each is logged once; the memory is forgotten (and a
-/// key may be logged again) when it fills.
+/// Corrupt keys remembered (as 64-bit hashes) so that each is logged once; the memory is
+/// forgotten (and a key may be logged again) when it fills.
 const CORRUPT_KEYS_LOGGED_MAX: usize = 65_536;
 
 /// How an existence check ended.
@@ -148,7 +150,8 @@ struct Shared {
     completions: Mutex<VecDeque<L2Completion>>,
     waker: mio::Waker,
     counters: Mutex<L2Counters>,
-    corrupt_logged: Mutex<HashSet<Vec<u8>>>,
+    corrupt_logged: Mutex<HashSet<u64>>,
+    corrupt_hasher: RandomState,
     mode: Mutex<Option<Mode>>,
 }
 
@@ -176,6 +179,7 @@ impl L2Client {
             waker,
             counters: Mutex::new(L2Counters::default()),
             corrupt_logged: Mutex::new(HashSet::new()),
+            corrupt_hasher: RandomState::new(),
             mode: Mutex::new(None),
         });
         let client = L2Client {
@@ -429,6 +433,9 @@ impl Shared {
     fn read(&self, conn: &mut Option<Conn>, request: &ReadRequest) -> Answer {
         match request {
             ReadRequest::Get(key) => self.get(conn, key),
+            ReadRequest::Exists(keys) if keys.is_empty() => {
+                Answer::Prefix(PrefixOutcome::Present(0))
+            }
             ReadRequest::Exists(keys) => {
                 let names: Vec<Vec<u8>> = keys
                     .iter()
@@ -502,7 +509,7 @@ impl Shared {
             if logged.len() >= CORRUPT_KEYS_LOGGED_MAX {
                 logged.clear();
             }
-            logged.insert(key.to_vec())
+            logged.insert(self.corrupt_hasher.hash_one(key))
         };
         if first_time {
             tracing::warn!(

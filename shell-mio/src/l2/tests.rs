@@ -144,3 +144,42 @@ fn bad_configuration_is_refused_before_any_thread_starts() {
     let error = L2Client::spawn(bad, waker).err().expect("refused");
     assert!(error.to_string().contains("--l2-threads"), "{error}");
 }
+
+#[test]
+fn empty_prefix_check_is_zero_without_asking_redis() {
+    let (mut poll, client) = spawn(config(
+        format!("redis://127.0.0.1:{}", closed_port()),
+        200,
+        0,
+    ));
+    client.exists_prefix(3, Vec::new());
+    let completions = wait_for_completions(&mut poll, &client, 1);
+    assert!(matches!(
+        completions[..],
+        [L2Completion::Prefix {
+            token: 3,
+            outcome: PrefixOutcome::Present(0)
+        }]
+    ));
+}
+
+#[test]
+fn reads_past_the_waiting_limit_are_answered_at_once_as_timed_out() {
+    let silent = TcpListener::bind("127.0.0.1:0").expect("a port");
+    let seed = format!("redis://{}", silent.local_addr().expect("its address"));
+    // A timeout no test outlasts: only the limit can answer these.
+    let (mut poll, client) = spawn(config(seed, 600_000, 0));
+    let over = 10;
+    for token in 0..(READS_WAITING_MAX + 2 + over) as u64 {
+        client.get(token, vec![1]);
+    }
+    let completions = wait_for_completions(&mut poll, &client, over);
+    assert!(completions.iter().all(|completion| matches!(
+        completion,
+        L2Completion::Read {
+            outcome: ReadOutcome::TimedOut,
+            ..
+        }
+    )));
+    drop(silent);
+}
