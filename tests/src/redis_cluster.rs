@@ -124,6 +124,7 @@ impl RedisCluster {
     /// Starts `count` redis-server processes and waits until each answers PING.
     fn launch(count: usize, cluster_enabled: bool) -> RedisCluster {
         let server = require("redis-server");
+        require("redis-cli");
         let mut cluster = RedisCluster {
             nodes: Vec::new(),
             dir: TempDir::new("redis"),
