@@ -94,6 +94,16 @@ impl L2Counters {
         }
     }
 
+    /// Counts a read not asked because the breaker is open: a miss with no other cause.
+    pub fn record_skipped_read(&mut self) {
+        self.misses += 1;
+    }
+
+    /// Counts a write not attempted (queue full, or the breaker open).
+    pub fn record_dropped_write(&mut self) {
+        self.write_drops += 1;
+    }
+
     /// Counts a write that was attempted.
     pub fn record_write(&mut self, outcome: WriteOutcome) {
         match outcome {

@@ -221,7 +221,7 @@ impl L2Client {
         drop(work);
         match push {
             Push::Queued => self.shared.work_ready.notify_one(),
-            Push::Dropped => self.shared.lock_counters().write_drops += 1,
+            Push::Dropped => self.shared.lock_counters().record_dropped_write(),
         }
         push
     }
