@@ -10,10 +10,13 @@
 //! handshake steps inside redis-rs (the cluster client's `READONLY` on a new node
 //! connection) have no timeout of their own: a node that accepts a connection and then
 //! never answers (SIGSTOPped) holds that one L2 thread until it answers again; the
-//! caller is answered by the deadline thread regardless.
+//! caller is answered by the deadline thread regardless. Against a node that vanished
+//! from the network (nothing acknowledged), `TCP_USER_TIMEOUT` ends such a wait after
+//! [`user_timeout`] instead of the kernel's many minutes. Sockets are `TCP_NODELAY`.
 
 use redis::cluster::{ClusterClient, ClusterConnection};
-use redis::{ConnectionLike, RedisError, RedisResult};
+use redis::io::tcp::TcpSettings;
+use redis::{ConnectionLike, IntoConnectionInfo, RedisError, RedisResult};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
@@ -24,6 +27,24 @@ static PLAIN_WITH_SEEDS_WARNED: AtomicBool = AtomicBool::new(false);
 /// small: the caller's wait is bounded anyway, and a dead node is better left to the
 /// next operation on a fresh connection (see [`Conn::connect`]).
 const CLUSTER_RETRIES: u32 = 2;
+
+/// The shortest `TCP_USER_TIMEOUT`: a congested but live link must not be cut.
+const USER_TIMEOUT_FLOOR: Duration = Duration::from_secs(5);
+
+/// How long sent data may stay unacknowledged before the kernel drops the connection:
+/// 4 × the L2 timeout, at least [`USER_TIMEOUT_FLOOR`].
+fn user_timeout(timeout: Duration) -> Duration {
+    timeout.saturating_mul(4).max(USER_TIMEOUT_FLOOR)
+}
+
+fn tcp_settings(timeout: Duration) -> TcpSettings {
+    let settings = TcpSettings::default().set_nodelay(true);
+    #[cfg(target_os = "linux")]
+    let settings = settings.set_user_timeout(user_timeout(timeout));
+    #[cfg(not(target_os = "linux"))]
+    let _ = timeout;
+    settings
+}
 
 /// Which kind of store the seeds turned out to be.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -47,7 +68,11 @@ impl Conn {
     pub(super) fn connect(seeds: &[String], timeout: Duration) -> RedisResult<Conn> {
         let mut last_error = None;
         for seed in seeds {
-            let probe = redis::Client::open(seed.as_str())
+            let probe = seed
+                .as_str()
+                .into_connection_info()
+                .map(|info| info.set_tcp_settings(tcp_settings(timeout)))
+                .and_then(redis::Client::open)
                 .and_then(|client| client.get_connection_with_timeout(timeout))
                 .and_then(|connection| {
                     connection.set_read_timeout(Some(timeout))?;
@@ -87,6 +112,7 @@ impl Conn {
             .connection_timeout(timeout)
             .response_timeout(timeout)
             .retries(CLUSTER_RETRIES)
+            .tcp_settings(tcp_settings(timeout))
             .build()?
             .get_connection()?;
         connection.set_write_timeout(Some(timeout))?;
