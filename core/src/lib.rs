@@ -12,6 +12,8 @@
 //! - [`Heartbeat`]: the worker's side: when to ping and when to recover.
 //! - [`protocol`]: the wire protocol's pure half (framing, typed requests and replies,
 //!   error codes), shared by the server, the client, the simulator and the fuzz targets.
+//! - [`l2`]: the second tier's pure half: the L2 value format, key names, the health
+//!   state machine with its circuit breaker, the write-behind queue and the counters.
 //!
 //! # The run loop
 //!
@@ -63,6 +65,7 @@ mod effect;
 mod expiry;
 mod heartbeat;
 mod id;
+pub mod l2;
 pub mod liveness;
 mod module;
 pub mod node;

@@ -7,6 +7,7 @@
 
 pub mod cli;
 pub mod cuda;
+pub mod l2;
 pub mod server;
 
 pub use kvwarden_bench as bench;

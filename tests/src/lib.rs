@@ -1,11 +1,16 @@
 //! Helpers for the end-to-end tests: a real `kvwarden serve` process with short
 //! timeouts, real `kvwarden worker` processes, a raw protocol client, a TCP proxy that
-//! can cut a connection, and condition waits with generous bounds.
+//! can cut a connection, condition waits with generous bounds, and a real Redis Cluster
+//! on loopback for the L2 tests ([`RedisCluster`]).
 //!
 //! The `kvwarden` binary is found next to the test executable (`target/<profile>/`):
 //! `cargo test --workspace` builds it because the `kvwarden` package has integration
 //! tests of its own. Running only this package needs `cargo build -p kvwarden` first,
 //! or `KVWARDEN_BIN=/path/to/kvwarden`.
+
+pub mod redis_cluster;
+
+pub use redis_cluster::RedisCluster;
 
 use kvwarden::bench::process::Lines;
 use kvwarden_core::protocol::{Reply, decode_reply, encode_request};

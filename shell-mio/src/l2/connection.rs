@@ -1,0 +1,194 @@
+//! One L2 thread's connection: a Redis Cluster, or a single plain Redis.
+//!
+//! Which one is decided at connect time by asking the first reachable seed
+//! `CLUSTER INFO`: a node with cluster support answers it, a plain Redis refuses it
+//! ("cluster support disabled"). Any other refusal is taken as a plain Redis too (an
+//! ACL that forbids `CLUSTER` could not run a cluster client anyway). Asking beats
+//! counting seeds: one seed is a normal way to name a whole cluster.
+//!
+//! Every connect, send and receive gives up after the configured timeout. A few
+//! handshake steps inside redis-rs (the cluster client's `READONLY` on a new node
+//! connection) have no timeout of their own: a node that accepts a connection and then
+//! never answers (SIGSTOPped) holds that one L2 thread until it answers again; the
+//! caller is answered by the deadline thread regardless. Against a node that vanished
+//! from the network (nothing acknowledged), `TCP_USER_TIMEOUT` ends such a wait after
+//! [`user_timeout`] instead of the kernel's many minutes. Sockets are `TCP_NODELAY`.
+
+use redis::cluster::{ClusterClient, ClusterConnection};
+use redis::io::tcp::TcpSettings;
+use redis::{ConnectionLike, IntoConnectionInfo, RedisError, RedisResult};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+/// Whether the warning about several seeds of a plain Redis was logged (once a process).
+static PLAIN_WITH_SEEDS_WARNED: AtomicBool = AtomicBool::new(false);
+
+/// Redirections (MOVED, ASK) and retries redis-rs may make inside one operation. Kept
+/// small: the caller's wait is bounded anyway, and a dead node is better left to the
+/// next operation on a fresh connection (see [`Conn::connect`]).
+const CLUSTER_RETRIES: u32 = 2;
+
+/// The shortest `TCP_USER_TIMEOUT`: a congested but live link must not be cut.
+const USER_TIMEOUT_FLOOR: Duration = Duration::from_secs(5);
+
+/// How long sent data may stay unacknowledged before the kernel drops the connection:
+/// 4 × the L2 timeout, at least [`USER_TIMEOUT_FLOOR`].
+fn user_timeout(timeout: Duration) -> Duration {
+    timeout.saturating_mul(4).max(USER_TIMEOUT_FLOOR)
+}
+
+fn tcp_settings(timeout: Duration) -> TcpSettings {
+    let settings = TcpSettings::default().set_nodelay(true);
+    #[cfg(target_os = "linux")]
+    let settings = settings.set_user_timeout(user_timeout(timeout));
+    #[cfg(not(target_os = "linux"))]
+    let _ = timeout;
+    settings
+}
+
+/// Which kind of store the seeds turned out to be.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// A Redis Cluster (or Valkey cluster).
+    Cluster,
+    /// One plain Redis.
+    Single,
+}
+
+/// A connection to the L2 store.
+pub(super) enum Conn {
+    Cluster(Box<ClusterConnection>),
+    Single(redis::Connection),
+}
+
+impl Conn {
+    /// Connects through the first seed that answers. A fresh cluster connection reads
+    /// the slot map anew, which is how a thread learns about a failover: after any
+    /// error the thread drops its connection and the next operation comes here.
+    pub(super) fn connect(seeds: &[String], timeout: Duration) -> RedisResult<Conn> {
+        let mut last_error = None;
+        for seed in seeds {
+            let probe = seed
+                .as_str()
+                .into_connection_info()
+                .map(|info| info.set_tcp_settings(tcp_settings(timeout)))
+                .and_then(redis::Client::open)
+                .and_then(|client| client.get_connection_with_timeout(timeout))
+                .and_then(|connection| {
+                    connection.set_read_timeout(Some(timeout))?;
+                    connection.set_write_timeout(Some(timeout))?;
+                    Ok(connection)
+                });
+            let mut connection = match probe {
+                Ok(connection) => connection,
+                Err(error) => {
+                    last_error = Some(error);
+                    continue;
+                }
+            };
+            match redis::cmd("CLUSTER")
+                .arg("INFO")
+                .query::<String>(&mut connection)
+            {
+                Ok(_) => return Conn::connect_cluster(seeds, timeout),
+                Err(error) if is_server_refusal(&error) => {
+                    if seeds.len() > 1 && !PLAIN_WITH_SEEDS_WARNED.swap(true, Ordering::Relaxed) {
+                        tracing::warn!(
+                            %seed,
+                            "L2: the seed is a plain Redis, not a cluster node; only it is used, the other seeds are ignored"
+                        );
+                    }
+                    return Ok(Conn::Single(connection));
+                }
+                Err(error) => last_error = Some(error),
+            }
+        }
+        Err(last_error
+            .unwrap_or_else(|| RedisError::from((redis::ErrorKind::Client, "no L2 seed"))))
+    }
+
+    fn connect_cluster(seeds: &[String], timeout: Duration) -> RedisResult<Conn> {
+        let connection = ClusterClient::builder(seeds.to_vec())
+            .connection_timeout(timeout)
+            .response_timeout(timeout)
+            .retries(CLUSTER_RETRIES)
+            .tcp_settings(tcp_settings(timeout))
+            .build()?
+            .get_connection()?;
+        connection.set_write_timeout(Some(timeout))?;
+        Ok(Conn::Cluster(Box::new(connection)))
+    }
+
+    /// Which kind of store this is.
+    pub(super) fn mode(&self) -> Mode {
+        match self {
+            Conn::Cluster(_) => Mode::Cluster,
+            Conn::Single(_) => Mode::Single,
+        }
+    }
+
+    fn like(&mut self) -> &mut dyn ConnectionLike {
+        match self {
+            Conn::Cluster(connection) => connection.as_mut(),
+            Conn::Single(connection) => connection,
+        }
+    }
+
+    /// `GET name`.
+    pub(super) fn get(&mut self, name: &[u8]) -> RedisResult<Option<Vec<u8>>> {
+        redis::cmd("GET").arg(name).query(self.like())
+    }
+
+    /// `SET name value [PX ttl]`.
+    pub(super) fn set(
+        &mut self,
+        name: &[u8],
+        value: &[u8],
+        ttl: Option<Duration>,
+    ) -> RedisResult<()> {
+        let mut command = redis::cmd("SET");
+        command.arg(name).arg(value);
+        if let Some(ttl) = ttl {
+            command
+                .arg("PX")
+                .arg(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1));
+        }
+        command.exec(self.like())
+    }
+
+    /// `DEL name`.
+    pub(super) fn del(&mut self, name: &[u8]) -> RedisResult<()> {
+        redis::cmd("DEL").arg(name).exec(self.like())
+    }
+
+    /// `EXISTS` of each name, pipelined (split by node in a cluster): one answer each.
+    pub(super) fn exists_each(&mut self, names: &[Vec<u8>]) -> RedisResult<Vec<bool>> {
+        match self {
+            Conn::Cluster(connection) => {
+                let mut pipe = redis::cluster::cluster_pipe();
+                for name in names {
+                    pipe.cmd("EXISTS").arg(name);
+                }
+                pipe.query(connection.as_mut())
+            }
+            Conn::Single(connection) => {
+                let mut pipe = redis::pipe();
+                for name in names {
+                    pipe.cmd("EXISTS").arg(name);
+                }
+                pipe.query(connection)
+            }
+        }
+    }
+}
+
+/// The server answered, with an error (as opposed to the connection failing).
+fn is_server_refusal(error: &RedisError) -> bool {
+    !(error.is_io_error() || error.is_timeout() || error.is_connection_dropped())
+        && error.code().is_some()
+}
+
+/// The key holds something that is not a string: written by something else.
+pub(super) fn is_wrong_type(error: &RedisError) -> bool {
+    error.code() == Some("WRONGTYPE")
+}

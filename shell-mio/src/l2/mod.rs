@@ -1,0 +1,561 @@
+//! The L2 tier's I/O: threads that talk to a Redis Cluster (or one plain Redis) and
+//! report back through a `mio::Waker`, the way the context pool does. Nothing here ever
+//! blocks its caller.
+//!
+//! What to write, when to ask, and what the breaker says are the sans-IO side's
+//! decisions ([`kvwarden_core::l2`]); this client only does what it is asked:
+//!
+//! - [`L2Client::submit_write`] queues a write in the byte-bounded write-behind queue,
+//!   or drops it (counted) when the queue is full. Only published data may be submitted
+//!   (`failure-modes.md` row 29); the caller checks that.
+//! - [`L2Client::get`] and [`L2Client::exists_prefix`] are answered later, through
+//!   [`L2Client::drain`], always within the timeout: a deadline thread answers
+//!   `TimedOut` for whatever the L2 threads have not answered by then.
+//! - A value that fails any check of its header ([`kvwarden_core::l2::decode`]), or a
+//!   key that holds something other than a string, is a miss, counted as corrupt,
+//!   logged once per key, and deleted.
+
+mod config;
+mod connection;
+mod deadline;
+
+pub use config::{L2Config, L2ConfigError, MAX_THREADS};
+pub use connection::Mode;
+
+use connection::Conn;
+use deadline::Deadlines;
+use kvwarden_core::l2::{self, L2Counters, OpResult, Push, ReadOutcome, WriteOutcome, WriteQueue};
+use std::collections::hash_map::RandomState;
+use std::collections::{HashSet, VecDeque};
+use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Instant;
+
+/// Reads waiting for an L2 thread beyond which a new read is answered `TimedOut` at
+/// once: it could not be served within the timeout anyway.
+pub const READS_WAITING_MAX: usize = 4096;
+
+/// Corrupt keys remembered (as 64-bit hashes) so that each is logged once; the memory is
+/// forgotten (and a key may be logged again) when it fills.
+const CORRUPT_KEYS_LOGGED_MAX: usize = 65_536;
+
+/// How an existence check ended.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum PrefixOutcome {
+    /// Redis answered: this many leading keys exist. A corrupt value counts as
+    /// present here; the read that follows finds it out.
+    Present(usize),
+    /// No answer within the timeout.
+    TimedOut,
+    /// Redis or the connection failed.
+    Failed,
+}
+
+impl PrefixOutcome {
+    /// What the breaker makes of it.
+    pub fn op_result(self) -> OpResult {
+        match self {
+            PrefixOutcome::Present(_) => OpResult::Succeeded,
+            PrefixOutcome::TimedOut => OpResult::TimedOut,
+            PrefixOutcome::Failed => OpResult::Failed,
+        }
+    }
+}
+
+/// A result handed back to the caller.
+#[derive(Debug)]
+pub enum L2Completion {
+    /// The answer to [`L2Client::get`].
+    Read {
+        /// The caller's token.
+        token: u64,
+        /// The chunk's key, as given.
+        key: Vec<u8>,
+        /// How it ended.
+        outcome: ReadOutcome,
+        /// The payload, present exactly when `outcome` is [`ReadOutcome::Hit`].
+        payload: Option<Vec<u8>>,
+    },
+    /// The answer to [`L2Client::exists_prefix`].
+    Prefix {
+        /// The caller's token.
+        token: u64,
+        /// How it ended.
+        outcome: PrefixOutcome,
+    },
+    /// A write from the queue ended.
+    Written {
+        /// The chunk's key.
+        key: Vec<u8>,
+        /// How it ended.
+        outcome: WriteOutcome,
+    },
+}
+
+impl L2Completion {
+    /// What the breaker makes of it.
+    pub fn op_result(&self) -> OpResult {
+        match self {
+            L2Completion::Read { outcome, .. } => outcome.op_result(),
+            L2Completion::Prefix { outcome, .. } => outcome.op_result(),
+            L2Completion::Written { outcome, .. } => outcome.op_result(),
+        }
+    }
+}
+
+/// Why the client could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum L2SpawnError {
+    /// The configuration was refused.
+    #[error(transparent)]
+    Config(#[from] L2ConfigError),
+    /// A thread could not be started.
+    #[error(
+        "starting an L2 thread failed: {0}; raise the process's thread limit or lower --l2-threads"
+    )]
+    Thread(#[from] std::io::Error),
+}
+
+/// A read waiting for its answer, shared by the L2 thread that serves it and the
+/// deadline thread; whichever answers first wins, the other does nothing.
+struct PendingRead {
+    token: u64,
+    request: ReadRequest,
+    answered: AtomicBool,
+}
+
+enum ReadRequest {
+    Get(Vec<u8>),
+    Exists(Vec<Vec<u8>>),
+}
+
+/// A queued write: the caller's bytes, held until written.
+struct WriteTask {
+    key: Vec<u8>,
+    payload: Box<dyn AsRef<[u8]> + Send>,
+}
+
+struct Work {
+    reads: VecDeque<Arc<PendingRead>>,
+    writes: WriteQueue<WriteTask>,
+    shutdown: bool,
+}
+
+struct Shared {
+    config: L2Config,
+    work: Mutex<Work>,
+    work_ready: Condvar,
+    deadlines: Deadlines<PendingRead>,
+    completions: Mutex<VecDeque<L2Completion>>,
+    waker: mio::Waker,
+    counters: Mutex<L2Counters>,
+    corrupt_logged: Mutex<HashSet<u64>>,
+    corrupt_hasher: RandomState,
+    mode: Mutex<Option<Mode>>,
+}
+
+/// The L2 client: a handle on the L2 threads.
+pub struct L2Client {
+    shared: Arc<Shared>,
+}
+
+impl L2Client {
+    /// Checks `config` and starts its L2 threads and the deadline thread. Connects
+    /// lazily: an unreachable store is not an error here, only misses later.
+    pub fn spawn(config: L2Config, waker: mio::Waker) -> Result<L2Client, L2SpawnError> {
+        config.validate()?;
+        let threads = config.threads;
+        let shared = Arc::new(Shared {
+            work: Mutex::new(Work {
+                reads: VecDeque::new(),
+                writes: WriteQueue::new(config.write_queue_bytes),
+                shutdown: false,
+            }),
+            config,
+            work_ready: Condvar::new(),
+            deadlines: Deadlines::new(),
+            completions: Mutex::new(VecDeque::new()),
+            waker,
+            counters: Mutex::new(L2Counters::default()),
+            corrupt_logged: Mutex::new(HashSet::new()),
+            corrupt_hasher: RandomState::new(),
+            mode: Mutex::new(None),
+        });
+        let client = L2Client {
+            shared: Arc::clone(&shared),
+        };
+        // From here on, dropping `client` (on an error below) stops what was started.
+        let deadline_shared = Arc::clone(&shared);
+        std::thread::Builder::new()
+            .name("kvwarden-l2-deadline".into())
+            .spawn(move || {
+                deadline_shared
+                    .deadlines
+                    .run(|pending| deadline_shared.time_out(pending))
+            })?;
+        for index in 0..threads {
+            let worker_shared = Arc::clone(&shared);
+            std::thread::Builder::new()
+                .name(format!("kvwarden-l2-{index}"))
+                .spawn(move || worker_shared.serve())?;
+        }
+        Ok(client)
+    }
+
+    /// Queues `payload` to be written under `key`, or drops it (counted) when the queue
+    /// is full; never blocks. `payload` is held until the write ends: pass owned bytes,
+    /// or a guard that keeps an L1 slot from eviction. Only published data.
+    pub fn submit_write(&self, key: Vec<u8>, payload: impl AsRef<[u8]> + Send + 'static) -> Push {
+        let bytes = (payload.as_ref().len() as u64).saturating_add(l2::HEADER_BYTES as u64);
+        let task = WriteTask {
+            key,
+            payload: Box::new(payload),
+        };
+        let mut work = self.shared.lock_work();
+        let push = if work.shutdown {
+            Push::Dropped
+        } else {
+            work.writes.push(task, bytes)
+        };
+        drop(work);
+        match push {
+            Push::Queued => self.shared.work_ready.notify_one(),
+            Push::Dropped => self.shared.lock_counters().record_dropped_write(),
+        }
+        push
+    }
+
+    /// Reads `key`; the answer comes through [`L2Client::drain`] as
+    /// [`L2Completion::Read`] with `token`, within the timeout.
+    pub fn get(&self, token: u64, key: Vec<u8>) {
+        self.shared.submit_read(token, ReadRequest::Get(key));
+    }
+
+    /// Counts how many leading `keys` exist in L2 (pipelined); the answer comes through
+    /// [`L2Client::drain`] as [`L2Completion::Prefix`] with `token`, within the timeout.
+    pub fn exists_prefix(&self, token: u64, keys: Vec<Vec<u8>>) {
+        self.shared.submit_read(token, ReadRequest::Exists(keys));
+    }
+
+    /// Takes every result that arrived since the last call.
+    pub fn drain(&self) -> VecDeque<L2Completion> {
+        std::mem::take(
+            &mut *self
+                .shared
+                .completions
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()),
+        )
+    }
+
+    /// The counters now, `queue_bytes` included.
+    pub fn counters(&self) -> L2Counters {
+        let queue_bytes = self.shared.lock_work().writes.queue_bytes();
+        let mut counters = *self.shared.lock_counters();
+        counters.queue_bytes = queue_bytes;
+        counters
+    }
+
+    /// What the seeds turned out to be, once an L2 thread has connected.
+    pub fn mode(&self) -> Option<Mode> {
+        *self.shared.mode.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Drop for L2Client {
+    /// Stops the threads without waiting for them: one may be inside a Redis call that
+    /// only its timeout ends, and the caller must not wait for that. Queued writes are
+    /// dropped; nothing is reported after this.
+    fn drop(&mut self) {
+        self.shared.lock_work().shutdown = true;
+        self.shared.work_ready.notify_all();
+        self.shared.deadlines.shut_down();
+    }
+}
+
+/// What an L2 thread takes next.
+enum Job {
+    Read(Arc<PendingRead>),
+    Write(WriteTask, u64),
+}
+
+impl Shared {
+    fn lock_work(&self) -> std::sync::MutexGuard<'_, Work> {
+        self.work.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn lock_counters(&self) -> std::sync::MutexGuard<'_, L2Counters> {
+        self.counters.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn submit_read(&self, token: u64, request: ReadRequest) {
+        let pending = Arc::new(PendingRead {
+            token,
+            request,
+            answered: AtomicBool::new(false),
+        });
+        let mut work = self.lock_work();
+        if work.shutdown || work.reads.len() >= READS_WAITING_MAX {
+            drop(work);
+            self.time_out(&pending);
+            return;
+        }
+        work.reads.push_back(Arc::clone(&pending));
+        drop(work);
+        self.deadlines
+            .add(Instant::now() + self.config.timeout, Arc::clone(&pending));
+        self.work_ready.notify_one();
+    }
+
+    /// Answers `pending` unless it was answered already; counts and reports the answer.
+    fn answer(&self, pending: &PendingRead, outcome: Answer) -> bool {
+        if pending.answered.swap(true, Ordering::AcqRel) {
+            return false;
+        }
+        let completion = match (&pending.request, outcome) {
+            (ReadRequest::Get(key), Answer::Read(outcome, payload)) => {
+                self.lock_counters().record_read(outcome);
+                L2Completion::Read {
+                    token: pending.token,
+                    key: key.clone(),
+                    outcome,
+                    payload,
+                }
+            }
+            (ReadRequest::Exists(_), Answer::Prefix(outcome)) => {
+                self.lock_counters()
+                    .record_failed_probe(outcome.op_result());
+                L2Completion::Prefix {
+                    token: pending.token,
+                    outcome,
+                }
+            }
+            // An answer of the other kind is a bug here; answering a miss is safe.
+            (ReadRequest::Get(key), Answer::Prefix(_)) => {
+                self.lock_counters().record_read(ReadOutcome::Failed);
+                L2Completion::Read {
+                    token: pending.token,
+                    key: key.clone(),
+                    outcome: ReadOutcome::Failed,
+                    payload: None,
+                }
+            }
+            (ReadRequest::Exists(_), Answer::Read(..)) => {
+                self.lock_counters().record_failed_probe(OpResult::Failed);
+                L2Completion::Prefix {
+                    token: pending.token,
+                    outcome: PrefixOutcome::Failed,
+                }
+            }
+        };
+        self.complete(completion);
+        true
+    }
+
+    fn time_out(&self, pending: &PendingRead) {
+        let answer = match pending.request {
+            ReadRequest::Get(_) => Answer::Read(ReadOutcome::TimedOut, None),
+            ReadRequest::Exists(_) => Answer::Prefix(PrefixOutcome::TimedOut),
+        };
+        self.answer(pending, answer);
+    }
+
+    fn complete(&self, completion: L2Completion) {
+        if self.lock_work().shutdown {
+            return;
+        }
+        self.completions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push_back(completion);
+        if let Err(error) = self.waker.wake() {
+            tracing::error!(%error, "waking the event loop for an L2 result failed");
+        }
+    }
+
+    /// An L2 thread: reads first (a caller waits for them), then writes.
+    fn serve(&self) {
+        let mut conn: Option<Conn> = None;
+        loop {
+            let job = {
+                let mut work = self.lock_work();
+                loop {
+                    if work.shutdown {
+                        return;
+                    }
+                    if let Some(pending) = work.reads.pop_front() {
+                        break Job::Read(pending);
+                    }
+                    if let Some((task, bytes)) = work.writes.pop() {
+                        break Job::Write(task, bytes);
+                    }
+                    work = self
+                        .work_ready
+                        .wait(work)
+                        .unwrap_or_else(|e| e.into_inner());
+                }
+            };
+            match job {
+                Job::Read(pending) => {
+                    // Timed out while waiting for a thread: Redis is not asked at all.
+                    if pending.answered.load(Ordering::Acquire) {
+                        continue;
+                    }
+                    let answer = self.read(&mut conn, &pending.request);
+                    self.answer(&pending, answer);
+                }
+                Job::Write(task, bytes) => {
+                    let (key, outcome) = self.write(&mut conn, task);
+                    self.lock_work().writes.complete(bytes);
+                    self.lock_counters().record_write(outcome);
+                    self.complete(L2Completion::Written { key, outcome });
+                }
+            }
+        }
+    }
+
+    /// The thread's connection, made when missing.
+    fn connection<'a>(&self, conn: &'a mut Option<Conn>) -> redis::RedisResult<&'a mut Conn> {
+        if conn.is_none() {
+            let fresh = Conn::connect(&self.config.seeds, self.config.timeout)?;
+            let mut mode = self.mode.lock().unwrap_or_else(|e| e.into_inner());
+            if mode.is_none() {
+                tracing::info!(mode = ?fresh.mode(), seeds = ?self.config.seeds, "L2 connected");
+            }
+            *mode = Some(fresh.mode());
+            *conn = Some(fresh);
+        }
+        conn.as_mut()
+            .ok_or_else(|| redis::RedisError::from((redis::ErrorKind::Client, "no connection")))
+    }
+
+    fn read(&self, conn: &mut Option<Conn>, request: &ReadRequest) -> Answer {
+        match request {
+            ReadRequest::Get(key) => self.get(conn, key),
+            ReadRequest::Exists(keys) if keys.is_empty() => {
+                Answer::Prefix(PrefixOutcome::Present(0))
+            }
+            ReadRequest::Exists(keys) => {
+                let names: Vec<Vec<u8>> = keys
+                    .iter()
+                    .map(|key| self.config.namespace.redis_key(key))
+                    .collect();
+                let result = self
+                    .connection(conn)
+                    .and_then(|connection| connection.exists_each(&names));
+                match result {
+                    Ok(present) => Answer::Prefix(PrefixOutcome::Present(
+                        present.iter().take_while(|present| **present).count(),
+                    )),
+                    Err(error) => {
+                        *conn = None;
+                        tracing::debug!(%error, "L2 existence check failed");
+                        Answer::Prefix(if error.is_timeout() {
+                            PrefixOutcome::TimedOut
+                        } else {
+                            PrefixOutcome::Failed
+                        })
+                    }
+                }
+            }
+        }
+    }
+
+    fn get(&self, conn: &mut Option<Conn>, key: &[u8]) -> Answer {
+        let name = self.config.namespace.redis_key(key);
+        let result = self
+            .connection(conn)
+            .and_then(|connection| connection.get(&name));
+        match result {
+            Ok(None) => Answer::Read(ReadOutcome::Absent, None),
+            Ok(Some(mut value)) => match l2::decode(&value) {
+                Ok(_) => {
+                    value.drain(..l2::HEADER_BYTES);
+                    Answer::Read(ReadOutcome::Hit, Some(value))
+                }
+                Err(error) => {
+                    self.discard_corrupt(conn, key, &name, &error.to_string());
+                    Answer::Read(ReadOutcome::Corrupt, None)
+                }
+            },
+            Err(error) if connection::is_wrong_type(&error) => {
+                self.discard_corrupt(conn, key, &name, &error.to_string());
+                Answer::Read(ReadOutcome::Corrupt, None)
+            }
+            Err(error) => {
+                *conn = None;
+                tracing::debug!(%error, "L2 read failed");
+                Answer::Read(
+                    if error.is_timeout() {
+                        ReadOutcome::TimedOut
+                    } else {
+                        ReadOutcome::Failed
+                    },
+                    None,
+                )
+            }
+        }
+    }
+
+    /// Logs a corrupt value once per key and deletes it. Deleting may race with another
+    /// node writing a good value under the same key; losing that value costs one miss.
+    fn discard_corrupt(&self, conn: &mut Option<Conn>, key: &[u8], name: &[u8], why: &str) {
+        let first_time = {
+            let mut logged = self
+                .corrupt_logged
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            if logged.len() >= CORRUPT_KEYS_LOGGED_MAX {
+                logged.clear();
+            }
+            logged.insert(self.corrupt_hasher.hash_one(key))
+        };
+        if first_time {
+            tracing::warn!(
+                key = %String::from_utf8_lossy(name),
+                reason = why,
+                "L2 value is corrupt: answered as a miss and deleted"
+            );
+        }
+        let deleted = self
+            .connection(conn)
+            .and_then(|connection| connection.del(name));
+        if let Err(error) = deleted {
+            *conn = None;
+            tracing::debug!(%error, "deleting a corrupt L2 value failed; it stays a miss");
+        }
+    }
+
+    fn write(&self, conn: &mut Option<Conn>, task: WriteTask) -> (Vec<u8>, WriteOutcome) {
+        let name = self.config.namespace.redis_key(&task.key);
+        let value = l2::encode(task.payload.as_ref().as_ref());
+        // The caller's bytes (perhaps an L1 slot kept from eviction) are free from here.
+        drop(task.payload);
+        let result = self
+            .connection(conn)
+            .and_then(|connection| connection.set(&name, &value, self.config.ttl));
+        let outcome = match result {
+            Ok(()) => WriteOutcome::Written,
+            Err(error) => {
+                *conn = None;
+                tracing::debug!(%error, "L2 write failed");
+                if error.is_timeout() {
+                    WriteOutcome::TimedOut
+                } else {
+                    WriteOutcome::Failed
+                }
+            }
+        };
+        (task.key, outcome)
+    }
+}
+
+/// An answer from an L2 thread or the deadline thread.
+enum Answer {
+    Read(ReadOutcome, Option<Vec<u8>>),
+    Prefix(PrefixOutcome),
+}
+
+#[cfg(test)]
+mod tests;
