@@ -32,7 +32,7 @@ pub enum Event {
     BuildDone {
         /// The server boot that started it.
         boot: u64,
-        /// The server's build serial.
+        /// The node's context id.
         build: u64,
         /// Whether it failed.
         failed: bool,
@@ -41,8 +41,22 @@ pub enum Event {
     CopyDone {
         /// The server boot that started it.
         boot: u64,
-        /// The context it used.
-        context: u64,
+        /// The node's copy id.
+        copy: u64,
+    },
+    /// Rope tables are computed.
+    BlendDone {
+        /// The server boot that started it.
+        boot: u64,
+        /// The node's computation id.
+        blend: u64,
+    },
+    /// A free returned.
+    FreeDone {
+        /// The server boot that started it.
+        boot: u64,
+        /// The node's free id.
+        free: u64,
     },
     /// The pidfd of a same-host worker reports its exit.
     ExitNotice {
