@@ -12,10 +12,10 @@ use std::collections::BinaryHeap;
 /// Something scheduled to happen.
 #[derive(Debug)]
 pub enum Event {
-    /// A request reaches the server's socket.
-    ToServer(Envelope),
+    /// A request reaches the server's socket (boxed: the agenda moves its items).
+    ToServer(Box<Envelope>),
     /// A reply reaches a worker.
-    ToWorker(ReplyEnvelope),
+    ToWorker(Box<ReplyEnvelope>),
     /// A worker's next timer (valid while `generation` is the worker's current one).
     WorkerWake {
         /// The slot.

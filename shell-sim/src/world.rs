@@ -206,11 +206,11 @@ impl World {
             }
             Event::ToServer(envelope) => {
                 self.mix(2 ^ (envelope.slot as u64) << 8 ^ envelope.code() << 24);
-                self.deliver_to_server(envelope);
+                self.deliver_to_server(*envelope);
             }
             Event::ToWorker(envelope) => {
                 self.mix(3 ^ (envelope.slot as u64) << 8);
-                self.deliver_to_worker(envelope);
+                self.deliver_to_worker(*envelope);
             }
             Event::WorkerWake { slot, generation } => {
                 let current = self.workers[slot]
@@ -383,10 +383,10 @@ impl World {
             .send(&mut self.rng, self.now, slot, Way::ToServer);
         match arrivals {
             [Some(first), Some(second)] => {
-                self.agenda.push(first, Event::ToServer(envelope.clone()));
-                self.agenda.push(second, Event::ToServer(envelope));
+                self.agenda.push(first, Event::ToServer(Box::new(envelope.clone())));
+                self.agenda.push(second, Event::ToServer(Box::new(envelope)));
             }
-            [Some(first), None] => self.agenda.push(first, Event::ToServer(envelope)),
+            [Some(first), None] => self.agenda.push(first, Event::ToServer(Box::new(envelope))),
             _ => {}
         }
     }
@@ -442,7 +442,7 @@ impl World {
                 same_host,
                 payload,
             };
-            self.agenda.push(self.now + 1, Event::ToServer(envelope));
+            self.agenda.push(self.now + 1, Event::ToServer(Box::new(envelope)));
         }
     }
 
@@ -622,10 +622,10 @@ impl World {
             .send(&mut self.rng, self.now, reply.slot, Way::ToWorker);
         match arrivals {
             [Some(first), Some(second)] => {
-                self.agenda.push(first, Event::ToWorker(reply.clone()));
-                self.agenda.push(second, Event::ToWorker(reply));
+                self.agenda.push(first, Event::ToWorker(Box::new(reply.clone())));
+                self.agenda.push(second, Event::ToWorker(Box::new(reply)));
             }
-            [Some(first), None] => self.agenda.push(first, Event::ToWorker(reply)),
+            [Some(first), None] => self.agenda.push(first, Event::ToWorker(Box::new(reply))),
             _ => {}
         }
     }
