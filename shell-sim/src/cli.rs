@@ -380,9 +380,10 @@ pub fn run_swarm(seeds: &[u64], options: &SwarmOptions) -> i32 {
             println!(
                 "  replay: cargo run --release -p kvwarden-sim -- swarm --seeds {} -v{}",
                 outcome.seed,
-                options
-                    .bug
-                    .map_or(String::new(), |bug| format!(" --inject-bug {}", bug.label()))
+                options.bug.map_or(String::new(), |bug| format!(
+                    " --inject-bug {}",
+                    bug.label()
+                ))
             );
         }
         if code == 0 {

@@ -454,11 +454,7 @@ impl Checker {
     /// reference model holds and the node no longer does (`still_present`) were
     /// reaped, the others `removed` otherwise (a shutdown's unregistering). `reported`
     /// gives the silence and proven flag the node's `StartFree` carried, if any.
-    pub fn reaped(
-        &mut self,
-        count: u64,
-        gone: Vec<(Key, Option<(Nanos, bool)>, bool)>,
-    ) {
+    pub fn reaped(&mut self, count: u64, gone: Vec<(Key, Option<(Nanos, bool)>, bool)>) {
         let mut found = 0;
         for (key, reported, removed) in gone {
             self.touched_instances.push(key.0);

@@ -600,7 +600,11 @@ impl Reader<'_> {
             }
             "intrude" => {
                 let from = slots()?;
-                let target = raw.target.as_ref().map(|t| vec![t.clone()]).unwrap_or_default();
+                let target = raw
+                    .target
+                    .as_ref()
+                    .map(|t| vec![t.clone()])
+                    .unwrap_or_default();
                 let target = self.slots(&field("target"), &target, workers)?;
                 if from.len() != 1 || target.len() != 1 || from[0] == target[0] {
                     return Err(self.bad(

@@ -26,7 +26,10 @@ use kvwarden_core::node::{
 use kvwarden_core::protocol::{BufferSpec, ErrorCode, Op, ProtocolError};
 use kvwarden_core::{Config, FreeCause, InstanceId, Module, TransferError};
 use rmpv::Value;
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+/// A hash map with a fixed seed: lookups only, never iterated into the trace.
+type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::FixedState>;
 
 /// Slots of the node's L1 pool.
 pub const NUM_SLOTS: usize = 256;
@@ -123,14 +126,53 @@ pub struct ServerStats {
     pub connections_closed: u64,
 }
 
+/// What a request asks, as far as the checker must know to read its answer (an op
+/// without its payload: no clone on the request path).
+enum Asked {
+    Ping,
+    Register(Module),
+    Unregister(Module),
+    Transfer(Module),
+    Prepare(Vec<u8>),
+    Commit(Vec<u8>),
+    Other,
+}
+
+impl Asked {
+    fn of(op: &Op) -> Asked {
+        match op {
+            Op::Ping { .. } => Asked::Ping,
+            Op::RegisterKvCache { .. } => Asked::Register(Module::ServerDriven),
+            Op::RegisterEngineDriven { .. } => Asked::Register(Module::EngineDriven),
+            Op::UnregisterKvCache { .. } => Asked::Unregister(Module::ServerDriven),
+            Op::UnregisterEngineDriven { .. } => Asked::Unregister(Module::EngineDriven),
+            Op::Store { .. }
+            | Op::Retrieve { .. }
+            | Op::StoreBatch { .. }
+            | Op::RetrieveBatch { .. } => Asked::Transfer(Module::ServerDriven),
+            Op::PrepareStore { key, .. } => Asked::Prepare(key.clone()),
+            Op::CommitStore { key, .. } => Asked::Commit(key.clone()),
+            Op::PrepareRetrieve { .. } | Op::CommitRetrieve { .. } => {
+                Asked::Transfer(Module::EngineDriven)
+            }
+            Op::Hello { .. } | Op::Lookup { .. } | Op::RegisterBlend { .. } | Op::Status => {
+                Asked::Other
+            }
+        }
+    }
+}
+
 /// What the call being made is about, to read the node's outputs.
 enum Call {
     Request {
         conn: ConnId,
         request_id: u64,
-        op: Op,
+        name: &'static str,
+        instance: Option<InstanceId>,
+        asked: Asked,
         exiting: bool,
-        before: [Option<kvwarden_core::EntryView>; 2],
+        /// The named instance's entries before, when it is not the sender's own.
+        before: Option<[Option<kvwarden_core::EntryView>; 2]>,
     },
     BuildDone {
         key: Key,
@@ -153,6 +195,7 @@ pub struct Server {
     /// SIGSTOPped.
     pub paused: bool,
     node: Option<Node>,
+    outputs: Vec<Output>,
     inbox: VecDeque<Input>,
     conns: HashMap<(usize, u32, Channel), ConnId>,
     peers: HashMap<ConnId, (usize, u32)>,
@@ -191,14 +234,15 @@ impl Server {
             state: ServerState::Down,
             paused: false,
             node: None,
+            outputs: Vec::new(),
             inbox: VecDeque::new(),
-            conns: HashMap::new(),
-            peers: HashMap::new(),
+            conns: HashMap::default(),
+            peers: HashMap::default(),
             next_conn: 0,
-            ledger: HashMap::new(),
-            builds: HashMap::new(),
-            copies: HashMap::new(),
-            frees: HashMap::new(),
+            ledger: HashMap::default(),
+            builds: HashMap::default(),
+            copies: HashMap::default(),
+            frees: HashMap::default(),
             blend: BTreeSet::new(),
             reserved: BTreeMap::new(),
             reserved_total: 0,
@@ -392,10 +436,9 @@ impl Server {
         self.conns.insert(key, conn);
         self.peers
             .insert(conn, (envelope.slot, envelope.incarnation));
-        let process = envelope.same_host.then_some((
-            ProcessKey(envelope.instance.get()),
-            DeathNotice::PidfdByPid,
-        ));
+        let process = envelope
+            .same_host
+            .then_some((ProcessKey(envelope.instance.get()), DeathNotice::PidfdByPid));
         let input = NodeInput::Connected {
             conn,
             uid: Some(envelope.uid),
@@ -464,7 +507,13 @@ impl Server {
                 if let Some(context) = self.frees.remove(&free) {
                     checker.released(context);
                 }
-                self.call(now, Some(NodeInput::FreeDone { free }), Call::Other, checker, out);
+                self.call(
+                    now,
+                    Some(NodeInput::FreeDone { free }),
+                    Call::Other,
+                    checker,
+                    out,
+                );
             }
             Input::ExitNotice(instance) => {
                 let process = ProcessKey(instance.get());
@@ -476,7 +525,13 @@ impl Server {
         }
     }
 
-    fn request(&mut self, now: Nanos, envelope: Envelope, checker: &mut Checker, out: &mut ServerOut) {
+    fn request(
+        &mut self,
+        now: Nanos,
+        envelope: Envelope,
+        checker: &mut Checker,
+        out: &mut ServerOut,
+    ) {
         let conn = self.conn(now, &envelope, checker, out);
         let exiting = envelope.exiting;
         let (request_id, op, fds) = match envelope.payload {
@@ -510,14 +565,16 @@ impl Server {
             }
             Payload::Bytes(_) => return, // decoded on arrival; never here
         };
-        let before = match op.instance() {
-            Some(instance) => self.entries(instance),
-            None => [None, None],
-        };
+        let instance = op.instance();
+        let before = instance
+            .filter(|&named| named != envelope.instance)
+            .map(|named| self.entries(named));
         let call = Call::Request {
             conn,
             request_id,
-            op: op.clone(),
+            name: op.name(),
+            instance,
+            asked: Asked::of(&op),
             exiting,
             before,
         };
@@ -565,7 +622,7 @@ impl Server {
             Some(input) => node.handle_input(at, input),
             None => node.handle_timeout(at),
         }
-        let mut outputs = Vec::new();
+        let mut outputs = std::mem::take(&mut self.outputs);
         while let Some(output) = node.poll_output() {
             outputs.push(output);
         }
@@ -574,7 +631,7 @@ impl Server {
         let mut exits = Vec::new();
         let mut exit_noted = false;
         let mut engine_freed = false;
-        for output in outputs {
+        for output in outputs.drain(..) {
             match output {
                 Output::Reply {
                     conn,
@@ -597,9 +654,8 @@ impl Server {
                     let lens = buffers
                         .iter()
                         .map(|buffer| match buffer {
-                            BufferSpec::Memfd { nbytes, .. } | BufferSpec::CudaIpc { nbytes, .. } => {
-                                *nbytes
-                            }
+                            BufferSpec::Memfd { nbytes, .. }
+                            | BufferSpec::CudaIpc { nbytes, .. } => *nbytes,
                         })
                         .collect();
                     self.builds.insert(context, ((instance, module), lens));
@@ -694,6 +750,7 @@ impl Server {
                 }
             }
         }
+        self.outputs = outputs;
         if let Call::Exit(instance) = call
             && !exit_noted
         {
@@ -738,7 +795,13 @@ impl Server {
 
     /// What the checker must know before the outputs are carried out: how the node
     /// answered the request (or took the build's outcome).
-    fn before_outputs(&mut self, now: Nanos, call: &Call, outputs: &[Output], checker: &mut Checker) {
+    fn before_outputs(
+        &mut self,
+        now: Nanos,
+        call: &Call,
+        outputs: &[Output],
+        checker: &mut Checker,
+    ) {
         match call {
             Call::BuildDone {
                 key,
@@ -758,7 +821,9 @@ impl Server {
             Call::Request {
                 conn,
                 request_id,
-                op,
+                name,
+                instance,
+                asked,
                 exiting,
                 before,
             } => {
@@ -772,19 +837,20 @@ impl Server {
                     _ => None,
                 });
                 let code = reply.and_then(|r| r.as_ref().err()).map(|e| e.code);
-                let Some(instance) = op.instance() else {
+                let Some(instance) = *instance else {
                     return;
                 };
                 if code == Some(ErrorCode::Forbidden) {
                     self.stats.forbidden += 1;
-                    if self.entries(instance) != *before {
+                    if let Some(before) = before
+                        && self.entries(instance) != *before
+                    {
                         checker.fail(
                             crate::violation::Class::Safety,
                             "forbidden_touched",
                             format!(
-                                "a `{}` from another uid was refused `forbidden`, yet instance \
-                                 {instance}'s entries changed: {before:?} → {:?}",
-                                op.name(),
+                                "a `{name}` from another uid was refused `forbidden`, yet \
+                                 instance {instance}'s entries changed: {before:?} → {:?}",
                                 self.entries(instance)
                             ),
                         );
@@ -794,28 +860,25 @@ impl Server {
                 if code == Some(ErrorCode::Unavailable) {
                     return; // shutting down: refused before anything
                 }
-                if let Op::Ping { .. } = op {
+                if let Asked::Ping = asked {
                     if let Some(Ok(Value::Boolean(tracked))) = reply {
                         checker.ping(now, instance, *tracked);
                     }
                     return;
                 }
                 checker.evidence(now, instance);
-                let transfer = |module: Module| -> Option<(Key, Result<Option<u64>, TransferError>)> {
-                    let result = match code {
-                        Some(ErrorCode::NotRegistered) => Err(TransferError::NotRegistered),
-                        Some(ErrorCode::NotReady) => Err(TransferError::NotReady),
-                        _ => Ok(None),
-                    };
-                    Some(((instance, module), result))
-                };
-                let transfer = match op {
-                    Op::RegisterKvCache { .. } | Op::RegisterEngineDriven { .. } => {
-                        let module = match op {
-                            Op::RegisterKvCache { .. } => Module::ServerDriven,
-                            _ => Module::EngineDriven,
+                let transfer =
+                    |module: Module| -> Option<(Key, Result<Option<u64>, TransferError>)> {
+                        let result = match code {
+                            Some(ErrorCode::NotRegistered) => Err(TransferError::NotRegistered),
+                            Some(ErrorCode::NotReady) => Err(TransferError::NotReady),
+                            _ => Ok(None),
                         };
-                        let key = (instance, module);
+                        Some(((instance, module), result))
+                    };
+                let transfer = match asked {
+                    Asked::Register(module) => {
+                        let key = (instance, *module);
                         let build = outputs.iter().find_map(|output| match output {
                             Output::StartBuild {
                                 context,
@@ -832,30 +895,27 @@ impl Server {
                         }
                         None
                     }
-                    Op::UnregisterKvCache { .. } | Op::UnregisterEngineDriven { .. } => {
-                        let module = match op {
-                            Op::UnregisterKvCache { .. } => Module::ServerDriven,
-                            _ => Module::EngineDriven,
-                        };
+                    Asked::Unregister(module) => {
                         if let Some(Ok(Value::Boolean(was))) = reply {
-                            checker.unregister(now, (instance, module), *was, *exiting);
+                            checker.unregister(now, (instance, *module), *was, *exiting);
                         }
                         None
                     }
-                    Op::Store { .. }
-                    | Op::Retrieve { .. }
-                    | Op::StoreBatch { .. }
-                    | Op::RetrieveBatch { .. } => transfer(Module::ServerDriven),
-                    Op::PrepareStore { key, .. } => {
+                    Asked::Transfer(module) => transfer(*module),
+                    Asked::Prepare(key) => {
                         if let Some(Ok(Value::Map(grant))) = reply
                             && grant.iter().any(|(k, _)| k.as_str() == Some("slot"))
-                            && self.reserved.entry(instance).or_default().insert(key.clone())
+                            && self
+                                .reserved
+                                .entry(instance)
+                                .or_default()
+                                .insert(key.clone())
                         {
                             self.reserved_total += 1;
                         }
                         transfer(Module::EngineDriven)
                     }
-                    Op::CommitStore { key, .. } => {
+                    Asked::Commit(key) => {
                         if let Some(keys) = self.reserved.get_mut(&instance)
                             && keys.remove(key)
                         {
@@ -863,10 +923,7 @@ impl Server {
                         }
                         transfer(Module::EngineDriven)
                     }
-                    Op::PrepareRetrieve { .. } | Op::CommitRetrieve { .. } => {
-                        transfer(Module::EngineDriven)
-                    }
-                    _ => None,
+                    Asked::Ping | Asked::Other => None,
                 };
                 if let Some((key, mut result)) = transfer {
                     if let Ok(context) = &mut result {
@@ -884,7 +941,12 @@ impl Server {
 
     /// Entries the reference model holds and the node no longer does: reaps (the
     /// registry's counter says how many), or a shutdown's unregistering.
-    fn reconcile(&mut self, reaped_before: u64, freed: &[(Key, FreeCause)], checker: &mut Checker) -> u64 {
+    fn reconcile(
+        &mut self,
+        reaped_before: u64,
+        freed: &[(Key, FreeCause)],
+        checker: &mut Checker,
+    ) -> u64 {
         let Some(node) = self.node.as_ref() else {
             return 0;
         };

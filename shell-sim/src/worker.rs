@@ -17,7 +17,10 @@ use crate::time::{Nanos, duration, instant};
 use kvwarden_core::protocol::{BufferSpec, ErrorCode, Op, ProtocolError, RopeSpec};
 use kvwarden_core::{Heartbeat, HeartbeatAction, HeartbeatConfig, InstanceId, Module, PingReply};
 use rmpv::Value;
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
+
+/// A hash map with a fixed seed (pruned with `retain`, never iterated into the trace).
+type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::FixedState>;
 
 /// Bytes of the one memfd buffer a worker registers.
 pub const BUFFER_BYTES: u64 = 1 << 20;
@@ -27,10 +30,20 @@ pub const STORE_BYTES: u64 = 4096;
 /// What a request in flight was, to read its reply.
 #[derive(Clone, Debug, PartialEq)]
 enum Pending {
-    Ping { seq: u64 },
-    Register { module: Module, round: u64 },
-    Unregister { module: Module },
-    Transfer { module: Module, prepared: Option<Vec<u8>> },
+    Ping {
+        seq: u64,
+    },
+    Register {
+        module: Module,
+        round: u64,
+    },
+    Unregister {
+        module: Module,
+    },
+    Transfer {
+        module: Module,
+        prepared: Option<Vec<u8>>,
+    },
     Commit,
     Blend,
 }
@@ -137,7 +150,7 @@ pub struct Worker {
     last_request_deadline: Nanos,
     held_replies: Vec<(u64, Result<Value, ProtocolError>)>,
     request_serial: u64,
-    pending: BTreeMap<u64, (Nanos, Pending)>,
+    pending: HashMap<u64, (Nanos, Pending)>,
     /// Counters.
     pub stats: WorkerStats,
     /// The instant of the pending wake event, and its generation.
@@ -174,7 +187,7 @@ impl Worker {
             last_request_deadline: 0,
             held_replies: Vec::new(),
             request_serial: 0,
-            pending: BTreeMap::new(),
+            pending: HashMap::default(),
             stats: WorkerStats::default(),
             wake_at: None,
             wake_generation: 0,
@@ -551,12 +564,10 @@ impl Worker {
                     }
                 }
             },
-            Module::EngineDriven => {
-                Op::PrepareStore {
-                    instance: self.instance,
-                    key,
-                }
-            }
+            Module::EngineDriven => Op::PrepareStore {
+                instance: self.instance,
+                key,
+            },
         }
     }
 
@@ -581,7 +592,8 @@ impl Worker {
             _ => 0,
         };
         let id = self.track(now, pending);
-        out.requests.push((Channel::Main, Payload::Op { id, op, fds }));
+        out.requests
+            .push((Channel::Main, Payload::Op { id, op, fds }));
     }
 
     /// The REGISTERs of every module, as this process sends them (the

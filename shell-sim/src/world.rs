@@ -383,8 +383,10 @@ impl World {
             .send(&mut self.rng, self.now, slot, Way::ToServer);
         match arrivals {
             [Some(first), Some(second)] => {
-                self.agenda.push(first, Event::ToServer(Box::new(envelope.clone())));
-                self.agenda.push(second, Event::ToServer(Box::new(envelope)));
+                self.agenda
+                    .push(first, Event::ToServer(Box::new(envelope.clone())));
+                self.agenda
+                    .push(second, Event::ToServer(Box::new(envelope)));
             }
             [Some(first), None] => self.agenda.push(first, Event::ToServer(Box::new(envelope))),
             _ => {}
@@ -397,7 +399,11 @@ impl World {
         use rmpv::Value;
         let valid = match self.rng.between(0, 3) {
             0 => body(id, "ping", vec![Value::from(instance.get())]),
-            1 => body(id, "lookup", vec![Value::Array(vec![Value::Binary(vec![1, 2])])]),
+            1 => body(
+                id,
+                "lookup",
+                vec![Value::Array(vec![Value::Binary(vec![1, 2])])],
+            ),
             2 => body(id, "status", Vec::new()),
             _ => body(id, "store", vec![Value::from("not an id"), Value::Nil]),
         };
@@ -442,7 +448,8 @@ impl World {
                 same_host,
                 payload,
             };
-            self.agenda.push(self.now + 1, Event::ToServer(Box::new(envelope)));
+            self.agenda
+                .push(self.now + 1, Event::ToServer(Box::new(envelope)));
         }
     }
 
@@ -575,7 +582,8 @@ impl World {
             );
         }
         for blend in out.blends {
-            self.agenda.push(now + MILLISECOND, Event::BlendDone { boot, blend });
+            self.agenda
+                .push(now + MILLISECOND, Event::BlendDone { boot, blend });
         }
         for free in out.free_jobs {
             if self.free_hang_rate > 0.0 && self.rng.chance(self.free_hang_rate) {
@@ -622,7 +630,8 @@ impl World {
             .send(&mut self.rng, self.now, reply.slot, Way::ToWorker);
         match arrivals {
             [Some(first), Some(second)] => {
-                self.agenda.push(first, Event::ToWorker(Box::new(reply.clone())));
+                self.agenda
+                    .push(first, Event::ToWorker(Box::new(reply.clone())));
                 self.agenda.push(second, Event::ToWorker(Box::new(reply)));
             }
             [Some(first), None] => self.agenda.push(first, Event::ToWorker(Box::new(reply))),

@@ -165,7 +165,8 @@ fn a_node_that_frees_while_a_copy_runs_is_caught() {
 
 #[test]
 fn a_node_that_never_starts_a_free_leaks_and_is_caught() {
-    let (class, invariant, detail) = violation_with_bug("01-sigkill-same-host.toml", "leak_on_free");
+    let (class, invariant, detail) =
+        violation_with_bug("01-sigkill-same-host.toml", "leak_on_free");
     assert_eq!(
         (class, invariant),
         (Class::Liveness, "context_leaked"),
@@ -179,7 +180,11 @@ fn a_node_that_never_reaps_spins_and_is_caught() {
     // Its registry is never told the time, so its wake stays in the past: the loop
     // spins at one instant.
     let (class, invariant, detail) = violation_with_bug("02-sigkill-not-visible.toml", "skip_reap");
-    assert_eq!((class, invariant), (Class::Liveness, "livelock"), "{detail}");
+    assert_eq!(
+        (class, invariant),
+        (Class::Liveness, "livelock"),
+        "{detail}"
+    );
 }
 
 #[test]

@@ -3,9 +3,9 @@
 use super::World;
 use crate::config::Action;
 use crate::event::Event;
+use crate::message::{Channel, Envelope, Payload};
 use crate::server::{ServerOut, ServerState};
 use crate::time::Nanos;
-use crate::message::{Channel, Envelope, Payload};
 use crate::worker::{Outbox, Process, Worker};
 use kvwarden_core::protocol::{BufferSpec, Op};
 
