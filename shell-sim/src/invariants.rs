@@ -67,6 +67,10 @@ pub struct ShellView<'a> {
     pub l1_explained: usize,
 }
 
+/// An entry the node no longer holds: its key, the silence and proven flag its free
+/// reported (a reap), and whether it was removed otherwise (a shutdown's unregistering).
+pub type Gone = (Key, Option<(Nanos, bool)>, bool);
+
 /// The checker of one run.
 #[derive(Debug)]
 pub struct Checker {
@@ -450,11 +454,11 @@ impl Checker {
         }
     }
 
-    /// The registry's reap counter rose by `count` during one call: the entries the
-    /// reference model holds and the node no longer does (`still_present`) were
-    /// reaped, the others `removed` otherwise (a shutdown's unregistering). `reported`
-    /// gives the silence and proven flag the node's `StartFree` carried, if any.
-    pub fn reaped(&mut self, count: u64, gone: Vec<(Key, Option<(Nanos, bool)>, bool)>) {
+    /// The registry's reap counter rose by `count` during one call, and `gone` lists
+    /// the entries the reference model holds and the node no longer does: each is
+    /// judged as a reap, unless it was removed otherwise (a shutdown's unregistering).
+    /// The count of reaps must match.
+    pub fn reaped(&mut self, count: u64, gone: Vec<Gone>) {
         let mut found = 0;
         for (key, reported, removed) in gone {
             self.touched_instances.push(key.0);

@@ -14,7 +14,9 @@
 use crate::config::{HeartbeatStart, WorkerSpec};
 use crate::message::{Channel, Payload, body};
 use crate::time::{Nanos, duration, instant};
-use kvwarden_core::protocol::{BufferSpec, ErrorCode, Op, ProtocolError, RopeSpec};
+use kvwarden_core::protocol::{
+    BufferSpec, ErrorCode, Op, ProtocolError, RetrieveItem, RopeSpec, StoreItem,
+};
 use kvwarden_core::{Heartbeat, HeartbeatAction, HeartbeatConfig, InstanceId, Module, PingReply};
 use rmpv::Value;
 use std::collections::VecDeque;
@@ -540,33 +542,68 @@ impl Worker {
         }
     }
 
-    /// A transfer: server-driven stores a fresh key, then reads back the last one;
-    /// engine-driven prepares a store (committed `commit_after` later).
+    /// A transfer: server-driven cycles through `store` of a fresh key, `retrieve` of
+    /// it, `store_batch` of two fresh keys and `retrieve_batch` of them; engine-driven
+    /// prepares a store (committed `commit_after` later).
     fn transfer_op(&mut self, module: Module) -> Op {
-        let mut key = self.instance.get().to_le_bytes().to_vec();
-        key.extend_from_slice(&self.op_serial.to_le_bytes());
+        let key = |serial: u64| {
+            let mut key = self.instance.get().to_le_bytes().to_vec();
+            key.extend_from_slice(&serial.to_le_bytes());
+            key
+        };
+        let fresh = key(self.op_serial);
+        let instance = self.instance;
         match module {
-            Module::ServerDriven => match self.last_stored.take() {
-                Some(previous) if self.op_serial % 2 == 0 => Op::Retrieve {
-                    instance: self.instance,
-                    key: previous,
-                    buffer: 0,
-                    offset: 0,
-                },
-                _ => {
-                    self.last_stored = Some(key.clone());
-                    Op::Store {
-                        instance: self.instance,
-                        key,
+            Module::ServerDriven => {
+                let previous = self.last_stored.take().unwrap_or_else(|| fresh.clone());
+                match self.op_serial % 4 {
+                    1 => {
+                        self.last_stored = Some(fresh.clone());
+                        Op::Store {
+                            instance,
+                            key: fresh,
+                            buffer: 0,
+                            offset: 0,
+                            nbytes: STORE_BYTES,
+                        }
+                    }
+                    2 => Op::Retrieve {
+                        instance,
+                        key: previous,
                         buffer: 0,
                         offset: 0,
-                        nbytes: STORE_BYTES,
+                    },
+                    3 => {
+                        self.last_stored = Some(fresh.clone());
+                        let items = [fresh, key(self.op_serial | 1 << 63)]
+                            .into_iter()
+                            .enumerate()
+                            .map(|(index, key)| StoreItem {
+                                key,
+                                buffer: 0,
+                                offset: index as u64 * STORE_BYTES,
+                                nbytes: STORE_BYTES,
+                            })
+                            .collect();
+                        Op::StoreBatch { instance, items }
+                    }
+                    _ => {
+                        let items = [previous, fresh]
+                            .into_iter()
+                            .enumerate()
+                            .map(|(index, key)| RetrieveItem {
+                                key,
+                                buffer: 0,
+                                offset: index as u64 * STORE_BYTES,
+                            })
+                            .collect();
+                        Op::RetrieveBatch { instance, items }
                     }
                 }
-            },
+            }
             Module::EngineDriven => Op::PrepareStore {
-                instance: self.instance,
-                key,
+                instance,
+                key: fresh,
             },
         }
     }
