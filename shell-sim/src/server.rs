@@ -205,6 +205,11 @@ pub struct Server {
     builds: HashMap<ContextId, (Key, Vec<u64>)>,
     copies: HashMap<CopyId, u64>,
     frees: HashMap<FreeId, u64>,
+    /// Frees running: their key, start and the pause time before it (their run time
+    /// excludes the server's pauses: its threads were stopped too).
+    free_runs: BTreeMap<FreeId, (Key, Nanos, Nanos)>,
+    paused_total: Nanos,
+    paused_since: Nanos,
     /// Instances holding rope tables (the shell keeps them; the node names them).
     pub blend: BTreeSet<InstanceId>,
     /// Reservations granted to engine-driven instances and not yet committed.
@@ -243,6 +248,9 @@ impl Server {
             builds: HashMap::default(),
             copies: HashMap::default(),
             frees: HashMap::default(),
+            free_runs: BTreeMap::new(),
+            paused_total: 0,
+            paused_since: 0,
             blend: BTreeSet::new(),
             reserved: BTreeMap::new(),
             reserved_total: 0,
@@ -353,6 +361,7 @@ impl Server {
     pub fn pause(&mut self, now: Nanos, checker: &mut Checker) {
         if self.state == ServerState::Up && !self.paused {
             self.paused = true;
+            self.paused_since = now;
             checker.server_paused(now);
         }
     }
@@ -363,6 +372,7 @@ impl Server {
             return;
         }
         self.paused = false;
+        self.paused_total += now - self.paused_since;
         if self.bug == Some(InjectedBug::TimeoutBeforeInput) {
             self.turn(now, checker, out);
         }
@@ -384,6 +394,7 @@ impl Server {
         self.builds.clear();
         self.copies.clear();
         self.frees.clear();
+        self.free_runs.clear();
         self.blend.clear();
         self.reserved.clear();
         self.reserved_total = 0;
@@ -399,7 +410,10 @@ impl Server {
         if self.state != ServerState::Up {
             return;
         }
-        self.paused = false;
+        if self.paused {
+            self.paused = false;
+            self.paused_total += now - self.paused_since;
+        }
         while let Some(input) = self.inbox.pop_front() {
             self.read(now, input, checker, out);
         }
@@ -507,6 +521,7 @@ impl Server {
                 if let Some(context) = self.frees.remove(&free) {
                     checker.released(context);
                 }
+                self.free_runs.remove(&free);
                 self.call(
                     now,
                     Some(NodeInput::FreeDone { free }),
@@ -704,6 +719,8 @@ impl Server {
                         }
                     }
                     self.frees.insert(free, id);
+                    self.free_runs
+                        .insert(free, ((instance, module), now, self.paused_total));
                     out.free_jobs.push(free.0);
                     out.frees.push(FreeRecord {
                         instance,
@@ -741,7 +758,36 @@ impl Server {
                         self.stats.reservations_discarded +=
                             reservations_discarded as u64 + pins_released;
                     }
-                    Note::FreeHung { .. } => self.stats.frees_hung += 1,
+                    Note::FreeHung {
+                        instance,
+                        module,
+                        watchdog,
+                    } => {
+                        self.stats.frees_hung += 1;
+                        let watchdog = nanos_of(watchdog);
+                        let longest = self
+                            .free_runs
+                            .values()
+                            .filter(|(key, _, _)| *key == (instance, module))
+                            .map(|&(_, start, paused)| {
+                                (now - start).saturating_sub(self.paused_total - paused)
+                            })
+                            .max();
+                        if longest.is_none_or(|ran| ran < watchdog) {
+                            checker.fail(
+                                crate::violation::Class::Liveness,
+                                "free_reported_hung_early",
+                                format!(
+                                    "the node reported a free of instance {instance} ({}) hung \
+                                     after its watchdog of {:.3}s, but it has run {:.3}s: the \
+                                     server's own pause counted as the free's time",
+                                    module.label(),
+                                    crate::time::as_seconds(watchdog),
+                                    crate::time::as_seconds(longest.unwrap_or(0))
+                                ),
+                            );
+                        }
+                    }
                     _ => {}
                 },
                 Output::Stopped { .. } => {

@@ -49,6 +49,10 @@ pub struct World {
     gone: BTreeMap<InstanceId, Nanos>,
     build_failure_rate: f64,
     free_hang_rate: f64,
+    /// When the server was paused, and the jobs of its threads that would have finished
+    /// meanwhile with the time they still needed: a SIGSTOP stops every thread.
+    paused_at: Nanos,
+    frozen_jobs: Vec<(Nanos, Event)>,
     max_link_delay: Nanos,
     snapshots: Vec<Option<Snapshot>>,
 }
@@ -100,6 +104,8 @@ impl World {
             gone: BTreeMap::new(),
             build_failure_rate: cfg.server.build_failure_rate,
             free_hang_rate: cfg.server.free_hang_rate,
+            paused_at: 0,
+            frozen_jobs: Vec::new(),
             max_link_delay,
             snapshots: vec![None; checkpoints.len()],
             cfg,
@@ -198,6 +204,20 @@ impl World {
 
     fn step(&mut self, event: Event) {
         let now = self.now;
+        if self.server.paused
+            && matches!(
+                event,
+                Event::BuildDone { .. }
+                    | Event::CopyDone { .. }
+                    | Event::BlendDone { .. }
+                    | Event::FreeDone { .. }
+            )
+        {
+            // The pool threads of a stopped process are stopped too: the job finishes
+            // as long after the resume as it still needed at the pause.
+            self.frozen_jobs.push((now - self.paused_at, event));
+            return;
+        }
         self.mix(now);
         match event {
             Event::Start(slot) => {
@@ -546,6 +566,27 @@ impl World {
             self.note(line);
         }
         self.server_input(Input::Request(envelope));
+    }
+
+    /// SIGSTOP of the server process.
+    pub(super) fn pause_server(&mut self) {
+        if !self.server.paused {
+            self.paused_at = self.now;
+        }
+        self.server.pause(self.now, &mut self.checker);
+    }
+
+    /// SIGCONT: the queued input first, then the jobs of its threads go on.
+    pub(super) fn resume_server(&mut self) {
+        if !self.server.paused {
+            return;
+        }
+        let mut out = ServerOut::default();
+        self.server.resume(self.now, &mut self.checker, &mut out);
+        self.after_server(out);
+        for (remaining, event) in std::mem::take(&mut self.frozen_jobs) {
+            self.agenda.push(self.now + remaining, event);
+        }
     }
 
     fn server_input(&mut self, input: Input) {

@@ -88,19 +88,19 @@ impl World {
                     self.max_link_delay = self.max_link_delay.max(self.network.max_delay(slot));
                 }
             }
-            Action::ServerPause => self.server.pause(now, &mut self.checker),
-            Action::ServerResume => {
-                let mut out = ServerOut::default();
-                self.server.resume(now, &mut self.checker, &mut out);
-                self.after_server(out);
-            }
+            Action::ServerPause => self.pause_server(),
+            Action::ServerResume => self.resume_server(),
             Action::ServerRestart { down } => {
                 if matches!(self.server.state, ServerState::Up | ServerState::Down) {
+                    self.frozen_jobs.clear();
                     self.server.crash(now, &mut self.checker);
                     self.agenda.push(now + down, Event::ServerUp);
                 }
             }
             Action::ServerStop => {
+                for (remaining, event) in std::mem::take(&mut self.frozen_jobs) {
+                    self.agenda.push(now + remaining, event);
+                }
                 let mut out = ServerOut::default();
                 self.server.shut_down(now, &mut self.checker, &mut out);
                 self.after_server(out);
@@ -129,11 +129,7 @@ impl World {
                         worker.feed(now, out);
                     });
                 }
-                if self.server.paused {
-                    let mut out = ServerOut::default();
-                    self.server.resume(now, &mut self.checker, &mut out);
-                    self.after_server(out);
-                }
+                self.resume_server();
                 if self.server.state == ServerState::Down {
                     self.start_server();
                 }
