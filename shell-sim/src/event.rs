@@ -58,6 +58,15 @@ pub enum Event {
         /// The node's free id.
         free: u64,
     },
+    /// A dead worker's connections close (after what it sent before it died).
+    Disconnect {
+        /// The server boot the connections were opened to.
+        boot: u64,
+        /// The slot.
+        slot: usize,
+        /// The process.
+        incarnation: u32,
+    },
     /// The pidfd of a same-host worker reports its exit.
     ExitNotice {
         /// The instance whose process exited.

@@ -67,6 +67,13 @@ pub enum Input {
     FreeDone(u64),
     /// A pidfd reported an exit.
     ExitNotice(InstanceId),
+    /// The connections of a dead worker process closed.
+    Closed {
+        /// The slot.
+        slot: usize,
+        /// The process.
+        incarnation: u32,
+    },
 }
 
 /// One context handed back by the node, for the run's records.
@@ -372,7 +379,7 @@ impl Server {
             return;
         }
         self.paused = false;
-        self.paused_total += now - self.paused_since;
+        self.count_pause(now);
         if self.bug == Some(InjectedBug::TimeoutBeforeInput) {
             self.turn(now, checker, out);
         }
@@ -380,6 +387,16 @@ impl Server {
             self.read(now, input, checker, out);
         }
         self.turn(now, checker, out);
+    }
+
+    /// A pause ends: one longer than the stall threshold is time the node can know it
+    /// did not run (it credits the stall), so a free's run time excludes it; a shorter
+    /// one the node cannot tell from running.
+    fn count_pause(&mut self, now: Nanos) {
+        let pause = now - self.paused_since;
+        if pause > self.spec.stall_threshold {
+            self.paused_total += pause;
+        }
     }
 
     /// The process dies: every context dies with it, connections break.
@@ -412,7 +429,7 @@ impl Server {
         }
         if self.paused {
             self.paused = false;
-            self.paused_total += now - self.paused_since;
+            self.count_pause(now);
         }
         while let Some(input) = self.inbox.pop_front() {
             self.read(now, input, checker, out);
@@ -529,6 +546,15 @@ impl Server {
                     checker,
                     out,
                 );
+            }
+            Input::Closed { slot, incarnation } => {
+                for channel in [Channel::Main, Channel::Raw] {
+                    if let Some(conn) = self.conns.remove(&(slot, incarnation, channel)) {
+                        self.peers.remove(&conn);
+                        let input = NodeInput::Disconnected { conn };
+                        self.call(now, Some(input), Call::Other, checker, out);
+                    }
+                }
             }
             Input::ExitNotice(instance) => {
                 let process = ProcessKey(instance.get());

@@ -294,6 +294,17 @@ impl World {
                 self.mix(14 ^ free << 8);
                 self.server_input(Input::FreeDone(free));
             }
+            Event::Disconnect {
+                boot,
+                slot,
+                incarnation,
+            } => {
+                if boot != self.server.boot {
+                    return;
+                }
+                self.mix(15 ^ (slot as u64) << 8);
+                self.server_input(Input::Closed { slot, incarnation });
+            }
             Event::ExitNotice { instance } => {
                 self.mix(8 ^ instance.get());
                 if matches!(self.server.state, ServerState::Up | ServerState::Draining) {
@@ -479,7 +490,19 @@ impl World {
         };
         let instance = worker.instance;
         let same_host = worker.spec().same_host;
+        let incarnation = worker.incarnation;
         self.gone.insert(instance, self.now);
+        // Its sockets close once what it sent is through (never a proof of death).
+        let at = self.now + self.network.max_delay(slot) + MILLISECOND;
+        let boot = self.server.boot;
+        self.agenda.push(
+            at,
+            Event::Disconnect {
+                boot,
+                slot,
+                incarnation,
+            },
+        );
         if same_host {
             self.server.exited_same_host.insert(instance);
             let at = self.now + self.cfg.server.exit_notice_delay;
