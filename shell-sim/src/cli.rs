@@ -113,7 +113,15 @@ pub fn main() -> i32 {
                     .ok_or(name)
             }) {
                 None => None,
-                Some(Ok(bug)) => Some(bug),
+                Some(Ok(bug)) if bug.available() => Some(bug),
+                Some(Ok(bug)) => {
+                    eprintln!(
+                        "kvwarden-sim: --inject-bug {} is a bug of the node: build with \
+                         --features planted-bugs",
+                        bug.label()
+                    );
+                    return EXIT_BAD_INPUT;
+                }
                 Some(Err(name)) => {
                     eprintln!(
                         "kvwarden-sim: --inject-bug {name:?} is not a known bug (see --help)"
@@ -372,13 +380,10 @@ pub fn run_swarm(seeds: &[u64], options: &SwarmOptions) -> i32 {
             println!(
                 "  replay: cargo run --release -p kvwarden-sim -- swarm --seeds {} -v{}",
                 outcome.seed,
-                options.bug.map_or(String::new(), |bug| {
-                    let label = InjectedBug::ALL
-                        .iter()
-                        .find(|(b, _)| *b == bug)
-                        .map_or("?", |(_, label)| label);
-                    format!(" --inject-bug {label}")
-                })
+                options.bug.map_or(String::new(), |bug| format!(
+                    " --inject-bug {}",
+                    bug.label()
+                ))
             );
         }
         if code == 0 {

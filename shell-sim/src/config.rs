@@ -4,6 +4,7 @@
 
 use crate::time::{MILLISECOND, Nanos, SECOND};
 use kvwarden_core::Module;
+use kvwarden_core::node::PlantedBug;
 
 /// Everything one run needs; with the same value the run is the same, bit for bit.
 #[derive(Clone, Debug)]
@@ -49,6 +50,12 @@ pub struct ServerSpec {
     pub copy_duration: Nanos,
     /// How long after a same-host worker's exit the pidfd notice reaches the server.
     pub exit_notice_delay: Nanos,
+    /// A free (closing a context's mappings) takes this long.
+    pub free_delay: Nanos,
+    /// Probability that a free never returns (row 20: a CUDA call that hangs).
+    pub free_hang_rate: f64,
+    /// The node's free watchdog: a free running longer is reported (row 20).
+    pub free_watchdog: Nanos,
 }
 
 impl Default for ServerSpec {
@@ -63,6 +70,9 @@ impl Default for ServerSpec {
             build_failure_rate: 0.0,
             copy_duration: 0,
             exit_notice_delay: MILLISECOND,
+            free_delay: 0,
+            free_hang_rate: 0.0,
+            free_watchdog: 10 * SECOND,
         }
     }
 }
@@ -77,6 +87,11 @@ pub enum HeartbeatStart {
     /// Never (a worker that lost its heartbeat thread before it began).
     Never,
 }
+
+/// The uid of the simulated server process: it may act on any instance.
+pub const SERVER_UID: u32 = 0;
+/// The uid workers run as unless a scenario says otherwise.
+pub const WORKER_UID: u32 = 1000;
 
 /// One worker slot; a restart puts a new process (fresh id) in the same slot.
 #[derive(Clone, Debug)]
@@ -105,6 +120,11 @@ pub struct WorkerSpec {
     pub commit_after: Nanos,
     /// Its link to and from the server.
     pub link: LinkSpec,
+    /// The uid its connections carry (`SO_PEERCRED`).
+    pub uid: u32,
+    /// Raw bytes (garbage, truncated or valid frames) through the real decoder this
+    /// often, on a connection of their own (row 24); None: never.
+    pub garbage_every: Option<Nanos>,
 }
 
 impl WorkerSpec {
@@ -123,6 +143,8 @@ impl WorkerSpec {
             legacy_ping: false,
             commit_after: 50 * MILLISECOND,
             link: LinkSpec::default(),
+            uid: WORKER_UID,
+            garbage_every: None,
         }
     }
 }
@@ -218,47 +240,70 @@ pub enum Action {
     ClockStep(i64),
     /// Change the probability that a context build fails.
     BuildFailureRate(f64),
+    /// Change the probability that a free never returns (row 20).
+    FreeHangRate(f64),
+    /// Worker `0` (of its own uid) names worker `1`'s current instance in a ping, a
+    /// REGISTER, a transfer and an UNREGISTER (row 23).
+    Intrude(usize, usize),
     /// End every fault: heal every link, thaw and feed every worker, resume or start
-    /// the server, builds stop failing (the swarm's final phase).
+    /// the server, builds stop failing, frees stop hanging (the swarm's final phase).
     HealAll,
 }
 
-/// Deliberate bugs in the server model, to show the invariants catch them.
+/// Deliberate bugs, to show the invariants catch them: bugs of the simulated shell or
+/// worker stay here; bugs of the server's logic are planted in the real node
+/// ([`kvwarden_core::node::PlantedBug`], feature `planted-bugs`).
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum InjectedBug {
-    /// The loop never calls `handle_timeout` on its own (only after input).
+    /// Shell: the loop never calls `handle_timeout` on its own (only after input).
     SkipHandleTimeout,
-    /// Every `FreeContext` is carried out twice.
+    /// Node: two frees are started for one context.
     DoubleFree,
-    /// `DropBlendState` is ignored.
+    /// Node: `DropBlendState` is ignored.
     KeepBlendState,
-    /// Pins and reservations are not released when a context is freed.
+    /// Node: reservations and pins are not released when a context is freed
+    /// (`keep_pins` and `keep_reservations`).
     KeepPins,
-    /// After a pause, deadlines are judged before the queued input is read.
+    /// Shell: after a pause, deadlines are judged before the queued input is read.
     TimeoutBeforeInput,
-    /// Pings are answered but never reach the core.
+    /// Node: pings are answered but never reach the registry.
     IgnorePings,
-    /// A panic in the server model (for exit code 127).
+    /// Shell: a panic on the first reap (for exit code 127).
     Panic,
-    /// The loop wakes 2.4 s after `poll_timeout` (still under the stall threshold).
+    /// Shell: the loop wakes 2.4 s after `poll_timeout` (still under the stall threshold).
     LateWake,
-    /// The shell feeds the core the wall clock instead of the monotonic one.
+    /// Shell: the core is fed the wall clock instead of the monotonic one.
     WallClock,
-    /// A client re-registers once more after its clean shutdown's UNREGISTER (a
+    /// Worker: a client re-registers once more after its clean shutdown's UNREGISTER (a
     /// recovery thread that was not joined).
     RegisterAfterUnregister,
-    /// A REGISTER that finds its entry still building is answered `refreshed` at once
-    /// (what a shell that does not wait for the pending build does).
+    /// Node: a REGISTER that finds its entry still building is answered `refreshed` at
+    /// once.
     RefreshWhileBuilding,
+    /// Node: a free starts while copies still use the context.
+    FreeDuringCopy,
+    /// Node: frees are never started.
+    LeakOnFree,
+    /// Node: `handle_timeout` never reaches the registry.
+    SkipReap,
+    /// Node: a process exit frees nothing.
+    IgnoreProcessExit,
+    /// Node: a transfer is not evidence of life.
+    TransferNotEvidence,
+    /// Node: a built context is never handed to the registry.
+    DropBuiltContext,
+    /// Node: shutdown stops without freeing anything.
+    ShutdownLeaks,
 }
 
 impl InjectedBug {
     /// Every bug with its scenario-file spelling.
-    pub const ALL: [(InjectedBug, &'static str); 11] = [
+    pub const ALL: [(InjectedBug, &'static str); 19] = [
         (InjectedBug::SkipHandleTimeout, "skip_handle_timeout"),
         (InjectedBug::DoubleFree, "double_free"),
         (InjectedBug::KeepBlendState, "keep_blend_state"),
         (InjectedBug::KeepPins, "keep_pins"),
+        (InjectedBug::KeepPins, "keep_reservations"),
         (InjectedBug::TimeoutBeforeInput, "timeout_before_input"),
         (InjectedBug::IgnorePings, "ignore_pings"),
         (InjectedBug::Panic, "panic"),
@@ -269,5 +314,50 @@ impl InjectedBug {
             "register_after_unregister",
         ),
         (InjectedBug::RefreshWhileBuilding, "refresh_while_building"),
+        (InjectedBug::FreeDuringCopy, "free_during_copy"),
+        (InjectedBug::LeakOnFree, "leak_on_free"),
+        (InjectedBug::SkipReap, "skip_reap"),
+        (InjectedBug::IgnoreProcessExit, "ignore_process_exit"),
+        (InjectedBug::TransferNotEvidence, "transfer_not_evidence"),
+        (InjectedBug::DropBuiltContext, "drop_built_context"),
+        (InjectedBug::ShutdownLeaks, "shutdown_leaks"),
     ];
+
+    /// The bug's spelling.
+    pub fn label(self) -> &'static str {
+        Self::ALL
+            .iter()
+            .find(|(bug, _)| *bug == self)
+            .map_or("?", |(_, name)| name)
+    }
+
+    /// The node's planted bug this is, if it is one of the node's.
+    pub fn planted(self) -> Option<PlantedBug> {
+        Some(match self {
+            InjectedBug::DoubleFree => PlantedBug::DoubleFree,
+            InjectedBug::KeepBlendState => PlantedBug::KeepBlendState,
+            InjectedBug::KeepPins => PlantedBug::KeepReservations,
+            InjectedBug::IgnorePings => PlantedBug::IgnorePings,
+            InjectedBug::RefreshWhileBuilding => PlantedBug::RefreshBeforeBuild,
+            InjectedBug::FreeDuringCopy => PlantedBug::FreeDuringCopy,
+            InjectedBug::LeakOnFree => PlantedBug::LeakOnFree,
+            InjectedBug::SkipReap => PlantedBug::SkipReap,
+            InjectedBug::IgnoreProcessExit => PlantedBug::IgnoreProcessExit,
+            InjectedBug::TransferNotEvidence => PlantedBug::TransferNotEvidence,
+            InjectedBug::DropBuiltContext => PlantedBug::DropBuiltContext,
+            InjectedBug::ShutdownLeaks => PlantedBug::ShutdownLeaks,
+            InjectedBug::SkipHandleTimeout
+            | InjectedBug::TimeoutBeforeInput
+            | InjectedBug::Panic
+            | InjectedBug::LateWake
+            | InjectedBug::WallClock
+            | InjectedBug::RegisterAfterUnregister => return None,
+        })
+    }
+
+    /// Whether this build can run the bug: the node's bugs need the feature
+    /// `planted-bugs` (the tests enable it; `cargo build --features planted-bugs`).
+    pub fn available(self) -> bool {
+        self.planted().is_none() || cfg!(feature = "planted-bugs")
+    }
 }

@@ -12,10 +12,10 @@ use std::collections::BinaryHeap;
 /// Something scheduled to happen.
 #[derive(Debug)]
 pub enum Event {
-    /// A request reaches the server's socket.
-    ToServer(Envelope),
+    /// A request reaches the server's socket (boxed: the agenda moves its items).
+    ToServer(Box<Envelope>),
     /// A reply reaches a worker.
-    ToWorker(ReplyEnvelope),
+    ToWorker(Box<ReplyEnvelope>),
     /// A worker's next timer (valid while `generation` is the worker's current one).
     WorkerWake {
         /// The slot.
@@ -32,7 +32,7 @@ pub enum Event {
     BuildDone {
         /// The server boot that started it.
         boot: u64,
-        /// The server's build serial.
+        /// The node's context id.
         build: u64,
         /// Whether it failed.
         failed: bool,
@@ -41,8 +41,31 @@ pub enum Event {
     CopyDone {
         /// The server boot that started it.
         boot: u64,
-        /// The context it used.
-        context: u64,
+        /// The node's copy id.
+        copy: u64,
+    },
+    /// Rope tables are computed.
+    BlendDone {
+        /// The server boot that started it.
+        boot: u64,
+        /// The node's computation id.
+        blend: u64,
+    },
+    /// A free returned.
+    FreeDone {
+        /// The server boot that started it.
+        boot: u64,
+        /// The node's free id.
+        free: u64,
+    },
+    /// A dead worker's connections close (after what it sent before it died).
+    Disconnect {
+        /// The server boot the connections were opened to.
+        boot: u64,
+        /// The slot.
+        slot: usize,
+        /// The process.
+        incarnation: u32,
     },
     /// The pidfd of a same-host worker reports its exit.
     ExitNotice {

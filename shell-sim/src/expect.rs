@@ -41,10 +41,16 @@ pub enum ExpectKind {
     /// End of run: every live worker healthy with one context per module, every dead
     /// one holding nothing.
     Converged,
+    /// At least `min` replies `forbidden` reached the worker (row 23).
+    Forbidden,
+    /// At least `min` frees reported hung by the node's watchdog (row 20).
+    FreesHung,
+    /// At least `min` frames refused by the real decoder, each answered (row 24).
+    DecodeErrors,
 }
 
 impl ExpectKind {
-    const NAMES: [(ExpectKind, &'static str); 14] = [
+    const NAMES: [(ExpectKind, &'static str); 17] = [
         (ExpectKind::Reaped, "reaped"),
         (ExpectKind::NotReaped, "not_reaped"),
         (ExpectKind::Freed, "freed"),
@@ -59,10 +65,13 @@ impl ExpectKind {
         (ExpectKind::ReservationsDiscarded, "reservations_discarded"),
         (ExpectKind::FreesDeferred, "frees_deferred"),
         (ExpectKind::Converged, "converged"),
+        (ExpectKind::Forbidden, "forbidden"),
+        (ExpectKind::FreesHung, "frees_hung"),
+        (ExpectKind::DecodeErrors, "decode_errors"),
     ];
 
     /// The accepted spellings, for error messages.
-    pub const HELP: &'static str = "one of reaped, not_reaped, freed, not_freed, contexts, builds, healthy, recovered, bad_args, unregister_false, stalls, reservations_discarded, frees_deferred, converged";
+    pub const HELP: &'static str = "one of reaped, not_reaped, freed, not_freed, contexts, builds, healthy, recovered, bad_args, unregister_false, stalls, reservations_discarded, frees_deferred, converged, forbidden, frees_hung, decode_errors";
 
     /// The kind spelled `name` in a scenario file.
     pub fn parse(name: &str) -> Option<ExpectKind> {
@@ -92,6 +101,7 @@ impl ExpectKind {
                 | ExpectKind::Recovered
                 | ExpectKind::BadArgs
                 | ExpectKind::UnregisterFalse
+                | ExpectKind::Forbidden
         )
     }
 
@@ -397,14 +407,12 @@ fn judge_one(
                 );
             }
         }
-        ExpectKind::BadArgs | ExpectKind::UnregisterFalse => {
+        ExpectKind::BadArgs | ExpectKind::UnregisterFalse | ExpectKind::Forbidden => {
             let min = e.min.unwrap_or(1);
-            let have = current(e, snapshot, report).map_or(0, |w| {
-                if e.kind == ExpectKind::BadArgs {
-                    w.stats.bad_args_replies
-                } else {
-                    w.stats.unregister_false
-                }
+            let have = current(e, snapshot, report).map_or(0, |w| match e.kind {
+                ExpectKind::BadArgs => w.stats.bad_args_replies,
+                ExpectKind::Forbidden => w.stats.forbidden_replies,
+                _ => w.stats.unregister_false,
             });
             if have < min {
                 return fail(
@@ -425,12 +433,16 @@ fn judge_one(
                 );
             }
         }
-        ExpectKind::ReservationsDiscarded | ExpectKind::FreesDeferred => {
+        ExpectKind::ReservationsDiscarded
+        | ExpectKind::FreesDeferred
+        | ExpectKind::FreesHung
+        | ExpectKind::DecodeErrors => {
             let min = e.min.unwrap_or(1);
-            let have = if e.kind == ExpectKind::ReservationsDiscarded {
-                snapshot.server.reservations_discarded
-            } else {
-                snapshot.server.frees_deferred
+            let have = match e.kind {
+                ExpectKind::ReservationsDiscarded => snapshot.server.reservations_discarded,
+                ExpectKind::FreesDeferred => snapshot.server.frees_deferred,
+                ExpectKind::FreesHung => snapshot.server.frees_hung,
+                _ => snapshot.server.decode_errors,
             };
             if have < min {
                 return fail(

@@ -1,8 +1,12 @@
 //! The invariants, checked at every step of a run; the first violation stops it.
 //!
-//! The server model reports every core call and every effect here, next to what the
-//! core answered. The checker compares the core against the reference model
-//! ([`crate::oracle`]) and keeps the context ledger. Invariants:
+//! The simulated shell (`crate::server`) drives the real node and reports here what it
+//! learned from the node's outputs and replies: ping answers, REGISTERs that started a
+//! build (or refreshed), transfer answers, UNREGISTER answers, process exits, stalls,
+//! `StartFree` (a context given back) and `FreeDone` (released), copies started and
+//! done, reaps (the registry's counter and the entries gone). The checker compares that
+//! against the reference model ([`crate::oracle`]) and keeps the context ledger.
+//! Invariants:
 //!
 //! | name | class | what |
 //! |---|---|---|
@@ -14,14 +18,16 @@
 //! | `ghost_context` | safety | an entry created for an instance after its clean shutdown's UNREGISTER |
 //! | `blend_without_entry` | safety | blend state of an instance with no entry |
 //! | `pin_of_freed_instance` | safety | a pin or reservation owned by a freed context |
-//! | `free_during_copy` | safety | a context released while a copy still uses it |
+//! | `free_during_copy` | safety | a free started while a copy still uses the context |
+//! | `context_leaked` | liveness | an entry gone, its context neither freed nor waiting for a copy |
+//! | `not_freed_at_shutdown` | liveness | a clean stop that left a context unfreed |
 //! | `reap_late` | liveness | an entry still present more than R past its deadline (C5) |
 //! | `spurious_stall` | liveness | a gap > stall threshold the server was not paused for: the loop slept past `poll_timeout`, hiding silence |
 //! | `leak_at_end`, `not_converged` | liveness | end-of-run checks (see [`crate::world`]) |
 //! | `core_diverged` | internal | the core answered other than the reference model |
 
 use crate::oracle::{CorrectedClock, GapKind, Key, Shadow};
-use crate::time::{Nanos, as_seconds, nanos_of};
+use crate::time::{Nanos, as_seconds};
 use crate::violation::{Class, Violation};
 use kvwarden_core::{FreeCause, InstanceId, Module, TransferError};
 use std::collections::{BTreeMap, BTreeSet};
@@ -46,15 +52,24 @@ pub struct ContextRecord {
     pub module: Module,
     /// State.
     pub state: ContextState,
+    /// Copies running against it.
+    pub copies: u32,
 }
 
 /// What the server shell holds that must follow the registry (for the per-step checks).
 pub struct ShellView<'a> {
-    /// Instances with blend state.
+    /// Instances with blend state (rope tables the shell was told to keep).
     pub blend: &'a BTreeSet<InstanceId>,
-    /// Contexts with pins or reservations.
-    pub holds: &'a BTreeMap<u64, u32>,
+    /// L1 slots the node holds reserved or pinned.
+    pub l1_held: usize,
+    /// What explains them: reservations granted to live engine-driven contexts and not
+    /// yet committed, plus copies running.
+    pub l1_explained: usize,
 }
+
+/// An entry the node no longer holds: its key, the silence and proven flag its free
+/// reported (a reap), and whether it was removed otherwise (a shutdown's unregistering).
+pub type Gone = (Key, Option<(Nanos, bool)>, bool);
 
 /// The checker of one run.
 #[derive(Debug)]
@@ -65,6 +80,7 @@ pub struct Checker {
     /// Every context ever built, by id.
     pub contexts: Vec<ContextRecord>,
     live_per_key: BTreeMap<Key, u32>,
+    copies_per_key: BTreeMap<Key, u32>,
     ping_arrivals: BTreeMap<InstanceId, Nanos>,
     module_arrivals: BTreeMap<Key, Nanos>,
     cleanly_gone: BTreeSet<InstanceId>,
@@ -92,6 +108,7 @@ impl Checker {
             shadow: Shadow::new(reap_timeout, registration_grace),
             contexts: Vec::new(),
             live_per_key: BTreeMap::new(),
+            copies_per_key: BTreeMap::new(),
             ping_arrivals: BTreeMap::new(),
             module_arrivals: BTreeMap::new(),
             cleanly_gone: BTreeSet::new(),
@@ -154,6 +171,7 @@ impl Checker {
             record.state = ContextState::Freed;
         }
         self.live_per_key.clear();
+        self.copies_per_key.clear();
         let threshold = self.clock.threshold();
         self.clock = CorrectedClock::new(now, threshold);
         self.shadow = Shadow::new(self.shadow.reap_timeout, self.shadow.registration_grace);
@@ -216,6 +234,15 @@ impl Checker {
         }
     }
 
+    /// A request of the instance's owner (not a ping) was read: every entry of the
+    /// instance is refreshed, building or not, without latching `proven`.
+    pub fn evidence(&mut self, now: Nanos, instance: InstanceId) {
+        let now_c = self.input(now);
+        for module in Module::ALL {
+            self.shadow.touch((instance, module), now_c, false);
+        }
+    }
+
     /// `register` answered `Build` (with the server's build serial) or `Refreshed`.
     pub fn register(&mut self, now: Nanos, key: Key, build: Option<u64>) {
         let now_c = self.input(now);
@@ -257,6 +284,7 @@ impl Checker {
             instance: key.0,
             module: key.1,
             state: ContextState::Live,
+            copies: 0,
         });
         debug_assert_eq!(self.contexts.len() as u64 - 1, context);
         *self.live_per_key.entry(key).or_default() += 1;
@@ -297,8 +325,9 @@ impl Checker {
         self.touched_instances.push(key.0);
     }
 
-    /// `transfer` answered `result`; `context` is the id it returned.
-    pub fn transfer(&mut self, now: Nanos, key: Key, result: Result<u64, TransferError>) {
+    /// `transfer` answered `result`; `context` is the id it used, when the node named it
+    /// (a copy started).
+    pub fn transfer(&mut self, now: Nanos, key: Key, result: Result<Option<u64>, TransferError>) {
         let now_c = self.input(now);
         let expected = match self.shadow.get(key) {
             None => Err(TransferError::NotRegistered),
@@ -311,7 +340,7 @@ impl Checker {
                 "transfer{key:?} answered {result:?}, the reference model expected {expected:?}"
             ));
         }
-        if let Ok(context) = result {
+        if let Ok(Some(context)) = result {
             let state = self.contexts.get(context as usize).map(|r| r.state);
             if state != Some(ContextState::Live) {
                 self.fail(
@@ -340,8 +369,22 @@ impl Checker {
 
     // ----- effects -----
 
-    /// `FreeContext` for context `context` of `key` with `cause`: the core gave it back.
+    /// `StartFree` for context `context` of `key` with `cause`: the node gave it back
+    /// and asked for its free. Reaps are judged when they happen ([`Checker::reaped`]).
     pub fn free_requested(&mut self, key: Key, context: u64, cause: FreeCause) {
+        let copies = self.contexts.get(context as usize).map_or(0, |r| r.copies);
+        if copies > 0 {
+            self.fail(
+                Class::Safety,
+                "free_during_copy",
+                format!(
+                    "the node started the free of context {context} of {key:?} (cause {}) \
+                     while {copies} copies still use it",
+                    cause.label()
+                ),
+            );
+            return;
+        }
         let record = self.contexts.get_mut(context as usize);
         match record {
             Some(record) if record.state == ContextState::Live => {
@@ -367,9 +410,6 @@ impl Checker {
             }
         }
         self.touched_instances.push(key.0);
-        if let FreeCause::Reaped { silence, proven } = cause {
-            self.judge_reap(key, Some((nanos_of(silence), proven)));
-        }
     }
 
     /// The shell released context `context` (closed mappings, discarded reservations).
@@ -390,31 +430,84 @@ impl Checker {
         }
     }
 
-    /// A copy started on context `context`, or a release found copies still running.
-    pub fn copy_conflict(&mut self, context: u64) {
-        self.fail(
-            Class::Safety,
-            "free_during_copy",
-            format!("context {context} was released while a copy still used it"),
-        );
+    /// A copy started on context `context` (a transfer handed it out).
+    pub fn copy_started(&mut self, context: u64) {
+        if let Some(record) = self.contexts.get_mut(context as usize) {
+            record.copies += 1;
+            let key = (record.instance, record.module);
+            *self.copies_per_key.entry(key).or_default() += 1;
+        }
     }
 
-    /// `handle_timeout` reaped `count` more entries than it returned contexts for: those
-    /// were still building. `still_present` tells which keys the core still holds.
-    pub fn reaped_while_building(&mut self, count: u64, still_present: impl Fn(Key) -> bool) {
-        let mut found = 0;
-        for key in self.shadow.building_keys() {
-            if !still_present(key) {
-                found += 1;
-                self.touched_instances.push(key.0);
-                self.judge_reap(key, None);
+    /// A copy on context `context` finished.
+    pub fn copy_done(&mut self, context: u64) {
+        if let Some(record) = self.contexts.get_mut(context as usize) {
+            record.copies = record.copies.saturating_sub(1);
+            let key = (record.instance, record.module);
+            if let Some(n) = self.copies_per_key.get_mut(&key) {
+                *n -= 1;
+                if *n == 0 {
+                    self.copies_per_key.remove(&key);
+                }
             }
+            self.touched_instances.push(key.0);
+        }
+    }
+
+    /// The registry's reap counter rose by `count` during one call, and `gone` lists
+    /// the entries the reference model holds and the node no longer does: each is
+    /// judged as a reap, unless it was removed otherwise (a shutdown's unregistering).
+    /// The count of reaps must match.
+    pub fn reaped(&mut self, count: u64, gone: Vec<Gone>) {
+        let mut found = 0;
+        for (key, reported, removed) in gone {
+            self.touched_instances.push(key.0);
+            if removed {
+                self.shadow.remove(key);
+                continue;
+            }
+            found += 1;
+            self.judge_reap(key, reported);
         }
         if found != count {
             self.diverged(format!(
-                "the core's reap counter rose by {count} for building entries, the reference \
-                 model found {found} gone"
+                "the core's reap counter rose by {count}, the reference model found {found} \
+                 entries gone"
             ));
+        }
+    }
+
+    /// Keys the reference model holds, in order.
+    pub fn shadow_keys(&self) -> Vec<Key> {
+        self.shadow.keys().collect()
+    }
+
+    /// Entries the reference model holds.
+    pub fn shadow_len(&self) -> usize {
+        self.shadow.len()
+    }
+
+    /// An instance whose per-step invariants must be checked at the end of this step.
+    pub fn touch_instance(&mut self, instance: InstanceId) {
+        self.touched_instances.push(instance);
+    }
+
+    /// The node said the shutdown is complete: every context must have been freed,
+    /// except one a copy still uses (the node gives up waiting for it and says so).
+    pub fn stopped(&mut self) {
+        if let Some((id, record)) = self
+            .contexts
+            .iter()
+            .enumerate()
+            .find(|(_, r)| r.state == ContextState::Live && r.copies == 0)
+        {
+            let detail = format!(
+                "the server stopped cleanly but context {id} of instance {} ({}) was never \
+                 freed",
+                record.instance,
+                record.module.label()
+            );
+            self.fail(Class::Liveness, "not_freed_at_shutdown", detail);
         }
     }
 
@@ -553,18 +646,36 @@ impl Checker {
                     format!("instance {instance} has blend state but no entry in any module"),
                 );
             }
-        }
-        for context in std::mem::take(&mut self.released_now) {
-            if let Some(&count) = shell.holds.get(&context) {
-                self.fail(
-                    Class::Safety,
-                    "pin_of_freed_instance",
-                    format!(
-                        "context {context} was freed but {count} pins or reservations of it \
-                         remain"
-                    ),
-                );
+            for module in Module::ALL {
+                let key = (instance, module);
+                if self.live_contexts_of(key) > 0
+                    && self.shadow.get(key).is_none()
+                    && !self.copies_per_key.contains_key(&key)
+                {
+                    self.fail(
+                        Class::Liveness,
+                        "context_leaked",
+                        format!(
+                            "instance {instance} ({}) has no entry any more, yet its context \
+                             was never given back for a free and no copy uses it",
+                            module.label()
+                        ),
+                    );
+                }
             }
+        }
+        self.released_now.clear();
+        if shell.l1_held > shell.l1_explained {
+            self.fail(
+                Class::Safety,
+                "pin_of_freed_instance",
+                format!(
+                    "the node holds {} L1 slots reserved or pinned, but live contexts' \
+                     reservations and the copies running explain only {}: a freed \
+                     context's reservations or pins remain",
+                    shell.l1_held, shell.l1_explained
+                ),
+            );
         }
     }
 

@@ -1,7 +1,38 @@
-//! What travels between a worker and the server: the protocol's requests and replies,
-//! reduced to what liveness depends on.
+//! What travels between a worker and the server: the protocol's real requests
+//! ([`kvwarden_core::protocol::Op`]) or raw bytes for the real decoder, and the real
+//! replies (`Result<Value, ProtocolError>`).
 
-use kvwarden_core::{InstanceId, Module};
+use kvwarden_core::InstanceId;
+use kvwarden_core::protocol::{DecodeError, Op, ProtocolError, Request};
+use rmpv::Value;
+
+/// Which of a worker's connections a message travels on.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Channel {
+    /// The client library's connection.
+    Main,
+    /// A second connection of the same process that sends raw bytes (row 24); the
+    /// server closes it on a `bad_frame` and the next bytes open a new one.
+    Raw,
+}
+
+/// What a request carries.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Payload {
+    /// A typed request, as the client's encoder would frame it.
+    Op {
+        /// The request id, echoed in the reply.
+        id: u64,
+        /// The op.
+        op: Op,
+        /// How many fds travel with it (`SCM_RIGHTS`).
+        fds: usize,
+    },
+    /// A frame body the server decodes with the real decoder.
+    Bytes(Vec<u8>),
+    /// A body already through the decoder (set when it reaches the server's socket).
+    Decoded(Result<Request, DecodeError>),
+}
 
 /// A request from a worker process, as the server's socket receives it.
 #[derive(Clone, Debug, PartialEq)]
@@ -18,97 +49,42 @@ pub struct Envelope {
     pub sent_at: u64,
     /// The worker is shutting down cleanly (its UNREGISTER is the last word).
     pub exiting: bool,
+    /// The connection.
+    pub channel: Channel,
+    /// The process's uid (`SO_PEERCRED`).
+    pub uid: u32,
+    /// Whether the server can open a pidfd of the process (same host and pid namespace).
+    pub same_host: bool,
     /// What it asks.
-    pub request: Request,
+    pub payload: Payload,
 }
 
-/// The requests of the protocol that matter to liveness.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Request {
-    /// `register_kv_cache` / `register_engine_driven`, part of registration round `round`.
-    Register {
-        /// Where the state goes.
-        module: Module,
-        /// The worker's round serial, echoed in the reply.
-        round: u64,
-    },
-    /// `unregister_*`.
-    Unregister {
-        /// Which registration goes.
-        module: Module,
-    },
-    /// `ping [instance]`.
-    Ping {
-        /// The worker's ping serial, echoed in the reply.
-        seq: u64,
-    },
-    /// `ping []`: a pre-liveness client (row 13).
-    LegacyPing {
-        /// The worker's ping serial, echoed in the reply.
-        seq: u64,
-    },
-    /// `store`/`retrieve` (server-driven) or `prepare_*` (engine-driven).
-    Transfer {
-        /// Which registration it uses.
-        module: Module,
-        /// The worker's operation serial (engine-driven commits name it).
-        op: u64,
-    },
-    /// `commit_*` of an engine-driven prepare.
-    Commit {
-        /// The prepare it commits.
-        op: u64,
-    },
-    /// `register_blend`.
-    RegisterBlend,
-}
+impl Envelope {
+    /// The decoded op, if it decoded.
+    pub fn op(&self) -> Option<&Op> {
+        match &self.payload {
+            Payload::Op { op, .. } => Some(op),
+            Payload::Decoded(Ok(request)) => Some(&request.op),
+            _ => None,
+        }
+    }
 
-impl Request {
     /// A small stable code for the trace hash.
     pub fn code(&self) -> u64 {
-        match self {
-            Request::Register { .. } => 1,
-            Request::Unregister { .. } => 2,
-            Request::Ping { .. } => 3,
-            Request::LegacyPing { .. } => 4,
-            Request::Transfer { .. } => 5,
-            Request::Commit { .. } => 6,
-            Request::RegisterBlend => 7,
+        match &self.payload {
+            Payload::Op { op, id, .. } => op_code(op) ^ id << 8,
+            Payload::Bytes(bytes) => 100 ^ (bytes.len() as u64) << 8,
+            Payload::Decoded(Ok(request)) => op_code(&request.op) ^ request.id << 8,
+            Payload::Decoded(Err(error)) => 101 ^ error.request_id.unwrap_or(0) << 8,
         }
     }
 }
 
-/// How REGISTER went.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum RegisterOutcome {
-    /// A context was built.
-    Created,
-    /// The entry was present; nothing built.
-    Refreshed,
-    /// The build failed or was cancelled: try again.
-    Failed,
-}
-
-/// How a ping was answered.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum PingAnswer {
-    /// `true`.
-    Known,
-    /// `false`: not registered here.
-    Unknown,
-    /// `bad_args`: a `ping []` from an old client.
-    BadArgs,
-}
-
-/// How a transfer was answered.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum TransferAnswer {
-    /// Done (or prepared).
-    Done,
-    /// `not_registered`: re-register.
-    NotRegistered,
-    /// `not_ready`: the context is still being built.
-    NotReady,
+fn op_code(op: &Op) -> u64 {
+    kvwarden_core::protocol::request::OP_NAMES
+        .iter()
+        .position(|name| *name == op.name())
+        .unwrap_or(99) as u64
 }
 
 /// A reply on its way to a worker.
@@ -120,53 +96,17 @@ pub struct ReplyEnvelope {
     pub incarnation: u32,
     /// The server boot that answered.
     pub boot: u64,
+    /// The request it answers.
+    pub request_id: u64,
     /// The answer.
-    pub reply: Reply,
+    pub result: Result<Value, ProtocolError>,
 }
 
-/// The replies, one per request.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Reply {
-    /// To `Register`.
-    Register {
-        /// The module.
-        module: Module,
-        /// The round it belongs to.
-        round: u64,
-        /// The outcome.
-        outcome: RegisterOutcome,
-    },
-    /// To `Unregister`: whether it was registered.
-    Unregister {
-        /// The module.
-        module: Module,
-        /// The server's answer.
-        was_registered: bool,
-    },
-    /// To `Ping` or `LegacyPing`.
-    Ping {
-        /// The ping serial.
-        seq: u64,
-        /// The answer.
-        answer: PingAnswer,
-    },
-    /// To `Transfer`.
-    Transfer {
-        /// The module.
-        module: Module,
-        /// The operation serial.
-        op: u64,
-        /// The answer.
-        answer: TransferAnswer,
-    },
-    /// To `Commit`: false when the prepare was discarded.
-    Commit {
-        /// Whether it was published.
-        published: bool,
-    },
-    /// To `RegisterBlend`.
-    Blend {
-        /// Whether the server kept it.
-        kept: bool,
-    },
+/// A request body as the client encodes it (`[request_id, op, args]`, unframed).
+pub fn body(id: u64, op: &str, args: Vec<Value>) -> Vec<u8> {
+    let mut out = Vec::new();
+    let value = Value::Array(vec![id.into(), op.into(), Value::Array(args)]);
+    // Writing into a Vec cannot fail.
+    let _ = rmpv::encode::write_value(&mut out, &value);
+    out
 }

@@ -139,6 +139,8 @@ pub struct ShadowEntry {
     /// The server's build serial while the context is being built.
     pub building: Option<u64>,
     version: u64,
+    /// The deadline of its item in the heap (never later than its real deadline).
+    queued: Nanos,
 }
 
 /// The reference registry.
@@ -198,14 +200,16 @@ impl Shadow {
         }
     }
 
-    /// Inserts or replaces the entry and files its deadline.
+    /// Inserts or replaces the entry and files its deadline. A deadline that moves
+    /// later keeps the entry's heap item (it is moved when it comes up, lazily); only
+    /// an earlier one is pushed.
     pub fn put(&mut self, key: Key, last_seen: Nanos, proven: bool, building: Option<u64>) {
-        self.versions += 1;
-        let entry = ShadowEntry {
+        let mut entry = ShadowEntry {
             last_seen,
             proven,
             building,
-            version: self.versions,
+            version: 0,
+            queued: 0,
         };
         if building.is_some() {
             self.building.insert(key);
@@ -214,7 +218,18 @@ impl Shadow {
         }
         if self.reap_timeout > 0 {
             let deadline = last_seen + self.window(&entry);
-            self.deadlines.push(Reverse((deadline, key, entry.version)));
+            match self.entries.get(&key) {
+                Some(previous) if previous.queued <= deadline => {
+                    entry.version = previous.version;
+                    entry.queued = previous.queued;
+                }
+                _ => {
+                    self.versions += 1;
+                    entry.version = self.versions;
+                    entry.queued = deadline;
+                    self.deadlines.push(Reverse((deadline, key, entry.version)));
+                }
+            }
         }
         self.entries.insert(key, entry);
     }
@@ -242,8 +257,19 @@ impl Shadow {
     /// The earliest current deadline, dropping stale heap items on the way.
     pub fn earliest_deadline(&mut self) -> Option<(Nanos, Key)> {
         while let Some(&Reverse((deadline, key, version))) = self.deadlines.peek() {
-            match self.entries.get(&key) {
-                Some(entry) if entry.version == version => return Some((deadline, key)),
+            match self.entries.get(&key).copied() {
+                Some(entry) if entry.version == version => {
+                    let current = entry.last_seen + self.window(&entry);
+                    if current == deadline {
+                        return Some((deadline, key));
+                    }
+                    // The entry was refreshed since: its item moves to its deadline now.
+                    self.deadlines.pop();
+                    self.deadlines.push(Reverse((current, key, version)));
+                    if let Some(entry) = self.entries.get_mut(&key) {
+                        entry.queued = current;
+                    }
+                }
                 _ => {
                     self.deadlines.pop();
                 }

@@ -94,6 +94,9 @@ struct RawServer {
     build_failure_rate: Option<f64>,
     copy_seconds: Option<f64>,
     exit_notice_seconds: Option<f64>,
+    free_seconds: Option<f64>,
+    free_hang_rate: Option<f64>,
+    free_watchdog_seconds: Option<f64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -112,6 +115,8 @@ struct RawWorkers {
     legacy_ping: Option<bool>,
     commit_after_seconds: Option<f64>,
     link: Option<RawLink>,
+    uid: Option<u32>,
+    garbage_every_seconds: Option<f64>,
 }
 
 fn one() -> usize {
@@ -140,6 +145,7 @@ struct RawEvent {
     step_seconds: Option<f64>,
     rate: Option<f64>,
     link: Option<RawLink>,
+    target: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -237,19 +243,29 @@ impl Reader<'_> {
         }
         let bug = match &raw.inject_bug {
             None => None,
-            Some(name) => Some(
-                InjectedBug::ALL
+            Some(name) => {
+                let bug = InjectedBug::ALL
                     .iter()
                     .find(|(_, label)| label == name)
                     .map(|(bug, _)| *bug)
                     .ok_or_else(|| {
+                        let names: Vec<&str> =
+                            InjectedBug::ALL.iter().map(|(_, label)| *label).collect();
                         self.bad(
                             "inject_bug",
                             format!("{name:?}"),
-                            "one of skip_handle_timeout, double_free, keep_blend_state, keep_pins, timeout_before_input, ignore_pings, panic, late_wake, wall_clock, register_after_unregister, refresh_while_building",
+                            &format!("one of {}", names.join(", ")),
                         )
-                    })?,
-            ),
+                    })?;
+                if !bug.available() {
+                    return Err(self.bad(
+                        "inject_bug",
+                        format!("{name:?}"),
+                        "a bug of the node: build kvwarden-sim with --features planted-bugs",
+                    ));
+                }
+                Some(bug)
+            }
         };
         let mut events = Vec::new();
         for (index, event) in raw.events.iter().enumerate() {
@@ -321,6 +337,22 @@ impl Reader<'_> {
         }
         if let Some(v) = raw.exit_notice_seconds {
             spec.exit_notice_delay = self.seconds("server.exit_notice_seconds", v)?;
+        }
+        if let Some(v) = raw.free_seconds {
+            spec.free_delay = self.seconds("server.free_seconds", v)?;
+        }
+        if let Some(v) = raw.free_hang_rate {
+            spec.free_hang_rate = self.probability("server.free_hang_rate", v)?;
+        }
+        if let Some(v) = raw.free_watchdog_seconds {
+            spec.free_watchdog = self.seconds("server.free_watchdog_seconds", v)?;
+            if spec.free_watchdog == 0 {
+                return Err(self.bad(
+                    "server.free_watchdog_seconds",
+                    v,
+                    "more than 0 s (default 10)",
+                ));
+            }
         }
         let config = crate::server::Server::core_config(&spec);
         let floor = if spec.allow_short_timeouts {
@@ -420,6 +452,20 @@ impl Reader<'_> {
         }
         if let Some(link) = &raw.link {
             spec.link = self.link(&field("link"), link)?;
+        }
+        if let Some(v) = raw.uid {
+            spec.uid = v;
+        }
+        if let Some(v) = raw.garbage_every_seconds {
+            let every = self.seconds(&field("garbage_every_seconds"), v)?;
+            if every == 0 {
+                return Err(self.bad(
+                    field("garbage_every_seconds"),
+                    v,
+                    "more than 0 s, or leave it out for no garbage",
+                ));
+            }
+            spec.garbage_every = Some(every);
         }
         Ok(spec)
     }
@@ -548,12 +594,33 @@ impl Reader<'_> {
                 let rate = self.probability(&field("rate"), raw.rate.unwrap_or(-1.0))?;
                 (Action::BuildFailureRate(rate), None)
             }
+            "free_hang_rate" => {
+                let rate = self.probability(&field("rate"), raw.rate.unwrap_or(-1.0))?;
+                (Action::FreeHangRate(rate), None)
+            }
+            "intrude" => {
+                let from = slots()?;
+                let target = raw
+                    .target
+                    .as_ref()
+                    .map(|t| vec![t.clone()])
+                    .unwrap_or_default();
+                let target = self.slots(&field("target"), &target, workers)?;
+                if from.len() != 1 || target.len() != 1 || from[0] == target[0] {
+                    return Err(self.bad(
+                        field("target"),
+                        format!("{:?}", raw.target),
+                        "intrude needs one worker in workers and another one in target",
+                    ));
+                }
+                (Action::Intrude(from[0], target[0]), None)
+            }
             "heal_all" => (Action::HealAll, None),
             other => {
                 return Err(self.bad(
                     field("action"),
                     format!("{other:?}"),
-                    "one of crash, restart, freeze, thaw, starve_heartbeat, feed_heartbeat, stop, unregister, register, transfer, partition, heal, set_link, server_pause, server_resume, server_restart, server_stop, clock_step, build_failure_rate, heal_all",
+                    "one of crash, restart, freeze, thaw, starve_heartbeat, feed_heartbeat, stop, unregister, register, transfer, partition, heal, set_link, server_pause, server_resume, server_restart, server_stop, clock_step, build_failure_rate, free_hang_rate, intrude, heal_all",
                 ));
             }
         };

@@ -1,34 +1,38 @@
-//! The server model: what the production shell does around the core's [`Liveness`].
+//! The simulated shell around the real server logic, [`kvwarden_core::node::Node`].
 //!
-//! It reads requests, calls the core, builds contexts off the loop (a delay, sometimes
-//! a failure) and reports them with `context_built` / `context_build_failed`, and
-//! carries out every effect: a freed context closes its mappings, discards the
-//! engine-driven reservations and releases the pins it owns (after any copy still
-//! using it), and `DropBlendState` drops the instance's blend state. Its loop is the
-//! one in the core's crate docs: input first, then `handle_timeout`, then every
-//! effect, then sleep until `poll_timeout`. A paused server queues its input and reads
-//! it all before judging any deadline on resume.
+//! There is no model of the server here: the node decides everything. The shell does
+//! what `shell-mio` does with sockets, memfds, pidfds and pool threads, in simulation:
+//! one connection per worker process and server boot (a restart breaks them), a second
+//! one for raw bytes (row 24, decoded by the real decoder and answered as the production
+//! shell answers a frame that does not decode), builds, copies, blend computations and
+//! frees that take a drawn time (a free may never return: row 20), exit notices for the
+//! processes the node watches, and shutdown. Its loop is the core's: every input that
+//! has arrived first, then `handle_timeout`, then every output, then sleep until
+//! `poll_timeout`. A paused server queues its input and hands all of it to the node
+//! before judging any deadline on resume.
 //!
-//! Every core call and effect is reported to the [`Checker`] with the core's answer.
+//! After every node call the shell reports to the [`Checker`] what the node's outputs
+//! and replies say happened (see [`crate::invariants`]).
 
-use crate::config::{InjectedBug, ServerSpec};
+use crate::config::{InjectedBug, SERVER_UID, ServerSpec};
 use crate::invariants::{Checker, ShellView};
-use crate::message::{
-    Envelope, PingAnswer, RegisterOutcome, Reply, ReplyEnvelope, Request, TransferAnswer,
-};
+use crate::message::{Channel, Envelope, Payload, ReplyEnvelope};
 use crate::oracle::Key;
 use crate::time::{Nanos, duration, instant, nanos_of};
-use kvwarden_core::{
-    BuildTicket, Config, Effect, FreeCause, InstanceId, Liveness, Module, Registration,
+use kvwarden_core::node::{
+    Built, ConnId, ContextId, CopyId, DeathNotice, FreeId, Input as NodeInput, Node, NodeConfig,
+    Note, Output, ProcessKey, SHUTDOWN_DRAIN, Transport,
 };
+use kvwarden_core::protocol::{BufferSpec, ErrorCode, Op, ProtocolError};
+use kvwarden_core::{Config, FreeCause, InstanceId, Module, TransferError};
+use rmpv::Value;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
-/// A context as the shell holds it: its id in the checker's ledger. Neither Clone nor
-/// Copy, like the real mappings: it can only be freed by giving it away.
-#[derive(Debug)]
-pub struct Context {
-    id: u64,
-}
+/// A hash map with a fixed seed: lookups only, never iterated into the trace.
+type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::FixedState>;
+
+/// Slots of the node's L1 pool.
+pub const NUM_SLOTS: usize = 256;
 
 /// Whether the server process listens.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -37,7 +41,7 @@ pub enum ServerState {
     Up,
     /// Dead; a new process starts later.
     Down,
-    /// Shutting down cleanly: no new requests, builds and copies finishing.
+    /// Shutting down cleanly: the node answers `unavailable`, drains, frees.
     Draining,
     /// Gone for good.
     Stopped,
@@ -46,22 +50,33 @@ pub enum ServerState {
 /// Something the loop reads.
 #[derive(Debug)]
 pub enum Input {
-    /// A request from a worker.
+    /// A request from a worker (decoded when it reached the socket).
     Request(Envelope),
     /// A build finished.
     BuildDone {
-        /// The build serial.
-        build: u64,
+        /// The node's context id.
+        context: u64,
         /// Whether it failed.
         failed: bool,
     },
     /// A copy finished.
     CopyDone(u64),
+    /// Rope tables computed.
+    BlendDone(u64),
+    /// A free returned.
+    FreeDone(u64),
     /// A pidfd reported an exit.
     ExitNotice(InstanceId),
+    /// The connections of a dead worker process closed.
+    Closed {
+        /// The slot.
+        slot: usize,
+        /// The process.
+        incarnation: u32,
+    },
 }
 
-/// One context handed back by the core, for the run's records.
+/// One context handed back by the node, for the run's records.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct FreeRecord {
     /// The instance.
@@ -70,7 +85,7 @@ pub struct FreeRecord {
     pub module: Module,
     /// Why.
     pub cause: FreeCause,
-    /// The context id.
+    /// The context's id in the checker's ledger.
     pub context: u64,
 }
 
@@ -79,41 +94,101 @@ pub struct FreeRecord {
 pub struct ServerOut {
     /// Replies to send.
     pub replies: Vec<ReplyEnvelope>,
-    /// Builds started (serials): the world schedules their completion.
+    /// Builds started (node context ids): the world schedules their completion.
     pub builds: Vec<u64>,
-    /// Copies started (context ids): the world schedules their completion.
+    /// Copies started: the world schedules their completion.
     pub copies: Vec<u64>,
-    /// Contexts the core handed back this step.
+    /// Blend computations started.
+    pub blends: Vec<u64>,
+    /// Frees started: the world schedules their return (or never, row 20).
+    pub free_jobs: Vec<u64>,
+    /// Contexts the node gave back this step.
     pub frees: Vec<FreeRecord>,
     /// Entries reaped this step, context or not.
     pub reaped: u64,
 }
 
-struct PendingBuild {
-    ticket: BuildTicket,
-    /// Everyone waiting for the outcome: (slot, incarnation, round). REGISTERs that
-    /// find the entry still building join here instead of hearing `refreshed` at once:
-    /// should the build fail, a worker told `refreshed` would believe in a registration
-    /// that does not exist, and with a second module still tracked its pings would keep
-    /// answering true (found by the swarm, seed 2110).
-    waiters: Vec<(usize, u32, u64)>,
-}
-
 /// Counters a scenario can assert on.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ServerStats {
-    /// Contexts built (handed to the core).
+    /// Contexts built (handed to the node).
     pub contexts_built: u64,
     /// Builds that failed.
     pub builds_failed: u64,
-    /// Engine-driven reservations discarded (never published) because their context went.
+    /// Engine-driven reservations and pins dropped with their context.
     pub reservations_discarded: u64,
     /// `bad_args` replies.
     pub bad_args: u64,
-    /// Stalls the core reported.
+    /// Stalls the node reported.
     pub stalls: u64,
     /// Frees that waited for a copy.
     pub frees_deferred: u64,
+    /// Frees the node reported hung (its watchdog).
+    pub frees_hung: u64,
+    /// `forbidden` replies.
+    pub forbidden: u64,
+    /// Frames the real decoder refused.
+    pub decode_errors: u64,
+    /// Connections closed after a `bad_frame`.
+    pub connections_closed: u64,
+}
+
+/// What a request asks, as far as the checker must know to read its answer (an op
+/// without its payload: no clone on the request path).
+enum Asked {
+    Ping,
+    Register(Module),
+    Unregister(Module),
+    Transfer(Module),
+    Prepare(Vec<u8>),
+    Commit(Vec<u8>),
+    Other,
+}
+
+impl Asked {
+    fn of(op: &Op) -> Asked {
+        match op {
+            Op::Ping { .. } => Asked::Ping,
+            Op::RegisterKvCache { .. } => Asked::Register(Module::ServerDriven),
+            Op::RegisterEngineDriven { .. } => Asked::Register(Module::EngineDriven),
+            Op::UnregisterKvCache { .. } => Asked::Unregister(Module::ServerDriven),
+            Op::UnregisterEngineDriven { .. } => Asked::Unregister(Module::EngineDriven),
+            Op::Store { .. }
+            | Op::Retrieve { .. }
+            | Op::StoreBatch { .. }
+            | Op::RetrieveBatch { .. } => Asked::Transfer(Module::ServerDriven),
+            Op::PrepareStore { key, .. } => Asked::Prepare(key.clone()),
+            Op::CommitStore { key, .. } => Asked::Commit(key.clone()),
+            Op::PrepareRetrieve { .. } | Op::CommitRetrieve { .. } => {
+                Asked::Transfer(Module::EngineDriven)
+            }
+            Op::Hello { .. } | Op::Lookup { .. } | Op::RegisterBlend { .. } | Op::Status => {
+                Asked::Other
+            }
+        }
+    }
+}
+
+/// What the call being made is about, to read the node's outputs.
+enum Call {
+    Request {
+        conn: ConnId,
+        request_id: u64,
+        name: &'static str,
+        instance: Option<InstanceId>,
+        asked: Asked,
+        exiting: bool,
+        /// The named instance's entries before, when it is not the sender's own.
+        before: Option<[Option<kvwarden_core::EntryView>; 2]>,
+    },
+    BuildDone {
+        key: Key,
+        context: ContextId,
+        failed: bool,
+    },
+    CopyDone,
+    Exit(InstanceId),
+    Other,
 }
 
 /// The simulated server process.
@@ -126,20 +201,29 @@ pub struct Server {
     pub state: ServerState,
     /// SIGSTOPped.
     pub paused: bool,
-    liveness: Option<Liveness<Context>>,
+    node: Option<Node>,
+    outputs: Vec<Output>,
     inbox: VecDeque<Input>,
-    builds: BTreeMap<u64, PendingBuild>,
-    building: BTreeMap<Key, u64>,
-    build_serial: u64,
-    /// Instances with CacheBlend rope state.
+    conns: HashMap<(usize, u32, Channel), ConnId>,
+    peers: HashMap<ConnId, (usize, u32)>,
+    next_conn: u64,
+    /// Node context id → the checker's ledger id.
+    ledger: HashMap<ContextId, u64>,
+    builds: HashMap<ContextId, (Key, Vec<u64>)>,
+    copies: HashMap<CopyId, u64>,
+    frees: HashMap<FreeId, u64>,
+    /// Frees running: their key, start and the pause time before it (their run time
+    /// excludes the server's pauses: its threads were stopped too).
+    free_runs: BTreeMap<FreeId, (Key, Nanos, Nanos)>,
+    paused_total: Nanos,
+    paused_since: Nanos,
+    /// Instances holding rope tables (the shell keeps them; the node names them).
     pub blend: BTreeSet<InstanceId>,
-    /// Pins plus reservations per context.
-    pub holds: BTreeMap<u64, u32>,
-    ops: BTreeMap<(InstanceId, u64), u64>,
-    copies: BTreeMap<u64, u32>,
-    deferred: BTreeMap<u64, Context>,
-    known_keys: BTreeSet<Key>,
-    /// Same-host processes the kernel says have exited (pidfd of a dead peer).
+    /// Reservations granted to engine-driven instances and not yet committed.
+    reserved: BTreeMap<InstanceId, BTreeSet<Vec<u8>>>,
+    reserved_total: usize,
+    watched: BTreeSet<ProcessKey>,
+    /// Same-host processes the kernel says have exited (their pidfd is readable).
     pub exited_same_host: BTreeSet<InstanceId>,
     /// Counters.
     pub stats: ServerStats,
@@ -161,17 +245,23 @@ impl Server {
             boot: 0,
             state: ServerState::Down,
             paused: false,
-            liveness: None,
+            node: None,
+            outputs: Vec::new(),
             inbox: VecDeque::new(),
-            builds: BTreeMap::new(),
-            building: BTreeMap::new(),
-            build_serial: 0,
+            conns: HashMap::default(),
+            peers: HashMap::default(),
+            next_conn: 0,
+            ledger: HashMap::default(),
+            builds: HashMap::default(),
+            copies: HashMap::default(),
+            frees: HashMap::default(),
+            free_runs: BTreeMap::new(),
+            paused_total: 0,
+            paused_since: 0,
             blend: BTreeSet::new(),
-            holds: BTreeMap::new(),
-            ops: BTreeMap::new(),
-            copies: BTreeMap::new(),
-            deferred: BTreeMap::new(),
-            known_keys: BTreeSet::new(),
+            reserved: BTreeMap::new(),
+            reserved_total: 0,
+            watched: BTreeSet::new(),
             exited_same_host: BTreeSet::new(),
             stats: ServerStats::default(),
             wake_at: None,
@@ -192,17 +282,32 @@ impl Server {
         }
     }
 
-    /// A new process: empty registry, clock from `now`.
+    /// A new process: an empty node, clock from `now`.
     pub fn start(&mut self, now: Nanos) -> Result<(), String> {
-        let config = Self::core_config(&self.spec);
         let floor = if self.spec.allow_short_timeouts {
             std::time::Duration::ZERO
         } else {
             kvwarden_core::REAP_TIMEOUT_FLOOR
         };
-        let liveness = Liveness::new_with_floor(config, instant(now), floor)
-            .map_err(|error| error.to_string())?;
-        self.liveness = Some(liveness);
+        let config = NodeConfig {
+            liveness: Self::core_config(&self.spec),
+            reap_timeout_floor: floor,
+            num_slots: NUM_SLOTS,
+            slot_bytes: crate::worker::STORE_BYTES,
+            server_uid: SERVER_UID,
+            boot_id: self.boot,
+            server_name: "kvwarden-sim".to_string(),
+            free_watchdog: duration(self.spec.free_watchdog),
+            shutdown_drain: SHUTDOWN_DRAIN,
+            cuda_devices: Err("the simulator has no CUDA".to_string()),
+        };
+        #[allow(unused_mut)]
+        let mut node = Node::new(config, instant(now)).map_err(|error| error.to_string())?;
+        #[cfg(feature = "planted-bugs")]
+        if let Some(planted) = self.bug.and_then(InjectedBug::planted) {
+            node.plant(planted);
+        }
+        self.node = Some(node);
         self.state = ServerState::Up;
         self.paused = false;
         Ok(())
@@ -210,10 +315,7 @@ impl Server {
 
     /// The instant the loop must next call `handle_timeout`.
     pub fn poll_timeout(&self) -> Option<Nanos> {
-        if self.paused || !matches!(self.state, ServerState::Up | ServerState::Draining) {
-            return None;
-        }
-        if self.bug == Some(InjectedBug::SkipHandleTimeout) {
+        if !self.is_turning() || self.bug == Some(InjectedBug::SkipHandleTimeout) {
             return None;
         }
         let late = if self.bug == Some(InjectedBug::LateWake) {
@@ -221,15 +323,20 @@ impl Server {
         } else {
             0
         };
-        self.liveness
+        self.node
             .as_ref()
-            .and_then(|l| l.poll_timeout())
+            .and_then(Node::poll_timeout)
             .map(|at| at.as_nanos() + late)
     }
 
-    /// The core's counters.
+    /// The registry's counters.
     pub fn status(&self) -> Option<kvwarden_core::Status> {
-        self.liveness.as_ref().map(|l| l.status())
+        self.node.as_ref().map(Node::liveness_status)
+    }
+
+    /// The node, for views.
+    pub fn node(&self) -> Option<&Node> {
+        self.node.as_ref()
     }
 
     /// Whether the loop turns (up or draining, not paused).
@@ -239,10 +346,8 @@ impl Server {
 
     /// One input: read it now, or queue it while paused.
     pub fn input(&mut self, now: Nanos, input: Input, checker: &mut Checker, out: &mut ServerOut) {
-        match self.state {
-            ServerState::Up => {}
-            ServerState::Draining if !matches!(input, Input::Request(_)) => {}
-            _ => return,
+        if !matches!(self.state, ServerState::Up | ServerState::Draining) {
+            return;
         }
         if self.paused {
             self.inbox.push_back(input);
@@ -263,16 +368,18 @@ impl Server {
     pub fn pause(&mut self, now: Nanos, checker: &mut Checker) {
         if self.state == ServerState::Up && !self.paused {
             self.paused = true;
+            self.paused_since = now;
             checker.server_paused(now);
         }
     }
 
-    /// SIGCONT: every queued input is read before any deadline is judged.
+    /// SIGCONT: every queued input goes to the node before any deadline is judged.
     pub fn resume(&mut self, now: Nanos, checker: &mut Checker, out: &mut ServerOut) {
         if !self.paused {
             return;
         }
         self.paused = false;
+        self.count_pause(now);
         if self.bug == Some(InjectedBug::TimeoutBeforeInput) {
             self.turn(now, checker, out);
         }
@@ -282,265 +389,57 @@ impl Server {
         self.turn(now, checker, out);
     }
 
+    /// A pause ends: one longer than the stall threshold is time the node can know it
+    /// did not run (it credits the stall), so a free's run time excludes it; a shorter
+    /// one the node cannot tell from running.
+    fn count_pause(&mut self, now: Nanos) {
+        let pause = now - self.paused_since;
+        if pause > self.spec.stall_threshold {
+            self.paused_total += pause;
+        }
+    }
+
     /// The process dies: every context dies with it, connections break.
     pub fn crash(&mut self, now: Nanos, checker: &mut Checker) {
         self.state = ServerState::Down;
         self.paused = false;
-        self.liveness = None;
+        self.node = None;
         self.inbox.clear();
+        self.conns.clear();
+        self.peers.clear();
+        self.ledger.clear();
         self.builds.clear();
-        self.building.clear();
-        self.blend.clear();
-        self.holds.clear();
-        self.ops.clear();
         self.copies.clear();
-        self.deferred.clear();
-        self.known_keys.clear();
+        self.frees.clear();
+        self.free_runs.clear();
+        self.blend.clear();
+        self.reserved.clear();
+        self.reserved_total = 0;
+        self.watched.clear();
         self.boot += 1;
         self.wake_at = None;
         self.wake_generation += 1;
         checker.server_restarted(now);
     }
 
-    /// SIGTERM: stop accepting, free every context exactly once, finish the builds (they
-    /// come back cancelled), then stop.
+    /// SIGTERM: the node answers what is in flight, frees every context once, stops.
     pub fn shut_down(&mut self, now: Nanos, checker: &mut Checker, out: &mut ServerOut) {
         if self.state != ServerState::Up {
             return;
         }
-        self.paused = false;
+        if self.paused {
+            self.paused = false;
+            self.count_pause(now);
+        }
         while let Some(input) = self.inbox.pop_front() {
-            if !matches!(input, Input::Request(_)) {
-                self.read(now, input, checker, out);
-            }
+            self.read(now, input, checker, out);
         }
         self.state = ServerState::Draining;
-        let self_at = self.core_now(now);
-        let Some(liveness) = self.liveness.as_mut() else {
-            return;
-        };
-        for key in std::mem::take(&mut self.known_keys) {
-            let was = liveness.unregister(self_at, key.0, key.1);
-            checker.unregister(now, key, was, false);
-        }
+        self.call(now, Some(NodeInput::Shutdown), Call::Other, checker, out);
         self.turn(now, checker, out);
-        self.finish_draining();
     }
 
-    fn finish_draining(&mut self) {
-        if self.state == ServerState::Draining && self.builds.is_empty() && self.copies.is_empty() {
-            self.state = ServerState::Stopped;
-            self.liveness = None;
-        }
-    }
-
-    fn read(&mut self, now: Nanos, input: Input, checker: &mut Checker, out: &mut ServerOut) {
-        let at = self.core_now(now);
-        let Some(liveness) = self.liveness.as_mut() else {
-            return;
-        };
-        match input {
-            Input::Request(envelope) => {
-                let instance = envelope.instance;
-                let answer = |reply| ReplyEnvelope {
-                    slot: envelope.slot,
-                    incarnation: envelope.incarnation,
-                    boot: envelope.boot,
-                    reply,
-                };
-                match envelope.request {
-                    Request::Register { module, round } => {
-                        let key = (instance, module);
-                        match liveness.register(at, instance, module) {
-                            Registration::Refreshed => {
-                                checker.register(now, key, None);
-                                let waits = self.bug != Some(InjectedBug::RefreshWhileBuilding);
-                                let pending = self
-                                    .building
-                                    .get(&key)
-                                    .filter(|_| waits)
-                                    .and_then(|build| self.builds.get_mut(build));
-                                match pending {
-                                    Some(pending) => pending.waiters.push((
-                                        envelope.slot,
-                                        envelope.incarnation,
-                                        round,
-                                    )),
-                                    None => out.replies.push(answer(Reply::Register {
-                                        module,
-                                        round,
-                                        outcome: RegisterOutcome::Refreshed,
-                                    })),
-                                }
-                            }
-                            Registration::Build(ticket) => {
-                                self.build_serial += 1;
-                                let build = self.build_serial;
-                                checker.register(now, key, Some(build));
-                                self.known_keys.insert(key);
-                                self.building.insert(key, build);
-                                self.builds.insert(
-                                    build,
-                                    PendingBuild {
-                                        ticket,
-                                        waiters: vec![(envelope.slot, envelope.incarnation, round)],
-                                    },
-                                );
-                                out.builds.push(build);
-                            }
-                        }
-                        if self.exited_same_host.contains(&instance) {
-                            // The pidfd of a peer that already exited reports it at once.
-                            let held = liveness.process_exited(at, instance);
-                            checker.process_exited(now, instance, held);
-                        }
-                    }
-                    Request::Unregister { module } => {
-                        let was = liveness.unregister(at, instance, module);
-                        checker.unregister(now, (instance, module), was, envelope.exiting);
-                        out.replies.push(answer(Reply::Unregister {
-                            module,
-                            was_registered: was,
-                        }));
-                    }
-                    Request::Ping { seq } => {
-                        let answer_value = if self.bug == Some(InjectedBug::IgnorePings) {
-                            true
-                        } else {
-                            let tracked = liveness.ping(at, Some(instance));
-                            checker.ping(now, instance, tracked);
-                            tracked
-                        };
-                        let ping = if answer_value {
-                            PingAnswer::Known
-                        } else {
-                            PingAnswer::Unknown
-                        };
-                        out.replies.push(answer(Reply::Ping { seq, answer: ping }));
-                    }
-                    Request::LegacyPing { seq } => {
-                        // `ping []`: bad_args naming the mismatch; liveness untouched.
-                        self.stats.bad_args += 1;
-                        out.replies.push(answer(Reply::Ping {
-                            seq,
-                            answer: PingAnswer::BadArgs,
-                        }));
-                    }
-                    Request::Transfer { module, op } => {
-                        let key = (instance, module);
-                        let result = liveness.transfer(at, instance, module).map(|c| c.id);
-                        checker.transfer(now, key, result);
-                        let reply = match result {
-                            Ok(context) => {
-                                if module == Module::EngineDriven {
-                                    *self.holds.entry(context).or_default() += 1;
-                                    self.ops.insert((instance, op), context);
-                                } else if self.spec.copy_duration > 0 {
-                                    *self.copies.entry(context).or_default() += 1;
-                                    out.copies.push(context);
-                                }
-                                TransferAnswer::Done
-                            }
-                            Err(kvwarden_core::TransferError::NotRegistered) => {
-                                TransferAnswer::NotRegistered
-                            }
-                            Err(kvwarden_core::TransferError::NotReady) => TransferAnswer::NotReady,
-                        };
-                        out.replies.push(answer(Reply::Transfer {
-                            module,
-                            op,
-                            answer: reply,
-                        }));
-                    }
-                    Request::Commit { op } => {
-                        let key = (instance, Module::EngineDriven);
-                        let result = liveness
-                            .transfer(at, instance, Module::EngineDriven)
-                            .map(|c| c.id);
-                        checker.transfer(now, key, result);
-                        let published = match self.ops.remove(&(instance, op)) {
-                            Some(context) => {
-                                if let Some(count) = self.holds.get_mut(&context) {
-                                    *count -= 1;
-                                    if *count == 0 {
-                                        self.holds.remove(&context);
-                                    }
-                                }
-                                true
-                            }
-                            None => false,
-                        };
-                        out.replies.push(answer(Reply::Commit { published }));
-                    }
-                    Request::RegisterBlend => {
-                        let held = Module::ALL
-                            .iter()
-                            .any(|&m| liveness.entry(instance, m).is_some());
-                        if held {
-                            self.blend.insert(instance);
-                        }
-                        out.replies.push(answer(Reply::Blend { kept: held }));
-                    }
-                }
-            }
-            Input::BuildDone { build, failed } => {
-                let Some(pending) = self.builds.remove(&build) else {
-                    return;
-                };
-                let key = (pending.ticket.instance(), pending.ticket.module());
-                if self.building.get(&key) == Some(&build) {
-                    self.building.remove(&key);
-                }
-                let waiters = pending.waiters;
-                let outcome = if failed {
-                    self.stats.builds_failed += 1;
-                    liveness.context_build_failed(at, pending.ticket);
-                    checker.build_failed(now, key, build);
-                    RegisterOutcome::Failed
-                } else {
-                    let id = checker.contexts.len() as u64;
-                    checker.context_built(now, key, build, id);
-                    self.stats.contexts_built += 1;
-                    liveness.context_built(at, pending.ticket, Context { id });
-                    let ready = liveness.entry(key.0, key.1).is_some_and(|e| !e.building);
-                    if ready {
-                        RegisterOutcome::Created
-                    } else {
-                        RegisterOutcome::Failed
-                    }
-                };
-                for (slot, incarnation, round) in waiters {
-                    out.replies.push(ReplyEnvelope {
-                        slot,
-                        incarnation,
-                        boot: self.boot,
-                        reply: Reply::Register {
-                            module: key.1,
-                            round,
-                            outcome,
-                        },
-                    });
-                }
-            }
-            Input::CopyDone(context) => {
-                if let Some(count) = self.copies.get_mut(&context) {
-                    *count -= 1;
-                    if *count == 0 {
-                        self.copies.remove(&context);
-                        if let Some(deferred) = self.deferred.remove(&context) {
-                            self.release(deferred, checker);
-                        }
-                    }
-                }
-            }
-            Input::ExitNotice(instance) => {
-                let held = liveness.process_exited(at, instance);
-                checker.process_exited(now, instance, held);
-            }
-        }
-    }
-
-    /// The instant the core is told: the monotonic clock (the wall clock under the
+    /// The instant the node is told: the monotonic clock (the wall clock under the
     /// `wall_clock` bug).
     fn core_now(&self, now: Nanos) -> kvwarden_core::Instant {
         if self.bug == Some(InjectedBug::WallClock) {
@@ -550,112 +449,640 @@ impl Server {
         }
     }
 
-    /// Time, then every effect, then the per-step checks.
+    /// The connection of a worker process in this boot, opened (`Connected`) on its
+    /// first message.
+    fn conn(
+        &mut self,
+        now: Nanos,
+        envelope: &Envelope,
+        checker: &mut Checker,
+        out: &mut ServerOut,
+    ) -> ConnId {
+        let key = (envelope.slot, envelope.incarnation, envelope.channel);
+        if let Some(&conn) = self.conns.get(&key) {
+            return conn;
+        }
+        self.next_conn += 1;
+        let conn = ConnId(self.next_conn);
+        self.conns.insert(key, conn);
+        self.peers
+            .insert(conn, (envelope.slot, envelope.incarnation));
+        let process = envelope
+            .same_host
+            .then_some((ProcessKey(envelope.instance.get()), DeathNotice::PidfdByPid));
+        let input = NodeInput::Connected {
+            conn,
+            uid: Some(envelope.uid),
+            transport: Transport::Unix,
+            process,
+        };
+        self.call(now, Some(input), Call::Other, checker, out);
+        conn
+    }
+
+    fn read(&mut self, now: Nanos, input: Input, checker: &mut Checker, out: &mut ServerOut) {
+        if self.node.is_none() {
+            return;
+        }
+        match input {
+            Input::Request(envelope) => self.request(now, envelope, checker, out),
+            Input::BuildDone { context, failed } => {
+                let context = ContextId(context);
+                let Some((key, buffer_lens)) = self.builds.remove(&context) else {
+                    return;
+                };
+                let result = if failed {
+                    Err(ProtocolError::new(
+                        ErrorCode::Internal,
+                        "simulated build failure (mmap refused)",
+                    ))
+                } else {
+                    Ok(match key.1 {
+                        Module::ServerDriven => Built::ServerDriven { buffer_lens },
+                        Module::EngineDriven => Built::EngineDriven,
+                    })
+                };
+                let call = Call::BuildDone {
+                    key,
+                    context,
+                    failed,
+                };
+                self.call(
+                    now,
+                    Some(NodeInput::BuildDone { context, result }),
+                    call,
+                    checker,
+                    out,
+                );
+            }
+            Input::CopyDone(copy) => {
+                let copy = CopyId(copy);
+                if let Some(context) = self.copies.remove(&copy) {
+                    checker.copy_done(context);
+                }
+                let input = NodeInput::CopyDone {
+                    copy,
+                    result: Ok(crate::worker::STORE_BYTES),
+                };
+                self.call(now, Some(input), Call::CopyDone, checker, out);
+            }
+            Input::BlendDone(blend) => {
+                let input = NodeInput::BlendDone {
+                    blend: kvwarden_core::node::blend::BlendId(blend),
+                    result: Ok(()),
+                };
+                self.call(now, Some(input), Call::Other, checker, out);
+            }
+            Input::FreeDone(free) => {
+                let free = FreeId(free);
+                if let Some(context) = self.frees.remove(&free) {
+                    checker.released(context);
+                }
+                self.free_runs.remove(&free);
+                self.call(
+                    now,
+                    Some(NodeInput::FreeDone { free }),
+                    Call::Other,
+                    checker,
+                    out,
+                );
+            }
+            Input::Closed { slot, incarnation } => {
+                for channel in [Channel::Main, Channel::Raw] {
+                    if let Some(conn) = self.conns.remove(&(slot, incarnation, channel)) {
+                        self.peers.remove(&conn);
+                        let input = NodeInput::Disconnected { conn };
+                        self.call(now, Some(input), Call::Other, checker, out);
+                    }
+                }
+            }
+            Input::ExitNotice(instance) => {
+                let process = ProcessKey(instance.get());
+                if self.watched.contains(&process) {
+                    let input = NodeInput::ProcessExited { process };
+                    self.call(now, Some(input), Call::Exit(instance), checker, out);
+                }
+            }
+        }
+    }
+
+    fn request(
+        &mut self,
+        now: Nanos,
+        envelope: Envelope,
+        checker: &mut Checker,
+        out: &mut ServerOut,
+    ) {
+        let conn = self.conn(now, &envelope, checker, out);
+        let exiting = envelope.exiting;
+        let (request_id, op, fds) = match envelope.payload {
+            Payload::Op { id, op, fds } => (id, op, fds),
+            Payload::Decoded(Ok(request)) => (request.id, request.op, 0),
+            Payload::Decoded(Err(error)) => {
+                // As the production shell: the decode error is the reply; a frame that
+                // cannot be trusted closes that connection only.
+                self.stats.decode_errors += 1;
+                let request_id = error.request_id.unwrap_or(0);
+                let code = error.error.code;
+                if code == ErrorCode::BadArgs {
+                    self.stats.bad_args += 1;
+                }
+                out.replies.push(ReplyEnvelope {
+                    slot: envelope.slot,
+                    incarnation: envelope.incarnation,
+                    boot: self.boot,
+                    request_id,
+                    result: Err(error.error),
+                });
+                if code.closes_connection() {
+                    self.stats.connections_closed += 1;
+                    let key = (envelope.slot, envelope.incarnation, envelope.channel);
+                    self.conns.remove(&key);
+                    self.peers.remove(&conn);
+                    let input = NodeInput::Disconnected { conn };
+                    self.call(now, Some(input), Call::Other, checker, out);
+                }
+                return;
+            }
+            Payload::Bytes(_) => return, // decoded on arrival; never here
+        };
+        let instance = op.instance();
+        let before = instance
+            .filter(|&named| named != envelope.instance)
+            .map(|named| self.entries(named));
+        let call = Call::Request {
+            conn,
+            request_id,
+            name: op.name(),
+            instance,
+            asked: Asked::of(&op),
+            exiting,
+            before,
+        };
+        let input = NodeInput::Request {
+            conn,
+            request_id,
+            op,
+            fds,
+        };
+        self.call(now, Some(input), call, checker, out);
+    }
+
+    fn entries(&self, instance: InstanceId) -> [Option<kvwarden_core::EntryView>; 2] {
+        let Some(node) = self.node.as_ref() else {
+            return [None, None];
+        };
+        Module::ALL.map(|module| node.entry(instance, module))
+    }
+
+    /// `handle_timeout`, then the per-turn checks.
     fn turn(&mut self, now: Nanos, checker: &mut Checker, out: &mut ServerOut) {
+        if self.state == ServerState::Stopped {
+            return;
+        }
+        self.call(now, None, Call::Other, checker, out);
+    }
+
+    /// One node call (`None`: `handle_timeout`), its outputs carried out and reported
+    /// to the checker.
+    fn call(
+        &mut self,
+        now: Nanos,
+        input: Option<NodeInput>,
+        call: Call,
+        checker: &mut Checker,
+        out: &mut ServerOut,
+    ) {
         let at = self.core_now(now);
-        let Some(liveness) = self.liveness.as_mut() else {
+        let Some(node) = self.node.as_mut() else {
             return;
         };
-        let reaped_before = liveness.status().reaped_total;
-        liveness.handle_timeout(at);
         checker.handle_timeout(now);
-        let mut reaped_with_context = 0;
-        while let Some(effect) = liveness.poll_effect() {
-            match effect {
-                Effect::FreeContext {
+        let reaped_before = node.liveness_status().reaped_total;
+        match input {
+            Some(input) => node.handle_input(at, input),
+            None => node.handle_timeout(at),
+        }
+        let mut outputs = std::mem::take(&mut self.outputs);
+        while let Some(output) = node.poll_output() {
+            outputs.push(output);
+        }
+        self.before_outputs(now, &call, &outputs, checker);
+        let mut freed: Vec<(Key, FreeCause)> = Vec::new();
+        let mut exits = Vec::new();
+        let mut exit_noted = false;
+        let mut engine_freed = false;
+        for output in outputs.drain(..) {
+            match output {
+                Output::Reply {
+                    conn,
+                    request_id,
+                    result,
+                    ..
+                } => self.reply(conn, request_id, result, out),
+                Output::ReplyStatus { conn, request_id } => {
+                    let tracked = self.node.as_ref().map_or(0, Node::tracked) as u64;
+                    let value = Value::Map(vec![("tracked".into(), tracked.into())]);
+                    self.reply(conn, request_id, Ok(value), out);
+                }
+                Output::StartBuild {
+                    context,
                     instance,
                     module,
-                    context,
-                    cause,
+                    buffers,
+                    ..
                 } => {
-                    if matches!(cause, FreeCause::Reaped { .. }) {
-                        reaped_with_context += 1;
+                    let lens = buffers
+                        .iter()
+                        .map(|buffer| match buffer {
+                            BufferSpec::Memfd { nbytes, .. }
+                            | BufferSpec::CudaIpc { nbytes, .. } => *nbytes,
+                        })
+                        .collect();
+                    self.builds.insert(context, ((instance, module), lens));
+                    out.builds.push(context.0);
+                }
+                Output::StartCopy { copy, context, .. } => {
+                    if let Some(&id) = self.ledger.get(&context) {
+                        self.copies.insert(copy, id);
+                        checker.copy_started(id);
                     }
-                    checker.free_requested((instance, module), context.id, cause);
+                    out.copies.push(copy.0);
+                }
+                Output::StartBlend { blend, .. } => out.blends.push(blend.0),
+                Output::KeepBlend { instance, .. } => {
+                    self.blend.insert(instance);
+                    checker.touch_instance(instance);
+                }
+                Output::DiscardBlend { .. } => {}
+                Output::DropBlend { instance } => {
+                    self.blend.remove(&instance);
+                }
+                Output::StartFree {
+                    free,
+                    context,
+                    instance,
+                    module,
+                    cause,
+                    ..
+                } => {
+                    let Some(&id) = self.ledger.get(&context) else {
+                        checker.fail(
+                            crate::violation::Class::Safety,
+                            "double_free",
+                            format!("the node freed context {context:?}, which it never built"),
+                        );
+                        continue;
+                    };
+                    checker.free_requested((instance, module), id, cause);
+                    if matches!(call, Call::CopyDone) {
+                        self.stats.frees_deferred += 1;
+                    }
+                    if module == Module::EngineDriven {
+                        engine_freed = true;
+                        if let Some(keys) = self.reserved.remove(&instance) {
+                            self.reserved_total -= keys.len();
+                        }
+                    }
+                    self.frees.insert(free, id);
+                    self.free_runs
+                        .insert(free, ((instance, module), now, self.paused_total));
+                    out.free_jobs.push(free.0);
                     out.frees.push(FreeRecord {
                         instance,
                         module,
                         cause,
-                        context: context.id,
+                        context: id,
                     });
-                    if self.copies.contains_key(&context.id) {
-                        self.stats.frees_deferred += 1;
-                        self.deferred.insert(context.id, context);
-                    } else {
-                        let id = context.id;
-                        Self::release_parts(
-                            &mut self.holds,
-                            &mut self.ops,
-                            &mut self.stats,
-                            self.bug,
-                            context,
-                            checker,
-                        );
-                        if self.bug == Some(InjectedBug::DoubleFree) {
-                            checker.released(id);
-                        }
+                    freed.push(((instance, module), cause));
+                }
+                Output::Watch { process, .. } => {
+                    self.watched.insert(process);
+                    let instance = InstanceId::new(process.0).expect("a process key is an id");
+                    if self.exited_same_host.contains(&instance) {
+                        // The pidfd of a peer that already exited is readable at once.
+                        exits.push(instance);
                     }
                 }
-                Effect::DropBlendState { instance }
-                    if self.bug != Some(InjectedBug::KeepBlendState) =>
-                {
-                    self.blend.remove(&instance);
+                Output::Unwatch { process } => {
+                    self.watched.remove(&process);
                 }
-                Effect::StallDetected { gap } => {
-                    self.stats.stalls += 1;
-                    checker.stall_reported(nanos_of(gap));
+                Output::Note(note) => match note {
+                    Note::Stall { gap } => {
+                        self.stats.stalls += 1;
+                        checker.stall_reported(nanos_of(gap));
+                    }
+                    Note::ProcessExited { instance, held } => {
+                        exit_noted |= matches!(call, Call::Exit(exited) if exited == instance);
+                        checker.process_exited(now, instance, held);
+                    }
+                    Note::EngineReleased {
+                        reservations_discarded,
+                        pins_released,
+                        ..
+                    } => {
+                        self.stats.reservations_discarded +=
+                            reservations_discarded as u64 + pins_released;
+                    }
+                    Note::FreeHung {
+                        instance,
+                        module,
+                        watchdog,
+                    } => {
+                        self.stats.frees_hung += 1;
+                        let watchdog = nanos_of(watchdog);
+                        let longest = self
+                            .free_runs
+                            .values()
+                            .filter(|(key, _, _)| *key == (instance, module))
+                            .map(|&(_, start, paused)| {
+                                (now - start).saturating_sub(self.paused_total - paused)
+                            })
+                            .max();
+                        if longest.is_none_or(|ran| ran < watchdog) {
+                            checker.fail(
+                                crate::violation::Class::Liveness,
+                                "free_reported_hung_early",
+                                format!(
+                                    "the node reported a free of instance {instance} ({}) hung \
+                                     after its watchdog of {:.3}s, but it has run {:.3}s: the \
+                                     server's own pause counted as the free's time",
+                                    module.label(),
+                                    crate::time::as_seconds(watchdog),
+                                    crate::time::as_seconds(longest.unwrap_or(0))
+                                ),
+                            );
+                        }
+                    }
+                    _ => {}
+                },
+                Output::Stopped { .. } => {
+                    self.state = ServerState::Stopped;
+                    checker.stopped();
                 }
-                _ => {}
             }
         }
-        let reaped = liveness.status().reaped_total - reaped_before;
-        out.reaped += reaped;
-        if reaped > reaped_with_context {
-            checker.reaped_while_building(reaped - reaped_with_context, |key| {
-                liveness.entry(key.0, key.1).is_some()
-            });
+        self.outputs = outputs;
+        if let Call::Exit(instance) = call
+            && !exit_noted
+        {
+            checker.fail(
+                crate::violation::Class::Liveness,
+                "exit_ignored",
+                format!(
+                    "the kernel proved that the process of instance {instance}, which the node \
+                     watches, exited, and the node did not apply it"
+                ),
+            );
         }
+        let reaped = self.reconcile(reaped_before, &freed, checker);
+        out.reaped += reaped;
+        let (l1_held, l1_explained) = match self.node.as_ref() {
+            Some(node) if engine_freed => {
+                let occupancy = node.l1_occupancy();
+                (
+                    occupancy.reserved + occupancy.pinned,
+                    self.reserved_total + self.copies.len(),
+                )
+            }
+            _ => (0, 0),
+        };
         checker.end_step(&ShellView {
             blend: &self.blend,
-            holds: &self.holds,
+            l1_held,
+            l1_explained,
         });
         if self.bug == Some(InjectedBug::Panic) && reaped > 0 {
-            panic!("injected bug: the server model panics on its first reap");
+            panic!("injected bug: the simulated shell panics on its first reap");
         }
-        self.finish_draining();
-    }
-
-    fn release(&mut self, context: Context, checker: &mut Checker) {
-        Self::release_parts(
-            &mut self.holds,
-            &mut self.ops,
-            &mut self.stats,
-            self.bug,
-            context,
-            checker,
-        );
-        checker.end_step(&ShellView {
-            blend: &self.blend,
-            holds: &self.holds,
-        });
-    }
-
-    /// Closes the mappings; an engine-driven context's reservations are discarded
-    /// (never published: the slot may hold half-written data) and its pins released.
-    fn release_parts(
-        holds: &mut BTreeMap<u64, u32>,
-        ops: &mut BTreeMap<(InstanceId, u64), u64>,
-        stats: &mut ServerStats,
-        bug: Option<InjectedBug>,
-        context: Context,
-        checker: &mut Checker,
-    ) {
-        if bug != Some(InjectedBug::KeepPins) {
-            if let Some(count) = holds.remove(&context.id) {
-                stats.reservations_discarded += u64::from(count);
-                ops.retain(|_, owner| *owner != context.id);
+        for instance in exits {
+            if self.watched.contains(&ProcessKey(instance.get())) {
+                let input = NodeInput::ProcessExited {
+                    process: ProcessKey(instance.get()),
+                };
+                self.call(now, Some(input), Call::Exit(instance), checker, out);
             }
         }
-        checker.released(context.id);
+    }
+
+    /// What the checker must know before the outputs are carried out: how the node
+    /// answered the request (or took the build's outcome).
+    fn before_outputs(
+        &mut self,
+        now: Nanos,
+        call: &Call,
+        outputs: &[Output],
+        checker: &mut Checker,
+    ) {
+        match call {
+            Call::BuildDone {
+                key,
+                context,
+                failed,
+            } => {
+                if *failed {
+                    self.stats.builds_failed += 1;
+                    checker.build_failed(now, *key, context.0);
+                } else {
+                    let id = checker.contexts.len() as u64;
+                    checker.context_built(now, *key, context.0, id);
+                    self.ledger.insert(*context, id);
+                    self.stats.contexts_built += 1;
+                }
+            }
+            Call::Request {
+                conn,
+                request_id,
+                name,
+                instance,
+                asked,
+                exiting,
+                before,
+            } => {
+                let reply = outputs.iter().find_map(|output| match output {
+                    Output::Reply {
+                        conn: to,
+                        request_id: id,
+                        result,
+                        ..
+                    } if to == conn && id == request_id => Some(result),
+                    _ => None,
+                });
+                let code = reply.and_then(|r| r.as_ref().err()).map(|e| e.code);
+                let Some(instance) = *instance else {
+                    return;
+                };
+                if code == Some(ErrorCode::Forbidden) {
+                    self.stats.forbidden += 1;
+                    if let Some(before) = before
+                        && self.entries(instance) != *before
+                    {
+                        checker.fail(
+                            crate::violation::Class::Safety,
+                            "forbidden_touched",
+                            format!(
+                                "a `{name}` from another uid was refused `forbidden`, yet \
+                                 instance {instance}'s entries changed: {before:?} → {:?}",
+                                self.entries(instance)
+                            ),
+                        );
+                    }
+                    return;
+                }
+                if code == Some(ErrorCode::Unavailable) {
+                    return; // shutting down: refused before anything
+                }
+                if let Asked::Ping = asked {
+                    if let Some(Ok(Value::Boolean(tracked))) = reply {
+                        checker.ping(now, instance, *tracked);
+                    }
+                    return;
+                }
+                checker.evidence(now, instance);
+                let transfer =
+                    |module: Module| -> Option<(Key, Result<Option<u64>, TransferError>)> {
+                        let result = match code {
+                            Some(ErrorCode::NotRegistered) => Err(TransferError::NotRegistered),
+                            Some(ErrorCode::NotReady) => Err(TransferError::NotReady),
+                            _ => Ok(None),
+                        };
+                        Some(((instance, module), result))
+                    };
+                let transfer = match asked {
+                    Asked::Register(module) => {
+                        let key = (instance, *module);
+                        let build = outputs.iter().find_map(|output| match output {
+                            Output::StartBuild {
+                                context,
+                                instance: i,
+                                module: m,
+                                ..
+                            } if (*i, *m) == key => Some(context.0),
+                            _ => None,
+                        });
+                        match (build, code) {
+                            (Some(serial), _) => checker.register(now, key, Some(serial)),
+                            (None, Some(_)) => {} // refused for its arguments or load
+                            (None, None) => checker.register(now, key, None),
+                        }
+                        None
+                    }
+                    Asked::Unregister(module) => {
+                        if let Some(Ok(Value::Boolean(was))) = reply {
+                            checker.unregister(now, (instance, *module), *was, *exiting);
+                        }
+                        None
+                    }
+                    Asked::Transfer(module) => transfer(*module),
+                    Asked::Prepare(key) => {
+                        if let Some(Ok(Value::Map(grant))) = reply
+                            && grant.iter().any(|(k, _)| k.as_str() == Some("slot"))
+                            && self
+                                .reserved
+                                .entry(instance)
+                                .or_default()
+                                .insert(key.clone())
+                        {
+                            self.reserved_total += 1;
+                        }
+                        transfer(Module::EngineDriven)
+                    }
+                    Asked::Commit(key) => {
+                        if let Some(keys) = self.reserved.get_mut(&instance)
+                            && keys.remove(key)
+                        {
+                            self.reserved_total -= 1;
+                        }
+                        transfer(Module::EngineDriven)
+                    }
+                    Asked::Ping | Asked::Other => None,
+                };
+                if let Some((key, mut result)) = transfer {
+                    if let Ok(context) = &mut result {
+                        *context = outputs.iter().find_map(|output| match output {
+                            Output::StartCopy { context, .. } => self.ledger.get(context).copied(),
+                            _ => None,
+                        });
+                    }
+                    checker.transfer(now, key, result);
+                }
+            }
+            Call::CopyDone | Call::Exit(_) | Call::Other => {}
+        }
+    }
+
+    /// Entries the reference model holds and the node no longer does: reaps (the
+    /// registry's counter says how many), or a shutdown's unregistering.
+    fn reconcile(
+        &mut self,
+        reaped_before: u64,
+        freed: &[(Key, FreeCause)],
+        checker: &mut Checker,
+    ) -> u64 {
+        let Some(node) = self.node.as_ref() else {
+            return 0;
+        };
+        let reaped = node.liveness_status().reaped_total - reaped_before;
+        if reaped == 0 && checker.shadow_len() == node.tracked() {
+            return 0;
+        }
+        let shutting_down = node.is_shutting_down();
+        let gone: Vec<Key> = checker
+            .shadow_keys()
+            .into_iter()
+            .filter(|&(instance, module)| node.entry(instance, module).is_none())
+            .collect();
+        let cause_of = |key: Key| {
+            freed
+                .iter()
+                .find(|(freed_key, _)| *freed_key == key)
+                .map(|(_, cause)| *cause)
+        };
+        let identified = gone
+            .iter()
+            .filter(|&&key| matches!(cause_of(key), Some(FreeCause::Reaped { .. })))
+            .count() as u64;
+        let mut unassigned = reaped.saturating_sub(identified);
+        let mut list = Vec::with_capacity(gone.len());
+        for key in gone {
+            let entry = match cause_of(key) {
+                Some(FreeCause::Reaped { silence, proven }) => {
+                    (key, Some((nanos_of(silence), proven)), false)
+                }
+                Some(_) if shutting_down => (key, None, true),
+                _ if unassigned > 0 => {
+                    unassigned -= 1;
+                    (key, None, false)
+                }
+                _ => (key, None, shutting_down),
+            };
+            list.push(entry);
+        }
+        checker.reaped(reaped, list);
+        reaped
+    }
+
+    fn reply(
+        &mut self,
+        conn: ConnId,
+        request_id: u64,
+        result: Result<Value, ProtocolError>,
+        out: &mut ServerOut,
+    ) {
+        let Some(&(slot, incarnation)) = self.peers.get(&conn) else {
+            return; // the connection is gone: nobody to answer
+        };
+        if let Err(error) = &result
+            && error.code == ErrorCode::BadArgs
+        {
+            self.stats.bad_args += 1;
+        }
+        out.replies.push(ReplyEnvelope {
+            slot,
+            incarnation,
+            boot: self.boot,
+            request_id,
+            result,
+        });
     }
 }

@@ -43,7 +43,11 @@ pub fn draw(seed: u64) -> SimConfig {
             rng.between(10, 2000) * MILLISECOND
         },
         exit_notice_delay: rng.between(1, 50) * MILLISECOND,
+        free_delay: 0,
+        free_hang_rate: 0.0,
+        free_watchdog: 10 * SECOND,
     };
+    let mut server = server;
     let count = rng.between(1, 6) as usize;
     let mut workers = Vec::with_capacity(count);
     let mut longest_interval = 0;
@@ -165,6 +169,17 @@ pub fn draw(seed: u64) -> SimConfig {
         action: Action::Transfer((0..count).collect()),
     });
     events.sort_by_key(|e| e.at);
+    // Drawn last, so that the profile above stays what it was before they existed:
+    // frees that take time or never return (row 20), raw bytes (row 24).
+    server.free_delay = rng.between(0, 50) * MILLISECOND;
+    if rng.chance(0.1) {
+        server.free_hang_rate = rng.unit() * 0.1;
+    }
+    for spec in &mut workers {
+        if rng.chance(0.1) {
+            spec.garbage_every = Some(rng.between(500, 10_000) * MILLISECOND);
+        }
+    }
     SimConfig {
         name: format!("swarm seed {seed}"),
         seed: rng.next_u64(),
@@ -181,7 +196,7 @@ pub fn draw(seed: u64) -> SimConfig {
 pub fn describe(cfg: &SimConfig) -> String {
     let s = &cfg.server;
     let mut text = format!(
-        "  run seed {}, duration {:.1}s\n  server: T={:.1}s G={:.1}s R={:.3}s stall={:.1}s build {:.3}-{:.3}s fail {:.3} copy {:.3}s exit notice {:.3}s\n",
+        "  run seed {}, duration {:.1}s\n  server: T={:.1}s G={:.1}s R={:.3}s stall={:.1}s build {:.3}-{:.3}s fail {:.3} copy {:.3}s exit notice {:.3}s free {:.3}s hang {:.3}\n",
         cfg.seed,
         as_seconds(cfg.duration),
         as_seconds(s.reap_timeout),
@@ -193,11 +208,13 @@ pub fn describe(cfg: &SimConfig) -> String {
         s.build_failure_rate,
         as_seconds(s.copy_duration),
         as_seconds(s.exit_notice_delay),
+        as_seconds(s.free_delay),
+        s.free_hang_rate,
     );
     for w in &cfg.workers {
         let _ = writeln!(
             text,
-            "  {}: start {:.3}s H={:.0}s same_host={} traffic={:?} hb_start={:?} modules={:?} blend={} link: delay {:.3}ms jitter {:.3}ms loss {:.3} dup {:.3}",
+            "  {}: start {:.3}s H={:.0}s same_host={} traffic={:?} hb_start={:?} modules={:?} blend={} garbage={:?} link: delay {:.3}ms jitter {:.3}ms loss {:.3} dup {:.3}",
             w.name,
             as_seconds(w.start_at),
             as_seconds(w.heartbeat_interval),
@@ -206,6 +223,7 @@ pub fn describe(cfg: &SimConfig) -> String {
             w.heartbeat_start,
             w.modules.iter().map(|m| m.label()).collect::<Vec<_>>(),
             w.blend,
+            w.garbage_every.map(as_seconds),
             w.link.delay as f64 / 1e6,
             w.link.jitter as f64 / 1e6,
             w.link.loss,

@@ -6,12 +6,49 @@
 //! heartbeat stopped first, in-flight requests drained, then UNREGISTER, then exit.
 //! Faults act on the process: a frozen one holds its replies until it thaws; a dead one
 //! does nothing at all.
+//!
+//! It speaks the real protocol: every request is a [`kvwarden_core::protocol::Op`]
+//! (a pre-liveness client's `ping []` travels as bytes through the server's real
+//! decoder), and every reply is read from the real `Result<Value, ProtocolError>`.
 
 use crate::config::{HeartbeatStart, WorkerSpec};
-use crate::message::{PingAnswer, RegisterOutcome, Reply, Request, TransferAnswer};
+use crate::message::{Channel, Payload, body};
 use crate::time::{Nanos, duration, instant};
+use kvwarden_core::protocol::{
+    BufferSpec, ErrorCode, Op, ProtocolError, RetrieveItem, RopeSpec, StoreItem,
+};
 use kvwarden_core::{Heartbeat, HeartbeatAction, HeartbeatConfig, InstanceId, Module, PingReply};
+use rmpv::Value;
 use std::collections::VecDeque;
+
+/// A hash map with a fixed seed (pruned with `retain`, never iterated into the trace).
+type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::FixedState>;
+
+/// Bytes of the one memfd buffer a worker registers.
+pub const BUFFER_BYTES: u64 = 1 << 20;
+/// Bytes each store copies.
+pub const STORE_BYTES: u64 = 4096;
+
+/// What a request in flight was, to read its reply.
+#[derive(Clone, Debug, PartialEq)]
+enum Pending {
+    Ping {
+        seq: u64,
+    },
+    Register {
+        module: Module,
+        round: u64,
+    },
+    Unregister {
+        module: Module,
+    },
+    Transfer {
+        module: Module,
+        prepared: Option<Vec<u8>>,
+    },
+    Commit,
+    Blend,
+}
 
 /// The state of the process.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -69,13 +106,19 @@ pub struct WorkerStats {
     pub pings_sent: u64,
     /// Transfers sent.
     pub transfers_sent: u64,
+    /// Replies `forbidden` (a request naming another uid's instance, row 23).
+    pub forbidden_replies: u64,
+    /// Raw byte frames sent (row 24).
+    pub garbage_sent: u64,
 }
 
 /// What a worker asks of the world after an input.
 #[derive(Debug, Default)]
 pub struct Outbox {
     /// Requests to send, in order.
-    pub requests: Vec<Request>,
+    pub requests: Vec<(Channel, Payload)>,
+    /// Raw frames to send on the raw connection (the world draws their bytes).
+    pub garbage: u32,
     /// The process exited at the end of a clean shutdown.
     pub exited: bool,
 }
@@ -101,11 +144,15 @@ pub struct Worker {
     retry_initial_at: Option<Nanos>,
     next_traffic: Option<Nanos>,
     op_serial: u64,
-    commits: VecDeque<(Nanos, u64)>,
+    commits: VecDeque<(Nanos, Vec<u8>)>,
+    last_stored: Option<Vec<u8>>,
+    next_garbage: Option<Nanos>,
     shutdown: Option<Shutdown>,
     /// The latest instant a request sent so far can still be answered.
     last_request_deadline: Nanos,
-    held_replies: Vec<Reply>,
+    held_replies: Vec<(u64, Result<Value, ProtocolError>)>,
+    request_serial: u64,
+    pending: HashMap<u64, (Nanos, Pending)>,
     /// Counters.
     pub stats: WorkerStats,
     /// The instant of the pending wake event, and its generation.
@@ -136,9 +183,13 @@ impl Worker {
             next_traffic: None,
             op_serial: 0,
             commits: VecDeque::new(),
+            last_stored: None,
+            next_garbage: None,
             shutdown: None,
             last_request_deadline: 0,
             held_replies: Vec::new(),
+            request_serial: 0,
+            pending: HashMap::default(),
             stats: WorkerStats::default(),
             wake_at: None,
             wake_generation: 0,
@@ -172,6 +223,7 @@ impl Worker {
 
     /// The process starts: its first registration round.
     pub fn start(&mut self, now: Nanos, out: &mut Outbox) {
+        self.next_garbage = self.spec.garbage_every.map(|every| now + every);
         self.begin_round(now, Purpose::Initial, out);
     }
 
@@ -193,7 +245,8 @@ impl Worker {
             self.round.as_ref().map(|round| round.deadline),
             self.retry_initial_at,
             self.next_traffic,
-            self.commits.front().map(|&(at, _)| at),
+            self.commits.front().map(|(at, _)| *at),
+            self.next_garbage,
             shutdown,
         ]
         .into_iter()
@@ -226,12 +279,26 @@ impl Worker {
                 self.act(now, action, out);
             }
         }
-        while let Some(&(at, op)) = self.commits.front() {
-            if at > now {
+        while let Some((at, _)) = self.commits.front() {
+            if *at > now {
                 break;
             }
-            self.commits.pop_front();
-            self.send(now, Request::Commit { op }, out);
+            let Some((_, key)) = self.commits.pop_front() else {
+                break;
+            };
+            let op = Op::CommitStore {
+                instance: self.instance,
+                key,
+                nbytes: STORE_BYTES,
+            };
+            self.send(now, Pending::Commit, op, out);
+        }
+        if let (Some(at), Some(every)) = (self.next_garbage, self.spec.garbage_every)
+            && now >= at
+        {
+            self.next_garbage = Some(now + every);
+            self.stats.garbage_sent += 1;
+            out.garbage += 1;
         }
         if self.next_traffic.is_some_and(|at| now >= at) {
             self.transfer_all(now, out);
@@ -240,40 +307,57 @@ impl Worker {
     }
 
     /// A reply arrives.
-    pub fn on_reply(&mut self, now: Nanos, reply: Reply, out: &mut Outbox) {
+    pub fn on_reply(
+        &mut self,
+        now: Nanos,
+        request_id: u64,
+        result: Result<Value, ProtocolError>,
+        out: &mut Outbox,
+    ) {
         match self.process {
             Process::Dead => {}
-            Process::Frozen => self.held_replies.push(reply),
-            Process::Running => self.handle_reply(now, reply, out),
+            Process::Frozen => self.held_replies.push((request_id, result)),
+            Process::Running => self.handle_reply(now, request_id, result, out),
         }
     }
 
-    fn handle_reply(&mut self, now: Nanos, reply: Reply, out: &mut Outbox) {
-        match reply {
-            Reply::Ping { seq, answer } => {
+    fn handle_reply(
+        &mut self,
+        now: Nanos,
+        request_id: u64,
+        result: Result<Value, ProtocolError>,
+        out: &mut Outbox,
+    ) {
+        if let Err(error) = &result
+            && error.code == ErrorCode::Forbidden
+        {
+            self.stats.forbidden_replies += 1;
+        }
+        let Some((_, pending)) = self.pending.remove(&request_id) else {
+            return; // late, duplicated, or not ours to read (raw bytes)
+        };
+        match pending {
+            Pending::Ping { seq } => {
                 if seq != self.ping_seq || self.ping_sent_at.is_none() {
-                    return; // late or duplicated: that ping already counted
+                    return; // late: that ping already counted
                 }
                 self.ping_sent_at = None;
-                let reply = match answer {
-                    PingAnswer::Known => PingReply::Known,
-                    PingAnswer::Unknown => PingReply::Unknown,
-                    PingAnswer::BadArgs => {
+                let reply = match result {
+                    Ok(Value::Boolean(true)) => PingReply::Known,
+                    Ok(Value::Boolean(false)) => PingReply::Unknown,
+                    Err(error) if error.code == ErrorCode::BadArgs => {
                         // Loud: the client logs every bad_args at ERROR naming the
                         // version mismatch; the simulator counts them.
                         self.stats.bad_args_replies += 1;
                         PingReply::Failed
                     }
+                    _ => PingReply::Failed,
                 };
                 if let Some(action) = self.heartbeat.on_ping_reply(instant(now), reply) {
                     self.act(now, action, out);
                 }
             }
-            Reply::Register {
-                module,
-                round,
-                outcome,
-            } => {
+            Pending::Register { module, round } => {
                 let Some(current) = self.round.as_mut() else {
                     return;
                 };
@@ -284,7 +368,7 @@ impl Worker {
                     return; // a duplicate
                 };
                 current.pending.swap_remove(index);
-                if outcome == RegisterOutcome::Failed {
+                if result.is_err() {
                     current.ok = false;
                 }
                 if current.pending.is_empty() {
@@ -292,11 +376,8 @@ impl Worker {
                     self.finish_round(now, ok, out);
                 }
             }
-            Reply::Unregister {
-                module,
-                was_registered,
-            } => {
-                if was_registered {
+            Pending::Unregister { module } => {
+                if result == Ok(Value::Boolean(true)) {
                     self.stats.unregister_true += 1;
                 } else {
                     self.stats.unregister_false += 1;
@@ -306,21 +387,24 @@ impl Worker {
                 }
                 self.advance_shutdown(now, out);
             }
-            Reply::Transfer { module, op, answer } => match answer {
-                TransferAnswer::Done => {
-                    if module == Module::EngineDriven && self.shutdown.is_none() {
-                        self.commits.push_back((now + self.spec.commit_after, op));
+            Pending::Transfer { prepared, .. } => match result {
+                Ok(Value::Map(grant)) => {
+                    if let Some(key) = prepared
+                        && self.shutdown.is_none()
+                        && grant.iter().any(|(k, _)| k.as_str() == Some("slot"))
+                    {
+                        self.commits.push_back((now + self.spec.commit_after, key));
                     }
                 }
-                TransferAnswer::NotRegistered => {
+                Err(error) if error.code == ErrorCode::NotRegistered => {
                     self.stats.not_registered_replies += 1;
                     if self.round.is_none() && self.shutdown.is_none() {
                         self.begin_round(now, Purpose::Reregister, out);
                     }
                 }
-                TransferAnswer::NotReady => {}
+                _ => {}
             },
-            Reply::Commit { .. } | Reply::Blend { .. } => {}
+            Pending::Commit | Pending::Blend => {}
         }
     }
 
@@ -331,12 +415,18 @@ impl Worker {
                 self.ping_sent_at = Some(now);
                 self.stats.pings_sent += 1;
                 let seq = self.ping_seq;
-                let request = if self.spec.legacy_ping {
-                    Request::LegacyPing { seq }
+                if self.spec.legacy_ping {
+                    // `ping []`: not an op this build can even express; the bytes go
+                    // through the server's real decoder.
+                    let id = self.track(now, Pending::Ping { seq });
+                    out.requests
+                        .push((Channel::Main, Payload::Bytes(body(id, "ping", Vec::new()))));
                 } else {
-                    Request::Ping { seq }
-                };
-                self.send(now, request, out);
+                    let op = Op::Ping {
+                        instance: Some(self.instance),
+                    };
+                    self.send(now, Pending::Ping { seq }, op, out);
+                }
             }
             HeartbeatAction::Recover => self.begin_round(now, Purpose::Recover, out),
         }
@@ -359,14 +449,12 @@ impl Worker {
             deadline: now + self.spec.heartbeat_interval,
         };
         for module in self.spec.modules.clone() {
-            self.send(
-                now,
-                Request::Register {
-                    module,
-                    round: round.serial,
-                },
-                out,
-            );
+            let op = self.register_op(module);
+            let pending = Pending::Register {
+                module,
+                round: round.serial,
+            };
+            self.send(now, pending, op, out);
         }
         // A recovery that replaces a running round still owes the heartbeat an answer:
         // the old round's replies are now ignored.
@@ -400,7 +488,15 @@ impl Worker {
             Purpose::Reregister => {}
         }
         if ok && self.spec.blend {
-            self.send(now, Request::RegisterBlend, out);
+            let op = Op::RegisterBlend {
+                instance: self.instance,
+                rope: RopeSpec {
+                    rotary_dim: 128,
+                    max_positions: 4096,
+                    base: 10_000.0,
+                },
+            };
+            self.send(now, Pending::Blend, op, out);
         }
     }
 
@@ -416,16 +512,135 @@ impl Worker {
         for module in self.spec.modules.clone() {
             self.op_serial += 1;
             self.stats.transfers_sent += 1;
-            let op = self.op_serial;
-            self.send(now, Request::Transfer { module, op }, out);
+            let op = self.transfer_op(module);
+            let prepared = match &op {
+                Op::PrepareStore { key, .. } => Some(key.clone()),
+                _ => None,
+            };
+            self.send(now, Pending::Transfer { module, prepared }, op, out);
         }
     }
 
-    fn send(&mut self, now: Nanos, request: Request, out: &mut Outbox) {
+    /// The REGISTER of `module`: one memfd buffer (its fd travels with the frame), or
+    /// the engine-driven registration.
+    fn register_op(&self, module: Module) -> Op {
+        match module {
+            Module::ServerDriven => Op::RegisterKvCache {
+                instance: self.instance,
+                buffers: vec![BufferSpec::Memfd {
+                    fd_index: 0,
+                    nbytes: BUFFER_BYTES,
+                }],
+                model_name: "sim".to_string(),
+                world_size: 1,
+            },
+            Module::EngineDriven => Op::RegisterEngineDriven {
+                instance: self.instance,
+                model_name: "sim".to_string(),
+                world_size: 1,
+            },
+        }
+    }
+
+    /// A transfer: server-driven cycles through `store` of a fresh key, `retrieve` of
+    /// it, `store_batch` of two fresh keys and `retrieve_batch` of them; engine-driven
+    /// prepares a store (committed `commit_after` later).
+    fn transfer_op(&mut self, module: Module) -> Op {
+        let key = |serial: u64| {
+            let mut key = self.instance.get().to_le_bytes().to_vec();
+            key.extend_from_slice(&serial.to_le_bytes());
+            key
+        };
+        let fresh = key(self.op_serial);
+        let instance = self.instance;
+        match module {
+            Module::ServerDriven => {
+                let previous = self.last_stored.take().unwrap_or_else(|| fresh.clone());
+                match self.op_serial % 4 {
+                    1 => {
+                        self.last_stored = Some(fresh.clone());
+                        Op::Store {
+                            instance,
+                            key: fresh,
+                            buffer: 0,
+                            offset: 0,
+                            nbytes: STORE_BYTES,
+                        }
+                    }
+                    2 => Op::Retrieve {
+                        instance,
+                        key: previous,
+                        buffer: 0,
+                        offset: 0,
+                    },
+                    3 => {
+                        self.last_stored = Some(fresh.clone());
+                        let items = [fresh, key(self.op_serial | 1 << 63)]
+                            .into_iter()
+                            .enumerate()
+                            .map(|(index, key)| StoreItem {
+                                key,
+                                buffer: 0,
+                                offset: index as u64 * STORE_BYTES,
+                                nbytes: STORE_BYTES,
+                            })
+                            .collect();
+                        Op::StoreBatch { instance, items }
+                    }
+                    _ => {
+                        let items = [previous, fresh]
+                            .into_iter()
+                            .enumerate()
+                            .map(|(index, key)| RetrieveItem {
+                                key,
+                                buffer: 0,
+                                offset: index as u64 * STORE_BYTES,
+                            })
+                            .collect();
+                        Op::RetrieveBatch { instance, items }
+                    }
+                }
+            }
+            Module::EngineDriven => Op::PrepareStore {
+                instance,
+                key: fresh,
+            },
+        }
+    }
+
+    fn track(&mut self, now: Nanos, pending: Pending) -> u64 {
         self.last_request_deadline = self
             .last_request_deadline
             .max(now + self.spec.heartbeat_interval);
-        out.requests.push(request);
+        if self.pending.len() >= 256 {
+            // Requests older than two timeouts were given up long ago.
+            let horizon = now.saturating_sub(2 * self.spec.heartbeat_interval);
+            self.pending.retain(|_, (sent, _)| *sent >= horizon);
+        }
+        self.request_serial += 1;
+        let id = self.request_serial;
+        self.pending.insert(id, (now, pending));
+        id
+    }
+
+    fn send(&mut self, now: Nanos, pending: Pending, op: Op, out: &mut Outbox) {
+        let fds = match op {
+            Op::RegisterKvCache { .. } => 1,
+            _ => 0,
+        };
+        let id = self.track(now, pending);
+        out.requests
+            .push((Channel::Main, Payload::Op { id, op, fds }));
+    }
+
+    /// The REGISTERs of every module, as this process sends them (the
+    /// `register_after_unregister` bug sends them once more after the end).
+    pub fn register_ops(&mut self, now: Nanos, out: &mut Outbox) {
+        for module in self.spec.modules.clone() {
+            let op = self.register_op(module);
+            let pending = Pending::Register { module, round: 0 };
+            self.send(now, pending, op, out);
+        }
     }
 
     /// SIGKILL.
@@ -446,8 +661,8 @@ impl Worker {
             return;
         }
         self.process = Process::Running;
-        for reply in std::mem::take(&mut self.held_replies) {
-            self.handle_reply(now, reply, out);
+        for (request_id, result) in std::mem::take(&mut self.held_replies) {
+            self.handle_reply(now, request_id, result, out);
         }
         self.on_wake(now, out);
     }
@@ -485,7 +700,8 @@ impl Worker {
             Some(Shutdown::Draining { until }) if now >= *until => {
                 let modules = self.spec.modules.clone();
                 for &module in &modules {
-                    out.requests.push(Request::Unregister { module });
+                    let op = unregister_op(self.instance, module);
+                    self.send(now, Pending::Unregister { module }, op, out);
                 }
                 self.shutdown = Some(Shutdown::Unregistering {
                     pending: modules,
@@ -508,7 +724,8 @@ impl Worker {
             return;
         }
         for module in self.spec.modules.clone() {
-            self.send(now, Request::Unregister { module }, out);
+            let op = unregister_op(self.instance, module);
+            self.send(now, Pending::Unregister { module }, op, out);
         }
     }
 
@@ -528,5 +745,12 @@ impl Worker {
             return;
         }
         self.begin_round(now, Purpose::Reregister, out);
+    }
+}
+
+fn unregister_op(instance: InstanceId, module: Module) -> Op {
+    match module {
+        Module::ServerDriven => Op::UnregisterKvCache { instance },
+        Module::EngineDriven => Op::UnregisterEngineDriven { instance },
     }
 }

@@ -7,11 +7,11 @@
 use crate::config::SimConfig;
 use crate::event::{Agenda, Event};
 use crate::invariants::Checker;
-use crate::message::{Envelope, ReplyEnvelope, Request};
+use crate::message::{Channel, Envelope, Payload, ReplyEnvelope, body};
 use crate::network::{Network, Way};
 use crate::rng::Rng;
 use crate::server::{FreeRecord, Input, Server, ServerOut, ServerState};
-use crate::time::{Nanos, as_seconds};
+use crate::time::{MILLISECOND, Nanos, as_seconds};
 use crate::violation::Class;
 use crate::worker::{Outbox, Worker};
 use kvwarden_core::{FreeCause, InstanceId, Module};
@@ -48,6 +48,11 @@ pub struct World {
     instances: Vec<Vec<InstanceId>>,
     gone: BTreeMap<InstanceId, Nanos>,
     build_failure_rate: f64,
+    free_hang_rate: f64,
+    /// When the server was paused, and the jobs of its threads that would have finished
+    /// meanwhile with the time they still needed: a SIGSTOP stops every thread.
+    paused_at: Nanos,
+    frozen_jobs: Vec<(Nanos, Event)>,
     max_link_delay: Nanos,
     snapshots: Vec<Option<Snapshot>>,
 }
@@ -98,6 +103,9 @@ impl World {
             instances: vec![Vec::new(); slots],
             gone: BTreeMap::new(),
             build_failure_rate: cfg.server.build_failure_rate,
+            free_hang_rate: cfg.server.free_hang_rate,
+            paused_at: 0,
+            frozen_jobs: Vec::new(),
             max_link_delay,
             snapshots: vec![None; checkpoints.len()],
             cfg,
@@ -196,6 +204,20 @@ impl World {
 
     fn step(&mut self, event: Event) {
         let now = self.now;
+        if self.server.paused
+            && matches!(
+                event,
+                Event::BuildDone { .. }
+                    | Event::CopyDone { .. }
+                    | Event::BlendDone { .. }
+                    | Event::FreeDone { .. }
+            )
+        {
+            // The pool threads of a stopped process are stopped too: the job finishes
+            // as long after the resume as it still needed at the pause.
+            self.frozen_jobs.push((now - self.paused_at, event));
+            return;
+        }
         self.mix(now);
         match event {
             Event::Start(slot) => {
@@ -203,12 +225,12 @@ impl World {
                 self.spawn(slot);
             }
             Event::ToServer(envelope) => {
-                self.mix(2 ^ (envelope.slot as u64) << 8 ^ envelope.request.code() << 40);
-                self.deliver_to_server(envelope);
+                self.mix(2 ^ (envelope.slot as u64) << 8 ^ envelope.code() << 24);
+                self.deliver_to_server(*envelope);
             }
             Event::ToWorker(envelope) => {
                 self.mix(3 ^ (envelope.slot as u64) << 8);
-                self.deliver_to_worker(envelope);
+                self.deliver_to_worker(*envelope);
             }
             Event::WorkerWake { slot, generation } => {
                 let current = self.workers[slot]
@@ -246,18 +268,46 @@ impl World {
                     return;
                 }
                 self.mix(6 ^ build << 8 ^ u64::from(failed) << 60);
-                self.server_input(Input::BuildDone { build, failed });
+                self.server_input(Input::BuildDone {
+                    context: build,
+                    failed,
+                });
             }
-            Event::CopyDone { boot, context } => {
+            Event::CopyDone { boot, copy } => {
                 if boot != self.server.boot {
                     return;
                 }
-                self.mix(7 ^ context << 8);
-                self.server_input(Input::CopyDone(context));
+                self.mix(7 ^ copy << 8);
+                self.server_input(Input::CopyDone(copy));
+            }
+            Event::BlendDone { boot, blend } => {
+                if boot != self.server.boot {
+                    return;
+                }
+                self.mix(13 ^ blend << 8);
+                self.server_input(Input::BlendDone(blend));
+            }
+            Event::FreeDone { boot, free } => {
+                if boot != self.server.boot {
+                    return;
+                }
+                self.mix(14 ^ free << 8);
+                self.server_input(Input::FreeDone(free));
+            }
+            Event::Disconnect {
+                boot,
+                slot,
+                incarnation,
+            } => {
+                if boot != self.server.boot {
+                    return;
+                }
+                self.mix(15 ^ (slot as u64) << 8);
+                self.server_input(Input::Closed { slot, incarnation });
             }
             Event::ExitNotice { instance } => {
                 self.mix(8 ^ instance.get());
-                if self.server.state == ServerState::Up {
+                if matches!(self.server.state, ServerState::Up | ServerState::Draining) {
                     self.server_input(Input::ExitNotice(instance));
                 }
             }
@@ -316,8 +366,15 @@ impl World {
         let incarnation = worker.incarnation;
         let exiting = worker.is_shutting_down();
         let healthy = worker.is_healthy();
-        for request in out.requests {
-            if self.server.state != ServerState::Up {
+        let uid = worker.spec().uid;
+        let same_host = worker.spec().same_host;
+        let mut requests = out.requests;
+        for _ in 0..out.garbage {
+            let id = self.rng.next_u64() >> 1;
+            requests.push((Channel::Raw, Payload::Bytes(self.garbage(id, instance))));
+        }
+        for (channel, payload) in requests {
+            if !matches!(self.server.state, ServerState::Up | ServerState::Draining) {
                 continue; // connection refused
             }
             let envelope = Envelope {
@@ -327,17 +384,12 @@ impl World {
                 boot: self.server.boot,
                 sent_at: now,
                 exiting,
-                request,
+                channel,
+                uid,
+                same_host,
+                payload,
             };
-            let arrivals = self.network.send(&mut self.rng, now, slot, Way::ToServer);
-            match arrivals {
-                [Some(first), Some(second)] => {
-                    self.agenda.push(first, Event::ToServer(envelope.clone()));
-                    self.agenda.push(second, Event::ToServer(envelope));
-                }
-                [Some(first), None] => self.agenda.push(first, Event::ToServer(envelope)),
-                _ => {}
-            }
+            self.send_request(envelope);
         }
         if healthy != healthy_before && self.verbose() {
             let name = self.cfg.workers[slot].name.clone();
@@ -355,26 +407,80 @@ impl World {
         self.schedule_worker_wake(slot);
     }
 
+    pub(crate) fn send_request(&mut self, envelope: Envelope) {
+        let slot = envelope.slot;
+        let arrivals = self
+            .network
+            .send(&mut self.rng, self.now, slot, Way::ToServer);
+        match arrivals {
+            [Some(first), Some(second)] => {
+                self.agenda
+                    .push(first, Event::ToServer(Box::new(envelope.clone())));
+                self.agenda
+                    .push(second, Event::ToServer(Box::new(envelope)));
+            }
+            [Some(first), None] => self.agenda.push(first, Event::ToServer(Box::new(envelope))),
+            _ => {}
+        }
+    }
+
+    /// Raw bytes for the real decoder (row 24): garbage, a truncated request, a
+    /// request of the wrong shape, or a valid one.
+    fn garbage(&mut self, id: u64, instance: InstanceId) -> Vec<u8> {
+        use rmpv::Value;
+        let valid = match self.rng.between(0, 3) {
+            0 => body(id, "ping", vec![Value::from(instance.get())]),
+            1 => body(
+                id,
+                "lookup",
+                vec![Value::Array(vec![Value::Binary(vec![1, 2])])],
+            ),
+            2 => body(id, "status", Vec::new()),
+            _ => body(id, "store", vec![Value::from("not an id"), Value::Nil]),
+        };
+        match self.rng.between(0, 3) {
+            0 => {
+                let len = self.rng.between(0, 64) as usize;
+                (0..len).map(|_| self.rng.next_u64() as u8).collect()
+            }
+            1 => {
+                let cut = self.rng.between(0, valid.len() as u64 - 1) as usize;
+                valid[..cut].to_vec()
+            }
+            2 => {
+                let mut bytes = valid;
+                let at = self.rng.between(0, bytes.len() as u64 - 1) as usize;
+                bytes[at] ^= self.rng.next_u64() as u8 | 1;
+                bytes
+            }
+            _ => valid,
+        }
+    }
+
     /// The `register_after_unregister` bug: a REGISTER leaves after the UNREGISTER.
     fn ghost_register(&mut self, slot: usize) {
-        let Some(worker) = self.workers[slot].as_ref() else {
+        let Some(worker) = self.workers[slot].as_mut() else {
             return;
         };
-        let modules = worker.spec().modules.clone();
-        let mut envelopes = Vec::new();
-        for module in modules {
-            envelopes.push(Envelope {
+        let mut out = Outbox::default();
+        worker.register_ops(self.now, &mut out);
+        let (incarnation, instance) = (worker.incarnation, worker.instance);
+        let (uid, same_host) = (worker.spec().uid, worker.spec().same_host);
+        for (channel, payload) in out.requests {
+            let envelope = Envelope {
                 slot,
-                incarnation: worker.incarnation,
-                instance: worker.instance,
+                incarnation,
+                instance,
                 boot: self.server.boot,
                 sent_at: self.now,
                 exiting: true,
-                request: Request::Register { module, round: 0 },
-            });
-        }
-        for envelope in envelopes {
-            self.agenda.push(self.now + 1, Event::ToServer(envelope));
+                channel,
+                uid,
+                same_host,
+                payload,
+            };
+            self.agenda
+                .push(self.now + 1, Event::ToServer(Box::new(envelope)));
         }
     }
 
@@ -384,7 +490,19 @@ impl World {
         };
         let instance = worker.instance;
         let same_host = worker.spec().same_host;
+        let incarnation = worker.incarnation;
         self.gone.insert(instance, self.now);
+        // Its sockets close once what it sent is through (never a proof of death).
+        let at = self.now + self.network.max_delay(slot) + MILLISECOND;
+        let boot = self.server.boot;
+        self.agenda.push(
+            at,
+            Event::Disconnect {
+                boot,
+                slot,
+                incarnation,
+            },
+        );
         if same_host {
             self.server.exited_same_host.insert(instance);
             let at = self.now + self.cfg.server.exit_notice_delay;
@@ -439,26 +557,59 @@ impl World {
         }
     }
 
-    fn deliver_to_server(&mut self, envelope: Envelope) {
-        if self.server.state != ServerState::Up || envelope.boot != self.server.boot {
+    fn deliver_to_server(&mut self, mut envelope: Envelope) {
+        if !matches!(self.server.state, ServerState::Up | ServerState::Draining)
+            || envelope.boot != self.server.boot
+        {
             return; // the connection it travelled on is gone
         }
-        let evidence = match envelope.request {
-            Request::Ping { .. } => Some(None),
-            Request::Register { module, .. } | Request::Transfer { module, .. } => {
-                Some(Some(module))
+        if let Payload::Bytes(bytes) = &envelope.payload {
+            let decoded = kvwarden_core::protocol::decode_request(bytes);
+            envelope.payload = Payload::Decoded(decoded);
+        }
+        // Evidence of life: a request of the process naming its own instance reached
+        // the socket, whether or not the server has read it yet.
+        match envelope.op() {
+            Some(kvwarden_core::protocol::Op::Ping {
+                instance: Some(named),
+            }) if *named == envelope.instance => {
+                self.checker.arrived(self.now, envelope.instance, None);
             }
-            Request::Commit { .. } => Some(Some(Module::EngineDriven)),
-            _ => None,
-        };
-        if let Some(module) = evidence {
-            self.checker.arrived(self.now, envelope.instance, module);
+            Some(kvwarden_core::protocol::Op::Ping { .. }) | None => {}
+            Some(op) if op.instance() == Some(envelope.instance) => {
+                for module in Module::ALL {
+                    self.checker
+                        .arrived(self.now, envelope.instance, Some(module));
+                }
+            }
+            Some(_) => {}
         }
         if self.trace_requests {
-            let line = format!("server reads w{} {:?}", envelope.slot, envelope.request);
+            let line = format!("server reads w{} {:?}", envelope.slot, envelope.payload);
             self.note(line);
         }
         self.server_input(Input::Request(envelope));
+    }
+
+    /// SIGSTOP of the server process.
+    pub(super) fn pause_server(&mut self) {
+        if !self.server.paused {
+            self.paused_at = self.now;
+        }
+        self.server.pause(self.now, &mut self.checker);
+    }
+
+    /// SIGCONT: the queued input first, then the jobs of its threads go on.
+    pub(super) fn resume_server(&mut self) {
+        if !self.server.paused {
+            return;
+        }
+        let mut out = ServerOut::default();
+        self.server.resume(self.now, &mut self.checker, &mut out);
+        self.after_server(out);
+        for (remaining, event) in std::mem::take(&mut self.frozen_jobs) {
+            self.agenda.push(self.now + remaining, event);
+        }
     }
 
     fn server_input(&mut self, input: Input) {
@@ -487,11 +638,25 @@ impl World {
                 },
             );
         }
-        for context in out.copies {
-            let boot = self.server.boot;
+        let boot = self.server.boot;
+        for copy in out.copies {
             self.agenda.push(
                 now + self.cfg.server.copy_duration,
-                Event::CopyDone { boot, context },
+                Event::CopyDone { boot, copy },
+            );
+        }
+        for blend in out.blends {
+            self.agenda
+                .push(now + MILLISECOND, Event::BlendDone { boot, blend });
+        }
+        for free in out.free_jobs {
+            if self.free_hang_rate > 0.0 && self.rng.chance(self.free_hang_rate) {
+                self.note(format!("free {free} hangs (it never returns)"));
+                continue;
+            }
+            self.agenda.push(
+                now + self.cfg.server.free_delay,
+                Event::FreeDone { boot, free },
             );
         }
         for record in out.frees {
@@ -529,16 +694,19 @@ impl World {
             .send(&mut self.rng, self.now, reply.slot, Way::ToWorker);
         match arrivals {
             [Some(first), Some(second)] => {
-                self.agenda.push(first, Event::ToWorker(reply.clone()));
-                self.agenda.push(second, Event::ToWorker(reply));
+                self.agenda
+                    .push(first, Event::ToWorker(Box::new(reply.clone())));
+                self.agenda.push(second, Event::ToWorker(Box::new(reply)));
             }
-            [Some(first), None] => self.agenda.push(first, Event::ToWorker(reply)),
+            [Some(first), None] => self.agenda.push(first, Event::ToWorker(Box::new(reply))),
             _ => {}
         }
     }
 
     fn deliver_to_worker(&mut self, envelope: ReplyEnvelope) {
-        if envelope.boot != self.server.boot || self.server.state != ServerState::Up {
+        if envelope.boot != self.server.boot
+            || !matches!(self.server.state, ServerState::Up | ServerState::Draining)
+        {
             return; // the connection broke with the server
         }
         let slot = envelope.slot;
@@ -550,7 +718,7 @@ impl World {
         }
         let healthy = worker.is_healthy();
         let mut out = Outbox::default();
-        worker.on_reply(self.now, envelope.reply, &mut out);
+        worker.on_reply(self.now, envelope.request_id, envelope.result, &mut out);
         self.after_worker(slot, out, healthy);
     }
 

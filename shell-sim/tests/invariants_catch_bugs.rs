@@ -1,6 +1,7 @@
 //! The checker is not a rubber stamp: deliberately wrong expectations fail, and bugs
-//! injected into the server model are caught by the right invariant with the right
-//! exit-code class.
+//! planted in the real node (`kvwarden_core::node::PlantedBug`, through this crate's
+//! test-only feature `planted-bugs`) or injected into the simulated shell and workers
+//! are caught by the right invariant with the right exit-code class.
 
 use kvwarden_sim::cli::{run_files, run_scenario};
 use kvwarden_sim::scenario::{self, ScenarioError};
@@ -140,11 +141,94 @@ fn pins_kept_after_their_context_was_freed_are_a_safety_violation() {
 
 #[test]
 fn ignoring_pings_reaps_a_live_worker_and_is_caught() {
+    // The node answers the ping `true` without refreshing the entry: the reference
+    // model, refreshed by that ping, sees the reap come before the window ends.
     let (class, invariant, detail) =
         violation_with_bug("13-mixed-version-ping.toml", "ignore_pings");
     assert_eq!(
         (class, invariant),
-        (Class::Safety, "live_worker_reaped"),
+        (Class::Safety, "reaped_early"),
+        "{detail}"
+    );
+}
+
+#[test]
+fn a_node_that_frees_while_a_copy_runs_is_caught() {
+    let (class, invariant, detail) =
+        violation_with_bug("16-reap-racing-build-and-copy.toml", "free_during_copy");
+    assert_eq!(
+        (class, invariant),
+        (Class::Safety, "free_during_copy"),
+        "{detail}"
+    );
+}
+
+#[test]
+fn a_node_that_never_starts_a_free_leaks_and_is_caught() {
+    let (class, invariant, detail) =
+        violation_with_bug("01-sigkill-same-host.toml", "leak_on_free");
+    assert_eq!(
+        (class, invariant),
+        (Class::Liveness, "context_leaked"),
+        "{detail}"
+    );
+    assert_eq!(class.exit_code(), 128);
+}
+
+#[test]
+fn a_node_that_never_reaps_spins_and_is_caught() {
+    // Its registry is never told the time, so its wake stays in the past: the loop
+    // spins at one instant.
+    let (class, invariant, detail) = violation_with_bug("02-sigkill-not-visible.toml", "skip_reap");
+    assert_eq!(
+        (class, invariant),
+        (Class::Liveness, "livelock"),
+        "{detail}"
+    );
+}
+
+#[test]
+fn a_node_that_ignores_a_proven_exit_is_caught() {
+    let (class, invariant, detail) =
+        violation_with_bug("01-sigkill-same-host.toml", "ignore_process_exit");
+    assert_eq!(
+        (class, invariant),
+        (Class::Liveness, "exit_ignored"),
+        "{detail}"
+    );
+}
+
+#[test]
+fn a_node_that_stops_without_freeing_is_caught() {
+    let (class, invariant, detail) =
+        violation_with_bug("19-clean-server-shutdown.toml", "shutdown_leaks");
+    assert_eq!(
+        (class, invariant),
+        (Class::Liveness, "not_freed_at_shutdown"),
+        "{detail}"
+    );
+}
+
+#[test]
+fn a_node_that_drops_a_built_context_diverges_from_the_reference() {
+    let (class, invariant, detail) =
+        violation_with_bug("01-sigkill-same-host.toml", "drop_built_context");
+    assert_eq!(
+        (class, invariant),
+        (Class::Internal, "core_diverged"),
+        "{detail}"
+    );
+}
+
+#[test]
+fn keep_reservations_is_keep_pins() {
+    let (class, invariant, detail) = violation_with_bug(
+        "21-engine-driven-reservation-freed.toml",
+        "keep_reservations",
+    );
+    assert_eq!(
+        (class, invariant),
+        (Class::Safety, "pin_of_freed_instance"),
         "{detail}"
     );
 }
@@ -215,7 +299,7 @@ fn a_register_after_the_clean_shutdown_is_a_ghost() {
 }
 
 #[test]
-fn a_panic_in_the_model_is_exit_code_127() {
+fn a_panic_in_the_shell_is_exit_code_127() {
     let (class, invariant, _) = violation_with_bug("02-sigkill-not-visible.toml", "panic");
     assert_eq!((class, invariant), (Class::Internal, "panic"));
     assert_eq!(class.exit_code(), 127);

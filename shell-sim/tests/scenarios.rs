@@ -59,7 +59,11 @@ scenario_tests! {
     row_17_reaping_disabled_reaps_nothing_but_exit_proof_still_frees => "17-reaping-disabled.toml",
     row_18_clean_shutdown_leaves_no_ghost_and_stopped_heartbeat_never_recovers => "18-clean-worker-shutdown.toml",
     row_19_server_shutdown_frees_every_context_exactly_once => "19-clean-server-shutdown.toml",
+    row_20_hung_free_is_reported_and_the_loop_keeps_serving => "20-free-hangs.toml",
+    row_20_a_server_pause_is_not_counted_as_a_free_hanging => "20-free-across-a-server-pause.toml",
     row_21_freed_engine_driven_instance_discards_reservations_and_pins => "21-engine-driven-reservation-freed.toml",
+    row_23_other_uid_is_forbidden_and_the_instance_untouched => "23-other-uid-forbidden.toml",
+    row_24_garbage_bytes_are_answered_and_break_nothing => "24-garbage-bytes.toml",
     row_25_stalled_request_loop_reaps_no_live_worker => "25-request-loop-stops-turning.toml",
 }
 

@@ -96,10 +96,17 @@ fn the_swarm_catches_injected_bugs_with_the_right_class() {
             Class::Safety,
             "blend_without_entry",
         ),
+        (InjectedBug::IgnorePings, Class::Safety, "reaped_early"),
         (
-            InjectedBug::IgnorePings,
+            InjectedBug::FreeDuringCopy,
             Class::Safety,
-            "live_worker_reaped",
+            "free_during_copy",
+        ),
+        (InjectedBug::LeakOnFree, Class::Liveness, "context_leaked"),
+        (
+            InjectedBug::IgnoreProcessExit,
+            Class::Liveness,
+            "exit_ignored",
         ),
         (
             InjectedBug::RegisterAfterUnregister,

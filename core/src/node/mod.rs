@@ -873,6 +873,11 @@ impl Node {
         self.liveness.entry(instance, module)
     }
 
+    /// The liveness registry's counters (no scan: for the simulator's per-step checks).
+    pub fn liveness_status(&self) -> Status {
+        self.liveness.status()
+    }
+
     /// Entries tracked.
     pub fn tracked(&self) -> usize {
         self.liveness.status().tracked_instances

@@ -338,10 +338,37 @@ impl Node {
                     }
                     self.forget_if_gone(instance);
                 }
-                Effect::StallDetected { gap } => self.note(Note::Stall { gap }),
+                Effect::StallDetected { gap } => {
+                    self.credit_stall(gap);
+                    self.note(Note::Stall { gap });
+                }
             }
         }
         seen
+    }
+
+    /// The server itself did not run for `gap` (SIGSTOP, a VM pause: every thread
+    /// stopped): neither did its frees nor the work a shutdown waits for, so their
+    /// timers do not count it, as the registry does not count it as silence. Without
+    /// this a free running when the server was paused for longer than the watchdog is
+    /// reported hung on resume (found by the simulator: a free across a server pause).
+    fn credit_stall(&mut self, gap: Duration) {
+        let now = self.last_now;
+        let before_gap = |since: Instant| now.saturating_duration_since(since) >= gap;
+        for watch in self.frees.values_mut() {
+            if before_gap(watch.started) {
+                watch.started = watch.started + gap;
+            }
+        }
+        self.shutdown = match self.shutdown {
+            Some(Shutdown::Draining { since }) if before_gap(since) => {
+                Some(Shutdown::Draining { since: since + gap })
+            }
+            Some(Shutdown::Freeing { since }) if before_gap(since) => {
+                Some(Shutdown::Freeing { since: since + gap })
+            }
+            other => other,
+        };
     }
 
     /// The registry handed a context back: release what it holds in L1 now, then free
@@ -497,5 +524,124 @@ impl Node {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::Op;
+
+    const SECOND: u64 = 1_000_000_000;
+
+    fn at(seconds: f64) -> Instant {
+        Instant::from_nanos((seconds * SECOND as f64) as u64)
+    }
+
+    fn node() -> Node {
+        let config = NodeConfig {
+            liveness: Config {
+                reap_timeout: Duration::from_secs(120),
+                registration_grace: Duration::from_secs(3600),
+                resolution: Duration::from_secs(1),
+                stall_threshold: Duration::from_secs(5),
+            },
+            reap_timeout_floor: Duration::ZERO,
+            num_slots: 4,
+            slot_bytes: 4096,
+            server_uid: 0,
+            boot_id: 1,
+            server_name: "test".into(),
+            free_watchdog: Duration::from_secs(10),
+            shutdown_drain: SHUTDOWN_DRAIN,
+            cuda_devices: Err("none".into()),
+        };
+        Node::new(config, at(0.0)).unwrap()
+    }
+
+    fn drain(node: &mut Node) -> Vec<Output> {
+        std::iter::from_fn(|| node.poll_output()).collect()
+    }
+
+    /// A free running when the server is paused (SIGSTOP stops its threads too) for
+    /// longer than the watchdog is not reported hung on resume; one that then really
+    /// runs past the watchdog still is.
+    #[test]
+    fn a_server_pause_is_not_time_a_free_ran() {
+        let mut node = node();
+        let instance = InstanceId::new(7).unwrap();
+        let conn = ConnId(1);
+        node.handle_input(
+            at(0.0),
+            Input::Connected {
+                conn,
+                uid: Some(1000),
+                transport: Transport::Unix,
+                process: Some((ProcessKey(7), DeathNotice::PidfdByPid)),
+            },
+        );
+        node.handle_input(
+            at(0.0),
+            Input::Request {
+                conn,
+                request_id: 1,
+                op: Op::RegisterEngineDriven {
+                    instance,
+                    model_name: "m".into(),
+                    world_size: 1,
+                },
+                fds: 0,
+            },
+        );
+        let context = drain(&mut node)
+            .into_iter()
+            .find_map(|output| match output {
+                Output::StartBuild { context, .. } => Some(context),
+                _ => None,
+            })
+            .expect("a build");
+        node.handle_input(
+            at(0.1),
+            Input::BuildDone {
+                context,
+                result: Ok(Built::EngineDriven),
+            },
+        );
+        node.handle_input(
+            at(1.0),
+            Input::ProcessExited {
+                process: ProcessKey(7),
+            },
+        );
+        let outputs = drain(&mut node);
+        assert!(
+            outputs
+                .iter()
+                .any(|output| matches!(output, Output::StartFree { .. })),
+            "{outputs:?}"
+        );
+        // Paused from 1.2 s to 31.2 s: the first turn after it credits the stall.
+        node.handle_timeout(at(31.2));
+        let hung = |outputs: &[Output]| {
+            outputs
+                .iter()
+                .any(|output| matches!(output, Output::Note(Note::FreeHung { .. })))
+        };
+        let outputs = drain(&mut node);
+        assert!(
+            outputs
+                .iter()
+                .any(|output| matches!(output, Output::Note(Note::Stall { .. }))),
+            "{outputs:?}"
+        );
+        assert!(!hung(&outputs), "{outputs:?}");
+        // The whole gap since the last input is credited, as the registry credits it:
+        // the watchdog counts from 31.2 s.
+        for tenth in 1..=98 {
+            node.handle_timeout(at(31.2 + f64::from(tenth) / 10.0));
+            assert!(!hung(&drain(&mut node)));
+        }
+        node.handle_timeout(at(41.3));
+        assert!(hung(&drain(&mut node)));
     }
 }

@@ -3,9 +3,11 @@
 use super::World;
 use crate::config::Action;
 use crate::event::Event;
+use crate::message::{Channel, Envelope, Payload};
 use crate::server::{ServerOut, ServerState};
 use crate::time::Nanos;
 use crate::worker::{Outbox, Process, Worker};
+use kvwarden_core::protocol::{BufferSpec, Op};
 
 impl World {
     pub(super) fn apply(&mut self, action: Action) {
@@ -86,19 +88,19 @@ impl World {
                     self.max_link_delay = self.max_link_delay.max(self.network.max_delay(slot));
                 }
             }
-            Action::ServerPause => self.server.pause(now, &mut self.checker),
-            Action::ServerResume => {
-                let mut out = ServerOut::default();
-                self.server.resume(now, &mut self.checker, &mut out);
-                self.after_server(out);
-            }
+            Action::ServerPause => self.pause_server(),
+            Action::ServerResume => self.resume_server(),
             Action::ServerRestart { down } => {
                 if matches!(self.server.state, ServerState::Up | ServerState::Down) {
+                    self.frozen_jobs.clear();
                     self.server.crash(now, &mut self.checker);
                     self.agenda.push(now + down, Event::ServerUp);
                 }
             }
             Action::ServerStop => {
+                for (remaining, event) in std::mem::take(&mut self.frozen_jobs) {
+                    self.agenda.push(now + remaining, event);
+                }
                 let mut out = ServerOut::default();
                 self.server.shut_down(now, &mut self.checker, &mut out);
                 self.after_server(out);
@@ -115,8 +117,11 @@ impl World {
                 }
             }
             Action::BuildFailureRate(rate) => self.build_failure_rate = rate,
+            Action::FreeHangRate(rate) => self.free_hang_rate = rate,
+            Action::Intrude(from, target) => self.intrude(from, target),
             Action::HealAll => {
                 self.build_failure_rate = 0.0;
+                self.free_hang_rate = 0.0;
                 for slot in 0..self.workers.len() {
                     self.network.heal(slot);
                     self.with_worker(slot, |worker, now, out| {
@@ -124,11 +129,7 @@ impl World {
                         worker.feed(now, out);
                     });
                 }
-                if self.server.paused {
-                    let mut out = ServerOut::default();
-                    self.server.resume(now, &mut self.checker, &mut out);
-                    self.after_server(out);
-                }
+                self.resume_server();
                 if self.server.state == ServerState::Down {
                     self.start_server();
                 }
@@ -149,6 +150,72 @@ impl World {
         let mut out = Outbox::default();
         act(worker, now, &mut out);
         self.after_worker(slot, out, healthy);
+    }
+
+    /// Row 23: the process in slot `from` names the instance of the process in slot
+    /// `target` in a ping, a REGISTER, a transfer and an UNREGISTER of every module.
+    fn intrude(&mut self, from: usize, target: usize) {
+        let Some(victim) = self.workers[target].as_ref().map(|w| w.instance) else {
+            return;
+        };
+        let Some(worker) = self.workers[from].as_ref() else {
+            return;
+        };
+        if worker.process != Process::Running {
+            return;
+        }
+        let ops = [
+            Op::Ping {
+                instance: Some(victim),
+            },
+            Op::RegisterKvCache {
+                instance: victim,
+                buffers: vec![BufferSpec::Memfd {
+                    fd_index: 0,
+                    nbytes: crate::worker::BUFFER_BYTES,
+                }],
+                model_name: "intruder".to_string(),
+                world_size: 1,
+            },
+            Op::Store {
+                instance: victim,
+                key: b"intruder".to_vec(),
+                buffer: 0,
+                offset: 0,
+                nbytes: 16,
+            },
+            Op::PrepareStore {
+                instance: victim,
+                key: b"intruder".to_vec(),
+            },
+            Op::UnregisterKvCache { instance: victim },
+            Op::UnregisterEngineDriven { instance: victim },
+        ];
+        let base = Envelope {
+            slot: from,
+            incarnation: worker.incarnation,
+            instance: worker.instance,
+            boot: self.server.boot,
+            sent_at: self.now,
+            exiting: false,
+            channel: Channel::Main,
+            uid: worker.spec().uid,
+            same_host: worker.spec().same_host,
+            payload: Payload::Bytes(Vec::new()),
+        };
+        if !matches!(self.server.state, ServerState::Up | ServerState::Draining) {
+            return;
+        }
+        for (index, op) in ops.into_iter().enumerate() {
+            let fds = usize::from(matches!(op, Op::RegisterKvCache { .. }));
+            let mut envelope = base.clone();
+            envelope.payload = Payload::Op {
+                id: (1 << 62) + index as u64,
+                op,
+                fds,
+            };
+            self.send_request(envelope);
+        }
     }
 
     pub(super) fn crash(&mut self, slot: usize) {
