@@ -288,8 +288,6 @@ pub enum InjectedBug {
     SkipReap,
     /// Node: a process exit frees nothing.
     IgnoreProcessExit,
-    /// Node: a transfer is not evidence of life.
-    TransferNotEvidence,
     /// Node: a built context is never handed to the registry.
     DropBuiltContext,
     /// Node: shutdown stops without freeing anything.
@@ -298,7 +296,7 @@ pub enum InjectedBug {
 
 impl InjectedBug {
     /// Every bug with its scenario-file spelling.
-    pub const ALL: [(InjectedBug, &'static str); 19] = [
+    pub const ALL: [(InjectedBug, &'static str); 18] = [
         (InjectedBug::SkipHandleTimeout, "skip_handle_timeout"),
         (InjectedBug::DoubleFree, "double_free"),
         (InjectedBug::KeepBlendState, "keep_blend_state"),
@@ -318,7 +316,6 @@ impl InjectedBug {
         (InjectedBug::LeakOnFree, "leak_on_free"),
         (InjectedBug::SkipReap, "skip_reap"),
         (InjectedBug::IgnoreProcessExit, "ignore_process_exit"),
-        (InjectedBug::TransferNotEvidence, "transfer_not_evidence"),
         (InjectedBug::DropBuiltContext, "drop_built_context"),
         (InjectedBug::ShutdownLeaks, "shutdown_leaks"),
     ];
@@ -343,7 +340,6 @@ impl InjectedBug {
             InjectedBug::LeakOnFree => PlantedBug::LeakOnFree,
             InjectedBug::SkipReap => PlantedBug::SkipReap,
             InjectedBug::IgnoreProcessExit => PlantedBug::IgnoreProcessExit,
-            InjectedBug::TransferNotEvidence => PlantedBug::TransferNotEvidence,
             InjectedBug::DropBuiltContext => PlantedBug::DropBuiltContext,
             InjectedBug::ShutdownLeaks => PlantedBug::ShutdownLeaks,
             InjectedBug::SkipHandleTimeout

@@ -38,7 +38,10 @@ use blend::{BlendBook, BlendId};
 use engine::TransferStrategy;
 use l1::{SlotId, SlotTable};
 use rmpv::Value;
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+/// The node's maps are keyed by ids it or the shell hands out: a fast hash suffices.
+type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 use std::time::Duration;
 
 /// Requests of one connection that may run (build, copy, blend) at once.
@@ -630,8 +633,6 @@ pub enum PlantedBug {
     IgnoreProcessExit,
     /// An engine-driven free keeps its reservations and pins.
     KeepReservations,
-    /// A transfer does not refresh liveness.
-    TransferNotEvidence,
     /// A build's context is never handed to the registry (it leaks and the entry stays
     /// building).
     DropBuiltContext,
@@ -650,19 +651,19 @@ impl Node {
             l1: SlotTable::new(config.num_slots, config.slot_bytes),
             config,
             liveness,
-            conns: HashMap::new(),
+            conns: HashMap::default(),
             records: BTreeMap::new(),
-            contexts: HashMap::new(),
-            builds: HashMap::new(),
-            building: HashMap::new(),
-            strategies: HashMap::new(),
-            copies: HashMap::new(),
-            batches: HashMap::new(),
+            contexts: HashMap::default(),
+            builds: HashMap::default(),
+            building: HashMap::default(),
+            strategies: HashMap::default(),
+            copies: HashMap::default(),
+            batches: HashMap::default(),
             blend: BlendBook::default(),
-            blends: HashMap::new(),
+            blends: HashMap::default(),
             frees: BTreeMap::new(),
-            watched: HashMap::new(),
-            watch_of: HashMap::new(),
+            watched: HashMap::default(),
+            watch_of: HashMap::default(),
             jobs_in_flight: 0,
             shutdown: None,
             freed_at_shutdown: 0,
