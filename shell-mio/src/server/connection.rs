@@ -562,4 +562,79 @@ mod tests {
         let fd = crate::memfd::create("fd", 16).unwrap();
         assert!(!connection.queue_with_fds(&replies[1], vec![fd]));
     }
+
+    /// A peer slow to read: the output leaves in pieces over many flushes, replies
+    /// queued meanwhile (which move the unsent rest to the front of the buffer) keep
+    /// their order, a reply's fds arrive with a read that ends inside that reply, and
+    /// the buffer is reused from its start once all of it is sent.
+    #[test]
+    fn output_sent_in_pieces_keeps_order_and_fds() {
+        let (mut connection, peer) = connection();
+        peer.set_nonblocking(true).unwrap();
+        let replies: Vec<Vec<u8>> = (0u32..240)
+            .map(|n| encode_frame(&vec![(n % 251) as u8; 4096 + n as usize]))
+            .collect();
+        let fd_reply = 130;
+        let fd_start: usize = replies[..fd_reply].iter().map(Vec::len).sum();
+        let fd_end = fd_start + replies[fd_reply].len();
+        let total: usize = replies.iter().map(Vec::len).sum();
+        let mut queued = 0;
+        let mut received: Vec<u8> = Vec::new();
+        let mut fd_read_ends = Vec::new();
+        let mut chunk = vec![0u8; 64 * 1024];
+        let mut partial_flushes = 0;
+        while received.len() < total {
+            // Queue a few more, then send what the socket takes, then read a little.
+            for _ in 0..20 {
+                if queued == replies.len() {
+                    break;
+                }
+                let queued_ok = if queued == fd_reply {
+                    let fd = crate::memfd::create("fd", 16).unwrap();
+                    connection.queue_with_fds(&replies[queued], vec![fd])
+                } else {
+                    connection.queue(&replies[queued])
+                };
+                assert!(queued_ok, "reply {queued}");
+                queued += 1;
+            }
+            connection.flush().unwrap();
+            partial_flushes += usize::from(connection.has_output());
+            let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
+            let mut control = RecvAncillaryBuffer::new(&mut space);
+            let mut iov = [IoSliceMut::new(&mut chunk[..16 * 1024])];
+            match rustix::net::recvmsg(&peer, &mut iov, &mut control, RecvFlags::empty()) {
+                Ok(message) => {
+                    let fds: usize = control
+                        .drain()
+                        .map(|m| match m {
+                            RecvAncillaryMessage::ScmRights(fds) => fds.count(),
+                            _ => 0,
+                        })
+                        .sum();
+                    received.extend_from_slice(&chunk[..message.bytes]);
+                    if fds > 0 {
+                        fd_read_ends.push((received.len(), fds));
+                    }
+                }
+                Err(rustix::io::Errno::AGAIN) => {}
+                Err(error) => panic!("recvmsg: {error}"),
+            }
+        }
+        assert!(
+            partial_flushes > 0,
+            "the socket buffer filled at least once"
+        );
+        assert_eq!(received, replies.concat());
+        assert_eq!(fd_read_ends.len(), 1, "{fd_read_ends:?}");
+        let (end, count) = fd_read_ends[0];
+        assert_eq!(count, 1);
+        assert!(
+            end > fd_start && end <= fd_end,
+            "the read with the fd ended at {end}, outside the reply at {fd_start}..{fd_end}"
+        );
+        assert!(!connection.has_output());
+        assert_eq!(connection.output.len(), 0, "emptied once all was sent");
+        assert_eq!(connection.output_offset, total as u64);
+    }
 }
