@@ -31,7 +31,7 @@ pub struct PingArgs {
     #[arg(long, default_value_t = 2.0, value_name = "SECONDS")]
     seconds: f64,
     /// Rounds, kvwarden then Redis each round; the best round of each is reported.
-    #[arg(long, default_value_t = 2, value_name = "N")]
+    #[arg(long, default_value_t = 3, value_name = "N")]
     rounds: usize,
     /// Skip the Redis comparison even when redis-server and redis-benchmark exist.
     #[arg(long)]

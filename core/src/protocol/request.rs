@@ -185,24 +185,30 @@ pub const OP_NAMES: [&str; 17] = [
 impl Op {
     /// The op's wire name.
     pub fn name(&self) -> &'static str {
+        OP_NAMES[self.index()]
+    }
+
+    /// The op's position in [`OP_NAMES`]: lets a shell keep per-op counters in an
+    /// array resolved once, with no lookup by name per request.
+    pub fn index(&self) -> usize {
         match self {
-            Op::Hello { .. } => "hello",
-            Op::Ping { .. } => "ping",
-            Op::RegisterKvCache { .. } => "register_kv_cache",
-            Op::UnregisterKvCache { .. } => "unregister_kv_cache",
-            Op::Store { .. } => "store",
-            Op::Retrieve { .. } => "retrieve",
-            Op::StoreBatch { .. } => "store_batch",
-            Op::RetrieveBatch { .. } => "retrieve_batch",
-            Op::Lookup { .. } => "lookup",
-            Op::RegisterEngineDriven { .. } => "register_engine_driven",
-            Op::UnregisterEngineDriven { .. } => "unregister_engine_driven",
-            Op::PrepareStore { .. } => "prepare_store",
-            Op::CommitStore { .. } => "commit_store",
-            Op::PrepareRetrieve { .. } => "prepare_retrieve",
-            Op::CommitRetrieve { .. } => "commit_retrieve",
-            Op::RegisterBlend { .. } => "register_blend",
-            Op::Status => "status",
+            Op::Hello { .. } => 0,
+            Op::Ping { .. } => 1,
+            Op::RegisterKvCache { .. } => 2,
+            Op::UnregisterKvCache { .. } => 3,
+            Op::Store { .. } => 4,
+            Op::Retrieve { .. } => 5,
+            Op::StoreBatch { .. } => 6,
+            Op::RetrieveBatch { .. } => 7,
+            Op::Lookup { .. } => 8,
+            Op::RegisterEngineDriven { .. } => 9,
+            Op::UnregisterEngineDriven { .. } => 10,
+            Op::PrepareStore { .. } => 11,
+            Op::CommitStore { .. } => 12,
+            Op::PrepareRetrieve { .. } => 13,
+            Op::CommitRetrieve { .. } => 14,
+            Op::RegisterBlend { .. } => 15,
+            Op::Status => 16,
         }
     }
 

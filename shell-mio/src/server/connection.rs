@@ -1,7 +1,10 @@
 //! One worker connection: bounded input and output buffers, `SCM_RIGHTS` fds matched to
 //! the frame whose first byte they arrived with, and the peer's credentials.
 
-use crate::protocol::{FrameError, LENGTH_PREFIX_BYTES, parse_header};
+use crate::protocol::{
+    FrameError, LENGTH_PREFIX_BYTES, ProtocolError, encode_reply_into, parse_header,
+};
+use rmpv::Value;
 use rustix::fd::{AsFd, OwnedFd};
 use rustix::net::{
     RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
@@ -69,12 +72,14 @@ impl Peer {
     }
 }
 
-/// A complete frame and the fds that came with it.
+/// A complete frame, made into what the caller asked of its body, and the fds that
+/// came with it.
 #[derive(Debug)]
-pub struct Frame {
-    /// The MessagePack body.
-    pub body: Vec<u8>,
-    /// fds that arrived with the frame's bytes, in arrival order.
+pub struct Frame<T> {
+    /// What the caller made of the MessagePack body (read in place, never copied).
+    pub body: T,
+    /// fds that arrived with the frame's bytes, in arrival order (no allocation for a
+    /// frame without any).
     pub fds: Vec<OwnedFd>,
 }
 
@@ -116,7 +121,12 @@ pub struct Connection {
     /// the first, lies in the segment the fds came with, which starts the frame they
     /// belong to.
     fds: VecDeque<(u64, OwnedFd)>,
-    output: VecDeque<u8>,
+    /// Replies are encoded straight into this buffer; `output[output_sent..]` waits to
+    /// be sent. Emptied (capacity kept) once all of it is sent, so a ping's reply is
+    /// written into memory the connection already holds.
+    output: Vec<u8>,
+    /// Bytes at the front of `output` already sent.
+    output_sent: usize,
     /// Stream offset of `output[0]`.
     output_offset: u64,
     /// Replies that carry fds: `(first byte, end)` stream offsets and the fds, which
@@ -127,6 +137,9 @@ pub struct Connection {
     /// Close once the output is flushed and no request runs on the pool (after
     /// bad_frame / too_large, or once the peer has shut down its sending side).
     pub close_after_flush: bool,
+    /// Whether writable readiness is registered for the socket: only while output
+    /// waits on a full socket buffer.
+    pub writable_interest: bool,
 }
 
 impl Connection {
@@ -145,12 +158,14 @@ impl Connection {
             input_offset: 0,
             consumed: 0,
             fds: VecDeque::new(),
-            output: VecDeque::new(),
+            output: Vec::new(),
+            output_sent: 0,
             output_offset: 0,
             output_fds: VecDeque::new(),
             max_input_bytes: LENGTH_PREFIX_BYTES + max_frame_bytes + READ_CHUNK_BYTES,
             max_output_bytes,
             close_after_flush: false,
+            writable_interest: false,
         }
     }
 
@@ -226,9 +241,14 @@ impl Connection {
         }
     }
 
-    /// The next complete frame, if one is buffered. fds that arrived before the frame
-    /// and were used by no frame are closed here.
-    pub fn next_frame(&mut self, max_frame_bytes: usize) -> Result<Option<Frame>, FrameError> {
+    /// The next complete frame, if one is buffered, its body handed to `read_body` in
+    /// place (borrowed from the input buffer: a ping is decoded without a copy). fds
+    /// that arrived before the frame and were used by no frame are closed here.
+    pub fn next_frame<T>(
+        &mut self,
+        max_frame_bytes: usize,
+        read_body: impl FnOnce(&[u8]) -> T,
+    ) -> Result<Option<Frame<T>>, FrameError> {
         let pending = &self.input[self.consumed..];
         let Some(body_len) = parse_header(pending, max_frame_bytes)? else {
             return Ok(None);
@@ -248,19 +268,43 @@ impl Connection {
                 fds.push(fd);
             }
         }
-        let body = pending[LENGTH_PREFIX_BYTES..total].to_vec();
+        let body = read_body(&self.input[self.consumed + LENGTH_PREFIX_BYTES..][..body_len]);
         self.consumed += total;
         Ok(Some(Frame { body, fds }))
+    }
+
+    /// Appends what `write` puts in the output buffer. None, and nothing queued, when
+    /// the output bound would be exceeded: the peer does not read its replies and must
+    /// be disconnected. Otherwise the stream offsets of the first byte and the end.
+    fn append(&mut self, write: impl FnOnce(&mut Vec<u8>)) -> Option<(u64, u64)> {
+        if self.output_sent > 0 {
+            // Only after a partial send (a peer slow to read): move the rest to the
+            // front once, rather than once per reply.
+            self.output.drain(..self.output_sent);
+            self.output_offset += self.output_sent as u64;
+            self.output_sent = 0;
+        }
+        let before = self.output.len();
+        write(&mut self.output);
+        if self.output.len() > self.max_output_bytes {
+            self.output.truncate(before);
+            return None;
+        }
+        let start = self.output_offset + before as u64;
+        Some((start, self.output_offset + self.output.len() as u64))
     }
 
     /// Queues bytes to send. false when the output bound would be exceeded: the peer
     /// does not read its replies and must be disconnected.
     pub fn queue(&mut self, bytes: &[u8]) -> bool {
-        if self.output.len() + bytes.len() > self.max_output_bytes {
-            return false;
-        }
-        self.output.extend(bytes);
-        true
+        self.append(|out| out.extend_from_slice(bytes)).is_some()
+    }
+
+    /// Encodes a reply straight into the output buffer (no allocation once the buffer
+    /// has grown to the connection's working size). false as for [`Connection::queue`].
+    pub fn queue_reply(&mut self, request_id: u64, result: &Result<Value, ProtocolError>) -> bool {
+        self.append(|out| encode_reply_into(out, request_id, result))
+            .is_some()
     }
 
     /// Whether another reply carrying fds may be queued now.
@@ -272,13 +316,29 @@ impl Connection {
     /// the output bound would be exceeded, as for [`Connection::queue`], or when
     /// [`MAX_QUEUED_FD_REPLIES`] such replies already wait: the peer does not read.
     pub fn queue_with_fds(&mut self, bytes: &[u8], fds: Vec<OwnedFd>) -> bool {
-        let start = self.output_offset + self.output.len() as u64;
-        if self.output_fds.len() >= MAX_QUEUED_FD_REPLIES || !self.queue(bytes) {
+        self.append_with_fds(|out| out.extend_from_slice(bytes), fds)
+    }
+
+    /// [`Connection::queue_reply`] for a reply that carries `fds`, bounded as
+    /// [`Connection::queue_with_fds`].
+    pub fn queue_reply_with_fds(
+        &mut self,
+        request_id: u64,
+        result: &Result<Value, ProtocolError>,
+        fds: Vec<OwnedFd>,
+    ) -> bool {
+        self.append_with_fds(|out| encode_reply_into(out, request_id, result), fds)
+    }
+
+    fn append_with_fds(&mut self, write: impl FnOnce(&mut Vec<u8>), fds: Vec<OwnedFd>) -> bool {
+        if self.output_fds.len() >= MAX_QUEUED_FD_REPLIES {
             return false;
         }
+        let Some((start, end)) = self.append(write) else {
+            return false;
+        };
         if !fds.is_empty() {
-            self.output_fds
-                .push_back((start, start + bytes.len() as u64, fds));
+            self.output_fds.push_back((start, end, fds));
         }
         true
     }
@@ -289,17 +349,16 @@ impl Connection {
     /// its fds ride on its first byte and no other reply shares that segment (a reader
     /// that meets fds knows they belong to the frame the segment holds).
     pub fn flush(&mut self) -> io::Result<()> {
-        while !self.output.is_empty() {
+        while self.has_output() {
             let next_fds = self
                 .output_fds
                 .front()
                 .map(|(start, end, _)| (*start, *end));
-            let (head, _) = self.output.as_slices();
+            let head = &self.output[self.output_sent..];
+            let sent_to = self.output_offset + self.output_sent as u64;
             let (limit, carries_fds) = match next_fds {
-                Some((start, end)) if start <= self.output_offset => {
-                    ((end - self.output_offset) as usize, true)
-                }
-                Some((start, _)) => ((start - self.output_offset) as usize, false),
+                Some((start, end)) if start <= sent_to => ((end - sent_to) as usize, true),
+                Some((start, _)) => ((start - sent_to) as usize, false),
                 None => (usize::MAX, false),
             };
             let chunk = &head[..head.len().min(limit)];
@@ -335,8 +394,13 @@ impl Connection {
                         // Sent with the first byte; our copies close here.
                         self.output_fds.pop_front();
                     }
-                    self.output.drain(..n);
-                    self.output_offset += n as u64;
+                    self.output_sent += n.min(chunk.len());
+                    if self.output_sent == self.output.len() {
+                        // All sent: the buffer is reused from its start.
+                        self.output_offset += self.output.len() as u64;
+                        self.output.clear();
+                        self.output_sent = 0;
+                    }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -348,7 +412,7 @@ impl Connection {
 
     /// Whether output is waiting.
     pub fn has_output(&self) -> bool {
-        !self.output.is_empty()
+        self.output_sent < self.output.len()
     }
 }
 
@@ -407,17 +471,17 @@ mod tests {
         read_all(&mut connection);
         for n in 0u8..150 {
             let frame = connection
-                .next_frame(1024)
+                .next_frame(1024, <[u8]>::to_vec)
                 .unwrap()
                 .expect("a buffered frame");
             assert_eq!(frame.body, vec![n; 3]);
             assert_eq!(frame.fds.len(), usize::from(n == 100), "frame {n}");
         }
-        assert!(connection.next_frame(1024).unwrap().is_none());
+        assert!(connection.next_frame(1024, |_| ()).unwrap().is_none());
         // Half a frame, then the rest after a read that compacts the buffer.
         send(&peer, &frames[150][..5], &[]);
         read_all(&mut connection);
-        assert!(connection.next_frame(1024).unwrap().is_none());
+        assert!(connection.next_frame(1024, |_| ()).unwrap().is_none());
         let before = [&frames[150][5..], &frames[151..160].concat()].concat();
         send(&peer, &before, &[]);
         let memfds = [0, 1].map(|_| crate::memfd::create("fd", 16).unwrap());
@@ -426,7 +490,7 @@ mod tests {
         read_all(&mut connection);
         for n in 150u8..200 {
             let frame = connection
-                .next_frame(1024)
+                .next_frame(1024, <[u8]>::to_vec)
                 .unwrap()
                 .expect("a buffered frame");
             assert_eq!(frame.body, vec![n; 3]);
@@ -497,5 +561,80 @@ mod tests {
         assert!(!connection.has_room_for_fd_reply());
         let fd = crate::memfd::create("fd", 16).unwrap();
         assert!(!connection.queue_with_fds(&replies[1], vec![fd]));
+    }
+
+    /// A peer slow to read: the output leaves in pieces over many flushes, replies
+    /// queued meanwhile (which move the unsent rest to the front of the buffer) keep
+    /// their order, a reply's fds arrive with a read that ends inside that reply, and
+    /// the buffer is reused from its start once all of it is sent.
+    #[test]
+    fn output_sent_in_pieces_keeps_order_and_fds() {
+        let (mut connection, peer) = connection();
+        peer.set_nonblocking(true).unwrap();
+        let replies: Vec<Vec<u8>> = (0u32..240)
+            .map(|n| encode_frame(&vec![(n % 251) as u8; 4096 + n as usize]))
+            .collect();
+        let fd_reply = 130;
+        let fd_start: usize = replies[..fd_reply].iter().map(Vec::len).sum();
+        let fd_end = fd_start + replies[fd_reply].len();
+        let total: usize = replies.iter().map(Vec::len).sum();
+        let mut queued = 0;
+        let mut received: Vec<u8> = Vec::new();
+        let mut fd_read_ends = Vec::new();
+        let mut chunk = vec![0u8; 64 * 1024];
+        let mut partial_flushes = 0;
+        while received.len() < total {
+            // Queue a few more, then send what the socket takes, then read a little.
+            for _ in 0..20 {
+                if queued == replies.len() {
+                    break;
+                }
+                let queued_ok = if queued == fd_reply {
+                    let fd = crate::memfd::create("fd", 16).unwrap();
+                    connection.queue_with_fds(&replies[queued], vec![fd])
+                } else {
+                    connection.queue(&replies[queued])
+                };
+                assert!(queued_ok, "reply {queued}");
+                queued += 1;
+            }
+            connection.flush().unwrap();
+            partial_flushes += usize::from(connection.has_output());
+            let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
+            let mut control = RecvAncillaryBuffer::new(&mut space);
+            let mut iov = [IoSliceMut::new(&mut chunk[..16 * 1024])];
+            match rustix::net::recvmsg(&peer, &mut iov, &mut control, RecvFlags::empty()) {
+                Ok(message) => {
+                    let fds: usize = control
+                        .drain()
+                        .map(|m| match m {
+                            RecvAncillaryMessage::ScmRights(fds) => fds.count(),
+                            _ => 0,
+                        })
+                        .sum();
+                    received.extend_from_slice(&chunk[..message.bytes]);
+                    if fds > 0 {
+                        fd_read_ends.push((received.len(), fds));
+                    }
+                }
+                Err(rustix::io::Errno::AGAIN) => {}
+                Err(error) => panic!("recvmsg: {error}"),
+            }
+        }
+        assert!(
+            partial_flushes > 0,
+            "the socket buffer filled at least once"
+        );
+        assert_eq!(received, replies.concat());
+        assert_eq!(fd_read_ends.len(), 1, "{fd_read_ends:?}");
+        let (end, count) = fd_read_ends[0];
+        assert_eq!(count, 1);
+        assert!(
+            end > fd_start && end <= fd_end,
+            "the read with the fd ended at {end}, outside the reply at {fd_start}..{fd_end}"
+        );
+        assert!(!connection.has_output());
+        assert_eq!(connection.output.len(), 0, "emptied once all was sent");
+        assert_eq!(connection.output_offset, total as u64);
     }
 }

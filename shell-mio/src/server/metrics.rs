@@ -1,5 +1,6 @@
 //! Prometheus metrics (`GET /metrics`), exposed with `prometheus-client`.
 
+use kvwarden_core::protocol::request::OP_NAMES;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -12,8 +13,12 @@ type Labels = Vec<(String, String)>;
 /// Every metric the server exports.
 pub struct Metrics {
     registry: Registry,
-    /// Per-op request counters, looked up without building label sets per request.
-    request_counters: std::collections::HashMap<&'static str, Counter>,
+    /// Per-op request counters, indexed by [`Op::index`](kvwarden_core::protocol::Op::index)
+    /// and resolved once at start: counting a request looks nothing up and allocates
+    /// nothing.
+    request_counters: [Counter; OP_NAMES.len()],
+    /// Requests that did not decode (`op="invalid"`), resolved once at start.
+    invalid_requests: Counter,
     /// Requests by op.
     pub requests: Family<Labels, Counter>,
     /// Error replies by op and code.
@@ -92,7 +97,8 @@ impl Metrics {
             gpu_memory_bytes: Family::default(),
             instances_by_death_notice: Family::default(),
             registry: Registry::default(),
-            request_counters: std::collections::HashMap::new(),
+            request_counters: Default::default(),
+            invalid_requests: Counter::default(),
         };
         registry.register("requests", "Requests by op", metrics.requests.clone());
         registry.register(
@@ -169,19 +175,32 @@ impl Metrics {
              the worker sent, a pidfd opened by its pid, or only the reap timeout",
             metrics.instances_by_death_notice.clone(),
         );
+        // Every op's series exists from the start, and the counters the loop bumps
+        // are the family's own (a Counter is a shared handle).
+        let request_counters =
+            OP_NAMES.map(|op| metrics.requests.get_or_create(&label("op", op)).clone());
+        let invalid_requests = metrics
+            .requests
+            .get_or_create(&label("op", "invalid"))
+            .clone();
         Metrics {
             registry,
+            request_counters,
+            invalid_requests,
             ..metrics
         }
     }
 
-    /// Counts a request.
-    pub fn request(&mut self, op: &'static str) {
-        let requests = &self.requests;
-        self.request_counters
-            .entry(op)
-            .or_insert_with(|| requests.get_or_create(&label("op", op)).clone())
-            .inc();
+    /// Counts a request of the op at `op_index` in [`OP_NAMES`].
+    pub fn request(&self, op_index: usize) {
+        if let Some(counter) = self.request_counters.get(op_index) {
+            counter.inc();
+        }
+    }
+
+    /// Counts a request that did not decode.
+    pub fn invalid_request(&self) {
+        self.invalid_requests.inc();
     }
 
     /// Counts an error reply.

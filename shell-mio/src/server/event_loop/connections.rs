@@ -14,7 +14,10 @@ impl Server {
             return;
         }
         let token = self.token();
-        let interest = Interest::READABLE | Interest::WRITABLE;
+        // Writable readiness is asked for only while replies wait on a full socket
+        // buffer (see `flush_dirty`): otherwise every reply the peer reads would wake
+        // the loop for nothing.
+        let interest = Interest::READABLE;
         if let Err(error) = self
             .poll
             .registry()
@@ -170,7 +173,7 @@ impl Server {
                 return handled;
             }
             handled += 1;
-            match connection.next_frame(max) {
+            match connection.next_frame(max, decode_request) {
                 Ok(None) => return handled - 1,
                 Ok(Some(frame)) => self.handle_frame(token, frame),
                 Err(error) => {
@@ -197,7 +200,6 @@ impl Server {
         if let Err(error) = &result {
             self.metrics.error(op, error.code.as_str());
         }
-        let bytes = encode_reply(request_id, &result);
         let Some(connection) = self.connections.get_mut(&token) else {
             return; // the peer left; nobody to answer
         };
@@ -206,7 +208,7 @@ impl Server {
         {
             connection.close_after_flush = true;
         }
-        if connection.queue(&bytes) {
+        if connection.queue_reply(request_id, &result) {
             self.dirty.insert(token);
         } else {
             tracing::warn!(
@@ -240,7 +242,7 @@ impl Server {
                 return;
             }
         };
-        let bytes = encode_reply(request_id, &Ok(value));
+        let result = Ok(value);
         let Some(connection) = self.connections.get_mut(&token) else {
             return; // the peer left; the fd closes here
         };
@@ -255,7 +257,7 @@ impl Server {
         let Some(connection) = self.connections.get_mut(&token) else {
             return;
         };
-        if connection.queue_with_fds(&bytes, vec![fd]) {
+        if connection.queue_reply_with_fds(request_id, &result, vec![fd]) {
             self.dirty.insert(token);
         } else {
             tracing::warn!(
@@ -267,9 +269,13 @@ impl Server {
         }
     }
 
+    /// Sends each connection's waiting replies: one send per connection, unless a
+    /// reply carries fds (it goes on a `sendmsg` of its own) or the socket buffer
+    /// fills (the rest waits for writable readiness, asked for only then).
     pub(super) fn flush_dirty(&mut self) {
-        let dirty: Vec<Token> = self.dirty.drain().collect();
-        for token in dirty {
+        let mut dirty = std::mem::take(&mut self.flushing);
+        dirty.extend(self.dirty.drain());
+        for token in dirty.drain(..) {
             let Some(connection) = self.connections.get_mut(&token) else {
                 continue;
             };
@@ -280,10 +286,29 @@ impl Server {
                 {
                     self.close(token, "closed after its last reply");
                 }
-                Ok(()) => {}
+                Ok(()) => {
+                    let waiting = connection.has_output();
+                    if waiting != connection.writable_interest {
+                        let interest = if waiting {
+                            Interest::READABLE | Interest::WRITABLE
+                        } else {
+                            Interest::READABLE
+                        };
+                        match self.poll.registry().reregister(
+                            connection.stream.source(),
+                            token,
+                            interest,
+                        ) {
+                            Ok(()) => connection.writable_interest = waiting,
+                            Err(error) => self
+                                .close(token, &format!("asking for writability failed: {error}")),
+                        }
+                    }
+                }
                 Err(error) => self.close(token, &format!("write failed: {error}")),
             }
         }
+        self.flushing = dirty;
     }
 }
 

@@ -18,7 +18,7 @@ use super::listen::{self, ListenError};
 use super::metrics::Metrics;
 use super::peer::{self, Processes};
 use super::pool::Pool;
-use crate::protocol::{ErrorCode, FrameError, ProtocolError, decode_request, encode_reply};
+use crate::protocol::{ErrorCode, FrameError, ProtocolError, decode_request};
 use kvwarden_core::node::blend::BlendId;
 use kvwarden_core::node::{
     ConnId, ContextId, CopyId, FreeId, Input, Node, NodeConfig, Output, SHUTDOWN_DRAIN, Transport,
@@ -129,6 +129,10 @@ pub struct Server {
     http_connections: HashMap<Token, HttpConnection>,
     dirty: HashSet<Token>,
     read_again: HashSet<Token>,
+    /// Reused lists of tokens taken out of `dirty` and `read_again` each turn, so that
+    /// a turn allocates nothing once they have grown to the number of connections.
+    flushing: Vec<Token>,
+    reading_again: Vec<Token>,
     /// Consecutive turns that left a connection unread and so judged no deadline.
     deferred_turns: u32,
     next_token: usize,
@@ -323,6 +327,8 @@ impl Server {
             http_connections: HashMap::new(),
             dirty: HashSet::new(),
             read_again: HashSet::new(),
+            flushing: Vec::new(),
+            reading_again: Vec::new(),
             deferred_turns: 0,
             next_token: FIRST_DYNAMIC_TOKEN,
             pool,
@@ -363,6 +369,9 @@ impl Server {
     /// the socket file removed).
     pub fn run(mut self) -> Result<(), ServerError> {
         let mut events = Events::with_capacity(1024);
+        // Each turn, below: every readable connection is read (up to its frame budget),
+        // its frames handed to the node and the replies encoded into its output
+        // buffer; only then is each connection with replies flushed, one send each.
         loop {
             let timeout = self.poll_timeout();
             match self.poll.poll(&mut events, Some(timeout)) {
@@ -376,14 +385,16 @@ impl Server {
                 }
             }
             // Connections left unread last turn go after this turn's events.
-            let again: Vec<Token> = self.read_again.drain().collect();
+            let mut again = std::mem::take(&mut self.reading_again);
+            again.extend(self.read_again.drain());
             for event in events.iter() {
                 self.on_event(event);
             }
-            for token in again {
+            for token in again.drain(..) {
                 // Read to the end: an earlier event may have said the peer closed.
                 self.read_connection(token, true);
             }
+            self.reading_again = again;
             self.take_completions();
             // Input before deadlines (see MAX_DEFERRED_TURNS).
             if self.read_again.is_empty() || self.deferred_turns >= MAX_DEFERRED_TURNS {
@@ -444,6 +455,7 @@ impl Server {
                 if event.is_readable() || event.is_read_closed() {
                     self.read_connection(token, event.is_read_closed() || event.is_error());
                 }
+                // Asked for only while replies wait on a full socket buffer.
                 if event.is_writable() {
                     self.dirty.insert(token);
                 }

@@ -4,21 +4,26 @@
 
 use super::connections::conn_id;
 use super::*;
-use crate::protocol::Op;
+use crate::protocol::{DecodeError, Op, Request};
 
 impl Server {
-    pub(super) fn handle_frame(&mut self, token: Token, frame: Frame) {
-        let request = match decode_request(&frame.body) {
+    /// A frame decoded in place in the connection's input buffer ([`decode_request`]).
+    pub(super) fn handle_frame(
+        &mut self,
+        token: Token,
+        frame: Frame<Result<Request, DecodeError>>,
+    ) {
+        let request = match frame.body {
             Ok(request) => request,
             Err(error) => {
-                self.metrics.request("invalid");
+                self.metrics.invalid_request();
                 let request_id = error.request_id.unwrap_or(0);
                 self.reply(token, request_id, "invalid", Err(error.error));
                 return;
             }
         };
         let name = request.op.name();
-        self.metrics.request(name);
+        self.metrics.request(request.op.index());
         let conn = conn_id(token);
         let mut fds = frame.fds;
         if let Op::Hello {
