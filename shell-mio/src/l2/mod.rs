@@ -86,6 +86,9 @@ pub enum L2Completion {
     },
     /// A write from the queue ended.
     Written {
+        /// The caller's token ([`L2Client::submit_write_from`]; 0 for
+        /// [`L2Client::submit_write`]).
+        token: u64,
         /// The chunk's key.
         key: Vec<u8>,
         /// How it ended.
@@ -132,8 +135,22 @@ enum ReadRequest {
 
 /// A queued write: the caller's bytes, held until written.
 struct WriteTask {
+    token: u64,
     key: Vec<u8>,
-    payload: Box<dyn AsRef<[u8]> + Send>,
+    payload: Payload,
+}
+
+/// Where a write's bytes come from.
+enum Payload {
+    /// Bytes the caller handed over.
+    Owned(Box<dyn AsRef<[u8]> + Send>),
+    /// `nbytes` the L2 thread copies itself, straight into the value after its header
+    /// (from an L1 slot the caller keeps from eviction until the write ends); `fill`
+    /// returns false when it could not.
+    Fill {
+        nbytes: usize,
+        fill: Box<dyn FnOnce(&mut [u8]) -> bool + Send>,
+    },
 }
 
 struct Work {
@@ -209,9 +226,37 @@ impl L2Client {
     pub fn submit_write(&self, key: Vec<u8>, payload: impl AsRef<[u8]> + Send + 'static) -> Push {
         let bytes = (payload.as_ref().len() as u64).saturating_add(l2::HEADER_BYTES as u64);
         let task = WriteTask {
+            token: 0,
             key,
-            payload: Box::new(payload),
+            payload: Payload::Owned(Box::new(payload)),
         };
+        self.queue_write(task, bytes)
+    }
+
+    /// Queues a write of `nbytes` under `key` that an L2 thread fills itself by calling
+    /// `fill` with the value's payload area (one copy, off the caller's thread); the
+    /// answer comes as [`L2Completion::Written`] with `token`. Dropped (counted) when
+    /// the queue is full; never blocks. Only published data.
+    pub fn submit_write_from(
+        &self,
+        token: u64,
+        key: Vec<u8>,
+        nbytes: usize,
+        fill: impl FnOnce(&mut [u8]) -> bool + Send + 'static,
+    ) -> Push {
+        let bytes = (nbytes as u64).saturating_add(l2::HEADER_BYTES as u64);
+        let task = WriteTask {
+            token,
+            key,
+            payload: Payload::Fill {
+                nbytes,
+                fill: Box::new(fill),
+            },
+        };
+        self.queue_write(task, bytes)
+    }
+
+    fn queue_write(&self, task: WriteTask, bytes: u64) -> Push {
         let mut work = self.shared.lock_work();
         let push = if work.shutdown {
             Push::Dropped
@@ -406,10 +451,15 @@ impl Shared {
                     self.answer(&pending, answer);
                 }
                 Job::Write(task, bytes) => {
+                    let token = task.token;
                     let (key, outcome) = self.write(&mut conn, task);
                     self.lock_work().writes.complete(bytes);
                     self.lock_counters().record_write(outcome);
-                    self.complete(L2Completion::Written { key, outcome });
+                    self.complete(L2Completion::Written {
+                        token,
+                        key,
+                        outcome,
+                    });
                 }
             }
         }
@@ -529,9 +579,19 @@ impl Shared {
 
     fn write(&self, conn: &mut Option<Conn>, task: WriteTask) -> (Vec<u8>, WriteOutcome) {
         let name = self.config.namespace.redis_key(&task.key);
-        let value = l2::encode(task.payload.as_ref().as_ref());
+        let value = match task.payload {
+            Payload::Owned(payload) => l2::encode(payload.as_ref().as_ref()),
+            Payload::Fill { nbytes, fill } => {
+                let mut value = vec![0u8; l2::HEADER_BYTES + nbytes];
+                if !fill(&mut value[l2::HEADER_BYTES..]) {
+                    return (task.key, WriteOutcome::Failed);
+                }
+                let header = l2::header(&value[l2::HEADER_BYTES..]);
+                value[..l2::HEADER_BYTES].copy_from_slice(&header);
+                value
+            }
+        };
         // The caller's bytes (perhaps an L1 slot kept from eviction) are free from here.
-        drop(task.payload);
         let result = self
             .connection(conn)
             .and_then(|connection| connection.set(&name, &value, self.config.ttl));

@@ -35,6 +35,7 @@ use std::time::Duration;
 use thiserror::Error;
 
 mod connections;
+mod l2;
 mod observe;
 mod outputs;
 mod requests;
@@ -45,6 +46,8 @@ const TCP_LISTENER: Token = Token(1);
 const HTTP_LISTENER: Token = Token(2);
 const WAKER: Token = Token(3);
 const SIGNALS: Token = Token(4);
+/// The L2 client's results (its own waker: it lives apart from the context pool).
+const L2_WAKER: Token = Token(5);
 const FIRST_DYNAMIC_TOKEN: usize = 16;
 
 /// Frames of one connection handled per loop turn, so that a flooding peer cannot
@@ -91,6 +94,9 @@ pub enum ServerError {
     /// The event loop failed.
     #[error("event loop: {0}")]
     Io(#[from] io::Error),
+    /// The L2 client could not start.
+    #[error(transparent)]
+    L2(#[from] crate::l2::L2SpawnError),
 }
 
 /// Results of the context pool, reported to the node (rope tables and contexts stay
@@ -110,6 +116,11 @@ enum Done {
     },
     Freed {
         free: FreeId,
+    },
+    /// An L2 hit's payload was copied into its reserved slot (or could not be).
+    L2Placed {
+        read: kvwarden_core::node::l2::L2ReadId,
+        fetched: kvwarden_core::node::l2::L2Fetched,
     },
     /// Something big was dropped off the loop; nothing to report.
     Discarded,
@@ -157,6 +168,12 @@ pub struct Server {
     /// Test-only faults (`--fault-*`); none in production.
     faults: super::fault::FaultState,
     fd_limit: listen::FdLimit,
+    /// The L2 client (`--l2`), or None.
+    l2: Option<crate::l2::L2Client>,
+    /// The L2 state last logged, so that each change to or from down is logged once.
+    l2_down_logged: bool,
+    /// The slot reserved for each L2 read in flight, by its token.
+    l2_reads: HashMap<u64, kvwarden_core::node::l1::SlotId>,
 }
 
 impl Server {
@@ -216,6 +233,13 @@ impl Server {
             source,
         })?;
 
+        let l2 = match &config.l2 {
+            Some(l2_config) => {
+                let waker = mio::Waker::new(poll.registry(), L2_WAKER)?;
+                Some(crate::l2::L2Client::spawn(l2_config.clone(), waker)?)
+            }
+            None => None,
+        };
         let gpu = GpuState::start(l1.mapping());
         let boot_id = InstanceId::generate().get();
         let node = Node::new(
@@ -233,6 +257,14 @@ impl Server {
                     .gpu()
                     .map(|gpu| gpu.device_count() as u64)
                     .map_err(str::to_string),
+                l2: config
+                    .l2
+                    .as_ref()
+                    .map(|l2| kvwarden_core::node::l2::L2NodeConfig {
+                        timeout: l2.timeout,
+                        write_queue_bytes: l2.write_queue_bytes,
+                        health: kvwarden_core::l2::L2HealthConfig::default(),
+                    }),
             },
             Instant::ZERO,
         )?;
@@ -335,11 +367,20 @@ impl Server {
             inputs: VecDeque::new(),
             processes: Processes::default(),
             exiting_pid: None,
-            metrics: Metrics::new(),
+            metrics: {
+                let mut metrics = Metrics::new();
+                if l2.is_some() {
+                    metrics.enable_l2();
+                }
+                metrics
+            },
             boot_id,
             stopped: false,
             faults: super::fault::FaultState::default(),
             fd_limit,
+            l2,
+            l2_down_logged: false,
+            l2_reads: HashMap::new(),
             config,
         })
     }
@@ -436,7 +477,7 @@ impl Server {
             UNIX_LISTENER => self.accept_unix(),
             TCP_LISTENER => self.accept_tcp(),
             HTTP_LISTENER => self.accept_http(),
-            WAKER => {} // completions are taken every turn
+            WAKER | L2_WAKER => {} // completions are taken every turn
             SIGNALS => self.on_signal(),
             token if self.processes.watched_by(token).is_some() => self.on_process_exit(token),
             token if self.http_connections.contains_key(&token) => self.on_http(token),
