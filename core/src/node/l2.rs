@@ -22,8 +22,8 @@
 //!
 //! None of this touches pings or reaping: a ping is answered before any of it.
 
-use super::*;
 use super::l1::Reservation;
+use super::*;
 use crate::l2::{
     Admission, HEADER_BYTES, L2Counters, L2Health, L2HealthConfig, L2State, OpResult, Push,
     ReadOutcome, WriteOutcome, WriteQueue,
@@ -329,7 +329,9 @@ impl Node {
         if rest.is_empty() {
             return Some(l1_count);
         }
-        let tier = self.l2.as_mut()?;
+        let Some(tier) = self.l2.as_mut() else {
+            return Some(l1_count);
+        };
         if tier.health.admit(now) == Admission::Skip {
             return Some(l1_count);
         }

@@ -788,7 +788,11 @@ impl Node {
                 open.pending += 1;
             }
         }
-        if self.batches.get(&batch).is_some_and(|open| open.pending == 0) {
+        if self
+            .batches
+            .get(&batch)
+            .is_some_and(|open| open.pending == 0)
+        {
             // Nothing copies and L2 was not asked: answer now.
             if let Some(open) = self.batches.remove(&batch) {
                 self.end_job(to.conn);

@@ -2,8 +2,8 @@
 
 use crate::l2::L2Config;
 use crate::server::fault::Faults;
-use kvwarden_core::l2::Namespace;
 use crate::server::{DEFAULT_MAX_CONNECTIONS, Server, ServerConfig, listen};
+use kvwarden_core::l2::Namespace;
 use kvwarden_core::{Config, ConfigError, REAP_TIMEOUT_FLOOR};
 use std::net::SocketAddr;
 use std::path::PathBuf;

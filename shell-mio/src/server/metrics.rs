@@ -242,7 +242,11 @@ impl Metrics {
             l2.write_drops.clone(),
         );
         registry.register("l2_hits", "Reads served from L2", l2.hits.clone());
-        registry.register("l2_misses", "L2 reads that were not hits", l2.misses.clone());
+        registry.register(
+            "l2_misses",
+            "L2 reads that were not hits",
+            l2.misses.clone(),
+        );
         registry.register(
             "l2_corrupt",
             "L2 values that failed their header's checks (answered as misses, deleted)",

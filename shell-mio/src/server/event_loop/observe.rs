@@ -223,14 +223,12 @@ impl Server {
                         .as_ref()
                         .map(|config| config.seeds.clone())
                         .unwrap_or_default(),
-                    mode: self
-                        .l2
-                        .as_ref()
-                        .and_then(|client| client.mode())
-                        .map(|mode| match mode {
+                    mode: self.l2.as_ref().and_then(|client| client.mode()).map(
+                        |mode| match mode {
                             crate::l2::Mode::Cluster => "cluster",
                             crate::l2::Mode::Single => "single",
-                        }),
+                        },
+                    ),
                     queue_bytes: c.queue_bytes,
                     writes: c.writes,
                     write_drops: c.write_drops,
