@@ -165,7 +165,7 @@ struct Shared {
     work_ready: Condvar,
     deadlines: Deadlines<PendingRead>,
     completions: Mutex<VecDeque<L2Completion>>,
-    waker: mio::Waker,
+    waker: Arc<mio::Waker>,
     counters: Mutex<L2Counters>,
     corrupt_logged: Mutex<HashSet<u64>>,
     corrupt_hasher: RandomState,
@@ -180,7 +180,12 @@ pub struct L2Client {
 impl L2Client {
     /// Checks `config` and starts its L2 threads and the deadline thread. Connects
     /// lazily: an unreachable store is not an error here, only misses later.
-    pub fn spawn(config: L2Config, waker: mio::Waker) -> Result<L2Client, L2SpawnError> {
+    /// `waker` may be shared with the context pool (mio allows one waker per poll).
+    pub fn spawn(
+        config: L2Config,
+        waker: impl Into<Arc<mio::Waker>>,
+    ) -> Result<L2Client, L2SpawnError> {
+        let waker = waker.into();
         config.validate()?;
         let threads = config.threads;
         let shared = Arc::new(Shared {

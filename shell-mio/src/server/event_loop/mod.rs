@@ -46,8 +46,6 @@ const TCP_LISTENER: Token = Token(1);
 const HTTP_LISTENER: Token = Token(2);
 const WAKER: Token = Token(3);
 const SIGNALS: Token = Token(4);
-/// The L2 client's results (its own waker: it lives apart from the context pool).
-const L2_WAKER: Token = Token(5);
 const FIRST_DYNAMIC_TOKEN: usize = 16;
 
 /// Frames of one connection handled per loop turn, so that a flooding peer cannot
@@ -225,8 +223,9 @@ impl Server {
         )?;
         let clock_origin = std::time::Instant::now();
         let poll = Poll::new()?;
-        let waker = mio::Waker::new(poll.registry(), WAKER)?;
-        let pool = Pool::new(config.pool_threads, waker)?;
+        // One waker for the pool and the L2 client: mio allows one per poll.
+        let waker = Arc::new(mio::Waker::new(poll.registry(), WAKER)?);
+        let pool = Pool::new(config.pool_threads, Arc::clone(&waker))?;
         let l1 = L1::new(config.l1_bytes, config.slot_bytes).map_err(|source| ServerError::L1 {
             l1_bytes: config.l1_bytes,
             slot_bytes: config.slot_bytes,
@@ -235,7 +234,6 @@ impl Server {
 
         let l2 = match &config.l2 {
             Some(l2_config) => {
-                let waker = mio::Waker::new(poll.registry(), L2_WAKER)?;
                 Some(crate::l2::L2Client::spawn(l2_config.clone(), waker)?)
             }
             None => None,
@@ -477,7 +475,7 @@ impl Server {
             UNIX_LISTENER => self.accept_unix(),
             TCP_LISTENER => self.accept_tcp(),
             HTTP_LISTENER => self.accept_http(),
-            WAKER | L2_WAKER => {} // completions are taken every turn
+            WAKER => {} // completions are taken every turn
             SIGNALS => self.on_signal(),
             token if self.processes.watched_by(token).is_some() => self.on_process_exit(token),
             token if self.http_connections.contains_key(&token) => self.on_http(token),
