@@ -76,10 +76,7 @@ fn checksum(bytes: &[u8]) -> u64 {
 /// Stores `bytes` under `key` from offset 0 of the worker's buffer.
 fn store(client: &Client, buffer: &MemfdBuffer, key: &[u8], bytes: &[u8]) {
     assert!(buffer.write(0, bytes));
-    assert_eq!(
-        client.store(key, 0, 0, bytes.len() as u64).expect("store"),
-        true
-    );
+    assert!(client.store(key, 0, 0, bytes.len() as u64).expect("store"));
 }
 
 /// Retrieves `key` into offset `CHUNK` of the buffer: its bytes, or None on a miss.
@@ -224,7 +221,10 @@ fn row_27_every_redis_process_stopped_pings_answered_l1_serves_l2_misses() {
     assert!(misses > 0);
     let status = a.status();
     assert_ne!(status["l2"]["state"], "up", "{status}");
-    assert_eq!(status["worker_liveness"]["reaped_total"], 0, "nothing reaped");
+    assert_eq!(
+        status["worker_liveness"]["reaped_total"], 0,
+        "nothing reaped"
+    );
     assert_eq!(status["worker_liveness"]["tracked_instances"], 1);
     assert_eq!(a.http_get("/healthz").0, 200, "L2 is optional");
     assert_eq!(local.pings_answered_false(), 0);
@@ -258,16 +258,20 @@ fn row_27_a_master_killed_its_replica_takes_over_and_l2_resumes() {
     // Keep publishing across the failover: writes to the dead master's slots fail
     // (counted) until its replica is promoted, then land again.
     let mut seed = 100;
-    wait_for("every key written again after the failover", PATIENCE, || {
-        let before = l2(&a.status(), "writes");
-        let batch: Vec<u64> = (seed..seed + 12).collect();
-        seed += 12;
-        for &n in &batch {
-            store(&writer, &source, format!("f-{n}").as_bytes(), &chunk(n));
-        }
-        std::thread::sleep(Duration::from_millis(300));
-        (l2(&a.status(), "writes") >= before + batch.len() as u64).then_some(())
-    });
+    wait_for(
+        "every key written again after the failover",
+        PATIENCE,
+        || {
+            let before = l2(&a.status(), "writes");
+            let batch: Vec<u64> = (seed..seed + 12).collect();
+            seed += 12;
+            for &n in &batch {
+                store(&writer, &source, format!("f-{n}").as_bytes(), &chunk(n));
+            }
+            std::thread::sleep(Duration::from_millis(300));
+            (l2(&a.status(), "writes") >= before + batch.len() as u64).then_some(())
+        },
+    );
     let status = a.status();
     let failed = l2(&status, "errors") + l2(&status, "timeouts") + l2(&status, "write_drops");
     assert!(
@@ -346,4 +350,62 @@ fn row_29_a_worker_killed_with_a_reservation_prepared_never_reaches_l2() {
         !keys.contains(&half),
         "an unpublished reservation reached L2: {keys:?}"
     );
+}
+
+#[test]
+fn bad_l2_flags_exit_2_naming_the_flag_and_the_fix() {
+    let dir = TempDir::new("l2-flags");
+    let socket = dir.path().join("kvwarden.sock");
+    let socket = socket.to_str().expect("a UTF-8 path");
+    for (flags, named) in [
+        (vec!["--l2", "http://127.0.0.1:7000"], "--l2"),
+        (vec!["--l2", " , "], "--l2"),
+        (
+            vec!["--l2", "redis://127.0.0.1:7000", "--l2-timeout-ms", "0"],
+            "--l2-timeout-ms",
+        ),
+        (
+            vec!["--l2", "redis://127.0.0.1:7000", "--l2-threads", "0"],
+            "--l2-threads",
+        ),
+        (
+            vec!["--l2", "redis://127.0.0.1:7000", "--l2-namespace", "a{b}"],
+            "--l2-namespace",
+        ),
+        (
+            vec![
+                "--l2",
+                "redis://127.0.0.1:7000",
+                "--l2-write-queue-bytes",
+                "lots",
+            ],
+            "--l2-write-queue-bytes",
+        ),
+        (vec!["--l2-namespace", "alone"], "--l2"),
+    ] {
+        let output = Command::new(kvwarden_tests::kvwarden_bin())
+            .args(["serve", "--socket", socket, "--http", "off"])
+            .args(&flags)
+            .stdin(Stdio::null())
+            .output()
+            .expect("running kvwarden serve");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{flags:?}: {stderr}");
+        assert!(stderr.contains(named), "{flags:?} names {named}: {stderr}");
+    }
+    let help = Command::new(kvwarden_tests::kvwarden_bin())
+        .args(["serve", "--help"])
+        .output()
+        .expect("kvwarden serve --help");
+    let help = String::from_utf8_lossy(&help.stdout);
+    for flag in [
+        "--l2 ",
+        "--l2-namespace",
+        "--l2-timeout-ms",
+        "--l2-ttl-seconds",
+        "--l2-write-queue-bytes",
+        "--l2-threads",
+    ] {
+        assert!(help.contains(flag), "--help explains {flag}: {help}");
+    }
 }

@@ -140,6 +140,9 @@ struct WriteTask {
     payload: Payload,
 }
 
+/// Fills a value's payload area; false when it could not.
+type Fill = Box<dyn FnOnce(&mut [u8]) -> bool + Send>;
+
 /// Where a write's bytes come from.
 enum Payload {
     /// Bytes the caller handed over.
@@ -147,10 +150,7 @@ enum Payload {
     /// `nbytes` the L2 thread copies itself, straight into the value after its header
     /// (from an L1 slot the caller keeps from eviction until the write ends); `fill`
     /// returns false when it could not.
-    Fill {
-        nbytes: usize,
-        fill: Box<dyn FnOnce(&mut [u8]) -> bool + Send>,
-    },
+    Fill { nbytes: usize, fill: Fill },
 }
 
 struct Work {

@@ -296,6 +296,7 @@ mod tests {
                 model_name: "m".into(),
                 blend_bytes: 0,
             }],
+            l2: None,
         }
     }
 

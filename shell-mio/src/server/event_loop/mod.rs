@@ -233,9 +233,7 @@ impl Server {
         })?;
 
         let l2 = match &config.l2 {
-            Some(l2_config) => {
-                Some(crate::l2::L2Client::spawn(l2_config.clone(), waker)?)
-            }
+            Some(l2_config) => Some(crate::l2::L2Client::spawn(l2_config.clone(), waker)?),
             None => None,
         };
         let gpu = GpuState::start(l1.mapping());
