@@ -113,6 +113,19 @@ pub fn run(args: &L2Args) -> Result<(), BenchError> {
     let namespace = Namespace::new(&namespace)
         .map_err(|error| BenchError::Failed(format!("the bench namespace: {error}")))?;
     let mut keys = Keys::default();
+    // Each L2 thread connects on its first job: warm them all on both servers (lookups
+    // of absent keys, many at once) so that no figure pays for a connect.
+    for server in [&a, &b] {
+        let lookups: Vec<u64> = (0..16).collect();
+        in_clients(&lookups, |_| {
+            let mut connection = RawConnection::connect(&server.socket)?;
+            for n in 0..4u64 {
+                let absent = format!("warm-up-{n}").into_bytes();
+                connection.call("lookup", vec![Value::Array(vec![Value::Binary(absent)])])?;
+            }
+            Ok(())
+        })?;
+    }
 
     // ---- L1: cross-node latency, 2 MiB.
     let writer = Worker::new(&a.socket, SLOT)?;
