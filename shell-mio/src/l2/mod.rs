@@ -74,8 +74,12 @@ pub enum L2Completion {
         key: Vec<u8>,
         /// How it ended.
         outcome: ReadOutcome,
-        /// The payload, present exactly when `outcome` is [`ReadOutcome::Hit`].
+        /// The payload, present exactly when `outcome` is [`ReadOutcome::Hit`] of a
+        /// [`L2Client::get`].
         payload: Option<Vec<u8>>,
+        /// The payload bytes placed by an [`L2Client::get_into`] hit (then `payload`
+        /// is None).
+        placed: Option<u64>,
     },
     /// The answer to [`L2Client::exists_prefix`].
     Prefix {
@@ -126,7 +130,13 @@ struct PendingRead {
     token: u64,
     request: ReadRequest,
     answered: AtomicBool,
+    /// Where a hit's payload goes ([`L2Client::get_into`]); called only by whoever
+    /// claimed the answer, before it is reported.
+    place: Mutex<Option<Place>>,
 }
+
+/// Places a hit's payload; false when it could not (too large, say).
+type Place = Box<dyn FnOnce(&[u8]) -> bool + Send>;
 
 enum ReadRequest {
     Get(Vec<u8>),
@@ -279,13 +289,29 @@ impl L2Client {
     /// Reads `key`; the answer comes through [`L2Client::drain`] as
     /// [`L2Completion::Read`] with `token`, within the timeout.
     pub fn get(&self, token: u64, key: Vec<u8>) {
-        self.shared.submit_read(token, ReadRequest::Get(key));
+        self.shared.submit_read(token, ReadRequest::Get(key), None);
+    }
+
+    /// Reads `key` and, on a hit, hands its payload to `place` on the L2 thread before
+    /// the answer is reported (as [`L2Completion::Read`] with `placed`; a hit that
+    /// `place` refuses is reported `Absent`). `place` is never called once the read
+    /// was answered otherwise (timed out), so a caller may write into memory it keeps
+    /// for this read until the answer comes.
+    pub fn get_into(
+        &self,
+        token: u64,
+        key: Vec<u8>,
+        place: impl FnOnce(&[u8]) -> bool + Send + 'static,
+    ) {
+        self.shared
+            .submit_read(token, ReadRequest::Get(key), Some(Box::new(place)));
     }
 
     /// Counts how many leading `keys` exist in L2 (pipelined); the answer comes through
     /// [`L2Client::drain`] as [`L2Completion::Prefix`] with `token`, within the timeout.
     pub fn exists_prefix(&self, token: u64, keys: Vec<Vec<u8>>) {
-        self.shared.submit_read(token, ReadRequest::Exists(keys));
+        self.shared
+            .submit_read(token, ReadRequest::Exists(keys), None);
     }
 
     /// Takes every result that arrived since the last call.
@@ -339,11 +365,12 @@ impl Shared {
         self.counters.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn submit_read(&self, token: u64, request: ReadRequest) {
+    fn submit_read(&self, token: u64, request: ReadRequest, place: Option<Place>) {
         let pending = Arc::new(PendingRead {
             token,
             request,
             answered: AtomicBool::new(false),
+            place: Mutex::new(place),
         });
         let mut work = self.lock_work();
         if work.shutdown || work.reads.len() >= READS_WAITING_MAX {
@@ -365,12 +392,28 @@ impl Shared {
         }
         let completion = match (&pending.request, outcome) {
             (ReadRequest::Get(key), Answer::Read(outcome, payload)) => {
+                let place = pending
+                    .place
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .take();
+                let (outcome, payload, placed) = match (outcome, payload, place) {
+                    (ReadOutcome::Hit, Some(payload), Some(place)) => {
+                        if place(&payload) {
+                            (ReadOutcome::Hit, None, Some(payload.len() as u64))
+                        } else {
+                            (ReadOutcome::Absent, None, None)
+                        }
+                    }
+                    (outcome, payload, _) => (outcome, payload, None),
+                };
                 self.lock_counters().record_read(outcome);
                 L2Completion::Read {
                     token: pending.token,
                     key: key.clone(),
                     outcome,
                     payload,
+                    placed,
                 }
             }
             (ReadRequest::Exists(_), Answer::Prefix(outcome)) => {
@@ -389,6 +432,7 @@ impl Shared {
                     key: key.clone(),
                     outcome: ReadOutcome::Failed,
                     payload: None,
+                    placed: None,
                 }
             }
             (ReadRequest::Exists(_), Answer::Read(..)) => {

@@ -39,8 +39,16 @@ impl Server {
             });
             return;
         };
+        // The L2 thread writes a hit straight into the reserved slot (the node keeps it
+        // reserved until `L2Got`, even past the deadline, and the client never places
+        // a read it already answered), so the loop copies nothing.
+        let pool = Arc::clone(self.l1.mapping());
+        let offset = self.l1.offset(slot);
+        let slot_bytes = self.l1.slot_bytes();
         self.l2_reads.insert(read.0, slot);
-        client.get(read.0, key);
+        client.get_into(read.0, key, move |payload| {
+            payload.len() as u64 <= slot_bytes && pool.write(offset, payload)
+        });
     }
 
     /// Counts the leading `keys` present in L2.
@@ -67,11 +75,15 @@ impl Server {
                     token,
                     outcome,
                     payload,
+                    placed,
                     ..
                 } => {
                     let read = L2ReadId(token);
                     let slot = self.l2_reads.remove(&token);
                     let fetched = match (outcome, payload, slot) {
+                        (ReadOutcome::Hit, None, Some(_)) if placed.is_some() => L2Fetched::Hit {
+                            nbytes: placed.unwrap_or(0),
+                        },
                         (ReadOutcome::Hit, Some(payload), Some(slot)) => {
                             if payload.len() as u64 > self.l1.slot_bytes() {
                                 L2Fetched::Absent // written by a server with larger slots
