@@ -182,6 +182,14 @@ fn row_27_a_chunk_stored_through_node_a_is_retrieved_through_node_b() {
     let (code, body) = b.http_get("/metrics");
     assert_eq!(code, 200);
     assert!(body.contains("kvwarden_l2_hits_total 1"), "{body}");
+    assert!(body.contains("kvwarden_l2_state{state=\"up\"} 1"), "{body}");
+    let table = Command::new(kvwarden_tests::kvwarden_bin())
+        .args(["status", "--socket"])
+        .arg(&b.socket)
+        .output()
+        .expect("kvwarden status");
+    let table = String::from_utf8_lossy(&table.stdout);
+    assert!(table.contains("L2: up"), "{table}");
     drop((writer, reader));
 }
 
@@ -393,6 +401,13 @@ fn bad_l2_flags_exit_2_naming_the_flag_and_the_fix() {
         assert_eq!(output.status.code(), Some(2), "{flags:?}: {stderr}");
         assert!(stderr.contains(named), "{flags:?} names {named}: {stderr}");
     }
+    // Without --l2 nothing of L2 shows.
+    let plain = Server::start(&dir, &[]);
+    assert!(plain.status()["l2"].is_null());
+    let (_, metrics) = plain.http_get("/metrics");
+    assert!(!metrics.contains("kvwarden_l2_"), "{metrics}");
+    assert_eq!(plain.http_get("/healthz").0, 200);
+    drop(plain);
     let help = Command::new(kvwarden_tests::kvwarden_bin())
         .args(["serve", "--help"])
         .output()
