@@ -2,7 +2,9 @@
 
     python3 deploy/check-metrics.py METRICS_TEXT STATUS_JSON RULES_YML DASHBOARD_JSON
 
-METRICS_TEXT is a live server's /metrics, STATUS_JSON its /status. A name counts as
+METRICS_TEXT is a live server's /metrics, STATUS_JSON its /status. L2 metrics
+(`kvwarden_l2_*`) exist only on a server started with --l2: without it (as /status
+says) they are allowed absent. A name counts as
 queried when it appears in a rule's `expr` or a dashboard target's `expr`; a
 `kvwarden:...` name must be recorded by the rule file. Histogram and counter suffixes
 matter: `kvwarden_reaps` is not `kvwarden_reaps_total`. Device-memory gauges exist only
@@ -17,6 +19,8 @@ import sys
 import yaml
 
 GPU_ONLY = {"kvwarden_gpu_memory_bytes"}
+# Exposed only by a server started with --l2 (as /status's `l2` section says).
+L2_PREFIX = "kvwarden_l2_"
 NAME = re.compile(r"\bkvwarden[_:][a-zA-Z0-9_:]*")
 
 
@@ -41,7 +45,9 @@ def dashboard_exprs(dashboard):
 
 def main(metrics_path, status_path, rules_path, dashboard_path):
     exposed = exposed_names(open(metrics_path).read())
-    gpu = json.load(open(status_path)).get("gpu", {}).get("available", False)
+    status = json.load(open(status_path))
+    gpu = status.get("gpu", {}).get("available", False)
+    l2 = "l2" in status
     rules = yaml.safe_load(open(rules_path))
     recorded = set()
     queries = []
@@ -68,6 +74,8 @@ def main(metrics_path, status_path, rules_path, dashboard_path):
             elif name in exposed:
                 pass
             elif name in GPU_ONLY and not gpu:
+                pass
+            elif name.startswith(L2_PREFIX) and not l2:
                 pass
             else:
                 problems.append(

@@ -45,6 +45,11 @@ enum Figure {
     /// disconnected once its output buffer is full; server RSS before, while and after.
     /// Target: N = 10,000 held, the slow peer disconnected, memory flat.
     Connections(bench::connections::ConnectionsArgs),
+    /// L1-L4: the L2 tier on a real Redis Cluster (started on loopback, or --l2): a
+    /// chunk stored through node A and retrieved through node B against a plain GET;
+    /// write-behind and read-through throughput (256 KiB, 2 MiB) against SET/GET; every
+    /// Redis node SIGSTOPped; a master SIGKILLed.
+    L2(bench::l2::L2Args),
 }
 
 /// Runs one figure; exit 0 when it was measured (whether or not it meets its target).
@@ -59,6 +64,7 @@ pub fn run(args: BenchArgs) -> ExitCode {
         Figure::Batch(args) => bench::batch::run(args),
         Figure::Memory(args) => bench::memory::run(args),
         Figure::Connections(args) => bench::connections::run(args),
+        Figure::L2(args) => bench::l2::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -16,6 +16,7 @@ pub mod connections;
 pub mod copy;
 mod figures;
 pub mod kill;
+pub mod l2;
 pub mod latency;
 pub mod load;
 pub mod memory;

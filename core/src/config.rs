@@ -87,6 +87,9 @@ pub enum ConfigError {
         /// The threshold given, in seconds.
         stall_threshold_seconds: f64,
     },
+    /// The L2 breaker's limits were rejected.
+    #[error(transparent)]
+    L2Health(#[from] crate::l2::L2HealthConfigError),
 }
 
 impl Config {

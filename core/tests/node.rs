@@ -56,6 +56,7 @@ impl Harness {
             free_watchdog: secs(5.0),
             shutdown_drain: secs(10.0),
             cuda_devices: Err("no CUDA in tests".into()),
+            l2: None,
         };
         let mut harness = Harness {
             node: Node::new(config, Instant::ZERO).unwrap(),

@@ -66,6 +66,7 @@ fn config() -> NodeConfig {
         free_watchdog: Duration::from_secs(10),
         shutdown_drain: Duration::from_secs(10),
         cuda_devices: Err("none".into()),
+        l2: None,
     }
 }
 

@@ -91,6 +91,7 @@ fn config(socket_path: std::path::PathBuf) -> ServerConfig {
         max_connections_from_flag: true,
         free_watchdog: Duration::from_secs(10),
         pool_threads: 1,
+        l2: None,
     }
 }
 

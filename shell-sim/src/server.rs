@@ -300,6 +300,7 @@ impl Server {
             free_watchdog: duration(self.spec.free_watchdog),
             shutdown_drain: SHUTDOWN_DRAIN,
             cuda_devices: Err("the simulator has no CUDA".to_string()),
+            l2: None,
         };
         #[allow(unused_mut)]
         let mut node = Node::new(config, instant(now)).map_err(|error| error.to_string())?;
@@ -819,6 +820,13 @@ impl Server {
                 Output::Stopped { .. } => {
                     self.state = ServerState::Stopped;
                     checker.stopped();
+                }
+                Output::L2Write { .. } | Output::L2Get { .. } | Output::L2Exists { .. } => {
+                    checker.fail(
+                        crate::violation::Class::Internal,
+                        "l2_without_l2",
+                        format!("the node, configured without L2, asked for L2: {output:?}"),
+                    );
                 }
             }
         }

@@ -206,3 +206,22 @@ fn bench_kill_with_the_server_in_its_own_pid_namespace_frees_by_the_workers_pidf
     );
     assert!(out.contains("(2 proofs counted)"), "{out}");
 }
+
+#[test]
+fn bench_l2_prints_l1_to_l4_against_a_cluster_it_starts() {
+    // A debug build reads a 2 MiB value slowly: a timeout that fits it.
+    bench(
+        &["l2", "--smoke", "--l2-timeout-ms", "2000"],
+        &[
+            "L1 cross_node_retrieve_p50",
+            "L1 ratio_vs_get",
+            "L2 write_behind_256k",
+            "L2 read_through_2048k",
+            "L2 ratio_2048k",
+            "L3 ping_p99",
+            "L3 reaped",
+            "L4 resumed_after_master_kill",
+            "L4 corrupt_served",
+        ],
+    );
+}

@@ -81,7 +81,7 @@ impl Harness {
         completions
             .into_iter()
             .filter_map(|completion| match completion {
-                L2Completion::Written { key, outcome } => Some((key, outcome)),
+                L2Completion::Written { key, outcome, .. } => Some((key, outcome)),
                 _ => None,
             })
             .collect()

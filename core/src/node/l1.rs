@@ -172,6 +172,26 @@ impl SlotTable {
         }
     }
 
+    /// Pins a committed slot by its index (to write it to L2 while it stays put):
+    /// `(key, len)`, or None when the slot holds no committed value.
+    pub fn pin_slot(&mut self, slot: SlotId) -> Option<(Vec<u8>, u64)> {
+        match self.slots.get_mut(slot)? {
+            SlotState::Committed {
+                key,
+                len,
+                pins,
+                tick,
+            } => {
+                if *pins == 0 {
+                    self.lru.remove(tick);
+                }
+                *pins += 1;
+                Some((key.clone(), *len))
+            }
+            _ => None,
+        }
+    }
+
     /// A read of a pinned slot finished.
     pub fn unpin(&mut self, slot: SlotId) {
         let next = self.next_tick();

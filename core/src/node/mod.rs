@@ -24,6 +24,7 @@
 pub mod blend;
 pub mod engine;
 pub mod l1;
+pub mod l2;
 mod ops;
 mod outcomes;
 
@@ -37,6 +38,7 @@ use crate::time::Instant;
 use blend::{BlendBook, BlendId};
 use engine::TransferStrategy;
 use l1::{SlotId, SlotTable};
+use l2::{L2Fetched, L2NodeConfig, L2Presence, L2ReadId, L2Status, L2Tier, L2WriteId};
 use rmpv::Value;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
@@ -154,6 +156,8 @@ pub struct NodeConfig {
     pub shutdown_drain: Duration,
     /// CUDA devices on this host, or why CUDA is unavailable.
     pub cuda_devices: Result<u64, String>,
+    /// The L2 tier (`--l2`), or None: no L2 output is ever produced.
+    pub l2: Option<L2NodeConfig>,
 }
 
 /// Something that arrived: a request, a connection, a completion, a signal.
@@ -231,6 +235,28 @@ pub enum Input {
     },
     /// SIGTERM/SIGINT: answer what is in flight, free everything, stop.
     Shutdown,
+    /// An `L2Write` ended; its slot may be evicted again. Exactly one per `L2Write`.
+    L2Written {
+        /// The write.
+        write: L2WriteId,
+        /// How it ended.
+        outcome: crate::l2::WriteOutcome,
+    },
+    /// An `L2Get` ended (a hit's bytes are in its slot). Exactly one per `L2Get`, even
+    /// after its deadline.
+    L2Got {
+        /// The read.
+        read: L2ReadId,
+        /// How it ended.
+        fetched: L2Fetched,
+    },
+    /// An `L2Exists` ended. Exactly one per `L2Exists`.
+    L2Existed {
+        /// The check.
+        read: L2ReadId,
+        /// How it ended.
+        presence: L2Presence,
+    },
 }
 
 /// Something the node asks of its shell. Not `#[non_exhaustive]`: a shell matches
@@ -346,6 +372,36 @@ pub enum Output {
         /// The process.
         process: ProcessKey,
     },
+    /// Write the `nbytes` published at L1 `slot` to L2 under `key` (only with L2 on).
+    /// The slot stays pinned (never evicted or rewritten) until `L2Written`.
+    L2Write {
+        /// The write.
+        write: L2WriteId,
+        /// The chunk's key.
+        key: Vec<u8>,
+        /// The slot holding its bytes.
+        slot: SlotId,
+        /// Bytes to write.
+        nbytes: u64,
+    },
+    /// Read `key` from L2 (only with L2 on); place a hit's payload into the reserved
+    /// `slot` (at most a slot's bytes), then report `L2Got`.
+    L2Get {
+        /// The read.
+        read: L2ReadId,
+        /// The chunk's key.
+        key: Vec<u8>,
+        /// The slot reserved for it.
+        slot: SlotId,
+    },
+    /// Count how many leading `keys` exist in L2 (pipelined; only with L2 on), then
+    /// report `L2Existed`.
+    L2Exists {
+        /// The check.
+        read: L2ReadId,
+        /// The keys, in order.
+        keys: Vec<Vec<u8>>,
+    },
     /// Something an operator reads: log it, count it.
     Note(Note),
     /// The shutdown is complete: exit.
@@ -439,6 +495,13 @@ pub enum Note {
     },
     /// A shutdown began.
     ShutdownStarted,
+    /// The L2 breaker changed state (log the changes to and from `down` once each).
+    L2StateChanged {
+        /// The state before.
+        from: crate::l2::L2State,
+        /// The state now.
+        to: crate::l2::L2State,
+    },
 }
 
 /// One tracked entry, for status pages.
@@ -501,6 +564,8 @@ pub struct NodeStatus {
     pub connections: usize,
     /// Every tracked entry, by instance then module.
     pub instances: Vec<InstanceView>,
+    /// L2's figures, None without `--l2`.
+    pub l2: Option<L2Status>,
 }
 
 /// Where a reply goes.
@@ -607,6 +672,7 @@ pub struct Node {
     contexts_built: u64,
     freed_total: BTreeMap<&'static str, u64>,
     frees_hung: u64,
+    l2: Option<L2Tier>,
     #[cfg(feature = "planted-bugs")]
     bug: Option<PlantedBug>,
 }
@@ -647,8 +713,10 @@ impl Node {
     pub fn new(config: NodeConfig, now: Instant) -> Result<Node, ConfigError> {
         let liveness =
             Liveness::new_with_floor(config.liveness.clone(), now, config.reap_timeout_floor)?;
+        let l2 = config.l2.clone().map(L2Tier::new).transpose()?;
         Ok(Node {
             l1: SlotTable::new(config.num_slots, config.slot_bytes),
+            l2,
             config,
             liveness,
             conns: HashMap::default(),
@@ -753,6 +821,9 @@ impl Node {
                     self.note(Note::ShutdownStarted);
                 }
             }
+            Input::L2Written { write, outcome } => self.l2_written(now, write, outcome),
+            Input::L2Got { read, fetched } => self.l2_got(now, read, fetched),
+            Input::L2Existed { read, presence } => self.l2_existed(now, read, presence),
         }
         self.drain_effects();
         self.step_shutdown(now);
@@ -767,6 +838,7 @@ impl Node {
         }
         self.drain_effects();
         self.check_free_watchdog(now);
+        self.l2_timeout(now);
         self.step_shutdown(now);
     }
 
@@ -786,6 +858,9 @@ impl Node {
         }
         for free in self.frees.values().filter(|free| !free.reported) {
             earliest(free.started + self.config.free_watchdog);
+        }
+        if let Some(l2) = self.l2.as_ref().and_then(L2Tier::poll_timeout) {
+            earliest(l2);
         }
         at
     }
@@ -858,6 +933,7 @@ impl Node {
             watched_processes: self.watched.len(),
             connections: self.conns.len(),
             instances,
+            l2: self.l2.as_ref().map(L2Tier::status),
         }
     }
 
@@ -944,6 +1020,7 @@ mod tests {
             free_watchdog: Duration::from_secs(10),
             shutdown_drain: SHUTDOWN_DRAIN,
             cuda_devices: Err("none".into()),
+            l2: None,
         };
         Node::new(config, Instant::ZERO).unwrap()
     }

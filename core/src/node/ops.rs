@@ -10,6 +10,7 @@ use super::engine::{
     SlotGrant,
 };
 use super::l1::Reservation;
+use super::l2::ReadFor;
 use super::*;
 use crate::liveness::{Registration, TransferError};
 use crate::protocol::{ErrorCode, PROTOCOL_VERSION, RetrieveItem, StoreItem};
@@ -90,7 +91,11 @@ impl Node {
                 });
                 None
             }
-            Op::Lookup { keys } => Some(Ok(self.l1.lookup_prefix(&keys).into())),
+            Op::Lookup { keys } => {
+                let l1_count = self.l1.lookup_prefix(&keys);
+                self.l2_lookup(now, to, &keys, l1_count)
+                    .map(|count| Ok(count.into()))
+            }
             Op::RegisterKvCache {
                 instance,
                 buffers,
@@ -146,9 +151,7 @@ impl Node {
                 key,
                 nbytes,
             } => Some(self.commit_store(now, instance, &key, nbytes)),
-            Op::PrepareRetrieve { instance, key } => {
-                Some(self.prepare_retrieve(now, instance, &key))
-            }
+            Op::PrepareRetrieve { instance, key } => self.prepare_retrieve(now, to, instance, &key),
             Op::CommitRetrieve { instance, key } => Some(self.with_strategy(
                 now,
                 instance,
@@ -427,7 +430,7 @@ impl Node {
 
     /// Index of `buffer` in `context`, checked against `[offset, offset + nbytes)`.
     /// `what` names the request (or the batch item) in the message: "`store`".
-    fn checked_buffer(
+    pub(super) fn checked_buffer(
         &self,
         context: ContextId,
         what: &str,
@@ -467,7 +470,7 @@ impl Node {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn start_copy(
+    pub(super) fn start_copy(
         &mut self,
         context: ContextId,
         direction: Direction,
@@ -568,7 +571,44 @@ impl Node {
         if !self.has_room(to.conn) {
             return Some(Err(overloaded()));
         }
-        let Some((slot, nbytes)) = self.l1.pin(&key) else {
+        if self.l1_holds(&key) || !self.l2_enabled() {
+            return self.retrieve_l1(to, instance, context, &key, buffer, offset);
+        }
+        let waiter = ReadFor::Retrieve {
+            to,
+            instance,
+            context,
+            buffer,
+            offset,
+        };
+        match self.l2_ask(now, &key, waiter) {
+            Ok(()) => {
+                self.start_job(to.conn);
+                None
+            }
+            Err(_) => Some(Ok(Value::Nil)), // a miss
+        }
+    }
+
+    /// Whether `key` is committed in L1.
+    fn l1_holds(&self, key: &[u8]) -> bool {
+        self.l1.lookup_prefix(std::slice::from_ref(&key.to_vec())) == 1
+    }
+
+    /// The L1 part of `retrieve`: pin, check the value fits, copy out.
+    pub(super) fn retrieve_l1(
+        &mut self,
+        to: ReplyTo,
+        instance: InstanceId,
+        context: ContextId,
+        key: &[u8],
+        buffer: u64,
+        offset: u64,
+    ) -> Answer {
+        if !self.contexts.contains_key(&context) {
+            return Some(Err(super::l2::gone(instance, "retrieve")));
+        }
+        let Some((slot, nbytes)) = self.l1.pin(key) else {
             return Some(Ok(Value::Nil)); // a miss
         };
         let index =
@@ -720,10 +760,42 @@ impl Node {
             }
         }
         let results = vec![Value::Nil; items.len()]; // nil: a miss
-        if copies.is_empty() {
+        let misses: Vec<usize> = if self.l2_enabled() {
+            (0..items.len()).filter(|&i| pins[i].is_none()).collect()
+        } else {
+            Vec::new()
+        };
+        if copies.is_empty() && misses.is_empty() {
             return Some(Ok(Value::Array(results)));
         }
         let batch = self.open_batch(to, results, copies.len());
+        for position in misses {
+            let item = &items[position];
+            let waiter = ReadFor::BatchRetrieve {
+                batch,
+                item: position,
+                instance,
+                context,
+                buffer: item.buffer,
+                offset: item.offset,
+            };
+            if self.l2_ask(now, &item.key, waiter).is_ok()
+                && let Some(open) = self.batches.get_mut(&batch)
+            {
+                open.pending += 1;
+            }
+        }
+        if self
+            .batches
+            .get(&batch)
+            .is_some_and(|open| open.pending == 0)
+        {
+            // Nothing copies and L2 was not asked: answer now.
+            if let Some(open) = self.batches.remove(&batch) {
+                self.end_job(to.conn);
+                return Some(Ok(Value::Array(open.results)));
+            }
+        }
         for (item, slot, index, offset, nbytes) in copies {
             self.start_copy(
                 context,
@@ -825,10 +897,42 @@ impl Node {
                     Value::Nil
                 }
             })?;
+        if value == Value::Boolean(true) {
+            // Published: only now may it go to L2 (row 29).
+            if let Some((slot, _)) = self.l1.pin(key) {
+                self.l1.unpin(slot);
+                self.l2_write_behind(now, slot);
+            }
+        }
         refused.map_or(Ok(value), Err)
     }
 
+    /// `prepare_retrieve`: pins an L1 hit; a miss asks L2 (answered once it ends).
     fn prepare_retrieve(
+        &mut self,
+        now: Instant,
+        to: ReplyTo,
+        instance: InstanceId,
+        key: &[u8],
+    ) -> Answer {
+        let answer = self.prepare_retrieve_l1(now, instance, key);
+        if answer != Ok(Value::Nil) || !self.l2_enabled() || self.l1_holds(key) {
+            return Some(answer);
+        }
+        if !self.has_room(to.conn) {
+            return Some(Err(overloaded()));
+        }
+        match self.l2_ask(now, key, ReadFor::PrepareRetrieve { to, instance }) {
+            Ok(()) => {
+                self.start_job(to.conn);
+                None
+            }
+            Err(_) => Some(answer),
+        }
+    }
+
+    /// The L1 part of `prepare_retrieve`.
+    pub(super) fn prepare_retrieve_l1(
         &mut self,
         now: Instant,
         instance: InstanceId,

@@ -146,6 +146,8 @@ impl Node {
         match result {
             Ok(nbytes) => {
                 self.l1.commit(slot, nbytes);
+                // Published (the copy completed): only now may it go to L2 (row 29).
+                self.l2_write_behind(self.last_now, slot);
                 Ok(true.into())
             }
             Err(error) => {
@@ -155,7 +157,7 @@ impl Node {
         }
     }
 
-    fn item_done(&mut self, id: u64, item: usize, result: Result<Value, ProtocolError>) {
+    pub(super) fn item_done(&mut self, id: u64, item: usize, result: Result<Value, ProtocolError>) {
         let Some(batch) = self.batches.get_mut(&id) else {
             return;
         };
@@ -555,6 +557,7 @@ mod tests {
             free_watchdog: Duration::from_secs(10),
             shutdown_drain: SHUTDOWN_DRAIN,
             cuda_devices: Err("none".into()),
+            l2: None,
         };
         Node::new(config, at(0.0)).unwrap()
     }

@@ -1,7 +1,9 @@
 //! `kvwarden serve`.
 
+use crate::l2::L2Config;
 use crate::server::fault::Faults;
 use crate::server::{DEFAULT_MAX_CONNECTIONS, Server, ServerConfig, listen};
+use kvwarden_core::l2::Namespace;
 use kvwarden_core::{Config, ConfigError, REAP_TIMEOUT_FLOOR};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -63,6 +65,30 @@ pub struct ServeArgs {
     /// Threads that build contexts and copy data.
     #[arg(long, default_value_t = 4, value_name = "N")]
     pool_threads: usize,
+    /// L2: a Redis Cluster (any of its nodes as seeds) or one plain Redis, shared by
+    /// every node's server: chunks published in L1 are written behind to it, and L1
+    /// misses read through from it. Without it the server is L1 only.
+    #[arg(long, value_name = "redis://HOST:PORT[,HOST:PORT...]")]
+    l2: Option<String>,
+    /// The prefix of every L2 key (`NAMESPACE:…`); servers that share chunks use the
+    /// same one. ASCII letters, digits, `.`, `_`, `-`, `:`; at most 64 bytes.
+    #[arg(long, default_value = "kvwarden", value_name = "NAME", requires = "l2")]
+    l2_namespace: String,
+    /// The bound on every L2 wait: a read not answered by then is a miss, and each
+    /// connect, send and receive of an L2 thread gives up after it.
+    #[arg(long, default_value_t = 50, value_name = "MS", requires = "l2")]
+    l2_timeout_ms: u64,
+    /// Expiry of values written to L2; 0: none (the cluster's maxmemory policy,
+    /// allkeys-lru, evicts).
+    #[arg(long, default_value_t = 0, value_name = "SECONDS", requires = "l2")]
+    l2_ttl_seconds: u64,
+    /// The bound of the write-behind queue (K, M, G suffixes); a write that does not
+    /// fit is dropped and counted (kvwarden_l2_write_drops_total), never waited for.
+    #[arg(long, default_value = "256M", value_name = "BYTES", value_parser = super::parse_bytes, requires = "l2")]
+    l2_write_queue_bytes: u64,
+    /// Threads that talk to L2, each with its own connections.
+    #[arg(long, default_value_t = 4, value_name = "N", requires = "l2")]
+    l2_threads: usize,
     /// TESTING ONLY: lift the 30 s floor on the reap timeout, so tests and demos can
     /// reap in seconds. Never use it in production: a late heartbeat reaps a live worker.
     #[arg(long)]
@@ -153,8 +179,40 @@ fn liveness_config(args: &ServeArgs) -> Result<Config, ConfigError> {
     Ok(config)
 }
 
+/// The L2 flags checked, or None without `--l2`.
+fn l2_config(args: &ServeArgs) -> Result<Option<L2Config>, String> {
+    let Some(seeds) = &args.l2 else {
+        return Ok(None);
+    };
+    let seeds = L2Config::parse_seeds(seeds).map_err(|e| e.to_string())?;
+    let namespace = Namespace::new(&args.l2_namespace).map_err(|e| e.to_string())?;
+    if args.l2_timeout_ms == 0 || args.l2_timeout_ms > 60_000 {
+        return Err(format!(
+            "invalid --l2-timeout-ms {}: use 1 to 60000 ms (for example 50)",
+            args.l2_timeout_ms
+        ));
+    }
+    if args.l2_ttl_seconds > 100 * 365 * 86_400 {
+        return Err(format!(
+            "invalid --l2-ttl-seconds {}: use 0 (no expiry) up to 100 years of seconds",
+            args.l2_ttl_seconds
+        ));
+    }
+    let config = L2Config {
+        seeds,
+        namespace,
+        timeout: Duration::from_millis(args.l2_timeout_ms),
+        ttl: (args.l2_ttl_seconds > 0).then(|| Duration::from_secs(args.l2_ttl_seconds)),
+        write_queue_bytes: args.l2_write_queue_bytes,
+        threads: args.l2_threads,
+    };
+    config.validate().map_err(|e| e.to_string())?;
+    Ok(Some(config))
+}
+
 fn server_config(args: ServeArgs) -> Result<ServerConfig, String> {
     let liveness = liveness_config(&args).map_err(|e| e.to_string())?;
+    let l2 = l2_config(&args)?;
     if args.slot_bytes == 0 || args.l1_bytes < args.slot_bytes {
         return Err(format!(
             "invalid L1 geometry: --l1-bytes {} must hold at least one slot of --slot-bytes {} (and slots must be > 0)",
@@ -196,6 +254,7 @@ fn server_config(args: ServeArgs) -> Result<ServerConfig, String> {
         max_connections_from_flag: args.max_connections.is_some(),
         free_watchdog,
         pool_threads: args.pool_threads.clamp(1, 256),
+        l2,
     })
 }
 

@@ -105,12 +105,33 @@ pub fn table(status: &Value) -> String {
         number(&contexts["frees_hung_total"]),
     );
     out += &format!(
-        "L1: {}/{} slots of {} bytes; connections {}\n\n",
+        "L1: {}/{} slots of {} bytes; connections {}\n",
         number(&l1["slots_used"]),
         number(&l1["slots_total"]),
         number(&l1["slot_bytes"]),
         number(&status["connections"]),
     );
+    let l2 = &status["l2"];
+    if l2.is_object() {
+        out += &format!(
+            "L2: {} ({}), queue {} bytes, writes {} (dropped {}), hits {}, misses {} (corrupt \
+             {}, timeouts {}, errors {})\n",
+            number(&l2["state"]),
+            l2["nodes"]
+                .as_array()
+                .map(|nodes| nodes.iter().map(number).collect::<Vec<_>>().join(","))
+                .unwrap_or_default(),
+            number(&l2["queue_bytes"]),
+            number(&l2["writes"]),
+            number(&l2["write_drops"]),
+            number(&l2["hits"]),
+            number(&l2["misses"]),
+            number(&l2["corrupt"]),
+            number(&l2["timeouts"]),
+            number(&l2["errors"]),
+        );
+    }
+    out += "\n";
     out += &format!(
         "{:<20} {:<14} {:>9} {:>11} {:>7} {:>7} {:>8} {:<15} {}\n",
         "INSTANCE",

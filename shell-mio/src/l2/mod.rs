@@ -74,8 +74,12 @@ pub enum L2Completion {
         key: Vec<u8>,
         /// How it ended.
         outcome: ReadOutcome,
-        /// The payload, present exactly when `outcome` is [`ReadOutcome::Hit`].
+        /// The payload, present exactly when `outcome` is [`ReadOutcome::Hit`] of a
+        /// [`L2Client::get`].
         payload: Option<Vec<u8>>,
+        /// The payload bytes placed by an [`L2Client::get_into`] hit (then `payload`
+        /// is None).
+        placed: Option<u64>,
     },
     /// The answer to [`L2Client::exists_prefix`].
     Prefix {
@@ -86,6 +90,9 @@ pub enum L2Completion {
     },
     /// A write from the queue ended.
     Written {
+        /// The caller's token ([`L2Client::submit_write_from`]; 0 for
+        /// [`L2Client::submit_write`]).
+        token: u64,
         /// The chunk's key.
         key: Vec<u8>,
         /// How it ended.
@@ -123,7 +130,13 @@ struct PendingRead {
     token: u64,
     request: ReadRequest,
     answered: AtomicBool,
+    /// Where a hit's payload goes ([`L2Client::get_into`]); called only by whoever
+    /// claimed the answer, before it is reported.
+    place: Mutex<Option<Place>>,
 }
+
+/// Places a hit's payload; false when it could not (too large, say).
+type Place = Box<dyn FnOnce(&[u8]) -> bool + Send>;
 
 enum ReadRequest {
     Get(Vec<u8>),
@@ -132,8 +145,22 @@ enum ReadRequest {
 
 /// A queued write: the caller's bytes, held until written.
 struct WriteTask {
+    token: u64,
     key: Vec<u8>,
-    payload: Box<dyn AsRef<[u8]> + Send>,
+    payload: Payload,
+}
+
+/// Fills a value's payload area; false when it could not.
+type Fill = Box<dyn FnOnce(&mut [u8]) -> bool + Send>;
+
+/// Where a write's bytes come from.
+enum Payload {
+    /// Bytes the caller handed over.
+    Owned(Box<dyn AsRef<[u8]> + Send>),
+    /// `nbytes` the L2 thread copies itself, straight into the value after its header
+    /// (from an L1 slot the caller keeps from eviction until the write ends); `fill`
+    /// returns false when it could not.
+    Fill { nbytes: usize, fill: Fill },
 }
 
 struct Work {
@@ -148,7 +175,7 @@ struct Shared {
     work_ready: Condvar,
     deadlines: Deadlines<PendingRead>,
     completions: Mutex<VecDeque<L2Completion>>,
-    waker: mio::Waker,
+    waker: Arc<mio::Waker>,
     counters: Mutex<L2Counters>,
     corrupt_logged: Mutex<HashSet<u64>>,
     corrupt_hasher: RandomState,
@@ -163,7 +190,12 @@ pub struct L2Client {
 impl L2Client {
     /// Checks `config` and starts its L2 threads and the deadline thread. Connects
     /// lazily: an unreachable store is not an error here, only misses later.
-    pub fn spawn(config: L2Config, waker: mio::Waker) -> Result<L2Client, L2SpawnError> {
+    /// `waker` may be shared with the context pool (mio allows one waker per poll).
+    pub fn spawn(
+        config: L2Config,
+        waker: impl Into<Arc<mio::Waker>>,
+    ) -> Result<L2Client, L2SpawnError> {
+        let waker = waker.into();
         config.validate()?;
         let threads = config.threads;
         let shared = Arc::new(Shared {
@@ -209,9 +241,37 @@ impl L2Client {
     pub fn submit_write(&self, key: Vec<u8>, payload: impl AsRef<[u8]> + Send + 'static) -> Push {
         let bytes = (payload.as_ref().len() as u64).saturating_add(l2::HEADER_BYTES as u64);
         let task = WriteTask {
+            token: 0,
             key,
-            payload: Box::new(payload),
+            payload: Payload::Owned(Box::new(payload)),
         };
+        self.queue_write(task, bytes)
+    }
+
+    /// Queues a write of `nbytes` under `key` that an L2 thread fills itself by calling
+    /// `fill` with the value's payload area (one copy, off the caller's thread); the
+    /// answer comes as [`L2Completion::Written`] with `token`. Dropped (counted) when
+    /// the queue is full; never blocks. Only published data.
+    pub fn submit_write_from(
+        &self,
+        token: u64,
+        key: Vec<u8>,
+        nbytes: usize,
+        fill: impl FnOnce(&mut [u8]) -> bool + Send + 'static,
+    ) -> Push {
+        let bytes = (nbytes as u64).saturating_add(l2::HEADER_BYTES as u64);
+        let task = WriteTask {
+            token,
+            key,
+            payload: Payload::Fill {
+                nbytes,
+                fill: Box::new(fill),
+            },
+        };
+        self.queue_write(task, bytes)
+    }
+
+    fn queue_write(&self, task: WriteTask, bytes: u64) -> Push {
         let mut work = self.shared.lock_work();
         let push = if work.shutdown {
             Push::Dropped
@@ -229,13 +289,29 @@ impl L2Client {
     /// Reads `key`; the answer comes through [`L2Client::drain`] as
     /// [`L2Completion::Read`] with `token`, within the timeout.
     pub fn get(&self, token: u64, key: Vec<u8>) {
-        self.shared.submit_read(token, ReadRequest::Get(key));
+        self.shared.submit_read(token, ReadRequest::Get(key), None);
+    }
+
+    /// Reads `key` and, on a hit, hands its payload to `place` on the L2 thread before
+    /// the answer is reported (as [`L2Completion::Read`] with `placed`; a hit that
+    /// `place` refuses is reported `Absent`). `place` is never called once the read
+    /// was answered otherwise (timed out), so a caller may write into memory it keeps
+    /// for this read until the answer comes.
+    pub fn get_into(
+        &self,
+        token: u64,
+        key: Vec<u8>,
+        place: impl FnOnce(&[u8]) -> bool + Send + 'static,
+    ) {
+        self.shared
+            .submit_read(token, ReadRequest::Get(key), Some(Box::new(place)));
     }
 
     /// Counts how many leading `keys` exist in L2 (pipelined); the answer comes through
     /// [`L2Client::drain`] as [`L2Completion::Prefix`] with `token`, within the timeout.
     pub fn exists_prefix(&self, token: u64, keys: Vec<Vec<u8>>) {
-        self.shared.submit_read(token, ReadRequest::Exists(keys));
+        self.shared
+            .submit_read(token, ReadRequest::Exists(keys), None);
     }
 
     /// Takes every result that arrived since the last call.
@@ -289,11 +365,12 @@ impl Shared {
         self.counters.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn submit_read(&self, token: u64, request: ReadRequest) {
+    fn submit_read(&self, token: u64, request: ReadRequest, place: Option<Place>) {
         let pending = Arc::new(PendingRead {
             token,
             request,
             answered: AtomicBool::new(false),
+            place: Mutex::new(place),
         });
         let mut work = self.lock_work();
         if work.shutdown || work.reads.len() >= READS_WAITING_MAX {
@@ -315,12 +392,28 @@ impl Shared {
         }
         let completion = match (&pending.request, outcome) {
             (ReadRequest::Get(key), Answer::Read(outcome, payload)) => {
+                let place = pending
+                    .place
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .take();
+                let (outcome, payload, placed) = match (outcome, payload, place) {
+                    (ReadOutcome::Hit, Some(payload), Some(place)) => {
+                        if place(&payload) {
+                            (ReadOutcome::Hit, None, Some(payload.len() as u64))
+                        } else {
+                            (ReadOutcome::Absent, None, None)
+                        }
+                    }
+                    (outcome, payload, _) => (outcome, payload, None),
+                };
                 self.lock_counters().record_read(outcome);
                 L2Completion::Read {
                     token: pending.token,
                     key: key.clone(),
                     outcome,
                     payload,
+                    placed,
                 }
             }
             (ReadRequest::Exists(_), Answer::Prefix(outcome)) => {
@@ -339,6 +432,7 @@ impl Shared {
                     key: key.clone(),
                     outcome: ReadOutcome::Failed,
                     payload: None,
+                    placed: None,
                 }
             }
             (ReadRequest::Exists(_), Answer::Read(..)) => {
@@ -406,10 +500,15 @@ impl Shared {
                     self.answer(&pending, answer);
                 }
                 Job::Write(task, bytes) => {
+                    let token = task.token;
                     let (key, outcome) = self.write(&mut conn, task);
                     self.lock_work().writes.complete(bytes);
                     self.lock_counters().record_write(outcome);
-                    self.complete(L2Completion::Written { key, outcome });
+                    self.complete(L2Completion::Written {
+                        token,
+                        key,
+                        outcome,
+                    });
                 }
             }
         }
@@ -529,9 +628,19 @@ impl Shared {
 
     fn write(&self, conn: &mut Option<Conn>, task: WriteTask) -> (Vec<u8>, WriteOutcome) {
         let name = self.config.namespace.redis_key(&task.key);
-        let value = l2::encode(task.payload.as_ref().as_ref());
+        let value = match task.payload {
+            Payload::Owned(payload) => l2::encode(payload.as_ref().as_ref()),
+            Payload::Fill { nbytes, fill } => {
+                let mut value = vec![0u8; l2::HEADER_BYTES + nbytes];
+                if !fill(&mut value[l2::HEADER_BYTES..]) {
+                    return (task.key, WriteOutcome::Failed);
+                }
+                let header = l2::header(&value[l2::HEADER_BYTES..]);
+                value[..l2::HEADER_BYTES].copy_from_slice(&header);
+                value
+            }
+        };
         // The caller's bytes (perhaps an L1 slot kept from eviction) are free from here.
-        drop(task.payload);
         let result = self
             .connection(conn)
             .and_then(|connection| connection.set(&name, &value, self.config.ttl));

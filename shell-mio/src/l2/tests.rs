@@ -71,6 +71,7 @@ fn unreachable_store_answers_every_read_as_a_miss_and_counts_it() {
                 key,
                 outcome,
                 payload: None,
+                ..
             } => {
                 assert_eq!(key, b"chunk");
                 assert_ne!(*outcome, ReadOutcome::Hit);

@@ -58,6 +58,51 @@ pub struct Metrics {
     /// Instances by how their death will be noticed (`pidfd_from_peer`,
     /// `pidfd_by_pid`, `timeout_only`; set at scrape).
     pub instances_by_death_notice: Family<Labels, Gauge>,
+    /// The L2 tier's metrics, registered only with `--l2`.
+    pub l2: Option<L2Metrics>,
+}
+
+/// `kvwarden_l2_*`: the `l2` section of `/status` (set at scrape from the node's counters).
+#[derive(Default)]
+pub struct L2Metrics {
+    /// 1 for the breaker's state (`up`, `degraded`, `down`), 0 for the others.
+    pub state: Family<Labels, Gauge>,
+    /// Bytes in the write-behind queue.
+    pub queue_bytes: Gauge,
+    /// Values written.
+    pub writes: Counter,
+    /// Writes dropped (queue full, or L2 down).
+    pub write_drops: Counter,
+    /// Reads served from L2.
+    pub hits: Counter,
+    /// Reads that were not hits.
+    pub misses: Counter,
+    /// Values that failed their header's checks (deleted).
+    pub corrupt: Counter,
+    /// Operations with no answer within --l2-timeout-ms.
+    pub timeouts: Counter,
+    /// Operations Redis or the connection failed.
+    pub errors: Counter,
+}
+
+impl L2Metrics {
+    /// Sets every series from the node's figures.
+    pub fn mirror(&self, state: &str, counters: &kvwarden_core::l2::L2Counters) {
+        for name in ["up", "degraded", "down"] {
+            self.state
+                .get_or_create(&label("state", name))
+                .set(i64::from(name == state));
+        }
+        self.queue_bytes
+            .set(i64::try_from(counters.queue_bytes).unwrap_or(i64::MAX));
+        Metrics::mirror(&self.writes, counters.writes);
+        Metrics::mirror(&self.write_drops, counters.write_drops);
+        Metrics::mirror(&self.hits, counters.hits);
+        Metrics::mirror(&self.misses, counters.misses);
+        Metrics::mirror(&self.corrupt, counters.corrupt);
+        Metrics::mirror(&self.timeouts, counters.timeouts);
+        Metrics::mirror(&self.errors, counters.errors);
+    }
 }
 
 /// Every cause a context is freed for: each series exists from the start, so that
@@ -96,6 +141,7 @@ impl Metrics {
             blend_instances: Gauge::default(),
             gpu_memory_bytes: Family::default(),
             instances_by_death_notice: Family::default(),
+            l2: None,
             registry: Registry::default(),
             request_counters: Default::default(),
             invalid_requests: Counter::default(),
@@ -189,6 +235,46 @@ impl Metrics {
             invalid_requests,
             ..metrics
         }
+    }
+
+    /// Registers the `kvwarden_l2_*` series (the server runs with `--l2`).
+    pub fn enable_l2(&mut self) {
+        let l2 = L2Metrics::default();
+        let registry = &mut self.registry;
+        registry.register(
+            "l2_state",
+            "L2 breaker state (1 for the current one)",
+            l2.state.clone(),
+        );
+        registry.register(
+            "l2_queue_bytes",
+            "Bytes in the L2 write-behind queue",
+            l2.queue_bytes.clone(),
+        );
+        registry.register("l2_writes", "Values written to L2", l2.writes.clone());
+        registry.register(
+            "l2_write_drops",
+            "Writes to L2 dropped: the queue was full or L2 was down",
+            l2.write_drops.clone(),
+        );
+        registry.register("l2_hits", "Reads served from L2", l2.hits.clone());
+        registry.register(
+            "l2_misses",
+            "L2 reads that were not hits",
+            l2.misses.clone(),
+        );
+        registry.register(
+            "l2_corrupt",
+            "L2 values that failed their header's checks (answered as misses, deleted)",
+            l2.corrupt.clone(),
+        );
+        registry.register(
+            "l2_timeouts",
+            "L2 operations with no answer within --l2-timeout-ms",
+            l2.timeouts.clone(),
+        );
+        registry.register("l2_errors", "L2 operations that failed", l2.errors.clone());
+        self.l2 = Some(l2);
     }
 
     /// Counts a request of the op at `op_index` in [`OP_NAMES`].

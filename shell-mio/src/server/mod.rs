@@ -59,4 +59,6 @@ pub struct ServerConfig {
     pub free_watchdog: Duration,
     /// Threads for builds and copies.
     pub pool_threads: usize,
+    /// The L2 tier (`--l2`), or None.
+    pub l2: Option<crate::l2::L2Config>,
 }

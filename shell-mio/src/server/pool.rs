@@ -19,7 +19,7 @@ type Task<T> = Box<dyn FnOnce() -> T + Send + 'static>;
 /// Results handed back to the event loop.
 pub struct Completions<T> {
     queue: Mutex<VecDeque<T>>,
-    waker: mio::Waker,
+    waker: Arc<mio::Waker>,
 }
 
 impl<T> Completions<T> {
@@ -50,7 +50,9 @@ pub struct Pool<T: Send + 'static> {
 
 impl<T: Send + 'static> Pool<T> {
     /// `threads` workers for builds and copies.
-    pub fn new(threads: usize, waker: mio::Waker) -> std::io::Result<Pool<T>> {
+    /// `waker` may be shared with other reporters (mio allows one waker per poll).
+    pub fn new(threads: usize, waker: impl Into<Arc<mio::Waker>>) -> std::io::Result<Pool<T>> {
+        let waker = waker.into();
         let completions = Arc::new(Completions {
             queue: Mutex::new(VecDeque::new()),
             waker,

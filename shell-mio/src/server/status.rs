@@ -36,6 +36,29 @@ pub struct StatusReport {
     pub instances_by_death_notice: DeathNoticeCounts,
     /// Every tracked instance, by id.
     pub instances: Vec<InstanceStatus>,
+    /// The L2 tier; absent without `--l2`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub l2: Option<L2StatusReport>,
+}
+
+/// The `l2` section (present only with `--l2`).
+#[derive(Clone, Debug, Serialize)]
+#[allow(missing_docs)] // the keys of docs/protocol.md's status section
+pub struct L2StatusReport {
+    /// `up`, `degraded` or `down`.
+    pub state: &'static str,
+    /// The seeds of `--l2`.
+    pub nodes: Vec<String>,
+    /// `cluster` or `single` once connected, else null.
+    pub mode: Option<&'static str>,
+    pub queue_bytes: u64,
+    pub writes: u64,
+    pub write_drops: u64,
+    pub hits: u64,
+    pub misses: u64,
+    pub corrupt: u64,
+    pub timeouts: u64,
+    pub errors: u64,
 }
 
 /// The `worker_liveness` section.
@@ -273,6 +296,7 @@ mod tests {
                 model_name: "m".into(),
                 blend_bytes: 0,
             }],
+            l2: None,
         }
     }
 

@@ -35,6 +35,7 @@ use std::time::Duration;
 use thiserror::Error;
 
 mod connections;
+mod l2;
 mod observe;
 mod outputs;
 mod requests;
@@ -91,6 +92,9 @@ pub enum ServerError {
     /// The event loop failed.
     #[error("event loop: {0}")]
     Io(#[from] io::Error),
+    /// The L2 client could not start.
+    #[error(transparent)]
+    L2(#[from] crate::l2::L2SpawnError),
 }
 
 /// Results of the context pool, reported to the node (rope tables and contexts stay
@@ -110,6 +114,11 @@ enum Done {
     },
     Freed {
         free: FreeId,
+    },
+    /// An L2 hit's payload was copied into its reserved slot (or could not be).
+    L2Placed {
+        read: kvwarden_core::node::l2::L2ReadId,
+        fetched: kvwarden_core::node::l2::L2Fetched,
     },
     /// Something big was dropped off the loop; nothing to report.
     Discarded,
@@ -161,6 +170,12 @@ pub struct Server {
     /// Test-only faults (`--fault-*`); none in production.
     faults: super::fault::FaultState,
     fd_limit: listen::FdLimit,
+    /// The L2 client (`--l2`), or None.
+    l2: Option<crate::l2::L2Client>,
+    /// The L2 state last logged, so that each change to or from down is logged once.
+    l2_down_logged: bool,
+    /// The slot reserved for each L2 read in flight, by its token.
+    l2_reads: HashMap<u64, kvwarden_core::node::l1::SlotId>,
 }
 
 impl Server {
@@ -212,14 +227,19 @@ impl Server {
         )?;
         let clock_origin = std::time::Instant::now();
         let poll = Poll::new()?;
-        let waker = mio::Waker::new(poll.registry(), WAKER)?;
-        let pool = Pool::new(config.pool_threads, waker)?;
+        // One waker for the pool and the L2 client: mio allows one per poll.
+        let waker = Arc::new(mio::Waker::new(poll.registry(), WAKER)?);
+        let pool = Pool::new(config.pool_threads, Arc::clone(&waker))?;
         let l1 = L1::new(config.l1_bytes, config.slot_bytes).map_err(|source| ServerError::L1 {
             l1_bytes: config.l1_bytes,
             slot_bytes: config.slot_bytes,
             source,
         })?;
 
+        let l2 = match &config.l2 {
+            Some(l2_config) => Some(crate::l2::L2Client::spawn(l2_config.clone(), waker)?),
+            None => None,
+        };
         let gpu = GpuState::start(l1.mapping());
         let boot_id = InstanceId::generate().get();
         let node = Node::new(
@@ -237,6 +257,14 @@ impl Server {
                     .gpu()
                     .map(|gpu| gpu.device_count() as u64)
                     .map_err(str::to_string),
+                l2: config
+                    .l2
+                    .as_ref()
+                    .map(|l2| kvwarden_core::node::l2::L2NodeConfig {
+                        timeout: l2.timeout,
+                        write_queue_bytes: l2.write_queue_bytes,
+                        health: kvwarden_core::l2::L2HealthConfig::default(),
+                    }),
             },
             Instant::ZERO,
         )?;
@@ -341,11 +369,20 @@ impl Server {
             inputs: VecDeque::new(),
             processes: Processes::default(),
             exiting_pid: None,
-            metrics: Metrics::new(),
+            metrics: {
+                let mut metrics = Metrics::new();
+                if l2.is_some() {
+                    metrics.enable_l2();
+                }
+                metrics
+            },
             boot_id,
             stopped: false,
             faults: super::fault::FaultState::default(),
             fd_limit,
+            l2,
+            l2_down_logged: false,
+            l2_reads: HashMap::new(),
             config,
         })
     }

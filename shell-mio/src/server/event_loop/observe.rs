@@ -4,7 +4,7 @@ use super::*;
 use crate::protocol::PROTOCOL_VERSION;
 use crate::server::status::{
     BlendStatus, ContextsStatus, DeathNoticeCounts, FreedTotals, InstanceStatus, L1Status,
-    LimitsStatus, LivenessStatus, StatusReport,
+    L2StatusReport, LimitsStatus, LivenessStatus, StatusReport,
 };
 use kvwarden_core::node::NodeStatus;
 
@@ -118,6 +118,9 @@ impl Server {
             self.metrics
                 .instances_by_death_notice(notice.label(), as_i64(count as u64));
         }
+        if let (Some(metrics), Some(l2)) = (&self.metrics.l2, &node.l2) {
+            metrics.mirror(l2.state.as_str(), &l2.counters);
+        }
     }
 
     pub(super) fn status(&self) -> StatusReport {
@@ -210,6 +213,32 @@ impl Server {
                 timeout_only: count_of(peer::DeathNotice::TimeoutOnly),
             },
             instances,
+            l2: node.l2.as_ref().map(|l2| {
+                let c = l2.counters;
+                L2StatusReport {
+                    state: l2.state.as_str(),
+                    nodes: self
+                        .config
+                        .l2
+                        .as_ref()
+                        .map(|config| config.seeds.clone())
+                        .unwrap_or_default(),
+                    mode: self.l2.as_ref().and_then(|client| client.mode()).map(
+                        |mode| match mode {
+                            crate::l2::Mode::Cluster => "cluster",
+                            crate::l2::Mode::Single => "single",
+                        },
+                    ),
+                    queue_bytes: c.queue_bytes,
+                    writes: c.writes,
+                    write_drops: c.write_drops,
+                    hits: c.hits,
+                    misses: c.misses,
+                    corrupt: c.corrupt,
+                    timeouts: c.timeouts,
+                    errors: c.errors,
+                }
+            }),
         }
     }
 }

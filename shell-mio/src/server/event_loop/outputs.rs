@@ -173,6 +173,14 @@ impl Server {
             }
             Output::Unwatch { process } => self.processes.unwatch(self.poll.registry(), process),
             Output::Note(note) => self.note(note),
+            Output::L2Write {
+                write,
+                key,
+                slot,
+                nbytes,
+            } => self.l2_write(write, key, slot, nbytes),
+            Output::L2Get { read, key, slot } => self.l2_get(read, key, slot),
+            Output::L2Exists { read, keys } => self.l2_exists(read, keys),
             Output::Stopped {
                 contexts_freed,
                 frees_unfinished,
@@ -349,6 +357,7 @@ impl Server {
                 tracing::info!(%instance, bytes, "CacheBlend rope tables dropped");
             }
             Note::ShutdownStarted => {}
+            Note::L2StateChanged { from, to } => self.l2_state_changed(from, to),
         }
     }
 
@@ -376,10 +385,12 @@ impl Server {
                     }),
                 },
                 Done::Freed { free } => Input::FreeDone { free },
+                Done::L2Placed { read, fetched } => Input::L2Got { read, fetched },
                 Done::Discarded => continue,
             };
             self.input(input);
         }
+        self.take_l2_completions();
     }
 
     /// A watched pidfd turned readable: the kernel proved that process exited.

@@ -1,0 +1,854 @@
+//! L1–L4: the L2 tier on a real Redis Cluster (`targets.md`, "Beyond one node"). Two
+//! `kvwarden serve --l2` processes ("node A" and "node B") share one cluster, started
+//! here on loopback (3 masters, 1 replica each) unless `--l2` names one; the baselines
+//! (`GET`/`SET` of the same values through a Redis Cluster client) run in the same run
+//! against the same cluster.
+//!
+//! - L1: a 2 MiB chunk stored through A, retrieved through B (read-through from L2),
+//!   checksum verified; p50 against a plain cluster `GET` of the same value.
+//! - L2: write-behind (stores through A until L2 holds them) and read-through (first
+//!   retrieves through B) throughput, 256 KiB and 2 MiB chunks, 4 clients, against
+//!   `SET`/`GET` of the same sizes with 4 clients.
+//! - L3: every Redis node SIGSTOPped: ping p99, the latency of an L2-only retrieve (a
+//!   miss), L1 still serving, nothing reaped. Needs a cluster started here.
+//! - L4: a master SIGKILLed: how long until every write lands again, writes counted as
+//!   failed or dropped meanwhile, corrupt values served (must be 0). Needs a cluster
+//!   started here.
+
+use super::process::{TempDir, die_with_parent};
+use super::raw::{RawConnection, instance_ids, memfd_spec};
+use super::stats::Samples;
+use super::{BenchError, figure, progress};
+use kvwarden_client::memfd::{SharedMapping, create};
+use kvwarden_core::l2::{HEADER_BYTES, Namespace};
+use rmpv::Value;
+use rustix::fd::{AsFd, OwnedFd};
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// `cluster-node-timeout` of a cluster started here.
+const NODE_TIMEOUT_MS: u64 = 1000;
+/// The L1 slot of both servers: the largest chunk.
+const SLOT: u64 = 2 << 20;
+
+/// Flags of `kvwarden bench l2`.
+#[derive(Clone, Debug, clap::Args)]
+pub struct L2Args {
+    /// Measure against this Redis Cluster (seeds as for `kvwarden serve --l2`) instead
+    /// of starting one; the fault figures L3 and L4 are then skipped (they stop and
+    /// kill Redis processes).
+    #[arg(long, value_name = "redis://HOST:PORT[,HOST:PORT...]")]
+    l2: Option<String>,
+    /// Chunks per client in each throughput phase (L2), and chunks timed for L1.
+    #[arg(long, default_value_t = 32, value_name = "N")]
+    chunks: u64,
+    /// Clients in the throughput phases.
+    #[arg(long, default_value_t = 4, value_name = "N")]
+    clients: usize,
+    /// How long every Redis node stays SIGSTOPped (L3).
+    #[arg(long, default_value_t = 10.0, value_name = "SECONDS")]
+    stop_seconds: f64,
+    /// `--l2-timeout-ms` of both servers.
+    #[arg(long, default_value_t = 50, value_name = "MS")]
+    l2_timeout_ms: u64,
+    /// A tiny run (2 chunks, 1 s stop): checks that every figure is printed.
+    #[arg(long)]
+    smoke: bool,
+}
+
+/// Runs L1–L4 and prints their figures.
+pub fn run(args: &L2Args) -> Result<(), BenchError> {
+    let mut args = args.clone();
+    if args.smoke {
+        args.chunks = args.chunks.min(2);
+        args.clients = args.clients.min(2);
+        args.stop_seconds = args.stop_seconds.min(1.0);
+    }
+    if args.chunks == 0 || args.clients == 0 {
+        return Err(BenchError::Failed(format!(
+            "invalid --chunks {} / --clients {}: use at least 1 of each",
+            args.chunks, args.clients
+        )));
+    }
+    let stop = super::positive_seconds("--stop-seconds", args.stop_seconds)?;
+    super::print_machine();
+    let mut cluster = match &args.l2 {
+        Some(_) => None,
+        None => Some(Cluster::start()?),
+    };
+    let seeds: Vec<String> = match (&args.l2, &cluster) {
+        (Some(seeds), _) => seeds.split(',').map(|s| s.trim().to_string()).collect(),
+        (None, Some(cluster)) => cluster.seeds(),
+        (None, None) => Vec::new(),
+    };
+    let namespace = format!("bench-{}", std::process::id());
+    let serve = |tag: &str| -> Result<super::process::ServerProcess, BenchError> {
+        let args: Vec<String> = [
+            "--l1-bytes",
+            "768M",
+            "--slot-bytes",
+            &SLOT.to_string(),
+            "--l2",
+            &seeds.join(","),
+            "--l2-namespace",
+            &namespace,
+            "--l2-timeout-ms",
+            &args.l2_timeout_ms.to_string(),
+            "--l2-write-queue-bytes",
+            "512M",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        super::process::ServerProcess::start(tag, &args, "warn")
+    };
+    let a = serve("bench-l2-a")?;
+    let b = serve("bench-l2-b")?;
+    progress(&format!(
+        "two servers on {} (namespace {namespace})",
+        seeds.join(",")
+    ));
+    let redis = Redis::connect(&seeds)?;
+    let namespace = Namespace::new(&namespace)
+        .map_err(|error| BenchError::Failed(format!("the bench namespace: {error}")))?;
+    let mut keys = Keys::default();
+    // Each L2 thread connects on its first job: warm them all on both servers (lookups
+    // of absent keys, many at once) so that no figure pays for a connect.
+    for server in [&a, &b] {
+        let lookups: Vec<u64> = (0..16).collect();
+        in_clients(&lookups, |_| {
+            let mut connection = RawConnection::connect(&server.socket)?;
+            for n in 0..4u64 {
+                let absent = format!("warm-up-{n}").into_bytes();
+                connection.call("lookup", vec![Value::Array(vec![Value::Binary(absent)])])?;
+            }
+            Ok(())
+        })?;
+    }
+
+    // ---- L1: cross-node latency, 2 MiB.
+    let writer = Worker::new(&a.socket, SLOT)?;
+    let reader = Worker::new(&b.socket, SLOT)?;
+    let mut a_control = RawConnection::connect(&a.socket)?;
+    let mut b_control = RawConnection::connect(&b.socket)?;
+    let batch = keys.fresh(args.chunks.max(8));
+    for key in &batch {
+        writer.store(key, SLOT)?;
+    }
+    wait_l2_ops(&mut a_control, batch.len() as u64)?;
+    let (mut through_b, mut get) = (Vec::new(), Vec::new());
+    for key in &batch {
+        let started = Instant::now();
+        let value = redis.get(&namespace.redis_key(key))?;
+        get.push(started.elapsed());
+        if value.map(|v| v.len()) != Some(SLOT as usize + HEADER_BYTES) {
+            return Err(BenchError::Failed(format!(
+                "GET of {} found no {SLOT}-byte value with its header in L2 (did node A's write \
+                 fail?)",
+                String::from_utf8_lossy(key)
+            )));
+        }
+        let started = Instant::now();
+        let moved = reader.retrieve(key)?;
+        through_b.push(started.elapsed());
+        if moved != Some(SLOT) || reader.read_back(SLOT) != pattern(key, SLOT) {
+            return Err(BenchError::Failed(format!(
+                "retrieving {} through node B: {moved:?} bytes, or different bytes than node A \
+                 stored",
+                String::from_utf8_lossy(key)
+            )));
+        }
+    }
+    let (through_b, get) = (
+        Samples::from_durations(&through_b),
+        Samples::from_durations(&get),
+    );
+    let note = format!(
+        "{} chunks of 2 MiB stored through A, retrieved through B, checksums equal",
+        batch.len()
+    );
+    figure(
+        "L1",
+        "cross_node_retrieve_p50",
+        format!("{:.3}", through_b.quantile_ms(0.5)),
+        "ms",
+        &note,
+    );
+    figure(
+        "L1",
+        "redis_get_p50",
+        format!("{:.3}", get.quantile_ms(0.5)),
+        "ms",
+        "a cluster GET of the same value, same run",
+    );
+    figure(
+        "L1",
+        "ratio_vs_get",
+        format!(
+            "{:.2}",
+            through_b.quantile_ms(0.5) / get.quantile_ms(0.5).max(1e-9)
+        ),
+        "x",
+        "target <= 2",
+    );
+
+    // ---- L2: throughput, 256 KiB and 2 MiB, `clients` clients.
+    for chunk in [256 << 10, SLOT] {
+        let per_client: Vec<Vec<Vec<u8>>> =
+            (0..args.clients).map(|_| keys.fresh(args.chunks)).collect();
+        let total = (args.clients as u64) * args.chunks;
+        let before = l2_ops(&mut a_control)?;
+        let started = Instant::now();
+        in_clients(&per_client, |keys| {
+            let worker = Worker::new(&a.socket, chunk)?;
+            for key in keys {
+                worker.store(key, chunk)?;
+            }
+            Ok(())
+        })?;
+        wait_l2_ops(&mut a_control, before + total)?;
+        let write_behind = rate(total * chunk, started.elapsed());
+        let drops = l2_field(&mut a_control, "write_drops")?;
+        let missed = std::sync::atomic::AtomicU64::new(0);
+        let started = Instant::now();
+        in_clients(&per_client, |keys| {
+            let worker = Worker::new(&b.socket, chunk)?;
+            for key in keys {
+                // A read past --l2-timeout-ms is a miss by design: counted, not fatal.
+                if worker.retrieve(key)? != Some(chunk) {
+                    missed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+            Ok(())
+        })?;
+        let missed = missed.into_inner();
+        let read_through = rate((total - missed) * chunk, started.elapsed());
+        let value = vec![7u8; chunk as usize + HEADER_BYTES];
+        let set_keys: Vec<Vec<Vec<u8>>> = per_client
+            .iter()
+            .map(|keys| {
+                keys.iter()
+                    .map(|key| {
+                        let mut name = namespace.redis_key(key);
+                        name.extend_from_slice(b":baseline");
+                        name
+                    })
+                    .collect()
+            })
+            .collect();
+        let started = Instant::now();
+        in_clients(&set_keys, |names| {
+            let redis = Redis::connect(&seeds)?;
+            for name in names {
+                redis.set(name, &value)?;
+            }
+            Ok(())
+        })?;
+        let set = rate(total * chunk, started.elapsed());
+        let started = Instant::now();
+        in_clients(&set_keys, |names| {
+            let redis = Redis::connect(&seeds)?;
+            for name in names {
+                redis.get(name)?;
+            }
+            Ok(())
+        })?;
+        let get = rate(total * chunk, started.elapsed());
+        let size = format!("{} KiB", chunk >> 10);
+        let how = format!(
+            "{} clients x {} chunks of {size}",
+            args.clients, args.chunks
+        );
+        figure(
+            "L2",
+            &format!("write_behind_{}k", chunk >> 10),
+            format!("{write_behind:.1}"),
+            "MiB/s",
+            &format!("{how}, until L2 held them ({drops} dropped so far)"),
+        );
+        figure(
+            "L2",
+            &format!("redis_set_{}k", chunk >> 10),
+            format!("{set:.1}"),
+            "MiB/s",
+            &format!("{how}, cluster SET, same run"),
+        );
+        figure(
+            "L2",
+            &format!("read_through_{}k", chunk >> 10),
+            format!("{read_through:.1}"),
+            "MiB/s",
+            &format!("{how}, first retrieve through node B, {missed} missed (timed out)"),
+        );
+        figure(
+            "L2",
+            &format!("redis_get_{}k", chunk >> 10),
+            format!("{get:.1}"),
+            "MiB/s",
+            &format!("{how}, cluster GET, same run"),
+        );
+        figure(
+            "L2",
+            &format!("ratio_{}k", chunk >> 10),
+            format!(
+                "{:.2}/{:.2}",
+                write_behind / set.max(1e-9),
+                read_through / get.max(1e-9)
+            ),
+            "x",
+            "write-behind/SET and read-through/GET; target >= 0.7 each",
+        );
+    }
+
+    let Some(cluster) = cluster.as_mut() else {
+        for id in ["L3", "L4"] {
+            figure(
+                id,
+                "skipped",
+                "-",
+                "-",
+                "--l2 names a cluster this benchmark must not stop or kill",
+            );
+        }
+        return Ok(());
+    };
+
+    // ---- L3: every Redis node SIGSTOPped.
+    let l2_only = keys.fresh(8);
+    for key in &l2_only {
+        writer.store(key, SLOT)?;
+    }
+    wait_l2_ops(&mut a_control, 0)?;
+    let pinger_instance = instance_ids(1)[0];
+    let mut pinger = RawConnection::connect(&b.socket)?;
+    pinger.register(pinger_instance, Vec::new(), &[])?;
+    let in_l1 = batch[0].clone();
+    // The same ping loop with L2 up first: "unchanged" is read against it.
+    let mut pings_before = Vec::new();
+    let started = Instant::now();
+    while started.elapsed() < stop {
+        let sent = Instant::now();
+        pinger.ping(pinger_instance)?;
+        pings_before.push(sent.elapsed());
+        if pings_before.len() % 20 == 0 {
+            reader.retrieve(&in_l1)?;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let pings_before = Samples::from_durations(&pings_before);
+    cluster.signal_all(rustix::process::Signal::STOP);
+    let stopped = Instant::now();
+    let (mut pings, mut misses, mut l1_hits) = (Vec::new(), Vec::new(), 0u64);
+    let mut next = 0;
+    while stopped.elapsed() < stop {
+        let started = Instant::now();
+        if !pinger.ping(pinger_instance)? {
+            return Err(BenchError::Failed(
+                "a ping was answered false while L2 was stopped".into(),
+            ));
+        }
+        pings.push(started.elapsed());
+        if pings.len() % 20 == 0 {
+            let key = &l2_only[next % l2_only.len()];
+            next += 1;
+            let started = Instant::now();
+            let moved = reader.retrieve(key)?;
+            misses.push(started.elapsed());
+            if moved.is_some() {
+                return Err(BenchError::Failed(
+                    "an L2-only chunk was served while every Redis node was stopped".into(),
+                ));
+            }
+            if reader.retrieve(&in_l1)? == Some(SLOT) {
+                l1_hits += 1;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    cluster.signal_all(rustix::process::Signal::CONT);
+    let continued = Instant::now();
+    let resumed = loop {
+        if reader.retrieve(&l2_only[0])?.is_some() {
+            break continued.elapsed();
+        }
+        if continued.elapsed() > Duration::from_secs(120) {
+            return Err(BenchError::Failed(
+                "L2 did not come back within 120 s of SIGCONT".into(),
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let reaped = b_control.status()?["worker_liveness"]["reaped_total"]
+        .as_u64()
+        .unwrap_or(0);
+    let (pings, misses) = (
+        Samples::from_durations(&pings),
+        Samples::from_durations(&misses),
+    );
+    let stopped_note = format!(
+        "every Redis node SIGSTOPped for {:.0} s",
+        stop.as_secs_f64()
+    );
+    figure(
+        "L3",
+        "ping_p99",
+        format!("{:.3}", pings.quantile_ms(0.99)),
+        "ms",
+        &format!("{stopped_note}, {} pings; target <= 2", pings.len()),
+    );
+    figure(
+        "L3",
+        "ping_p99_l2_up",
+        format!("{:.3}", pings_before.quantile_ms(0.99)),
+        "ms",
+        &format!(
+            "the same loop just before, L2 up, {} pings (machine noise)",
+            pings_before.len()
+        ),
+    );
+    figure(
+        "L3",
+        "l2_only_retrieve_max",
+        format!("{:.1}", misses.max_ms()),
+        "ms",
+        &format!(
+            "{} misses, --l2-timeout-ms {} (p50 {:.1} ms)",
+            misses.len(),
+            args.l2_timeout_ms,
+            misses.quantile_ms(0.5)
+        ),
+    );
+    figure(
+        "L3",
+        "l1_hits_served",
+        l1_hits,
+        "retrieves",
+        &format!("of {} tried while stopped", misses.len()),
+    );
+    figure("L3", "reaped", reaped, "workers", "target 0");
+    figure(
+        "L3",
+        "resumed_after_sigcont",
+        format!("{:.2}", resumed.as_secs_f64()),
+        "s",
+        "first L2 hit after SIGCONT (the breaker's probe back-off)",
+    );
+
+    // ---- L4: a master SIGKILLed.
+    let victim = cluster
+        .masters()
+        .first()
+        .copied()
+        .ok_or_else(|| BenchError::Failed("the cluster lists no master to kill".into()))?;
+    let failed_before = failed_ops(&mut a_control)?;
+    cluster.kill(victim);
+    let killed = Instant::now();
+    let resumed = loop {
+        let batch = keys.fresh(12);
+        let before = l2_field(&mut a_control, "writes")?;
+        for key in &batch {
+            writer.store(key, 256 << 10)?;
+        }
+        wait_l2_ops(&mut a_control, 0)?;
+        std::thread::sleep(Duration::from_millis(100));
+        if l2_field(&mut a_control, "writes")? >= before + batch.len() as u64 {
+            break killed.elapsed();
+        }
+        if killed.elapsed() > Duration::from_secs(120) {
+            return Err(BenchError::Failed(
+                "writes did not land again within 120 s of killing a master".into(),
+            ));
+        }
+    };
+    let failed = failed_ops(&mut a_control)? - failed_before;
+    let corrupt = l2_field(&mut a_control, "corrupt")? + l2_field(&mut b_control, "corrupt")?;
+    figure(
+        "L4",
+        "resumed_after_master_kill",
+        format!("{:.2}", resumed.as_secs_f64()),
+        "s",
+        &format!(
+            "every write of a batch landed again; target <= 2 x cluster-node-timeout = {:.1} s",
+            2.0 * NODE_TIMEOUT_MS as f64 / 1000.0
+        ),
+    );
+    figure(
+        "L4",
+        "writes_failed_or_dropped",
+        failed,
+        "writes",
+        "errors + timeouts + drops during the failover, never retried",
+    );
+    figure("L4", "corrupt_served", corrupt, "values", "target 0");
+    drop((a, b));
+    Ok(())
+}
+
+/// MiB/s.
+fn rate(bytes: u64, elapsed: Duration) -> f64 {
+    bytes as f64 / (1u64 << 20) as f64 / elapsed.as_secs_f64().max(1e-9)
+}
+
+/// Runs `work` on each part in a thread of its own; the first error wins.
+fn in_clients<T: Sync>(
+    parts: &[T],
+    work: impl Fn(&T) -> Result<(), BenchError> + Sync,
+) -> Result<(), BenchError> {
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = parts
+            .iter()
+            .map(|part| scope.spawn(|| work(part)))
+            .collect();
+        handles.into_iter().try_for_each(|handle| {
+            handle
+                .join()
+                .unwrap_or_else(|_| Err(BenchError::Failed("a client thread panicked".into())))
+        })
+    })
+}
+
+fn l2_field(control: &mut RawConnection, field: &str) -> Result<u64, BenchError> {
+    let status = control.status()?;
+    status["l2"][field].as_u64().ok_or_else(|| {
+        BenchError::Failed(format!("the server's status has no l2.{field}: {status}"))
+    })
+}
+
+/// Writes that ended, however: written, failed, timed out or dropped.
+fn l2_ops(control: &mut RawConnection) -> Result<u64, BenchError> {
+    Ok(l2_field(control, "writes")? + failed_ops(control)?)
+}
+
+fn failed_ops(control: &mut RawConnection) -> Result<u64, BenchError> {
+    Ok(l2_field(control, "write_drops")?
+        + l2_field(control, "errors")?
+        + l2_field(control, "timeouts")?)
+}
+
+/// Waits until at least `ops` writes ended and the write-behind queue is empty.
+fn wait_l2_ops(control: &mut RawConnection, ops: u64) -> Result<(), BenchError> {
+    let started = Instant::now();
+    loop {
+        if l2_ops(control)? >= ops && l2_field(control, "queue_bytes")? == 0 {
+            return Ok(());
+        }
+        if started.elapsed() > Duration::from_secs(120) {
+            return Err(BenchError::Failed(format!(
+                "the write-behind queue did not drain within 120 s ({} of {ops} writes ended)",
+                l2_ops(control)?
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// The bytes stored under `key`: derived from the key, so any reader can check them.
+fn pattern(key: &[u8], nbytes: u64) -> Vec<u8> {
+    let seed = key.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    });
+    (0..nbytes)
+        .map(|i| (i.wrapping_mul(2_654_435_761) ^ seed) as u8)
+        .collect()
+}
+
+/// Fresh keys, never used before in this run.
+#[derive(Default)]
+struct Keys(u64);
+
+impl Keys {
+    fn fresh(&mut self, count: u64) -> Vec<Vec<u8>> {
+        let first = self.0;
+        self.0 += count;
+        (first..first + count)
+            .map(|n| format!("chunk-{n}").into_bytes())
+            .collect()
+    }
+}
+
+/// A registered server-driven worker with one buffer of two chunks (source, target).
+struct Worker {
+    connection: std::cell::RefCell<RawConnection>,
+    instance: u64,
+    mapping: SharedMapping,
+    chunk: u64,
+    _memfd: OwnedFd,
+}
+
+impl Worker {
+    fn new(socket: &std::path::Path, chunk: u64) -> Result<Worker, BenchError> {
+        let memfd = create("kvwarden-bench-l2", 2 * chunk)
+            .map_err(BenchError::io("creating a worker's memfd"))?;
+        let mapping = SharedMapping::map(&memfd, 2 * chunk as usize)
+            .map_err(BenchError::io("mapping a worker's memfd"))?;
+        let instance = instance_ids(1)[0];
+        let mut connection = RawConnection::connect(socket)?;
+        connection.register(instance, vec![memfd_spec(0, 2 * chunk)], &[memfd.as_fd()])?;
+        Ok(Worker {
+            connection: std::cell::RefCell::new(connection),
+            instance,
+            mapping,
+            chunk,
+            _memfd: memfd,
+        })
+    }
+
+    /// Stores `nbytes` of `key`'s pattern.
+    fn store(&self, key: &[u8], nbytes: u64) -> Result<(), BenchError> {
+        self.mapping.write(0, &pattern(key, nbytes));
+        let stored = self.connection.borrow_mut().call(
+            "store",
+            vec![
+                self.instance.into(),
+                Value::Binary(key.to_vec()),
+                0u64.into(),
+                0u64.into(),
+                nbytes.into(),
+            ],
+        )?;
+        if stored != Value::Boolean(true) {
+            return Err(BenchError::Failed(format!(
+                "storing {} answered {stored}",
+                String::from_utf8_lossy(key)
+            )));
+        }
+        Ok(())
+    }
+
+    /// Retrieves `key` into the target half: bytes moved, or None on a miss.
+    fn retrieve(&self, key: &[u8]) -> Result<Option<u64>, BenchError> {
+        let moved = self.connection.borrow_mut().call(
+            "retrieve",
+            vec![
+                self.instance.into(),
+                Value::Binary(key.to_vec()),
+                0u64.into(),
+                self.chunk.into(),
+            ],
+        )?;
+        Ok(moved.as_u64())
+    }
+
+    fn read_back(&self, nbytes: u64) -> Vec<u8> {
+        let mut out = vec![0; nbytes as usize];
+        self.mapping.read(self.chunk, &mut out);
+        out
+    }
+}
+
+/// A Redis Cluster client for the baselines.
+struct Redis(std::cell::RefCell<redis::cluster::ClusterConnection>);
+
+impl Redis {
+    fn connect(seeds: &[String]) -> Result<Redis, BenchError> {
+        let failed = |error: redis::RedisError| {
+            BenchError::Failed(format!("connecting to the cluster {seeds:?}: {error}"))
+        };
+        let connection = redis::cluster::ClusterClient::new(seeds.to_vec())
+            .map_err(failed)?
+            .get_connection()
+            .map_err(failed)?;
+        Ok(Redis(std::cell::RefCell::new(connection)))
+    }
+
+    fn get(&self, name: &[u8]) -> Result<Option<Vec<u8>>, BenchError> {
+        redis::cmd("GET")
+            .arg(name)
+            .query(&mut *self.0.borrow_mut())
+            .map_err(|error| BenchError::Failed(format!("GET: {error}")))
+    }
+
+    fn set(&self, name: &[u8], value: &[u8]) -> Result<(), BenchError> {
+        redis::cmd("SET")
+            .arg(name)
+            .arg(value)
+            .exec(&mut *self.0.borrow_mut())
+            .map_err(|error| BenchError::Failed(format!("SET: {error}")))
+    }
+}
+
+/// A Redis Cluster on loopback, 3 masters with 1 replica each; every process is
+/// SIGKILLed when it drops (and by the kernel should this process die first).
+struct Cluster {
+    nodes: Vec<(u16, Option<Child>)>,
+    _dir: TempDir,
+}
+
+impl Cluster {
+    fn start() -> Result<Cluster, BenchError> {
+        for program in ["redis-server", "redis-cli"] {
+            if !super::redis::on_path(program) {
+                return Err(BenchError::Failed(format!(
+                    "`{program}` is not on PATH: install Redis >= 7 (apt-get install -y \
+                     redis-server), or name a running cluster with --l2"
+                )));
+            }
+        }
+        let dir = TempDir::new("l2-cluster")?;
+        let mut cluster = Cluster {
+            nodes: Vec::new(),
+            _dir: dir,
+        };
+        let mut taken = Vec::new();
+        for _ in 0..6 {
+            let port = free_port_pair(&taken)?;
+            taken.extend([port, port + 10_000]);
+            let node_dir = cluster._dir.path().join(port.to_string());
+            std::fs::create_dir_all(&node_dir)
+                .map_err(BenchError::io("creating a Redis node's directory"))?;
+            let mut command = Command::new("redis-server");
+            command
+                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+                .arg("--dir")
+                .arg(&node_dir)
+                .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
+                .args(["--protected-mode", "no", "--cluster-enabled", "yes"])
+                .args(["--cluster-config-file", "nodes.conf"])
+                .args(["--cluster-node-timeout", &NODE_TIMEOUT_MS.to_string()])
+                .args(["--cluster-replica-validity-factor", "0"])
+                .args(["--cluster-require-full-coverage", "no"])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null());
+            die_with_parent(&mut command);
+            let child = command
+                .spawn()
+                .map_err(BenchError::io("spawning redis-server"))?;
+            cluster.nodes.push((port, Some(child)));
+        }
+        for (port, _) in &cluster.nodes {
+            wait_until(&format!("redis-server on port {port}"), || {
+                cli(*port, &["ping"]).is_some_and(|reply| reply.trim() == "PONG")
+            })?;
+        }
+        let mut create = vec!["--cluster".to_string(), "create".to_string()];
+        create.extend(
+            cluster
+                .nodes
+                .iter()
+                .map(|(port, _)| format!("127.0.0.1:{port}")),
+        );
+        create.extend(["--cluster-replicas", "1", "--cluster-yes"].map(String::from));
+        let output = Command::new("redis-cli")
+            .args(&create)
+            .stdin(Stdio::null())
+            .output()
+            .map_err(BenchError::io("running redis-cli --cluster create"))?;
+        if !output.status.success() {
+            return Err(BenchError::Failed(format!(
+                "redis-cli --cluster create failed: {}",
+                String::from_utf8_lossy(&output.stdout)
+            )));
+        }
+        for (port, _) in &cluster.nodes {
+            wait_until(&format!("cluster_state:ok on port {port}"), || {
+                cli(*port, &["cluster", "info"])
+                    .is_some_and(|info| info.contains("cluster_state:ok"))
+                    && cli(*port, &["info", "replication"]).is_some_and(|info| {
+                        info.contains("role:master") || info.contains("master_link_status:up")
+                    })
+            })?;
+        }
+        progress(&format!(
+            "started a Redis Cluster on loopback: 3 masters, 1 replica each, \
+             cluster-node-timeout {NODE_TIMEOUT_MS} ms"
+        ));
+        Ok(cluster)
+    }
+
+    fn seeds(&self) -> Vec<String> {
+        self.nodes
+            .iter()
+            .map(|(port, _)| format!("redis://127.0.0.1:{port}"))
+            .collect()
+    }
+
+    fn masters(&self) -> Vec<u16> {
+        self.nodes
+            .iter()
+            .filter(|(_, child)| child.is_some())
+            .map(|(port, _)| *port)
+            .filter(|port| cli(*port, &["role"]).is_some_and(|role| role.starts_with("master")))
+            .collect()
+    }
+
+    fn signal_all(&self, signal: rustix::process::Signal) {
+        for child in self.nodes.iter().filter_map(|(_, child)| child.as_ref()) {
+            super::process::signal(child, signal);
+        }
+    }
+
+    fn kill(&mut self, port: u16) {
+        for (node_port, child) in &mut self.nodes {
+            if *node_port == port
+                && let Some(mut child) = child.take()
+            {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for child in self
+            .nodes
+            .iter_mut()
+            .filter_map(|(_, child)| child.as_mut())
+        {
+            let _ = child.kill(); // SIGKILL ends a stopped process too
+            let _ = child.wait();
+        }
+    }
+}
+
+fn cli(port: u16, args: &[&str]) -> Option<String> {
+    let output = Command::new("redis-cli")
+        .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+        .args(args)
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output()
+        .ok()?;
+    output
+        .status
+        .success()
+        .then(|| String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
+fn wait_until(what: &str, mut condition: impl FnMut() -> bool) -> Result<(), BenchError> {
+    let started = Instant::now();
+    while !condition() {
+        if started.elapsed() > super::process::START_BOUND {
+            return Err(BenchError::Failed(format!(
+                "timed out after {:?} waiting for {what}",
+                super::process::START_BOUND
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(())
+}
+
+/// A free loopback port whose cluster-bus port (port + 10000) is free too.
+fn free_port_pair(taken: &[u16]) -> Result<u16, BenchError> {
+    for _ in 0..10_000 {
+        let Ok(listener) = TcpListener::bind("127.0.0.1:0") else {
+            continue;
+        };
+        let Ok(port) = listener.local_addr().map(|address| address.port()) else {
+            continue;
+        };
+        if port > 55_535 || taken.contains(&port) || taken.contains(&(port + 10_000)) {
+            continue;
+        }
+        if TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
+            return Ok(port);
+        }
+    }
+    Err(BenchError::Failed(
+        "no free pair of loopback ports (port, port + 10000) for a Redis node".into(),
+    ))
+}

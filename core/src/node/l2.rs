@@ -1,0 +1,567 @@
+//! The node's L2 decisions: what to write behind, when to read through, what a late or
+//! failed answer means, and the breaker's state. The Redis I/O is the shell's.
+//!
+//! - **Write-behind** of published data only (`failure-modes.md` row 29): a
+//!   server-driven `store` whose copy completed, or an engine-driven `commit_store`.
+//!   The slot is pinned while the shell writes it ([`Output::L2Write`]) and unpinned on
+//!   [`Input::L2Written`]: the shell reads the bytes straight from the L1 mapping on an
+//!   L2 thread, so nothing is copied on the event loop and no second buffer is held;
+//!   the pins are bounded by the write queue's bytes. A write that would take the queue
+//!   past its bound, or that the breaker skips, is dropped and counted.
+//! - **Read-through**: a `retrieve`, a `retrieve_batch` item or a `prepare_retrieve`
+//!   that misses L1 reserves an L1 slot for the key and asks L2 ([`Output::L2Get`]);
+//!   the shell places a hit's bytes into that slot and reports [`Input::L2Got`]. The
+//!   slot is published (promoted) and the request served from L1 as usual. `lookup`
+//!   counts the L1 prefix, then asks L2 for the rest ([`Output::L2Exists`]).
+//! - **Bounded waits**: each read has a deadline `--l2-timeout-ms` after it was asked;
+//!   past it the request is answered as a miss. The reserved slot stays reserved until
+//!   the shell's late answer comes (so no one else's bytes land in it), then it is
+//!   published (a late hit is still correct data) or given back.
+//! - **Breaker**: every operation asks [`L2Health::admit`]; while down, reads are
+//!   misses at once and writes are dropped; a probe goes out when the back-off ends.
+//!
+//! None of this touches pings or reaping: a ping is answered before any of it.
+
+use super::l1::Reservation;
+use super::*;
+use crate::l2::{
+    Admission, HEADER_BYTES, L2Counters, L2Health, L2HealthConfig, L2State, OpResult, Push,
+    ReadOutcome, WriteOutcome, WriteQueue,
+};
+use crate::protocol::ErrorCode;
+
+/// The key of the existence check sent as the breaker's probe when no request is
+/// waiting for L2 (it never exists; any answer proves L2 is back).
+pub const PROBE_KEY: &[u8] = b"kvwarden-l2-probe";
+
+/// The L2 tier's settings, as the node sees them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct L2NodeConfig {
+    /// The bound on every L2 wait (`--l2-timeout-ms`).
+    pub timeout: Duration,
+    /// The bound of the write-behind queue in bytes, headers included
+    /// (`--l2-write-queue-bytes`).
+    pub write_queue_bytes: u64,
+    /// The circuit breaker's limits.
+    pub health: L2HealthConfig,
+}
+
+/// One L2 read or existence check, named by the node.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct L2ReadId(pub u64);
+
+/// One L2 write, named by the node.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct L2WriteId(pub u64);
+
+/// How an [`Output::L2Get`] ended, as the shell reports it in [`Input::L2Got`].
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum L2Fetched {
+    /// A whole, checked value: its `nbytes` payload bytes are in the reserved slot.
+    Hit {
+        /// Payload bytes placed in the slot (at most a slot).
+        nbytes: u64,
+    },
+    /// No such key (or a value larger than a slot here: not placed).
+    Absent,
+    /// A value that failed a check of its header; the shell deleted it.
+    Corrupt,
+    /// No answer within the timeout.
+    TimedOut,
+    /// Redis answered with an error, or the connection failed.
+    Failed,
+}
+
+impl L2Fetched {
+    /// The counters' view.
+    pub fn outcome(self) -> ReadOutcome {
+        match self {
+            L2Fetched::Hit { .. } => ReadOutcome::Hit,
+            L2Fetched::Absent => ReadOutcome::Absent,
+            L2Fetched::Corrupt => ReadOutcome::Corrupt,
+            L2Fetched::TimedOut => ReadOutcome::TimedOut,
+            L2Fetched::Failed => ReadOutcome::Failed,
+        }
+    }
+}
+
+/// How an [`Output::L2Exists`] ended, as the shell reports it in [`Input::L2Existed`].
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum L2Presence {
+    /// Redis answered: this many leading keys exist.
+    Present(u64),
+    /// No answer within the timeout.
+    TimedOut,
+    /// Redis answered with an error, or the connection failed.
+    Failed,
+}
+
+impl L2Presence {
+    fn op_result(self) -> OpResult {
+        match self {
+            L2Presence::Present(_) => OpResult::Succeeded,
+            L2Presence::TimedOut => OpResult::TimedOut,
+            L2Presence::Failed => OpResult::Failed,
+        }
+    }
+}
+
+/// L2's figures for `/status` and `/metrics`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct L2Status {
+    /// The breaker's state.
+    pub state: L2State,
+    /// What L2 did; `queue_bytes` is the write-behind queue now.
+    pub counters: L2Counters,
+    /// Reads and existence checks waiting for an answer.
+    pub reads_in_flight: usize,
+    /// Writes the shell is carrying out (their slots pinned).
+    pub writes_in_flight: usize,
+}
+
+/// Who waits for an L2 read.
+#[derive(Clone, Debug)]
+pub(super) enum ReadFor {
+    Retrieve {
+        to: ReplyTo,
+        instance: InstanceId,
+        context: ContextId,
+        buffer: u64,
+        offset: u64,
+    },
+    BatchRetrieve {
+        batch: u64,
+        item: usize,
+        instance: InstanceId,
+        context: ContextId,
+        buffer: u64,
+        offset: u64,
+    },
+    PrepareRetrieve {
+        to: ReplyTo,
+        instance: InstanceId,
+    },
+    Lookup {
+        to: ReplyTo,
+        l1_count: u64,
+    },
+    Probe,
+}
+
+struct PendingRead {
+    deadline: Instant,
+    key: Vec<u8>,
+    /// The slot reserved for a hit (`L2Get` only).
+    slot: Option<SlotId>,
+    /// Taken when the read is answered (by its result or its deadline).
+    waiter: Option<ReadFor>,
+}
+
+/// The node's L2 state.
+pub(super) struct L2Tier {
+    config: L2NodeConfig,
+    health: L2Health,
+    queue: WriteQueue<()>,
+    counters: L2Counters,
+    /// Writes out with the shell: their pinned slot and queue bytes.
+    writes: BTreeMap<L2WriteId, (SlotId, u64)>,
+    reads: BTreeMap<L2ReadId, PendingRead>,
+}
+
+impl L2Tier {
+    pub(super) fn new(config: L2NodeConfig) -> Result<L2Tier, crate::l2::L2HealthConfigError> {
+        Ok(L2Tier {
+            health: L2Health::new(config.health.clone())?,
+            queue: WriteQueue::new(config.write_queue_bytes),
+            config,
+            counters: L2Counters::default(),
+            writes: BTreeMap::new(),
+            reads: BTreeMap::new(),
+        })
+    }
+
+    pub(super) fn status(&self) -> L2Status {
+        let mut counters = self.counters;
+        counters.queue_bytes = self.queue.queue_bytes();
+        L2Status {
+            state: self.health.state(),
+            counters,
+            reads_in_flight: self.reads.values().filter(|r| r.waiter.is_some()).count(),
+            writes_in_flight: self.writes.len(),
+        }
+    }
+
+    /// The earliest deadline of a read still waited for, or the breaker's probe time.
+    pub(super) fn poll_timeout(&self) -> Option<Instant> {
+        let reads = self
+            .reads
+            .values()
+            .filter(|read| read.waiter.is_some())
+            .map(|read| read.deadline)
+            .min();
+        match (reads, self.health.poll_timeout()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+}
+
+impl Node {
+    /// Whether L2 is configured.
+    pub fn l2_enabled(&self) -> bool {
+        self.l2.is_some()
+    }
+
+    /// Records the result of an L2 operation in the breaker; a change is noted.
+    fn l2_record(&mut self, now: Instant, result: OpResult) {
+        let Some(tier) = self.l2.as_mut() else {
+            return;
+        };
+        if let Some(transition) = tier.health.record(now, result) {
+            self.note(Note::L2StateChanged {
+                from: transition.from,
+                to: transition.to,
+            });
+        }
+    }
+
+    /// A chunk was published in L1 at `slot` (a completed server-driven store, a
+    /// `commit_store`): write it behind, pinned, or drop it (counted).
+    pub(super) fn l2_write_behind(&mut self, now: Instant, slot: SlotId) {
+        let Some(tier) = self.l2.as_mut() else {
+            return;
+        };
+        let Some((key, nbytes)) = self.l1.pin_slot(slot) else {
+            return;
+        };
+        let bytes = nbytes.saturating_add(HEADER_BYTES as u64);
+        let admitted = !matches!(tier.health.admit(now), Admission::Skip);
+        if !admitted || tier.queue.push((), bytes) == Push::Dropped {
+            tier.counters.record_dropped_write();
+            self.l1.unpin(slot);
+            return;
+        }
+        // Handed to the shell at once: the bytes stay counted until `L2Written`.
+        let _ = tier.queue.pop();
+        self.next_id += 1;
+        let write = L2WriteId(self.next_id);
+        if let Some(tier) = self.l2.as_mut() {
+            tier.writes.insert(write, (slot, bytes));
+        }
+        self.outputs.push_back(Output::L2Write {
+            write,
+            key,
+            slot,
+            nbytes,
+        });
+    }
+
+    pub(super) fn l2_written(&mut self, now: Instant, write: L2WriteId, outcome: WriteOutcome) {
+        let Some(tier) = self.l2.as_mut() else {
+            return;
+        };
+        let Some((slot, bytes)) = tier.writes.remove(&write) else {
+            return; // not a write of this node
+        };
+        tier.queue.complete(bytes);
+        tier.counters.record_write(outcome);
+        self.l1.unpin(slot);
+        self.l2_record(now, outcome.op_result());
+    }
+
+    /// Asks L2 for `key` after an L1 miss: reserves a slot for the hit and sends
+    /// `L2Get`. Gives `waiter` back when L2 is not asked (off, breaker open, no slot,
+    /// or the key is being stored or read already): the request is then a miss.
+    pub(super) fn l2_ask(
+        &mut self,
+        now: Instant,
+        key: &[u8],
+        waiter: ReadFor,
+    ) -> Result<(), ReadFor> {
+        if self.l2.is_none() {
+            return Err(waiter);
+        }
+        let slot = match self.l1.reserve(key) {
+            Reservation::Reserved(slot) => slot,
+            Reservation::AlreadyStored | Reservation::Full => return Err(waiter),
+        };
+        let Some(tier) = self.l2.as_mut() else {
+            self.l1.abort(slot);
+            return Err(waiter);
+        };
+        if tier.health.admit(now) == Admission::Skip {
+            tier.counters.record_skipped_read();
+            self.l1.abort(slot);
+            return Err(waiter);
+        }
+        let deadline = now + tier.config.timeout;
+        self.next_id += 1;
+        let read = L2ReadId(self.next_id);
+        if let Some(tier) = self.l2.as_mut() {
+            tier.reads.insert(
+                read,
+                PendingRead {
+                    deadline,
+                    key: key.to_vec(),
+                    slot: Some(slot),
+                    waiter: Some(waiter),
+                },
+            );
+        }
+        self.outputs.push_back(Output::L2Get {
+            read,
+            key: key.to_vec(),
+            slot,
+        });
+        Ok(())
+    }
+
+    /// `lookup`: `l1_count` leading keys are in L1; asks L2 about the rest. Answers now
+    /// (`Some`) when L2 is not asked.
+    pub(super) fn l2_lookup(
+        &mut self,
+        now: Instant,
+        to: ReplyTo,
+        keys: &[Vec<u8>],
+        l1_count: u64,
+    ) -> Option<u64> {
+        let rest = keys.get(usize::try_from(l1_count).unwrap_or(usize::MAX)..)?;
+        if rest.is_empty() {
+            return Some(l1_count);
+        }
+        let Some(tier) = self.l2.as_mut() else {
+            return Some(l1_count);
+        };
+        if tier.health.admit(now) == Admission::Skip {
+            return Some(l1_count);
+        }
+        let deadline = now + tier.config.timeout;
+        self.next_id += 1;
+        let read = L2ReadId(self.next_id);
+        self.start_job(to.conn);
+        if let Some(tier) = self.l2.as_mut() {
+            tier.reads.insert(
+                read,
+                PendingRead {
+                    deadline,
+                    key: Vec::new(),
+                    slot: None,
+                    waiter: Some(ReadFor::Lookup { to, l1_count }),
+                },
+            );
+        }
+        self.outputs.push_back(Output::L2Exists {
+            read,
+            keys: rest.to_vec(),
+        });
+        None
+    }
+
+    pub(super) fn l2_got(&mut self, now: Instant, read: L2ReadId, fetched: L2Fetched) {
+        let slot_bytes = self.l1.slot_bytes();
+        let Some(tier) = self.l2.as_mut() else {
+            return;
+        };
+        let Some(pending) = tier.reads.remove(&read) else {
+            return; // not a read of this node
+        };
+        let hit = match (pending.slot, fetched) {
+            (Some(slot), L2Fetched::Hit { nbytes }) if nbytes <= slot_bytes => {
+                // Promoted: correct data, checked by the shell, even when it came late.
+                self.l1.commit(slot, nbytes);
+                true
+            }
+            (Some(slot), _) => {
+                self.l1.abort(slot);
+                false
+            }
+            (None, _) => false,
+        };
+        let Some(waiter) = pending.waiter else {
+            return; // answered by its deadline, counted there
+        };
+        let outcome = if hit || !matches!(fetched, L2Fetched::Hit { .. }) {
+            fetched.outcome()
+        } else {
+            ReadOutcome::Absent // larger than a slot: not placed
+        };
+        if let Some(tier) = self.l2.as_mut() {
+            tier.counters.record_read(outcome);
+        }
+        self.l2_record(now, outcome.op_result());
+        self.l2_resume(now, waiter, &pending.key, hit);
+    }
+
+    pub(super) fn l2_existed(&mut self, now: Instant, read: L2ReadId, presence: L2Presence) {
+        let Some(tier) = self.l2.as_mut() else {
+            return;
+        };
+        let Some(pending) = tier.reads.remove(&read) else {
+            return;
+        };
+        let Some(waiter) = pending.waiter else {
+            return;
+        };
+        tier.counters.record_failed_probe(presence.op_result());
+        self.l2_record(now, presence.op_result());
+        if let ReadFor::Lookup { to, l1_count } = waiter {
+            self.end_job(to.conn);
+            let present = match presence {
+                L2Presence::Present(count) => count,
+                L2Presence::TimedOut | L2Presence::Failed => 0,
+            };
+            self.reply(to, Ok(l1_count.saturating_add(present).into()));
+        }
+    }
+
+    /// Answers every read past its deadline as a miss; sends the breaker's probe when
+    /// it is due.
+    pub(super) fn l2_timeout(&mut self, now: Instant) {
+        let Some(tier) = self.l2.as_mut() else {
+            return;
+        };
+        let mut expired = Vec::new();
+        let mut gone = Vec::new();
+        for (&id, read) in tier.reads.iter_mut() {
+            if read.deadline > now {
+                continue;
+            }
+            if let Some(waiter) = read.waiter.take() {
+                expired.push((waiter, read.key.clone()));
+            }
+            if read.slot.is_none() {
+                gone.push(id); // nothing held: a late answer finds nothing
+            }
+        }
+        for id in gone {
+            tier.reads.remove(&id);
+        }
+        for (waiter, key) in expired {
+            if let Some(tier) = self.l2.as_mut() {
+                match waiter {
+                    ReadFor::Lookup { .. } | ReadFor::Probe => {
+                        tier.counters.record_failed_probe(OpResult::TimedOut)
+                    }
+                    _ => tier.counters.record_read(ReadOutcome::TimedOut),
+                }
+            }
+            self.l2_record(now, OpResult::TimedOut);
+            self.l2_resume(now, waiter, &key, false);
+        }
+        self.l2_probe(now);
+    }
+
+    fn l2_probe(&mut self, now: Instant) {
+        let Some(tier) = self.l2.as_mut() else {
+            return;
+        };
+        let due = tier.health.poll_timeout().is_some_and(|at| at <= now);
+        if !due || tier.health.admit(now) != Admission::Probe {
+            return;
+        }
+        let deadline = now + tier.config.timeout;
+        self.next_id += 1;
+        let read = L2ReadId(self.next_id);
+        if let Some(tier) = self.l2.as_mut() {
+            tier.reads.insert(
+                read,
+                PendingRead {
+                    deadline,
+                    key: Vec::new(),
+                    slot: None,
+                    waiter: Some(ReadFor::Probe),
+                },
+            );
+        }
+        self.outputs.push_back(Output::L2Exists {
+            read,
+            keys: vec![PROBE_KEY.to_vec()],
+        });
+    }
+
+    /// A read ended (hit: the key is now committed in L1): serve its request.
+    fn l2_resume(&mut self, now: Instant, waiter: ReadFor, key: &[u8], hit: bool) {
+        match waiter {
+            ReadFor::Retrieve {
+                to,
+                instance,
+                context,
+                buffer,
+                offset,
+            } => {
+                self.end_job(to.conn);
+                let answer = if hit {
+                    self.retrieve_l1(to, instance, context, key, buffer, offset)
+                } else {
+                    Some(Ok(Value::Nil))
+                };
+                if let Some(answer) = answer {
+                    self.reply(to, answer);
+                }
+            }
+            ReadFor::BatchRetrieve {
+                batch,
+                item,
+                instance,
+                context,
+                buffer,
+                offset,
+            } => {
+                if !hit {
+                    self.item_done(batch, item, Ok(Value::Nil));
+                    return;
+                }
+                if !self.contexts.contains_key(&context) {
+                    self.item_done(batch, item, Err(gone(instance, "retrieve_batch")));
+                    return;
+                }
+                let Some((slot, nbytes)) = self.l1.pin(key) else {
+                    self.item_done(batch, item, Ok(Value::Nil));
+                    return;
+                };
+                let what = format!("`retrieve_batch` items[{item}]");
+                match self.checked_buffer(context, &what, instance, buffer, offset, nbytes) {
+                    Ok(index) => self.start_copy(
+                        context,
+                        Direction::FromL1,
+                        index,
+                        offset,
+                        slot,
+                        nbytes,
+                        CopyFor::BatchRetrieve { batch, item },
+                    ),
+                    Err(error) => {
+                        self.l1.unpin(slot);
+                        self.item_done(batch, item, Err(error));
+                    }
+                }
+            }
+            ReadFor::PrepareRetrieve { to, instance } => {
+                self.end_job(to.conn);
+                let answer = if hit {
+                    self.prepare_retrieve_l1(now, instance, key)
+                } else {
+                    Ok(Value::Nil)
+                };
+                self.reply(to, answer);
+            }
+            ReadFor::Lookup { to, l1_count } => {
+                self.end_job(to.conn);
+                self.reply(to, Ok(l1_count.into()));
+            }
+            ReadFor::Probe => {}
+        }
+    }
+}
+
+/// The context of a transfer went (unregistered, reaped, process exited) while L2
+/// was asked.
+pub(super) fn gone(instance: InstanceId, op: &str) -> ProtocolError {
+    ProtocolError::new(
+        ErrorCode::NotRegistered,
+        format!(
+            "`{op}`: instance {instance} was removed (unregistered, reaped or its process \
+             exited) while its chunk was read from L2; register again and retry"
+        ),
+    )
+}

@@ -1,0 +1,161 @@
+//! The node's L2 outputs carried out with the L2 client, and the client's results
+//! handed back to the node. Nothing here waits for Redis: the client's threads do.
+
+use super::*;
+use crate::l2::{L2Completion, PrefixOutcome};
+use kvwarden_core::l2::{L2State, Push, ReadOutcome, WriteOutcome};
+use kvwarden_core::node::l1::SlotId;
+use kvwarden_core::node::l2::{L2Fetched, L2Presence, L2ReadId, L2WriteId};
+
+impl Server {
+    /// Writes a published slot behind: an L2 thread copies the bytes straight from the
+    /// L1 mapping into the value it sends (the node keeps the slot pinned until
+    /// `L2Written`), so the loop copies nothing.
+    pub(super) fn l2_write(&mut self, write: L2WriteId, key: Vec<u8>, slot: SlotId, nbytes: u64) {
+        let failed = Input::L2Written {
+            write,
+            outcome: WriteOutcome::Failed,
+        };
+        let (Some(client), Ok(len)) = (&self.l2, usize::try_from(nbytes)) else {
+            self.inputs.push_back(failed);
+            return;
+        };
+        let pool = Arc::clone(self.l1.mapping());
+        let offset = self.l1.offset(slot);
+        let push = client.submit_write_from(write.0, key, len, move |out| pool.read(offset, out));
+        if push == Push::Dropped {
+            // The node bounds its queue to the client's, so only a client shutting down
+            // drops here.
+            self.inputs.push_back(failed);
+        }
+    }
+
+    /// Reads `key` from L2 for the slot the node reserved.
+    pub(super) fn l2_get(&mut self, read: L2ReadId, key: Vec<u8>, slot: SlotId) {
+        let Some(client) = &self.l2 else {
+            self.inputs.push_back(Input::L2Got {
+                read,
+                fetched: L2Fetched::Failed,
+            });
+            return;
+        };
+        // The L2 thread writes a hit straight into the reserved slot (the node keeps it
+        // reserved until `L2Got`, even past the deadline, and the client never places
+        // a read it already answered), so the loop copies nothing.
+        let pool = Arc::clone(self.l1.mapping());
+        let offset = self.l1.offset(slot);
+        let slot_bytes = self.l1.slot_bytes();
+        self.l2_reads.insert(read.0, slot);
+        client.get_into(read.0, key, move |payload| {
+            payload.len() as u64 <= slot_bytes && pool.write(offset, payload)
+        });
+    }
+
+    /// Counts the leading `keys` present in L2.
+    pub(super) fn l2_exists(&mut self, read: L2ReadId, keys: Vec<Vec<u8>>) {
+        let Some(client) = &self.l2 else {
+            self.inputs.push_back(Input::L2Existed {
+                read,
+                presence: L2Presence::Failed,
+            });
+            return;
+        };
+        client.exists_prefix(read.0, keys);
+    }
+
+    /// Hands every L2 result that arrived to the node; a hit's payload is first copied
+    /// into its reserved slot on the context pool (the node is told once it is there).
+    pub(super) fn take_l2_completions(&mut self) {
+        let Some(client) = &self.l2 else {
+            return;
+        };
+        for completion in client.drain() {
+            let input = match completion {
+                L2Completion::Read {
+                    token,
+                    outcome,
+                    payload,
+                    placed,
+                    ..
+                } => {
+                    let read = L2ReadId(token);
+                    let slot = self.l2_reads.remove(&token);
+                    let fetched = match (outcome, payload, slot) {
+                        (ReadOutcome::Hit, None, Some(_)) if placed.is_some() => L2Fetched::Hit {
+                            nbytes: placed.unwrap_or(0),
+                        },
+                        (ReadOutcome::Hit, Some(payload), Some(slot)) => {
+                            if payload.len() as u64 > self.l1.slot_bytes() {
+                                L2Fetched::Absent // written by a server with larger slots
+                            } else {
+                                self.place(read, slot, payload);
+                                continue;
+                            }
+                        }
+                        (ReadOutcome::Hit, _, _) => L2Fetched::Failed,
+                        (ReadOutcome::Absent, _, _) => L2Fetched::Absent,
+                        (ReadOutcome::Corrupt, _, _) => L2Fetched::Corrupt,
+                        (ReadOutcome::TimedOut, _, _) => L2Fetched::TimedOut,
+                        (ReadOutcome::Failed, _, _) => L2Fetched::Failed,
+                    };
+                    Input::L2Got { read, fetched }
+                }
+                L2Completion::Prefix { token, outcome } => Input::L2Existed {
+                    read: L2ReadId(token),
+                    presence: match outcome {
+                        PrefixOutcome::Present(count) => L2Presence::Present(count as u64),
+                        PrefixOutcome::TimedOut => L2Presence::TimedOut,
+                        PrefixOutcome::Failed => L2Presence::Failed,
+                    },
+                },
+                L2Completion::Written { token, outcome, .. } => Input::L2Written {
+                    write: L2WriteId(token),
+                    outcome,
+                },
+            };
+            self.inputs.push_back(input);
+        }
+        if !self.inputs.is_empty() {
+            self.carry_out();
+        }
+    }
+
+    /// Copies a hit's payload into its reserved slot off the loop.
+    fn place(&mut self, read: L2ReadId, slot: SlotId, payload: Vec<u8>) {
+        let pool = Arc::clone(self.l1.mapping());
+        let offset = self.l1.offset(slot);
+        self.pool.submit(
+            move || {
+                let fetched = if pool.write(offset, &payload) {
+                    L2Fetched::Hit {
+                        nbytes: payload.len() as u64,
+                    }
+                } else {
+                    L2Fetched::Failed
+                };
+                Done::L2Placed { read, fetched }
+            },
+            move |_panic| Done::L2Placed {
+                read,
+                fetched: L2Fetched::Failed,
+            },
+        );
+    }
+
+    /// Logs L2 going down and coming back, once each.
+    pub(super) fn l2_state_changed(&mut self, from: L2State, to: L2State) {
+        if to == L2State::Down && !self.l2_down_logged {
+            self.l2_down_logged = true;
+            tracing::warn!(
+                from = from.as_str(),
+                "L2 is down: L1 misses are answered as misses at once and writes behind are \
+                 dropped (counted) until a probe succeeds; pings, L1 and reaping are unaffected"
+            );
+        } else if from == L2State::Down && self.l2_down_logged {
+            self.l2_down_logged = false;
+            tracing::info!(to = to.as_str(), "L2 is back");
+        } else {
+            tracing::debug!(from = from.as_str(), to = to.as_str(), "L2 state changed");
+        }
+    }
+}
