@@ -66,6 +66,7 @@ mod id;
 pub mod liveness;
 mod module;
 pub mod protocol;
+mod record;
 mod stall;
 mod time;
 

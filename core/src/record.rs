@@ -1,0 +1,119 @@
+//! The per-instance record: an instance is one process, so its registrations live and
+//! die together (failure-modes row 26).
+//!
+//! The registry keeps instances in dense slots: a slot's silence and `proven` flag sit
+//! in one word of a dense array (the reaper reads nothing else for a live instance),
+//! and the modules' contexts hang off the slot's [`Record`]. A slot is handed out again
+//! only once the expiry item that refers to it has fired, so items need no generation.
+
+use crate::id::InstanceId;
+use crate::module::Module;
+
+/// Identifies one lifetime of one (instance, module) entry while it is building:
+/// unique per `Liveness`, never reused. The low bit carries the module.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(crate) struct Serial(u64);
+
+impl Serial {
+    pub(crate) fn new(counter: u64, module: Module) -> Serial {
+        Serial(counter << 1 | module.index() as u64)
+    }
+
+    pub(crate) fn module(self) -> Module {
+        Module::ALL[(self.0 & 1) as usize]
+    }
+}
+
+/// One module's entry of an instance.
+#[derive(Debug)]
+pub(crate) enum ModuleEntry<C> {
+    /// The instance holds nothing in this module.
+    Absent,
+    /// REGISTER asked for a build; the context has not come back yet.
+    Building(Serial),
+    /// The context the shell built.
+    Ready(C),
+}
+
+impl<C> ModuleEntry<C> {
+    pub(crate) fn is_present(&self) -> bool {
+        !matches!(self, ModuleEntry::Absent)
+    }
+}
+
+/// The contexts of one instance, one per module.
+#[derive(Debug)]
+pub(crate) struct Record<C> {
+    pub(crate) instance: InstanceId,
+    pub(crate) modules: [ModuleEntry<C>; 2],
+}
+
+impl<C> Record<C> {
+    pub(crate) fn new(instance: InstanceId) -> Record<C> {
+        Record {
+            instance,
+            modules: [ModuleEntry::Absent, ModuleEntry::Absent],
+        }
+    }
+
+    /// Entries present (building included).
+    pub(crate) fn present(&self) -> usize {
+        self.modules.iter().filter(|m| m.is_present()).count()
+    }
+}
+
+/// A slot's liveness word: the last evidence (stall-corrected nanoseconds) in the low
+/// 63 bits, `proven` in the top bit. [`Seen::VACANT`] marks a slot whose instance has
+/// gone while its expiry item is still queued.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Seen(u64);
+
+impl Seen {
+    const PROVEN: u64 = 1 << 63;
+    pub(crate) const VACANT: Seen = Seen(u64::MAX);
+
+    /// `last_seen` is clamped below 2^63 - 1 ns (292 years of uptime).
+    pub(crate) fn new(last_seen: u64, proven: bool) -> Seen {
+        let last_seen = last_seen.min(Self::PROVEN - 2);
+        Seen(last_seen | if proven { Self::PROVEN } else { 0 })
+    }
+
+    pub(crate) fn last_seen(self) -> u64 {
+        self.0 & !Self::PROVEN
+    }
+
+    pub(crate) fn proven(self) -> bool {
+        self.0 & Self::PROVEN != 0
+    }
+
+    /// The same word refreshed at `now`, `proven` latched when `prove`.
+    pub(crate) fn refreshed(self, now: u64, prove: bool) -> Seen {
+        Seen::new(now, self.proven() || prove)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn serial_carries_its_module() {
+        for module in Module::ALL {
+            assert_eq!(Serial::new(41, module).module(), module);
+        }
+        assert_ne!(
+            Serial::new(41, Module::ServerDriven),
+            Serial::new(41, Module::EngineDriven)
+        );
+    }
+
+    #[test]
+    fn seen_keeps_proven_apart_from_last_seen_and_never_reads_as_vacant() {
+        let seen = Seen::new(7, false);
+        assert_eq!((seen.last_seen(), seen.proven()), (7, false));
+        let seen = seen.refreshed(9, true);
+        assert_eq!((seen.last_seen(), seen.proven()), (9, true));
+        assert_eq!(seen.refreshed(11, false).proven(), true);
+        assert_ne!(Seen::new(u64::MAX, true), Seen::VACANT);
+    }
+}
