@@ -628,7 +628,10 @@ fn row_26_a_module_registered_after_the_last_ping_is_proven_and_reaped_with_its_
     let view = shell.liveness.entry(worker, ED).unwrap();
     assert!(view.proven, "proven is the instance's, not the entry's");
     assert_eq!(view.last_seen, at(10.0));
-    assert_eq!(shell.liveness.entry(worker, SD).unwrap().last_seen, at(10.0));
+    assert_eq!(
+        shell.liveness.entry(worker, SD).unwrap().last_seen,
+        at(10.0)
+    );
 
     // Silence of exactly T since the register: both held, nothing freed.
     shell.run_until(at(130.0));
@@ -680,7 +683,10 @@ fn row_26_a_ping_answered_true_means_every_registration_is_held() {
     shell.register_built(worker, ED);
     shell.run_until(at(20.0 + 121.0));
     assert!(!shell.tracked(worker, SD) && !shell.tracked(worker, ED));
-    assert!(!shell.ping(worker), "a ping must not answer true for half an instance");
+    assert!(
+        !shell.ping(worker),
+        "a ping must not answer true for half an instance"
+    );
 }
 
 #[test]
@@ -696,7 +702,10 @@ fn row_26_evidence_in_one_module_keeps_the_other_alive() {
         assert!(shell.liveness.transfer(shell.now, worker, ED).is_ok());
     }
     assert!(shell.tracked(worker, SD) && shell.tracked(worker, ED));
-    assert_eq!(shell.liveness.entry(worker, SD).unwrap().last_seen, at(1200.0));
+    assert_eq!(
+        shell.liveness.entry(worker, SD).unwrap().last_seen,
+        at(1200.0)
+    );
     assert!(shell.frees().is_empty());
     // A register of one module refreshes the other too.
     shell.run_until(at(1300.0));
@@ -704,7 +713,10 @@ fn row_26_evidence_in_one_module_keeps_the_other_alive() {
         shell.liveness.register(shell.now, worker, ED),
         Registration::Refreshed
     );
-    assert_eq!(shell.liveness.entry(worker, SD).unwrap().last_seen, at(1300.0));
+    assert_eq!(
+        shell.liveness.entry(worker, SD).unwrap().last_seen,
+        at(1300.0)
+    );
     // Then silence: both go, at T after the register.
     shell.run_until(at(1420.0));
     assert!(shell.tracked(worker, SD) && shell.tracked(worker, ED));
@@ -723,8 +735,14 @@ fn row_26_a_transfer_naming_an_unregistered_module_still_refreshes_the_instance(
         shell.liveness.transfer(shell.now, worker, ED),
         Err(TransferError::NotRegistered)
     );
-    assert_eq!(shell.liveness.entry(worker, SD).unwrap().last_seen, at(50.0));
-    assert!(shell.liveness.entry(worker, ED).is_none(), "a transfer never inserts");
+    assert_eq!(
+        shell.liveness.entry(worker, SD).unwrap().last_seen,
+        at(50.0)
+    );
+    assert!(
+        shell.liveness.entry(worker, ED).is_none(),
+        "a transfer never inserts"
+    );
 }
 
 #[test]
@@ -787,8 +805,12 @@ fn a_bucket_split_over_many_turns_reaps_each_instance_whole_never_early_never_la
         let Effect::FreeContext { instance, .. } = first else {
             panic!("a reap starts with a FreeContext: {first:?}");
         };
-        assert!(matches!(sequence.next(), Some(Effect::FreeContext { instance: i, .. }) if i == instance));
-        assert!(matches!(sequence.next(), Some(Effect::DropBlendState { instance: i }) if i == instance));
+        assert!(
+            matches!(sequence.next(), Some(Effect::FreeContext { instance: i, .. }) if i == instance)
+        );
+        assert!(
+            matches!(sequence.next(), Some(Effect::DropBlendState { instance: i }) if i == instance)
+        );
     }
     for &worker in &alive {
         assert!(shell.tracked(worker, SD) && shell.tracked(worker, ED));
@@ -812,7 +834,11 @@ fn work_left_over_asks_for_the_next_turn_at_once_and_input_is_read_before_it() {
     shell.liveness.handle_timeout(wake);
     shell.drain();
     assert_eq!(shell.frees().len(), 1, "one unit of budget: one reap");
-    assert_eq!(shell.liveness.poll_timeout(), Some(wake), "asks again at once");
+    assert_eq!(
+        shell.liveness.poll_timeout(),
+        Some(wake),
+        "asks again at once"
+    );
     // A ping read before the next turn is judged in it: that instance lives.
     let survivor = (2..=10)
         .map(id)

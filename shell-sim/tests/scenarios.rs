@@ -61,6 +61,7 @@ scenario_tests! {
     row_19_server_shutdown_frees_every_context_exactly_once => "19-clean-server-shutdown.toml",
     row_21_freed_engine_driven_instance_discards_reservations_and_pins => "21-engine-driven-reservation-freed.toml",
     row_25_stalled_request_loop_reaps_no_live_worker => "25-request-loop-stops-turning.toml",
+    row_26_an_instance_with_both_modules_is_reaped_whole_and_its_next_ping_answers_false => "26-instance-lives-and-dies-whole.toml",
 }
 
 #[test]
@@ -83,7 +84,7 @@ fn every_scenario_file_has_a_test_named_for_its_row() {
     for name in &on_disk {
         let row: String = name.chars().take(2).collect();
         assert!(
-            row.parse::<u32>().is_ok_and(|n| (1..=25).contains(&n)),
+            row.parse::<u32>().is_ok_and(|n| (1..=29).contains(&n)),
             "{name} must start with its row number"
         );
     }
