@@ -113,7 +113,7 @@ mod tests {
         assert_eq!((seen.last_seen(), seen.proven()), (7, false));
         let seen = seen.refreshed(9, true);
         assert_eq!((seen.last_seen(), seen.proven()), (9, true));
-        assert_eq!(seen.refreshed(11, false).proven(), true);
+        assert!(seen.refreshed(11, false).proven());
         assert_ne!(Seen::new(u64::MAX, true), Seen::VACANT);
     }
 }

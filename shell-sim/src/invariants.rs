@@ -69,7 +69,8 @@ pub struct Checker {
     live_per_key: BTreeMap<Key, u32>,
     ping_arrivals: BTreeMap<InstanceId, Nanos>,
     module_arrivals: BTreeMap<Key, Nanos>,
-    /// Per instance, the modules the worker registered and was not told are gone.
+    /// Per instance, the modules the worker registered in the instance's current life
+    /// here (since it last held nothing) and was not told are gone.
     made: BTreeMap<InstanceId, BTreeSet<Module>>,
     /// Instances with a reap in the current step.
     reaped_now: Vec<InstanceId>,
@@ -260,6 +261,11 @@ impl Checker {
     pub fn register(&mut self, now: Nanos, key: Key, build: Option<u64>) {
         let now_c = self.input(now);
         let present = self.shadow.get(key).is_some();
+        if !self.shadow.holds(key.0) {
+            // A new life of the instance here: what an earlier life held is not what
+            // this one promises (the worker's other REGISTERs may still be on the wire).
+            self.made.remove(&key.0);
+        }
         match build {
             Some(serial) => {
                 if present {

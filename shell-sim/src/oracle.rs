@@ -287,7 +287,10 @@ impl Shadow {
     /// heap items on the way.
     pub fn earliest_deadline(&mut self) -> Option<(Nanos, Key)> {
         while let Some(&Reverse((deadline, instance, version))) = self.deadlines.peek() {
-            if self.lives.get(&instance).is_some_and(|l| l.version == version)
+            if self
+                .lives
+                .get(&instance)
+                .is_some_and(|l| l.version == version)
                 && let Some(&module) = Module::ALL
                     .iter()
                     .find(|&&m| self.entries.contains_key(&(instance, m)))
