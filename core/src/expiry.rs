@@ -74,9 +74,39 @@ impl Bucket {
     }
 }
 
+/// Division by the tick width without a `div` instruction: every live instance is filed
+/// once per reap timeout, and a 64-bit division is most of a re-check's cost (the
+/// divider is not pipelined). `reciprocal` is `floor((2^64 - 1) / tick_nanos)`, so
+/// `mulhi(n, reciprocal)` is the quotient or up to two less; the rest is corrected.
+#[derive(Copy, Clone, Debug)]
+struct TickDivisor {
+    tick_nanos: u64,
+    reciprocal: u64,
+}
+
+impl TickDivisor {
+    fn new(tick_nanos: u64) -> TickDivisor {
+        TickDivisor {
+            tick_nanos,
+            reciprocal: u64::MAX / tick_nanos,
+        }
+    }
+
+    /// `nanos / tick_nanos`.
+    fn ticks(self, nanos: u64) -> u64 {
+        let mut quotient = ((u128::from(nanos) * u128::from(self.reciprocal)) >> 64) as u64;
+        let d = u128::from(self.tick_nanos);
+        while (u128::from(quotient) + 1) * d <= u128::from(nanos) {
+            quotient += 1;
+        }
+        quotient
+    }
+}
+
 #[derive(Debug)]
 pub(crate) struct ExpiryWheel {
     tick_nanos: u64,
+    divisor: TickDivisor,
     mask: u64,
     /// The next tick to fire; every queued item's tick is at least this.
     base: u64,
@@ -109,6 +139,7 @@ impl ExpiryWheel {
             .next_power_of_two();
         ExpiryWheel {
             tick_nanos,
+            divisor: TickDivisor::new(tick_nanos),
             mask: ticks - 1,
             base: 0,
             wheel: (0..ticks).map(|_| Bucket::default()).collect(),
@@ -131,7 +162,11 @@ impl ExpiryWheel {
     /// Files `slot` for the first instant strictly after `deadline` that ends a tick
     /// (or the next tick to fire, if that is later).
     pub(crate) fn schedule(&mut self, deadline: u64, slot: Slot) {
-        let tick = (deadline / self.tick_nanos + 1).max(self.base);
+        let tick = self
+            .divisor
+            .ticks(deadline)
+            .saturating_add(1)
+            .max(self.base);
         if tick - self.base < self.ticks() {
             self.wheel[(tick & self.mask) as usize].push(slot, &mut self.spare);
             self.wheel_len += 1;
@@ -188,7 +223,7 @@ impl ExpiryWheel {
                 match self.far.first_key_value() {
                     Some((&tick, _)) if tick <= now_tick => self.base = tick,
                     _ => {
-                        self.base = now_tick + 1;
+                        self.base = now_tick.saturating_add(1);
                         self.pull_far();
                         return None;
                     }
@@ -199,7 +234,7 @@ impl ExpiryWheel {
             std::mem::swap(bucket, &mut self.firing);
             self.wheel_len -= self.firing.len;
             self.firing_left = self.firing.len;
-            self.base += 1;
+            self.base = self.base.saturating_add(1);
             self.pull_far();
         }
     }
@@ -228,7 +263,7 @@ impl ExpiryWheel {
     pub(crate) fn settle(&mut self) {
         self.earliest = u64::MAX;
         if self.wheel_len > 0 {
-            for tick in self.base..self.base + self.ticks() {
+            for tick in self.base..self.base.saturating_add(self.ticks()) {
                 if !self.wheel[(tick & self.mask) as usize].is_empty() {
                     self.earliest = tick;
                     return;
@@ -257,6 +292,35 @@ mod tests {
         }
         wheel.settle();
         out
+    }
+
+    #[test]
+    fn the_tick_divisor_agrees_with_division() {
+        let widths = [
+            1,
+            2,
+            3,
+            7,
+            1000,
+            250_000_000,
+            1_000_000_000,
+            999_999_937,
+            u64::MAX,
+        ];
+        let mut n = 0x9E37_79B9_7F4A_7C15u64;
+        for &d in &widths {
+            let divisor = TickDivisor::new(d);
+            for nanos in [0, 1, d - 1, d, d.wrapping_add(1), u64::MAX - 1, u64::MAX] {
+                assert_eq!(divisor.ticks(nanos), nanos / d, "{nanos} / {d}");
+            }
+            for _ in 0..10_000 {
+                n ^= n << 13;
+                n ^= n >> 7;
+                n ^= n << 17;
+                assert_eq!(divisor.ticks(n), n / d, "{n} / {d}");
+                assert_eq!(divisor.ticks(n >> 20), (n >> 20) / d, "{} / {d}", n >> 20);
+            }
+        }
     }
 
     #[test]
