@@ -33,7 +33,7 @@ pub(crate) const MAX_WHEEL_TICKS: u64 = 4096;
 /// Items per chunk of a bucket (16 KiB).
 pub(crate) const CHUNK_SLOTS: usize = 4096;
 
-/// Worked-off chunks kept for reuse (4 MiB).
+/// Worked-off chunks kept for reuse (at most 4 MiB).
 const SPARE_CHUNKS: usize = 256;
 
 /// The items of one tick.
@@ -53,13 +53,12 @@ impl Bucket {
         match self.chunks.last_mut() {
             Some(chunk) if chunk.len() < CHUNK_SLOTS => chunk.push(slot),
             full => {
-                // A small bucket grows its first chunk; a large one takes whole chunks.
-                let mut chunk = match full {
-                    Some(_) => spare
-                        .pop()
-                        .unwrap_or_else(|| Vec::with_capacity(CHUNK_SLOTS)),
-                    None => Vec::new(),
-                };
+                // A worked-off chunk if there is one (no allocation, no page faults on
+                // the reaper's path); a bucket's second and later chunks are whole.
+                let mut chunk = spare.pop().unwrap_or_default();
+                if full.is_some() {
+                    chunk.reserve_exact(CHUNK_SLOTS);
+                }
                 chunk.push(slot);
                 self.chunks.push(chunk);
             }
@@ -74,39 +73,11 @@ impl Bucket {
     }
 }
 
-/// Division by the tick width without a `div` instruction: every live instance is filed
-/// once per reap timeout, and a 64-bit division is most of a re-check's cost (the
-/// divider is not pipelined). `reciprocal` is `floor((2^64 - 1) / tick_nanos)`, so
-/// `mulhi(n, reciprocal)` is the quotient or up to two less; the rest is corrected.
-#[derive(Copy, Clone, Debug)]
-struct TickDivisor {
-    tick_nanos: u64,
-    reciprocal: u64,
-}
-
-impl TickDivisor {
-    fn new(tick_nanos: u64) -> TickDivisor {
-        TickDivisor {
-            tick_nanos,
-            reciprocal: u64::MAX / tick_nanos,
-        }
-    }
-
-    /// `nanos / tick_nanos`.
-    fn ticks(self, nanos: u64) -> u64 {
-        let mut quotient = ((u128::from(nanos) * u128::from(self.reciprocal)) >> 64) as u64;
-        let d = u128::from(self.tick_nanos);
-        while (u128::from(quotient) + 1) * d <= u128::from(nanos) {
-            quotient += 1;
-        }
-        quotient
-    }
-}
-
 #[derive(Debug)]
 pub(crate) struct ExpiryWheel {
+    /// Ticks are `2^shift` ns wide.
+    shift: u32,
     tick_nanos: u64,
-    divisor: TickDivisor,
     mask: u64,
     /// The next tick to fire; every queued item's tick is at least this.
     base: u64,
@@ -129,17 +100,20 @@ pub(crate) struct ExpiryWheel {
 }
 
 impl ExpiryWheel {
-    /// Ticks `tick_nanos` wide (must be > 0), with room for deadlines `horizon_nanos`
-    /// ahead before the overflow is used.
-    pub(crate) fn new(tick_nanos: u64, horizon_nanos: u64) -> ExpiryWheel {
-        let tick_nanos = tick_nanos.max(1);
+    /// Ticks of the largest power of two of nanoseconds not above `resolution_nanos`
+    /// (a tick then ends at most a resolution after any deadline in it, and a deadline's
+    /// tick is a shift away), with room for deadlines `horizon_nanos` ahead before the
+    /// overflow is used.
+    pub(crate) fn new(resolution_nanos: u64, horizon_nanos: u64) -> ExpiryWheel {
+        let shift = 63 - resolution_nanos.max(1).leading_zeros();
+        let tick_nanos = 1u64 << shift;
         let ticks = (horizon_nanos / tick_nanos)
             .saturating_add(2)
             .clamp(8, MAX_WHEEL_TICKS)
             .next_power_of_two();
         ExpiryWheel {
+            shift,
             tick_nanos,
-            divisor: TickDivisor::new(tick_nanos),
             mask: ticks - 1,
             base: 0,
             wheel: (0..ticks).map(|_| Bucket::default()).collect(),
@@ -162,11 +136,7 @@ impl ExpiryWheel {
     /// Files `slot` for the first instant strictly after `deadline` that ends a tick
     /// (or the next tick to fire, if that is later).
     pub(crate) fn schedule(&mut self, deadline: u64, slot: Slot) {
-        let tick = self
-            .divisor
-            .ticks(deadline)
-            .saturating_add(1)
-            .max(self.base);
+        let tick = (deadline >> self.shift).saturating_add(1).max(self.base);
         if tick - self.base < self.ticks() {
             self.wheel[(tick & self.mask) as usize].push(slot, &mut self.spare);
             self.wheel_len += 1;
@@ -190,42 +160,66 @@ impl ExpiryWheel {
         (self.earliest != u64::MAX).then(|| self.earliest.saturating_mul(self.tick_nanos))
     }
 
-    /// The next slot to re-check at `now`: the rest of the pending bucket first, then
-    /// the buckets that fire at or before `now`, in order.
-    pub(crate) fn pop(&mut self, now: u64) -> Option<Slot> {
-        loop {
-            if let Some(chunk) = self.firing.chunks.get_mut(self.chunk) {
-                if let Some(&slot) = chunk.get(self.cursor) {
-                    self.cursor += 1;
-                    self.firing_left -= 1;
-                    return Some(slot);
+    /// The next slots to re-check at `now`, into `out`: the rest of the pending bucket
+    /// first, then the buckets that fire at or before `now`, in order. Returns how many;
+    /// fewer than `out` holds only when nothing more is due.
+    pub(crate) fn pop_batch(&mut self, now: u64, out: &mut [Slot]) -> usize {
+        let mut taken = 0;
+        while taken < out.len() {
+            let Some(chunk) = self.firing.chunks.get_mut(self.chunk) else {
+                if !self.advance(now) {
+                    break;
                 }
-                // Worked off: keep the chunk for the buckets being filled meanwhile.
-                let mut done = std::mem::take(chunk);
-                if done.capacity() == CHUNK_SLOTS && self.spare.len() < SPARE_CHUNKS {
-                    done.clear();
-                    self.spare.push(done);
-                }
-                self.chunk += 1;
-                self.cursor = 0;
+                continue;
+            };
+            let rest = &chunk[self.cursor.min(chunk.len())..];
+            if !rest.is_empty() {
+                let n = rest.len().min(out.len() - taken);
+                out[taken..taken + n].copy_from_slice(&rest[..n]);
+                self.cursor += n;
+                self.firing_left -= n;
+                taken += n;
                 continue;
             }
-            self.firing.chunks.clear();
-            self.firing.len = 0;
-            self.chunk = 0;
+            // Worked off: keep the chunk for the buckets being filled meanwhile.
+            let mut done = std::mem::take(chunk);
+            if done.capacity() > 0 && self.spare.len() < SPARE_CHUNKS {
+                done.clear();
+                self.spare.push(done);
+            }
+            self.chunk += 1;
             self.cursor = 0;
+        }
+        taken
+    }
+
+    /// The next slot to re-check at `now` (as [`ExpiryWheel::pop_batch`], one at a time).
+    #[cfg(test)]
+    pub(crate) fn pop(&mut self, now: u64) -> Option<Slot> {
+        let mut one = [0];
+        (self.pop_batch(now, &mut one) == 1).then_some(one[0])
+    }
+
+    /// The pending bucket is worked off: take out the next one that fires at or before
+    /// `now`, if any.
+    fn advance(&mut self, now: u64) -> bool {
+        self.firing.chunks.clear();
+        self.firing.len = 0;
+        self.chunk = 0;
+        self.cursor = 0;
+        loop {
             if self.base.saturating_mul(self.tick_nanos) > now {
-                return None;
+                return false;
             }
             if self.wheel_len == 0 {
                 // Nothing in the wheel: jump straight to the overflow or to now.
-                let now_tick = now / self.tick_nanos;
+                let now_tick = now >> self.shift;
                 match self.far.first_key_value() {
                     Some((&tick, _)) if tick <= now_tick => self.base = tick,
                     _ => {
                         self.base = now_tick.saturating_add(1);
                         self.pull_far();
-                        return None;
+                        return false;
                     }
                 }
                 self.pull_far();
@@ -236,6 +230,9 @@ impl ExpiryWheel {
             self.firing_left = self.firing.len;
             self.base = self.base.saturating_add(1);
             self.pull_far();
+            if self.firing_left > 0 {
+                return true;
+            }
         }
     }
 
@@ -295,90 +292,75 @@ mod tests {
     }
 
     #[test]
-    fn the_tick_divisor_agrees_with_division() {
-        let widths = [
-            1,
-            2,
-            3,
-            7,
-            1000,
-            250_000_000,
-            1_000_000_000,
-            999_999_937,
-            u64::MAX,
-        ];
-        let mut n = 0x9E37_79B9_7F4A_7C15u64;
-        for &d in &widths {
-            let divisor = TickDivisor::new(d);
-            for nanos in [0, 1, d - 1, d, d.wrapping_add(1), u64::MAX - 1, u64::MAX] {
-                assert_eq!(divisor.ticks(nanos), nanos / d, "{nanos} / {d}");
-            }
-            for _ in 0..10_000 {
-                n ^= n << 13;
-                n ^= n >> 7;
-                n ^= n << 17;
-                assert_eq!(divisor.ticks(n), n / d, "{n} / {d}");
-                assert_eq!(divisor.ticks(n >> 20), (n >> 20) / d, "{} / {d}", n >> 20);
-            }
+    fn ticks_are_the_largest_power_of_two_within_the_resolution() {
+        for (resolution, tick) in [(1, 1), (10, 8), (16, 16), (1_000_000_000, 1 << 29)] {
+            assert_eq!(ExpiryWheel::new(resolution, 100).tick_nanos, tick);
         }
     }
 
     #[test]
     fn a_bucket_fires_strictly_after_its_deadlines_and_within_one_tick() {
-        let mut wheel = ExpiryWheel::new(10, 100);
-        wheel.schedule(20, 1); // on a tick boundary: fires at 30
-        wheel.schedule(29, 2); // same tick
-        assert_eq!(wheel.next_fire(), Some(30));
-        assert_eq!(drain(&mut wheel, 29), Vec::<Slot>::new());
-        assert_eq!(wheel.next_fire(), Some(30));
-        assert_eq!(drain(&mut wheel, 30), vec![1, 2]);
+        let mut wheel = ExpiryWheel::new(8, 100);
+        wheel.schedule(16, 1); // on a tick boundary: fires at 24
+        wheel.schedule(23, 2); // same tick
+        assert_eq!(wheel.next_fire(), Some(24));
+        assert_eq!(drain(&mut wheel, 23), Vec::<Slot>::new());
+        assert_eq!(wheel.next_fire(), Some(24));
+        assert_eq!(drain(&mut wheel, 24), vec![1, 2]);
         assert_eq!(wheel.len(), 0);
         assert_eq!(wheel.next_fire(), None);
     }
 
     #[test]
     fn items_beyond_the_wheel_wait_in_the_overflow_and_fire_in_order() {
-        let mut wheel = ExpiryWheel::new(10, 50); // 8 ticks
+        let mut wheel = ExpiryWheel::new(8, 40); // 8 ticks
         wheel.schedule(1_000, 3);
         wheel.schedule(35, 2);
         wheel.schedule(5_000, 4);
         wheel.schedule(5, 1);
         assert_eq!(wheel.len(), 4);
-        assert_eq!(drain(&mut wheel, 10), vec![1]);
+        assert_eq!(drain(&mut wheel, 8), vec![1]);
         assert_eq!(wheel.next_fire(), Some(40));
         assert_eq!(drain(&mut wheel, 999), vec![2]);
-        assert_eq!(wheel.next_fire(), Some(1_010));
-        assert_eq!(drain(&mut wheel, 1_010), vec![3]);
+        assert_eq!(wheel.next_fire(), Some(1_008));
+        assert_eq!(drain(&mut wheel, 1_008), vec![3]);
         assert_eq!(drain(&mut wheel, 1_000_000), vec![4]);
         assert_eq!(wheel.len(), 0);
         // After a jump, new items still land after the jump.
         wheel.schedule(0, 5);
-        assert_eq!(wheel.next_fire(), Some(1_000_010));
+        assert_eq!(wheel.next_fire(), Some(1_000_008));
     }
 
     #[test]
     fn a_bucket_larger_than_a_chunk_hands_out_every_item_once_in_order() {
-        let mut wheel = ExpiryWheel::new(10, 100);
+        let mut wheel = ExpiryWheel::new(8, 100);
         let count = 3 * CHUNK_SLOTS as u32 + 5;
         for slot in 0..count {
             wheel.schedule(5, slot);
         }
         assert_eq!(wheel.len(), count as usize);
         let mut seen = Vec::new();
-        while let Some(slot) = wheel.pop(10) {
-            seen.push(slot);
-            wheel.schedule(50, slot); // refiled meanwhile, from reused chunks
+        let mut batch = [0; 100];
+        loop {
+            let taken = wheel.pop_batch(8, &mut batch);
+            for &slot in &batch[..taken] {
+                seen.push(slot);
+                wheel.schedule(50, slot); // refiled meanwhile, from reused chunks
+            }
+            if taken < batch.len() {
+                break;
+            }
         }
         assert_eq!(seen, (0..count).collect::<Vec<_>>());
         assert!(!wheel.pending());
         wheel.settle();
         assert_eq!(wheel.len(), count as usize);
-        assert_eq!(drain(&mut wheel, 60), (0..count).collect::<Vec<_>>());
+        assert_eq!(drain(&mut wheel, 56), (0..count).collect::<Vec<_>>());
     }
 
     #[test]
     fn a_bucket_taken_out_is_worked_off_before_later_ones() {
-        let mut wheel = ExpiryWheel::new(10, 100);
+        let mut wheel = ExpiryWheel::new(8, 100);
         for slot in 0..5 {
             wheel.schedule(5, slot);
         }
@@ -390,6 +372,6 @@ mod tests {
         assert_eq!(rest, vec![1, 2, 3, 4, 9]);
         assert!(!wheel.pending());
         wheel.settle();
-        assert_eq!(wheel.next_fire(), Some(160));
+        assert_eq!(wheel.next_fire(), Some(152));
     }
 }

@@ -18,7 +18,7 @@ use crate::effect::{Effect, FreeCause};
 use crate::expiry::{ExpiryWheel, Slot};
 use crate::id::InstanceId;
 use crate::module::Module;
-use crate::record::{ModuleEntry, Record, Seen, Serial};
+use crate::record::{ModuleEntry, Recent, Record, Seen, Serial};
 use crate::stall::StallClock;
 use crate::time::{Instant, nanos_saturating};
 use std::collections::{HashMap, VecDeque};
@@ -99,6 +99,36 @@ const RECHECK_COST: u32 = 1;
 /// A reap frees up to two contexts, emits effects and leaves the index: about ten to
 /// twenty times a re-check.
 const REAP_COST: u32 = 16;
+/// The reaper's coarse clock: units of `2^shift` ns, the largest power of two not
+/// above the resolution, and the windows in those units (rounded down).
+#[derive(Copy, Clone, Debug)]
+struct CoarseUnits {
+    shift: u32,
+    timeout_units: u64,
+    grace_units: u64,
+    /// Ages a [`Recent`] word may have at a re-check beyond the gap since the last
+    /// caught-up turn: both windows, a resolution, and slack.
+    age_bound_units: u64,
+}
+
+impl CoarseUnits {
+    fn new(config: &Config) -> Option<CoarseUnits> {
+        let resolution = nanos_saturating(config.resolution).max(1);
+        let shift = 63 - resolution.leading_zeros();
+        let timeout_units = nanos_saturating(config.reap_timeout) >> shift;
+        let grace_units = nanos_saturating(config.registration_grace) >> shift;
+        let age_bound_units = timeout_units
+            .saturating_add(grace_units)
+            .saturating_add((resolution >> shift) + 4);
+        (age_bound_units < Recent::UNITS).then_some(CoarseUnits {
+            shift,
+            timeout_units,
+            grace_units,
+            age_bound_units,
+        })
+    }
+}
+
 /// Items whose words one `handle_timeout` loads together (a batch may overrun the
 /// budget by at most this many reaps).
 const RECHECK_BATCH: usize = 64;
@@ -116,8 +146,14 @@ pub struct Liveness<C> {
     clock: StallClock,
     /// Instance → its dense slot: the one hash probe of a ping or a transfer.
     index: HashMap<InstanceId, Slot, foldhash::fast::RandomState>,
-    /// Per slot: last evidence and `proven` (what a re-check reads).
+    /// Per slot: last evidence and `proven`, exact.
     seen: Vec<Seen>,
+    /// Per slot: the same in coarse units (what a re-check reads first).
+    recent: Vec<Recent>,
+    /// The coarse units, when the windows fit in a [`Recent`] word.
+    coarse: Option<CoarseUnits>,
+    /// `now` in coarse units at the end of the last turn that left nothing due.
+    caught_up_units: u64,
     /// Per slot: the contexts.
     records: Vec<Record<C>>,
     /// Slots free to hand out (their expiry item, if any, has fired).
@@ -153,6 +189,9 @@ impl<C> Liveness<C> {
             clock: StallClock::new(now, config.stall_threshold),
             index: HashMap::default(),
             seen: Vec::new(),
+            recent: Vec::new(),
+            coarse: CoarseUnits::new(&config),
+            caught_up_units: 0,
             records: Vec::new(),
             vacant: Vec::new(),
             expiry: ExpiryWheel::new(nanos_saturating(config.resolution), reap_timeout_nanos),
@@ -193,6 +232,7 @@ impl<C> Liveness<C> {
         match self.index.get(&instance) {
             Some(&slot) => {
                 self.seen[slot as usize] = Seen::new(now, true);
+                self.recent[slot as usize] = Recent::new(now >> self.shift(), true);
                 true
             }
             None => false,
@@ -208,8 +248,7 @@ impl<C> Liveness<C> {
         let now = self.observe(now);
         let slot = match self.index.get(&instance) {
             Some(&slot) => {
-                let seen = &mut self.seen[slot as usize];
-                *seen = seen.refreshed(now, false);
+                self.refresh(slot, now);
                 slot
             }
             None => self.admit(now, instance),
@@ -233,8 +272,7 @@ impl<C> Liveness<C> {
         let module = ticket.module();
         if let Some(slot) = self.building_slot(&ticket) {
             self.records[slot as usize].modules[module.index()] = ModuleEntry::Ready(context);
-            let seen = &mut self.seen[slot as usize];
-            *seen = seen.refreshed(now, false);
+            self.refresh(slot, now);
             return;
         }
         self.effects.push_back(Effect::FreeContext {
@@ -280,8 +318,7 @@ impl<C> Liveness<C> {
             .index
             .get(&instance)
             .ok_or(TransferError::NotRegistered)?;
-        let seen = &mut self.seen[slot as usize];
-        *seen = seen.refreshed(now, false);
+        self.refresh(slot, now);
         match &self.records[slot as usize].modules[module.index()] {
             ModuleEntry::Ready(context) => Ok(context),
             ModuleEntry::Building(_) => Err(TransferError::NotReady),
@@ -310,34 +347,46 @@ impl<C> Liveness<C> {
     /// once. Spurious calls are harmless.
     pub fn handle_timeout(&mut self, now: Instant) {
         let now = self.observe(now);
+        let now_units = now >> self.shift();
+        // The fast path needs every word's true age below what a word tells apart.
+        let fast = self.coarse.is_some_and(|coarse| {
+            now_units
+                .saturating_sub(self.caught_up_units)
+                .saturating_add(coarse.age_bound_units)
+                < Recent::UNITS
+        });
         let mut budget = self.turn_budget;
         let mut slots = [0 as Slot; RECHECK_BATCH];
-        let mut words = [Seen::VACANT; RECHECK_BATCH];
+        let mut words = [Recent::VACANT; RECHECK_BATCH];
         while budget > 0 {
             // Take a batch of items first, then load their words in one tight loop: the
             // loads are independent, so their cache misses overlap instead of queueing
             // behind each item's bookkeeping. A slot has one item, so no word of a batch
             // changes while the batch is judged.
             let wanted = (budget as usize).min(RECHECK_BATCH);
-            let mut taken = 0;
-            while taken < wanted {
-                let Some(slot) = self.expiry.pop(now) else {
-                    break;
-                };
-                slots[taken] = slot;
-                taken += 1;
-            }
+            let taken = self.expiry.pop_batch(now, &mut slots[..wanted]);
             for (word, &slot) in words.iter_mut().zip(&slots[..taken]) {
-                *word = self.seen[slot as usize];
+                *word = self.recent[slot as usize];
             }
             for (&slot, &word) in slots[..taken].iter().zip(&words[..taken]) {
-                budget = budget.saturating_sub(self.recheck(now, slot, word));
+                let spent = match word {
+                    word if word.is_vacant() => {
+                        self.vacant.push(slot);
+                        RECHECK_COST
+                    }
+                    word if fast && self.recheck_recent(now, now_units, slot, word) => RECHECK_COST,
+                    _ => self.recheck(now, slot),
+                };
+                budget = budget.saturating_sub(spent);
             }
             if taken < wanted {
                 break;
             }
         }
         self.expiry.settle();
+        if !self.expiry.pending() && self.expiry.next_fire().is_none_or(|fire| fire > now) {
+            self.caught_up_units = now_units;
+        }
     }
 
     /// The instant at which `handle_timeout` must next be called. While reaping is
@@ -403,9 +452,11 @@ impl<C> Liveness<C> {
     /// A slot for an instance new here, unproven, with its first expiry item.
     fn admit(&mut self, now: u64, instance: InstanceId) -> Slot {
         let seen = Seen::new(now, false);
+        let recent = Recent::new(now >> self.shift(), false);
         let slot = match self.vacant.pop() {
             Some(slot) => {
                 self.seen[slot as usize] = seen;
+                self.recent[slot as usize] = recent;
                 self.records[slot as usize] = Record::new(instance);
                 slot
             }
@@ -413,6 +464,7 @@ impl<C> Liveness<C> {
                 // 2^32 instances would need hundreds of GiB of records first.
                 let slot = Slot::try_from(self.records.len()).unwrap_or(Slot::MAX);
                 self.seen.push(seen);
+                self.recent.push(recent);
                 self.records.push(Record::new(instance));
                 slot
             }
@@ -436,14 +488,54 @@ impl<C> Liveness<C> {
         }
     }
 
-    /// A slot's expiry item fired (`seen` is its word): free a vacated slot, reap a
-    /// silent instance whole, or file the slot for its next re-check. Returns the budget
-    /// units spent.
-    fn recheck(&mut self, now: u64, slot: Slot, seen: Seen) -> u32 {
-        if seen == Seen::VACANT {
-            self.vacant.push(slot);
-            return RECHECK_COST;
+    /// The coarse units' shift (0 when the fast path is off: the words are unused).
+    fn shift(&self) -> u32 {
+        self.coarse.map_or(0, |coarse| coarse.shift)
+    }
+
+    /// Evidence of life for the instance in `slot` at `now` (not a ping).
+    fn refresh(&mut self, slot: Slot, now: u64) {
+        let shift = self.shift();
+        let seen = &mut self.seen[slot as usize];
+        *seen = seen.refreshed(now, false);
+        self.recent[slot as usize] = Recent::new(now >> shift, seen.proven());
+    }
+
+    /// The fast path of a re-check, from the coarse word alone: when the instance is
+    /// surely not due (its silence is below a whole number of units that fits in its
+    /// window), file it again at a lower bound of its deadline (never later than the
+    /// true one) and return true. Otherwise false: the exact word decides.
+    fn recheck_recent(&mut self, now: u64, now_units: u64, slot: Slot, word: Recent) -> bool {
+        let Some(coarse) = self.coarse else {
+            return false;
+        };
+        let proven = word.proven();
+        let (window, window_units) = if proven {
+            (self.reap_timeout_nanos, coarse.timeout_units)
+        } else {
+            (self.registration_grace_nanos, coarse.grace_units)
+        };
+        let age = word.age(now_units);
+        // Silence < (age + 1) units <= the window.
+        if age + 1 > window_units {
+            return false;
         }
+        let last_seen_at_least = (now_units - age) << coarse.shift;
+        let deadline = last_seen_at_least.saturating_add(window);
+        let recheck = if proven {
+            deadline
+        } else {
+            deadline.min(now.saturating_add(self.reap_timeout_nanos))
+        };
+        self.expiry.schedule(recheck, slot);
+        true
+    }
+
+    /// A slot's expiry item fired and the coarse word could not clear it: reap the
+    /// instance whole if its exact silence exceeds its window, else file the slot for its
+    /// next re-check. Returns the budget units spent.
+    fn recheck(&mut self, now: u64, slot: Slot) -> u32 {
+        let seen = self.seen[slot as usize];
         let proven = seen.proven();
         let window = if proven {
             self.reap_timeout_nanos
@@ -463,6 +555,7 @@ impl<C> Liveness<C> {
             }
             // This item was the slot's last: it is free now.
             self.seen[slot as usize] = Seen::VACANT;
+            self.recent[slot as usize] = Recent::VACANT;
             self.vacant.push(slot);
             return REAP_COST;
         }
@@ -502,6 +595,7 @@ impl<C> Liveness<C> {
             if self.config.reaping_enabled() {
                 // Its expiry item is still queued: the slot is handed out once it fires.
                 self.seen[slot as usize] = Seen::VACANT;
+                self.recent[slot as usize] = Recent::VACANT;
             } else {
                 self.vacant.push(slot);
             }

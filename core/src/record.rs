@@ -92,6 +92,41 @@ impl Seen {
     }
 }
 
+/// A slot's coarse liveness word, for the reaper's fast path: the unit (a power of two
+/// of nanoseconds, at most the resolution) of the last evidence modulo 2^14, `proven`
+/// in the top bit, and a vacant mark. 2 bytes a slot keep the array a quarter of the
+/// exact words', so a re-check's load mostly hits the cache; the reaper reads the exact
+/// word only for an instance that may be due.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Recent(u16);
+
+impl Recent {
+    const PROVEN: u16 = 1 << 15;
+    const VACANT_BIT: u16 = 1 << 14;
+    const MASK: u16 = (1 << 14) - 1;
+    /// The ages a word tells apart: an age is known modulo this many units.
+    pub(crate) const UNITS: u64 = 1 << 14;
+    pub(crate) const VACANT: Recent = Recent(Self::VACANT_BIT);
+
+    pub(crate) fn new(units: u64, proven: bool) -> Recent {
+        Recent((units as u16 & Self::MASK) | if proven { Self::PROVEN } else { 0 })
+    }
+
+    pub(crate) fn is_vacant(self) -> bool {
+        self.0 & Self::VACANT_BIT != 0
+    }
+
+    pub(crate) fn proven(self) -> bool {
+        self.0 & Self::PROVEN != 0
+    }
+
+    /// Units from the word's to `now_units`, modulo [`Recent::UNITS`]: the true age
+    /// whenever that is below `UNITS`.
+    pub(crate) fn age(self, now_units: u64) -> u64 {
+        now_units.wrapping_sub(u64::from(self.0 & Self::MASK)) & u64::from(Self::MASK)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -115,5 +150,16 @@ mod tests {
         assert_eq!((seen.last_seen(), seen.proven()), (9, true));
         assert!(seen.refreshed(11, false).proven());
         assert_ne!(Seen::new(u64::MAX, true), Seen::VACANT);
+    }
+
+    #[test]
+    fn recent_tells_ages_modulo_its_units_and_never_reads_as_vacant() {
+        let word = Recent::new(Recent::UNITS * 3 + 5, true);
+        assert!(word.proven() && !word.is_vacant());
+        assert_eq!(word.age(Recent::UNITS * 3 + 5), 0);
+        assert_eq!(word.age(Recent::UNITS * 3 + 105), 100);
+        assert_eq!(word.age(Recent::UNITS * 4 + 4), Recent::UNITS - 1);
+        assert!(!Recent::new(u64::MAX, false).is_vacant());
+        assert!(Recent::VACANT.is_vacant());
     }
 }

@@ -80,6 +80,14 @@ fn config() -> impl Strategy<Value = Config> {
             resolution: ms(250),
             stall_threshold: ms(10_000)
         }),
+        // Coarse units of ~1 ms: a word tells ages apart over ~17 s only, so long gaps
+        // between turns switch the reaper's fast path off.
+        Just(Config {
+            reap_timeout: ms(4000),
+            registration_grace: ms(8000),
+            resolution: ms(2),
+            stall_threshold: ms(3000)
+        }),
         Just(Config {
             reap_timeout: ms(30_000),
             registration_grace: ms(60_000),
