@@ -314,16 +314,27 @@ fn main() {
         c4_memory(1000, "1k");
         return;
     }
+    // `KVWARDEN_BENCH_ONLY=C1` (or C2, C3, C4, C6; C2 and C6 run together) runs one.
+    let only = std::env::var("KVWARDEN_BENCH_ONLY").ok();
+    let wanted = |id: &str| only.as_deref().is_none_or(|only| only == id);
     println!("kvwarden-core benchmarks (C1-C4 and C6 of docs/targets.md)");
-    c1_ping(100_000, "100k", 50);
-    c1_ping(1_000_000, "1m", 150);
+    if wanted("C1") {
+        c1_ping(100_000, "100k", 50);
+        c1_ping(1_000_000, "1m", 150);
+    }
     let overhead_ns = timer_overhead_ns();
     println!("-- timer overhead {overhead_ns} ns per timed call (thread CPU clock; subtracted)");
     for (entries, label) in [(100_000, "100k"), (1_000_000, "1m")] {
-        let scan_ns = full_scan_ns(&ids(entries, 7), Instant::from_nanos(1_000_000_000));
-        c2_c6_steady_state(entries, label, scan_ns, overhead_ns);
-        c6_after_restart(entries, label, overhead_ns);
-        c3_reap(entries, label);
-        c4_memory(entries, label);
+        if wanted("C2") || wanted("C6") {
+            let scan_ns = full_scan_ns(&ids(entries, 7), Instant::from_nanos(1_000_000_000));
+            c2_c6_steady_state(entries, label, scan_ns, overhead_ns);
+            c6_after_restart(entries, label, overhead_ns);
+        }
+        if wanted("C3") {
+            c3_reap(entries, label);
+        }
+        if wanted("C4") {
+            c4_memory(entries, label);
+        }
     }
 }
