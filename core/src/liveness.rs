@@ -99,6 +99,14 @@ const RECHECK_COST: u32 = 1;
 /// A reap frees up to two contexts, emits effects and leaves the index: about ten to
 /// twenty times a re-check.
 const REAP_COST: u32 = 16;
+/// What the index holds for a tracked instance.
+#[derive(Copy, Clone, Debug)]
+struct Tracked {
+    slot: Slot,
+    /// Last evidence and `proven`, exact.
+    seen: Seen,
+}
+
 /// The reaper's coarse clock: units of `2^shift` ns, the largest power of two not
 /// above the resolution, and the windows in those units (rounded down).
 #[derive(Copy, Clone, Debug)]
@@ -144,11 +152,10 @@ pub struct Liveness<C> {
     reap_timeout_nanos: u64,
     registration_grace_nanos: u64,
     clock: StallClock,
-    /// Instance → its dense slot: the one hash probe of a ping or a transfer.
-    index: HashMap<InstanceId, Slot, foldhash::fast::RandomState>,
-    /// Per slot: last evidence and `proven`, exact.
-    seen: Vec<Seen>,
-    /// Per slot: the same in coarse units (what a re-check reads first).
+    /// Instance → its slot and its exact liveness word: the one hash probe of a ping
+    /// or a transfer, which writes the word where it found the slot.
+    index: HashMap<InstanceId, Tracked, foldhash::fast::RandomState>,
+    /// Per slot: the liveness word in coarse units (what a re-check reads first).
     recent: Vec<Recent>,
     /// The coarse units, when the windows fit in a [`Recent`] word.
     coarse: Option<CoarseUnits>,
@@ -188,7 +195,6 @@ impl<C> Liveness<C> {
             registration_grace_nanos: nanos_saturating(config.registration_grace),
             clock: StallClock::new(now, config.stall_threshold),
             index: HashMap::default(),
-            seen: Vec::new(),
             recent: Vec::new(),
             coarse: CoarseUnits::new(&config),
             caught_up_units: 0,
@@ -229,10 +235,11 @@ impl<C> Liveness<C> {
         let Some(instance) = instance else {
             return true;
         };
-        match self.index.get(&instance) {
-            Some(&slot) => {
-                self.seen[slot as usize] = Seen::new(now, true);
-                self.recent[slot as usize] = Recent::new(now >> self.shift(), true);
+        let shift = self.shift();
+        match self.index.get_mut(&instance) {
+            Some(tracked) => {
+                tracked.seen = Seen::new(now, true);
+                self.recent[tracked.slot as usize] = Recent::new(now >> shift, true);
                 true
             }
             None => false,
@@ -246,11 +253,8 @@ impl<C> Liveness<C> {
     /// An instance new here starts unproven.
     pub fn register(&mut self, now: Instant, instance: InstanceId, module: Module) -> Registration {
         let now = self.observe(now);
-        let slot = match self.index.get(&instance) {
-            Some(&slot) => {
-                self.refresh(slot, now);
-                slot
-            }
+        let slot = match self.refresh(instance, now) {
+            Some(slot) => slot,
             None => self.admit(now, instance),
         };
         let entry = &mut self.records[slot as usize].modules[module.index()];
@@ -272,7 +276,7 @@ impl<C> Liveness<C> {
         let module = ticket.module();
         if let Some(slot) = self.building_slot(&ticket) {
             self.records[slot as usize].modules[module.index()] = ModuleEntry::Ready(context);
-            self.refresh(slot, now);
+            self.refresh(ticket.instance, now);
             return;
         }
         self.effects.push_back(Effect::FreeContext {
@@ -296,7 +300,7 @@ impl<C> Liveness<C> {
     /// arrival if still building).
     pub fn unregister(&mut self, now: Instant, instance: InstanceId, module: Module) -> bool {
         self.observe(now);
-        let Some(&slot) = self.index.get(&instance) else {
+        let Some(slot) = self.index.get(&instance).map(|t| t.slot) else {
             return false;
         };
         self.remove_entry(slot, module, FreeCause::Unregistered)
@@ -314,11 +318,9 @@ impl<C> Liveness<C> {
         module: Module,
     ) -> Result<&C, TransferError> {
         let now = self.observe(now);
-        let &slot = self
-            .index
-            .get(&instance)
+        let slot = self
+            .refresh(instance, now)
             .ok_or(TransferError::NotRegistered)?;
-        self.refresh(slot, now);
         match &self.records[slot as usize].modules[module.index()] {
             ModuleEntry::Ready(context) => Ok(context),
             ModuleEntry::Building(_) => Err(TransferError::NotReady),
@@ -331,7 +333,7 @@ impl<C> Liveness<C> {
     /// whether the instance held any entry.
     pub fn process_exited(&mut self, now: Instant, instance: InstanceId) -> bool {
         self.observe(now);
-        let Some(&slot) = self.index.get(&instance) else {
+        let Some(slot) = self.index.get(&instance).map(|t| t.slot) else {
             return false;
         };
         for module in Module::ALL {
@@ -426,13 +428,13 @@ impl<C> Liveness<C> {
     /// Read-only view of one entry, for status pages and tests; `last_seen` and
     /// `proven` are the instance's.
     pub fn entry(&self, instance: InstanceId, module: Module) -> Option<EntryView> {
-        let &slot = self.index.get(&instance)?;
-        let building = match &self.records[slot as usize].modules[module.index()] {
+        let tracked = self.index.get(&instance)?;
+        let building = match &self.records[tracked.slot as usize].modules[module.index()] {
             ModuleEntry::Absent => return None,
             ModuleEntry::Building(_) => true,
             ModuleEntry::Ready(_) => false,
         };
-        let seen = self.seen[slot as usize];
+        let seen = tracked.seen;
         Some(EntryView {
             last_seen: self.clock.to_shell(seen.last_seen()),
             proven: seen.proven(),
@@ -451,11 +453,9 @@ impl<C> Liveness<C> {
 
     /// A slot for an instance new here, unproven, with its first expiry item.
     fn admit(&mut self, now: u64, instance: InstanceId) -> Slot {
-        let seen = Seen::new(now, false);
         let recent = Recent::new(now >> self.shift(), false);
         let slot = match self.vacant.pop() {
             Some(slot) => {
-                self.seen[slot as usize] = seen;
                 self.recent[slot as usize] = recent;
                 self.records[slot as usize] = Record::new(instance);
                 slot
@@ -463,13 +463,13 @@ impl<C> Liveness<C> {
             None => {
                 // 2^32 instances would need hundreds of GiB of records first.
                 let slot = Slot::try_from(self.records.len()).unwrap_or(Slot::MAX);
-                self.seen.push(seen);
                 self.recent.push(recent);
                 self.records.push(Record::new(instance));
                 slot
             }
         };
-        self.index.insert(instance, slot);
+        let seen = Seen::new(now, false);
+        self.index.insert(instance, Tracked { slot, seen });
         if self.config.reaping_enabled() {
             // The shorter window first: should the instance prove itself before then,
             // its deadline is never earlier than this re-check.
@@ -481,7 +481,7 @@ impl<C> Liveness<C> {
 
     /// The slot of the ticket's entry if it is still the same building entry.
     fn building_slot(&self, ticket: &BuildTicket) -> Option<Slot> {
-        let &slot = self.index.get(&ticket.instance)?;
+        let slot = self.index.get(&ticket.instance)?.slot;
         match self.records[slot as usize].modules[ticket.module().index()] {
             ModuleEntry::Building(serial) if serial == ticket.serial => Some(slot),
             _ => None,
@@ -493,12 +493,13 @@ impl<C> Liveness<C> {
         self.coarse.map_or(0, |coarse| coarse.shift)
     }
 
-    /// Evidence of life for the instance in `slot` at `now` (not a ping).
-    fn refresh(&mut self, slot: Slot, now: u64) {
+    /// Evidence of life for `instance` at `now` (not a ping); its slot, when tracked.
+    fn refresh(&mut self, instance: InstanceId, now: u64) -> Option<Slot> {
         let shift = self.shift();
-        let seen = &mut self.seen[slot as usize];
-        *seen = seen.refreshed(now, false);
-        self.recent[slot as usize] = Recent::new(now >> shift, seen.proven());
+        let tracked = self.index.get_mut(&instance)?;
+        tracked.seen = tracked.seen.refreshed(now, false);
+        self.recent[tracked.slot as usize] = Recent::new(now >> shift, tracked.seen.proven());
+        Some(tracked.slot)
     }
 
     /// The fast path of a re-check, from the coarse word alone: when the instance is
@@ -535,7 +536,13 @@ impl<C> Liveness<C> {
     /// instance whole if its exact silence exceeds its window, else file the slot for its
     /// next re-check. Returns the budget units spent.
     fn recheck(&mut self, now: u64, slot: Slot) -> u32 {
-        let seen = self.seen[slot as usize];
+        let instance = self.records[slot as usize].instance;
+        let Some(seen) = self.index.get(&instance).map(|t| t.seen) else {
+            // Unreachable: a slot whose instance left the index is marked vacant.
+            self.recent[slot as usize] = Recent::VACANT;
+            self.vacant.push(slot);
+            return RECHECK_COST;
+        };
         let proven = seen.proven();
         let window = if proven {
             self.reap_timeout_nanos
@@ -554,7 +561,6 @@ impl<C> Liveness<C> {
                 }
             }
             // This item was the slot's last: it is free now.
-            self.seen[slot as usize] = Seen::VACANT;
             self.recent[slot as usize] = Recent::VACANT;
             self.vacant.push(slot);
             return REAP_COST;
@@ -594,7 +600,6 @@ impl<C> Liveness<C> {
             self.index.remove(&instance);
             if self.config.reaping_enabled() {
                 // Its expiry item is still queued: the slot is handed out once it fires.
-                self.seen[slot as usize] = Seen::VACANT;
                 self.recent[slot as usize] = Recent::VACANT;
             } else {
                 self.vacant.push(slot);

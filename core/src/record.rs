@@ -1,10 +1,12 @@
 //! The per-instance record: an instance is one process, so its registrations live and
 //! die together (failure-modes row 26).
 //!
-//! The registry keeps instances in dense slots: a slot's silence and `proven` flag sit
-//! in one word of a dense array (the reaper reads nothing else for a live instance),
-//! and the modules' contexts hang off the slot's [`Record`]. A slot is handed out again
-//! only once the expiry item that refers to it has fired, so items need no generation.
+//! The registry keeps instances in dense slots. The index maps an instance to its slot
+//! and its exact liveness word ([`Seen`]: last evidence and `proven`), so a ping writes
+//! where its one hash probe landed; a dense array holds a coarse copy per slot
+//! ([`Recent`], what the reaper reads for a live instance); the modules' contexts hang
+//! off the slot's [`Record`]. A slot is handed out again only once the expiry item that
+//! refers to it has fired, so items need no generation.
 
 use crate::id::InstanceId;
 use crate::module::Module;
@@ -62,15 +64,13 @@ impl<C> Record<C> {
     }
 }
 
-/// A slot's liveness word: the last evidence (stall-corrected nanoseconds) in the low
-/// 63 bits, `proven` in the top bit. [`Seen::VACANT`] marks a slot whose instance has
-/// gone while its expiry item is still queued.
+/// An instance's liveness word: the last evidence (stall-corrected nanoseconds) in the
+/// low 63 bits, `proven` in the top bit.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Seen(u64);
 
 impl Seen {
     const PROVEN: u64 = 1 << 63;
-    pub(crate) const VACANT: Seen = Seen(u64::MAX);
 
     /// `last_seen` is clamped below 2^63 - 1 ns (292 years of uptime).
     pub(crate) fn new(last_seen: u64, proven: bool) -> Seen {
@@ -94,9 +94,10 @@ impl Seen {
 
 /// A slot's coarse liveness word, for the reaper's fast path: the unit (a power of two
 /// of nanoseconds, at most the resolution) of the last evidence modulo 2^14, `proven`
-/// in the top bit, and a vacant mark. 2 bytes a slot keep the array a quarter of the
-/// exact words', so a re-check's load mostly hits the cache; the reaper reads the exact
-/// word only for an instance that may be due.
+/// in the top bit, and a vacant mark (the instance has gone while the slot's expiry
+/// item is still queued). At 2 bytes a slot the array mostly stays in cache; the
+/// reaper reads the exact word (through the index) only for an instance that may be
+/// due.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Recent(u16);
 
@@ -143,13 +144,13 @@ mod tests {
     }
 
     #[test]
-    fn seen_keeps_proven_apart_from_last_seen_and_never_reads_as_vacant() {
+    fn seen_keeps_proven_apart_from_last_seen() {
         let seen = Seen::new(7, false);
         assert_eq!((seen.last_seen(), seen.proven()), (7, false));
         let seen = seen.refreshed(9, true);
         assert_eq!((seen.last_seen(), seen.proven()), (9, true));
         assert!(seen.refreshed(11, false).proven());
-        assert_ne!(Seen::new(u64::MAX, true), Seen::VACANT);
+        assert_eq!(Seen::new(u64::MAX, false).last_seen(), (1 << 63) - 2);
     }
 
     #[test]
