@@ -2,8 +2,9 @@
 //! bounded amount per turn.
 //!
 //! Every tracked instance has exactly one item: its slot number, in the bucket of the
-//! tick in which its recorded deadline falls (ticks are `resolution` wide,
-//! ZooKeeper-style). Evidence of life never moves an item: when its bucket fires, the
+//! tick in which its recorded deadline falls (ZooKeeper-style; a tick is the largest
+//! power of two of nanoseconds not above `resolution`, so a deadline's tick is a
+//! shift). Evidence of life never moves an item: when its bucket fires, the
 //! registry re-checks the slot's current silence and either reaps the instance or files
 //! the slot again once. A `ping` costs O(1), a turn in which no bucket fires costs
 //! O(1), and nothing ever walks every instance.
@@ -26,8 +27,8 @@ use std::collections::BTreeMap;
 /// A dense slot number of the registry.
 pub(crate) type Slot = u32;
 
-/// The most buckets the wheel holds; a reap timeout longer than this many resolutions
-/// files its items in the overflow map first.
+/// The most buckets the wheel holds; a reap timeout longer than this many ticks files
+/// its items in the overflow map first.
 pub(crate) const MAX_WHEEL_TICKS: u64 = 4096;
 
 /// Items per chunk of a bucket (16 KiB).
