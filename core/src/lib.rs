@@ -17,7 +17,10 @@
 //!
 //! # The run loop
 //!
-//! Feed every input, then drain every effect, then sleep until `poll_timeout`:
+//! Feed every input, then drain every effect, then sleep until `poll_timeout`. One
+//! `handle_timeout` does a bounded amount of expiry work; when a large bucket of
+//! deadlines is left half done, `poll_timeout` answers an instant already passed, and
+//! the loop reads its input and turns again at once:
 //!
 //! ```no_run
 //! use kvwarden_core::{Config, Effect, Instant, Liveness, Registration};
@@ -70,6 +73,7 @@ pub mod liveness;
 mod module;
 pub mod node;
 pub mod protocol;
+mod record;
 mod stall;
 mod time;
 

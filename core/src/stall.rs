@@ -57,6 +57,11 @@ impl StallClock {
         Instant::from_nanos(self.last_input.saturating_add(half))
     }
 
+    /// The latest shell instant seen.
+    pub(crate) fn last_input(&self) -> Instant {
+        Instant::from_nanos(self.last_input)
+    }
+
     pub(crate) fn stalls_total(&self) -> u64 {
         self.stalls_total
     }

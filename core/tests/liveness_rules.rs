@@ -598,3 +598,255 @@ fn a_short_floor_admits_test_timeouts_and_the_default_constructor_refuses_them()
     }
     assert!(now > at(2.0) && now <= at(2.1), "reaped at {now:?}");
 }
+
+// Failure-modes row 26: an instance is one process, its registrations live and die
+// together.
+
+/// Drives `handle_timeout` at `now` until the core stops asking for a turn at once;
+/// returns the effects of each call separately.
+fn turns_at(shell: &mut Shell, now: Instant) -> Vec<Vec<Effect<Ctx>>> {
+    shell.now = now;
+    let mut turns = Vec::new();
+    loop {
+        shell.liveness.handle_timeout(now);
+        turns.push(std::iter::from_fn(|| shell.liveness.poll_effect()).collect());
+        if shell.liveness.poll_timeout().is_none_or(|wake| wake > now) {
+            return turns;
+        }
+    }
+}
+
+#[test]
+fn row_26_a_module_registered_after_the_last_ping_is_proven_and_reaped_with_its_sibling() {
+    let mut shell = Shell::with_defaults();
+    let worker = id(40);
+    let sd = shell.register_built(worker, SD);
+    shell.run_until(at(5.0));
+    assert!(shell.ping(worker));
+    shell.run_until(at(10.0));
+    let ed = shell.register_built(worker, ED); // after the last ping; then the heartbeat stalls
+    let view = shell.liveness.entry(worker, ED).unwrap();
+    assert!(view.proven, "proven is the instance's, not the entry's");
+    assert_eq!(view.last_seen, at(10.0));
+    assert_eq!(
+        shell.liveness.entry(worker, SD).unwrap().last_seen,
+        at(10.0)
+    );
+
+    // Silence of exactly T since the register: both held, nothing freed.
+    shell.run_until(at(130.0));
+    assert!(shell.tracked(worker, SD) && shell.tracked(worker, ED));
+    assert!(shell.frees().is_empty());
+
+    // One resolution later the instance goes whole, in one call, T (not G) after the
+    // register: a FreeContext each, then one DropBlendState.
+    let mut before = at(130.0);
+    let mut reaping_turn = None;
+    while reaping_turn.is_none() {
+        let wake = shell.liveness.poll_timeout().unwrap();
+        assert!(wake > before && wake <= at(131.0), "wake {wake:?}");
+        before = wake;
+        reaping_turn = turns_at(&mut shell, wake)
+            .into_iter()
+            .find(|effects| !effects.is_empty());
+    }
+    let effects = reaping_turn.unwrap();
+    assert_eq!(effects.len(), 3, "{effects:?}");
+    let mut freed: Vec<(Module, Ctx, bool)> = effects[..2]
+        .iter()
+        .map(|effect| match effect {
+            Effect::FreeContext {
+                instance,
+                module,
+                context,
+                cause: FreeCause::Reaped { proven, .. },
+            } if *instance == worker => (*module, *context, *proven),
+            other => panic!("unexpected {other:?}"),
+        })
+        .collect();
+    freed.sort();
+    assert_eq!(freed, vec![(SD, sd, true), (ED, ed, true)]);
+    assert!(matches!(effects[2], Effect::DropBlendState { instance } if instance == worker));
+    assert_eq!(shell.liveness.status().reaped_total, 2);
+    assert!(!shell.ping(worker), "the next ping must tell the worker");
+}
+
+#[test]
+fn row_26_a_ping_answered_true_means_every_registration_is_held() {
+    // Registered in both modules, the second after the last ping; the heartbeat stalls
+    // for longer than T and less than G, then resumes.
+    let mut shell = Shell::with_defaults();
+    let worker = id(41);
+    shell.register_built(worker, SD);
+    assert!(shell.ping(worker));
+    shell.run_until(at(20.0));
+    shell.register_built(worker, ED);
+    shell.run_until(at(20.0 + 121.0));
+    assert!(!shell.tracked(worker, SD) && !shell.tracked(worker, ED));
+    assert!(
+        !shell.ping(worker),
+        "a ping must not answer true for half an instance"
+    );
+}
+
+#[test]
+fn row_26_evidence_in_one_module_keeps_the_other_alive() {
+    let mut shell = Shell::with_defaults();
+    let worker = id(42);
+    shell.register_built(worker, SD);
+    shell.register_built(worker, ED);
+    assert!(shell.ping(worker));
+    // Only engine-driven transfers for ten reap timeouts: the server-driven entry lives.
+    for second in (60..=1200).step_by(60) {
+        shell.run_until(at(second as f64));
+        assert!(shell.liveness.transfer(shell.now, worker, ED).is_ok());
+    }
+    assert!(shell.tracked(worker, SD) && shell.tracked(worker, ED));
+    assert_eq!(
+        shell.liveness.entry(worker, SD).unwrap().last_seen,
+        at(1200.0)
+    );
+    assert!(shell.frees().is_empty());
+    // A register of one module refreshes the other too.
+    shell.run_until(at(1300.0));
+    assert_eq!(
+        shell.liveness.register(shell.now, worker, ED),
+        Registration::Refreshed
+    );
+    assert_eq!(
+        shell.liveness.entry(worker, SD).unwrap().last_seen,
+        at(1300.0)
+    );
+    // Then silence: both go, at T after the register.
+    shell.run_until(at(1420.0));
+    assert!(shell.tracked(worker, SD) && shell.tracked(worker, ED));
+    shell.run_until(at(1421.0));
+    assert!(!shell.tracked(worker, SD) && !shell.tracked(worker, ED));
+    assert_eq!(shell.frees().len(), 2);
+}
+
+#[test]
+fn row_26_a_transfer_naming_an_unregistered_module_still_refreshes_the_instance() {
+    let mut shell = Shell::with_defaults();
+    let worker = id(43);
+    shell.register_built(worker, SD);
+    shell.run_until(at(50.0));
+    assert_eq!(
+        shell.liveness.transfer(shell.now, worker, ED),
+        Err(TransferError::NotRegistered)
+    );
+    assert_eq!(
+        shell.liveness.entry(worker, SD).unwrap().last_seen,
+        at(50.0)
+    );
+    assert!(
+        shell.liveness.entry(worker, ED).is_none(),
+        "a transfer never inserts"
+    );
+}
+
+#[test]
+fn row_26_unregister_of_one_module_frees_that_module_alone() {
+    let mut shell = Shell::with_defaults();
+    let worker = id(44);
+    let sd = shell.register_built(worker, SD);
+    shell.register_built(worker, ED);
+    assert!(shell.ping(worker));
+    shell.run_until(at(30.0));
+    assert!(shell.liveness.unregister(shell.now, worker, SD));
+    shell.drain();
+    assert_eq!(shell.frees().len(), 1);
+    assert_eq!(shell.frees()[0].3, sd);
+    assert!(shell.blend_drops(worker).is_empty());
+    let view = shell.liveness.entry(worker, ED).unwrap();
+    assert!(view.proven, "the instance stays proven");
+    // A later registration of the freed module joins the live, proven instance.
+    shell.register_built(worker, SD);
+    assert!(shell.liveness.entry(worker, SD).unwrap().proven);
+    assert!(shell.ping(worker));
+}
+
+#[test]
+fn a_bucket_split_over_many_turns_reaps_each_instance_whole_never_early_never_late() {
+    let mut shell = Shell::new(short_config());
+    shell.liveness.set_turn_budget(3);
+    let workers: Vec<_> = (100..400).map(id).collect();
+    let alive: Vec<_> = (400..500).map(id).collect();
+    for &worker in workers.iter().chain(&alive) {
+        shell.register_built(worker, SD);
+        shell.register_built(worker, ED);
+        shell.ping(worker);
+    }
+    // Keep the second group alive; the first goes silent.
+    for second in (10..=60).step_by(10) {
+        shell.run_until(at(second as f64));
+        for &worker in &alive {
+            assert!(shell.ping(worker));
+        }
+    }
+    let frees = shell.frees();
+    assert_eq!(frees.len(), 2 * workers.len());
+    for (when, instance, _, _, cause) in &frees {
+        assert!(workers.contains(instance));
+        assert!(
+            *when > at(30.0) && *when <= at(31.0),
+            "{instance:?} reaped at {when:?}"
+        );
+        assert!(matches!(cause, FreeCause::Reaped { silence, proven: true }
+            if *silence > secs(30.0) && *silence <= secs(31.0)));
+    }
+    // Whole: each instance's effects are its two frees then its blend drop, together.
+    let mut sequence = shell
+        .effects
+        .iter()
+        .map(|(_, effect)| effect)
+        .filter(|effect| !matches!(effect, Effect::StallDetected { .. }));
+    while let Some(first) = sequence.next() {
+        let Effect::FreeContext { instance, .. } = first else {
+            panic!("a reap starts with a FreeContext: {first:?}");
+        };
+        assert!(
+            matches!(sequence.next(), Some(Effect::FreeContext { instance: i, .. }) if i == instance)
+        );
+        assert!(
+            matches!(sequence.next(), Some(Effect::DropBlendState { instance: i }) if i == instance)
+        );
+    }
+    for &worker in &alive {
+        assert!(shell.tracked(worker, SD) && shell.tracked(worker, ED));
+    }
+    assert_eq!(shell.liveness.status().tracked_instances, 2 * alive.len());
+}
+
+#[test]
+fn work_left_over_asks_for_the_next_turn_at_once_and_input_is_read_before_it() {
+    let mut shell = Shell::new(short_config());
+    shell.liveness.set_turn_budget(1);
+    for raw in 1..=10 {
+        shell.register_built(id(raw), SD);
+        shell.ping(id(raw));
+    }
+    // All ten share one bucket, due at 31 s.
+    shell.run_until(at(30.0));
+    let wake = shell.liveness.poll_timeout().unwrap();
+    assert!(wake > at(30.0) && wake <= at(31.0));
+    shell.now = wake;
+    shell.liveness.handle_timeout(wake);
+    shell.drain();
+    assert_eq!(shell.frees().len(), 1, "one unit of budget: one reap");
+    assert_eq!(
+        shell.liveness.poll_timeout(),
+        Some(wake),
+        "asks again at once"
+    );
+    // A ping read before the next turn is judged in it: that instance lives.
+    let survivor = (2..=10)
+        .map(id)
+        .find(|&worker| shell.tracked(worker, SD))
+        .unwrap();
+    assert!(shell.ping(survivor));
+    let turns = turns_at(&mut shell, wake);
+    assert_eq!(turns.len(), 9, "one instance per turn");
+    assert!(shell.tracked(survivor, SD));
+    assert_eq!(shell.liveness.status().reaped_total, 9);
+}

@@ -2,7 +2,7 @@
 //!
 //! Oracles: no panic; every effect well-formed (a context comes back once, and only one
 //! that was handed in; DropBlendState only for an instance with no entry left); no reap
-//! before its deadline, checked against the raw time of the entry's last evidence
+//! before its deadline, checked against the raw time of the instance's last evidence
 //! (stall credit can only make the core's silence shorter than that); `now` going
 //! backwards never moves an entry's `last_seen` back.
 #![no_main]
@@ -50,6 +50,15 @@ fn module(engine: bool) -> Module {
 
 fn instance(raw: u8) -> InstanceId {
     InstanceId::new(u64::from(raw % 8) + 1).unwrap()
+}
+
+/// Evidence refreshes the whole instance: every module's entry (failure-modes row 26).
+fn refresh(evidence: &mut BTreeMap<(InstanceId, Module), u64>, instance: InstanceId, at: u64) {
+    for m in Module::ALL {
+        if let Some(seen) = evidence.get_mut(&(instance, m)) {
+            *seen = at;
+        }
+    }
 }
 
 fuzz_target!(|input: Input| {
@@ -103,6 +112,7 @@ fuzz_target!(|input: Input| {
                     pending.push(ticket);
                 }
                 evidence.insert(key, latest);
+                refresh(&mut evidence, key.0, latest);
             }
             Op::Built(pick) | Op::BuildFailed(pick) if !pending.is_empty() => {
                 let ticket = pending.swap_remove(usize::from(pick) % pending.len());
@@ -114,9 +124,8 @@ fuzz_target!(|input: Input| {
                     liveness.context_built(t, ticket, next_context);
                     // A stale ticket (its entry replaced) refreshes nothing.
                     let now_ready = liveness.entry(key.0, key.1).is_some_and(|v| !v.building);
-                    if let Some(seen) = evidence.get_mut(&key).filter(|_| was_building && now_ready)
-                    {
-                        *seen = latest;
+                    if was_building && now_ready {
+                        refresh(&mut evidence, key.0, latest);
                     }
                 } else {
                     liveness.context_build_failed(t, ticket);
@@ -129,9 +138,7 @@ fuzz_target!(|input: Input| {
             Op::Transfer(raw, engine) => {
                 let key = (instance(raw), module(engine));
                 let _ = liveness.transfer(t, key.0, key.1);
-                if let Some(seen) = evidence.get_mut(&key) {
-                    *seen = latest;
-                }
+                refresh(&mut evidence, key.0, latest);
             }
             Op::ProcessExited(raw) => {
                 liveness.process_exited(t, instance(raw));

@@ -11,7 +11,9 @@
 //! | name | class | what |
 //! |---|---|---|
 //! | `reaped_early` | safety | a reap whose silence (stall-corrected) is ≤ the window |
-//! | `live_worker_reaped` | safety | a reap although a ping or transfer of the entry reached the server's socket within the window |
+//! | `live_worker_reaped` | safety | a reap although a ping, register or transfer of the instance (any module) reached the server's socket within the window |
+//! | `reaped_in_part` | safety | a reap that left another entry of the same instance held (row 26: an instance lives and dies whole) |
+//! | `ping_true_for_part` | safety | a ping answered `true` while the worker holds fewer registrations than it made (and did not unregister, and was not told were gone) |
 //! | `reaped_while_disabled` | safety | a reap with T = 0 |
 //! | `double_free` | safety | a context freed twice, or used after its free |
 //! | `two_contexts` | safety | one (instance, module) holding two live contexts |
@@ -83,6 +85,11 @@ pub struct Checker {
     copies_per_key: BTreeMap<Key, u32>,
     ping_arrivals: BTreeMap<InstanceId, Nanos>,
     module_arrivals: BTreeMap<Key, Nanos>,
+    /// Per instance, the modules the worker registered in the instance's current life
+    /// here (since it last held nothing) and was not told are gone.
+    made: BTreeMap<InstanceId, BTreeSet<Module>>,
+    /// Instances with a reap in the current step.
+    reaped_now: Vec<InstanceId>,
     cleanly_gone: BTreeSet<InstanceId>,
     touched_keys: Vec<Key>,
     touched_instances: Vec<InstanceId>,
@@ -111,6 +118,8 @@ impl Checker {
             copies_per_key: BTreeMap::new(),
             ping_arrivals: BTreeMap::new(),
             module_arrivals: BTreeMap::new(),
+            made: BTreeMap::new(),
+            reaped_now: Vec::new(),
             cleanly_gone: BTreeSet::new(),
             touched_keys: Vec::new(),
             touched_instances: Vec::new(),
@@ -177,6 +186,8 @@ impl Checker {
         self.shadow = Shadow::new(self.shadow.reap_timeout, self.shadow.registration_grace);
         self.ping_arrivals.clear();
         self.module_arrivals.clear();
+        self.made.clear();
+        self.reaped_now.clear();
         self.expected_stall = None;
     }
 
@@ -223,14 +234,45 @@ impl Checker {
     /// `ping(now, Some(instance))` answered `tracked`.
     pub fn ping(&mut self, now: Nanos, instance: InstanceId, tracked: bool) {
         let now_c = self.input(now);
-        let mut expected = false;
-        for module in Module::ALL {
-            expected |= self.shadow.touch((instance, module), now_c, true);
-        }
+        let expected = self.shadow.touch(instance, now_c, true);
         if expected != tracked {
             self.diverged(format!(
                 "ping({instance}) answered {tracked}, the reference model holds {expected}"
             ));
+        }
+        if !tracked {
+            // The worker learns that it holds nothing here.
+            self.made.remove(&instance);
+            return;
+        }
+        let missing: Vec<Module> = self
+            .made
+            .get(&instance)
+            .into_iter()
+            .flatten()
+            .copied()
+            .filter(|&m| self.shadow.get((instance, m)).is_none())
+            .collect();
+        if let Some(module) = missing.first() {
+            self.fail(
+                Class::Safety,
+                "ping_true_for_part",
+                format!(
+                    "ping({instance}) answered true although its {} registration is gone: \
+                     the worker holds fewer registrations than it made and is not told",
+                    module.label()
+                ),
+            );
+        }
+    }
+
+    /// The worker no longer counts on `key` (it unregistered it, or was told it is gone).
+    fn unmade(&mut self, key: Key) {
+        if let Some(modules) = self.made.get_mut(&key.0) {
+            modules.remove(&key.1);
+            if modules.is_empty() {
+                self.made.remove(&key.0);
+            }
         }
     }
 
@@ -238,15 +280,18 @@ impl Checker {
     /// instance is refreshed, building or not, without latching `proven`.
     pub fn evidence(&mut self, now: Nanos, instance: InstanceId) {
         let now_c = self.input(now);
-        for module in Module::ALL {
-            self.shadow.touch((instance, module), now_c, false);
-        }
+        self.shadow.touch(instance, now_c, false);
     }
 
     /// `register` answered `Build` (with the server's build serial) or `Refreshed`.
     pub fn register(&mut self, now: Nanos, key: Key, build: Option<u64>) {
         let now_c = self.input(now);
         let present = self.shadow.get(key).is_some();
+        if !self.shadow.holds(key.0) {
+            // A new life of the instance here: what an earlier life held is not what
+            // this one promises (the worker's other REGISTERs may still be on the wire).
+            self.made.remove(&key.0);
+        }
         match build {
             Some(serial) => {
                 if present {
@@ -266,15 +311,16 @@ impl Checker {
                         ),
                     );
                 }
-                self.shadow.put(key, now_c, false, Some(serial));
+                self.shadow.insert(key, now_c, serial);
             }
             None => {
                 if !present {
                     self.diverged(format!("register{key:?} refreshed an absent entry"));
                 }
-                self.shadow.touch(key, now_c, false);
+                self.shadow.touch(key.0, now_c, false);
             }
         }
+        self.made.entry(key.0).or_default().insert(key.1);
     }
 
     /// `context_built` for build `serial`; the context got id `context`.
@@ -289,10 +335,10 @@ impl Checker {
         debug_assert_eq!(self.contexts.len() as u64 - 1, context);
         *self.live_per_key.entry(key).or_default() += 1;
         self.touched_keys.push(key);
-        if let Some(entry) = self.shadow.get(key).copied()
+        if let Some(entry) = self.shadow.get(key)
             && entry.building == Some(serial)
         {
-            self.shadow.put(key, now_c, entry.proven, None);
+            self.shadow.built(key, now_c);
         }
         // Otherwise the core must hand the context straight back as Cancelled.
     }
@@ -308,6 +354,8 @@ impl Checker {
             self.shadow.remove(key);
             self.touched_instances.push(key.0);
         }
+        // The worker is answered with the failure.
+        self.unmade(key);
     }
 
     /// `unregister` answered `was`; `clean_shutdown` when the worker is exiting.
@@ -322,6 +370,7 @@ impl Checker {
         if clean_shutdown {
             self.cleanly_gone.insert(key.0);
         }
+        self.unmade(key);
         self.touched_instances.push(key.0);
     }
 
@@ -334,7 +383,11 @@ impl Checker {
             Some(entry) if entry.building.is_some() => Err(TransferError::NotReady),
             Some(_) => Ok(()),
         };
-        self.shadow.touch(key, now_c, false);
+        // Evidence for the whole instance, whatever the module.
+        self.shadow.touch(key.0, now_c, false);
+        if result == Err(TransferError::NotRegistered) {
+            self.unmade(key);
+        }
         if expected != result.map(|_| ()) {
             self.diverged(format!(
                 "transfer{key:?} answered {result:?}, the reference model expected {expected:?}"
@@ -364,6 +417,7 @@ impl Checker {
                 "process_exited({instance}) answered {held}, the reference model held {expected}"
             ));
         }
+        self.made.remove(&instance);
         self.touched_instances.push(instance);
     }
 
@@ -532,6 +586,7 @@ impl Checker {
         let window = self.shadow.window(&entry);
         let silence = now_c.saturating_sub(entry.last_seen);
         let (instance, module) = key;
+        self.reaped_now.push(instance);
         if self.shadow.reap_timeout == 0 {
             self.fail(
                 Class::Safety,
@@ -558,13 +613,13 @@ impl Checker {
             );
             return;
         }
-        let evidence = [
-            self.ping_arrivals.get(&instance).copied(),
-            self.module_arrivals.get(&key).copied(),
-        ]
-        .into_iter()
-        .flatten()
-        .max();
+        // Evidence of any module counts for the whole instance.
+        let evidence = Module::ALL
+            .iter()
+            .map(|&m| self.module_arrivals.get(&(instance, m)).copied())
+            .chain([self.ping_arrivals.get(&instance).copied()])
+            .flatten()
+            .max();
         if let Some(arrived) = evidence {
             let evidence_silence = now_c.saturating_sub(self.clock.at(arrived));
             if evidence_silence <= window {
@@ -572,9 +627,9 @@ impl Checker {
                     Class::Safety,
                     "live_worker_reaped",
                     format!(
-                        "instance {instance} ({}) reaped although its last ping or transfer \
-                         reached the server at t={:.6}s, {:.6}s (stall-corrected) before, \
-                         within its window of {:.3}s",
+                        "instance {instance} ({}) reaped although its last ping, register \
+                         or transfer reached the server at t={:.6}s, {:.6}s (stall-corrected) \
+                         before, within its window of {:.3}s",
                         module.label(),
                         as_seconds(arrived),
                         as_seconds(evidence_silence),
@@ -624,6 +679,26 @@ impl Checker {
     /// After the server drained every effect: the per-step invariants on what the step
     /// touched.
     pub fn end_step(&mut self, shell: &ShellView<'_>) {
+        let mut reaped = std::mem::take(&mut self.reaped_now);
+        reaped.dedup();
+        for instance in reaped {
+            if self.shadow.holds(instance) {
+                let left: Vec<&str> = Module::ALL
+                    .iter()
+                    .filter(|&&m| self.shadow.get((instance, m)).is_some())
+                    .map(|m| m.label())
+                    .collect();
+                self.fail(
+                    Class::Safety,
+                    "reaped_in_part",
+                    format!(
+                        "instance {instance} was reaped but still holds its {} entry: an \
+                         instance lives and dies whole",
+                        left.join(" and ")
+                    ),
+                );
+            }
+        }
         for key in std::mem::take(&mut self.touched_keys) {
             let live = self.live_contexts_of(key);
             if live > 1 {

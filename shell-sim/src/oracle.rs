@@ -5,9 +5,11 @@
 //! - [`CorrectedClock`] credits only the gaps in which the simulated server really was
 //!   paused. A gap the core credits that was no pause means the server loop slept past
 //!   `poll_timeout` (a shell bug that hides silence: reported as `spurious_stall`).
-//! - [`Shadow`] mirrors every entry's `last_seen` (stall-corrected), `proven` flag and
-//!   building state, and keeps each entry's reap deadline in a lazy heap, so that a
-//!   reap can be judged "early" or "late" without asking the core.
+//! - [`Shadow`] mirrors every instance's `last_seen` (stall-corrected) and `proven`
+//!   flag, every entry's building state, and keeps each instance's reap deadline in a
+//!   lazy heap, so that a reap can be judged "early" or "late" without asking the core.
+//!   Liveness is per instance (failure-modes row 26): every ping, register and transfer
+//!   refreshes the instance, and its entries are due together.
 
 use crate::time::Nanos;
 use kvwarden_core::{InstanceId, Module};
@@ -129,18 +131,25 @@ impl CorrectedClock {
     }
 }
 
-/// One entry as the reference model sees it.
+/// One entry as the reference model sees it: its instance's liveness and its own
+/// building state.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub struct ShadowEntry {
-    /// Last evidence, corrected clock.
+    /// The instance's last evidence, corrected clock.
     pub last_seen: Nanos,
-    /// Whether the instance pinged since the entry was created.
+    /// Whether the instance pinged since it was registered.
     pub proven: bool,
     /// The server's build serial while the context is being built.
     pub building: Option<u64>,
+}
+
+/// One instance's liveness: an instance is one process, its entries live and die
+/// together (failure-modes row 26).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+struct Life {
+    last_seen: Nanos,
+    proven: bool,
     version: u64,
-    /// The deadline of its item in the heap (never later than its real deadline).
-    queued: Nanos,
 }
 
 /// The reference registry.
@@ -150,9 +159,11 @@ pub struct Shadow {
     pub reap_timeout: Nanos,
     /// G.
     pub registration_grace: Nanos,
-    entries: BTreeMap<Key, ShadowEntry>,
+    lives: BTreeMap<InstanceId, Life>,
+    /// Each entry's build serial while it is building.
+    entries: BTreeMap<Key, Option<u64>>,
     building: BTreeSet<Key>,
-    deadlines: BinaryHeap<Reverse<(Nanos, Key, u64)>>,
+    deadlines: BinaryHeap<Reverse<(Nanos, InstanceId, u64)>>,
     versions: u64,
 }
 
@@ -162,6 +173,7 @@ impl Shadow {
         Shadow {
             reap_timeout,
             registration_grace,
+            lives: BTreeMap::new(),
             entries: BTreeMap::new(),
             building: BTreeSet::new(),
             deadlines: BinaryHeap::new(),
@@ -169,19 +181,23 @@ impl Shadow {
         }
     }
 
-    /// The entry at `key`.
-    pub fn get(&self, key: Key) -> Option<&ShadowEntry> {
-        self.entries.get(&key)
+    /// The entry at `key`, with its instance's liveness.
+    pub fn get(&self, key: Key) -> Option<ShadowEntry> {
+        let building = *self.entries.get(&key)?;
+        let life = self.lives.get(&key.0)?;
+        Some(ShadowEntry {
+            last_seen: life.last_seen,
+            proven: life.proven,
+            building,
+        })
     }
 
     /// Whether the instance has an entry in any module.
     pub fn holds(&self, instance: InstanceId) -> bool {
-        Module::ALL
-            .iter()
-            .any(|&m| self.entries.contains_key(&(instance, m)))
+        self.lives.contains_key(&instance)
     }
 
-    /// Entries, in key order.
+    /// Entries, summed over modules.
     pub fn len(&self) -> usize {
         self.entries.len()
     }
@@ -191,62 +207,75 @@ impl Shadow {
         self.entries.is_empty()
     }
 
-    /// The entry's window: T when proven, G before.
+    /// The entry's window: T when its instance is proven, G before.
     pub fn window(&self, entry: &ShadowEntry) -> Nanos {
-        if entry.proven {
+        self.window_of(entry.proven)
+    }
+
+    fn window_of(&self, proven: bool) -> Nanos {
+        if proven {
             self.reap_timeout
         } else {
             self.registration_grace
         }
     }
 
-    /// Inserts or replaces the entry and files its deadline. A deadline that moves
-    /// later keeps the entry's heap item (it is moved when it comes up, lazily); only
-    /// an earlier one is pushed.
-    pub fn put(&mut self, key: Key, last_seen: Nanos, proven: bool, building: Option<u64>) {
-        let mut entry = ShadowEntry {
+    /// Sets the instance's liveness and files its deadline.
+    fn live(&mut self, instance: InstanceId, last_seen: Nanos, proven: bool) {
+        self.versions += 1;
+        let life = Life {
             last_seen,
             proven,
-            building,
-            version: 0,
-            queued: 0,
+            version: self.versions,
         };
-        if building.is_some() {
-            self.building.insert(key);
-        } else {
-            self.building.remove(&key);
-        }
         if self.reap_timeout > 0 {
-            let deadline = last_seen + self.window(&entry);
-            match self.entries.get(&key) {
-                Some(previous) if previous.queued <= deadline => {
-                    entry.version = previous.version;
-                    entry.queued = previous.queued;
-                }
-                _ => {
-                    self.versions += 1;
-                    entry.version = self.versions;
-                    entry.queued = deadline;
-                    self.deadlines.push(Reverse((deadline, key, entry.version)));
-                }
-            }
+            let deadline = last_seen + self.window_of(proven);
+            self.deadlines
+                .push(Reverse((deadline, instance, life.version)));
         }
-        self.entries.insert(key, entry);
+        self.lives.insert(instance, life);
     }
 
-    /// Refreshes `last_seen` (and latches `proven` when asked).
-    pub fn touch(&mut self, key: Key, now: Nanos, prove: bool) -> bool {
-        let Some(entry) = self.entries.get(&key).copied() else {
+    /// A new entry at `key`, building under `serial`; the instance is refreshed (and
+    /// starts unproven if it is new here).
+    pub fn insert(&mut self, key: Key, now: Nanos, serial: u64) {
+        let proven = self.lives.get(&key.0).is_some_and(|life| life.proven);
+        self.live(key.0, now, proven);
+        self.entries.insert(key, Some(serial));
+        self.building.insert(key);
+    }
+
+    /// The entry's context arrived; the instance is refreshed.
+    pub fn built(&mut self, key: Key, now: Nanos) {
+        if let Some(building) = self.entries.get_mut(&key) {
+            *building = None;
+            self.building.remove(&key);
+            self.touch(key.0, now, false);
+        }
+    }
+
+    /// Refreshes the instance's `last_seen` (and latches `proven` when asked); false
+    /// when it holds no entry.
+    pub fn touch(&mut self, instance: InstanceId, now: Nanos, prove: bool) -> bool {
+        let Some(life) = self.lives.get(&instance).copied() else {
             return false;
         };
-        self.put(key, now, entry.proven || prove, entry.building);
+        self.live(instance, now, life.proven || prove);
         true
     }
 
-    /// Removes the entry.
+    /// Removes the entry (and the instance with its last one).
     pub fn remove(&mut self, key: Key) -> Option<ShadowEntry> {
+        let entry = self.get(key)?;
+        self.entries.remove(&key);
         self.building.remove(&key);
-        self.entries.remove(&key)
+        if !Module::ALL
+            .iter()
+            .any(|&m| self.entries.contains_key(&(key.0, m)))
+        {
+            self.lives.remove(&key.0);
+        }
+        Some(entry)
     }
 
     /// Keys whose context is still being built.
@@ -254,26 +283,21 @@ impl Shadow {
         self.building.iter().copied().collect()
     }
 
-    /// The earliest current deadline, dropping stale heap items on the way.
+    /// The earliest current deadline with one of its instance's entries, dropping stale
+    /// heap items on the way.
     pub fn earliest_deadline(&mut self) -> Option<(Nanos, Key)> {
-        while let Some(&Reverse((deadline, key, version))) = self.deadlines.peek() {
-            match self.entries.get(&key).copied() {
-                Some(entry) if entry.version == version => {
-                    let current = entry.last_seen + self.window(&entry);
-                    if current == deadline {
-                        return Some((deadline, key));
-                    }
-                    // The entry was refreshed since: its item moves to its deadline now.
-                    self.deadlines.pop();
-                    self.deadlines.push(Reverse((current, key, version)));
-                    if let Some(entry) = self.entries.get_mut(&key) {
-                        entry.queued = current;
-                    }
-                }
-                _ => {
-                    self.deadlines.pop();
-                }
+        while let Some(&Reverse((deadline, instance, version))) = self.deadlines.peek() {
+            if self
+                .lives
+                .get(&instance)
+                .is_some_and(|l| l.version == version)
+                && let Some(&module) = Module::ALL
+                    .iter()
+                    .find(|&&m| self.entries.contains_key(&(instance, m)))
+            {
+                return Some((deadline, (instance, module)));
             }
+            self.deadlines.pop();
         }
         None
     }
@@ -307,11 +331,34 @@ mod tests {
         let id = InstanceId::new(1).unwrap();
         let key = (id, Module::ServerDriven);
         let mut shadow = Shadow::new(30 * SECOND, 60 * SECOND);
-        shadow.put(key, 0, false, None);
+        shadow.insert(key, 0, 1);
+        shadow.built(key, 0);
         assert_eq!(shadow.earliest_deadline(), Some((60 * SECOND, key)));
-        shadow.touch(key, 10 * SECOND, true);
+        shadow.touch(id, 10 * SECOND, true);
         assert_eq!(shadow.earliest_deadline(), Some((40 * SECOND, key)));
         shadow.remove(key);
+        assert_eq!(shadow.earliest_deadline(), None);
+    }
+
+    #[test]
+    fn row_26_an_instance_shares_one_life_across_its_modules() {
+        let id = InstanceId::new(2).unwrap();
+        let sd = (id, Module::ServerDriven);
+        let ed = (id, Module::EngineDriven);
+        let mut shadow = Shadow::new(30 * SECOND, 60 * SECOND);
+        shadow.insert(sd, 0, 1);
+        assert!(shadow.touch(id, 5 * SECOND, true));
+        shadow.insert(ed, 10 * SECOND, 2); // after the last ping: proven all the same
+        let entry = shadow.get(ed).unwrap();
+        assert!(entry.proven);
+        assert_eq!(shadow.get(sd).unwrap().last_seen, 10 * SECOND);
+        assert_eq!(shadow.earliest_deadline(), Some((40 * SECOND, sd)));
+        // Unregistering one module keeps the instance; the last one ends it.
+        shadow.remove(sd);
+        assert!(shadow.holds(id));
+        assert_eq!(shadow.earliest_deadline(), Some((40 * SECOND, ed)));
+        shadow.remove(ed);
+        assert!(!shadow.holds(id));
         assert_eq!(shadow.earliest_deadline(), None);
     }
 }

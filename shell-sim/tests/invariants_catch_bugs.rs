@@ -62,7 +62,9 @@ fn not_reaped_for_a_worker_that_is_reaped_fails_as_safety() {
     );
     let (class, lines) = outcome(&text).expect("w1 is reaped, so not_reaped must fail");
     assert_eq!(class, Class::Safety);
-    assert!(lines[0].contains("w1 was reaped at 141.000s"), "{lines:?}");
+    // Reaped at the end of its deadline's tick (ticks are 2^29 ns: the largest power of
+    // two of nanoseconds within R = 1 s).
+    assert!(lines[0].contains("w1 was reaped at 140.123s"), "{lines:?}");
 }
 
 #[test]
@@ -408,4 +410,123 @@ fn answering_refreshed_while_building_leaves_a_worker_without_a_module() {
     let (class, lines) = outcome(&text).expect("the worker must end without one module");
     assert_eq!(class, Class::Liveness);
     assert!(lines[0].contains("one per module: false"), "{lines:?}");
+}
+
+// Row 26: the checker itself, driven the way a server that judged each module's entry
+// on its own (the reference design) would drive it.
+
+mod row_26 {
+    use kvwarden_core::{FreeCause, InstanceId, Module, TransferError};
+    use kvwarden_sim::invariants::{Checker, ShellView};
+    use kvwarden_sim::time::{Nanos, SECOND};
+    use kvwarden_sim::violation::Class;
+    use std::collections::BTreeSet;
+    use std::time::Duration;
+
+    const SD: Module = Module::ServerDriven;
+    const ED: Module = Module::EngineDriven;
+
+    /// T = 30 s, G = 60 s, R = 1 s; one instance registered and built in both modules.
+    fn checker_with_both_modules(id: InstanceId) -> Checker {
+        let mut checker = Checker::new(0, 30 * SECOND, 60 * SECOND, SECOND, 5 * SECOND);
+        checker.register(0, (id, SD), Some(1));
+        checker.context_built(0, (id, SD), 1, 0);
+        checker.register(0, (id, ED), Some(2));
+        checker.context_built(0, (id, ED), 2, 1);
+        checker
+    }
+
+    /// Inputs every 2 s up to `to`, as a loop that honours its wakes.
+    fn tick_until(checker: &mut Checker, from: Nanos, to: Nanos) {
+        let mut now = from;
+        while now < to {
+            now = (now + 2 * SECOND).min(to);
+            checker.handle_timeout(now);
+        }
+    }
+
+    fn end_step(checker: &mut Checker) {
+        let blend = BTreeSet::new();
+        checker.end_step(&ShellView {
+            blend: &blend,
+            l1_held: 0,
+            l1_explained: 0,
+        });
+    }
+
+    fn reaped(silence_s: u64) -> FreeCause {
+        FreeCause::Reaped {
+            silence: Duration::from_secs(silence_s),
+            proven: true,
+        }
+    }
+
+    #[test]
+    fn a_reap_that_leaves_a_sibling_entry_held_is_reaped_in_part() {
+        let id = InstanceId::new(5).unwrap();
+        let mut checker = checker_with_both_modules(id);
+        checker.ping(0, id, true);
+        tick_until(&mut checker, 0, 31 * SECOND);
+        checker.free_requested((id, SD), 0, reaped(31));
+        checker.reaped(1, vec![((id, SD), Some((31 * SECOND, true)), false)]);
+        end_step(&mut checker);
+        let violation = checker.violation.expect("a reap in part is caught");
+        assert_eq!(
+            (violation.class, violation.invariant),
+            (Class::Safety, "reaped_in_part")
+        );
+    }
+
+    #[test]
+    fn a_reap_of_the_whole_instance_in_one_turn_is_no_violation() {
+        let id = InstanceId::new(6).unwrap();
+        let mut checker = checker_with_both_modules(id);
+        checker.ping(0, id, true);
+        tick_until(&mut checker, 0, 31 * SECOND);
+        checker.free_requested((id, SD), 0, reaped(31));
+        checker.reaped(1, vec![((id, SD), Some((31 * SECOND, true)), false)]);
+        checker.free_requested((id, ED), 1, reaped(31));
+        checker.reaped(1, vec![((id, ED), Some((31 * SECOND, true)), false)]);
+        end_step(&mut checker);
+        checker.ping(31 * SECOND, id, false);
+        assert!(checker.violation.is_none(), "{:?}", checker.violation);
+    }
+
+    #[test]
+    fn a_ping_answered_true_while_a_registration_is_gone_is_ping_true_for_part() {
+        let id = InstanceId::new(7).unwrap();
+        let mut checker = checker_with_both_modules(id);
+        checker.ping(0, id, true);
+        tick_until(&mut checker, 0, 31 * SECOND);
+        // One module's entry goes, the worker is not told, and its next ping says true.
+        checker.free_requested((id, ED), 1, reaped(31));
+        checker.reaped(1, vec![((id, ED), Some((31 * SECOND, true)), false)]);
+        checker.ping(31 * SECOND, id, true);
+        let violation = checker.violation.expect("a true ping for half an instance");
+        assert_eq!(
+            (violation.class, violation.invariant),
+            (Class::Safety, "ping_true_for_part")
+        );
+    }
+
+    #[test]
+    fn a_ping_answered_true_after_the_worker_was_told_or_unregistered_is_no_violation() {
+        let id = InstanceId::new(8).unwrap();
+        let mut checker = checker_with_both_modules(id);
+        checker.ping(0, id, true);
+        // Unregistered by the worker itself: it no longer counts on that module.
+        checker.unregister(SECOND, (id, ED), true, false);
+        checker.free_requested((id, ED), 1, FreeCause::Unregistered);
+        end_step(&mut checker);
+        checker.ping(2 * SECOND, id, true);
+        // A failed build is answered as a failure.
+        checker.register(3 * SECOND, (id, ED), Some(3));
+        checker.build_failed(3 * SECOND, (id, ED), 3);
+        end_step(&mut checker);
+        checker.ping(4 * SECOND, id, true);
+        // A transfer answered not_registered tells the worker too.
+        checker.transfer(5 * SECOND, (id, ED), Err(TransferError::NotRegistered));
+        checker.ping(6 * SECOND, id, true);
+        assert!(checker.violation.is_none(), "{:?}", checker.violation);
+    }
 }

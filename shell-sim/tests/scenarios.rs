@@ -65,6 +65,7 @@ scenario_tests! {
     row_23_other_uid_is_forbidden_and_the_instance_untouched => "23-other-uid-forbidden.toml",
     row_24_garbage_bytes_are_answered_and_break_nothing => "24-garbage-bytes.toml",
     row_25_stalled_request_loop_reaps_no_live_worker => "25-request-loop-stops-turning.toml",
+    row_26_an_instance_with_both_modules_is_reaped_whole_and_its_next_ping_answers_false => "26-instance-lives-and-dies-whole.toml",
 }
 
 #[test]
@@ -87,7 +88,7 @@ fn every_scenario_file_has_a_test_named_for_its_row() {
     for name in &on_disk {
         let row: String = name.chars().take(2).collect();
         assert!(
-            row.parse::<u32>().is_ok_and(|n| (1..=25).contains(&n)),
+            row.parse::<u32>().is_ok_and(|n| (1..=29).contains(&n)),
             "{name} must start with its row number"
         );
     }

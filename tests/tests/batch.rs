@@ -266,7 +266,12 @@ fn a_batch_for_an_instance_the_server_forgot_re_registers_and_goes_through() {
         vec![true],
         "answered not_registered, re-registered, sent again"
     );
-    assert_eq!(client.recoveries(), 1);
+    // The batch's own recovery, and possibly the heartbeat's: the batch starts the
+    // heartbeat, whose first ping races it and answers false when it lands between the
+    // UNREGISTER and the batch's re-registration (then the heartbeat recovers too, and
+    // finds the registration there). Under load that is most runs, before issue 12 too.
+    let recoveries = client.recoveries();
+    assert!((1..=2).contains(&recoveries), "{recoveries} recoveries");
     assert_eq!(
         client.retrieve_batch(&[(b"after", 1, 0)]).unwrap(),
         vec![Some(BLOCK)]

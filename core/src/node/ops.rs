@@ -205,12 +205,11 @@ impl Node {
         tracked
     }
 
-    /// Refreshes every tracked entry of `instance` (a transfer's evidence: `last_seen`
-    /// without latching `proven`).
+    /// Refreshes `instance` (a transfer's evidence: `last_seen` without latching
+    /// `proven`). The registry judges instances, so one transfer refreshes every module
+    /// of it, whichever it names.
     fn evidence(&mut self, now: Instant, instance: InstanceId) {
-        for module in Module::ALL {
-            let _ = self.liveness.transfer(now, instance, module);
-        }
+        let _ = self.liveness.transfer(now, instance, Module::ServerDriven);
     }
 
     fn hello(&self, conn: ConnId) -> Value {

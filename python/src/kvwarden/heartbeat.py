@@ -13,7 +13,10 @@ worker never believes in state the server no longer holds.
 One input the core does not have: :meth:`Heartbeat.on_not_registered`, for a transfer
 answered ``not_registered``. The issue asks it to trigger "the same recovery" as a ping
 answered false; it does so by clearing health and making the next ping due at once, so
-the recovery still runs through the one path above (ping false → Recover → done).
+the recovery still runs through the one path above: the ping answers false when the
+instance was reaped (the server reaps an instance whole, every module at once:
+failure-modes row 26), or true while unhealthy when only that module is missing (a
+failed build, an UNREGISTER); either reply asks for the recovery.
 """
 
 from __future__ import annotations
