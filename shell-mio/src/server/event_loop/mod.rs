@@ -413,7 +413,11 @@ impl Server {
             let timeout = self.poll_timeout();
             match self.poll.poll(&mut events, Some(timeout)) {
                 Ok(()) => {}
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                // A stopped and resumed process (SIGSTOP, SIGCONT) sees epoll_wait fail
+                // with EINTR even without a signal handler, and the events that arrived
+                // meanwhile are not in `events`: poll again before judging any deadline,
+                // or a heartbeat already queued on a socket would count too late.
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => {
                     if self.unix_listener.is_some() {
                         let _ = std::fs::remove_file(&self.config.socket_path);
