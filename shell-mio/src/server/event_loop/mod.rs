@@ -28,7 +28,12 @@ use mio::net::{TcpListener, UnixListener};
 use mio::{Events, Interest, Poll, Token};
 use rmpv::Value;
 use rustix::fd::OwnedFd;
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::VecDeque;
+
+/// The loop's maps are keyed by tokens and ids it hands out itself: a fast hash
+/// suffices (the default SipHash showed up in a profile of the ping path).
+type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
+type HashSet<K> = std::collections::HashSet<K, foldhash::fast::RandomState>;
 use std::io::{self, Read};
 use std::sync::Arc;
 use std::time::Duration;
@@ -351,10 +356,10 @@ impl Server {
             tcp_listener,
             http_listener,
             signals,
-            connections: HashMap::new(),
-            http_connections: HashMap::new(),
-            dirty: HashSet::new(),
-            read_again: HashSet::new(),
+            connections: HashMap::default(),
+            http_connections: HashMap::default(),
+            dirty: HashSet::default(),
+            read_again: HashSet::default(),
             flushing: Vec::new(),
             reading_again: Vec::new(),
             deferred_turns: 0,
@@ -362,10 +367,10 @@ impl Server {
             pool,
             l1,
             gpu,
-            fd_stash: HashMap::new(),
-            contexts: HashMap::new(),
-            blends_computed: HashMap::new(),
-            blend_tables: HashMap::new(),
+            fd_stash: HashMap::default(),
+            contexts: HashMap::default(),
+            blends_computed: HashMap::default(),
+            blend_tables: HashMap::default(),
             inputs: VecDeque::new(),
             processes: Processes::default(),
             exiting_pid: None,
@@ -382,7 +387,7 @@ impl Server {
             fd_limit,
             l2,
             l2_down_logged: false,
-            l2_reads: HashMap::new(),
+            l2_reads: HashMap::default(),
             config,
         })
     }
@@ -454,7 +459,12 @@ impl Server {
     }
 
     fn now(&self) -> Instant {
-        let nanos = self.clock_origin.elapsed().as_nanos();
+        self.instant_of(std::time::Instant::now())
+    }
+
+    /// The node's time of a clock reading.
+    fn instant_of(&self, at: std::time::Instant) -> Instant {
+        let nanos = at.saturating_duration_since(self.clock_origin).as_nanos();
         Instant::from_nanos(u64::try_from(nanos).unwrap_or(u64::MAX))
     }
 

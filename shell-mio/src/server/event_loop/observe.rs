@@ -246,7 +246,7 @@ impl Server {
 /// Instances (not entries: an instance is one process) by how their death will be
 /// noticed.
 fn death_notice_counts(node: &NodeStatus) -> [(peer::DeathNotice, usize); 3] {
-    let mut seen = HashSet::new();
+    let mut seen = HashSet::default();
     let mut counts = peer::DeathNotice::ALL.map(|notice| (notice, 0));
     for view in &node.instances {
         if !seen.insert(view.instance) {

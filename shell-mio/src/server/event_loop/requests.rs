@@ -56,12 +56,18 @@ impl Server {
         if count > 0 {
             self.fd_stash.insert((conn, request.id), fds);
         }
-        self.input(Input::Request {
-            conn,
-            request_id: request.id,
-            op: request.op,
-            fds: count,
-        });
+        // One clock read serves the node's `now` and the ping's latency metric.
+        let now = self.instant_of(started);
+        self.node.handle_input(
+            now,
+            Input::Request {
+                conn,
+                request_id: request.id,
+                op: request.op,
+                fds: count,
+            },
+        );
+        self.carry_out();
         // What `StartBuild` did not take is closed now.
         self.fd_stash.clear();
         if ping {
