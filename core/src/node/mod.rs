@@ -706,6 +706,10 @@ pub enum PlantedBug {
     ShutdownLeaks,
     /// Two contexts are freed for one entry.
     DoubleFree,
+    /// `prepare_store` writes the reserved (unpublished) slot to L2 (row 29).
+    WriteUnpublished,
+    /// An L2 value answered `Corrupt` is promoted and served as a hit (row 28).
+    ServeCorrupt,
 }
 
 impl Node {
