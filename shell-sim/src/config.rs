@@ -259,6 +259,8 @@ pub enum Action {
     L2Slow(Nanos),
     /// This fraction of L2 reads find a torn value from now on (`l2_corrupt`, `rate`).
     L2Corrupt(f64),
+    /// This fraction of L2 operations fail from now on (`l2_flaky`, `rate`).
+    L2Flaky(f64),
     /// End every fault: heal every link, thaw and feed every worker, resume or start
     /// the server, builds stop failing, frees stop hanging, L2 healthy (the swarm's
     /// final phase).

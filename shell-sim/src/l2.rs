@@ -5,7 +5,7 @@
 //! faults: down (every operation fails), partitioned (no answer: the shell's client
 //! times out), slow (answers later than the node's timeout, with the real result),
 //! corrupt values (a fraction of reads find a torn value: answered `Corrupt`, and the
-//! key deleted as the shell deletes it).
+//! key deleted as the shell deletes it), flaky (a fraction of operations fail).
 //!
 //! The store outlives a server restart (Redis is another process). What each
 //! operation finds is decided when it completes, against the store then; whether it
@@ -124,6 +124,8 @@ pub struct SimL2 {
     pub slow: Option<Nanos>,
     /// The fraction of reads that find a torn value.
     pub corrupt_rate: f64,
+    /// The fraction of operations that fail (a flaky connection).
+    pub flaky_rate: f64,
     /// Counters for expectations: reads answered `Corrupt`.
     pub corrupt_answers: u64,
     /// Reads answered with a hit.
@@ -148,12 +150,13 @@ impl SimL2 {
         self.partitioned = false;
         self.slow = None;
         self.corrupt_rate = 0.0;
+        self.flaky_rate = 0.0;
     }
 
-    /// When an operation issued now ends, and how (`torn_roll` is the generator's draw
-    /// for a read, in [0, 1)).
-    pub fn issue(&self, torn_roll: f64) -> (Nanos, L2Fate) {
-        if self.down {
+    /// When an operation issued now ends, and how (`torn_roll` and `flaky_roll` are
+    /// the generator's draws, in [0, 1)).
+    pub fn issue(&self, torn_roll: f64, flaky_roll: f64) -> (Nanos, L2Fate) {
+        if self.down || flaky_roll < self.flaky_rate {
             (self.spec.delay, L2Fate::Failed)
         } else if self.partitioned {
             (self.spec.timeout, L2Fate::TimedOut)

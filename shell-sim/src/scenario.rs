@@ -691,19 +691,23 @@ impl Reader<'_> {
                 let rate = self.probability(&field("rate"), raw.rate.unwrap_or(-1.0))?;
                 (Action::L2Corrupt(rate), Some(Action::L2Corrupt(0.0)))
             }
+            "l2_flaky" => {
+                let rate = self.probability(&field("rate"), raw.rate.unwrap_or(-1.0))?;
+                (Action::L2Flaky(rate), Some(Action::L2Flaky(0.0)))
+            }
             "heal_all" => (Action::HealAll, None),
             other => {
                 return Err(self.bad(
                     field("action"),
                     format!("{other:?}"),
-                    "one of crash, restart, freeze, thaw, starve_heartbeat, feed_heartbeat, stop, unregister, register, transfer, partition, heal, set_link, server_pause, server_resume, server_restart, server_stop, clock_step, build_failure_rate, free_hang_rate, intrude, l2_down, l2_partition, l2_up, l2_slow, l2_corrupt, heal_all",
+                    "one of crash, restart, freeze, thaw, starve_heartbeat, feed_heartbeat, stop, unregister, register, transfer, partition, heal, set_link, server_pause, server_resume, server_restart, server_stop, clock_step, build_failure_rate, free_hang_rate, intrude, l2_down, l2_partition, l2_up, l2_slow, l2_corrupt, l2_flaky, heal_all",
                 ));
             }
         };
         events.push(FaultEvent { at, action });
         if let Some(until) = raw.until_seconds {
             let Some(undo) = undo else {
-                return Err(self.bad(field("until_seconds"), until, "only freeze, starve_heartbeat, partition, server_pause, l2_down, l2_partition, l2_slow and l2_corrupt can be undone with until_seconds"));
+                return Err(self.bad(field("until_seconds"), until, "only freeze, starve_heartbeat, partition, server_pause, l2_down, l2_partition, l2_slow, l2_corrupt and l2_flaky can be undone with until_seconds"));
             };
             let end = self.seconds(&field("until_seconds"), until)?;
             if end < at {

@@ -22,8 +22,8 @@ use crate::oracle::Key;
 use crate::time::{Nanos, duration, instant, nanos_of};
 use kvwarden_core::node::l2::{L2Fetched, L2Presence};
 use kvwarden_core::node::{
-    Built, ConnId, ContextId, CopyId, DeathNotice, Direction, FreeId, Input as NodeInput, Node, NodeConfig,
-    Note, Output, ProcessKey, SHUTDOWN_DRAIN, Transport,
+    Built, ConnId, ContextId, CopyId, DeathNotice, Direction, FreeId, Input as NodeInput, Node,
+    NodeConfig, Note, Output, ProcessKey, SHUTDOWN_DRAIN, Transport,
 };
 use kvwarden_core::protocol::{BufferSpec, ErrorCode, Op, ProtocolError};
 use kvwarden_core::{Config, FreeCause, InstanceId, Module, TransferError};
@@ -780,10 +780,12 @@ impl Server {
                         && let Call::Request {
                             conn, request_id, ..
                         } = &call
-                        && let Some(key) = self
-                            .publishing
-                            .get(&(conn.0, *request_id))
-                            .and_then(|keys| keys.get((offset / crate::worker::STORE_BYTES) as usize))
+                        && let Some(key) =
+                            self.publishing
+                                .get(&(conn.0, *request_id))
+                                .and_then(|keys| {
+                                    keys.get((offset / crate::worker::STORE_BYTES) as usize)
+                                })
                     {
                         self.store_copies.insert(copy.0, key.clone());
                     }

@@ -190,20 +190,35 @@ pub fn draw(seed: u64) -> SimConfig {
             delay: rng.between(1, 20) * MILLISECOND,
             timeout: rng.between(20, 500) * MILLISECOND,
             queue_bytes: rng.pick(&[1 << 14, 1 << 20, 64 << 20]),
-            corrupt_rate: if rng.chance(0.7) { 0.0 } else { rng.unit() * 0.3 },
+            corrupt_rate: if rng.chance(0.7) {
+                0.0
+            } else {
+                rng.unit() * 0.3
+            },
         };
-        for _ in 0..rng.between(0, 4) {
+        // Server restarts among them: a retrieve of a chunk stored before one misses
+        // L1 and reads through L2 (hits, torn values).
+        for _ in 0..rng.between(0, 5) {
             let at = rng.between(5 * SECOND / MILLISECOND, fault_end / MILLISECOND) * MILLISECOND;
             let lasting =
                 rng.between(SECOND / MILLISECOND, longest_fault / MILLISECOND) * MILLISECOND;
-            let (action, undo) = match rng.between(0, 3) {
+            let (action, undo) = match rng.between(0, 6) {
                 0 => (Action::L2Down, Action::L2Up),
                 1 => (Action::L2Partition, Action::L2Up),
                 2 => {
                     let late = server.l2.timeout + rng.between(1, 2000) * MILLISECOND;
                     (Action::L2Slow(late), Action::L2Up)
                 }
-                _ => (Action::L2Corrupt(rng.unit()), Action::L2Corrupt(0.0)),
+                3 => (Action::L2Corrupt(rng.unit()), Action::L2Corrupt(0.0)),
+                4 => (Action::L2Flaky(rng.unit() * 0.5), Action::L2Flaky(0.0)),
+                _ => {
+                    let down = rng.between(0, 2000) * MILLISECOND;
+                    events.push(FaultEvent {
+                        at,
+                        action: Action::ServerRestart { down },
+                    });
+                    continue;
+                }
             };
             events.push(FaultEvent { at, action });
             events.push(FaultEvent {

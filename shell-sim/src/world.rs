@@ -674,7 +674,12 @@ impl World {
                 }
                 _ => 1.0,
             };
-            let (delay, fate) = self.server.l2.issue(roll);
+            let flaky = if self.server.l2.flaky_rate > 0.0 {
+                self.rng.unit()
+            } else {
+                1.0
+            };
+            let (delay, fate) = self.server.l2.issue(roll, flaky);
             self.agenda
                 .push(now + delay, Event::L2Done { boot, job, fate });
         }

@@ -259,7 +259,10 @@ fn an_l2_fault_without_l2_is_a_bad_scenario() {
     let message = scenario::parse(Path::new("l2.toml"), text)
         .expect_err("bad timeout")
         .to_string();
-    assert!(message.contains("l2.timeout_ms") && message.contains("-3"), "{message}");
+    assert!(
+        message.contains("l2.timeout_ms") && message.contains("-3"),
+        "{message}"
+    );
 }
 
 #[test]

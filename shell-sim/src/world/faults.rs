@@ -128,6 +128,7 @@ impl World {
             }
             Action::L2Slow(delay) => self.server.l2.slow = Some(delay),
             Action::L2Corrupt(rate) => self.server.l2.corrupt_rate = rate,
+            Action::L2Flaky(rate) => self.server.l2.flaky_rate = rate,
             Action::HealAll => {
                 self.build_failure_rate = 0.0;
                 self.free_hang_rate = 0.0;
