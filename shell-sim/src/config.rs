@@ -313,11 +313,13 @@ pub enum InjectedBug {
     WriteUnpublished,
     /// Node: an L2 value answered `Corrupt` is served as a hit (row 28).
     ServeCorrupt,
+    /// Node: with L2 on, a ping's answer waits for the next `handle_timeout` (row 27).
+    PingWaitsForL2,
 }
 
 impl InjectedBug {
     /// Every bug with its scenario-file spelling.
-    pub const ALL: [(InjectedBug, &'static str); 20] = [
+    pub const ALL: [(InjectedBug, &'static str); 21] = [
         (InjectedBug::SkipHandleTimeout, "skip_handle_timeout"),
         (InjectedBug::DoubleFree, "double_free"),
         (InjectedBug::KeepBlendState, "keep_blend_state"),
@@ -341,6 +343,7 @@ impl InjectedBug {
         (InjectedBug::ShutdownLeaks, "shutdown_leaks"),
         (InjectedBug::WriteUnpublished, "write_unpublished"),
         (InjectedBug::ServeCorrupt, "serve_corrupt"),
+        (InjectedBug::PingWaitsForL2, "ping_waits_for_l2"),
     ];
 
     /// The bug's spelling.
@@ -367,6 +370,7 @@ impl InjectedBug {
             InjectedBug::ShutdownLeaks => PlantedBug::ShutdownLeaks,
             InjectedBug::WriteUnpublished => PlantedBug::WriteUnpublished,
             InjectedBug::ServeCorrupt => PlantedBug::ServeCorrupt,
+            InjectedBug::PingWaitsForL2 => PlantedBug::PingWaitsForL2,
             InjectedBug::SkipHandleTimeout
             | InjectedBug::TimeoutBeforeInput
             | InjectedBug::Panic

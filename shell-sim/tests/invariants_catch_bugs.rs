@@ -248,6 +248,17 @@ fn a_node_that_serves_a_corrupt_l2_value_is_caught() {
 }
 
 #[test]
+fn a_node_whose_ping_waits_with_l2_on_is_caught() {
+    let (class, invariant, detail) =
+        violation_with_bug("27-l2-down-pings-unaffected.toml", "ping_waits_for_l2");
+    assert_eq!(
+        (class, invariant),
+        (Class::Safety, "ping_waited_for_l2"),
+        "{detail}"
+    );
+}
+
+#[test]
 fn an_l2_fault_without_l2_is_a_bad_scenario() {
     let text = "name = \"x\"\nduration_seconds = 10\n[[workers]]\n[[events]]\nat_seconds = 1\naction = \"l2_down\"\n";
     let error = scenario::parse(Path::new("l2.toml"), text).expect_err("no [l2]");

@@ -75,7 +75,13 @@ impl Node {
             }
         }
         if let Op::Ping { instance } = op {
-            return Some(Ok(self.ping(now, instance).into()));
+            let answer: Value = self.ping(now, instance).into();
+            #[cfg(feature = "planted-bugs")]
+            if self.planted(PlantedBug::PingWaitsForL2) && self.l2_enabled() {
+                self.held_pings.push((to, answer));
+                return None;
+            }
+            return Some(Ok(answer));
         }
         // Refused or not, the owner's request is evidence of life (see the module docs).
         if let Some(instance) = op.instance() {
