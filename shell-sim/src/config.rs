@@ -261,6 +261,9 @@ pub enum Action {
     L2Corrupt(f64),
     /// This fraction of L2 operations fail from now on (`l2_flaky`, `rate`).
     L2Flaky(f64),
+    /// Every value L2 holds under these workers' current instances is overwritten with
+    /// garbage (`l2_garble`: written by something else, row 28).
+    L2Garble(Vec<usize>),
     /// End every fault: heal every link, thaw and feed every worker, resume or start
     /// the server, builds stop failing, frees stop hanging, L2 healthy (the swarm's
     /// final phase).

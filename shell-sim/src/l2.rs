@@ -167,9 +167,14 @@ impl SimL2 {
         }
     }
 
-    /// Overwrites `key` with garbage (something else wrote it).
-    pub fn garble(&mut self, key: &[u8]) {
-        if let Some(value) = self.values.get_mut(key) {
+    /// Overwrites every value whose key starts with `prefix` with garbage (something
+    /// else wrote them, or another format version).
+    pub fn garble(&mut self, prefix: &[u8]) {
+        for (_, value) in self
+            .values
+            .range_mut(prefix.to_vec()..)
+            .take_while(|(key, _)| key.starts_with(prefix))
+        {
             value.good = false;
         }
     }

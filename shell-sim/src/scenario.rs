@@ -691,6 +691,7 @@ impl Reader<'_> {
                 let rate = self.probability(&field("rate"), raw.rate.unwrap_or(-1.0))?;
                 (Action::L2Corrupt(rate), Some(Action::L2Corrupt(0.0)))
             }
+            "l2_garble" => (Action::L2Garble(slots()?), None),
             "l2_flaky" => {
                 let rate = self.probability(&field("rate"), raw.rate.unwrap_or(-1.0))?;
                 (Action::L2Flaky(rate), Some(Action::L2Flaky(0.0)))
@@ -700,7 +701,7 @@ impl Reader<'_> {
                 return Err(self.bad(
                     field("action"),
                     format!("{other:?}"),
-                    "one of crash, restart, freeze, thaw, starve_heartbeat, feed_heartbeat, stop, unregister, register, transfer, partition, heal, set_link, server_pause, server_resume, server_restart, server_stop, clock_step, build_failure_rate, free_hang_rate, intrude, l2_down, l2_partition, l2_up, l2_slow, l2_corrupt, l2_flaky, heal_all",
+                    "one of crash, restart, freeze, thaw, starve_heartbeat, feed_heartbeat, stop, unregister, register, transfer, partition, heal, set_link, server_pause, server_resume, server_restart, server_stop, clock_step, build_failure_rate, free_hang_rate, intrude, l2_down, l2_partition, l2_up, l2_slow, l2_corrupt, l2_flaky, l2_garble, heal_all",
                 ));
             }
         };

@@ -129,6 +129,15 @@ impl World {
             Action::L2Slow(delay) => self.server.l2.slow = Some(delay),
             Action::L2Corrupt(rate) => self.server.l2.corrupt_rate = rate,
             Action::L2Flaky(rate) => self.server.l2.flaky_rate = rate,
+            Action::L2Garble(slots) => {
+                for slot in slots {
+                    if let Some(worker) = self.workers[slot].as_ref() {
+                        // The workers' keys begin with their instance id.
+                        let prefix = worker.instance.get().to_le_bytes();
+                        self.server.l2.garble(&prefix);
+                    }
+                }
+            }
             Action::HealAll => {
                 self.build_failure_rate = 0.0;
                 self.free_hang_rate = 0.0;
