@@ -287,6 +287,9 @@ pub struct SeedOutcome {
     pub virtual_nanos: u64,
     /// Timeline (verbose only).
     pub timeline: Vec<String>,
+    /// L2 (rows 27–29): whether the profile ran with L2, writes carried out, reads
+    /// answered with a hit, reads answered `Corrupt`, operations failed or timed out.
+    pub l2: [u64; 5],
 }
 
 /// Runs one seed (twice when `twice`).
@@ -304,6 +307,7 @@ pub fn run_seed_with(
     let mut cfg = swarm::draw(seed);
     cfg.bug = bug;
     let virtual_nanos = cfg.duration;
+    let l2_enabled = cfg.server.l2.enabled;
     let report = run_config(cfg.clone(), Vec::new(), verbose);
     let mut violation = report.violation.clone();
     if twice && violation.is_none() {
@@ -320,12 +324,20 @@ pub fn run_seed_with(
             });
         }
     }
+    let stats = &report.last.server;
     SeedOutcome {
         seed,
         violation,
         events: report.events,
         virtual_nanos,
         timeline: report.timeline,
+        l2: [
+            u64::from(l2_enabled),
+            stats.l2_written,
+            stats.l2_hits,
+            stats.l2_corrupt,
+            stats.l2_failed,
+        ],
     }
 }
 
@@ -357,8 +369,12 @@ pub fn run_swarm(seeds: &[u64], options: &SwarmOptions) -> i32 {
     let mut failures = 0;
     let mut events = 0u64;
     let mut virtual_nanos = 0u64;
+    let mut l2 = [0u64; 5];
     for outcome in results.into_iter().flatten() {
         events += outcome.events;
+        for (total, value) in l2.iter_mut().zip(outcome.l2) {
+            *total += value;
+        }
         virtual_nanos += outcome.virtual_nanos;
         if options.verbose {
             println!(
@@ -410,6 +426,10 @@ pub fn run_swarm(seeds: &[u64], options: &SwarmOptions) -> i32 {
             seeds.len() as f64 / wall,
             as_seconds(virtual_nanos) / 3600.0,
             options.jobs
+        );
+        println!(
+            "stats: l2_runs={} l2_written={} l2_hits={} l2_corrupt={} l2_failed={}",
+            l2[0], l2[1], l2[2], l2[3], l2[4]
         );
     }
     code

@@ -56,6 +56,8 @@ pub struct ServerSpec {
     pub free_hang_rate: f64,
     /// The node's free watchdog: a free running longer is reported (row 20).
     pub free_watchdog: Nanos,
+    /// The L2 tier (rows 27–29): off unless a scenario's `[l2]` or the swarm enables it.
+    pub l2: crate::l2::L2Spec,
 }
 
 impl Default for ServerSpec {
@@ -73,6 +75,7 @@ impl Default for ServerSpec {
             free_delay: 0,
             free_hang_rate: 0.0,
             free_watchdog: 10 * SECOND,
+            l2: crate::l2::L2Spec::default(),
         }
     }
 }
@@ -245,8 +248,25 @@ pub enum Action {
     /// Worker `0` (of its own uid) names worker `1`'s current instance in a ping, a
     /// REGISTER, a transfer and an UNREGISTER (row 23).
     Intrude(usize, usize),
+    /// L2 goes down: every operation fails (`l2_down`), until `L2Up`.
+    L2Down,
+    /// L2 is unreachable: no operation is answered, the shell's client times out
+    /// (`l2_partition`), until `L2Up`.
+    L2Partition,
+    /// L2 is back: down, partitioned and slow end (`l2_up`).
+    L2Up,
+    /// L2 answers every operation this late (`l2_slow`, `delay_ms`), until `L2Up`.
+    L2Slow(Nanos),
+    /// This fraction of L2 reads find a torn value from now on (`l2_corrupt`, `rate`).
+    L2Corrupt(f64),
+    /// This fraction of L2 operations fail from now on (`l2_flaky`, `rate`).
+    L2Flaky(f64),
+    /// Every value L2 holds under these workers' current instances is overwritten with
+    /// garbage (`l2_garble`: written by something else, row 28).
+    L2Garble(Vec<usize>),
     /// End every fault: heal every link, thaw and feed every worker, resume or start
-    /// the server, builds stop failing, frees stop hanging (the swarm's final phase).
+    /// the server, builds stop failing, frees stop hanging, L2 healthy (the swarm's
+    /// final phase).
     HealAll,
 }
 
@@ -292,11 +312,17 @@ pub enum InjectedBug {
     DropBuiltContext,
     /// Node: shutdown stops without freeing anything.
     ShutdownLeaks,
+    /// Node: `prepare_store` writes the unpublished reservation to L2 (row 29).
+    WriteUnpublished,
+    /// Node: an L2 value answered `Corrupt` is served as a hit (row 28).
+    ServeCorrupt,
+    /// Node: with L2 on, a ping's answer waits for the next `handle_timeout` (row 27).
+    PingWaitsForL2,
 }
 
 impl InjectedBug {
     /// Every bug with its scenario-file spelling.
-    pub const ALL: [(InjectedBug, &'static str); 18] = [
+    pub const ALL: [(InjectedBug, &'static str); 21] = [
         (InjectedBug::SkipHandleTimeout, "skip_handle_timeout"),
         (InjectedBug::DoubleFree, "double_free"),
         (InjectedBug::KeepBlendState, "keep_blend_state"),
@@ -318,6 +344,9 @@ impl InjectedBug {
         (InjectedBug::IgnoreProcessExit, "ignore_process_exit"),
         (InjectedBug::DropBuiltContext, "drop_built_context"),
         (InjectedBug::ShutdownLeaks, "shutdown_leaks"),
+        (InjectedBug::WriteUnpublished, "write_unpublished"),
+        (InjectedBug::ServeCorrupt, "serve_corrupt"),
+        (InjectedBug::PingWaitsForL2, "ping_waits_for_l2"),
     ];
 
     /// The bug's spelling.
@@ -342,6 +371,9 @@ impl InjectedBug {
             InjectedBug::IgnoreProcessExit => PlantedBug::IgnoreProcessExit,
             InjectedBug::DropBuiltContext => PlantedBug::DropBuiltContext,
             InjectedBug::ShutdownLeaks => PlantedBug::ShutdownLeaks,
+            InjectedBug::WriteUnpublished => PlantedBug::WriteUnpublished,
+            InjectedBug::ServeCorrupt => PlantedBug::ServeCorrupt,
+            InjectedBug::PingWaitsForL2 => PlantedBug::PingWaitsForL2,
             InjectedBug::SkipHandleTimeout
             | InjectedBug::TimeoutBeforeInput
             | InjectedBug::Panic

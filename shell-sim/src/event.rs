@@ -58,6 +58,15 @@ pub enum Event {
         /// The node's free id.
         free: u64,
     },
+    /// An L2 operation ends.
+    L2Done {
+        /// The server boot that issued it.
+        boot: u64,
+        /// The operation.
+        job: crate::l2::L2Job,
+        /// How it ends.
+        fate: crate::l2::L2Fate,
+    },
     /// A dead worker's connections close (after what it sent before it died).
     Disconnect {
         /// The server boot the connections were opened to.

@@ -47,10 +47,18 @@ pub enum ExpectKind {
     FreesHung,
     /// At least `min` frames refused by the real decoder, each answered (row 24).
     DecodeErrors,
+    /// At least `min` L2 writes carried out (rows 27, 29).
+    L2Written,
+    /// At least `min` L2 reads answered with a hit.
+    L2Hits,
+    /// At least `min` L2 reads answered `Corrupt` (row 28).
+    L2Corrupt,
+    /// At least `min` L2 operations answered `Failed` or `TimedOut` (row 27).
+    L2Failed,
 }
 
 impl ExpectKind {
-    const NAMES: [(ExpectKind, &'static str); 17] = [
+    const NAMES: [(ExpectKind, &'static str); 21] = [
         (ExpectKind::Reaped, "reaped"),
         (ExpectKind::NotReaped, "not_reaped"),
         (ExpectKind::Freed, "freed"),
@@ -68,10 +76,14 @@ impl ExpectKind {
         (ExpectKind::Forbidden, "forbidden"),
         (ExpectKind::FreesHung, "frees_hung"),
         (ExpectKind::DecodeErrors, "decode_errors"),
+        (ExpectKind::L2Written, "l2_written"),
+        (ExpectKind::L2Hits, "l2_hits"),
+        (ExpectKind::L2Corrupt, "l2_corrupt"),
+        (ExpectKind::L2Failed, "l2_failed"),
     ];
 
     /// The accepted spellings, for error messages.
-    pub const HELP: &'static str = "one of reaped, not_reaped, freed, not_freed, contexts, builds, healthy, recovered, bad_args, unregister_false, stalls, reservations_discarded, frees_deferred, converged, forbidden, frees_hung, decode_errors";
+    pub const HELP: &'static str = "one of reaped, not_reaped, freed, not_freed, contexts, builds, healthy, recovered, bad_args, unregister_false, stalls, reservations_discarded, frees_deferred, converged, forbidden, frees_hung, decode_errors, l2_written, l2_hits, l2_corrupt, l2_failed";
 
     /// The kind spelled `name` in a scenario file.
     pub fn parse(name: &str) -> Option<ExpectKind> {
@@ -436,9 +448,17 @@ fn judge_one(
         ExpectKind::ReservationsDiscarded
         | ExpectKind::FreesDeferred
         | ExpectKind::FreesHung
-        | ExpectKind::DecodeErrors => {
+        | ExpectKind::DecodeErrors
+        | ExpectKind::L2Written
+        | ExpectKind::L2Hits
+        | ExpectKind::L2Corrupt
+        | ExpectKind::L2Failed => {
             let min = e.min.unwrap_or(1);
             let have = match e.kind {
+                ExpectKind::L2Written => snapshot.server.l2_written,
+                ExpectKind::L2Hits => snapshot.server.l2_hits,
+                ExpectKind::L2Corrupt => snapshot.server.l2_corrupt,
+                ExpectKind::L2Failed => snapshot.server.l2_failed,
                 ExpectKind::ReservationsDiscarded => snapshot.server.reservations_discarded,
                 ExpectKind::FreesDeferred => snapshot.server.frees_deferred,
                 ExpectKind::FreesHung => snapshot.server.frees_hung,

@@ -21,6 +21,9 @@
 //! | `blend_without_entry` | safety | blend state of an instance with no entry |
 //! | `pin_of_freed_instance` | safety | a pin or reservation owned by a freed context |
 //! | `free_during_copy` | safety | a free started while a copy still uses the context |
+//! | `ping_waited_for_l2` | safety | a ping not answered in the node call it was handed in (row 27: nothing a ping needs waits for L2 or anything else) |
+//! | `l2_unpublished` | safety | an `L2Write` of a key never published: no store's copy into L1 completed and no `commit_store` was answered `true` for it (row 29: an engine-driven reservation never committed, a copy cut short) |
+//! | `l2_corrupt_served` | safety | a `retrieve` or `prepare_retrieve` answered with data after the simulated L2 answered its read `Corrupt` (row 28; the read's L1 slot was reserved, so no good copy was in L1) |
 //! | `context_leaked` | liveness | an entry gone, its context neither freed nor waiting for a copy |
 //! | `not_freed_at_shutdown` | liveness | a clean stop that left a context unfreed |
 //! | `reap_late` | liveness | an entry still present more than R past its deadline (C5) |
@@ -98,6 +101,12 @@ pub struct Checker {
     /// The first violation.
     pub violation: Option<Violation>,
     now: Nanos,
+    /// Keys whose published bytes reached L1 (a store's copy completed, a commit
+    /// answered `true`): the only keys L2 may be written (row 29).
+    published: BTreeSet<Vec<u8>>,
+    /// Requests (connection, request) whose L2 read was answered `Corrupt`: never
+    /// answered with data (row 28).
+    corrupt_reads: BTreeMap<(u64, u64), Vec<u8>>,
 }
 
 impl Checker {
@@ -127,6 +136,8 @@ impl Checker {
             expected_stall: None,
             violation: None,
             now,
+            published: BTreeSet::new(),
+            corrupt_reads: BTreeMap::new(),
         }
     }
 
@@ -163,6 +174,58 @@ impl Checker {
     /// Live contexts in total.
     pub fn live_total(&self) -> u64 {
         self.live_per_key.values().map(|&n| u64::from(n)).sum()
+    }
+
+    // ----- L2 (rows 27–29) -----
+
+    /// `key`'s published bytes are in L1 (a store's copy completed, or a commit was
+    /// answered `true`).
+    pub fn published(&mut self, key: Vec<u8>) {
+        self.published.insert(key);
+    }
+
+    /// The node asked to write `key` to L2: only published data may go (row 29).
+    /// Returns whether the bytes are the key's published ones.
+    pub fn l2_write(&mut self, key: &[u8]) -> bool {
+        if self.published.contains(key) {
+            return true;
+        }
+        self.fail(
+            Class::Safety,
+            "l2_unpublished",
+            format!(
+                "the node wrote key {} to L2, but it was never published: no store's copy \
+                 into L1 completed and no `commit_store` was answered `true` for it (row 29)",
+                hex(key)
+            ),
+        );
+        false
+    }
+
+    /// The simulated L2 answered `Corrupt` to the read a `retrieve` or
+    /// `prepare_retrieve` caused.
+    pub fn l2_corrupt_read(&mut self, request: (u64, u64), key: Vec<u8>) {
+        self.corrupt_reads.insert(request, key);
+    }
+
+    /// A request was answered; `data`: with something other than nil or an error.
+    pub fn answered(&mut self, request: (u64, u64), data: bool) {
+        if self.corrupt_reads.is_empty() {
+            return;
+        }
+        if let Some(key) = self.corrupt_reads.remove(&request)
+            && data
+        {
+            self.fail(
+                Class::Safety,
+                "l2_corrupt_served",
+                format!(
+                    "a read of key {} was answered with data although L2 answered its value \
+                     `Corrupt` and L1 held no copy (row 28: a corrupt value is a miss)",
+                    hex(&key)
+                ),
+            );
+        }
     }
 
     // ----- the server process -----
@@ -790,4 +853,9 @@ impl Checker {
     pub fn corrected_at(&self, instant: Nanos) -> Nanos {
         self.clock.at(instant)
     }
+}
+
+/// A key, printed.
+fn hex(key: &[u8]) -> String {
+    key.iter().map(|byte| format!("{byte:02x}")).collect()
 }

@@ -21,6 +21,7 @@ pub mod config;
 pub mod event;
 pub mod expect;
 pub mod invariants;
+pub mod l2;
 pub mod message;
 pub mod network;
 pub mod oracle;

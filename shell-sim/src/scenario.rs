@@ -74,6 +74,8 @@ struct RawScenario {
     #[serde(default)]
     server: RawServer,
     #[serde(default)]
+    l2: Option<RawL2>,
+    #[serde(default)]
     workers: Vec<RawWorkers>,
     #[serde(default)]
     events: Vec<RawEvent>,
@@ -97,6 +99,16 @@ struct RawServer {
     free_seconds: Option<f64>,
     free_hang_rate: Option<f64>,
     free_watchdog_seconds: Option<f64>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawL2 {
+    enabled: Option<bool>,
+    delay_ms: Option<f64>,
+    timeout_ms: Option<f64>,
+    queue_bytes: Option<u64>,
+    corrupt_rate: Option<f64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -144,6 +156,7 @@ struct RawEvent {
     down_seconds: Option<f64>,
     step_seconds: Option<f64>,
     rate: Option<f64>,
+    delay_ms: Option<f64>,
     link: Option<RawLink>,
     target: Option<String>,
 }
@@ -223,7 +236,10 @@ impl Reader<'_> {
                 "a run must last more than 0 s",
             ));
         }
-        let server = self.server(&raw.server)?;
+        let mut server = self.server(&raw.server)?;
+        if let Some(l2) = &raw.l2 {
+            server.l2 = self.l2(l2)?;
+        }
         let mut workers = Vec::new();
         for (index, group) in raw.workers.iter().enumerate() {
             if group.count == 0 || group.count > 100_000 {
@@ -271,6 +287,15 @@ impl Reader<'_> {
         for (index, event) in raw.events.iter().enumerate() {
             self.event(index, event, &workers, &mut events)?;
         }
+        if !server.l2.enabled
+            && let Some(index) = raw.events.iter().position(|e| e.action.starts_with("l2_"))
+        {
+            return Err(self.bad(
+                format!("events[{index}].action"),
+                format!("{:?}", raw.events[index].action),
+                "an L2 fault needs L2: add an [l2] section (enabled = true)",
+            ));
+        }
         events.sort_by_key(|e: &FaultEvent| e.at);
         let mut expectations = Vec::new();
         let mut converge_at_end = false;
@@ -295,6 +320,37 @@ impl Reader<'_> {
             },
             expectations,
         })
+    }
+
+    fn millis(&self, field: &str, value: f64) -> Result<Nanos, ScenarioError> {
+        if !value.is_finite() || value <= 0.0 {
+            return Err(self.bad(field, value, "a finite number of milliseconds above 0"));
+        }
+        Ok(from_seconds(value / 1e3))
+    }
+
+    /// `[l2]`: present means enabled unless `enabled = false`.
+    fn l2(&self, raw: &RawL2) -> Result<crate::l2::L2Spec, ScenarioError> {
+        let mut spec = crate::l2::L2Spec {
+            enabled: raw.enabled.unwrap_or(true),
+            ..crate::l2::L2Spec::default()
+        };
+        if let Some(v) = raw.delay_ms {
+            spec.delay = self.millis("l2.delay_ms", v)?;
+        }
+        if let Some(v) = raw.timeout_ms {
+            spec.timeout = self.millis("l2.timeout_ms", v)?;
+        }
+        if let Some(v) = raw.queue_bytes {
+            if v == 0 {
+                return Err(self.bad("l2.queue_bytes", v, "at least 1 byte"));
+            }
+            spec.queue_bytes = v;
+        }
+        if let Some(v) = raw.corrupt_rate {
+            spec.corrupt_rate = self.probability("l2.corrupt_rate", v)?;
+        }
+        Ok(spec)
     }
 
     fn server(&self, raw: &RawServer) -> Result<ServerSpec, ScenarioError> {
@@ -615,19 +671,44 @@ impl Reader<'_> {
                 }
                 (Action::Intrude(from[0], target[0]), None)
             }
+            "l2_down" => (Action::L2Down, Some(Action::L2Up)),
+            "l2_partition" => (Action::L2Partition, Some(Action::L2Up)),
+            "l2_up" => (Action::L2Up, None),
+            "l2_slow" => {
+                let Some(delay) = raw.delay_ms else {
+                    return Err(self.bad(
+                        field("delay_ms"),
+                        "nothing",
+                        "l2_slow needs delay_ms (how late L2 answers; above l2.timeout_ms to be slow)",
+                    ));
+                };
+                (
+                    Action::L2Slow(self.millis(&field("delay_ms"), delay)?),
+                    Some(Action::L2Up),
+                )
+            }
+            "l2_corrupt" => {
+                let rate = self.probability(&field("rate"), raw.rate.unwrap_or(-1.0))?;
+                (Action::L2Corrupt(rate), Some(Action::L2Corrupt(0.0)))
+            }
+            "l2_garble" => (Action::L2Garble(slots()?), None),
+            "l2_flaky" => {
+                let rate = self.probability(&field("rate"), raw.rate.unwrap_or(-1.0))?;
+                (Action::L2Flaky(rate), Some(Action::L2Flaky(0.0)))
+            }
             "heal_all" => (Action::HealAll, None),
             other => {
                 return Err(self.bad(
                     field("action"),
                     format!("{other:?}"),
-                    "one of crash, restart, freeze, thaw, starve_heartbeat, feed_heartbeat, stop, unregister, register, transfer, partition, heal, set_link, server_pause, server_resume, server_restart, server_stop, clock_step, build_failure_rate, free_hang_rate, intrude, heal_all",
+                    "one of crash, restart, freeze, thaw, starve_heartbeat, feed_heartbeat, stop, unregister, register, transfer, partition, heal, set_link, server_pause, server_resume, server_restart, server_stop, clock_step, build_failure_rate, free_hang_rate, intrude, l2_down, l2_partition, l2_up, l2_slow, l2_corrupt, l2_flaky, l2_garble, heal_all",
                 ));
             }
         };
         events.push(FaultEvent { at, action });
         if let Some(until) = raw.until_seconds {
             let Some(undo) = undo else {
-                return Err(self.bad(field("until_seconds"), until, "only freeze, starve_heartbeat, partition and server_pause can be undone with until_seconds"));
+                return Err(self.bad(field("until_seconds"), until, "only freeze, starve_heartbeat, partition, server_pause, l2_down, l2_partition, l2_slow, l2_corrupt and l2_flaky can be undone with until_seconds"));
             };
             let end = self.seconds(&field("until_seconds"), until)?;
             if end < at {

@@ -16,12 +16,14 @@
 
 use crate::config::{InjectedBug, SERVER_UID, ServerSpec};
 use crate::invariants::{Checker, ShellView};
+use crate::l2::{L2Fate, L2Job, SimL2};
 use crate::message::{Channel, Envelope, Payload, ReplyEnvelope};
 use crate::oracle::Key;
 use crate::time::{Nanos, duration, instant, nanos_of};
+use kvwarden_core::node::l2::{L2Fetched, L2Presence};
 use kvwarden_core::node::{
-    Built, ConnId, ContextId, CopyId, DeathNotice, FreeId, Input as NodeInput, Node, NodeConfig,
-    Note, Output, ProcessKey, SHUTDOWN_DRAIN, Transport,
+    Built, ConnId, ContextId, CopyId, DeathNotice, Direction, FreeId, Input as NodeInput, Node,
+    NodeConfig, Note, Output, ProcessKey, SHUTDOWN_DRAIN, Transport,
 };
 use kvwarden_core::protocol::{BufferSpec, ErrorCode, Op, ProtocolError};
 use kvwarden_core::{Config, FreeCause, InstanceId, Module, TransferError};
@@ -67,6 +69,13 @@ pub enum Input {
     FreeDone(u64),
     /// A pidfd reported an exit.
     ExitNotice(InstanceId),
+    /// An L2 operation ended, as drawn when it was issued.
+    L2Done {
+        /// The operation.
+        job: L2Job,
+        /// How it ends.
+        fate: L2Fate,
+    },
     /// The connections of a dead worker process closed.
     Closed {
         /// The slot.
@@ -106,6 +115,8 @@ pub struct ServerOut {
     pub frees: Vec<FreeRecord>,
     /// Entries reaped this step, context or not.
     pub reaped: u64,
+    /// L2 operations issued: the world schedules their answers.
+    pub l2_jobs: Vec<L2Job>,
 }
 
 /// Counters a scenario can assert on.
@@ -131,6 +142,16 @@ pub struct ServerStats {
     pub decode_errors: u64,
     /// Connections closed after a `bad_frame`.
     pub connections_closed: u64,
+    /// L2 writes answered `Written`.
+    pub l2_written: u64,
+    /// L2 reads answered with a hit.
+    pub l2_hits: u64,
+    /// L2 reads answered `Corrupt`.
+    pub l2_corrupt: u64,
+    /// L2 operations answered `Failed` or `TimedOut`.
+    pub l2_failed: u64,
+    /// L2 breaker changes the node noted.
+    pub l2_state_changes: u64,
 }
 
 /// What a request asks, as far as the checker must know to read its answer (an op
@@ -180,6 +201,8 @@ enum Call {
         exiting: bool,
         /// The named instance's entries before, when it is not the sender's own.
         before: Option<[Option<kvwarden_core::EntryView>; 2]>,
+        /// A `retrieve` or `prepare_retrieve`: an L2 read it causes is its own.
+        reads: bool,
     },
     BuildDone {
         key: Key,
@@ -227,6 +250,17 @@ pub struct Server {
     pub exited_same_host: BTreeSet<InstanceId>,
     /// Counters.
     pub stats: ServerStats,
+    /// The L2 store (another process: it outlives a restart of the server).
+    pub l2: SimL2,
+    /// L2 reads asked for a `retrieve` or `prepare_retrieve`: its (connection, request).
+    l2_reads: BTreeMap<u64, (u64, u64)>,
+    /// Stores and commits in flight (connection, request) → the keys their `true`
+    /// publishes (L2 on only).
+    publishing: HashMap<(u64, u64), Vec<Vec<u8>>>,
+    /// Copies into L1 of a store: the key their completion publishes (L2 on only).
+    store_copies: HashMap<u64, Vec<u8>>,
+    /// L2 writes (a pinned slot) and reads (a reserved slot) not answered yet.
+    l2_holding: usize,
     /// The pending wake's instant.
     pub wake_at: Option<Nanos>,
     /// The pending wake's generation.
@@ -240,6 +274,7 @@ impl Server {
     /// A server booted at `now`.
     pub fn new(spec: ServerSpec, bug: Option<InjectedBug>, now: Nanos) -> Result<Server, String> {
         let mut server = Server {
+            l2: SimL2::new(spec.l2.clone()),
             spec,
             bug,
             boot: 0,
@@ -264,6 +299,10 @@ impl Server {
             watched: BTreeSet::new(),
             exited_same_host: BTreeSet::new(),
             stats: ServerStats::default(),
+            l2_reads: BTreeMap::new(),
+            publishing: HashMap::default(),
+            store_copies: HashMap::default(),
+            l2_holding: 0,
             wake_at: None,
             wake_generation: 0,
             wall_offset: 0,
@@ -300,7 +339,7 @@ impl Server {
             free_watchdog: duration(self.spec.free_watchdog),
             shutdown_drain: SHUTDOWN_DRAIN,
             cuda_devices: Err("the simulator has no CUDA".to_string()),
-            l2: None,
+            l2: self.spec.l2.node_config(),
         };
         #[allow(unused_mut)]
         let mut node = Node::new(config, instant(now)).map_err(|error| error.to_string())?;
@@ -417,6 +456,10 @@ impl Server {
         self.reserved.clear();
         self.reserved_total = 0;
         self.watched.clear();
+        self.l2_reads.clear();
+        self.publishing.clear();
+        self.store_copies.clear();
+        self.l2_holding = 0;
         self.boot += 1;
         self.wake_at = None;
         self.wake_generation += 1;
@@ -521,6 +564,10 @@ impl Server {
                 if let Some(context) = self.copies.remove(&copy) {
                     checker.copy_done(context);
                 }
+                if let Some(key) = self.store_copies.remove(&copy.0) {
+                    // The copy completed: the slot holds the key's published bytes.
+                    checker.published(key);
+                }
                 let input = NodeInput::CopyDone {
                     copy,
                     result: Ok(crate::worker::STORE_BYTES),
@@ -556,6 +603,10 @@ impl Server {
                         self.call(now, Some(input), Call::Other, checker, out);
                     }
                 }
+            }
+            Input::L2Done { job, fate } => {
+                let input = self.l2_done(job, fate, checker);
+                self.call(now, Some(input), Call::Other, checker, out);
             }
             Input::ExitNotice(instance) => {
                 let process = ProcessKey(instance.get());
@@ -607,6 +658,17 @@ impl Server {
             }
             Payload::Bytes(_) => return, // decoded on arrival; never here
         };
+        if self.spec.l2.enabled {
+            let keys = match &op {
+                Op::Store { key, .. } | Op::CommitStore { key, .. } => vec![key.clone()],
+                Op::StoreBatch { items, .. } => items.iter().map(|item| item.key.clone()).collect(),
+                _ => Vec::new(),
+            };
+            if !keys.is_empty() {
+                self.publishing.insert((conn.0, request_id), keys);
+            }
+        }
+        let reads = matches!(op, Op::Retrieve { .. } | Op::PrepareRetrieve { .. });
         let instance = op.instance();
         let before = instance
             .filter(|&named| named != envelope.instance)
@@ -619,6 +681,7 @@ impl Server {
             asked: Asked::of(&op),
             exiting,
             before,
+            reads,
         };
         let input = NodeInput::Request {
             conn,
@@ -669,6 +732,9 @@ impl Server {
             outputs.push(output);
         }
         self.before_outputs(now, &call, &outputs, checker);
+        if self.spec.l2.enabled {
+            self.l2_replies(&outputs, checker);
+        }
         let mut freed: Vec<(Key, FreeCause)> = Vec::new();
         let mut exits = Vec::new();
         let mut exit_noted = false;
@@ -703,7 +769,26 @@ impl Server {
                     self.builds.insert(context, ((instance, module), lens));
                     out.builds.push(context.0);
                 }
-                Output::StartCopy { copy, context, .. } => {
+                Output::StartCopy {
+                    copy,
+                    context,
+                    direction,
+                    offset,
+                    ..
+                } => {
+                    if direction == Direction::ToL1
+                        && let Call::Request {
+                            conn, request_id, ..
+                        } = &call
+                        && let Some(key) =
+                            self.publishing
+                                .get(&(conn.0, *request_id))
+                                .and_then(|keys| {
+                                    keys.get((offset / crate::worker::STORE_BYTES) as usize)
+                                })
+                    {
+                        self.store_copies.insert(copy.0, key.clone());
+                    }
                     if let Some(&id) = self.ledger.get(&context) {
                         self.copies.insert(copy, id);
                         checker.copy_started(id);
@@ -815,11 +900,40 @@ impl Server {
                             );
                         }
                     }
+                    Note::L2StateChanged { .. } => self.stats.l2_state_changes += 1,
                     _ => {}
                 },
                 Output::Stopped { .. } => {
                     self.state = ServerState::Stopped;
                     checker.stopped();
+                }
+                Output::L2Write {
+                    write, key, nbytes, ..
+                } if self.spec.l2.enabled => {
+                    let good = checker.l2_write(&key);
+                    self.l2_holding += 1;
+                    out.l2_jobs.push(L2Job::Write {
+                        write,
+                        key,
+                        nbytes,
+                        good,
+                    });
+                }
+                Output::L2Get { read, key, .. } if self.spec.l2.enabled => {
+                    if let Call::Request {
+                        conn,
+                        request_id,
+                        reads: true,
+                        ..
+                    } = &call
+                    {
+                        self.l2_reads.insert(read.0, (conn.0, *request_id));
+                    }
+                    self.l2_holding += 1;
+                    out.l2_jobs.push(L2Job::Get { read, key });
+                }
+                Output::L2Exists { read, keys } if self.spec.l2.enabled => {
+                    out.l2_jobs.push(L2Job::Exists { read, keys });
                 }
                 Output::L2Write { .. } | Output::L2Get { .. } | Output::L2Exists { .. } => {
                     checker.fail(
@@ -850,7 +964,7 @@ impl Server {
                 let occupancy = node.l1_occupancy();
                 (
                     occupancy.reserved + occupancy.pinned,
-                    self.reserved_total + self.copies.len(),
+                    self.reserved_total + self.copies.len() + self.l2_holding,
                 )
             }
             _ => (0, 0),
@@ -906,6 +1020,7 @@ impl Server {
                 asked,
                 exiting,
                 before,
+                ..
             } => {
                 let reply = outputs.iter().find_map(|output| match output {
                     Output::Reply {
@@ -941,6 +1056,17 @@ impl Server {
                     return; // shutting down: refused before anything
                 }
                 if let Asked::Ping = asked {
+                    if reply.is_none() {
+                        checker.fail(
+                            crate::violation::Class::Safety,
+                            "ping_waited_for_l2",
+                            format!(
+                                "a ping of instance {instance} was not answered in the node call \
+                                 it was handed in (row 27: nothing a ping needs waits for L2)"
+                            ),
+                        );
+                        return;
+                    }
                     if let Some(Ok(Value::Boolean(tracked))) = reply {
                         checker.ping(now, instance, *tracked);
                     }
@@ -1016,6 +1142,77 @@ impl Server {
                 }
             }
             Call::CopyDone | Call::Exit(_) | Call::Other => {}
+        }
+    }
+
+    /// An L2 operation ends: carried out against the store, its answer for the node.
+    fn l2_done(&mut self, job: L2Job, fate: L2Fate, checker: &mut Checker) -> NodeInput {
+        if !matches!(job, L2Job::Exists { .. }) {
+            self.l2_holding -= 1;
+        }
+        match job {
+            L2Job::Write {
+                write,
+                key,
+                nbytes,
+                good,
+            } => {
+                let outcome = self.l2.write(fate, key, nbytes, good);
+                match outcome {
+                    kvwarden_core::l2::WriteOutcome::Written => self.stats.l2_written += 1,
+                    _ => self.stats.l2_failed += 1,
+                }
+                NodeInput::L2Written { write, outcome }
+            }
+            L2Job::Get { read, key } => {
+                let fetched = self.l2.get(fate, &key);
+                let asker = self.l2_reads.remove(&read.0);
+                match fetched {
+                    L2Fetched::Hit { .. } => self.stats.l2_hits += 1,
+                    L2Fetched::Corrupt => {
+                        self.stats.l2_corrupt += 1;
+                        if let Some(asker) = asker {
+                            checker.l2_corrupt_read(asker, key);
+                        }
+                    }
+                    L2Fetched::Absent => {}
+                    L2Fetched::TimedOut | L2Fetched::Failed => self.stats.l2_failed += 1,
+                }
+                NodeInput::L2Got { read, fetched }
+            }
+            L2Job::Exists { read, keys } => {
+                let presence = self.l2.exists(fate, &keys);
+                if !matches!(presence, L2Presence::Present(_)) {
+                    self.stats.l2_failed += 1;
+                }
+                NodeInput::L2Existed { read, presence }
+            }
+        }
+    }
+
+    /// What the node's replies say about L2: stores and commits answered `true`
+    /// published their keys; a read L2 found corrupt must not be answered with data.
+    fn l2_replies(&mut self, outputs: &[Output], checker: &mut Checker) {
+        for output in outputs {
+            let Output::Reply {
+                conn,
+                request_id,
+                result,
+                ..
+            } = output
+            else {
+                continue;
+            };
+            let request = (conn.0, *request_id);
+            if let Some(keys) = self.publishing.remove(&request) {
+                // A commit answered `true` published its key (a store's key is
+                // published when its copy completes).
+                if *result == Ok(Value::Boolean(true)) && keys.len() == 1 {
+                    keys.into_iter().for_each(|key| checker.published(key));
+                }
+            }
+            let data = matches!(result, Ok(value) if *value != Value::Nil);
+            checker.answered(request, data);
         }
     }
 

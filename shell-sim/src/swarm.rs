@@ -46,6 +46,7 @@ pub fn draw(seed: u64) -> SimConfig {
         free_delay: 0,
         free_hang_rate: 0.0,
         free_watchdog: 10 * SECOND,
+        l2: crate::l2::L2Spec::default(),
     };
     let mut server = server;
     let count = rng.between(1, 6) as usize;
@@ -180,9 +181,56 @@ pub fn draw(seed: u64) -> SimConfig {
             spec.garbage_every = Some(rng.between(500, 10_000) * MILLISECOND);
         }
     }
+    let run_seed = rng.next_u64();
+    // L2 is drawn after everything else (the run's seed included), so that a profile
+    // without it is what it was before L2 existed (rows 27–29).
+    if rng.chance(0.3) {
+        server.l2 = crate::l2::L2Spec {
+            enabled: true,
+            delay: rng.between(1, 20) * MILLISECOND,
+            timeout: rng.between(20, 500) * MILLISECOND,
+            queue_bytes: rng.pick(&[1 << 14, 1 << 20, 64 << 20]),
+            corrupt_rate: if rng.chance(0.7) {
+                0.0
+            } else {
+                rng.unit() * 0.3
+            },
+        };
+        // Server restarts among them: a retrieve of a chunk stored before one misses
+        // L1 and reads through L2 (hits, torn values).
+        for _ in 0..rng.between(0, 5) {
+            let at = rng.between(5 * SECOND / MILLISECOND, fault_end / MILLISECOND) * MILLISECOND;
+            let lasting =
+                rng.between(SECOND / MILLISECOND, longest_fault / MILLISECOND) * MILLISECOND;
+            let (action, undo) = match rng.between(0, 6) {
+                0 => (Action::L2Down, Action::L2Up),
+                1 => (Action::L2Partition, Action::L2Up),
+                2 => {
+                    let late = server.l2.timeout + rng.between(1, 2000) * MILLISECOND;
+                    (Action::L2Slow(late), Action::L2Up)
+                }
+                3 => (Action::L2Corrupt(rng.unit()), Action::L2Corrupt(0.0)),
+                4 => (Action::L2Flaky(rng.unit() * 0.5), Action::L2Flaky(0.0)),
+                _ => {
+                    let down = rng.between(0, 2000) * MILLISECOND;
+                    events.push(FaultEvent {
+                        at,
+                        action: Action::ServerRestart { down },
+                    });
+                    continue;
+                }
+            };
+            events.push(FaultEvent { at, action });
+            events.push(FaultEvent {
+                at: at + lasting,
+                action: undo,
+            });
+        }
+        events.sort_by_key(|e| e.at);
+    }
     SimConfig {
         name: format!("swarm seed {seed}"),
-        seed: rng.next_u64(),
+        seed: run_seed,
         duration: heal_at + settle,
         server,
         workers,
@@ -211,6 +259,16 @@ pub fn describe(cfg: &SimConfig) -> String {
         as_seconds(s.free_delay),
         s.free_hang_rate,
     );
+    if s.l2.enabled {
+        let _ = writeln!(
+            text,
+            "  l2: delay {:.3}ms timeout {:.3}ms queue {} bytes corrupt {:.3}",
+            s.l2.delay as f64 / 1e6,
+            s.l2.timeout as f64 / 1e6,
+            s.l2.queue_bytes,
+            s.l2.corrupt_rate,
+        );
+    }
     for w in &cfg.workers {
         let _ = writeln!(
             text,

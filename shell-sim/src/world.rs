@@ -211,6 +211,7 @@ impl World {
                     | Event::CopyDone { .. }
                     | Event::BlendDone { .. }
                     | Event::FreeDone { .. }
+                    | Event::L2Done { .. }
             )
         {
             // The pool threads of a stopped process are stopped too: the job finishes
@@ -293,6 +294,13 @@ impl World {
                 }
                 self.mix(14 ^ free << 8);
                 self.server_input(Input::FreeDone(free));
+            }
+            Event::L2Done { boot, job, fate } => {
+                if boot != self.server.boot {
+                    return;
+                }
+                self.mix(15);
+                self.server_input(Input::L2Done { job, fate });
             }
             Event::Disconnect {
                 boot,
@@ -658,6 +666,22 @@ impl World {
                 now + self.cfg.server.free_delay,
                 Event::FreeDone { boot, free },
             );
+        }
+        for job in out.l2_jobs {
+            let roll = match job {
+                crate::l2::L2Job::Get { .. } if self.server.l2.corrupt_rate > 0.0 => {
+                    self.rng.unit()
+                }
+                _ => 1.0,
+            };
+            let flaky = if self.server.l2.flaky_rate > 0.0 {
+                self.rng.unit()
+            } else {
+                1.0
+            };
+            let (delay, fate) = self.server.l2.issue(roll, flaky);
+            self.agenda
+                .push(now + delay, Event::L2Done { boot, job, fate });
         }
         for record in out.frees {
             self.mix(11 ^ record.context << 8 ^ cause_code(record.cause) << 56);

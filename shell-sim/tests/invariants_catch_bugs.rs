@@ -223,6 +223,60 @@ fn a_node_that_drops_a_built_context_diverges_from_the_reference() {
 }
 
 #[test]
+fn a_node_that_writes_an_unpublished_reservation_to_l2_is_caught() {
+    let (class, invariant, detail) = violation_with_bug(
+        "29-worker-killed-with-reservation-l2.toml",
+        "write_unpublished",
+    );
+    assert_eq!(
+        (class, invariant),
+        (Class::Safety, "l2_unpublished"),
+        "{detail}"
+    );
+    assert_eq!(class.exit_code(), 129);
+}
+
+#[test]
+fn a_node_that_serves_a_corrupt_l2_value_is_caught() {
+    let (class, invariant, detail) =
+        violation_with_bug("28-l2-corrupt-values.toml", "serve_corrupt");
+    assert_eq!(
+        (class, invariant),
+        (Class::Safety, "l2_corrupt_served"),
+        "{detail}"
+    );
+}
+
+#[test]
+fn a_node_whose_ping_waits_with_l2_on_is_caught() {
+    let (class, invariant, detail) =
+        violation_with_bug("27-l2-down-pings-unaffected.toml", "ping_waits_for_l2");
+    assert_eq!(
+        (class, invariant),
+        (Class::Safety, "ping_waited_for_l2"),
+        "{detail}"
+    );
+}
+
+#[test]
+fn an_l2_fault_without_l2_is_a_bad_scenario() {
+    let text = "name = \"x\"\nduration_seconds = 10\n[[workers]]\n[[events]]\nat_seconds = 1\naction = \"l2_down\"\n";
+    let error = scenario::parse(Path::new("l2.toml"), text).expect_err("no [l2]");
+    let message = error.to_string();
+    assert!(message.contains("l2.toml"), "{message}");
+    assert!(message.contains("events[0].action"), "{message}");
+    assert!(message.contains("l2_down"), "{message}");
+    let text = "name = \"x\"\nduration_seconds = 10\n[l2]\ntimeout_ms = -3\n[[workers]]\n";
+    let message = scenario::parse(Path::new("l2.toml"), text)
+        .expect_err("bad timeout")
+        .to_string();
+    assert!(
+        message.contains("l2.timeout_ms") && message.contains("-3"),
+        "{message}"
+    );
+}
+
+#[test]
 fn keep_reservations_is_keep_pins() {
     let (class, invariant, detail) = violation_with_bug(
         "21-engine-driven-reservation-freed.toml",

@@ -66,6 +66,9 @@ scenario_tests! {
     row_24_garbage_bytes_are_answered_and_break_nothing => "24-garbage-bytes.toml",
     row_25_stalled_request_loop_reaps_no_live_worker => "25-request-loop-stops-turning.toml",
     row_26_an_instance_with_both_modules_is_reaped_whole_and_its_next_ping_answers_false => "26-instance-lives-and-dies-whole.toml",
+    row_27_l2_down_partitioned_or_slow_delays_no_ping_and_reaps_no_one => "27-l2-down-pings-unaffected.toml",
+    row_28_a_corrupt_l2_value_is_a_miss_never_served => "28-l2-corrupt-values.toml",
+    row_29_only_published_data_reaches_l2_when_a_worker_dies_mid_store => "29-worker-killed-with-reservation-l2.toml",
 }
 
 #[test]

@@ -114,6 +114,11 @@ fn the_swarm_catches_injected_bugs_with_the_right_class() {
             "ghost_context",
         ),
         (InjectedBug::LateWake, Class::Liveness, "reap_late"),
+        (
+            InjectedBug::WriteUnpublished,
+            Class::Safety,
+            "l2_unpublished",
+        ),
     ];
     for (bug, class, invariant) in cases {
         let caught = (0..200)

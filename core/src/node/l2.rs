@@ -256,6 +256,30 @@ impl Node {
         });
     }
 
+    /// Planted bug `WriteUnpublished` only: writes a reserved slot (row 29 forbids it).
+    pub(super) fn l2_write_unpublished(&mut self, slot: SlotId, key: &[u8]) {
+        let nbytes = self.l1.slot_bytes();
+        let Some(tier) = self.l2.as_mut() else {
+            return;
+        };
+        let bytes = nbytes.saturating_add(HEADER_BYTES as u64);
+        if tier.queue.push((), bytes) == Push::Dropped {
+            return;
+        }
+        let _ = tier.queue.pop();
+        self.next_id += 1;
+        let write = L2WriteId(self.next_id);
+        if let Some(tier) = self.l2.as_mut() {
+            tier.writes.insert(write, (slot, bytes));
+        }
+        self.outputs.push_back(Output::L2Write {
+            write,
+            key: key.to_vec(),
+            slot,
+            nbytes,
+        });
+    }
+
     pub(super) fn l2_written(&mut self, now: Instant, write: L2WriteId, outcome: WriteOutcome) {
         let Some(tier) = self.l2.as_mut() else {
             return;
@@ -359,11 +383,16 @@ impl Node {
 
     pub(super) fn l2_got(&mut self, now: Instant, read: L2ReadId, fetched: L2Fetched) {
         let slot_bytes = self.l1.slot_bytes();
+        let serve_corrupt = self.planted(PlantedBug::ServeCorrupt);
         let Some(tier) = self.l2.as_mut() else {
             return;
         };
         let Some(pending) = tier.reads.remove(&read) else {
             return; // not a read of this node
+        };
+        let fetched = match fetched {
+            L2Fetched::Corrupt if serve_corrupt => L2Fetched::Hit { nbytes: slot_bytes },
+            fetched => fetched,
         };
         let hit = match (pending.slot, fetched) {
             (Some(slot), L2Fetched::Hit { nbytes }) if nbytes <= slot_bytes => {

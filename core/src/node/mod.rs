@@ -675,6 +675,9 @@ pub struct Node {
     l2: Option<L2Tier>,
     #[cfg(feature = "planted-bugs")]
     bug: Option<PlantedBug>,
+    /// Planted bug `PingWaitsForL2` only: ping answers held until `handle_timeout`.
+    #[cfg(feature = "planted-bugs")]
+    held_pings: Vec<(ReplyTo, Value)>,
 }
 
 /// Bugs planted in the node on purpose, so that the simulator's checker is shown to
@@ -706,6 +709,12 @@ pub enum PlantedBug {
     ShutdownLeaks,
     /// Two contexts are freed for one entry.
     DoubleFree,
+    /// `prepare_store` writes the reserved (unpublished) slot to L2 (row 29).
+    WriteUnpublished,
+    /// With L2 on, a ping's answer waits for the next `handle_timeout` (row 27).
+    PingWaitsForL2,
+    /// An L2 value answered `Corrupt` is promoted and served as a hit (row 28).
+    ServeCorrupt,
 }
 
 impl Node {
@@ -745,6 +754,8 @@ impl Node {
             frees_hung: 0,
             #[cfg(feature = "planted-bugs")]
             bug: None,
+            #[cfg(feature = "planted-bugs")]
+            held_pings: Vec::new(),
         })
     }
 
@@ -833,6 +844,10 @@ impl Node {
     /// Spurious calls are harmless.
     pub fn handle_timeout(&mut self, now: Instant) {
         self.last_now = now;
+        #[cfg(feature = "planted-bugs")]
+        for (to, answer) in std::mem::take(&mut self.held_pings) {
+            self.reply(to, Ok(answer));
+        }
         if !self.planted(PlantedBug::SkipReap) {
             self.liveness.handle_timeout(now);
         }

@@ -75,7 +75,13 @@ impl Node {
             }
         }
         if let Op::Ping { instance } = op {
-            return Some(Ok(self.ping(now, instance).into()));
+            let answer: Value = self.ping(now, instance).into();
+            #[cfg(feature = "planted-bugs")]
+            if self.planted(PlantedBug::PingWaitsForL2) && self.l2_enabled() {
+                self.held_pings.push((to, answer));
+                return None;
+            }
+            return Some(Ok(answer));
         }
         // Refused or not, the owner's request is evidence of life (see the module docs).
         if let Some(instance) = op.instance() {
@@ -851,9 +857,13 @@ impl Node {
     ) -> Result<Value, ProtocolError> {
         let num_slots = self.l1.num_slots();
         let mut refused = None;
+        let mut reserved = None;
         let value = self.with_strategy(now, instance, "prepare_store", |strategy, l1| {
             match strategy.prepare_store(l1, key) {
-                PrepareStore::Reserved(grant) => grant_value(grant, true),
+                PrepareStore::Reserved(grant) => {
+                    reserved = Some(grant.slot);
+                    grant_value(grant, true)
+                }
                 PrepareStore::AlreadyStored => Value::Nil,
                 PrepareStore::PoolFull => {
                     refused = Some(ProtocolError::new(
@@ -871,6 +881,11 @@ impl Node {
                 }
             }
         })?;
+        if let Some(slot) = reserved
+            && self.planted(PlantedBug::WriteUnpublished)
+        {
+            self.l2_write_unpublished(slot, key);
+        }
         refused.map_or(Ok(value), Err)
     }
 

@@ -119,9 +119,29 @@ impl World {
             Action::BuildFailureRate(rate) => self.build_failure_rate = rate,
             Action::FreeHangRate(rate) => self.free_hang_rate = rate,
             Action::Intrude(from, target) => self.intrude(from, target),
+            Action::L2Down => self.server.l2.down = true,
+            Action::L2Partition => self.server.l2.partitioned = true,
+            Action::L2Up => {
+                self.server.l2.down = false;
+                self.server.l2.partitioned = false;
+                self.server.l2.slow = None;
+            }
+            Action::L2Slow(delay) => self.server.l2.slow = Some(delay),
+            Action::L2Corrupt(rate) => self.server.l2.corrupt_rate = rate,
+            Action::L2Flaky(rate) => self.server.l2.flaky_rate = rate,
+            Action::L2Garble(slots) => {
+                for slot in slots {
+                    if let Some(worker) = self.workers[slot].as_ref() {
+                        // The workers' keys begin with their instance id.
+                        let prefix = worker.instance.get().to_le_bytes();
+                        self.server.l2.garble(&prefix);
+                    }
+                }
+            }
             Action::HealAll => {
                 self.build_failure_rate = 0.0;
                 self.free_hang_rate = 0.0;
+                self.server.l2.heal();
                 for slot in 0..self.workers.len() {
                     self.network.heal(slot);
                     self.with_worker(slot, |worker, now, out| {
