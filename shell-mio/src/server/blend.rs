@@ -101,23 +101,14 @@ mod tests {
         assert_eq!(tables.at(0, 2), None);
     }
 
+    /// The parameters' checks are the node's (`kvwarden_core::node::blend`, tested
+    /// there); computing refuses what they refuse, with their message.
     #[test]
-    fn bad_parameters_name_the_value_and_the_fix() {
-        for (bad, words) in [
-            (spec(0, 8, 10.0), "rotary_dim 0"),
-            (spec(7, 8, 10.0), "rotary_dim 7"),
-            (spec(4, 0, 10.0), "max_positions 0"),
-            (spec(4, 8, 1.0), "base 1"),
-            (spec(4, 8, f64::NAN), "base NaN"),
-            (spec(4, 8, f64::INFINITY), "base inf"),
-            (spec(128, 1 << 20, 10.0), "268435456 bytes"),
-            (spec(u64::MAX - 1, u64::MAX, 10.0), "256 MiB"),
-        ] {
-            let message = table_bytes(&bad).unwrap_err();
-            assert!(message.contains(words), "{words}: {message}");
-            assert!(RopeTables::compute(&bad).is_err());
+    fn computing_refuses_what_the_checks_refuse() {
+        for bad in [spec(0, 8, 10.0), spec(4, 0, 10.0), spec(4, 8, f64::NAN)] {
+            let refused = RopeTables::compute(&bad).unwrap_err();
+            assert_eq!(Err(refused), table_bytes(&bad));
         }
-        assert_eq!(table_bytes(&spec(128, 4096, 10_000.0)), Ok(2 << 20));
-        assert_eq!(table_bytes(&spec(128, 1 << 19, 10.0)), Ok(MAX_TABLE_BYTES));
+        assert!(RopeTables::compute(&spec(4, 8, 10.0)).is_ok());
     }
 }
