@@ -291,3 +291,59 @@ fn input_before_deadlines_a_ping_queued_behind_more_than_a_turn_of_frames_counts
     assert_eq!(status["worker_liveness"]["reaped_total"], 0, "{status:#}");
     assert!(find_instance(&status, instance).is_some(), "{status:#}");
 }
+
+/// Row 26, end to end: an instance registered in both modules, the second registration
+/// made after its last ping, whose heartbeat then stalls for longer than T (2 s) but
+/// less than G (4 s). An instance is one process: both registrations go in the same
+/// reap, and the worker's next ping is told (`false`). Judged per entry, the
+/// engine-driven registration (never proven on its own, window G) would outlive its
+/// sibling and the ping would say `true` for half an instance.
+#[test]
+fn row_26_an_instance_whose_heartbeat_stalls_is_reaped_whole_and_its_next_ping_says_false() {
+    use kvwarden_tests::RawClient;
+    use rmpv::Value;
+    let dir = TempDir::new("row-26");
+    let server = Server::start(&dir, &[]);
+    server.expect_pings_answered_false("row 26: the ping after the reap is told the instance went");
+    let mut raw = RawClient::connect(&server.socket).unwrap();
+    let instance = 2626u64;
+    let registered = raw
+        .request(
+            "register_kv_cache",
+            vec![instance.into(), Value::Array(vec![]), "m".into(), 1.into()],
+        )
+        .unwrap();
+    assert!(registered.result.is_ok(), "{registered:?}");
+    let ping = raw.request("ping", vec![instance.into()]).unwrap();
+    assert_eq!(ping.result.unwrap(), Value::Boolean(true));
+    let registered = raw
+        .request(
+            "register_engine_driven",
+            vec![instance.into(), "m".into(), 1.into()],
+        )
+        .unwrap();
+    assert!(registered.result.is_ok(), "{registered:?}");
+    let modules = |status: &serde_json::Value| {
+        status["instances"]
+            .as_array()
+            .map(|all| {
+                all.iter()
+                    .filter(|item| item["instance_id"].as_u64() == Some(instance))
+                    .count()
+            })
+            .unwrap_or(0)
+    };
+    assert_eq!(modules(&server.status()), 2, "both modules held");
+
+    // Silence longer than T, shorter than G: both go, together.
+    std::thread::sleep(Duration::from_millis(3000));
+    let status = server.status();
+    assert_eq!(modules(&status), 0, "reaped whole: {status:#}");
+    assert_eq!(status["contexts"]["freed_total"]["reaped"], 2, "{status:#}");
+    let ping = raw.request("ping", vec![instance.into()]).unwrap();
+    assert_eq!(
+        ping.result.unwrap(),
+        Value::Boolean(false),
+        "the worker is told, and re-registers both modules"
+    );
+}
