@@ -84,7 +84,24 @@ impl Node {
             return Some(Ok(answer));
         }
         // Refused or not, the owner's request is evidence of life (see the module docs).
-        if let Some(instance) = op.instance() {
+        // A transfer's first step is the registry's `transfer`, which refreshes the
+        // instance before any check can refuse it; the other ops can be refused before
+        // they reach the registry, and an UNREGISTER of one module is evidence for the
+        // instance's other one.
+        let reaches_the_registry_first = matches!(
+            op,
+            Op::Store { .. }
+                | Op::Retrieve { .. }
+                | Op::StoreBatch { .. }
+                | Op::RetrieveBatch { .. }
+                | Op::PrepareStore { .. }
+                | Op::CommitStore { .. }
+                | Op::PrepareRetrieve { .. }
+                | Op::CommitRetrieve { .. }
+        );
+        if let Some(instance) = op.instance()
+            && !reaches_the_registry_first
+        {
             self.evidence(now, instance);
         }
         match op {
