@@ -482,7 +482,11 @@ impl Server {
 
     /// Hands `input` to the node and carries out what it asks.
     fn input(&mut self, input: Input) {
-        let now = self.now();
+        self.input_at(self.now(), input);
+    }
+
+    /// Hands the node an input that arrived at `now`, and carries out what it asks.
+    fn input_at(&mut self, now: Instant, input: Input) {
         self.node.handle_input(now, input);
         self.carry_out();
     }

@@ -57,9 +57,8 @@ impl Server {
             self.fd_stash.insert((conn, request.id), fds);
         }
         // One clock read serves the node's `now` and the ping's latency metric.
-        let now = self.instant_of(started);
-        self.node.handle_input(
-            now,
+        self.input_at(
+            self.instant_of(started),
             Input::Request {
                 conn,
                 request_id: request.id,
@@ -67,7 +66,6 @@ impl Server {
                 fds: count,
             },
         );
-        self.carry_out();
         // What `StartBuild` did not take is closed now.
         self.fd_stash.clear();
         if ping {
