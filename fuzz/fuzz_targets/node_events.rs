@@ -1,14 +1,17 @@
 //! Arbitrary sequences of every input of the server's state machine (`node`): requests
 //! (typed, and raw bytes through the real decoder), connections, completions in any
-//! order, process exits, shutdown, time steps.
+//! order (L2's too, when the run has L2), process exits, shutdown, time steps.
 //!
 //! Oracles: no panic; a context is freed at most once and only one that was built; no
 //! context is freed while a copy using it runs; every request is answered at most
 //! once; a copy, build or blend is reported back only for what the node started;
-//! after `Stopped` nothing starts (requests are refused).
+//! after `Stopped` nothing starts (requests are refused); without L2 no L2 output ever
+//! comes; each L2 write and read is asked once.
 #![no_main]
 
 use arbitrary::Arbitrary;
+use kvwarden_core::l2::{L2HealthConfig, WriteOutcome};
+use kvwarden_core::node::l2::{L2Fetched, L2NodeConfig, L2Presence, L2ReadId, L2WriteId};
 use kvwarden_core::node::{
     Built, ConnId, ContextId, CopyId, DeathNotice, FreeId, Input, Node, NodeConfig, Output,
     ProcessKey, Transport,
@@ -30,6 +33,9 @@ enum Step {
     BlendDone { which: u8, ok: bool },
     FreeDone(u8),
     Exit(u8),
+    L2Written { which: u8, outcome: u8 },
+    L2Got { which: u8, fetched: u8, nbytes: u16 },
+    L2Existed { which: u8, presence: u8, count: u8 },
     Shutdown,
     Step(u16),
     Tick,
@@ -98,6 +104,11 @@ struct Ledger {
     frees: Vec<FreeId>,
     answered: BTreeSet<(ConnId, u64)>,
     stopped: bool,
+    l2: bool,
+    l2_writes: Vec<L2WriteId>,
+    l2_gets: Vec<L2ReadId>,
+    l2_exists: Vec<L2ReadId>,
+    l2_named: BTreeSet<u64>,
 }
 
 impl Ledger {
@@ -129,6 +140,21 @@ impl Ledger {
                     self.frees.push(free);
                 }
                 Output::Stopped { .. } => self.stopped = true,
+                Output::L2Write { write, .. } => {
+                    assert!(self.l2, "an L2 write from a node without L2");
+                    assert!(self.l2_named.insert(write.0), "L2 write {write:?} asked twice");
+                    self.l2_writes.push(write);
+                }
+                Output::L2Get { read, .. } => {
+                    assert!(self.l2, "an L2 read from a node without L2");
+                    assert!(self.l2_named.insert(read.0), "L2 read {read:?} asked twice");
+                    self.l2_gets.push(read);
+                }
+                Output::L2Exists { read, .. } => {
+                    assert!(self.l2, "an L2 lookup from a node without L2");
+                    assert!(self.l2_named.insert(read.0), "L2 lookup {read:?} asked twice");
+                    self.l2_exists.push(read);
+                }
                 Output::KeepBlend { .. }
                 | Output::DiscardBlend { .. }
                 | Output::DropBlend { .. }
@@ -148,7 +174,8 @@ fn pick<T: Copy>(list: &mut Vec<T>, which: u8) -> Option<T> {
     Some(list.swap_remove(index))
 }
 
-fuzz_target!(|steps: Vec<Step>| {
+fuzz_target!(|input: (bool, Vec<Step>)| {
+    let (with_l2, steps) = input;
     let config = NodeConfig {
         liveness: Config {
             reap_timeout: Duration::from_millis(300),
@@ -165,9 +192,21 @@ fuzz_target!(|steps: Vec<Step>| {
         free_watchdog: Duration::from_millis(500),
         shutdown_drain: Duration::from_millis(500),
         cuda_devices: Err("none".into()),
+        l2: with_l2.then(|| L2NodeConfig {
+            timeout: Duration::from_millis(50),
+            write_queue_bytes: 3 * 4096,
+            health: L2HealthConfig {
+                failures_to_open: 2,
+                probe_backoff: Duration::from_millis(100),
+                probe_backoff_max: Duration::from_millis(400),
+            },
+        }),
     };
     let mut node = Node::new(config, Instant::ZERO).unwrap();
-    let mut ledger = Ledger::default();
+    let mut ledger = Ledger {
+        l2: with_l2,
+        ..Ledger::default()
+    };
     let mut now = Instant::ZERO;
     let mut request_id = 0u64;
     for step in steps.into_iter().take(512) {
@@ -230,6 +269,34 @@ fuzz_target!(|steps: Vec<Step>| {
                 result: if ok { Ok(()) } else { Err("no".into()) },
             }),
             Step::FreeDone(which) => pick(&mut ledger.frees, which).map(|free| Input::FreeDone { free }),
+            Step::L2Written { which, outcome } => pick(&mut ledger.l2_writes, which).map(|write| {
+                let outcome = match outcome % 3 {
+                    0 => WriteOutcome::Written,
+                    1 => WriteOutcome::TimedOut,
+                    _ => WriteOutcome::Failed,
+                };
+                Input::L2Written { write, outcome }
+            }),
+            Step::L2Got { which, fetched, nbytes } => pick(&mut ledger.l2_gets, which).map(|read| {
+                let fetched = match fetched % 5 {
+                    0 => L2Fetched::Hit { nbytes: u64::from(nbytes) % 4097 },
+                    1 => L2Fetched::Absent,
+                    2 => L2Fetched::Corrupt,
+                    3 => L2Fetched::TimedOut,
+                    _ => L2Fetched::Failed,
+                };
+                Input::L2Got { read, fetched }
+            }),
+            Step::L2Existed { which, presence, count } => {
+                pick(&mut ledger.l2_exists, which).map(|read| {
+                    let presence = match presence % 3 {
+                        0 => L2Presence::Present(u64::from(count)),
+                        1 => L2Presence::TimedOut,
+                        _ => L2Presence::Failed,
+                    };
+                    Input::L2Existed { read, presence }
+                })
+            }
             Step::Exit(process) => Some(Input::ProcessExited { process: ProcessKey(u64::from(process % 4)) }),
             Step::Shutdown => Some(Input::Shutdown),
             Step::Step(ms) => {
