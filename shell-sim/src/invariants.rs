@@ -386,8 +386,9 @@ impl Checker {
         self.made.entry(key.0).or_default().insert(key.1);
     }
 
-    /// `context_built` for build `serial`; the context got id `context`.
-    pub fn context_built(&mut self, now: Nanos, key: Key, serial: u64, context: u64) {
+    /// Build `serial` gave the node a context (`BuildDone` with a context); it got id
+    /// `context` in the ledger.
+    pub fn built(&mut self, now: Nanos, key: Key, serial: u64, context: u64) {
         let now_c = self.input(now);
         self.contexts.push(ContextRecord {
             instance: key.0,
@@ -406,7 +407,7 @@ impl Checker {
         // Otherwise the core must hand the context straight back as Cancelled.
     }
 
-    /// `context_build_failed` for build `serial`.
+    /// Build `serial` failed (`BuildDone` with an error).
     pub fn build_failed(&mut self, now: Nanos, key: Key, serial: u64) {
         self.input(now);
         if self

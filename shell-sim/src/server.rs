@@ -1007,7 +1007,7 @@ impl Server {
                     checker.build_failed(now, *key, context.0);
                 } else {
                     let id = checker.contexts.len() as u64;
-                    checker.context_built(now, *key, context.0, id);
+                    checker.built(now, *key, context.0, id);
                     self.ledger.insert(*context, id);
                     self.stats.contexts_built += 1;
                 }

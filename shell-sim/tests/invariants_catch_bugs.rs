@@ -484,9 +484,9 @@ mod row_26 {
     fn checker_with_both_modules(id: InstanceId) -> Checker {
         let mut checker = Checker::new(0, 30 * SECOND, 60 * SECOND, SECOND, 5 * SECOND);
         checker.register(0, (id, SD), Some(1));
-        checker.context_built(0, (id, SD), 1, 0);
+        checker.built(0, (id, SD), 1, 0);
         checker.register(0, (id, ED), Some(2));
-        checker.context_built(0, (id, ED), 2, 1);
+        checker.built(0, (id, ED), 2, 1);
         checker
     }
 
