@@ -243,8 +243,7 @@ impl Node {
         }
         // Handed to the shell at once: the bytes stay counted until `L2Written`.
         let _ = tier.queue.pop();
-        self.next_id += 1;
-        let write = L2WriteId(self.next_id);
+        let write = L2WriteId(self.next_id());
         if let Some(tier) = self.l2.as_mut() {
             tier.writes.insert(write, (slot, bytes));
         }
@@ -267,8 +266,7 @@ impl Node {
             return;
         }
         let _ = tier.queue.pop();
-        self.next_id += 1;
-        let write = L2WriteId(self.next_id);
+        let write = L2WriteId(self.next_id());
         if let Some(tier) = self.l2.as_mut() {
             tier.writes.insert(write, (slot, bytes));
         }
@@ -319,8 +317,7 @@ impl Node {
             return Err(waiter);
         }
         let deadline = now + tier.config.timeout;
-        self.next_id += 1;
-        let read = L2ReadId(self.next_id);
+        let read = L2ReadId(self.next_id());
         if let Some(tier) = self.l2.as_mut() {
             tier.reads.insert(
                 read,
@@ -360,8 +357,7 @@ impl Node {
             return Some(l1_count);
         }
         let deadline = now + tier.config.timeout;
-        self.next_id += 1;
-        let read = L2ReadId(self.next_id);
+        let read = L2ReadId(self.next_id());
         self.start_job(to.conn);
         if let Some(tier) = self.l2.as_mut() {
             tier.reads.insert(
@@ -489,8 +485,7 @@ impl Node {
             return;
         }
         let deadline = now + tier.config.timeout;
-        self.next_id += 1;
-        let read = L2ReadId(self.next_id);
+        let read = L2ReadId(self.next_id());
         if let Some(tier) = self.l2.as_mut() {
             tier.reads.insert(
                 read,
