@@ -21,6 +21,7 @@ use super::stats::Samples;
 use super::{BenchError, figure, progress};
 use kvwarden_client::memfd::{SharedMapping, create};
 use kvwarden_core::l2::{HEADER_BYTES, Namespace};
+use kvwarden_core::node::l2::WRITE_BEHIND_SLOTS_SHARE;
 use rmpv::Value;
 use rustix::fd::{AsFd, OwnedFd};
 use std::net::TcpListener;
@@ -83,10 +84,19 @@ pub fn run(args: &L2Args) -> Result<(), BenchError> {
         (None, None) => Vec::new(),
     };
     let namespace = format!("bench-{}", std::process::id());
+    // L1 and the write queue hold a whole throughput phase: write-behind pins at most
+    // a quarter of L1's slots, and a write past that (or past the queue) is dropped,
+    // which would measure drops instead of L2. Slots are touched only when written.
+    let phase = args.clients as u64 * args.chunks;
+    let l1_slots = (phase * WRITE_BEHIND_SLOTS_SHARE as u64 + 2 * args.clients as u64).max(384);
+    let l1_bytes = (l1_slots * SLOT).to_string();
+    let queue_bytes = (phase * (SLOT + HEADER_BYTES as u64))
+        .max(512 << 20)
+        .to_string();
     let serve = |tag: &str| -> Result<super::process::ServerProcess, BenchError> {
         let args: Vec<String> = [
             "--l1-bytes",
-            "768M",
+            &l1_bytes,
             "--slot-bytes",
             &SLOT.to_string(),
             "--l2",
@@ -96,7 +106,7 @@ pub fn run(args: &L2Args) -> Result<(), BenchError> {
             "--l2-timeout-ms",
             &args.l2_timeout_ms.to_string(),
             "--l2-write-queue-bytes",
-            "512M",
+            &queue_bytes,
         ]
         .iter()
         .map(|s| s.to_string())

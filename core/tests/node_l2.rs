@@ -414,6 +414,39 @@ fn row_27_a_full_write_queue_drops_and_counts_and_never_blocks() {
 }
 
 #[test]
+fn row_27_a_backlog_of_writes_behind_never_leaves_a_store_without_a_slot() {
+    // 8 slots, a queue that would hold every write: L2 never answers. Without the
+    // share bound, small chunks would pin all 8 slots and the 9th store answer false.
+    let mut h = Harness::with_slots(8, Some(l2_config(1 << 30)));
+    let worker = id(1);
+    h.registered(worker);
+    let most = 8 / kvwarden_core::node::l2::WRITE_BEHIND_SLOTS_SHARE;
+    for n in 0..20u32 {
+        h.stored(worker, format!("chunk-{n}").as_bytes());
+    }
+    let writes = h.l2_writes();
+    assert_eq!(
+        writes.len(),
+        most,
+        "write-behind pins at most its share of L1"
+    );
+    assert_eq!(h.counters().write_drops, 20 - most as u64);
+    assert_eq!(h.node.l1_occupancy().pinned, most);
+    // A write that ends gives its place back: the next published chunk goes out again.
+    let (write, ..) = writes[0];
+    h.input(Input::L2Written {
+        write,
+        outcome: WriteOutcome::Written,
+    });
+    h.stored(worker, b"after");
+    let [(_, key, ..)] = &h.l2_writes()[..] else {
+        panic!("one more write behind")
+    };
+    assert_eq!(key, b"after");
+    assert_eq!(h.counters().write_drops, 20 - most as u64);
+}
+
+#[test]
 fn row_27_an_l1_miss_reads_through_and_a_hit_is_promoted_then_served() {
     let mut h = Harness::new(Some(l2_config(1 << 20)));
     let worker = id(1);

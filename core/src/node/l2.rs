@@ -6,8 +6,9 @@
 //!   The slot is pinned while the shell writes it ([`Output::L2Write`]) and unpinned on
 //!   [`Input::L2Written`]: the shell reads the bytes straight from the L1 mapping on an
 //!   L2 thread, so nothing is copied on the event loop and no second buffer is held;
-//!   the pins are bounded by the write queue's bytes. A write that would take the queue
-//!   past its bound, or that the breaker skips, is dropped and counted.
+//!   the pins are bounded by the write queue's bytes and by [`WRITE_BEHIND_SLOTS_SHARE`]
+//!   of L1's slots, so that a slow L2 never leaves a store without a slot (row 27). A
+//!   write past either bound, or one that the breaker skips, is dropped and counted.
 //! - **Read-through**: a `retrieve`, a `retrieve_batch` item or a `prepare_retrieve`
 //!   that misses L1 reserves an L1 slot for the key and asks L2 ([`Output::L2Get`]);
 //!   the shell places a hit's bytes into that slot and reports [`Input::L2Got`]. The
@@ -33,6 +34,12 @@ use crate::protocol::ErrorCode;
 /// The key of the existence check sent as the breaker's probe when no request is
 /// waiting for L2 (it never exists; any answer proves L2 is back).
 pub const PROBE_KEY: &[u8] = b"kvwarden-l2-probe";
+
+/// Write-behind pins at most one slot in this many of L1 (and at least one): the rest
+/// stay evictable, so a store finds a slot however far behind L2 is (row 27: L1 is
+/// served as before). A chunk smaller than a slot pins a whole slot, so the write
+/// queue's byte bound alone would let a backlog of small chunks pin all of L1.
+pub const WRITE_BEHIND_SLOTS_SHARE: usize = 4;
 
 /// The L2 tier's settings, as the node sees them.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -165,12 +172,18 @@ pub(super) struct L2Tier {
     counters: L2Counters,
     /// Writes out with the shell: their pinned slot and queue bytes.
     writes: BTreeMap<L2WriteId, (SlotId, u64)>,
+    /// The most writes out at once: [`WRITE_BEHIND_SLOTS_SHARE`] of L1's slots.
+    writes_max: usize,
     reads: BTreeMap<L2ReadId, PendingRead>,
 }
 
 impl L2Tier {
-    pub(super) fn new(config: L2NodeConfig) -> Result<L2Tier, crate::l2::L2HealthConfigError> {
+    pub(super) fn new(
+        config: L2NodeConfig,
+        num_slots: usize,
+    ) -> Result<L2Tier, crate::l2::L2HealthConfigError> {
         Ok(L2Tier {
+            writes_max: (num_slots / WRITE_BEHIND_SLOTS_SHARE).max(1),
             health: L2Health::new(config.health.clone())?,
             queue: WriteQueue::new(config.write_queue_bytes),
             config,
@@ -235,7 +248,8 @@ impl Node {
             return;
         };
         let bytes = nbytes.saturating_add(HEADER_BYTES as u64);
-        let admitted = !matches!(tier.health.admit(now), Admission::Skip);
+        let admitted = tier.writes.len() < tier.writes_max
+            && !matches!(tier.health.admit(now), Admission::Skip);
         if !admitted || tier.queue.push((), bytes) == Push::Dropped {
             tier.counters.record_dropped_write();
             self.l1.unpin(slot);

@@ -722,7 +722,11 @@ impl Node {
     pub fn new(config: NodeConfig, now: Instant) -> Result<Node, ConfigError> {
         let liveness =
             Liveness::new_with_floor(config.liveness.clone(), now, config.reap_timeout_floor)?;
-        let l2 = config.l2.clone().map(L2Tier::new).transpose()?;
+        let l2 = config
+            .l2
+            .clone()
+            .map(|l2| L2Tier::new(l2, config.num_slots))
+            .transpose()?;
         Ok(Node {
             l1: SlotTable::new(config.num_slots, config.slot_bytes),
             l2,
