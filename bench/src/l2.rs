@@ -99,6 +99,9 @@ pub fn run(args: &L2Args) -> Result<(), BenchError> {
             &l1_bytes,
             "--slot-bytes",
             &SLOT.to_string(),
+            // Steady state, as on a GPU node where L1 is page-locked: no figure pays for
+            // a slot's first page faults.
+            "--l1-prefault",
             "--l2",
             &seeds.join(","),
             "--l2-namespace",
@@ -451,9 +454,13 @@ pub fn run(args: &L2Args) -> Result<(), BenchError> {
         .first()
         .copied()
         .ok_or_else(|| BenchError::Failed("the cluster lists no master to kill".into()))?;
+    let replica = replica_of(&cluster.seeds(), victim);
     let failed_before = failed_ops(&mut a_control)?;
     cluster.kill(victim);
     let killed = Instant::now();
+    // Redis's own part, watched beside kvwarden's: detection (cluster-node-timeout and
+    // gossip) and the replica's election delay (500-1000 ms by Redis's design).
+    let promoted = replica.map(|port| std::thread::spawn(move || promoted_after(port, killed)));
     let resumed = loop {
         let batch = keys.fresh(12);
         let before = l2_field(&mut a_control, "writes")?;
@@ -473,6 +480,34 @@ pub fn run(args: &L2Args) -> Result<(), BenchError> {
     };
     let failed = failed_ops(&mut a_control)? - failed_before;
     let corrupt = l2_field(&mut a_control, "corrupt")? + l2_field(&mut b_control, "corrupt")?;
+    let promoted = promoted.and_then(|watch| watch.join().ok().flatten());
+    match promoted {
+        Some(promoted) => {
+            figure(
+                "L4",
+                "redis_failover",
+                format!("{:.2}", promoted.as_secs_f64()),
+                "s",
+                "the killed master's replica answered ROLE master (Redis's own detection and \
+                 election, same run)",
+            );
+            figure(
+                "L4",
+                "resumed_after_promotion",
+                format!("{:.2}", resumed.saturating_sub(promoted).as_secs_f64()),
+                "s",
+                "kvwarden's part: resumed_after_master_kill - redis_failover (includes this \
+                 loop's 100 ms polling)",
+            );
+        }
+        None => figure(
+            "L4",
+            "redis_failover",
+            "-",
+            "s",
+            "the killed master's replica was not found or not seen promoted",
+        ),
+    }
     figure(
         "L4",
         "resumed_after_master_kill",
@@ -534,6 +569,41 @@ fn failed_ops(control: &mut RawConnection) -> Result<u64, BenchError> {
     Ok(l2_field(control, "write_drops")?
         + l2_field(control, "errors")?
         + l2_field(control, "timeouts")?)
+}
+
+/// The port of the replica of the master on `master`, asked of every seed's
+/// `INFO replication`.
+fn replica_of(seeds: &[String], master: u16) -> Option<u16> {
+    let needle = format!("master_port:{master}\r\n");
+    seeds.iter().find_map(|seed| {
+        let mut connection = redis::Client::open(seed.as_str())
+            .ok()?
+            .get_connection()
+            .ok()?;
+        let info: String = redis::cmd("INFO")
+            .arg("replication")
+            .query(&mut connection)
+            .ok()?;
+        let port = seed.rsplit(':').next()?.parse().ok()?;
+        info.contains(&needle).then_some(port)
+    })
+}
+
+/// How long after `since` the Redis on `port` answered `ROLE` as a master (polled every
+/// 10 ms for at most 60 s); None when it never did.
+fn promoted_after(port: u16, since: Instant) -> Option<Duration> {
+    let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).ok()?;
+    let mut connection = client.get_connection().ok()?;
+    while since.elapsed() < Duration::from_secs(60) {
+        let role: Result<Vec<redis::Value>, _> = redis::cmd("ROLE").query(&mut connection);
+        if let Ok(role) = role
+            && matches!(role.first(), Some(redis::Value::BulkString(kind)) if kind == b"master")
+        {
+            return Some(since.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    None
 }
 
 /// Waits until at least `ops` writes ended and the write-behind queue is empty.

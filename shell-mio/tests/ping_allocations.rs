@@ -85,6 +85,7 @@ fn config(socket_path: std::path::PathBuf) -> ServerConfig {
         tcp: None,
         http: None,
         l1_bytes: 1 << 20,
+        l1_prefault: false,
         slot_bytes: 64 << 10,
         max_frame_bytes: 1 << 20,
         max_connections: 16,

@@ -68,7 +68,7 @@ impl Harness {
     fn write_all(&mut self, chunks: &[(Vec<u8>, Vec<u8>)]) -> HashMap<Vec<u8>, WriteOutcome> {
         for (key, payload) in chunks {
             assert_eq!(
-                self.client.submit_write(key.clone(), payload.clone()),
+                self.client.submit_write(0, key.clone(), payload.clone()),
                 Push::Queued
             );
         }
@@ -296,7 +296,7 @@ fn every_node_stopped_reads_miss_within_the_timeout_and_resume_after_sigcont() {
     // Every call returns at once; every read is answered, as a miss.
     for (key, payload) in &chunks {
         l2.client.get(0, key.clone());
-        let push = l2.client.submit_write(key.clone(), payload.clone());
+        let push = l2.client.submit_write(0, key.clone(), payload.clone());
         assert!(matches!(push, Push::Queued | Push::Dropped));
     }
     let keys: Vec<Vec<u8>> = chunks.iter().map(|(key, _)| key.clone()).collect();

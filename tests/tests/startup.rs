@@ -154,3 +154,38 @@ fn explicit_max_connections_above_the_fd_limit_is_a_warning() {
     assert!(line.contains("WARN"), "not a warning: {line}");
     assert!(line.contains("max_connections=5000"), "{line}");
 }
+
+/// Shared memory the process has resident (`RssShmem` of `/proc/<pid>/status`), in KiB.
+fn resident_shmem_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("reading status");
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("RssShmem:"))
+        .and_then(|rest| rest.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or_else(|| panic!("no RssShmem in /proc/{pid}/status:\n{status}"))
+}
+
+#[test]
+fn l1_prefault_makes_the_whole_pool_resident_at_start_and_without_it_none_is() {
+    const POOL_KIB: u64 = 64 << 10;
+    for prefault in [false, true] {
+        let dir = TempDir::new("prefault");
+        let mut extra = vec!["--l1-bytes", "64M", "--slot-bytes", "1M"];
+        if prefault {
+            extra.push("--l1-prefault");
+        }
+        let server = kvwarden_tests::Server::start(&dir, &extra);
+        let resident = resident_shmem_kib(server.child.id());
+        if prefault {
+            assert!(
+                resident >= POOL_KIB,
+                "--l1-prefault: {resident} KiB of shared memory resident, the pool is {POOL_KIB} KiB"
+            );
+        } else {
+            assert!(
+                resident < POOL_KIB / 4,
+                "without --l1-prefault: {resident} KiB resident before any store (pool {POOL_KIB} KiB)"
+            );
+        }
+    }
+}

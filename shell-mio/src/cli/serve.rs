@@ -50,6 +50,11 @@ pub struct ServeArgs {
     /// Size of one L1 slot: the largest chunk one `store` may copy.
     #[arg(long, default_value = "2M", value_name = "BYTES", value_parser = super::parse_bytes)]
     slot_bytes: u64,
+    /// Allocate every page of the L1 store at start (it is resident at once, as when a
+    /// GPU page-locks it), so that no store or L2 promotion pays a page fault on a slot's
+    /// first use. Costs --l1-bytes of memory from the start and a moment at start-up.
+    #[arg(long)]
+    l1_prefault: bool,
     /// The largest request frame accepted; bigger ones are answered `too_large` and the
     /// connection is closed.
     #[arg(long, default_value = "1M", value_name = "BYTES", value_parser = super::parse_bytes)]
@@ -248,6 +253,7 @@ fn server_config(args: ServeArgs) -> Result<ServerConfig, String> {
         tcp: args.tcp,
         http: args.http.0,
         l1_bytes: args.l1_bytes,
+        l1_prefault: args.l1_prefault,
         slot_bytes: args.slot_bytes,
         max_frame_bytes,
         max_connections: args.max_connections.unwrap_or(DEFAULT_MAX_CONNECTIONS),

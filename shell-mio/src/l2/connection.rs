@@ -139,15 +139,17 @@ impl Conn {
         redis::cmd("GET").arg(name).query(self.like())
     }
 
-    /// `SET name value [PX ttl]`.
+    /// `SET name header+payload [PX ttl]`: the two parts are written straight into the
+    /// command, so the value is never assembled in a buffer of its own first.
     pub(super) fn set(
         &mut self,
         name: &[u8],
-        value: &[u8],
+        header: &[u8],
+        payload: &[u8],
         ttl: Option<Duration>,
     ) -> RedisResult<()> {
         let mut command = redis::cmd("SET");
-        command.arg(name).arg(value);
+        command.arg(name).arg(Joined(header, payload));
         if let Some(ttl) = ttl {
             command
                 .arg("PX")
@@ -179,6 +181,22 @@ impl Conn {
                 pipe.query(connection)
             }
         }
+    }
+}
+
+/// One command argument made of two byte strings, one after the other.
+struct Joined<'a>(&'a [u8], &'a [u8]);
+
+impl redis::ToRedisArgs for Joined<'_> {
+    fn write_redis_args<W>(&self, out: &mut W)
+    where
+        W: ?Sized + redis::RedisWrite,
+    {
+        use std::io::Write;
+        let mut writer = out.writer_for_next_arg();
+        // Writing into the command's own buffer cannot fail.
+        let _ = writer.write_all(self.0);
+        let _ = writer.write_all(self.1);
     }
 }
 

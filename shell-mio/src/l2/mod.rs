@@ -90,8 +90,7 @@ pub enum L2Completion {
     },
     /// A write from the queue ended.
     Written {
-        /// The caller's token ([`L2Client::submit_write_from`]; 0 for
-        /// [`L2Client::submit_write`]).
+        /// The caller's token, as given to [`L2Client::submit_write`].
         token: u64,
         /// The chunk's key.
         key: Vec<u8>,
@@ -143,24 +142,12 @@ enum ReadRequest {
     Exists(Vec<Vec<u8>>),
 }
 
-/// A queued write: the caller's bytes, held until written.
+/// A queued write: the caller's bytes (owned, or a view of an L1 slot the caller keeps
+/// from eviction), held until written.
 struct WriteTask {
     token: u64,
     key: Vec<u8>,
-    payload: Payload,
-}
-
-/// Fills a value's payload area; false when it could not.
-type Fill = Box<dyn FnOnce(&mut [u8]) -> bool + Send>;
-
-/// Where a write's bytes come from.
-enum Payload {
-    /// Bytes the caller handed over.
-    Owned(Box<dyn AsRef<[u8]> + Send>),
-    /// `nbytes` the L2 thread copies itself, straight into the value after its header
-    /// (from an L1 slot the caller keeps from eviction until the write ends); `fill`
-    /// returns false when it could not.
-    Fill { nbytes: usize, fill: Fill },
+    payload: Box<dyn AsRef<[u8]> + Send>,
 }
 
 struct Work {
@@ -236,42 +223,23 @@ impl L2Client {
     }
 
     /// Queues `payload` to be written under `key`, or drops it (counted) when the queue
-    /// is full; never blocks. `payload` is held until the write ends: pass owned bytes,
-    /// or a guard that keeps an L1 slot from eviction. Only published data.
-    pub fn submit_write(&self, key: Vec<u8>, payload: impl AsRef<[u8]> + Send + 'static) -> Push {
-        let bytes = (payload.as_ref().len() as u64).saturating_add(l2::HEADER_BYTES as u64);
-        let task = WriteTask {
-            token: 0,
-            key,
-            payload: Payload::Owned(Box::new(payload)),
-        };
-        self.queue_write(task, bytes)
-    }
-
-    /// Queues a write of `nbytes` under `key` that an L2 thread fills itself by calling
-    /// `fill` with the value's payload area (one copy, off the caller's thread); the
-    /// answer comes as [`L2Completion::Written`] with `token`. Dropped (counted) when
-    /// the queue is full; never blocks. Only published data.
-    pub fn submit_write_from(
+    /// is full; never blocks. The answer comes as [`L2Completion::Written`] with
+    /// `token`. `payload` is held until the write ends, and an L2 thread sends its
+    /// bytes straight after the value's header (no copy of them is made first): pass
+    /// owned bytes, or a view of an L1 slot the caller keeps from eviction until then.
+    /// Only published data.
+    pub fn submit_write(
         &self,
         token: u64,
         key: Vec<u8>,
-        nbytes: usize,
-        fill: impl FnOnce(&mut [u8]) -> bool + Send + 'static,
+        payload: impl AsRef<[u8]> + Send + 'static,
     ) -> Push {
-        let bytes = (nbytes as u64).saturating_add(l2::HEADER_BYTES as u64);
+        let bytes = (payload.as_ref().len() as u64).saturating_add(l2::HEADER_BYTES as u64);
         let task = WriteTask {
             token,
             key,
-            payload: Payload::Fill {
-                nbytes,
-                fill: Box::new(fill),
-            },
+            payload: Box::new(payload),
         };
-        self.queue_write(task, bytes)
-    }
-
-    fn queue_write(&self, task: WriteTask, bytes: u64) -> Push {
         let mut work = self.shared.lock_work();
         let push = if work.shutdown {
             Push::Dropped
@@ -391,21 +359,29 @@ impl Shared {
             return false;
         }
         let completion = match (&pending.request, outcome) {
-            (ReadRequest::Get(key), Answer::Read(outcome, payload)) => {
+            (ReadRequest::Get(key), Answer::Read(outcome, value)) => {
                 let place = pending
                     .place
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .take();
-                let (outcome, payload, placed) = match (outcome, payload, place) {
-                    (ReadOutcome::Hit, Some(payload), Some(place)) => {
-                        if place(&payload) {
+                let (outcome, payload, placed) = match (outcome, value, place) {
+                    (ReadOutcome::Hit, Some(value), Some(place)) => {
+                        let payload = value.get(l2::HEADER_BYTES..).unwrap_or_default();
+                        if place(payload) {
                             (ReadOutcome::Hit, None, Some(payload.len() as u64))
                         } else {
                             (ReadOutcome::Absent, None, None)
                         }
                     }
-                    (outcome, payload, _) => (outcome, payload, None),
+                    (outcome, value, _) => (
+                        outcome,
+                        value.map(|mut value| {
+                            value.drain(..l2::HEADER_BYTES.min(value.len()));
+                            value
+                        }),
+                        None,
+                    ),
                 };
                 self.lock_counters().record_read(outcome);
                 L2Completion::Read {
@@ -568,11 +544,9 @@ impl Shared {
             .and_then(|connection| connection.get(&name));
         match result {
             Ok(None) => Answer::Read(ReadOutcome::Absent, None),
-            Ok(Some(mut value)) => match l2::decode(&value) {
-                Ok(_) => {
-                    value.drain(..l2::HEADER_BYTES);
-                    Answer::Read(ReadOutcome::Hit, Some(value))
-                }
+            Ok(Some(value)) => match l2::decode(&value) {
+                // The payload stays where it is, after the header: no copy to move it.
+                Ok(_) => Answer::Read(ReadOutcome::Hit, Some(value)),
                 Err(error) => {
                     self.discard_corrupt(conn, key, &name, &error.to_string());
                     Answer::Read(ReadOutcome::Corrupt, None)
@@ -628,22 +602,13 @@ impl Shared {
 
     fn write(&self, conn: &mut Option<Conn>, task: WriteTask) -> (Vec<u8>, WriteOutcome) {
         let name = self.config.namespace.redis_key(&task.key);
-        let value = match task.payload {
-            Payload::Owned(payload) => l2::encode(payload.as_ref().as_ref()),
-            Payload::Fill { nbytes, fill } => {
-                let mut value = vec![0u8; l2::HEADER_BYTES + nbytes];
-                if !fill(&mut value[l2::HEADER_BYTES..]) {
-                    return (task.key, WriteOutcome::Failed);
-                }
-                let header = l2::header(&value[l2::HEADER_BYTES..]);
-                value[..l2::HEADER_BYTES].copy_from_slice(&header);
-                value
-            }
-        };
-        // The caller's bytes (perhaps an L1 slot kept from eviction) are free from here.
+        let payload = (*task.payload).as_ref();
+        let header = l2::header(payload);
         let result = self
             .connection(conn)
-            .and_then(|connection| connection.set(&name, &value, self.config.ttl));
+            .and_then(|connection| connection.set(&name, &header, payload, self.config.ttl));
+        // The caller's bytes (perhaps an L1 slot kept from eviction) are free from here.
+        drop(task.payload);
         let outcome = match result {
             Ok(()) => WriteOutcome::Written,
             Err(error) => {
@@ -662,6 +627,7 @@ impl Shared {
 
 /// An answer from an L2 thread or the deadline thread.
 enum Answer {
+    /// How a read ended, with a hit's whole value (its header, then the payload).
     Read(ReadOutcome, Option<Vec<u8>>),
     Prefix(PrefixOutcome),
 }

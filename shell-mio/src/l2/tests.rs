@@ -99,7 +99,7 @@ fn store_that_never_answers_is_a_timed_out_miss_and_the_caller_never_waits() {
         client.get(token, vec![token as u8]);
     }
     assert_eq!(
-        client.submit_write(b"w".to_vec(), vec![1u8; 10]),
+        client.submit_write(0, b"w".to_vec(), vec![1u8; 10]),
         Push::Queued
     );
     let completions = wait_for_completions(&mut poll, &client, 10);
@@ -127,7 +127,7 @@ fn full_write_queue_drops_and_counts_without_blocking() {
     let per_write = 100 + kvwarden_core::l2::HEADER_BYTES as u64;
     let (_poll, client) = spawn(config(seed, 60_000, 3 * per_write));
     let outcomes: Vec<Push> = (0..10u8)
-        .map(|i| client.submit_write(vec![i], vec![i; 100]))
+        .map(|i| client.submit_write(0, vec![i], vec![i; 100]))
         .collect();
     assert_eq!(outcomes.iter().filter(|p| **p == Push::Queued).count(), 3);
     let counters = client.counters();

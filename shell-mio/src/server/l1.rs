@@ -23,8 +23,9 @@ pub struct L1 {
 }
 
 impl L1 {
-    /// A pool of `l1_bytes / slot_bytes` slots in one anonymous memfd.
-    pub fn new(l1_bytes: u64, slot_bytes: u64) -> std::io::Result<L1> {
+    /// A pool of `l1_bytes / slot_bytes` slots in one anonymous memfd; with `prefault`
+    /// every page is allocated now rather than on its first write.
+    pub fn new(l1_bytes: u64, slot_bytes: u64, prefault: bool) -> std::io::Result<L1> {
         let num_slots = l1_bytes.checked_div(slot_bytes).unwrap_or(0);
         let used = num_slots * slot_bytes;
         let fd = memfd::create("kvwarden-l1", used)?;
@@ -33,6 +34,9 @@ impl L1 {
         rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)?;
         let len = usize::try_from(used).map_err(std::io::Error::other)?;
         let mapping = Arc::new(SharedMapping::map(&fd, len)?);
+        if prefault {
+            mapping.populate()?;
+        }
         let num_slots = usize::try_from(num_slots).map_err(std::io::Error::other)?;
         Ok(L1 {
             mapping,
@@ -68,13 +72,64 @@ impl L1 {
     }
 }
 
+/// A view of `len` bytes of the pool at an offset, for an L2 thread to send a published
+/// slot without copying it first. It keeps the mapping alive; the node keeps the slot
+/// pinned (published, so nothing writes it) until the write ends, and the view is
+/// dropped by then. A worker that wrote into a published slot anyway (the protocol
+/// forbids it) could make the bytes sent differ from the bytes checksummed: readers
+/// then find the value corrupt, a miss (row 28), never wrong data.
+pub struct SlotBytes {
+    _mapping: Arc<SharedMapping>,
+    ptr: *const u8,
+    len: usize,
+}
+
+// SAFETY: the pointer is into `_mapping`, which is `Send + Sync` and kept alive here; the
+// view only reads.
+unsafe impl Send for SlotBytes {}
+
+impl SlotBytes {
+    /// `[offset, offset + len)` of `mapping`, or None when out of bounds.
+    pub fn new(mapping: &Arc<SharedMapping>, offset: u64, len: usize) -> Option<SlotBytes> {
+        let ptr = mapping.range_ptr(offset, len as u64)?;
+        Some(SlotBytes {
+            _mapping: Arc::clone(mapping),
+            ptr: ptr.cast_const(),
+            len,
+        })
+    }
+}
+
+impl AsRef<[u8]> for SlotBytes {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: `new` checked that the range lies inside the mapping, which lives as
+        // long as `self`; the slot is pinned, so nothing in this process writes it.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
+    fn a_slot_view_reads_what_the_pool_holds_and_refuses_out_of_bounds() {
+        let l1 = L1::new(4 * 4096, 4096, false).unwrap();
+        assert!(l1.mapping().write(l1.offset(2), b"published"));
+        let view = SlotBytes::new(l1.mapping(), l1.offset(2), 9).unwrap();
+        assert_eq!(view.as_ref(), b"published");
+        assert!(SlotBytes::new(l1.mapping(), l1.offset(3), 4097).is_none());
+        drop(l1);
+        assert_eq!(
+            view.as_ref(),
+            b"published",
+            "the view keeps the mapping alive"
+        );
+    }
+
+    #[test]
     fn the_pool_memfd_cannot_be_resized_by_whoever_holds_it() {
-        let l1 = L1::new(2 * 4096, 4096).unwrap();
+        let l1 = L1::new(2 * 4096, 4096, true).unwrap();
         let seals = rustix::fs::fcntl_get_seals(l1.pool_fd()).unwrap();
         assert!(seals.contains(SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL));
         assert!(rustix::fs::ftruncate(l1.pool_fd(), 4096).is_err());

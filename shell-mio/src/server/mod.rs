@@ -48,6 +48,8 @@ pub struct ServerConfig {
     pub l1_bytes: u64,
     /// Size of one L1 slot.
     pub slot_bytes: u64,
+    /// Touch every page of the L1 pool at start (`--l1-prefault`).
+    pub l1_prefault: bool,
     /// The largest frame accepted.
     pub max_frame_bytes: usize,
     /// The most worker connections held at once.

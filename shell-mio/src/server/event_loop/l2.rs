@@ -8,9 +8,9 @@ use kvwarden_core::node::l1::SlotId;
 use kvwarden_core::node::l2::{L2Fetched, L2Presence, L2ReadId, L2WriteId};
 
 impl Server {
-    /// Writes a published slot behind: an L2 thread copies the bytes straight from the
-    /// L1 mapping into the value it sends (the node keeps the slot pinned until
-    /// `L2Written`), so the loop copies nothing.
+    /// Writes a published slot behind: an L2 thread sends the bytes straight from the
+    /// L1 mapping (the node keeps the slot pinned until `L2Written`), so the loop copies
+    /// nothing.
     pub(super) fn l2_write(&mut self, write: L2WriteId, key: Vec<u8>, slot: SlotId, nbytes: u64) {
         let failed = Input::L2Written {
             write,
@@ -20,9 +20,12 @@ impl Server {
             self.inputs.push_back(failed);
             return;
         };
-        let pool = Arc::clone(self.l1.mapping());
         let offset = self.l1.offset(slot);
-        let push = client.submit_write_from(write.0, key, len, move |out| pool.read(offset, out));
+        let Some(bytes) = SlotBytes::new(self.l1.mapping(), offset, len) else {
+            self.inputs.push_back(failed);
+            return;
+        };
+        let push = client.submit_write(write.0, key, bytes);
         if push == Push::Dropped {
             // The node bounds its queue to the client's, so only a client shutting down
             // drops here.

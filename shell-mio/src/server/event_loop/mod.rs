@@ -13,7 +13,7 @@ use super::connection::{Connection, Frame, ReadOutcome, Stream};
 use super::context::Context;
 use super::gpu::GpuState;
 use super::http::{HttpConnection, Response, Route};
-use super::l1::L1;
+use super::l1::{L1, SlotBytes};
 use super::listen::{self, ListenError};
 use super::metrics::Metrics;
 use super::peer::{self, Processes};
@@ -235,11 +235,14 @@ impl Server {
         // One waker for the pool and the L2 client: mio allows one per poll.
         let waker = Arc::new(mio::Waker::new(poll.registry(), WAKER)?);
         let pool = Pool::new(config.pool_threads, Arc::clone(&waker))?;
-        let l1 = L1::new(config.l1_bytes, config.slot_bytes).map_err(|source| ServerError::L1 {
-            l1_bytes: config.l1_bytes,
-            slot_bytes: config.slot_bytes,
-            source,
-        })?;
+        let l1 =
+            L1::new(config.l1_bytes, config.slot_bytes, config.l1_prefault).map_err(|source| {
+                ServerError::L1 {
+                    l1_bytes: config.l1_bytes,
+                    slot_bytes: config.slot_bytes,
+                    source,
+                }
+            })?;
 
         let l2 = match &config.l2 {
             Some(l2_config) => Some(crate::l2::L2Client::spawn(l2_config.clone(), waker)?),
