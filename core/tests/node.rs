@@ -8,7 +8,7 @@ use kvwarden_core::node::{Built, ConnId, Direction, Input, Note, Output, Process
 use kvwarden_core::protocol::{BufferSpec, ErrorCode, Op, ProtocolError, RopeSpec};
 use kvwarden_core::{FreeCause, Module};
 use rmpv::Value;
-use support::harness::{Harness, OWNER, SLOT, outcome, register, store};
+use support::harness::{Harness, OWNER, SLOT, outcome, ping, register, store};
 use support::{at, id};
 
 // 1. Held REGISTERs wait on the build they joined, not on the (instance, module).
@@ -73,12 +73,7 @@ fn decision_2_shutdown_answers_builds_in_flight_then_frees_every_context() {
         h.frees().is_empty(),
         "nothing is freed while a build is in flight"
     );
-    assert_eq!(
-        h.refuse(Op::Ping {
-            instance: Some(id(1))
-        }),
-        ErrorCode::Unavailable
-    );
+    assert_eq!(h.refuse(ping(id(1))), ErrorCode::Unavailable);
 
     h.build(building);
     assert_eq!(
@@ -144,10 +139,7 @@ fn decision_3_a_store_is_answered_once_its_copy_is_done_and_only_then_published(
         0,
         "not published mid-copy"
     );
-    h.input(Input::CopyDone {
-        copy,
-        result: Ok(100),
-    });
+    h.copy_done(copy, Ok(100));
     assert_eq!(h.answer(request), Value::from(true));
     assert_eq!(h.node.l1_lookup(&[b"k".to_vec()]), 1);
     // A failed copy publishes nothing.
@@ -155,10 +147,10 @@ fn decision_3_a_store_is_answered_once_its_copy_is_done_and_only_then_published(
     let [(copy, ..)] = h.copies()[..] else {
         panic!()
     };
-    h.input(Input::CopyDone {
+    h.copy_done(
         copy,
-        result: Err(ProtocolError::new(ErrorCode::Internal, "copy failed")),
-    });
+        Err(ProtocolError::new(ErrorCode::Internal, "copy failed")),
+    );
     assert_eq!(h.error(request), ErrorCode::Internal);
     assert_eq!(h.node.l1_lookup(&[b"j".to_vec()]), 0);
 }
@@ -361,19 +353,12 @@ fn decision_8_a_ping_handed_in_before_the_timeout_call_keeps_its_worker() {
     let mut h = Harness::new(None);
     let worker = id(1);
     h.registered(worker);
-    assert_eq!(
-        h.ask(Op::Ping {
-            instance: Some(worker)
-        }),
-        Value::from(true)
-    );
+    assert_eq!(h.ask(ping(worker)), Value::from(true));
     h.run_until(at(29.0));
     // The loop woke at 31 s (past the 30 s deadline) with a ping already arrived: it
     // hands the ping in first, then judges time.
     h.now = at(31.0);
-    let ping = h.send(Op::Ping {
-        instance: Some(worker),
-    });
+    let ping = h.send(ping(worker));
     h.node.handle_timeout(h.now);
     h.drain();
     assert_eq!(h.answer(ping), Value::from(true));
@@ -395,10 +380,7 @@ fn decision_9_a_context_is_freed_only_after_its_copies_are_done() {
     };
     h.ask(Op::UnregisterKvCache { instance: worker });
     assert!(h.frees().is_empty(), "the copy still uses the mapping");
-    h.input(Input::CopyDone {
-        copy,
-        result: Ok(100),
-    });
+    h.copy_done(copy, Ok(100));
     assert_eq!(h.answer(request), Value::from(true));
     let frees = h.frees();
     assert_eq!(frees.len(), 1);
@@ -428,12 +410,7 @@ fn decision_10_a_free_that_never_returns_is_reported_once_and_pings_go_on() {
         !h.notes().iter().any(|n| matches!(n, Note::FreeHung { .. })),
         "once"
     );
-    assert_eq!(
-        h.ask(Op::Ping {
-            instance: Some(id(2))
-        }),
-        Value::from(true)
-    );
+    assert_eq!(h.ask(ping(id(2))), Value::from(true));
     assert_eq!(h.node.status().frees_hung_total, 1);
     assert_eq!(h.node.status().frees_in_flight, 1);
 }
@@ -492,23 +469,13 @@ fn reaped_when_due_not_before_through_the_node() {
     let mut h = Harness::new(None);
     let worker = id(1);
     h.registered(worker);
-    assert_eq!(
-        h.ask(Op::Ping {
-            instance: Some(worker)
-        }),
-        Value::from(true)
-    );
+    assert_eq!(h.ask(ping(worker)), Value::from(true));
     h.run_until(at(30.0));
     assert!(h.frees().is_empty(), "silence exactly T: not yet");
     h.run_until(at(31.5));
     let frees = h.frees();
     assert_eq!(frees.len(), 1);
     assert!(matches!(frees[0].1, FreeCause::Reaped { proven: true, .. }));
-    assert_eq!(
-        h.ask(Op::Ping {
-            instance: Some(worker)
-        }),
-        Value::from(false)
-    );
+    assert_eq!(h.ask(ping(worker)), Value::from(false));
     assert_eq!(h.node.status().pings_answered_false_total, 1);
 }

@@ -10,7 +10,7 @@ use kvwarden_core::node::{Direction, Input, Note, ProcessKey};
 use kvwarden_core::protocol::{ErrorCode, Op, ProtocolError, RetrieveItem};
 use rmpv::Value;
 use std::time::Duration;
-use support::harness::{Harness, store};
+use support::harness::{Harness, ping, store};
 use support::id;
 
 const TIMEOUT: Duration = Duration::from_millis(50);
@@ -65,10 +65,7 @@ fn row_29_a_completed_store_is_written_behind_with_its_slot_pinned_until_written
     let [(copy, ..)] = h.copies()[..] else {
         panic!()
     };
-    h.input(Input::CopyDone {
-        copy,
-        result: Ok(100),
-    });
+    h.copy_done(copy, Ok(100));
     assert_eq!(h.answer(request), Value::from(true));
     let [(write, ref key, _, 100)] = h.l2_writes()[..] else {
         panic!("one write behind")
@@ -94,10 +91,10 @@ fn row_29_a_store_cut_short_never_reaches_l2() {
     let [(copy, ..)] = h.copies()[..] else {
         panic!()
     };
-    h.input(Input::CopyDone {
+    h.copy_done(
         copy,
-        result: Err(ProtocolError::new(ErrorCode::Internal, "cut short")),
-    });
+        Err(ProtocolError::new(ErrorCode::Internal, "cut short")),
+    );
     assert!(h.reply(request).is_some());
     assert!(h.l2_writes().is_empty());
 }
@@ -203,18 +200,12 @@ fn row_27_an_l1_miss_reads_through_and_a_hit_is_promoted_then_served() {
         1,
         "a slot waits for the hit"
     );
-    h.input(Input::L2Got {
-        read,
-        fetched: L2Fetched::Hit { nbytes: 300 },
-    });
+    h.l2_got(read, L2Fetched::Hit { nbytes: 300 });
     assert_eq!(h.node.l1_lookup(&[b"remote".to_vec()]), 1, "promoted");
     let [(copy, Direction::FromL1, 300)] = h.copies()[..] else {
         panic!("served from L1 as usual")
     };
-    h.input(Input::CopyDone {
-        copy,
-        result: Ok(300),
-    });
+    h.copy_done(copy, Ok(300));
     assert_eq!(h.answer(request), Value::from(300u64));
     assert_eq!(h.counters().hits, 1);
     // Now in L1: no second read.
@@ -223,10 +214,7 @@ fn row_27_an_l1_miss_reads_through_and_a_hit_is_promoted_then_served() {
     let [(copy, ..)] = h.copies()[..] else {
         panic!()
     };
-    h.input(Input::CopyDone {
-        copy,
-        result: Ok(300),
-    });
+    h.copy_done(copy, Ok(300));
     assert_eq!(h.answer(request), Value::from(300u64));
 }
 
@@ -236,13 +224,8 @@ fn row_27_an_l2_miss_answers_as_today_and_gives_the_slot_back() {
     let worker = id(1);
     h.registered(worker);
     let request = h.send(retrieve(worker, b"nowhere"));
-    let [(read, ..)] = h.l2_gets()[..] else {
-        panic!()
-    };
-    h.input(Input::L2Got {
-        read,
-        fetched: L2Fetched::Absent,
-    });
+    let read = h.l2_get();
+    h.l2_got(read, L2Fetched::Absent);
     assert_eq!(h.answer(request), Value::Nil);
     assert_eq!(h.node.l1_occupancy().reserved, 0);
     assert_eq!(h.counters().misses, 1);
@@ -254,9 +237,7 @@ fn row_27_an_l2_wait_past_the_timeout_is_a_miss_and_a_late_hit_is_still_promoted
     let worker = id(1);
     h.registered(worker);
     let request = h.send(retrieve(worker, b"slow"));
-    let [(read, ..)] = h.l2_gets()[..] else {
-        panic!()
-    };
+    let read = h.l2_get();
     h.run_for(TIMEOUT);
     assert_eq!(
         h.answer(request),
@@ -269,10 +250,7 @@ fn row_27_an_l2_wait_past_the_timeout_is_a_miss_and_a_late_hit_is_still_promoted
         1,
         "the slot waits for the late answer: no one else's bytes may land in it"
     );
-    h.input(Input::L2Got {
-        read,
-        fetched: L2Fetched::Hit { nbytes: 10 },
-    });
+    h.l2_got(read, L2Fetched::Hit { nbytes: 10 });
     assert_eq!(h.node.l1_lookup(&[b"slow".to_vec()]), 1);
     assert!(h.reply(request).is_none(), "answered once");
     assert_eq!(h.counters().hits, 0, "counted once, as the timeout");
@@ -287,9 +265,7 @@ fn row_27_pings_never_wait_for_l2_and_nothing_is_reaped_while_it_is_down() {
     for key in [b"x1", b"x2", b"x3"] {
         let request = h.send(retrieve(worker, key));
         assert_eq!(h.l2_gets().len(), 1);
-        let ping = h.send(Op::Ping {
-            instance: Some(worker),
-        });
+        let ping = h.send(ping(worker));
         assert_eq!(h.answer(ping), Value::from(true), "answered at once");
         h.run_for(TIMEOUT);
         assert_eq!(h.answer(request), Value::Nil);
@@ -311,9 +287,7 @@ fn row_27_pings_never_wait_for_l2_and_nothing_is_reaped_while_it_is_down() {
     assert_eq!(h.counters().write_drops, 1);
     // Twenty seconds of a dead L2 with a pinging worker: nothing reaped.
     for _ in 0..20 {
-        let ping = h.send(Op::Ping {
-            instance: Some(worker),
-        });
+        let ping = h.send(ping(worker));
         assert_eq!(h.answer(ping), Value::from(true));
         h.run_for(Duration::from_secs(1));
     }
@@ -353,13 +327,8 @@ fn row_28_a_corrupt_value_is_a_miss_counted_never_served() {
     let worker = id(1);
     h.registered(worker);
     let request = h.send(retrieve(worker, b"torn"));
-    let [(read, ..)] = h.l2_gets()[..] else {
-        panic!()
-    };
-    h.input(Input::L2Got {
-        read,
-        fetched: L2Fetched::Corrupt,
-    });
+    let read = h.l2_get();
+    h.l2_got(read, L2Fetched::Corrupt);
     assert_eq!(h.answer(request), Value::Nil);
     assert!(h.copies().is_empty(), "nothing served");
     assert_eq!(h.node.l1_lookup(&[b"torn".to_vec()]), 0);
@@ -402,13 +371,8 @@ fn prepare_retrieve_reads_through_and_pins_the_promoted_slot() {
         instance: worker,
         key: b"remote".to_vec(),
     });
-    let [(read, ..)] = h.l2_gets()[..] else {
-        panic!()
-    };
-    h.input(Input::L2Got {
-        read,
-        fetched: L2Fetched::Hit { nbytes: 77 },
-    });
+    let read = h.l2_get();
+    h.l2_got(read, L2Fetched::Hit { nbytes: 77 });
     let Value::Map(grant) = h.answer(request) else {
         panic!("a grant")
     };
@@ -443,14 +407,11 @@ fn retrieve_batch_serves_l1_items_and_reads_the_rest_through() {
         } else {
             L2Fetched::Absent
         };
-        h.input(Input::L2Got { read, fetched });
+        h.l2_got(read, fetched);
     }
     for (copy, direction, nbytes) in h.copies() {
         assert_eq!(direction, Direction::FromL1);
-        h.input(Input::CopyDone {
-            copy,
-            result: Ok(nbytes),
-        });
+        h.copy_done(copy, Ok(nbytes));
     }
     assert_eq!(
         h.answer(request),

@@ -5,7 +5,7 @@
 use super::secs;
 use kvwarden_core::l2::{L2Counters, L2State};
 use kvwarden_core::node::l1::SlotId;
-use kvwarden_core::node::l2::{L2NodeConfig, L2ReadId, L2WriteId};
+use kvwarden_core::node::l2::{L2Fetched, L2NodeConfig, L2ReadId, L2WriteId};
 use kvwarden_core::node::{
     Built, ConnId, ContextId, CopyId, DeathNotice, Direction, Input, Node, NodeConfig, Note,
     Output, ProcessKey, Transport,
@@ -248,6 +248,24 @@ impl Harness {
             .count()
     }
 
+    /// The one L2 read asked since the last look, taken out; panics unless exactly one.
+    pub fn l2_get(&mut self) -> L2ReadId {
+        let [(read, ..)] = self.l2_gets()[..] else {
+            panic!("one L2 read")
+        };
+        read
+    }
+
+    /// Answers the L2 read `read` with `fetched`.
+    pub fn l2_got(&mut self, read: L2ReadId, fetched: L2Fetched) {
+        self.input(Input::L2Got { read, fetched });
+    }
+
+    /// Answers the copy `copy` with `result`.
+    pub fn copy_done(&mut self, copy: CopyId, result: Result<u64, ProtocolError>) {
+        self.input(Input::CopyDone { copy, result });
+    }
+
     /// Builds the server-driven `context` (one 1 MiB buffer).
     pub fn build(&mut self, context: ContextId) {
         self.input(Input::BuildDone {
@@ -292,10 +310,7 @@ impl Harness {
         let [(copy, Direction::ToL1, 100)] = self.copies()[..] else {
             panic!("one copy")
         };
-        self.input(Input::CopyDone {
-            copy,
-            result: Ok(100),
-        });
+        self.copy_done(copy, Ok(100));
         assert_eq!(self.answer(request), Value::from(true));
     }
 
@@ -318,6 +333,13 @@ pub fn register(instance: InstanceId) -> Op {
         }],
         model_name: "m".into(),
         world_size: 1,
+    }
+}
+
+/// Ping `instance`.
+pub fn ping(instance: InstanceId) -> Op {
+    Op::Ping {
+        instance: Some(instance),
     }
 }
 
