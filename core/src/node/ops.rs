@@ -491,6 +491,41 @@ impl Node {
             .is_some_and(|connection| connection.in_flight < MAX_IN_FLIGHT_PER_CONNECTION)
     }
 
+    /// Opens a server-driven transfer (`store`, `retrieve` and their batches) in the one
+    /// order they all keep: the instance's context first (`transfer_context`), then
+    /// `validate` on it (buffer ranges, slot sizes: what it returns comes back with the
+    /// context), then the connection's cap. So a request that names no registered
+    /// instance is told so, and a malformed one is refused as malformed even on a full
+    /// connection; only a well-formed one is told to slow down.
+    fn open_transfer<T>(
+        &mut self,
+        now: Instant,
+        conn: ConnId,
+        instance: InstanceId,
+        op: &str,
+        validate: impl FnOnce(&Self, ContextId) -> Result<T, ProtocolError>,
+    ) -> Result<(ContextId, T), ProtocolError> {
+        let context = self.transfer_context(now, instance, Module::ServerDriven, op)?;
+        let checked = validate(self, context)?;
+        if !self.has_room(conn) {
+            return Err(overloaded());
+        }
+        Ok((context, checked))
+    }
+
+    /// Refuses a store of `nbytes` that would not fit one L1 slot. `what` names the
+    /// request (or the batch item) in the message: "`store`".
+    fn fits_a_slot(&self, what: &str, nbytes: u64) -> Result<(), ProtocolError> {
+        let slot_bytes = self.l1.slot_bytes();
+        if nbytes > slot_bytes {
+            return Err(bad_args(format!(
+                "{what}: nbytes {nbytes} is larger than an L1 slot ({slot_bytes} bytes, \
+                 --slot-bytes); store chunks of at most one slot"
+            )));
+        }
+        Ok(())
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub(super) fn start_copy(
         &mut self,
@@ -536,24 +571,16 @@ impl Node {
         offset: u64,
         nbytes: u64,
     ) -> Answer {
-        let context = match self.transfer_context(now, instance, Module::ServerDriven, "store") {
-            Ok(context) => context,
+        let opened = self.open_transfer(now, to.conn, instance, "store", |node, context| {
+            let index =
+                node.checked_buffer(context, "`store`", instance, buffer, offset, nbytes)?;
+            node.fits_a_slot("`store`", nbytes)?;
+            Ok(index)
+        });
+        let (context, index) = match opened {
+            Ok(opened) => opened,
             Err(error) => return Some(Err(error)),
         };
-        let index = match self.checked_buffer(context, "`store`", instance, buffer, offset, nbytes)
-        {
-            Ok(index) => index,
-            Err(error) => return Some(Err(error)),
-        };
-        let slot_bytes = self.l1.slot_bytes();
-        if nbytes > slot_bytes {
-            return Some(Err(bad_args(format!(
-                "`store`: nbytes {nbytes} is larger than an L1 slot ({slot_bytes} bytes, --slot-bytes); store chunks of at most one slot"
-            ))));
-        }
-        if !self.has_room(to.conn) {
-            return Some(Err(overloaded()));
-        }
         match self.l1.reserve(&key) {
             Reservation::AlreadyStored => Some(Ok(true.into())),
             Reservation::Full => Some(Ok(false.into())),
@@ -582,17 +609,13 @@ impl Node {
         buffer: u64,
         offset: u64,
     ) -> Answer {
-        let context = match self.transfer_context(now, instance, Module::ServerDriven, "retrieve") {
-            Ok(context) => context,
+        let opened = self.open_transfer(now, to.conn, instance, "retrieve", |node, context| {
+            node.checked_buffer(context, "`retrieve`", instance, buffer, offset, 0)
+        });
+        let context = match opened {
+            Ok((context, _)) => context,
             Err(error) => return Some(Err(error)),
         };
-        if let Err(error) = self.checked_buffer(context, "`retrieve`", instance, buffer, offset, 0)
-        {
-            return Some(Err(error));
-        }
-        if !self.has_room(to.conn) {
-            return Some(Err(overloaded()));
-        }
         if self.l1_holds(&key) || !self.l2_enabled() {
             return self.retrieve_l1(to, instance, context, &key, buffer, offset);
         }
@@ -665,38 +688,26 @@ impl Node {
         instance: InstanceId,
         items: Vec<StoreItem>,
     ) -> Answer {
-        let context =
-            match self.transfer_context(now, instance, Module::ServerDriven, "store_batch") {
-                Ok(context) => context,
-                Err(error) => return Some(Err(error)),
-            };
-        let slot_bytes = self.l1.slot_bytes();
-        let mut indexes = Vec::with_capacity(items.len());
-        for (position, item) in items.iter().enumerate() {
-            let what = format!("`store_batch` items[{position}]");
-            let index = match self.checked_buffer(
-                context,
-                &what,
-                instance,
-                item.buffer,
-                item.offset,
-                item.nbytes,
-            ) {
-                Ok(index) => index,
-                Err(error) => return Some(Err(error)),
-            };
-            if item.nbytes > slot_bytes {
-                return Some(Err(bad_args(format!(
-                    "{what}: nbytes {} is larger than an L1 slot ({slot_bytes} bytes, \
-                     --slot-bytes); store chunks of at most one slot",
-                    item.nbytes
-                ))));
+        let opened = self.open_transfer(now, to.conn, instance, "store_batch", |node, context| {
+            let mut indexes = Vec::with_capacity(items.len());
+            for (position, item) in items.iter().enumerate() {
+                let what = format!("`store_batch` items[{position}]");
+                indexes.push(node.checked_buffer(
+                    context,
+                    &what,
+                    instance,
+                    item.buffer,
+                    item.offset,
+                    item.nbytes,
+                )?);
+                node.fits_a_slot(&what, item.nbytes)?;
             }
-            indexes.push(index);
-        }
-        if !self.has_room(to.conn) {
-            return Some(Err(overloaded()));
-        }
+            Ok(indexes)
+        });
+        let (context, indexes) = match opened {
+            Ok(opened) => opened,
+            Err(error) => return Some(Err(error)),
+        };
         let mut results = vec![Value::Nil; items.len()];
         let mut copies = Vec::new();
         for (position, (item, index)) in items.into_iter().zip(indexes).enumerate() {
@@ -734,27 +745,25 @@ impl Node {
         instance: InstanceId,
         items: Vec<RetrieveItem>,
     ) -> Answer {
-        let context =
-            match self.transfer_context(now, instance, Module::ServerDriven, "retrieve_batch") {
-                Ok(context) => context,
-                Err(error) => return Some(Err(error)),
-            };
         let what = |position: usize| format!("`retrieve_batch` items[{position}]");
-        for (position, item) in items.iter().enumerate() {
-            if let Err(error) = self.checked_buffer(
-                context,
-                &what(position),
-                instance,
-                item.buffer,
-                item.offset,
-                0,
-            ) {
-                return Some(Err(error));
-            }
-        }
-        if !self.has_room(to.conn) {
-            return Some(Err(overloaded()));
-        }
+        let opened =
+            self.open_transfer(now, to.conn, instance, "retrieve_batch", |node, context| {
+                for (position, item) in items.iter().enumerate() {
+                    node.checked_buffer(
+                        context,
+                        &what(position),
+                        instance,
+                        item.buffer,
+                        item.offset,
+                        0,
+                    )?;
+                }
+                Ok(())
+            });
+        let context = match opened {
+            Ok((context, ())) => context,
+            Err(error) => return Some(Err(error)),
+        };
         let pins: Vec<Option<(SlotId, u64)>> =
             items.iter().map(|item| self.l1.pin(&item.key)).collect();
         // The value's length is known only once pinned: a value that does not fit where
