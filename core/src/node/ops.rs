@@ -179,7 +179,7 @@ impl Node {
                 now,
                 instance,
                 "commit_retrieve",
-                |strategy, l1| strategy.commit_retrieve(l1, &key).into(),
+                |strategy, l1| Ok(strategy.commit_retrieve(l1, &key).into()),
             )),
             Op::RegisterBlend { instance, rope } => self.register_blend(to, instance, rope),
         }
@@ -857,13 +857,14 @@ impl Node {
         id
     }
 
-    /// Runs `step` on the instance's transfer strategy and the slot table.
+    /// Runs `step` on the instance's transfer strategy and the slot table; an op the
+    /// strategy refuses is refused by `step` returning the error.
     fn with_strategy(
         &mut self,
         now: Instant,
         instance: InstanceId,
         op: &str,
-        step: impl FnOnce(&mut TransferStrategy, &mut SlotTable) -> Value,
+        step: impl FnOnce(&mut TransferStrategy, &mut SlotTable) -> Result<Value, ProtocolError>,
     ) -> Result<Value, ProtocolError> {
         let context = self.transfer_context(now, instance, Module::EngineDriven, op)?;
         let Some(strategy) = self.strategies.get_mut(&context) else {
@@ -872,7 +873,7 @@ impl Node {
                 format!("`{op}`: instance {instance}'s engine-driven entry holds another context"),
             ));
         };
-        Ok(step(strategy, &mut self.l1))
+        step(strategy, &mut self.l1)
     }
 
     fn prepare_store(
@@ -882,37 +883,34 @@ impl Node {
         key: &[u8],
     ) -> Result<Value, ProtocolError> {
         let num_slots = self.l1.num_slots();
-        let mut refused = None;
         let mut reserved = None;
-        let value = self.with_strategy(now, instance, "prepare_store", |strategy, l1| {
-            match strategy.prepare_store(l1, key) {
-                PrepareStore::Reserved(grant) => {
-                    reserved = Some(grant.slot);
-                    grant_value(grant, true)
-                }
-                PrepareStore::AlreadyStored => Value::Nil,
-                PrepareStore::PoolFull => {
-                    refused = Some(ProtocolError::new(
+        let value =
+            self.with_strategy(
+                now,
+                instance,
+                "prepare_store",
+                |strategy, l1| match strategy.prepare_store(l1, key) {
+                    PrepareStore::Reserved(grant) => {
+                        reserved = Some(grant.slot);
+                        Ok(grant_value(grant, true))
+                    }
+                    PrepareStore::AlreadyStored => Ok(Value::Nil),
+                    PrepareStore::PoolFull => Err(ProtocolError::new(
                         ErrorCode::Overloaded,
                         format!(
                             "`prepare_store`: every one of the {num_slots} L1 slots is reserved \
-                             or pinned; commit what you prepared and retry later"
+                         or pinned; commit what you prepared and retry later"
                         ),
-                    ));
-                    Value::Nil
-                }
-                PrepareStore::TooManyHeld => {
-                    refused = Some(too_many_held("prepare_store", instance));
-                    Value::Nil
-                }
-            }
-        })?;
+                    )),
+                    PrepareStore::TooManyHeld => Err(too_many_held("prepare_store", instance)),
+                },
+            )?;
         if let Some(slot) = reserved
             && self.planted(PlantedBug::WriteUnpublished)
         {
             self.l2_write_unpublished(slot, key);
         }
-        refused.map_or(Ok(value), Err)
+        Ok(value)
     }
 
     fn commit_store(
@@ -922,20 +920,16 @@ impl Node {
         key: &[u8],
         nbytes: u64,
     ) -> Result<Value, ProtocolError> {
-        let mut refused = None;
         let value =
             self.with_strategy(now, instance, "commit_store", |strategy, l1| match strategy
                 .commit_store(l1, key, nbytes)
             {
-                CommitStore::Published => true.into(),
-                CommitStore::NotReserved => false.into(),
-                CommitStore::TooLarge { nbytes, slot_bytes } => {
-                    refused = Some(bad_args(format!(
-                        "`commit_store`: nbytes {nbytes} is larger than an L1 slot ({slot_bytes} \
-                         bytes); commit at most one slot (the reservation is kept)"
-                    )));
-                    Value::Nil
-                }
+                CommitStore::Published => Ok(true.into()),
+                CommitStore::NotReserved => Ok(false.into()),
+                CommitStore::TooLarge { nbytes, slot_bytes } => Err(bad_args(format!(
+                    "`commit_store`: nbytes {nbytes} is larger than an L1 slot ({slot_bytes} \
+                     bytes); commit at most one slot (the reservation is kept)"
+                ))),
             })?;
         if value == Value::Boolean(true) {
             // Published: only now may it go to L2 (row 29).
@@ -944,7 +938,7 @@ impl Node {
                 self.l2_write_behind(now, slot);
             }
         }
-        refused.map_or(Ok(value), Err)
+        Ok(value)
     }
 
     /// `prepare_retrieve`: pins an L1 hit; a miss asks L2 (answered once it ends).
@@ -978,22 +972,16 @@ impl Node {
         instance: InstanceId,
         key: &[u8],
     ) -> Result<Value, ProtocolError> {
-        let mut refused = None;
-        let value =
-            self.with_strategy(
-                now,
-                instance,
-                "prepare_retrieve",
-                |strategy, l1| match strategy.prepare_retrieve(l1, key) {
-                    PrepareRetrieve::Pinned(grant) => grant_value(grant, false),
-                    PrepareRetrieve::Miss => Value::Nil,
-                    PrepareRetrieve::TooManyHeld => {
-                        refused = Some(too_many_held("prepare_retrieve", instance));
-                        Value::Nil
-                    }
-                },
-            )?;
-        refused.map_or(Ok(value), Err)
+        self.with_strategy(
+            now,
+            instance,
+            "prepare_retrieve",
+            |strategy, l1| match strategy.prepare_retrieve(l1, key) {
+                PrepareRetrieve::Pinned(grant) => Ok(grant_value(grant, false)),
+                PrepareRetrieve::Miss => Ok(Value::Nil),
+                PrepareRetrieve::TooManyHeld => Err(too_many_held("prepare_retrieve", instance)),
+            },
+        )
     }
 
     fn register_blend(&mut self, to: ReplyTo, instance: InstanceId, rope: RopeSpec) -> Answer {
