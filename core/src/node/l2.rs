@@ -247,15 +247,34 @@ impl Node {
         let Some((key, nbytes)) = self.l1.pin_slot(slot) else {
             return;
         };
-        let bytes = nbytes.saturating_add(HEADER_BYTES as u64);
         let admitted = tier.writes.len() < tier.writes_max
             && !matches!(tier.health.admit(now), Admission::Skip);
-        if !admitted || tier.queue.push((), bytes) == Push::Dropped {
-            tier.counters.record_dropped_write();
+        if !admitted || !self.l2_send_write(slot, key, nbytes) {
+            if let Some(tier) = self.l2.as_mut() {
+                tier.counters.record_dropped_write();
+            }
             self.l1.unpin(slot);
-            return;
         }
-        // Handed to the shell at once: the bytes stay counted until `L2Written`.
+    }
+
+    /// Planted bug `WriteUnpublished` only: writes a reserved slot (row 29 forbids it).
+    pub(super) fn l2_write_unpublished(&mut self, slot: SlotId, key: &[u8]) {
+        let nbytes = self.l1.slot_bytes();
+        self.l2_send_write(slot, key.to_vec(), nbytes);
+    }
+
+    /// Queues the write of `nbytes` of `key` from `slot` and hands it to the shell at
+    /// once (`Output::L2Write`); its bytes, header included, stay counted in the queue
+    /// until `L2Written`. False, and nothing sent, when L2 is off or the queue is full:
+    /// what to do then (count a drop, unpin) is the caller's.
+    fn l2_send_write(&mut self, slot: SlotId, key: Vec<u8>, nbytes: u64) -> bool {
+        let Some(tier) = self.l2.as_mut() else {
+            return false;
+        };
+        let bytes = nbytes.saturating_add(HEADER_BYTES as u64);
+        if tier.queue.push((), bytes) == Push::Dropped {
+            return false;
+        }
         let _ = tier.queue.pop();
         let write = L2WriteId(self.next_id());
         if let Some(tier) = self.l2.as_mut() {
@@ -267,29 +286,7 @@ impl Node {
             slot,
             nbytes,
         });
-    }
-
-    /// Planted bug `WriteUnpublished` only: writes a reserved slot (row 29 forbids it).
-    pub(super) fn l2_write_unpublished(&mut self, slot: SlotId, key: &[u8]) {
-        let nbytes = self.l1.slot_bytes();
-        let Some(tier) = self.l2.as_mut() else {
-            return;
-        };
-        let bytes = nbytes.saturating_add(HEADER_BYTES as u64);
-        if tier.queue.push((), bytes) == Push::Dropped {
-            return;
-        }
-        let _ = tier.queue.pop();
-        let write = L2WriteId(self.next_id());
-        if let Some(tier) = self.l2.as_mut() {
-            tier.writes.insert(write, (slot, bytes));
-        }
-        self.outputs.push_back(Output::L2Write {
-            write,
-            key: key.to_vec(),
-            slot,
-            nbytes,
-        });
+        true
     }
 
     pub(super) fn l2_written(&mut self, now: Instant, write: L2WriteId, outcome: WriteOutcome) {
