@@ -2,275 +2,19 @@
 //! server and the simulator's old model behaved differently are decided here once;
 //! each test is named for the decision (`docs/design.md`, "The node").
 
-use kvwarden_core::node::{
-    Built, ConnId, ContextId, DeathNotice, Direction, Input, Node, NodeConfig, Note, Output,
-    ProcessKey, Transport,
-};
+mod support;
+
+use kvwarden_core::node::{Built, ConnId, Direction, Input, Note, Output, ProcessKey};
 use kvwarden_core::protocol::{BufferSpec, ErrorCode, Op, ProtocolError, RopeSpec};
-use kvwarden_core::{Config, FreeCause, InstanceId, Instant, Module};
+use kvwarden_core::{FreeCause, Module};
 use rmpv::Value;
-use std::time::Duration;
-
-const OWNER: u32 = 1000;
-const SLOT: u64 = 4096;
-
-fn secs(s: f64) -> Duration {
-    Duration::from_secs_f64(s)
-}
-
-fn at(s: f64) -> Instant {
-    Instant::ZERO + secs(s)
-}
-
-fn id(raw: u64) -> InstanceId {
-    InstanceId::new(raw).unwrap()
-}
-
-/// A shell that records every output and hands the node time like the real loop.
-struct Harness {
-    node: Node,
-    now: Instant,
-    out: Vec<Output>,
-    next_request: u64,
-}
-
-impl Harness {
-    fn new() -> Harness {
-        Harness::with_slots(4)
-    }
-
-    fn with_slots(num_slots: usize) -> Harness {
-        let config = NodeConfig {
-            liveness: Config {
-                reap_timeout: secs(30.0),
-                registration_grace: secs(60.0),
-                resolution: secs(1.0),
-                stall_threshold: secs(5.0),
-            },
-            reap_timeout_floor: Duration::ZERO,
-            num_slots,
-            slot_bytes: SLOT,
-            server_uid: 0,
-            boot_id: 7,
-            server_name: "kvwarden test".into(),
-            free_watchdog: secs(5.0),
-            shutdown_drain: secs(10.0),
-            cuda_devices: Err("no CUDA in tests".into()),
-            l2: None,
-        };
-        let mut harness = Harness {
-            node: Node::new(config, Instant::ZERO).unwrap(),
-            now: Instant::ZERO,
-            out: Vec::new(),
-            next_request: 0,
-        };
-        harness.connect(ConnId(1), Some(OWNER), Some(ProcessKey(1)));
-        harness
-    }
-
-    fn input(&mut self, input: Input) {
-        self.node.handle_input(self.now, input);
-        self.drain();
-    }
-
-    fn drain(&mut self) {
-        while let Some(output) = self.node.poll_output() {
-            self.out.push(output);
-        }
-    }
-
-    fn connect(&mut self, conn: ConnId, uid: Option<u32>, process: Option<ProcessKey>) {
-        self.input(Input::Connected {
-            conn,
-            uid,
-            transport: Transport::Unix,
-            process: process.map(|p| (p, DeathNotice::PidfdByPid)),
-        });
-    }
-
-    /// Advances time as the loop does: `handle_timeout` whenever `poll_timeout` asks.
-    fn run_until(&mut self, until: Instant) {
-        loop {
-            let next = self.node.poll_timeout().filter(|&t| t <= until);
-            let Some(next) = next else { break };
-            self.now = next.max(self.now);
-            self.node.handle_timeout(self.now);
-            self.drain();
-        }
-        self.now = until;
-        self.node.handle_timeout(self.now);
-        self.drain();
-    }
-
-    /// Sends `op` on `conn`; returns its request id.
-    fn send_on(&mut self, conn: ConnId, op: Op, fds: usize) -> u64 {
-        self.next_request += 1;
-        let request_id = self.next_request;
-        self.input(Input::Request {
-            conn,
-            request_id,
-            op,
-            fds,
-        });
-        request_id
-    }
-
-    fn send(&mut self, op: Op) -> u64 {
-        self.send_on(ConnId(1), op, 1)
-    }
-
-    /// The reply to `request_id`, taken out of the record.
-    fn reply(&mut self, request_id: u64) -> Option<Result<Value, ProtocolError>> {
-        let position = self.out.iter().position(
-            |output| matches!(output, Output::Reply { request_id: r, .. } if *r == request_id),
-        )?;
-        match self.out.remove(position) {
-            Output::Reply { result, .. } => Some(result),
-            _ => None,
-        }
-    }
-
-    fn answer(&mut self, request_id: u64) -> Value {
-        match self.reply(request_id) {
-            Some(Ok(value)) => value,
-            other => panic!("request {request_id}: {other:?}"),
-        }
-    }
-
-    fn error(&mut self, request_id: u64) -> ErrorCode {
-        match self.reply(request_id) {
-            Some(Err(error)) => error.code,
-            other => panic!("request {request_id}: expected an error, got {other:?}"),
-        }
-    }
-
-    fn ask(&mut self, op: Op) -> Value {
-        let request = self.send(op);
-        self.answer(request)
-    }
-
-    fn refuse(&mut self, op: Op) -> ErrorCode {
-        let request = self.send(op);
-        self.error(request)
-    }
-
-    fn builds(&mut self) -> Vec<ContextId> {
-        let mut builds = Vec::new();
-        self.out.retain(|output| match output {
-            Output::StartBuild { context, .. } => {
-                builds.push(*context);
-                false
-            }
-            _ => true,
-        });
-        builds
-    }
-
-    fn frees(&mut self) -> Vec<(ContextId, FreeCause, &'static str)> {
-        let mut frees = Vec::new();
-        self.out.retain(|output| match output {
-            Output::StartFree {
-                context,
-                cause,
-                label,
-                ..
-            } => {
-                frees.push((*context, *cause, *label));
-                false
-            }
-            _ => true,
-        });
-        frees
-    }
-
-    fn copies(&mut self) -> Vec<(kvwarden_core::node::CopyId, Direction, u64)> {
-        let mut copies = Vec::new();
-        self.out.retain(|output| match output {
-            Output::StartCopy {
-                copy,
-                direction,
-                nbytes,
-                ..
-            } => {
-                copies.push((*copy, *direction, *nbytes));
-                false
-            }
-            _ => true,
-        });
-        copies
-    }
-
-    fn build(&mut self, context: ContextId) {
-        self.input(Input::BuildDone {
-            context,
-            result: Ok(Built::ServerDriven {
-                buffer_lens: vec![1 << 20],
-            }),
-        });
-    }
-
-    /// Registers `instance` (server-driven) and builds its context.
-    fn registered(&mut self, instance: InstanceId) -> ContextId {
-        let request = self.send(register(instance));
-        let [context] = self.builds()[..] else {
-            panic!("one build")
-        };
-        self.build(context);
-        assert_eq!(outcome(&self.answer(request)), "created");
-        context
-    }
-
-    fn notes(&mut self) -> Vec<Note> {
-        let mut notes = Vec::new();
-        self.out.retain(|output| match output {
-            Output::Note(note) => {
-                notes.push(note.clone());
-                false
-            }
-            _ => true,
-        });
-        notes
-    }
-}
-
-fn register(instance: InstanceId) -> Op {
-    Op::RegisterKvCache {
-        instance,
-        buffers: vec![BufferSpec::Memfd {
-            fd_index: 0,
-            nbytes: 1 << 20,
-        }],
-        model_name: "m".into(),
-        world_size: 1,
-    }
-}
-
-fn store(instance: InstanceId, key: &[u8]) -> Op {
-    Op::Store {
-        instance,
-        key: key.to_vec(),
-        buffer: 0,
-        offset: 0,
-        nbytes: 100,
-    }
-}
-
-fn outcome(value: &Value) -> String {
-    match value {
-        Value::Map(map) => map
-            .iter()
-            .find(|(k, _)| k.as_str() == Some("outcome"))
-            .and_then(|(_, v)| v.as_str())
-            .unwrap_or("")
-            .to_string(),
-        _ => String::new(),
-    }
-}
+use support::harness::{Harness, OWNER, SLOT, outcome, ping, register, store};
+use support::{at, id};
 
 // 1. Held REGISTERs wait on the build they joined, not on the (instance, module).
 #[test]
 fn decision_1_a_held_register_gets_the_outcome_of_the_build_it_joined() {
-    let mut h = Harness::new();
+    let mut h = Harness::new(None);
     let worker = id(1);
     let first = h.send(register(worker));
     let [build_1] = h.builds()[..] else { panic!() };
@@ -303,7 +47,7 @@ fn decision_1_a_held_register_gets_the_outcome_of_the_build_it_joined() {
 
 #[test]
 fn decision_1_waiters_of_a_failed_build_are_told_not_registered() {
-    let mut h = Harness::new();
+    let mut h = Harness::new(None);
     let worker = id(1);
     let first = h.send(register(worker));
     let [build] = h.builds()[..] else { panic!() };
@@ -320,7 +64,7 @@ fn decision_1_waiters_of_a_failed_build_are_told_not_registered() {
 // 2. Shutdown: answer what is in flight (at most the drain), then free everything.
 #[test]
 fn decision_2_shutdown_answers_builds_in_flight_then_frees_every_context() {
-    let mut h = Harness::new();
+    let mut h = Harness::new(None);
     let built = h.registered(id(1));
     let pending = h.send(register(id(2)));
     let [building] = h.builds()[..] else { panic!() };
@@ -329,12 +73,7 @@ fn decision_2_shutdown_answers_builds_in_flight_then_frees_every_context() {
         h.frees().is_empty(),
         "nothing is freed while a build is in flight"
     );
-    assert_eq!(
-        h.refuse(Op::Ping {
-            instance: Some(id(1))
-        }),
-        ErrorCode::Unavailable
-    );
+    assert_eq!(h.refuse(ping(id(1))), ErrorCode::Unavailable);
 
     h.build(building);
     assert_eq!(
@@ -353,7 +92,7 @@ fn decision_2_shutdown_answers_builds_in_flight_then_frees_every_context() {
 
 #[test]
 fn decision_2_shutdown_stops_once_the_frees_return_and_gives_up_after_the_drain() {
-    let mut h = Harness::new();
+    let mut h = Harness::new(None);
     h.registered(id(1));
     h.send(register(id(2))); // a build that never returns
     assert_eq!(h.builds().len(), 1);
@@ -387,7 +126,7 @@ fn decision_2_shutdown_stops_once_the_frees_return_and_gives_up_after_the_drain(
 // 3. Transfers are answered after their copy.
 #[test]
 fn decision_3_a_store_is_answered_once_its_copy_is_done_and_only_then_published() {
-    let mut h = Harness::new();
+    let mut h = Harness::new(None);
     let worker = id(1);
     h.registered(worker);
     let request = h.send(store(worker, b"k"));
@@ -400,10 +139,7 @@ fn decision_3_a_store_is_answered_once_its_copy_is_done_and_only_then_published(
         0,
         "not published mid-copy"
     );
-    h.input(Input::CopyDone {
-        copy,
-        result: Ok(100),
-    });
+    h.copy_done(copy, Ok(100));
     assert_eq!(h.answer(request), Value::from(true));
     assert_eq!(h.node.l1_lookup(&[b"k".to_vec()]), 1);
     // A failed copy publishes nothing.
@@ -411,10 +147,10 @@ fn decision_3_a_store_is_answered_once_its_copy_is_done_and_only_then_published(
     let [(copy, ..)] = h.copies()[..] else {
         panic!()
     };
-    h.input(Input::CopyDone {
+    h.copy_done(
         copy,
-        result: Err(ProtocolError::new(ErrorCode::Internal, "copy failed")),
-    });
+        Err(ProtocolError::new(ErrorCode::Internal, "copy failed")),
+    );
     assert_eq!(h.error(request), ErrorCode::Internal);
     assert_eq!(h.node.l1_lookup(&[b"j".to_vec()]), 0);
 }
@@ -422,7 +158,7 @@ fn decision_3_a_store_is_answered_once_its_copy_is_done_and_only_then_published(
 // 4. Commits: not registered, not ready, too large.
 #[test]
 fn decision_4_engine_driven_commits_answer_every_state() {
-    let mut h = Harness::new();
+    let mut h = Harness::new(None);
     let worker = id(1);
     let commit = |nbytes| Op::CommitStore {
         instance: worker,
@@ -468,7 +204,7 @@ fn decision_4_engine_driven_commits_answer_every_state() {
 // 5. The L1 pool is the node's: a full pool, eviction, and the per-instance cap.
 #[test]
 fn decision_5_a_pool_full_of_reservations_refuses_and_a_freed_instance_gives_them_back() {
-    let mut h = Harness::with_slots(1);
+    let mut h = Harness::with_slots(1, None);
     let (a, b) = (id(1), id(2));
     for worker in [a, b] {
         let request = h.send(Op::RegisterEngineDriven {
@@ -502,7 +238,7 @@ fn decision_5_a_pool_full_of_reservations_refuses_and_a_freed_instance_gives_the
 // 6. Blend limits and a free while computing.
 #[test]
 fn decision_6_rope_tables_of_an_instance_freed_while_computing_are_discarded() {
-    let mut h = Harness::new();
+    let mut h = Harness::new(None);
     let worker = id(1);
     let rope = RopeSpec {
         rotary_dim: 4,
@@ -540,7 +276,7 @@ fn decision_6_rope_tables_of_an_instance_freed_while_computing_are_discarded() {
 // 7. Owners, per-connection caps, and which refusals count as evidence of life.
 #[test]
 fn decision_7_a_forbidden_request_never_refreshes_an_overloaded_one_does() {
-    let mut h = Harness::with_slots(128);
+    let mut h = Harness::with_slots(128, None);
     let worker = id(1);
     h.registered(worker);
     h.connect(ConnId(2), Some(OWNER + 1), None);
@@ -582,7 +318,7 @@ fn decision_7_a_forbidden_request_never_refreshes_an_overloaded_one_does() {
 
 #[test]
 fn decision_7_buffers_are_validated_against_what_the_frame_carried() {
-    let mut h = Harness::new();
+    let mut h = Harness::new(None);
     let request = h.send_on(ConnId(1), register(id(1)), 0);
     assert_eq!(h.error(request), ErrorCode::BadArgs);
     let cuda = Op::RegisterKvCache {
@@ -614,22 +350,15 @@ fn decision_7_buffers_are_validated_against_what_the_frame_carried() {
 // 8. Input before deadlines: what was handed in before handle_timeout(now) counts.
 #[test]
 fn decision_8_a_ping_handed_in_before_the_timeout_call_keeps_its_worker() {
-    let mut h = Harness::new();
+    let mut h = Harness::new(None);
     let worker = id(1);
     h.registered(worker);
-    assert_eq!(
-        h.ask(Op::Ping {
-            instance: Some(worker)
-        }),
-        Value::from(true)
-    );
+    assert_eq!(h.ask(ping(worker)), Value::from(true));
     h.run_until(at(29.0));
     // The loop woke at 31 s (past the 30 s deadline) with a ping already arrived: it
     // hands the ping in first, then judges time.
     h.now = at(31.0);
-    let ping = h.send(Op::Ping {
-        instance: Some(worker),
-    });
+    let ping = h.send(ping(worker));
     h.node.handle_timeout(h.now);
     h.drain();
     assert_eq!(h.answer(ping), Value::from(true));
@@ -642,7 +371,7 @@ fn decision_8_a_ping_handed_in_before_the_timeout_call_keeps_its_worker() {
 // 9. A free waits for the copies using its context.
 #[test]
 fn decision_9_a_context_is_freed_only_after_its_copies_are_done() {
-    let mut h = Harness::new();
+    let mut h = Harness::new(None);
     let worker = id(1);
     let context = h.registered(worker);
     let request = h.send(store(worker, b"k"));
@@ -651,10 +380,7 @@ fn decision_9_a_context_is_freed_only_after_its_copies_are_done() {
     };
     h.ask(Op::UnregisterKvCache { instance: worker });
     assert!(h.frees().is_empty(), "the copy still uses the mapping");
-    h.input(Input::CopyDone {
-        copy,
-        result: Ok(100),
-    });
+    h.copy_done(copy, Ok(100));
     assert_eq!(h.answer(request), Value::from(true));
     let frees = h.frees();
     assert_eq!(frees.len(), 1);
@@ -664,7 +390,7 @@ fn decision_9_a_context_is_freed_only_after_its_copies_are_done() {
 // 10. Frees take time; the watchdog reports one that never returns, once.
 #[test]
 fn decision_10_a_free_that_never_returns_is_reported_once_and_pings_go_on() {
-    let mut h = Harness::new();
+    let mut h = Harness::new(None);
     let worker = id(1);
     h.registered(worker);
     h.registered(id(2));
@@ -684,12 +410,7 @@ fn decision_10_a_free_that_never_returns_is_reported_once_and_pings_go_on() {
         !h.notes().iter().any(|n| matches!(n, Note::FreeHung { .. })),
         "once"
     );
-    assert_eq!(
-        h.ask(Op::Ping {
-            instance: Some(id(2))
-        }),
-        Value::from(true)
-    );
+    assert_eq!(h.ask(ping(id(2))), Value::from(true));
     assert_eq!(h.node.status().frees_hung_total, 1);
     assert_eq!(h.node.status().frees_in_flight, 1);
 }
@@ -698,7 +419,7 @@ fn decision_10_a_free_that_never_returns_is_reported_once_and_pings_go_on() {
 // the last entry.
 #[test]
 fn decision_11_the_newest_registrants_process_is_the_proof_of_exit() {
-    let mut h = Harness::new();
+    let mut h = Harness::new(None);
     let worker = id(1);
     h.registered(worker);
     assert!(h.out.contains(&Output::Watch {
@@ -732,7 +453,7 @@ fn decision_11_the_newest_registrants_process_is_the_proof_of_exit() {
 
 #[test]
 fn decision_11_an_instance_holding_nothing_is_no_longer_watched() {
-    let mut h = Harness::new();
+    let mut h = Harness::new(None);
     let worker = id(1);
     h.registered(worker);
     h.out.clear();
@@ -745,26 +466,16 @@ fn decision_11_an_instance_holding_nothing_is_no_longer_watched() {
 
 #[test]
 fn reaped_when_due_not_before_through_the_node() {
-    let mut h = Harness::new();
+    let mut h = Harness::new(None);
     let worker = id(1);
     h.registered(worker);
-    assert_eq!(
-        h.ask(Op::Ping {
-            instance: Some(worker)
-        }),
-        Value::from(true)
-    );
+    assert_eq!(h.ask(ping(worker)), Value::from(true));
     h.run_until(at(30.0));
     assert!(h.frees().is_empty(), "silence exactly T: not yet");
     h.run_until(at(31.5));
     let frees = h.frees();
     assert_eq!(frees.len(), 1);
     assert!(matches!(frees[0].1, FreeCause::Reaped { proven: true, .. }));
-    assert_eq!(
-        h.ask(Op::Ping {
-            instance: Some(worker)
-        }),
-        Value::from(false)
-    );
+    assert_eq!(h.ask(ping(worker)), Value::from(false));
     assert_eq!(h.node.status().pings_answered_false_total, 1);
 }

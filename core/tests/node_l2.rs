@@ -1,28 +1,20 @@
 //! The node's L2 decisions (`failure-modes.md` rows 27–29), one test per rule, with a
 //! shell that answers L2 outputs by hand (or never, for a hung store).
 
+mod support;
+
+use kvwarden_core::InstanceId;
 use kvwarden_core::l2::{L2HealthConfig, L2State, WriteOutcome};
-use kvwarden_core::node::l1::SlotId;
-use kvwarden_core::node::l2::{
-    L2Fetched, L2NodeConfig, L2Presence, L2ReadId, L2WriteId, PROBE_KEY,
-};
-use kvwarden_core::node::{
-    Built, ConnId, ContextId, CopyId, DeathNotice, Direction, Input, Node, NodeConfig, Note,
-    Output, ProcessKey, Transport,
-};
-use kvwarden_core::protocol::{BufferSpec, ErrorCode, Op, ProtocolError, RetrieveItem};
-use kvwarden_core::{Config, InstanceId, Instant};
+use kvwarden_core::node::l2::{L2Fetched, L2NodeConfig, L2Presence, PROBE_KEY};
+use kvwarden_core::node::{Direction, Input, Note, ProcessKey};
+use kvwarden_core::protocol::{ErrorCode, Op, ProtocolError, RetrieveItem};
 use rmpv::Value;
 use std::time::Duration;
+use support::harness::{Harness, ping, store};
+use support::id;
 
-const OWNER: u32 = 1000;
-const SLOT: u64 = 4096;
 const TIMEOUT: Duration = Duration::from_millis(50);
 const HEADER: u64 = kvwarden_core::l2::HEADER_BYTES as u64;
-
-fn id(raw: u64) -> InstanceId {
-    InstanceId::new(raw).unwrap()
-}
 
 fn l2_config(write_queue_bytes: u64) -> L2NodeConfig {
     L2NodeConfig {
@@ -33,257 +25,6 @@ fn l2_config(write_queue_bytes: u64) -> L2NodeConfig {
             probe_backoff: Duration::from_secs(1),
             probe_backoff_max: Duration::from_secs(8),
         },
-    }
-}
-
-struct Harness {
-    node: Node,
-    now: Instant,
-    out: Vec<Output>,
-    next_request: u64,
-}
-
-impl Harness {
-    fn new(l2: Option<L2NodeConfig>) -> Harness {
-        Harness::with_slots(4, l2)
-    }
-
-    fn with_slots(num_slots: usize, l2: Option<L2NodeConfig>) -> Harness {
-        let config = NodeConfig {
-            liveness: Config {
-                reap_timeout: Duration::from_secs(30),
-                registration_grace: Duration::from_secs(60),
-                resolution: Duration::from_secs(1),
-                stall_threshold: Duration::from_secs(5),
-            },
-            reap_timeout_floor: Duration::ZERO,
-            num_slots,
-            slot_bytes: SLOT,
-            server_uid: 0,
-            boot_id: 7,
-            server_name: "kvwarden test".into(),
-            free_watchdog: Duration::from_secs(5),
-            shutdown_drain: Duration::from_secs(10),
-            cuda_devices: Err("no CUDA in tests".into()),
-            l2,
-        };
-        let mut harness = Harness {
-            node: Node::new(config, Instant::ZERO).unwrap(),
-            now: Instant::ZERO,
-            out: Vec::new(),
-            next_request: 0,
-        };
-        harness.input(Input::Connected {
-            conn: ConnId(1),
-            uid: Some(OWNER),
-            transport: Transport::Unix,
-            process: Some((ProcessKey(1), DeathNotice::PidfdByPid)),
-        });
-        harness
-    }
-
-    fn input(&mut self, input: Input) {
-        self.node.handle_input(self.now, input);
-        self.drain();
-    }
-
-    fn drain(&mut self) {
-        while let Some(output) = self.node.poll_output() {
-            self.out.push(output);
-        }
-    }
-
-    /// Advances time as the loop does: `handle_timeout` whenever `poll_timeout` asks.
-    fn run_for(&mut self, duration: Duration) {
-        let until = self.now + duration;
-        while let Some(next) = self.node.poll_timeout().filter(|&t| t <= until) {
-            self.now = next.max(self.now);
-            self.node.handle_timeout(self.now);
-            self.drain();
-        }
-        self.now = until;
-        self.node.handle_timeout(self.now);
-        self.drain();
-    }
-
-    fn send(&mut self, op: Op) -> u64 {
-        self.next_request += 1;
-        let request_id = self.next_request;
-        self.input(Input::Request {
-            conn: ConnId(1),
-            request_id,
-            op,
-            fds: 1,
-        });
-        request_id
-    }
-
-    fn reply(&mut self, request_id: u64) -> Option<Result<Value, ProtocolError>> {
-        let position = self.out.iter().position(
-            |output| matches!(output, Output::Reply { request_id: r, .. } if *r == request_id),
-        )?;
-        match self.out.remove(position) {
-            Output::Reply { result, .. } => Some(result),
-            _ => None,
-        }
-    }
-
-    fn answer(&mut self, request_id: u64) -> Value {
-        match self.reply(request_id) {
-            Some(Ok(value)) => value,
-            other => panic!("request {request_id}: {other:?}"),
-        }
-    }
-
-    fn ask(&mut self, op: Op) -> Value {
-        let request = self.send(op);
-        self.answer(request)
-    }
-
-    fn take<T>(&mut self, pick: impl Fn(&Output) -> Option<T>) -> Vec<T> {
-        let mut taken = Vec::new();
-        self.out.retain(|output| match pick(output) {
-            Some(item) => {
-                taken.push(item);
-                false
-            }
-            None => true,
-        });
-        taken
-    }
-
-    fn copies(&mut self) -> Vec<(CopyId, Direction, u64)> {
-        self.take(|output| match output {
-            Output::StartCopy {
-                copy,
-                direction,
-                nbytes,
-                ..
-            } => Some((*copy, *direction, *nbytes)),
-            _ => None,
-        })
-    }
-
-    fn l2_writes(&mut self) -> Vec<(L2WriteId, Vec<u8>, SlotId, u64)> {
-        self.take(|output| match output {
-            Output::L2Write {
-                write,
-                key,
-                slot,
-                nbytes,
-            } => Some((*write, key.clone(), *slot, *nbytes)),
-            _ => None,
-        })
-    }
-
-    fn l2_gets(&mut self) -> Vec<(L2ReadId, Vec<u8>, SlotId)> {
-        self.take(|output| match output {
-            Output::L2Get { read, key, slot } => Some((*read, key.clone(), *slot)),
-            _ => None,
-        })
-    }
-
-    fn l2_exists(&mut self) -> Vec<(L2ReadId, Vec<Vec<u8>>)> {
-        self.take(|output| match output {
-            Output::L2Exists { read, keys } => Some((*read, keys.clone())),
-            _ => None,
-        })
-    }
-
-    fn notes(&mut self) -> Vec<Note> {
-        self.take(|output| match output {
-            Output::Note(note) => Some(note.clone()),
-            _ => None,
-        })
-    }
-
-    fn l2_outputs(&self) -> usize {
-        self.out
-            .iter()
-            .filter(|output| {
-                matches!(
-                    output,
-                    Output::L2Write { .. } | Output::L2Get { .. } | Output::L2Exists { .. }
-                )
-            })
-            .count()
-    }
-
-    /// Registers `instance` (server-driven, one 1 MiB buffer) and builds its context.
-    fn registered(&mut self, instance: InstanceId) -> ContextId {
-        let request = self.send(Op::RegisterKvCache {
-            instance,
-            buffers: vec![BufferSpec::Memfd {
-                fd_index: 0,
-                nbytes: 1 << 20,
-            }],
-            model_name: "m".into(),
-            world_size: 1,
-        });
-        let [context] = self.take(|output| match output {
-            Output::StartBuild { context, .. } => Some(*context),
-            _ => None,
-        })[..] else {
-            panic!("one build")
-        };
-        self.input(Input::BuildDone {
-            context,
-            result: Ok(Built::ServerDriven {
-                buffer_lens: vec![1 << 20],
-            }),
-        });
-        let _ = self.answer(request);
-        context
-    }
-
-    fn engine_registered(&mut self, instance: InstanceId) {
-        let request = self.send(Op::RegisterEngineDriven {
-            instance,
-            model_name: "m".into(),
-            world_size: 1,
-        });
-        let [context] = self.take(|output| match output {
-            Output::StartBuild { context, .. } => Some(*context),
-            _ => None,
-        })[..] else {
-            panic!("one build")
-        };
-        self.input(Input::BuildDone {
-            context,
-            result: Ok(Built::EngineDriven),
-        });
-        let _ = self.answer(request);
-    }
-
-    /// A completed server-driven store of 100 bytes under `key`.
-    fn stored(&mut self, instance: InstanceId, key: &[u8]) {
-        let request = self.send(store(instance, key));
-        let [(copy, Direction::ToL1, 100)] = self.copies()[..] else {
-            panic!("one copy")
-        };
-        self.input(Input::CopyDone {
-            copy,
-            result: Ok(100),
-        });
-        assert_eq!(self.answer(request), Value::from(true));
-    }
-
-    fn counters(&self) -> kvwarden_core::l2::L2Counters {
-        self.node.status().l2.expect("L2 is on").counters
-    }
-
-    fn state(&self) -> L2State {
-        self.node.status().l2.expect("L2 is on").state
-    }
-}
-
-fn store(instance: InstanceId, key: &[u8]) -> Op {
-    Op::Store {
-        instance,
-        key: key.to_vec(),
-        buffer: 0,
-        offset: 0,
-        nbytes: 100,
     }
 }
 
@@ -324,10 +65,7 @@ fn row_29_a_completed_store_is_written_behind_with_its_slot_pinned_until_written
     let [(copy, ..)] = h.copies()[..] else {
         panic!()
     };
-    h.input(Input::CopyDone {
-        copy,
-        result: Ok(100),
-    });
+    h.copy_done(copy, Ok(100));
     assert_eq!(h.answer(request), Value::from(true));
     let [(write, ref key, _, 100)] = h.l2_writes()[..] else {
         panic!("one write behind")
@@ -353,10 +91,10 @@ fn row_29_a_store_cut_short_never_reaches_l2() {
     let [(copy, ..)] = h.copies()[..] else {
         panic!()
     };
-    h.input(Input::CopyDone {
+    h.copy_done(
         copy,
-        result: Err(ProtocolError::new(ErrorCode::Internal, "cut short")),
-    });
+        Err(ProtocolError::new(ErrorCode::Internal, "cut short")),
+    );
     assert!(h.reply(request).is_some());
     assert!(h.l2_writes().is_empty());
 }
@@ -462,18 +200,12 @@ fn row_27_an_l1_miss_reads_through_and_a_hit_is_promoted_then_served() {
         1,
         "a slot waits for the hit"
     );
-    h.input(Input::L2Got {
-        read,
-        fetched: L2Fetched::Hit { nbytes: 300 },
-    });
+    h.l2_got(read, L2Fetched::Hit { nbytes: 300 });
     assert_eq!(h.node.l1_lookup(&[b"remote".to_vec()]), 1, "promoted");
     let [(copy, Direction::FromL1, 300)] = h.copies()[..] else {
         panic!("served from L1 as usual")
     };
-    h.input(Input::CopyDone {
-        copy,
-        result: Ok(300),
-    });
+    h.copy_done(copy, Ok(300));
     assert_eq!(h.answer(request), Value::from(300u64));
     assert_eq!(h.counters().hits, 1);
     // Now in L1: no second read.
@@ -482,10 +214,7 @@ fn row_27_an_l1_miss_reads_through_and_a_hit_is_promoted_then_served() {
     let [(copy, ..)] = h.copies()[..] else {
         panic!()
     };
-    h.input(Input::CopyDone {
-        copy,
-        result: Ok(300),
-    });
+    h.copy_done(copy, Ok(300));
     assert_eq!(h.answer(request), Value::from(300u64));
 }
 
@@ -495,13 +224,8 @@ fn row_27_an_l2_miss_answers_as_today_and_gives_the_slot_back() {
     let worker = id(1);
     h.registered(worker);
     let request = h.send(retrieve(worker, b"nowhere"));
-    let [(read, ..)] = h.l2_gets()[..] else {
-        panic!()
-    };
-    h.input(Input::L2Got {
-        read,
-        fetched: L2Fetched::Absent,
-    });
+    let read = h.l2_get();
+    h.l2_got(read, L2Fetched::Absent);
     assert_eq!(h.answer(request), Value::Nil);
     assert_eq!(h.node.l1_occupancy().reserved, 0);
     assert_eq!(h.counters().misses, 1);
@@ -513,9 +237,7 @@ fn row_27_an_l2_wait_past_the_timeout_is_a_miss_and_a_late_hit_is_still_promoted
     let worker = id(1);
     h.registered(worker);
     let request = h.send(retrieve(worker, b"slow"));
-    let [(read, ..)] = h.l2_gets()[..] else {
-        panic!()
-    };
+    let read = h.l2_get();
     h.run_for(TIMEOUT);
     assert_eq!(
         h.answer(request),
@@ -528,10 +250,7 @@ fn row_27_an_l2_wait_past_the_timeout_is_a_miss_and_a_late_hit_is_still_promoted
         1,
         "the slot waits for the late answer: no one else's bytes may land in it"
     );
-    h.input(Input::L2Got {
-        read,
-        fetched: L2Fetched::Hit { nbytes: 10 },
-    });
+    h.l2_got(read, L2Fetched::Hit { nbytes: 10 });
     assert_eq!(h.node.l1_lookup(&[b"slow".to_vec()]), 1);
     assert!(h.reply(request).is_none(), "answered once");
     assert_eq!(h.counters().hits, 0, "counted once, as the timeout");
@@ -546,9 +265,7 @@ fn row_27_pings_never_wait_for_l2_and_nothing_is_reaped_while_it_is_down() {
     for key in [b"x1", b"x2", b"x3"] {
         let request = h.send(retrieve(worker, key));
         assert_eq!(h.l2_gets().len(), 1);
-        let ping = h.send(Op::Ping {
-            instance: Some(worker),
-        });
+        let ping = h.send(ping(worker));
         assert_eq!(h.answer(ping), Value::from(true), "answered at once");
         h.run_for(TIMEOUT);
         assert_eq!(h.answer(request), Value::Nil);
@@ -570,9 +287,7 @@ fn row_27_pings_never_wait_for_l2_and_nothing_is_reaped_while_it_is_down() {
     assert_eq!(h.counters().write_drops, 1);
     // Twenty seconds of a dead L2 with a pinging worker: nothing reaped.
     for _ in 0..20 {
-        let ping = h.send(Op::Ping {
-            instance: Some(worker),
-        });
+        let ping = h.send(ping(worker));
         assert_eq!(h.answer(ping), Value::from(true));
         h.run_for(Duration::from_secs(1));
     }
@@ -612,13 +327,8 @@ fn row_28_a_corrupt_value_is_a_miss_counted_never_served() {
     let worker = id(1);
     h.registered(worker);
     let request = h.send(retrieve(worker, b"torn"));
-    let [(read, ..)] = h.l2_gets()[..] else {
-        panic!()
-    };
-    h.input(Input::L2Got {
-        read,
-        fetched: L2Fetched::Corrupt,
-    });
+    let read = h.l2_get();
+    h.l2_got(read, L2Fetched::Corrupt);
     assert_eq!(h.answer(request), Value::Nil);
     assert!(h.copies().is_empty(), "nothing served");
     assert_eq!(h.node.l1_lookup(&[b"torn".to_vec()]), 0);
@@ -661,13 +371,8 @@ fn prepare_retrieve_reads_through_and_pins_the_promoted_slot() {
         instance: worker,
         key: b"remote".to_vec(),
     });
-    let [(read, ..)] = h.l2_gets()[..] else {
-        panic!()
-    };
-    h.input(Input::L2Got {
-        read,
-        fetched: L2Fetched::Hit { nbytes: 77 },
-    });
+    let read = h.l2_get();
+    h.l2_got(read, L2Fetched::Hit { nbytes: 77 });
     let Value::Map(grant) = h.answer(request) else {
         panic!("a grant")
     };
@@ -702,14 +407,11 @@ fn retrieve_batch_serves_l1_items_and_reads_the_rest_through() {
         } else {
             L2Fetched::Absent
         };
-        h.input(Input::L2Got { read, fetched });
+        h.l2_got(read, fetched);
     }
     for (copy, direction, nbytes) in h.copies() {
         assert_eq!(direction, Direction::FromL1);
-        h.input(Input::CopyDone {
-            copy,
-            result: Ok(nbytes),
-        });
+        h.copy_done(copy, Ok(nbytes));
     }
     assert_eq!(
         h.answer(request),

@@ -247,15 +247,34 @@ impl Node {
         let Some((key, nbytes)) = self.l1.pin_slot(slot) else {
             return;
         };
-        let bytes = nbytes.saturating_add(HEADER_BYTES as u64);
         let admitted = tier.writes.len() < tier.writes_max
             && !matches!(tier.health.admit(now), Admission::Skip);
-        if !admitted || tier.queue.push((), bytes) == Push::Dropped {
-            tier.counters.record_dropped_write();
+        if !admitted || !self.l2_send_write(slot, key, nbytes) {
+            if let Some(tier) = self.l2.as_mut() {
+                tier.counters.record_dropped_write();
+            }
             self.l1.unpin(slot);
-            return;
         }
-        // Handed to the shell at once: the bytes stay counted until `L2Written`.
+    }
+
+    /// Planted bug `WriteUnpublished` only: writes a reserved slot (row 29 forbids it).
+    pub(super) fn l2_write_unpublished(&mut self, slot: SlotId, key: &[u8]) {
+        let nbytes = self.l1.slot_bytes();
+        self.l2_send_write(slot, key.to_vec(), nbytes);
+    }
+
+    /// Queues the write of `nbytes` of `key` from `slot` and hands it to the shell at
+    /// once (`Output::L2Write`); its bytes, header included, stay counted in the queue
+    /// until `L2Written`. False, and nothing sent, when L2 is off or the queue is full:
+    /// what to do then (count a drop, unpin) is the caller's.
+    fn l2_send_write(&mut self, slot: SlotId, key: Vec<u8>, nbytes: u64) -> bool {
+        let Some(tier) = self.l2.as_mut() else {
+            return false;
+        };
+        let bytes = nbytes.saturating_add(HEADER_BYTES as u64);
+        if tier.queue.push((), bytes) == Push::Dropped {
+            return false;
+        }
         let _ = tier.queue.pop();
         let write = L2WriteId(self.next_id());
         if let Some(tier) = self.l2.as_mut() {
@@ -267,29 +286,7 @@ impl Node {
             slot,
             nbytes,
         });
-    }
-
-    /// Planted bug `WriteUnpublished` only: writes a reserved slot (row 29 forbids it).
-    pub(super) fn l2_write_unpublished(&mut self, slot: SlotId, key: &[u8]) {
-        let nbytes = self.l1.slot_bytes();
-        let Some(tier) = self.l2.as_mut() else {
-            return;
-        };
-        let bytes = nbytes.saturating_add(HEADER_BYTES as u64);
-        if tier.queue.push((), bytes) == Push::Dropped {
-            return;
-        }
-        let _ = tier.queue.pop();
-        let write = L2WriteId(self.next_id());
-        if let Some(tier) = self.l2.as_mut() {
-            tier.writes.insert(write, (slot, bytes));
-        }
-        self.outputs.push_back(Output::L2Write {
-            write,
-            key: key.to_vec(),
-            slot,
-            nbytes,
-        });
+        true
     }
 
     pub(super) fn l2_written(&mut self, now: Instant, write: L2WriteId, outcome: WriteOutcome) {
@@ -330,23 +327,12 @@ impl Node {
             self.l1.abort(slot);
             return Err(waiter);
         }
-        let deadline = now + tier.config.timeout;
-        let read = L2ReadId(self.next_id());
-        if let Some(tier) = self.l2.as_mut() {
-            tier.reads.insert(
+        self.l2_send_read(now, key.to_vec(), Some(slot), waiter, |read| {
+            Output::L2Get {
                 read,
-                PendingRead {
-                    deadline,
-                    key: key.to_vec(),
-                    slot: Some(slot),
-                    waiter: Some(waiter),
-                },
-            );
-        }
-        self.outputs.push_back(Output::L2Get {
-            read,
-            key: key.to_vec(),
-            slot,
+                key: key.to_vec(),
+                slot,
+            }
         });
         Ok(())
     }
@@ -370,25 +356,43 @@ impl Node {
         if tier.health.admit(now) == Admission::Skip {
             return Some(l1_count);
         }
-        let deadline = now + tier.config.timeout;
-        let read = L2ReadId(self.next_id());
         self.start_job(to.conn);
-        if let Some(tier) = self.l2.as_mut() {
-            tier.reads.insert(
-                read,
-                PendingRead {
-                    deadline,
-                    key: Vec::new(),
-                    slot: None,
-                    waiter: Some(ReadFor::Lookup { to, l1_count }),
-                },
-            );
-        }
-        self.outputs.push_back(Output::L2Exists {
+        let waiter = ReadFor::Lookup { to, l1_count };
+        self.l2_send_read(now, Vec::new(), None, waiter, |read| Output::L2Exists {
             read,
             keys: rest.to_vec(),
         });
         None
+    }
+
+    /// Sends the L2 read `ask(read)` under a new id and waits for it until the L2
+    /// timeout from `now`: `waiter` is resumed when it ends or its deadline passes.
+    /// `key` and `slot` are an `L2Get`'s (the slot reserved for a hit); an existence
+    /// check has none.
+    fn l2_send_read(
+        &mut self,
+        now: Instant,
+        key: Vec<u8>,
+        slot: Option<SlotId>,
+        waiter: ReadFor,
+        ask: impl FnOnce(L2ReadId) -> Output,
+    ) {
+        let Some(timeout) = self.l2.as_ref().map(|tier| tier.config.timeout) else {
+            return;
+        };
+        let read = L2ReadId(self.next_id());
+        if let Some(tier) = self.l2.as_mut() {
+            tier.reads.insert(
+                read,
+                PendingRead {
+                    deadline: now + timeout,
+                    key,
+                    slot,
+                    waiter: Some(waiter),
+                },
+            );
+        }
+        self.outputs.push_back(ask(read));
     }
 
     pub(super) fn l2_got(&mut self, now: Instant, read: L2ReadId, fetched: L2Fetched) {
@@ -498,22 +502,11 @@ impl Node {
         if !due || tier.health.admit(now) != Admission::Probe {
             return;
         }
-        let deadline = now + tier.config.timeout;
-        let read = L2ReadId(self.next_id());
-        if let Some(tier) = self.l2.as_mut() {
-            tier.reads.insert(
+        self.l2_send_read(now, Vec::new(), None, ReadFor::Probe, |read| {
+            Output::L2Exists {
                 read,
-                PendingRead {
-                    deadline,
-                    key: Vec::new(),
-                    slot: None,
-                    waiter: Some(ReadFor::Probe),
-                },
-            );
-        }
-        self.outputs.push_back(Output::L2Exists {
-            read,
-            keys: vec![PROBE_KEY.to_vec()],
+                keys: vec![PROBE_KEY.to_vec()],
+            }
         });
     }
 

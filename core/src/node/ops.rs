@@ -179,7 +179,7 @@ impl Node {
                 now,
                 instance,
                 "commit_retrieve",
-                |strategy, l1| strategy.commit_retrieve(l1, &key).into(),
+                |strategy, l1| Ok(strategy.commit_retrieve(l1, &key).into()),
             )),
             Op::RegisterBlend { instance, rope } => self.register_blend(to, instance, rope),
         }
@@ -491,6 +491,41 @@ impl Node {
             .is_some_and(|connection| connection.in_flight < MAX_IN_FLIGHT_PER_CONNECTION)
     }
 
+    /// Opens a server-driven transfer (`store`, `retrieve` and their batches) in the one
+    /// order they all keep: the instance's context first (`transfer_context`), then
+    /// `validate` on it (buffer ranges, slot sizes: what it returns comes back with the
+    /// context), then the connection's cap. So a request that names no registered
+    /// instance is told so, and a malformed one is refused as malformed even on a full
+    /// connection; only a well-formed one is told to slow down.
+    fn open_transfer<T>(
+        &mut self,
+        now: Instant,
+        conn: ConnId,
+        instance: InstanceId,
+        op: &str,
+        validate: impl FnOnce(&Self, ContextId) -> Result<T, ProtocolError>,
+    ) -> Result<(ContextId, T), ProtocolError> {
+        let context = self.transfer_context(now, instance, Module::ServerDriven, op)?;
+        let checked = validate(self, context)?;
+        if !self.has_room(conn) {
+            return Err(overloaded());
+        }
+        Ok((context, checked))
+    }
+
+    /// Refuses a store of `nbytes` that would not fit one L1 slot. `what` names the
+    /// request (or the batch item) in the message: "`store`".
+    fn fits_a_slot(&self, what: &str, nbytes: u64) -> Result<(), ProtocolError> {
+        let slot_bytes = self.l1.slot_bytes();
+        if nbytes > slot_bytes {
+            return Err(bad_args(format!(
+                "{what}: nbytes {nbytes} is larger than an L1 slot ({slot_bytes} bytes, \
+                 --slot-bytes); store chunks of at most one slot"
+            )));
+        }
+        Ok(())
+    }
+
     #[allow(clippy::too_many_arguments)]
     pub(super) fn start_copy(
         &mut self,
@@ -536,24 +571,16 @@ impl Node {
         offset: u64,
         nbytes: u64,
     ) -> Answer {
-        let context = match self.transfer_context(now, instance, Module::ServerDriven, "store") {
-            Ok(context) => context,
+        let opened = self.open_transfer(now, to.conn, instance, "store", |node, context| {
+            let index =
+                node.checked_buffer(context, "`store`", instance, buffer, offset, nbytes)?;
+            node.fits_a_slot("`store`", nbytes)?;
+            Ok(index)
+        });
+        let (context, index) = match opened {
+            Ok(opened) => opened,
             Err(error) => return Some(Err(error)),
         };
-        let index = match self.checked_buffer(context, "`store`", instance, buffer, offset, nbytes)
-        {
-            Ok(index) => index,
-            Err(error) => return Some(Err(error)),
-        };
-        let slot_bytes = self.l1.slot_bytes();
-        if nbytes > slot_bytes {
-            return Some(Err(bad_args(format!(
-                "`store`: nbytes {nbytes} is larger than an L1 slot ({slot_bytes} bytes, --slot-bytes); store chunks of at most one slot"
-            ))));
-        }
-        if !self.has_room(to.conn) {
-            return Some(Err(overloaded()));
-        }
         match self.l1.reserve(&key) {
             Reservation::AlreadyStored => Some(Ok(true.into())),
             Reservation::Full => Some(Ok(false.into())),
@@ -582,17 +609,13 @@ impl Node {
         buffer: u64,
         offset: u64,
     ) -> Answer {
-        let context = match self.transfer_context(now, instance, Module::ServerDriven, "retrieve") {
-            Ok(context) => context,
+        let opened = self.open_transfer(now, to.conn, instance, "retrieve", |node, context| {
+            node.checked_buffer(context, "`retrieve`", instance, buffer, offset, 0)
+        });
+        let context = match opened {
+            Ok((context, _)) => context,
             Err(error) => return Some(Err(error)),
         };
-        if let Err(error) = self.checked_buffer(context, "`retrieve`", instance, buffer, offset, 0)
-        {
-            return Some(Err(error));
-        }
-        if !self.has_room(to.conn) {
-            return Some(Err(overloaded()));
-        }
         if self.l1_holds(&key) || !self.l2_enabled() {
             return self.retrieve_l1(to, instance, context, &key, buffer, offset);
         }
@@ -665,38 +688,26 @@ impl Node {
         instance: InstanceId,
         items: Vec<StoreItem>,
     ) -> Answer {
-        let context =
-            match self.transfer_context(now, instance, Module::ServerDriven, "store_batch") {
-                Ok(context) => context,
-                Err(error) => return Some(Err(error)),
-            };
-        let slot_bytes = self.l1.slot_bytes();
-        let mut indexes = Vec::with_capacity(items.len());
-        for (position, item) in items.iter().enumerate() {
-            let what = format!("`store_batch` items[{position}]");
-            let index = match self.checked_buffer(
-                context,
-                &what,
-                instance,
-                item.buffer,
-                item.offset,
-                item.nbytes,
-            ) {
-                Ok(index) => index,
-                Err(error) => return Some(Err(error)),
-            };
-            if item.nbytes > slot_bytes {
-                return Some(Err(bad_args(format!(
-                    "{what}: nbytes {} is larger than an L1 slot ({slot_bytes} bytes, \
-                     --slot-bytes); store chunks of at most one slot",
-                    item.nbytes
-                ))));
+        let opened = self.open_transfer(now, to.conn, instance, "store_batch", |node, context| {
+            let mut indexes = Vec::with_capacity(items.len());
+            for (position, item) in items.iter().enumerate() {
+                let what = format!("`store_batch` items[{position}]");
+                indexes.push(node.checked_buffer(
+                    context,
+                    &what,
+                    instance,
+                    item.buffer,
+                    item.offset,
+                    item.nbytes,
+                )?);
+                node.fits_a_slot(&what, item.nbytes)?;
             }
-            indexes.push(index);
-        }
-        if !self.has_room(to.conn) {
-            return Some(Err(overloaded()));
-        }
+            Ok(indexes)
+        });
+        let (context, indexes) = match opened {
+            Ok(opened) => opened,
+            Err(error) => return Some(Err(error)),
+        };
         let mut results = vec![Value::Nil; items.len()];
         let mut copies = Vec::new();
         for (position, (item, index)) in items.into_iter().zip(indexes).enumerate() {
@@ -734,27 +745,25 @@ impl Node {
         instance: InstanceId,
         items: Vec<RetrieveItem>,
     ) -> Answer {
-        let context =
-            match self.transfer_context(now, instance, Module::ServerDriven, "retrieve_batch") {
-                Ok(context) => context,
-                Err(error) => return Some(Err(error)),
-            };
         let what = |position: usize| format!("`retrieve_batch` items[{position}]");
-        for (position, item) in items.iter().enumerate() {
-            if let Err(error) = self.checked_buffer(
-                context,
-                &what(position),
-                instance,
-                item.buffer,
-                item.offset,
-                0,
-            ) {
-                return Some(Err(error));
-            }
-        }
-        if !self.has_room(to.conn) {
-            return Some(Err(overloaded()));
-        }
+        let opened =
+            self.open_transfer(now, to.conn, instance, "retrieve_batch", |node, context| {
+                for (position, item) in items.iter().enumerate() {
+                    node.checked_buffer(
+                        context,
+                        &what(position),
+                        instance,
+                        item.buffer,
+                        item.offset,
+                        0,
+                    )?;
+                }
+                Ok(())
+            });
+        let context = match opened {
+            Ok((context, ())) => context,
+            Err(error) => return Some(Err(error)),
+        };
         let pins: Vec<Option<(SlotId, u64)>> =
             items.iter().map(|item| self.l1.pin(&item.key)).collect();
         // The value's length is known only once pinned: a value that does not fit where
@@ -848,13 +857,14 @@ impl Node {
         id
     }
 
-    /// Runs `step` on the instance's transfer strategy and the slot table.
+    /// Runs `step` on the instance's transfer strategy and the slot table; an op the
+    /// strategy refuses is refused by `step` returning the error.
     fn with_strategy(
         &mut self,
         now: Instant,
         instance: InstanceId,
         op: &str,
-        step: impl FnOnce(&mut TransferStrategy, &mut SlotTable) -> Value,
+        step: impl FnOnce(&mut TransferStrategy, &mut SlotTable) -> Result<Value, ProtocolError>,
     ) -> Result<Value, ProtocolError> {
         let context = self.transfer_context(now, instance, Module::EngineDriven, op)?;
         let Some(strategy) = self.strategies.get_mut(&context) else {
@@ -863,7 +873,7 @@ impl Node {
                 format!("`{op}`: instance {instance}'s engine-driven entry holds another context"),
             ));
         };
-        Ok(step(strategy, &mut self.l1))
+        step(strategy, &mut self.l1)
     }
 
     fn prepare_store(
@@ -873,37 +883,34 @@ impl Node {
         key: &[u8],
     ) -> Result<Value, ProtocolError> {
         let num_slots = self.l1.num_slots();
-        let mut refused = None;
         let mut reserved = None;
-        let value = self.with_strategy(now, instance, "prepare_store", |strategy, l1| {
-            match strategy.prepare_store(l1, key) {
-                PrepareStore::Reserved(grant) => {
-                    reserved = Some(grant.slot);
-                    grant_value(grant, true)
-                }
-                PrepareStore::AlreadyStored => Value::Nil,
-                PrepareStore::PoolFull => {
-                    refused = Some(ProtocolError::new(
+        let value =
+            self.with_strategy(
+                now,
+                instance,
+                "prepare_store",
+                |strategy, l1| match strategy.prepare_store(l1, key) {
+                    PrepareStore::Reserved(grant) => {
+                        reserved = Some(grant.slot);
+                        Ok(grant_value(grant, true))
+                    }
+                    PrepareStore::AlreadyStored => Ok(Value::Nil),
+                    PrepareStore::PoolFull => Err(ProtocolError::new(
                         ErrorCode::Overloaded,
                         format!(
                             "`prepare_store`: every one of the {num_slots} L1 slots is reserved \
-                             or pinned; commit what you prepared and retry later"
+                         or pinned; commit what you prepared and retry later"
                         ),
-                    ));
-                    Value::Nil
-                }
-                PrepareStore::TooManyHeld => {
-                    refused = Some(too_many_held("prepare_store", instance));
-                    Value::Nil
-                }
-            }
-        })?;
+                    )),
+                    PrepareStore::TooManyHeld => Err(too_many_held("prepare_store", instance)),
+                },
+            )?;
         if let Some(slot) = reserved
             && self.planted(PlantedBug::WriteUnpublished)
         {
             self.l2_write_unpublished(slot, key);
         }
-        refused.map_or(Ok(value), Err)
+        Ok(value)
     }
 
     fn commit_store(
@@ -913,20 +920,16 @@ impl Node {
         key: &[u8],
         nbytes: u64,
     ) -> Result<Value, ProtocolError> {
-        let mut refused = None;
         let value =
             self.with_strategy(now, instance, "commit_store", |strategy, l1| match strategy
                 .commit_store(l1, key, nbytes)
             {
-                CommitStore::Published => true.into(),
-                CommitStore::NotReserved => false.into(),
-                CommitStore::TooLarge { nbytes, slot_bytes } => {
-                    refused = Some(bad_args(format!(
-                        "`commit_store`: nbytes {nbytes} is larger than an L1 slot ({slot_bytes} \
-                         bytes); commit at most one slot (the reservation is kept)"
-                    )));
-                    Value::Nil
-                }
+                CommitStore::Published => Ok(true.into()),
+                CommitStore::NotReserved => Ok(false.into()),
+                CommitStore::TooLarge { nbytes, slot_bytes } => Err(bad_args(format!(
+                    "`commit_store`: nbytes {nbytes} is larger than an L1 slot ({slot_bytes} \
+                     bytes); commit at most one slot (the reservation is kept)"
+                ))),
             })?;
         if value == Value::Boolean(true) {
             // Published: only now may it go to L2 (row 29).
@@ -935,7 +938,7 @@ impl Node {
                 self.l2_write_behind(now, slot);
             }
         }
-        refused.map_or(Ok(value), Err)
+        Ok(value)
     }
 
     /// `prepare_retrieve`: pins an L1 hit; a miss asks L2 (answered once it ends).
@@ -969,22 +972,16 @@ impl Node {
         instance: InstanceId,
         key: &[u8],
     ) -> Result<Value, ProtocolError> {
-        let mut refused = None;
-        let value =
-            self.with_strategy(
-                now,
-                instance,
-                "prepare_retrieve",
-                |strategy, l1| match strategy.prepare_retrieve(l1, key) {
-                    PrepareRetrieve::Pinned(grant) => grant_value(grant, false),
-                    PrepareRetrieve::Miss => Value::Nil,
-                    PrepareRetrieve::TooManyHeld => {
-                        refused = Some(too_many_held("prepare_retrieve", instance));
-                        Value::Nil
-                    }
-                },
-            )?;
-        refused.map_or(Ok(value), Err)
+        self.with_strategy(
+            now,
+            instance,
+            "prepare_retrieve",
+            |strategy, l1| match strategy.prepare_retrieve(l1, key) {
+                PrepareRetrieve::Pinned(grant) => Ok(grant_value(grant, false)),
+                PrepareRetrieve::Miss => Ok(Value::Nil),
+                PrepareRetrieve::TooManyHeld => Err(too_many_held("prepare_retrieve", instance)),
+            },
+        )
     }
 
     fn register_blend(&mut self, to: ReplyTo, instance: InstanceId, rope: RopeSpec) -> Answer {

@@ -424,28 +424,16 @@ impl Node {
         if self.planted(PlantedBug::LeakOnFree) {
             return;
         }
-        let free = FreeId(self.next_id());
-        self.frees.insert(
-            free,
-            FreeWatch {
-                instance,
-                module,
-                started: self.last_now,
-                reported: false,
-            },
-        );
-        self.outputs.push_back(Output::StartFree {
-            free,
-            context,
-            instance,
-            module,
-            cause,
-            label,
-        });
-        if self.planted(PlantedBug::DoubleFree) {
-            let again = FreeId(self.next_id());
+        // Planted bug `DoubleFree` sends the same free twice, under two ids.
+        let sends = if self.planted(PlantedBug::DoubleFree) {
+            2
+        } else {
+            1
+        };
+        for _ in 0..sends {
+            let free = FreeId(self.next_id());
             self.frees.insert(
-                again,
+                free,
                 FreeWatch {
                     instance,
                     module,
@@ -454,7 +442,7 @@ impl Node {
                 },
             );
             self.outputs.push_back(Output::StartFree {
-                free: again,
+                free,
                 context,
                 instance,
                 module,

@@ -1,7 +1,10 @@
 //! A test harness that drives `Liveness` like a shell would: virtual time jumps straight
-//! to the core's next deadline, effects are drained after every input.
+//! to the core's next deadline, effects are drained after every input. The node tests'
+//! shell is in [`harness`].
 
 #![allow(dead_code)]
+
+pub mod harness;
 
 use kvwarden_core::{
     BuildTicket, Config, Effect, FreeCause, InstanceId, Instant, Liveness, Module, Registration,

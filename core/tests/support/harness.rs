@@ -1,0 +1,368 @@
+//! A shell for the node tests (`node.rs`, `node_l2.rs`): it records every output, hands
+//! the node time like the real loop, and answers nothing on its own: a test answers each
+//! build, copy and L2 output by hand (or never, for one that hangs).
+
+use super::secs;
+use kvwarden_core::l2::{L2Counters, L2State};
+use kvwarden_core::node::l1::SlotId;
+use kvwarden_core::node::l2::{L2Fetched, L2NodeConfig, L2ReadId, L2WriteId};
+use kvwarden_core::node::{
+    Built, ConnId, ContextId, CopyId, DeathNotice, Direction, Input, Node, NodeConfig, Note,
+    Output, ProcessKey, Transport,
+};
+use kvwarden_core::protocol::{BufferSpec, ErrorCode, Op, ProtocolError};
+use kvwarden_core::{Config, FreeCause, InstanceId, Instant};
+use rmpv::Value;
+use std::time::Duration;
+
+/// The uid of the process on connection 1, which owns what it registers.
+pub const OWNER: u32 = 1000;
+/// The size of an L1 slot.
+pub const SLOT: u64 = 4096;
+
+pub struct Harness {
+    pub node: Node,
+    pub now: Instant,
+    pub out: Vec<Output>,
+    next_request: u64,
+}
+
+impl Harness {
+    /// A node of 4 slots, with L2 when `l2` is set; see [`Harness::with_slots`].
+    pub fn new(l2: Option<L2NodeConfig>) -> Harness {
+        Harness::with_slots(4, l2)
+    }
+
+    /// A node of `num_slots` slots at time zero (a 30 s reap timeout, a 5 s free
+    /// watchdog, a 10 s shutdown drain), with connection 1 open: `OWNER`'s process 1.
+    pub fn with_slots(num_slots: usize, l2: Option<L2NodeConfig>) -> Harness {
+        let config = NodeConfig {
+            liveness: Config {
+                reap_timeout: secs(30.0),
+                registration_grace: secs(60.0),
+                resolution: secs(1.0),
+                stall_threshold: secs(5.0),
+            },
+            reap_timeout_floor: Duration::ZERO,
+            num_slots,
+            slot_bytes: SLOT,
+            server_uid: 0,
+            boot_id: 7,
+            server_name: "kvwarden test".into(),
+            free_watchdog: secs(5.0),
+            shutdown_drain: secs(10.0),
+            cuda_devices: Err("no CUDA in tests".into()),
+            l2,
+        };
+        let mut harness = Harness {
+            node: Node::new(config, Instant::ZERO).unwrap(),
+            now: Instant::ZERO,
+            out: Vec::new(),
+            next_request: 0,
+        };
+        harness.connect(ConnId(1), Some(OWNER), Some(ProcessKey(1)));
+        harness
+    }
+
+    pub fn input(&mut self, input: Input) {
+        self.node.handle_input(self.now, input);
+        self.drain();
+    }
+
+    pub fn drain(&mut self) {
+        while let Some(output) = self.node.poll_output() {
+            self.out.push(output);
+        }
+    }
+
+    pub fn connect(&mut self, conn: ConnId, uid: Option<u32>, process: Option<ProcessKey>) {
+        self.input(Input::Connected {
+            conn,
+            uid,
+            transport: Transport::Unix,
+            process: process.map(|p| (p, DeathNotice::PidfdByPid)),
+        });
+    }
+
+    /// Advances time as the loop does: `handle_timeout` whenever `poll_timeout` asks.
+    pub fn run_until(&mut self, until: Instant) {
+        while let Some(next) = self.node.poll_timeout().filter(|&t| t <= until) {
+            self.now = next.max(self.now);
+            self.node.handle_timeout(self.now);
+            self.drain();
+        }
+        self.now = until;
+        self.node.handle_timeout(self.now);
+        self.drain();
+    }
+
+    /// [`Harness::run_until`] `duration` from now.
+    pub fn run_for(&mut self, duration: Duration) {
+        self.run_until(self.now + duration);
+    }
+
+    /// Sends `op` on `conn` with `fds` descriptors; returns its request id.
+    pub fn send_on(&mut self, conn: ConnId, op: Op, fds: usize) -> u64 {
+        self.next_request += 1;
+        let request_id = self.next_request;
+        self.input(Input::Request {
+            conn,
+            request_id,
+            op,
+            fds,
+        });
+        request_id
+    }
+
+    /// Sends `op` on connection 1 with one descriptor; returns its request id.
+    pub fn send(&mut self, op: Op) -> u64 {
+        self.send_on(ConnId(1), op, 1)
+    }
+
+    /// The reply to `request_id`, taken out of the record.
+    pub fn reply(&mut self, request_id: u64) -> Option<Result<Value, ProtocolError>> {
+        let position = self.out.iter().position(
+            |output| matches!(output, Output::Reply { request_id: r, .. } if *r == request_id),
+        )?;
+        match self.out.remove(position) {
+            Output::Reply { result, .. } => Some(result),
+            _ => None,
+        }
+    }
+
+    /// The value `request_id` was answered with; panics unless it was answered so.
+    pub fn answer(&mut self, request_id: u64) -> Value {
+        match self.reply(request_id) {
+            Some(Ok(value)) => value,
+            other => panic!("request {request_id}: {other:?}"),
+        }
+    }
+
+    /// The error `request_id` was refused with; panics unless it was refused.
+    pub fn error(&mut self, request_id: u64) -> ErrorCode {
+        match self.reply(request_id) {
+            Some(Err(error)) => error.code,
+            other => panic!("request {request_id}: expected an error, got {other:?}"),
+        }
+    }
+
+    /// Sends `op` and returns the value it was answered with at once.
+    pub fn ask(&mut self, op: Op) -> Value {
+        let request = self.send(op);
+        self.answer(request)
+    }
+
+    /// Sends `op` and returns the error it was refused with at once.
+    pub fn refuse(&mut self, op: Op) -> ErrorCode {
+        let request = self.send(op);
+        self.error(request)
+    }
+
+    /// Takes out of the record every output `pick` returns something for, in order.
+    pub fn take<T>(&mut self, pick: impl Fn(&Output) -> Option<T>) -> Vec<T> {
+        let mut taken = Vec::new();
+        self.out.retain(|output| match pick(output) {
+            Some(item) => {
+                taken.push(item);
+                false
+            }
+            None => true,
+        });
+        taken
+    }
+
+    pub fn builds(&mut self) -> Vec<ContextId> {
+        self.take(|output| match output {
+            Output::StartBuild { context, .. } => Some(*context),
+            _ => None,
+        })
+    }
+
+    pub fn frees(&mut self) -> Vec<(ContextId, FreeCause, &'static str)> {
+        self.take(|output| match output {
+            Output::StartFree {
+                context,
+                cause,
+                label,
+                ..
+            } => Some((*context, *cause, *label)),
+            _ => None,
+        })
+    }
+
+    pub fn copies(&mut self) -> Vec<(CopyId, Direction, u64)> {
+        self.take(|output| match output {
+            Output::StartCopy {
+                copy,
+                direction,
+                nbytes,
+                ..
+            } => Some((*copy, *direction, *nbytes)),
+            _ => None,
+        })
+    }
+
+    pub fn notes(&mut self) -> Vec<Note> {
+        self.take(|output| match output {
+            Output::Note(note) => Some(note.clone()),
+            _ => None,
+        })
+    }
+
+    pub fn l2_writes(&mut self) -> Vec<(L2WriteId, Vec<u8>, SlotId, u64)> {
+        self.take(|output| match output {
+            Output::L2Write {
+                write,
+                key,
+                slot,
+                nbytes,
+            } => Some((*write, key.clone(), *slot, *nbytes)),
+            _ => None,
+        })
+    }
+
+    pub fn l2_gets(&mut self) -> Vec<(L2ReadId, Vec<u8>, SlotId)> {
+        self.take(|output| match output {
+            Output::L2Get { read, key, slot } => Some((*read, key.clone(), *slot)),
+            _ => None,
+        })
+    }
+
+    pub fn l2_exists(&mut self) -> Vec<(L2ReadId, Vec<Vec<u8>>)> {
+        self.take(|output| match output {
+            Output::L2Exists { read, keys } => Some((*read, keys.clone())),
+            _ => None,
+        })
+    }
+
+    /// How many L2 outputs the record holds.
+    pub fn l2_outputs(&self) -> usize {
+        self.out
+            .iter()
+            .filter(|output| {
+                matches!(
+                    output,
+                    Output::L2Write { .. } | Output::L2Get { .. } | Output::L2Exists { .. }
+                )
+            })
+            .count()
+    }
+
+    /// The one L2 read asked since the last look, taken out; panics unless exactly one.
+    pub fn l2_get(&mut self) -> L2ReadId {
+        let [(read, ..)] = self.l2_gets()[..] else {
+            panic!("one L2 read")
+        };
+        read
+    }
+
+    /// Answers the L2 read `read` with `fetched`.
+    pub fn l2_got(&mut self, read: L2ReadId, fetched: L2Fetched) {
+        self.input(Input::L2Got { read, fetched });
+    }
+
+    /// Answers the copy `copy` with `result`.
+    pub fn copy_done(&mut self, copy: CopyId, result: Result<u64, ProtocolError>) {
+        self.input(Input::CopyDone { copy, result });
+    }
+
+    /// Builds the server-driven `context` (one 1 MiB buffer).
+    pub fn build(&mut self, context: ContextId) {
+        self.input(Input::BuildDone {
+            context,
+            result: Ok(Built::ServerDriven {
+                buffer_lens: vec![1 << 20],
+            }),
+        });
+    }
+
+    /// Registers `instance` (server-driven, one 1 MiB buffer) and builds its context.
+    pub fn registered(&mut self, instance: InstanceId) -> ContextId {
+        let request = self.send(register(instance));
+        let [context] = self.builds()[..] else {
+            panic!("one build")
+        };
+        self.build(context);
+        assert_eq!(outcome(&self.answer(request)), "created");
+        context
+    }
+
+    /// Registers `instance` engine-driven and builds its context.
+    pub fn engine_registered(&mut self, instance: InstanceId) {
+        let request = self.send(Op::RegisterEngineDriven {
+            instance,
+            model_name: "m".into(),
+            world_size: 1,
+        });
+        let [context] = self.builds()[..] else {
+            panic!("one build")
+        };
+        self.input(Input::BuildDone {
+            context,
+            result: Ok(Built::EngineDriven),
+        });
+        let _ = self.answer(request);
+    }
+
+    /// A completed server-driven store of 100 bytes under `key`.
+    pub fn stored(&mut self, instance: InstanceId, key: &[u8]) {
+        let request = self.send(store(instance, key));
+        let [(copy, Direction::ToL1, 100)] = self.copies()[..] else {
+            panic!("one copy")
+        };
+        self.copy_done(copy, Ok(100));
+        assert_eq!(self.answer(request), Value::from(true));
+    }
+
+    pub fn counters(&self) -> L2Counters {
+        self.node.status().l2.expect("L2 is on").counters
+    }
+
+    pub fn state(&self) -> L2State {
+        self.node.status().l2.expect("L2 is on").state
+    }
+}
+
+/// REGISTER `instance` server-driven with one 1 MiB memfd buffer.
+pub fn register(instance: InstanceId) -> Op {
+    Op::RegisterKvCache {
+        instance,
+        buffers: vec![BufferSpec::Memfd {
+            fd_index: 0,
+            nbytes: 1 << 20,
+        }],
+        model_name: "m".into(),
+        world_size: 1,
+    }
+}
+
+/// Ping `instance`.
+pub fn ping(instance: InstanceId) -> Op {
+    Op::Ping {
+        instance: Some(instance),
+    }
+}
+
+/// Store 100 bytes from offset 0 of buffer 0 under `key`.
+pub fn store(instance: InstanceId, key: &[u8]) -> Op {
+    Op::Store {
+        instance,
+        key: key.to_vec(),
+        buffer: 0,
+        offset: 0,
+        nbytes: 100,
+    }
+}
+
+/// The `outcome` field of a REGISTER's answer ("created", "refreshed"), or "".
+pub fn outcome(value: &Value) -> String {
+    match value {
+        Value::Map(map) => map
+            .iter()
+            .find(|(k, _)| k.as_str() == Some("outcome"))
+            .and_then(|(_, v)| v.as_str())
+            .unwrap_or("")
+            .to_string(),
+        _ => String::new(),
+    }
+}
