@@ -34,6 +34,31 @@ pub enum Pacing {
     Every(Duration),
 }
 
+/// The flags of a fixed-rate ping load measured for a while, shared by the figures
+/// that run one (`bench latency`, `bench slow-contexts`).
+#[derive(Clone, Debug, clap::Args)]
+pub struct PacedPingArgs {
+    /// Milliseconds between one worker's pings.
+    #[arg(long, default_value_t = 100, value_name = "MS")]
+    interval_ms: u64,
+    /// Seconds measured (after a warm-up of one interval).
+    #[arg(long, default_value_t = 5.0, value_name = "SECONDS")]
+    seconds: f64,
+}
+
+impl PacedPingArgs {
+    /// `--seconds` as a duration, or an error naming a value that is not a positive
+    /// number of seconds.
+    pub fn seconds(&self) -> Result<Duration, BenchError> {
+        super::positive_seconds("--seconds", self.seconds)
+    }
+
+    /// `--interval-ms` as a duration (at least 1 ms).
+    pub fn interval(&self) -> Duration {
+        Duration::from_millis(self.interval_ms.max(1))
+    }
+}
+
 /// What one run measured.
 #[derive(Debug, Default)]
 pub struct PingOutcome {
