@@ -526,6 +526,20 @@ impl Worker {
         Worker::start(&merge_flags(&defaults, extra))
     }
 
+    /// Starts a worker over TCP to `address` with a fast heartbeat and no buffer (the
+    /// server cannot see a TCP peer's process: only the heartbeat rules apply to it).
+    pub fn tcp(address: SocketAddr) -> Worker {
+        let address = address.to_string();
+        Worker::start(&[
+            "--tcp",
+            &address,
+            "--heartbeat-interval-seconds",
+            "0.2",
+            "--buffer-bytes",
+            "0",
+        ])
+    }
+
     /// Waits for a stdout line matching `pred`.
     pub fn wait_line(&mut self, what: &str, pred: impl Fn(&str) -> bool) -> String {
         wait_line(&mut self.lines, what, pred)

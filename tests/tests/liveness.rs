@@ -41,15 +41,7 @@ fn row_01_sigkilled_worker_is_freed_by_process_exit() {
 fn row_02_invisible_worker_is_reaped_after_the_timeout_and_not_before() {
     let dir = TempDir::new("row02");
     let server = Server::start(&dir, &["--tcp", "127.0.0.1:0"]);
-    let tcp = server.tcp.expect("tcp address").to_string();
-    let worker = Worker::start(&[
-        "--tcp",
-        &tcp,
-        "--heartbeat-interval-seconds",
-        "0.2",
-        "--buffer-bytes",
-        "0",
-    ]);
+    let worker = Worker::tcp(server.tcp.expect("tcp address"));
     server.wait_status("the TCP worker proven", |s| {
         find_instance(s, worker.instance_id).is_some_and(|i| i["proven"] == true)
     });
