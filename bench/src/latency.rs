@@ -24,11 +24,8 @@ pub struct LatencyArgs {
 
 /// Runs S2 and prints its figures.
 pub fn run(args: &LatencyArgs) -> Result<(), BenchError> {
-    let seconds = args.paced.seconds()?;
-    let interval = args.paced.interval();
+    let (seconds, interval) = args.paced.begin()?;
     let workers = args.workers.max(1);
-    super::raise_open_file_limit();
-    super::print_machine();
     let target = Target::start(&args.target, "bench-latency", &[])?;
     let ids = instance_ids(workers);
     target.connect()?.register_many(&ids, None)?;

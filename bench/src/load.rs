@@ -47,15 +47,16 @@ pub struct PacedPingArgs {
 }
 
 impl PacedPingArgs {
-    /// `--seconds` as a duration, or an error naming a value that is not a positive
-    /// number of seconds.
-    pub fn seconds(&self) -> Result<Duration, BenchError> {
-        super::positive_seconds("--seconds", self.seconds)
-    }
-
-    /// `--interval-ms` as a duration (at least 1 ms).
-    pub fn interval(&self) -> Duration {
-        Duration::from_millis(self.interval_ms.max(1))
+    /// What a figure does before it starts its server: checks `--seconds` (an error
+    /// names a value that is not a positive number of seconds), raises the open-file
+    /// limit (a fleet holds a connection per worker) and prints the machine context.
+    /// Returns the measured duration and the interval between one worker's pings (at
+    /// least 1 ms).
+    pub fn begin(&self) -> Result<(Duration, Duration), BenchError> {
+        let seconds = super::positive_seconds("--seconds", self.seconds)?;
+        super::raise_open_file_limit();
+        super::print_machine();
+        Ok((seconds, Duration::from_millis(self.interval_ms.max(1))))
     }
 }
 

@@ -45,11 +45,8 @@ struct Churn {
 
 /// Runs S3 and prints its figures.
 pub fn run(args: &SlowContextsArgs) -> Result<(), BenchError> {
-    let seconds = args.paced.seconds()?;
-    let interval = args.paced.interval();
+    let (seconds, interval) = args.paced.begin()?;
     let workers = args.workers.max(1);
-    super::raise_open_file_limit();
-    super::print_machine();
     let build_delay = args.build_delay_ms.to_string();
     let hung = args.hung_frees.to_string();
     let target = Target::start(
