@@ -18,10 +18,7 @@ pub struct RedisCluster(shared::RedisCluster);
 /// PATH.
 fn require_redis() {
     if let Err(error) = shared::require(&shared::REDIS_PROGRAMS) {
-        panic!(
-            "{error}. The L2 tests need a real Redis (`sudo apt-get install -y redis-server`); \
-             `.ci/run` installs it by itself"
-        );
+        panic!("{error}. The L2 tests need a real Redis; `.ci/run` installs it by itself");
     }
 }
 
