@@ -15,8 +15,8 @@
 //!   failed or dropped meanwhile, corrupt values served (must be 0). Needs a cluster
 //!   started here.
 
-use super::process::{TempDir, die_with_parent};
 use super::raw::{RawConnection, instance_ids, memfd_spec};
+use super::redis_cluster::{self, CLUSTER_NODE_TIMEOUT_MS, RedisCluster};
 use super::stats::Samples;
 use super::{BenchError, figure, progress};
 use kvwarden_client::memfd::{SharedMapping, create};
@@ -24,12 +24,10 @@ use kvwarden_core::l2::{HEADER_BYTES, Namespace};
 use kvwarden_core::node::l2::WRITE_BEHIND_SLOTS_SHARE;
 use rmpv::Value;
 use rustix::fd::{AsFd, OwnedFd};
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// `cluster-node-timeout` of a cluster started here.
-const NODE_TIMEOUT_MS: u64 = 1000;
+const NODE_TIMEOUT_MS: u64 = CLUSTER_NODE_TIMEOUT_MS;
 /// The L1 slot of both servers: the largest chunk.
 const SLOT: u64 = 2 << 20;
 
@@ -76,7 +74,7 @@ pub fn run(args: &L2Args) -> Result<(), BenchError> {
     super::print_machine();
     let mut cluster = match &args.l2 {
         Some(_) => None,
-        None => Some(Cluster::start()?),
+        None => Some(start_cluster()?),
     };
     let seeds: Vec<String> = match (&args.l2, &cluster) {
         (Some(seeds), _) => seeds.split(',').map(|s| s.trim().to_string()).collect(),
@@ -750,185 +748,14 @@ impl Redis {
 
 /// A Redis Cluster on loopback, 3 masters with 1 replica each; every process is
 /// SIGKILLed when it drops (and by the kernel should this process die first).
-struct Cluster {
-    nodes: Vec<(u16, Option<Child>)>,
-    _dir: TempDir,
-}
-
-impl Cluster {
-    fn start() -> Result<Cluster, BenchError> {
-        for program in ["redis-server", "redis-cli"] {
-            if !super::redis::on_path(program) {
-                return Err(BenchError::Failed(format!(
-                    "`{program}` is not on PATH: install Redis >= 7 (apt-get install -y \
-                     redis-server), or name a running cluster with --l2"
-                )));
-            }
-        }
-        let dir = TempDir::new("l2-cluster")?;
-        let mut cluster = Cluster {
-            nodes: Vec::new(),
-            _dir: dir,
-        };
-        let mut taken = Vec::new();
-        for _ in 0..6 {
-            let port = free_port_pair(&taken)?;
-            taken.extend([port, port + 10_000]);
-            let node_dir = cluster._dir.path().join(port.to_string());
-            std::fs::create_dir_all(&node_dir)
-                .map_err(BenchError::io("creating a Redis node's directory"))?;
-            let mut command = Command::new("redis-server");
-            command
-                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-                .arg("--dir")
-                .arg(&node_dir)
-                .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
-                .args(["--protected-mode", "no", "--cluster-enabled", "yes"])
-                .args(["--cluster-config-file", "nodes.conf"])
-                .args(["--cluster-node-timeout", &NODE_TIMEOUT_MS.to_string()])
-                .args(["--cluster-replica-validity-factor", "0"])
-                .args(["--cluster-require-full-coverage", "no"])
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null());
-            die_with_parent(&mut command);
-            let child = command
-                .spawn()
-                .map_err(BenchError::io("spawning redis-server"))?;
-            cluster.nodes.push((port, Some(child)));
-        }
-        for (port, _) in &cluster.nodes {
-            wait_until(&format!("redis-server on port {port}"), || {
-                cli(*port, &["ping"]).is_some_and(|reply| reply.trim() == "PONG")
-            })?;
-        }
-        let mut create = vec!["--cluster".to_string(), "create".to_string()];
-        create.extend(
-            cluster
-                .nodes
-                .iter()
-                .map(|(port, _)| format!("127.0.0.1:{port}")),
-        );
-        create.extend(["--cluster-replicas", "1", "--cluster-yes"].map(String::from));
-        let output = Command::new("redis-cli")
-            .args(&create)
-            .stdin(Stdio::null())
-            .output()
-            .map_err(BenchError::io("running redis-cli --cluster create"))?;
-        if !output.status.success() {
-            return Err(BenchError::Failed(format!(
-                "redis-cli --cluster create failed: {}",
-                String::from_utf8_lossy(&output.stdout)
-            )));
-        }
-        for (port, _) in &cluster.nodes {
-            wait_until(&format!("cluster_state:ok on port {port}"), || {
-                cli(*port, &["cluster", "info"])
-                    .is_some_and(|info| info.contains("cluster_state:ok"))
-                    && cli(*port, &["info", "replication"]).is_some_and(|info| {
-                        info.contains("role:master") || info.contains("master_link_status:up")
-                    })
-            })?;
-        }
-        progress(&format!(
-            "started a Redis Cluster on loopback: 3 masters, 1 replica each, \
-             cluster-node-timeout {NODE_TIMEOUT_MS} ms"
-        ));
-        Ok(cluster)
-    }
-
-    fn seeds(&self) -> Vec<String> {
-        self.nodes
-            .iter()
-            .map(|(port, _)| format!("redis://127.0.0.1:{port}"))
-            .collect()
-    }
-
-    fn masters(&self) -> Vec<u16> {
-        self.nodes
-            .iter()
-            .filter(|(_, child)| child.is_some())
-            .map(|(port, _)| *port)
-            .filter(|port| cli(*port, &["role"]).is_some_and(|role| role.starts_with("master")))
-            .collect()
-    }
-
-    fn signal_all(&self, signal: rustix::process::Signal) {
-        for child in self.nodes.iter().filter_map(|(_, child)| child.as_ref()) {
-            super::process::signal(child, signal);
-        }
-    }
-
-    fn kill(&mut self, port: u16) {
-        for (node_port, child) in &mut self.nodes {
-            if *node_port == port
-                && let Some(mut child) = child.take()
-            {
-                let _ = child.kill();
-                let _ = child.wait();
-            }
-        }
-    }
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        for child in self
-            .nodes
-            .iter_mut()
-            .filter_map(|(_, child)| child.as_mut())
-        {
-            let _ = child.kill(); // SIGKILL ends a stopped process too
-            let _ = child.wait();
-        }
-    }
-}
-
-fn cli(port: u16, args: &[&str]) -> Option<String> {
-    let output = Command::new("redis-cli")
-        .args(["-h", "127.0.0.1", "-p", &port.to_string()])
-        .args(args)
-        .stdin(Stdio::null())
-        .stderr(Stdio::null())
-        .output()
-        .ok()?;
-    output
-        .status
-        .success()
-        .then(|| String::from_utf8_lossy(&output.stdout).into_owned())
-}
-
-fn wait_until(what: &str, mut condition: impl FnMut() -> bool) -> Result<(), BenchError> {
-    let started = Instant::now();
-    while !condition() {
-        if started.elapsed() > super::process::START_BOUND {
-            return Err(BenchError::Failed(format!(
-                "timed out after {:?} waiting for {what}",
-                super::process::START_BOUND
-            )));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Ok(())
-}
-
-/// A free loopback port whose cluster-bus port (port + 10000) is free too.
-fn free_port_pair(taken: &[u16]) -> Result<u16, BenchError> {
-    for _ in 0..10_000 {
-        let Ok(listener) = TcpListener::bind("127.0.0.1:0") else {
-            continue;
-        };
-        let Ok(port) = listener.local_addr().map(|address| address.port()) else {
-            continue;
-        };
-        if port > 55_535 || taken.contains(&port) || taken.contains(&(port + 10_000)) {
-            continue;
-        }
-        if TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
-            return Ok(port);
-        }
-    }
-    Err(BenchError::Failed(
-        "no free pair of loopback ports (port, port + 10000) for a Redis node".into(),
-    ))
+fn start_cluster() -> Result<RedisCluster, BenchError> {
+    redis_cluster::require(&redis_cluster::REDIS_PROGRAMS).map_err(|error| {
+        BenchError::Failed(format!("{error}; or name a running cluster with --l2"))
+    })?;
+    let cluster = RedisCluster::start(3, 1)?;
+    progress(&format!(
+        "started a Redis Cluster on loopback: 3 masters, 1 replica each, \
+         cluster-node-timeout {NODE_TIMEOUT_MS} ms"
+    ));
+    Ok(cluster)
 }

@@ -5,11 +5,10 @@
 //! instance id (no buffers): the server sees exactly the heartbeat traffic of 1,000
 //! workers without 1,000 processes competing for the benchmark machine's cores.
 
-use super::load::{Pacing, PingFleet, PingOutcome};
+use super::load::{PacedPingArgs, Pacing, PingFleet, PingOutcome};
 use super::raw::instance_ids;
 use super::target::{Target, TargetArgs};
 use super::{BenchError, figure, progress};
-use std::time::Duration;
 
 /// Flags of `kvwarden bench latency`.
 #[derive(Clone, Debug, clap::Args)]
@@ -19,21 +18,14 @@ pub struct LatencyArgs {
     /// Connected workers.
     #[arg(long, default_value_t = 1_000, value_name = "N")]
     workers: usize,
-    /// Milliseconds between one worker's pings.
-    #[arg(long, default_value_t = 100, value_name = "MS")]
-    interval_ms: u64,
-    /// Seconds measured (after a warm-up of one interval).
-    #[arg(long, default_value_t = 5.0, value_name = "SECONDS")]
-    seconds: f64,
+    #[command(flatten)]
+    paced: PacedPingArgs,
 }
 
 /// Runs S2 and prints its figures.
 pub fn run(args: &LatencyArgs) -> Result<(), BenchError> {
-    let seconds = super::positive_seconds("--seconds", args.seconds)?;
-    let interval = Duration::from_millis(args.interval_ms.max(1));
+    let (seconds, interval) = args.paced.begin()?;
     let workers = args.workers.max(1);
-    super::raise_open_file_limit();
-    super::print_machine();
     let target = Target::start(&args.target, "bench-latency", &[])?;
     let ids = instance_ids(workers);
     target.connect()?.register_many(&ids, None)?;

@@ -25,6 +25,7 @@ pub mod process;
 pub mod raw;
 pub mod reap;
 mod redis;
+pub mod redis_cluster;
 pub mod slow_contexts;
 pub mod stats;
 pub mod target;

@@ -34,6 +34,32 @@ pub enum Pacing {
     Every(Duration),
 }
 
+/// The flags of a fixed-rate ping load measured for a while, shared by the figures
+/// that run one (`bench latency`, `bench slow-contexts`).
+#[derive(Clone, Debug, clap::Args)]
+pub struct PacedPingArgs {
+    /// Milliseconds between one worker's pings.
+    #[arg(long, default_value_t = 100, value_name = "MS")]
+    interval_ms: u64,
+    /// Seconds measured (after a warm-up of one interval).
+    #[arg(long, default_value_t = 5.0, value_name = "SECONDS")]
+    seconds: f64,
+}
+
+impl PacedPingArgs {
+    /// What a figure does before it starts its server: checks `--seconds` (an error
+    /// names a value that is not a positive number of seconds), raises the open-file
+    /// limit (a fleet holds a connection per worker) and prints the machine context.
+    /// Returns the measured duration and the interval between one worker's pings (at
+    /// least 1 ms).
+    pub fn begin(&self) -> Result<(Duration, Duration), BenchError> {
+        let seconds = super::positive_seconds("--seconds", self.seconds)?;
+        super::raise_open_file_limit();
+        super::print_machine();
+        Ok((seconds, Duration::from_millis(self.interval_ms.max(1))))
+    }
+}
+
 /// What one run measured.
 #[derive(Debug, Default)]
 pub struct PingOutcome {

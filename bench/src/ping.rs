@@ -12,6 +12,7 @@ use super::load::{Pacing, PingFleet, PingOutcome};
 use super::process::cpu_time;
 use super::raw::instance_ids;
 use super::redis::{self, RedisServer};
+use super::redis_cluster::on_path;
 use super::target::{Target, TargetArgs};
 use super::{BenchError, figure, progress};
 use std::time::Duration;
@@ -54,7 +55,7 @@ pub fn run(args: &PingArgs) -> Result<(), BenchError> {
     let mut fleet = PingFleet::connect(&target.socket, &instances)?;
     let mut redis = if args.no_redis {
         None
-    } else if redis::on_path("redis-server") && redis::on_path("redis-benchmark") {
+    } else if on_path("redis-server") && on_path("redis-benchmark") {
         Some(RedisBaseline::start(connections)?)
     } else {
         progress("redis-server or redis-benchmark is not on PATH: the Redis comparison is skipped");

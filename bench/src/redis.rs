@@ -3,20 +3,10 @@
 
 use super::BenchError;
 use super::process::{TempDir, die_with_parent, wait_exit};
+use super::redis_cluster::{server_command, wait_until};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
-
-/// Whether `program` is an executable on `PATH`.
-pub fn on_path(program: &str) -> bool {
-    use std::os::unix::fs::PermissionsExt;
-    std::env::var_os("PATH").is_some_and(|path| {
-        std::env::split_paths(&path).any(|dir| {
-            std::fs::metadata(dir.join(program))
-                .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-        })
-    })
-}
+use std::time::Duration;
 
 /// A `redis-server` with no TCP port, no persistence, on a Unix socket.
 pub struct RedisServer {
@@ -32,23 +22,13 @@ impl RedisServer {
     pub fn start() -> Result<RedisServer, BenchError> {
         let dir = TempDir::new("redis")?;
         let socket = dir.path().join("redis.sock");
-        let mut command = Command::new("redis-server");
+        let mut command = server_command(dir.path());
         command
             .args(["--port", "0", "--unixsocket"])
             .arg(&socket)
-            .args([
-                "--unixsocketperm",
-                "700",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
-            .args(["--daemonize", "no"])
-            .stdin(Stdio::null())
+            .args(["--unixsocketperm", "700"])
             .stdout(Stdio::null())
             .stderr(Stdio::null());
-        die_with_parent(&mut command);
         let child = command
             .spawn()
             .map_err(BenchError::io("spawning redis-server"))?;
@@ -57,17 +37,10 @@ impl RedisServer {
             socket,
             _dir: dir,
         };
-        let start = Instant::now();
-        while std::os::unix::net::UnixStream::connect(&server.socket).is_err() {
-            if start.elapsed() > super::process::START_BOUND {
-                return Err(BenchError::Failed(format!(
-                    "redis-server did not open {} within {:?}",
-                    server.socket.display(),
-                    super::process::START_BOUND
-                )));
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
+        wait_until(
+            &format!("redis-server to open {}", server.socket.display()),
+            || std::os::unix::net::UnixStream::connect(&server.socket).ok(),
+        )?;
         Ok(server)
     }
 }

@@ -5,7 +5,7 @@
 //! `--fault-free-hang-instances`; the ping load of S2 runs while churn connections
 //! register and unregister instances (each with a memfd buffer) without pause.
 
-use super::load::{Pacing, PingFleet};
+use super::load::{PacedPingArgs, Pacing, PingFleet};
 use super::raw::{RawConnection, instance_ids, memfd_spec};
 use super::target::{Target, TargetArgs};
 use super::{BenchError, figure, progress};
@@ -13,7 +13,6 @@ use rustix::fd::AsFd;
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::Duration;
 
 /// Flags of `kvwarden bench slow-contexts`.
 #[derive(Clone, Debug, clap::Args)]
@@ -23,12 +22,8 @@ pub struct SlowContextsArgs {
     /// Connected workers pinging.
     #[arg(long, default_value_t = 1_000, value_name = "N")]
     workers: usize,
-    /// Milliseconds between one worker's pings.
-    #[arg(long, default_value_t = 100, value_name = "MS")]
-    interval_ms: u64,
-    /// Seconds measured (after a warm-up of one interval).
-    #[arg(long, default_value_t = 5.0, value_name = "SECONDS")]
-    seconds: f64,
+    #[command(flatten)]
+    paced: PacedPingArgs,
     /// How long every context build takes (the server's --fault-build-delay-ms).
     #[arg(long, default_value_t = 200, value_name = "MS")]
     build_delay_ms: u64,
@@ -50,11 +45,8 @@ struct Churn {
 
 /// Runs S3 and prints its figures.
 pub fn run(args: &SlowContextsArgs) -> Result<(), BenchError> {
-    let seconds = super::positive_seconds("--seconds", args.seconds)?;
-    let interval = Duration::from_millis(args.interval_ms.max(1));
+    let (seconds, interval) = args.paced.begin()?;
     let workers = args.workers.max(1);
-    super::raise_open_file_limit();
-    super::print_machine();
     let build_delay = args.build_delay_ms.to_string();
     let hung = args.hung_frees.to_string();
     let target = Target::start(

@@ -148,6 +148,29 @@ impl Server {
         Server::start_raw_env(dir, args, &[])
     }
 
+    /// As [`Server::start`], with the reap timeout T (`--worker-reap-timeout-seconds`)
+    /// and the registration grace G (`--worker-registration-grace-seconds`) given in
+    /// whole seconds (0 turns reaping off), then `extra` flags.
+    pub fn start_with_reaping(
+        dir: &TempDir,
+        reap_timeout_seconds: u64,
+        registration_grace_seconds: u64,
+        extra: &[&str],
+    ) -> Server {
+        let (reap, grace) = (
+            reap_timeout_seconds.to_string(),
+            registration_grace_seconds.to_string(),
+        );
+        let mut flags = vec![
+            "--worker-reap-timeout-seconds",
+            &reap,
+            "--worker-registration-grace-seconds",
+            &grace,
+        ];
+        flags.extend_from_slice(extra);
+        Server::start(dir, &flags)
+    }
+
     /// As [`Server::start`], with extra environment variables for the server process.
     pub fn start_with_env(dir: &TempDir, extra: &[&str], env: &[(&str, &str)]) -> Server {
         Server::start_raw_env(dir, &merge_flags(SHORT_TIMEOUTS, extra), env)
@@ -501,6 +524,20 @@ impl Worker {
             "4K",
         ];
         Worker::start(&merge_flags(&defaults, extra))
+    }
+
+    /// Starts a worker over TCP to `address` with a fast heartbeat and no buffer (the
+    /// server cannot see a TCP peer's process: only the heartbeat rules apply to it).
+    pub fn tcp(address: SocketAddr) -> Worker {
+        let address = address.to_string();
+        Worker::start(&[
+            "--tcp",
+            &address,
+            "--heartbeat-interval-seconds",
+            "0.2",
+            "--buffer-bytes",
+            "0",
+        ])
     }
 
     /// Waits for a stdout line matching `pred`.

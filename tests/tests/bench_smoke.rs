@@ -37,38 +37,28 @@ fn bench(args: &[&str], figures: &[&str]) -> String {
     stdout
 }
 
+/// `kvwarden bench ping` in its smoke configuration.
+const PING_SMOKE: &[&str] = &[
+    "ping",
+    "--connections",
+    "4",
+    "--seconds",
+    "0.2",
+    "--rounds",
+    "1",
+];
+/// The S1 lines `bench ping` prints with or without Redis.
+const PING_FIGURES: &[&str] = &["S1 kvwarden_ping_throughput", "S1 ratio_vs_redis"];
+
 #[test]
 fn bench_ping_prints_throughput_and_says_when_redis_is_skipped() {
-    let out = bench(
-        &[
-            "ping",
-            "--connections",
-            "4",
-            "--seconds",
-            "0.2",
-            "--rounds",
-            "1",
-            "--no-redis",
-        ],
-        &["S1 kvwarden_ping_throughput", "S1 ratio_vs_redis"],
-    );
+    let out = bench(&[PING_SMOKE, &["--no-redis"]].concat(), PING_FIGURES);
     assert!(out.contains("S1 ratio_vs_redis skipped"), "{out}");
 }
 
 #[test]
 fn bench_ping_compares_with_redis_where_it_is_installed() {
-    let out = bench(
-        &[
-            "ping",
-            "--connections",
-            "4",
-            "--seconds",
-            "0.2",
-            "--rounds",
-            "1",
-        ],
-        &["S1 kvwarden_ping_throughput", "S1 ratio_vs_redis"],
-    );
+    let out = bench(PING_SMOKE, PING_FIGURES);
     // CI machines may lack redis-server/redis-benchmark: then it says it skipped.
     if !out.contains("S1 ratio_vs_redis skipped") {
         for figure in [

@@ -9,15 +9,7 @@ use std::time::{Duration, Instant};
 #[test]
 fn row_01_sigkilled_worker_is_freed_by_process_exit() {
     let dir = TempDir::new("row01");
-    let server = Server::start(
-        &dir,
-        &[
-            "--worker-reap-timeout-seconds",
-            "30",
-            "--worker-registration-grace-seconds",
-            "60",
-        ],
-    );
+    let server = Server::start_with_reaping(&dir, 30, 60, &[]);
     let victim = Worker::unix(&server, &["--traffic-every-ms", "20"]);
     let bystander = Worker::unix(&server, &[]);
     // It has served and pinged.
@@ -49,15 +41,7 @@ fn row_01_sigkilled_worker_is_freed_by_process_exit() {
 fn row_02_invisible_worker_is_reaped_after_the_timeout_and_not_before() {
     let dir = TempDir::new("row02");
     let server = Server::start(&dir, &["--tcp", "127.0.0.1:0"]);
-    let tcp = server.tcp.expect("tcp address").to_string();
-    let worker = Worker::start(&[
-        "--tcp",
-        &tcp,
-        "--heartbeat-interval-seconds",
-        "0.2",
-        "--buffer-bytes",
-        "0",
-    ]);
+    let worker = Worker::tcp(server.tcp.expect("tcp address"));
     server.wait_status("the TCP worker proven", |s| {
         find_instance(s, worker.instance_id).is_some_and(|i| i["proven"] == true)
     });
@@ -125,15 +109,7 @@ fn row_09_frozen_worker_is_reaped_and_rebuilds_one_context_on_thaw() {
 #[test]
 fn row_10_restarted_worker_gets_a_fresh_id_and_the_old_entry_is_freed() {
     let dir = TempDir::new("row10");
-    let server = Server::start(
-        &dir,
-        &[
-            "--worker-reap-timeout-seconds",
-            "30",
-            "--worker-registration-grace-seconds",
-            "60",
-        ],
-    );
+    let server = Server::start_with_reaping(&dir, 30, 60, &[]);
     let old = Worker::unix(&server, &[]);
     let old_id = old.instance_id;
     old.signal(Signal::KILL);
@@ -191,15 +167,7 @@ fn s4_sigkill_to_free_latency() {
         .and_then(|n| n.parse().ok())
         .unwrap_or(20);
     let dir = TempDir::new("s4");
-    let server = Server::start(
-        &dir,
-        &[
-            "--worker-reap-timeout-seconds",
-            "120",
-            "--worker-registration-grace-seconds",
-            "3600",
-        ],
-    );
+    let server = Server::start_with_reaping(&dir, 120, 3600, &[]);
     let mut latencies = Vec::with_capacity(kills);
     for _ in 0..kills {
         let worker = Worker::unix(

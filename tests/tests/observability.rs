@@ -90,27 +90,9 @@ fn a_second_server_on_a_live_socket_is_refused() {
 #[test]
 fn row_17_reaping_disabled_reaps_nothing_but_process_exit_still_frees() {
     let dir = TempDir::new("row17");
-    let server = Server::start(
-        &dir,
-        &[
-            "--tcp",
-            "127.0.0.1:0",
-            "--worker-reap-timeout-seconds",
-            "0",
-            "--worker-registration-grace-seconds",
-            "0",
-        ],
-    );
+    let server = Server::start_with_reaping(&dir, 0, 0, &["--tcp", "127.0.0.1:0"]);
     assert_eq!(server.status()["worker_liveness"]["enabled"], false);
-    let tcp = server.tcp.expect("tcp").to_string();
-    let invisible = Worker::start(&[
-        "--tcp",
-        &tcp,
-        "--heartbeat-interval-seconds",
-        "0.2",
-        "--buffer-bytes",
-        "0",
-    ]);
+    let invisible = Worker::tcp(server.tcp.expect("tcp"));
     let visible = Worker::unix(&server, &[]);
     invisible.signal(Signal::KILL);
     visible.signal(Signal::KILL);

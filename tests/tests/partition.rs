@@ -7,18 +7,6 @@
 use kvwarden_tests::{Proxy, Server, TempDir, Worker, built, find_instance, freed};
 use std::time::{Duration, Instant};
 
-fn tcp_worker(proxy: &Proxy) -> Worker {
-    let addr = proxy.addr.to_string();
-    Worker::start(&[
-        "--tcp",
-        &addr,
-        "--heartbeat-interval-seconds",
-        "0.2",
-        "--buffer-bytes",
-        "0",
-    ])
-}
-
 #[test]
 fn row_07_partition_shorter_than_timeout_refreshes_without_rebuilding() {
     let dir = TempDir::new("row07");
@@ -34,7 +22,7 @@ fn row_07_partition_shorter_than_timeout_refreshes_without_rebuilding() {
         ],
     );
     let proxy = Proxy::start(server.tcp.expect("tcp"));
-    let mut worker = tcp_worker(&proxy);
+    let mut worker = Worker::tcp(proxy.addr);
     server.wait_status("proven", |s| {
         find_instance(s, worker.instance_id).is_some_and(|i| i["proven"] == true)
     });
@@ -72,7 +60,7 @@ fn row_08_partition_longer_than_timeout_rebuilds_one_context() {
     let server = Server::start(&dir, &["--tcp", "127.0.0.1:0"]);
     server.expect_pings_answered_false("reaped during a partition longer than T");
     let proxy = Proxy::start(server.tcp.expect("tcp"));
-    let mut worker = tcp_worker(&proxy);
+    let mut worker = Worker::tcp(proxy.addr);
     server.wait_status("proven", |s| {
         find_instance(s, worker.instance_id).is_some_and(|i| i["proven"] == true)
     });

@@ -1,0 +1,330 @@
+//! Real Redis processes on loopback, for the benchmarks and the end-to-end tests (which
+//! use it through `kvwarden::bench::redis_cluster`): a Redis Cluster (masters and
+//! replicas, `cluster-node-timeout` [`CLUSTER_NODE_TIMEOUT_MS`]) or one plain Redis,
+//! each node in a directory of a temporary directory, with no persistence
+//! (`--save '' --appendonly no`). A [`RedisCluster`] is always torn down: dropping it
+//! SIGKILLs every Redis process it started (stopped ones included) and removes the
+//! directory, and the kernel kills them should this process die first.
+//!
+//! Also the pieces: [`server_command`] (a `redis-server` command line, as the S1
+//! baseline starts its own), [`cli`] (one `redis-cli` command), [`wait_until`] and
+//! [`free_port_pair`].
+
+use super::BenchError;
+use super::process::{START_BOUND, TempDir, die_with_parent};
+use std::net::TcpListener;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// `cluster-node-timeout` of every cluster started here: a failed master is replaced
+/// within a few seconds.
+pub const CLUSTER_NODE_TIMEOUT_MS: u64 = 1000;
+
+/// The programs a [`RedisCluster`] runs.
+pub const REDIS_PROGRAMS: [&str; 2] = ["redis-server", "redis-cli"];
+
+/// Whether `program` is an executable on `PATH`.
+pub fn on_path(program: &str) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    std::env::var_os("PATH").is_some_and(|path| {
+        std::env::split_paths(&path).any(|dir| {
+            std::fs::metadata(dir.join(program))
+                .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        })
+    })
+}
+
+/// `Ok` when every one of `programs` is on `PATH`; else an error that names the first
+/// missing one and says how to install Redis.
+pub fn require(programs: &[&str]) -> Result<(), BenchError> {
+    match programs.iter().find(|program| !on_path(program)) {
+        None => Ok(()),
+        Some(program) => Err(BenchError::Failed(format!(
+            "`{program}` is not on PATH: install Redis >= 7 with `apt-get install -y \
+             redis-server` (Debian/Ubuntu; it brings redis-server and redis-cli), or \
+             `brew install redis` on macOS"
+        ))),
+    }
+}
+
+/// A `redis-server` command as every Redis started here runs: in the foreground, in
+/// `dir`, with no persistence (`--save '' --appendonly no`), stdin closed, and killed by
+/// the kernel should the thread that spawns it die first. The caller adds where it
+/// listens and where its output goes.
+pub fn server_command(dir: &Path) -> Command {
+    let mut command = Command::new("redis-server");
+    command
+        .arg("--dir")
+        .arg(dir)
+        .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
+        .stdin(Stdio::null());
+    die_with_parent(&mut command);
+    command
+}
+
+/// Runs `redis-cli -h 127.0.0.1 -p port args…` and returns its stdout, or `None` when
+/// it failed.
+pub fn cli(port: u16, args: &[&str]) -> Option<String> {
+    let output = Command::new("redis-cli")
+        .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+        .args(args)
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output()
+        .ok()?;
+    output
+        .status
+        .success()
+        .then(|| String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
+/// Polls `condition` until it returns `Some`, for up to [`START_BOUND`]; the error names
+/// `what`.
+pub fn wait_until<T>(
+    what: &str,
+    mut condition: impl FnMut() -> Option<T>,
+) -> Result<T, BenchError> {
+    let started = Instant::now();
+    loop {
+        if let Some(value) = condition() {
+            return Ok(value);
+        }
+        if started.elapsed() > START_BOUND {
+            return Err(BenchError::Failed(format!(
+                "timed out after {START_BOUND:?} waiting for {what}"
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A free loopback port whose cluster-bus port (port + 10000) is free too, and neither
+/// in `taken`.
+pub fn free_port_pair(taken: &[u16]) -> Result<u16, BenchError> {
+    for _ in 0..10_000 {
+        let Ok(listener) = TcpListener::bind("127.0.0.1:0") else {
+            continue;
+        };
+        let Ok(port) = listener.local_addr().map(|address| address.port()) else {
+            continue;
+        };
+        if port > 55_535 || taken.contains(&port) || taken.contains(&(port + 10_000)) {
+            continue;
+        }
+        if TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
+            return Ok(port);
+        }
+    }
+    Err(BenchError::Failed(
+        "no free pair of loopback ports (port, port + 10000) for a Redis node".into(),
+    ))
+}
+
+/// One `redis-server` process of a [`RedisCluster`].
+#[derive(Debug)]
+pub struct RedisNode {
+    /// Its client port on 127.0.0.1.
+    pub port: u16,
+    /// The process; `None` once killed.
+    child: Option<Child>,
+}
+
+/// A Redis Cluster, or one plain Redis, on loopback; torn down when dropped.
+#[derive(Debug)]
+pub struct RedisCluster {
+    nodes: Vec<RedisNode>,
+    dir: TempDir,
+}
+
+impl RedisCluster {
+    /// Starts `masters` masters with `replicas` replicas each (`cluster-node-timeout`
+    /// [`CLUSTER_NODE_TIMEOUT_MS`]), creates the cluster with `redis-cli --cluster
+    /// create` and waits until every node says `cluster_state:ok` and every replica is
+    /// in sync with its master.
+    pub fn start(masters: usize, replicas: usize) -> Result<RedisCluster, BenchError> {
+        if masters < 3 {
+            return Err(BenchError::Failed(format!(
+                "a Redis Cluster needs at least 3 masters, {masters} asked"
+            )));
+        }
+        let cluster = RedisCluster::launch(masters * (1 + replicas), true)?;
+        let mut create: Vec<String> = vec!["--cluster".into(), "create".into()];
+        create.extend(
+            cluster
+                .nodes
+                .iter()
+                .map(|node| format!("127.0.0.1:{}", node.port)),
+        );
+        create.extend([
+            "--cluster-replicas".into(),
+            replicas.to_string(),
+            "--cluster-yes".into(),
+        ]);
+        let output = Command::new("redis-cli")
+            .args(&create)
+            .stdin(Stdio::null())
+            .output()
+            .map_err(BenchError::io("running redis-cli --cluster create"))?;
+        if !output.status.success() {
+            return Err(BenchError::Failed(format!(
+                "redis-cli {} failed: {}{}",
+                create.join(" "),
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr)
+            )));
+        }
+        cluster.wait_ok()?;
+        Ok(cluster)
+    }
+
+    /// Starts one plain Redis (cluster support off) on a loopback port.
+    pub fn single() -> Result<RedisCluster, BenchError> {
+        RedisCluster::launch(1, false)
+    }
+
+    /// Starts `count` redis-server processes and waits until each answers PING.
+    fn launch(count: usize, cluster_enabled: bool) -> Result<RedisCluster, BenchError> {
+        require(&REDIS_PROGRAMS)?;
+        let mut cluster = RedisCluster {
+            nodes: Vec::new(),
+            dir: TempDir::new("redis")?,
+        };
+        let mut taken = Vec::new();
+        for _ in 0..count {
+            let port = free_port_pair(&taken)?;
+            taken.extend([port, port + 10_000]);
+            let node_dir = cluster.dir.path().join(port.to_string());
+            std::fs::create_dir_all(&node_dir)
+                .map_err(BenchError::io("creating a Redis node's directory"))?;
+            let log = std::fs::File::create(node_dir.join("stdout.log"))
+                .map_err(BenchError::io("creating a Redis node's log file"))?;
+            let mut command = server_command(&node_dir);
+            command
+                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+                .args(["--protected-mode", "no"]);
+            if cluster_enabled {
+                command
+                    .args(["--cluster-enabled", "yes"])
+                    .args(["--cluster-config-file", "nodes.conf"])
+                    .args([
+                        "--cluster-node-timeout",
+                        &CLUSTER_NODE_TIMEOUT_MS.to_string(),
+                    ])
+                    // A replica takes over however long it was cut off; the fault
+                    // figures and tests kill masters on purpose.
+                    .args(["--cluster-replica-validity-factor", "0"])
+                    .args(["--cluster-require-full-coverage", "no"]);
+            }
+            let child = command
+                .stdout(
+                    log.try_clone()
+                        .map_err(BenchError::io("cloning a Redis node's log file"))?,
+                )
+                .stderr(log)
+                .spawn()
+                .map_err(BenchError::io("spawning redis-server"))?;
+            cluster.nodes.push(RedisNode {
+                port,
+                child: Some(child),
+            });
+        }
+        for node in &cluster.nodes {
+            let port = node.port;
+            wait_until(
+                &format!("redis-server on port {port} to answer PING"),
+                || cli(port, &["ping"]).filter(|reply| reply.trim() == "PONG"),
+            )?;
+        }
+        Ok(cluster)
+    }
+
+    /// Waits until every live node says `cluster_state:ok` and every live replica's link
+    /// to its master is up.
+    pub fn wait_ok(&self) -> Result<(), BenchError> {
+        for port in self.live_ports() {
+            wait_until(&format!("cluster_state:ok on port {port}"), || {
+                cli(port, &["cluster", "info"]).filter(|info| info.contains("cluster_state:ok"))
+            })?;
+            wait_until(&format!("the replica on port {port} in sync"), || {
+                cli(port, &["info", "replication"]).filter(|info| {
+                    info.contains("role:master") || info.contains("master_link_status:up")
+                })
+            })?;
+        }
+        Ok(())
+    }
+
+    /// `redis://127.0.0.1:PORT` of every node started (live or not).
+    pub fn seeds(&self) -> Vec<String> {
+        self.nodes
+            .iter()
+            .map(|node| format!("redis://127.0.0.1:{}", node.port))
+            .collect()
+    }
+
+    /// Ports of the nodes not killed.
+    pub fn live_ports(&self) -> Vec<u16> {
+        self.nodes
+            .iter()
+            .filter(|node| node.child.is_some())
+            .map(|node| node.port)
+            .collect()
+    }
+
+    /// Ports of the live nodes that are masters now.
+    pub fn masters(&self) -> Vec<u16> {
+        self.live_ports()
+            .into_iter()
+            .filter(|port| cli(*port, &["role"]).is_some_and(|role| role.starts_with("master")))
+            .collect()
+    }
+
+    /// Sends `signal` to every live node.
+    pub fn signal_all(&self, signal: rustix::process::Signal) {
+        for child in self.nodes.iter().filter_map(|node| node.child.as_ref()) {
+            super::process::signal(child, signal);
+        }
+    }
+
+    /// SIGSTOPs every live node.
+    pub fn stop_all(&self) {
+        self.signal_all(rustix::process::Signal::STOP);
+    }
+
+    /// SIGCONTs every live node.
+    pub fn cont_all(&self) {
+        self.signal_all(rustix::process::Signal::CONT);
+    }
+
+    /// SIGKILLs the node on `port` (if still live) and reaps it; false when no node was
+    /// started on `port`.
+    pub fn kill(&mut self, port: u16) -> bool {
+        let Some(node) = self.nodes.iter_mut().find(|node| node.port == port) else {
+            return false;
+        };
+        if let Some(mut child) = node.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        true
+    }
+
+    /// The directory holding every node's files and its log (`PORT/stdout.log`).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+impl Drop for RedisCluster {
+    fn drop(&mut self) {
+        for node in &mut self.nodes {
+            if let Some(mut child) = node.child.take() {
+                // SIGKILL ends a stopped process too.
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+        // `dir` is removed when the field drops, after this.
+    }
+}
