@@ -143,12 +143,21 @@ impl RedisCluster {
     /// create` and waits until every node says `cluster_state:ok` and every replica is
     /// in sync with its master.
     pub fn start(masters: usize, replicas: usize) -> Result<RedisCluster, BenchError> {
+        RedisCluster::start_with_node_timeout(masters, replicas, CLUSTER_NODE_TIMEOUT_MS)
+    }
+
+    /// [`RedisCluster::start`] with `cluster-node-timeout` `node_timeout_ms`.
+    pub fn start_with_node_timeout(
+        masters: usize,
+        replicas: usize,
+        node_timeout_ms: u64,
+    ) -> Result<RedisCluster, BenchError> {
         if masters < 3 {
             return Err(BenchError::Failed(format!(
                 "a Redis Cluster needs at least 3 masters, {masters} asked"
             )));
         }
-        let cluster = RedisCluster::launch(masters * (1 + replicas), true)?;
+        let cluster = RedisCluster::launch(masters * (1 + replicas), Some(node_timeout_ms))?;
         let mut create: Vec<String> = vec!["--cluster".into(), "create".into()];
         create.extend(
             cluster
@@ -180,11 +189,12 @@ impl RedisCluster {
 
     /// Starts one plain Redis (cluster support off) on a loopback port.
     pub fn single() -> Result<RedisCluster, BenchError> {
-        RedisCluster::launch(1, false)
+        RedisCluster::launch(1, None)
     }
 
-    /// Starts `count` redis-server processes and waits until each answers PING.
-    fn launch(count: usize, cluster_enabled: bool) -> Result<RedisCluster, BenchError> {
+    /// Starts `count` redis-server processes (cluster nodes with this
+    /// `cluster-node-timeout`, or plain) and waits until each answers PING.
+    fn launch(count: usize, node_timeout_ms: Option<u64>) -> Result<RedisCluster, BenchError> {
         require(&REDIS_PROGRAMS)?;
         let mut cluster = RedisCluster {
             nodes: Vec::new(),
@@ -203,13 +213,13 @@ impl RedisCluster {
             command
                 .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
                 .args(["--protected-mode", "no"]);
-            if cluster_enabled {
+            if let Some(node_timeout_ms) = node_timeout_ms {
                 command
                     .args(["--cluster-enabled", "yes"])
                     .args(["--cluster-config-file", "nodes.conf"])
                     .args([
                         "--cluster-node-timeout",
-                        &CLUSTER_NODE_TIMEOUT_MS.to_string(),
+                        &node_timeout_ms.to_string(),
                     ])
                     // A replica takes over however long it was cut off; the fault
                     // figures and tests kill masters on purpose.
