@@ -217,10 +217,7 @@ impl RedisCluster {
                 command
                     .args(["--cluster-enabled", "yes"])
                     .args(["--cluster-config-file", "nodes.conf"])
-                    .args([
-                        "--cluster-node-timeout",
-                        &node_timeout_ms.to_string(),
-                    ])
+                    .args(["--cluster-node-timeout", &node_timeout_ms.to_string()])
                     // A replica takes over however long it was cut off; the fault
                     // figures and tests kill masters on purpose.
                     .args(["--cluster-replica-validity-factor", "0"])

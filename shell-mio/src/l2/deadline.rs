@@ -5,7 +5,14 @@
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+/// How late the thread may wake for a deadline, so that one wake-up fires every
+/// deadline that fell due meanwhile. Without it the thread woke once per read (each
+/// read's deadline is still in the heap after the read was answered: thousands of
+/// wake-ups a second under load, for nothing). Never early: a deadline fires at or after
+/// its time. The node keeps its own deadlines, so a caller is answered on time anyway.
+pub(super) const WAKE_SLACK: Duration = Duration::from_millis(2);
 
 /// A read waiting for its deadline.
 struct Entry<T> {
@@ -95,7 +102,7 @@ impl<T: Send + Sync + 'static> Deadlines<T> {
                     table = self.table.lock().unwrap_or_else(|e| e.into_inner());
                 }
                 Some(Reverse(top)) => {
-                    let wait = top.at - now;
+                    let wait = top.at - now + WAKE_SLACK;
                     table = self
                         .changed
                         .wait_timeout(table, wait)
@@ -107,5 +114,47 @@ impl<T: Send + Sync + 'static> Deadlines<T> {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc;
+
+    #[test]
+    fn every_deadline_fires_once_in_order_and_never_before_its_time() {
+        let deadlines = Arc::new(Deadlines::<(u32, Instant)>::new());
+        let (fired, fired_rx) = mpsc::channel();
+        let runner = {
+            let deadlines = Arc::clone(&deadlines);
+            std::thread::spawn(move || {
+                deadlines.run(|(n, at)| {
+                    let _ = fired.send((*n, Instant::now() >= *at));
+                })
+            })
+        };
+        let start = Instant::now();
+        // Close together (many fall due within one slack) and out of order.
+        for n in (0..64u32).rev() {
+            let at = start + Duration::from_micros(200 * u64::from(n));
+            deadlines.add(at, Arc::new((n, at)));
+        }
+        let mut seen = Vec::new();
+        for _ in 0..64 {
+            let (n, on_time) = fired_rx
+                .recv_timeout(Duration::from_secs(30))
+                .expect("every deadline fires");
+            assert!(on_time, "deadline {n} fired before its time");
+            seen.push(n);
+        }
+        assert_eq!(
+            seen,
+            (0..64).collect::<Vec<_>>(),
+            "once each, in deadline order"
+        );
+        deadlines.shut_down();
+        runner.join().unwrap();
+        assert!(fired_rx.try_recv().is_err(), "nothing fired twice");
     }
 }

@@ -9,8 +9,9 @@
 //!   or drops it (counted) when the queue is full. Only published data may be submitted
 //!   (`failure-modes.md` row 29); the caller checks that.
 //! - [`L2Client::get`] and [`L2Client::exists_prefix`] are answered later, through
-//!   [`L2Client::drain`], always within the timeout: a deadline thread answers
-//!   `TimedOut` for whatever the L2 threads have not answered by then.
+//!   [`L2Client::drain`], always within the timeout (plus at most
+//!   [`deadline::WAKE_SLACK`]): a deadline thread answers `TimedOut` for whatever the L2
+//!   threads have not answered by then.
 //! - A value that fails any check of its header ([`kvwarden_core::l2::decode`]), or a
 //!   key that holds something other than a string, is a miss, counted as corrupt,
 //!   logged once per key, and deleted.
