@@ -94,9 +94,12 @@ pub fn run(args: &L2Args) -> Result<(), BenchError> {
     let namespace = format!("bench-{}", std::process::id());
     // L1 and the write queue hold a whole throughput phase: write-behind pins at most
     // a quarter of L1's slots, and a write past that (or past the queue) is dropped,
-    // which would measure drops instead of L2. Slots are touched only when written.
-    let phase = args.clients as u64 * args.chunks;
-    let l1_slots = (phase * WRITE_BEHIND_SLOTS_SHARE as u64 + 2 * args.clients as u64).max(384);
+    // which would measure drops instead of L2. With --l1-prefault all of L1 is
+    // allocated at start, so it is no larger than that.
+    // The largest burst of writes is a throughput phase or L1's batch (at least 8); a
+    // few more slots hold the clients' reservations and L3/L4's chunks.
+    let phase = (args.clients as u64 * args.chunks).max(args.chunks.max(8));
+    let l1_slots = phase * WRITE_BEHIND_SLOTS_SHARE as u64 + 2 * args.clients as u64 + 16;
     let l1_bytes = (l1_slots * SLOT).to_string();
     let queue_bytes = (phase * (SLOT + HEADER_BYTES as u64))
         .max(512 << 20)
