@@ -10,7 +10,7 @@ use super::BenchError;
 use super::stats::Samples;
 use crate::protocol::{decode_reply, encode_request, split_frame};
 use mio::net::UnixStream;
-use mio::{Events, Interest, Poll, Token};
+use mio::{Events, Interest, Poll, Registry, Token};
 use rmpv::Value;
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -115,26 +115,40 @@ struct Connection {
     sent_at: Option<Instant>,
     /// A ping fell due while the previous one was unanswered.
     overdue: bool,
+    /// Registered for writability too: only while output waits for socket space.
+    /// Asking for it always made every request the server read wake this loop once
+    /// more (the freed space raises a writable edge), on the server's CPU as well.
+    writable_interest: bool,
+    token: Token,
 }
 
 impl Connection {
-    fn send(&mut self, now: Instant) -> io::Result<()> {
+    fn send(&mut self, registry: &Registry, now: Instant) -> io::Result<()> {
         self.sent_at = Some(now);
         self.output.extend_from_slice(&self.frame);
-        self.flush()
+        self.flush(registry)
     }
 
-    fn flush(&mut self) -> io::Result<()> {
+    fn flush(&mut self, registry: &Registry) -> io::Result<()> {
         while !self.output.is_empty() {
             match self.stream.write(&self.output) {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
                 Ok(n) => {
                     self.output.drain(..n);
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e),
             }
+        }
+        let want_writable = !self.output.is_empty();
+        if want_writable != self.writable_interest {
+            let interest = match want_writable {
+                true => Interest::READABLE | Interest::WRITABLE,
+                false => Interest::READABLE,
+            };
+            registry.reregister(&mut self.stream, self.token, interest)?;
+            self.writable_interest = want_writable;
         }
         Ok(())
     }
@@ -234,11 +248,7 @@ impl PingFleet {
                 .map_err(BenchError::io(what()))?;
             let mut stream = UnixStream::from_std(std_stream);
             poll.registry()
-                .register(
-                    &mut stream,
-                    Token(index),
-                    Interest::READABLE | Interest::WRITABLE,
-                )
+                .register(&mut stream, Token(index), Interest::READABLE)
                 .map_err(BenchError::io(what()))?;
             let arg = instance.map_or(Value::Nil, Value::from);
             let frame = match wire {
@@ -253,6 +263,8 @@ impl PingFleet {
                 output: Vec::new(),
                 sent_at: None,
                 overdue: false,
+                writable_interest: false,
+                token: Token(index),
             });
             if (index + 1) % 2_000 == 0 && index + 1 < instances.len() {
                 super::progress(&format!(
@@ -287,6 +299,9 @@ impl PingFleet {
             what: "pinging (a load connection failed; did the server close it?)".into(),
             source: e,
         };
+        // A handle of its own: the poll is borrowed mutably while connections send.
+        let registry = self.poll.registry().try_clone().map_err(failed)?;
+        let registry = &registry;
         let started = Instant::now();
         let measured_from = started + warmup;
         let deadline = measured_from + duration;
@@ -295,7 +310,7 @@ impl PingFleet {
         let mut schedule: BinaryHeap<Reverse<(Instant, usize)>> = BinaryHeap::new();
         for (index, connection) in self.connections.iter_mut().enumerate() {
             match pacing {
-                Pacing::ClosedLoop => connection.send(started).map_err(failed)?,
+                Pacing::ClosedLoop => connection.send(registry, started).map_err(failed)?,
                 Pacing::Every(interval) => {
                     let offset = interval.mul_f64(index as f64 / count as f64);
                     schedule.push(Reverse((started + offset, index)));
@@ -324,7 +339,7 @@ impl PingFleet {
                 if connection.sent_at.is_some() {
                     connection.overdue = true;
                 } else {
-                    connection.send(now).map_err(failed)?;
+                    connection.send(registry, now).map_err(failed)?;
                 }
             }
             let next_timer = schedule
@@ -343,7 +358,7 @@ impl PingFleet {
                     continue;
                 };
                 if event.is_writable() {
-                    connection.flush().map_err(failed)?;
+                    connection.flush(registry).map_err(failed)?;
                 }
                 if !event.is_readable() && !event.is_read_closed() {
                     continue;
@@ -370,10 +385,10 @@ impl PingFleet {
                         }
                     }
                     match pacing {
-                        Pacing::ClosedLoop => connection.send(now).map_err(failed)?,
+                        Pacing::ClosedLoop => connection.send(registry, now).map_err(failed)?,
                         Pacing::Every(_) if connection.overdue => {
                             connection.overdue = false;
-                            connection.send(now).map_err(failed)?;
+                            connection.send(registry, now).map_err(failed)?;
                         }
                         Pacing::Every(_) => {}
                     }
@@ -425,7 +440,7 @@ impl PingFleet {
                 let Some(connection) = self.connections.get_mut(event.token().0) else {
                     continue;
                 };
-                let _ = connection.flush();
+                let _ = connection.flush(self.poll.registry());
                 answers.clear();
                 if connection.receive(&mut scratch, &mut answers).is_err() {
                     connection.sent_at = None; // closed: nothing more will come
