@@ -465,7 +465,7 @@ pub fn run(args: &L2Args) -> Result<(), BenchError> {
         .first()
         .copied()
         .ok_or_else(|| BenchError::Failed("the cluster lists no master to kill".into()))?;
-    let replica = replica_of(&cluster.seeds(), victim);
+    let replica = cluster.replica_of(victim);
     let failed_before = failed_ops(&mut a_control)?;
     cluster.kill(victim);
     let killed = Instant::now();
@@ -580,24 +580,6 @@ fn failed_ops(control: &mut RawConnection) -> Result<u64, BenchError> {
     Ok(l2_field(control, "write_drops")?
         + l2_field(control, "errors")?
         + l2_field(control, "timeouts")?)
-}
-
-/// The port of the replica of the master on `master`, asked of every seed's
-/// `INFO replication`.
-fn replica_of(seeds: &[String], master: u16) -> Option<u16> {
-    let needle = format!("master_port:{master}\r\n");
-    seeds.iter().find_map(|seed| {
-        let mut connection = redis::Client::open(seed.as_str())
-            .ok()?
-            .get_connection()
-            .ok()?;
-        let info: String = redis::cmd("INFO")
-            .arg("replication")
-            .query(&mut connection)
-            .ok()?;
-        let port = seed.rsplit(':').next()?.parse().ok()?;
-        info.contains(&needle).then_some(port)
-    })
 }
 
 /// How long after `since` the Redis on `port` answered `ROLE` as a master (polled every

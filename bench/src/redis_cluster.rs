@@ -287,6 +287,16 @@ impl RedisCluster {
             .collect()
     }
 
+    /// The port of the live replica of the master on `master`, by its
+    /// `INFO replication`.
+    pub fn replica_of(&self, master: u16) -> Option<u16> {
+        let needle = format!("master_port:{master}");
+        self.live_ports().into_iter().find(|port| {
+            cli(*port, &["info", "replication"])
+                .is_some_and(|info| info.lines().any(|line| line.trim() == needle))
+        })
+    }
+
     /// Sends `signal` to every live node.
     pub fn signal_all(&self, signal: rustix::process::Signal) {
         for child in self.nodes.iter().filter_map(|node| node.child.as_ref()) {
