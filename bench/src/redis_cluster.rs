@@ -99,6 +99,32 @@ pub fn wait_until<T>(
     }
 }
 
+/// Attempts at starting one Redis node, each on a fresh port pair.
+const PORT_ATTEMPTS: usize = 20;
+
+/// Waits (up to [`START_BOUND`]) until `redis-server` `child` answers on `port` with its
+/// own pid: `Ok(true)`. `Ok(false)` when it exited first or another process answers on
+/// `port`: the port was taken.
+fn answers_as_itself(child: &mut Child, port: u16) -> Result<bool, BenchError> {
+    let own = format!("process_id:{}", child.id());
+    let started = Instant::now();
+    loop {
+        if let Ok(Some(_exited)) = child.try_wait() {
+            return Ok(false);
+        }
+        if let Some(info) = cli(port, &["info", "server"]) {
+            return Ok(info.lines().any(|line| line.trim() == own));
+        }
+        if started.elapsed() > START_BOUND {
+            return Err(BenchError::Failed(format!(
+                "timed out after {START_BOUND:?} waiting for redis-server on port {port} to \
+                 answer"
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 /// A free loopback port whose cluster-bus port (port + 10000) is free too, and neither
 /// in `taken`.
 pub fn free_port_pair(taken: &[u16]) -> Result<u16, BenchError> {
@@ -193,7 +219,7 @@ impl RedisCluster {
     }
 
     /// Starts `count` redis-server processes (cluster nodes with this
-    /// `cluster-node-timeout`, or plain) and waits until each answers PING.
+    /// `cluster-node-timeout`, or plain), each answering on a port of its own.
     fn launch(count: usize, node_timeout_ms: Option<u64>) -> Result<RedisCluster, BenchError> {
         require(&REDIS_PROGRAMS)?;
         let mut cluster = RedisCluster {
@@ -202,12 +228,33 @@ impl RedisCluster {
         };
         let mut taken = Vec::new();
         for _ in 0..count {
-            let port = free_port_pair(&taken)?;
+            let node = cluster.start_node(&mut taken, node_timeout_ms)?;
+            cluster.nodes.push(node);
+        }
+        Ok(cluster)
+    }
+
+    /// Starts one node on a free port pair and waits until it answers as itself (its
+    /// `INFO server` names its own pid). A port found free can be taken by another
+    /// process before `redis-server` binds it (a concurrent test's Redis, or an outgoing
+    /// connection's ephemeral port on the cluster-bus port): then this node exits, or
+    /// another process answers on its port, and the node is started again on another
+    /// pair, up to [`PORT_ATTEMPTS`] times. Without this check two clusters started at
+    /// once could share a node and merge into one.
+    fn start_node(
+        &self,
+        taken: &mut Vec<u16>,
+        node_timeout_ms: Option<u64>,
+    ) -> Result<RedisNode, BenchError> {
+        let mut lost = Vec::new();
+        for _ in 0..PORT_ATTEMPTS {
+            let port = free_port_pair(taken)?;
             taken.extend([port, port + 10_000]);
-            let node_dir = cluster.dir.path().join(port.to_string());
+            let node_dir = self.dir.path().join(port.to_string());
             std::fs::create_dir_all(&node_dir)
                 .map_err(BenchError::io("creating a Redis node's directory"))?;
-            let log = std::fs::File::create(node_dir.join("stdout.log"))
+            let log_path = node_dir.join("stdout.log");
+            let log = std::fs::File::create(&log_path)
                 .map_err(BenchError::io("creating a Redis node's log file"))?;
             let mut command = server_command(&node_dir);
             command
@@ -223,7 +270,7 @@ impl RedisCluster {
                     .args(["--cluster-replica-validity-factor", "0"])
                     .args(["--cluster-require-full-coverage", "no"]);
             }
-            let child = command
+            let mut child = command
                 .stdout(
                     log.try_clone()
                         .map_err(BenchError::io("cloning a Redis node's log file"))?,
@@ -231,19 +278,26 @@ impl RedisCluster {
                 .stderr(log)
                 .spawn()
                 .map_err(BenchError::io("spawning redis-server"))?;
-            cluster.nodes.push(RedisNode {
-                port,
-                child: Some(child),
-            });
+            if answers_as_itself(&mut child, port).map_err(|error| {
+                let _ = child.kill();
+                let _ = child.wait();
+                let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+                BenchError::Failed(format!("{error}; its log:\n{log}"))
+            })? {
+                return Ok(RedisNode {
+                    port,
+                    child: Some(child),
+                });
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+            lost.push(port);
         }
-        for node in &cluster.nodes {
-            let port = node.port;
-            wait_until(
-                &format!("redis-server on port {port} to answer PING"),
-                || cli(port, &["ping"]).filter(|reply| reply.trim() == "PONG"),
-            )?;
-        }
-        Ok(cluster)
+        Err(BenchError::Failed(format!(
+            "no redis-server kept a port of its own in {PORT_ATTEMPTS} attempts: ports \
+             {lost:?} were each taken by another process first (their logs are in {})",
+            self.dir.path().display()
+        )))
     }
 
     /// Waits until every live node says `cluster_state:ok` and every live replica's link
@@ -297,6 +351,19 @@ impl RedisCluster {
         })
     }
 
+    /// What every live node says of the cluster (`CLUSTER NODES`), for a failure
+    /// message.
+    pub fn describe(&self) -> String {
+        self.live_ports()
+            .into_iter()
+            .map(|port| {
+                let nodes = cli(port, &["cluster", "nodes"])
+                    .unwrap_or_else(|| "(no answer to CLUSTER NODES)\n".into());
+                format!("node {port} sees:\n{nodes}")
+            })
+            .collect()
+    }
+
     /// Sends `signal` to every live node.
     pub fn signal_all(&self, signal: rustix::process::Signal) {
         for child in self.nodes.iter().filter_map(|node| node.child.as_ref()) {
@@ -343,5 +410,50 @@ impl Drop for RedisCluster {
             }
         }
         // `dir` is removed when the field drops, after this.
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Both ways a port can turn out taken, and the way it does not: a second
+    /// `redis-server` on a port the first holds exits (not its own), a process that is
+    /// not the one answering is told apart by pid (not its own), and the first is its own.
+    #[test]
+    fn a_node_counts_as_started_only_when_it_answers_on_its_port_as_itself() {
+        if let Err(error) = require(&REDIS_PROGRAMS) {
+            panic!("{error}; `.ci/run` installs Redis by itself");
+        }
+        let first = RedisCluster::single().expect("a plain Redis");
+        let port = first.nodes[0].port;
+
+        let dir = TempDir::new("redis-second").expect("a directory");
+        let mut second = server_command(dir.path())
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawning a second redis-server");
+        assert!(!answers_as_itself(&mut second, port).expect("an answer"));
+        let _ = second.kill();
+        let _ = second.wait();
+
+        let mut bystander = Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .expect("spawning sleep");
+        assert!(!answers_as_itself(&mut bystander, port).expect("an answer"));
+        let _ = bystander.kill();
+        let _ = bystander.wait();
+
+        let mut first = first;
+        let mut own = first.nodes[0]
+            .child
+            .take()
+            .expect("the first node's process");
+        assert!(answers_as_itself(&mut own, port).expect("an answer"));
+        let _ = own.kill();
+        let _ = own.wait();
     }
 }
