@@ -232,13 +232,60 @@ fn row_27_an_l2_miss_answers_as_today_and_gives_the_slot_back() {
 }
 
 #[test]
-fn row_27_an_l2_wait_past_the_timeout_is_a_miss_and_a_late_hit_is_still_promoted() {
+fn row_27_a_read_through_past_the_timeout_is_given_up_with_the_shell_then_a_miss() {
     let mut h = Harness::new(Some(l2_config(1 << 20)));
     let worker = id(1);
     h.registered(worker);
     let request = h.send(retrieve(worker, b"slow"));
     let read = h.l2_get();
     h.run_for(TIMEOUT);
+    assert_eq!(h.l2_cancels(), vec![read], "given up at its deadline");
+    assert!(
+        h.reply(request).is_none(),
+        "not answered before the shell says whether it delivered"
+    );
+    h.run_for(TIMEOUT);
+    assert!(h.l2_cancels().is_empty(), "given up once");
+    assert!(h.reply(request).is_none());
+    h.l2_got(read, L2Fetched::TimedOut);
+    assert_eq!(h.answer(request), Value::Nil, "a miss");
+    assert_eq!((h.counters().timeouts, h.counters().hits), (1, 0));
+    assert_eq!(h.node.l1_occupancy().reserved, 0, "the slot given back");
+    assert_eq!(h.node.l1_lookup(&[b"slow".to_vec()]), 0);
+}
+
+#[test]
+fn row_27_a_cancel_that_lost_to_a_delivery_serves_the_delivered_hit() {
+    let mut h = Harness::new(Some(l2_config(1 << 20)));
+    let worker = id(1);
+    h.registered(worker);
+    let request = h.send(retrieve(worker, b"late"));
+    let read = h.l2_get();
+    h.run_for(TIMEOUT);
+    assert_eq!(h.l2_cancels(), vec![read]);
+    // The hit was being placed when the cancel came: the buffer holds it.
+    h.l2_got(read, L2Fetched::Delivered { nbytes: 10 });
+    assert_eq!(h.answer(request), Value::from(10u64));
+    assert!(h.copies().is_empty(), "delivered: nothing left to copy");
+    assert_eq!((h.counters().timeouts, h.counters().hits), (0, 1));
+    assert_eq!(h.node.l1_lookup(&[b"late".to_vec()]), 1, "promoted");
+    assert_eq!(h.node.l1_occupancy().pinned, 0);
+}
+
+#[test]
+fn row_27_a_prepare_retrieve_past_the_timeout_is_a_miss_and_a_late_hit_is_still_promoted() {
+    let mut h = Harness::new(Some(l2_config(1 << 20)));
+    let worker = id(1);
+    h.engine_registered(worker);
+    let request = h.send(Op::PrepareRetrieve {
+        instance: worker,
+        key: b"slow".to_vec(),
+    });
+    let [(read, None)] = h.l2_gets_delivering()[..] else {
+        panic!("one L2 read, for the slot only: the engine copies by itself")
+    };
+    h.run_for(TIMEOUT);
+    assert!(h.l2_cancels().is_empty(), "nothing to give up: no buffer");
     assert_eq!(
         h.answer(request),
         Value::Nil,
@@ -257,6 +304,59 @@ fn row_27_an_l2_wait_past_the_timeout_is_a_miss_and_a_late_hit_is_still_promoted
 }
 
 #[test]
+fn a_read_through_delivers_into_the_retrieve_buffer_with_no_copy_of_its_own() {
+    let mut h = Harness::new(Some(l2_config(1 << 20)));
+    let worker = id(1);
+    let context = h.registered(worker);
+    let request = h.send(Op::Retrieve {
+        instance: worker,
+        key: b"remote".to_vec(),
+        buffer: 0,
+        offset: 4096,
+    });
+    let [(read, Some(deliver))] = h.l2_gets_delivering()[..] else {
+        panic!("one L2 read that delivers")
+    };
+    assert_eq!(
+        (deliver.context, deliver.buffer, deliver.offset),
+        (context, 0, 4096)
+    );
+    h.l2_got(read, L2Fetched::Delivered { nbytes: 300 });
+    assert!(h.copies().is_empty(), "no copy from L1 afterwards");
+    assert_eq!(h.answer(request), Value::from(300u64));
+    assert_eq!(h.node.l1_lookup(&[b"remote".to_vec()]), 1, "promoted");
+    assert_eq!(h.node.l1_occupancy().pinned, 0, "nothing left pinned");
+    assert_eq!(h.counters().hits, 1);
+}
+
+// Decision 9, both ways: a free waits for a read that may still deliver into the
+// context's buffer, and starts as soon as its answer comes, delivered or not.
+#[test]
+fn decision_9_a_free_waits_for_a_read_through_that_may_deliver() {
+    for fetched in [
+        L2Fetched::Delivered { nbytes: 300 },
+        L2Fetched::Absent,
+        L2Fetched::TimedOut,
+    ] {
+        let mut h = Harness::new(Some(l2_config(1 << 20)));
+        let worker = id(1);
+        let context = h.registered(worker);
+        let request = h.send(retrieve(worker, b"remote"));
+        let read = h.l2_get();
+        h.ask(Op::UnregisterKvCache { instance: worker });
+        assert!(
+            h.frees().is_empty(),
+            "{fetched:?}: the read may still write into the mapping"
+        );
+        h.l2_got(read, fetched);
+        assert!(h.reply(request).is_some(), "{fetched:?}: answered");
+        let frees = h.frees();
+        assert_eq!(frees.len(), 1, "{fetched:?}");
+        assert_eq!(frees[0].0, context);
+    }
+}
+
+#[test]
 fn row_27_pings_never_wait_for_l2_and_nothing_is_reaped_while_it_is_down() {
     let mut h = Harness::new(Some(l2_config(1 << 20)));
     let worker = id(1);
@@ -268,6 +368,7 @@ fn row_27_pings_never_wait_for_l2_and_nothing_is_reaped_while_it_is_down() {
         let ping = h.send(ping(worker));
         assert_eq!(h.answer(ping), Value::from(true), "answered at once");
         h.run_for(TIMEOUT);
+        h.l2_cancels_won();
         assert_eq!(h.answer(request), Value::Nil);
     }
     assert_eq!(h.state(), L2State::Down);

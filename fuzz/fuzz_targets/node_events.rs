@@ -107,6 +107,10 @@ struct Ledger {
     l2: bool,
     l2_writes: Vec<L2WriteId>,
     l2_gets: Vec<L2ReadId>,
+    /// Delivering L2 reads not answered yet → the context whose buffer they may write.
+    deliveries: BTreeMap<L2ReadId, ContextId>,
+    /// Reads given up (`L2Cancel`).
+    cancelled: std::collections::BTreeSet<L2ReadId>,
     l2_exists: Vec<L2ReadId>,
     l2_named: BTreeSet<u64>,
 }
@@ -137,6 +141,10 @@ impl Ledger {
                     assert!(self.built.contains(&context), "free of a context never built");
                     assert!(self.freed.insert(context), "context {context:?} freed twice");
                     assert!(!self.copies.values().any(|&c| c == context), "freed while a copy runs");
+                    assert!(
+                        !self.deliveries.values().any(|&c| c == context),
+                        "freed while an L2 read may deliver into it"
+                    );
                     self.frees.push(free);
                 }
                 Output::Stopped { .. } => self.stopped = true,
@@ -145,10 +153,21 @@ impl Ledger {
                     assert!(self.l2_named.insert(write.0), "L2 write {write:?} asked twice");
                     self.l2_writes.push(write);
                 }
-                Output::L2Get { read, .. } => {
+                Output::L2Get { read, deliver, .. } => {
                     assert!(self.l2, "an L2 read from a node without L2");
                     assert!(self.l2_named.insert(read.0), "L2 read {read:?} asked twice");
+                    if let Some(deliver) = deliver {
+                        assert!(
+                            self.built.contains(&deliver.context) && !self.freed.contains(&deliver.context),
+                            "a delivery into a context not live"
+                        );
+                        self.deliveries.insert(read, deliver.context);
+                    }
                     self.l2_gets.push(read);
+                }
+                Output::L2Cancel { read } => {
+                    assert!(self.deliveries.contains_key(&read), "gave up {read:?}, not a delivering read out");
+                    assert!(self.cancelled.insert(read), "gave up {read:?} twice");
                 }
                 Output::L2Exists { read, .. } => {
                     assert!(self.l2, "an L2 lookup from a node without L2");
@@ -278,8 +297,10 @@ fuzz_target!(|input: (bool, Vec<Step>)| {
                 Input::L2Written { write, outcome }
             }),
             Step::L2Got { which, fetched, nbytes } => pick(&mut ledger.l2_gets, which).map(|read| {
-                let fetched = match fetched % 5 {
+                ledger.deliveries.remove(&read);
+                let fetched = match fetched % 6 {
                     0 => L2Fetched::Hit { nbytes: u64::from(nbytes) % 4097 },
+                    5 => L2Fetched::Delivered { nbytes: u64::from(nbytes) % 4097 },
                     1 => L2Fetched::Absent,
                     2 => L2Fetched::Corrupt,
                     3 => L2Fetched::TimedOut,

@@ -77,6 +77,12 @@ pub enum L2Job {
         /// The key.
         key: Vec<u8>,
     },
+    /// The answer an `L2Cancel` gets at once when Redis has not answered yet:
+    /// `TimedOut`, with no delay.
+    Cancelled {
+        /// The node's id.
+        read: L2ReadId,
+    },
     /// `L2Exists`.
     Exists {
         /// The node's id.

@@ -261,6 +261,13 @@ pub struct Server {
     store_copies: HashMap<u64, Vec<u8>>,
     /// L2 writes (a pinned slot) and reads (a reserved slot) not answered yet.
     l2_holding: usize,
+    /// Delivering L2 reads (a `retrieve`'s) → the context they count as a copy on
+    /// (its ledger id), until answered.
+    l2_delivering: BTreeMap<u64, u64>,
+    /// L2 reads the node gave up (`L2Cancel`) and that were answered then: their own
+    /// answer, when it comes, is dropped, as the production client never places a read
+    /// it answered.
+    l2_cancelled: BTreeSet<u64>,
     /// The pending wake's instant.
     pub wake_at: Option<Nanos>,
     /// The pending wake's generation.
@@ -303,6 +310,8 @@ impl Server {
             publishing: HashMap::default(),
             store_copies: HashMap::default(),
             l2_holding: 0,
+            l2_delivering: BTreeMap::new(),
+            l2_cancelled: BTreeSet::new(),
             wake_at: None,
             wake_generation: 0,
             wall_offset: 0,
@@ -460,6 +469,8 @@ impl Server {
         self.publishing.clear();
         self.store_copies.clear();
         self.l2_holding = 0;
+        self.l2_delivering.clear();
+        self.l2_cancelled.clear();
         self.boot += 1;
         self.wake_at = None;
         self.wake_generation += 1;
@@ -605,8 +616,9 @@ impl Server {
                 }
             }
             Input::L2Done { job, fate } => {
-                let input = self.l2_done(job, fate, checker);
-                self.call(now, Some(input), Call::Other, checker, out);
+                if let Some(input) = self.l2_done(job, fate, checker) {
+                    self.call(now, Some(input), Call::Other, checker, out);
+                }
             }
             Input::ExitNotice(instance) => {
                 let process = ProcessKey(instance.get());
@@ -919,7 +931,17 @@ impl Server {
                         good,
                     });
                 }
-                Output::L2Get { read, key, .. } if self.spec.l2.enabled => {
+                Output::L2Get {
+                    read, key, deliver, ..
+                } if self.spec.l2.enabled => {
+                    // A delivering read may write into the worker's buffer until
+                    // answered: a copy on its context, as far as a free is concerned.
+                    if let Some(deliver) = deliver
+                        && let Some(&id) = self.ledger.get(&deliver.context)
+                    {
+                        self.l2_delivering.insert(read.0, id);
+                        checker.copy_started(id);
+                    }
                     if let Call::Request {
                         conn,
                         request_id,
@@ -935,7 +957,17 @@ impl Server {
                 Output::L2Exists { read, keys } if self.spec.l2.enabled => {
                     out.l2_jobs.push(L2Job::Exists { read, keys });
                 }
-                Output::L2Write { .. } | Output::L2Get { .. } | Output::L2Exists { .. } => {
+                Output::L2Cancel { read } if self.spec.l2.enabled => {
+                    // Redis has not answered (its answer is still on the agenda): the
+                    // client's cancel wins and answers `TimedOut` at once.
+                    if self.l2_cancelled.insert(read.0) {
+                        out.l2_jobs.push(L2Job::Cancelled { read });
+                    }
+                }
+                Output::L2Write { .. }
+                | Output::L2Get { .. }
+                | Output::L2Exists { .. }
+                | Output::L2Cancel { .. } => {
                     checker.fail(
                         crate::violation::Class::Internal,
                         "l2_without_l2",
@@ -1146,11 +1178,16 @@ impl Server {
     }
 
     /// An L2 operation ends: carried out against the store, its answer for the node.
-    fn l2_done(&mut self, job: L2Job, fate: L2Fate, checker: &mut Checker) -> NodeInput {
+    fn l2_done(&mut self, job: L2Job, fate: L2Fate, checker: &mut Checker) -> Option<NodeInput> {
+        if let L2Job::Get { read, .. } = &job
+            && self.l2_cancelled.remove(&read.0)
+        {
+            return None; // answered when it was given up
+        }
         if !matches!(job, L2Job::Exists { .. }) {
             self.l2_holding -= 1;
         }
-        match job {
+        Some(match job {
             L2Job::Write {
                 write,
                 key,
@@ -1164,11 +1201,29 @@ impl Server {
                 }
                 NodeInput::L2Written { write, outcome }
             }
+            L2Job::Cancelled { read } => {
+                self.l2_reads.remove(&read.0);
+                if let Some(id) = self.l2_delivering.remove(&read.0) {
+                    checker.copy_done(id);
+                }
+                self.stats.l2_failed += 1;
+                NodeInput::L2Got {
+                    read,
+                    fetched: L2Fetched::TimedOut,
+                }
+            }
             L2Job::Get { read, key } => {
-                let fetched = self.l2.get(fate, &key);
+                let mut fetched = self.l2.get(fate, &key);
                 let asker = self.l2_reads.remove(&read.0);
+                if let Some(id) = self.l2_delivering.remove(&read.0) {
+                    checker.copy_done(id);
+                    if let L2Fetched::Hit { nbytes } = fetched {
+                        // The simulated buffers are as large as any chunk.
+                        fetched = L2Fetched::Delivered { nbytes };
+                    }
+                }
                 match fetched {
-                    L2Fetched::Hit { .. } => self.stats.l2_hits += 1,
+                    L2Fetched::Hit { .. } | L2Fetched::Delivered { .. } => self.stats.l2_hits += 1,
                     L2Fetched::Corrupt => {
                         self.stats.l2_corrupt += 1;
                         if let Some(asker) = asker {
@@ -1187,7 +1242,7 @@ impl Server {
                 }
                 NodeInput::L2Existed { read, presence }
             }
-        }
+        })
     }
 
     /// What the node's replies say about L2: stores and commits answered `true`

@@ -668,6 +668,11 @@ impl World {
             );
         }
         for job in out.l2_jobs {
+            if let crate::l2::L2Job::Cancelled { .. } = job {
+                let fate = crate::l2::L2Fate::TimedOut;
+                self.agenda.push(now, Event::L2Done { boot, job, fate });
+                continue;
+            }
             let roll = match job {
                 crate::l2::L2Job::Get { .. } if self.server.l2.corrupt_rate > 0.0 => {
                     self.rng.unit()

@@ -14,8 +14,18 @@
 //!   the shell places a hit's bytes into that slot and reports [`Input::L2Got`]. The
 //!   slot is published (promoted) and the request served from L1 as usual. `lookup`
 //!   counts the L1 prefix, then asks L2 for the rest ([`Output::L2Exists`]).
+//! - **Delivery**: the `L2Get` of a `retrieve` (or a `retrieve_batch` item) also names
+//!   the worker's buffer; the shell copies a hit there on the L2 thread that placed it
+//!   ([`L2Fetched::Delivered`]), and the request is answered as its copy would have
+//!   been. No hop through the event loop and the context pool in between. While it
+//!   may deliver, the read counts as a copy on the context (a free waits for it,
+//!   decision 9). A hit not delivered (larger than the buffer, say) is copied from L1
+//!   as before.
 //! - **Bounded waits**: each read has a deadline `--l2-timeout-ms` after it was asked;
-//!   past it the request is answered as a miss. The reserved slot stays reserved until
+//!   past it the request is answered as a miss. A delivering read is first given up
+//!   with the shell ([`Output::L2Cancel`]), which answers at once unless the hit is
+//!   being placed; the request is answered with that answer, so no byte lands in a
+//!   buffer whose request was answered `nil`. The reserved slot stays reserved until
 //!   the shell's late answer comes (so no one else's bytes land in it), then it is
 //!   published (a late hit is still correct data) or given back.
 //! - **Breaker**: every operation asks [`L2Health::admit`]; while down, reads are
@@ -61,12 +71,33 @@ pub struct L2ReadId(pub u64);
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct L2WriteId(pub u64);
 
+/// Where an [`Output::L2Get`] delivers a hit besides its slot: the buffer a `retrieve`
+/// (or a `retrieve_batch` item) names, at `offset`. The shell copies the placed payload
+/// there only when it fits in the buffer from `offset`; the node checked the rest.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct L2Delivery {
+    /// The copy the node counts on `context` while the read may deliver.
+    pub copy: CopyId,
+    /// The registered context.
+    pub context: ContextId,
+    /// The buffer's index in the context.
+    pub buffer: usize,
+    /// Where in the buffer.
+    pub offset: u64,
+}
+
 /// How an [`Output::L2Get`] ended, as the shell reports it in [`Input::L2Got`].
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum L2Fetched {
     /// A whole, checked value: its `nbytes` payload bytes are in the reserved slot.
     Hit {
         /// Payload bytes placed in the slot (at most a slot).
+        nbytes: u64,
+    },
+    /// A hit placed in the reserved slot and copied into the `L2Get`'s `deliver`
+    /// buffer as well.
+    Delivered {
+        /// Payload bytes placed in the slot and the buffer.
         nbytes: u64,
     },
     /// No such key (or a value larger than a slot here: not placed).
@@ -83,7 +114,7 @@ impl L2Fetched {
     /// The counters' view.
     pub fn outcome(self) -> ReadOutcome {
         match self {
-            L2Fetched::Hit { .. } => ReadOutcome::Hit,
+            L2Fetched::Hit { .. } | L2Fetched::Delivered { .. } => ReadOutcome::Hit,
             L2Fetched::Absent => ReadOutcome::Absent,
             L2Fetched::Corrupt => ReadOutcome::Corrupt,
             L2Fetched::TimedOut => ReadOutcome::TimedOut,
@@ -160,6 +191,12 @@ struct PendingRead {
     key: Vec<u8>,
     /// The slot reserved for a hit (`L2Get` only).
     slot: Option<SlotId>,
+    /// The copy counted on the waiter's context while the shell may deliver into its
+    /// buffer (a delivering `L2Get` only).
+    delivery: Option<CopyId>,
+    /// `L2Cancel` was sent: the read is past its deadline and the node waits for the
+    /// shell's `L2Got` (prompt, see [`Output::L2Cancel`]) before answering.
+    cancelled: bool,
     /// Taken when the read is answered (by its result or its deadline).
     waiter: Option<ReadFor>,
 }
@@ -209,7 +246,7 @@ impl L2Tier {
         let reads = self
             .reads
             .values()
-            .filter(|read| read.waiter.is_some())
+            .filter(|read| read.waiter.is_some() && !read.cancelled)
             .map(|read| read.deadline)
             .min();
         match (reads, self.health.poll_timeout()) {
@@ -327,14 +364,59 @@ impl Node {
             self.l1.abort(slot);
             return Err(waiter);
         }
-        self.l2_send_read(now, key.to_vec(), Some(slot), waiter, |read| {
+        let deliver = self.l2_delivery(&waiter, slot);
+        let delivery = deliver.map(|deliver| deliver.copy);
+        self.l2_send_read(now, key.to_vec(), Some(slot), delivery, waiter, |read| {
             Output::L2Get {
                 read,
                 key: key.to_vec(),
                 slot,
+                deliver,
             }
         });
         Ok(())
+    }
+
+    /// Where a read for `waiter` delivers a hit besides `slot`: the buffer of a
+    /// `retrieve` or a `retrieve_batch` item, counted as a copy on its context from here
+    /// (decision 9: a free waits for it) until the read's `L2Got`. None for the rest
+    /// (an engine-driven `prepare_retrieve` copies by itself).
+    fn l2_delivery(&mut self, waiter: &ReadFor, slot: SlotId) -> Option<L2Delivery> {
+        let (instance, context, buffer, offset, purpose) = match *waiter {
+            ReadFor::Retrieve {
+                to,
+                instance,
+                context,
+                buffer,
+                offset,
+            } => (instance, context, buffer, offset, CopyFor::Retrieve(to)),
+            ReadFor::BatchRetrieve {
+                batch,
+                item,
+                instance,
+                context,
+                buffer,
+                offset,
+            } => (
+                instance,
+                context,
+                buffer,
+                offset,
+                CopyFor::BatchRetrieve { batch, item },
+            ),
+            ReadFor::PrepareRetrieve { .. } | ReadFor::Lookup { .. } | ReadFor::Probe => {
+                return None;
+            }
+        };
+        let index = self
+            .checked_buffer(context, "an L2 delivery", instance, buffer, offset, 0)
+            .ok()?;
+        Some(L2Delivery {
+            copy: self.hold_copy(context, slot, purpose),
+            context,
+            buffer: index,
+            offset,
+        })
     }
 
     /// `lookup`: `l1_count` leading keys are in L1; asks L2 about the rest. Answers now
@@ -358,22 +440,25 @@ impl Node {
         }
         self.start_job(to.conn);
         let waiter = ReadFor::Lookup { to, l1_count };
-        self.l2_send_read(now, Vec::new(), None, waiter, |read| Output::L2Exists {
-            read,
-            keys: rest.to_vec(),
+        self.l2_send_read(now, Vec::new(), None, None, waiter, |read| {
+            Output::L2Exists {
+                read,
+                keys: rest.to_vec(),
+            }
         });
         None
     }
 
     /// Sends the L2 read `ask(read)` under a new id and waits for it until the L2
     /// timeout from `now`: `waiter` is resumed when it ends or its deadline passes.
-    /// `key` and `slot` are an `L2Get`'s (the slot reserved for a hit); an existence
-    /// check has none.
+    /// `key` and `slot` are an `L2Get`'s (the slot reserved for a hit, and the copy
+    /// counted for a delivery); an existence check has none.
     fn l2_send_read(
         &mut self,
         now: Instant,
         key: Vec<u8>,
         slot: Option<SlotId>,
+        delivery: Option<CopyId>,
         waiter: ReadFor,
         ask: impl FnOnce(L2ReadId) -> Output,
     ) {
@@ -388,6 +473,8 @@ impl Node {
                     deadline: now + timeout,
                     key,
                     slot,
+                    delivery,
+                    cancelled: false,
                     waiter: Some(waiter),
                 },
             );
@@ -406,33 +493,59 @@ impl Node {
         };
         let fetched = match fetched {
             L2Fetched::Corrupt if serve_corrupt => L2Fetched::Hit { nbytes: slot_bytes },
+            // Delivered where no delivery was asked: only the slot counts.
+            L2Fetched::Delivered { nbytes } if pending.delivery.is_none() => {
+                L2Fetched::Hit { nbytes }
+            }
             fetched => fetched,
         };
-        let hit = match (pending.slot, fetched) {
-            (Some(slot), L2Fetched::Hit { nbytes }) if nbytes <= slot_bytes => {
+        let placed = match (pending.slot, fetched) {
+            (Some(slot), L2Fetched::Hit { nbytes } | L2Fetched::Delivered { nbytes })
+                if nbytes <= slot_bytes =>
+            {
                 // Promoted: correct data, checked by the shell, even when it came late.
                 self.l1.commit(slot, nbytes);
-                true
+                Some((slot, nbytes))
             }
             (Some(slot), _) => {
                 self.l1.abort(slot);
-                false
+                None
             }
-            (None, _) => false,
+            (None, _) => None,
         };
-        let Some(waiter) = pending.waiter else {
-            return; // answered by its deadline, counted there
-        };
-        let outcome = if hit || !matches!(fetched, L2Fetched::Hit { .. }) {
+        let hit = placed.is_some();
+        let outcome = if hit || fetched.outcome() != ReadOutcome::Hit {
             fetched.outcome()
         } else {
             ReadOutcome::Absent // larger than a slot: not placed
         };
+        if let Some(copy) = pending.delivery {
+            if let (Some(_waiter), Some((slot, nbytes)), L2Fetched::Delivered { .. }) =
+                (&pending.waiter, placed, fetched)
+            {
+                // The worker's buffer holds the bytes: answered as the copy it was,
+                // which unpins the slot pinned here for it.
+                self.l2_count_read(now, outcome);
+                let _ = self.l1.pin_slot(slot);
+                self.copy_done(copy, Ok(nbytes));
+                return;
+            }
+            // Nothing was delivered: the context is free of this read.
+            self.copy_dropped(copy);
+        }
+        let Some(waiter) = pending.waiter else {
+            return; // answered by its deadline, counted there
+        };
+        self.l2_count_read(now, outcome);
+        self.l2_resume(now, waiter, &pending.key, hit);
+    }
+
+    /// Counts an answered read and tells the breaker.
+    fn l2_count_read(&mut self, now: Instant, outcome: ReadOutcome) {
         if let Some(tier) = self.l2.as_mut() {
             tier.counters.record_read(outcome);
         }
         self.l2_record(now, outcome.op_result());
-        self.l2_resume(now, waiter, &pending.key, hit);
     }
 
     pub(super) fn l2_existed(&mut self, now: Instant, read: L2ReadId, presence: L2Presence) {
@@ -465,8 +578,18 @@ impl Node {
         };
         let mut expired = Vec::new();
         let mut gone = Vec::new();
+        let mut cancels = Vec::new();
         for (&id, read) in tier.reads.iter_mut() {
             if read.deadline > now {
+                continue;
+            }
+            if read.delivery.is_some() {
+                // The shell may be writing into the worker's buffer: only its answer,
+                // prompt once asked, tells whether it did.
+                if read.waiter.is_some() && !read.cancelled {
+                    read.cancelled = true;
+                    cancels.push(id);
+                }
                 continue;
             }
             if let Some(waiter) = read.waiter.take() {
@@ -478,6 +601,9 @@ impl Node {
         }
         for id in gone {
             tier.reads.remove(&id);
+        }
+        for read in cancels {
+            self.outputs.push_back(Output::L2Cancel { read });
         }
         for (waiter, key) in expired {
             if let Some(tier) = self.l2.as_mut() {
@@ -502,7 +628,7 @@ impl Node {
         if !due || tier.health.admit(now) != Admission::Probe {
             return;
         }
-        self.l2_send_read(now, Vec::new(), None, ReadFor::Probe, |read| {
+        self.l2_send_read(now, Vec::new(), None, None, ReadFor::Probe, |read| {
             Output::L2Exists {
                 read,
                 keys: vec![PROBE_KEY.to_vec()],

@@ -38,7 +38,7 @@ use crate::time::Instant;
 use blend::{BlendBook, BlendId};
 use engine::TransferStrategy;
 use l1::{SlotId, SlotTable};
-use l2::{L2Fetched, L2NodeConfig, L2Presence, L2ReadId, L2Status, L2Tier, L2WriteId};
+use l2::{L2Delivery, L2Fetched, L2NodeConfig, L2Presence, L2ReadId, L2Status, L2Tier, L2WriteId};
 use rmpv::Value;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
@@ -242,8 +242,8 @@ pub enum Input {
         /// How it ended.
         outcome: crate::l2::WriteOutcome,
     },
-    /// An `L2Get` ended (a hit's bytes are in its slot). Exactly one per `L2Get`, even
-    /// after its deadline.
+    /// An `L2Get` ended (a hit's bytes are in its slot, and in the buffer when
+    /// `Delivered`). Exactly one per `L2Get`, even after its deadline or an `L2Cancel`.
     L2Got {
         /// The read.
         read: L2ReadId,
@@ -385,7 +385,12 @@ pub enum Output {
         nbytes: u64,
     },
     /// Read `key` from L2 (only with L2 on); place a hit's payload into the reserved
-    /// `slot` (at most a slot's bytes), then report `L2Got`.
+    /// `slot` (at most a slot's bytes), then report `L2Got`. With `deliver`, also copy
+    /// the placed payload into that registered buffer when it fits there (report
+    /// [`L2Fetched::Delivered`]), on the same thread, before reporting: a read-through
+    /// then costs no copy hop of its own. The node counts such a read as a copy on its
+    /// context (a free waits for its `L2Got`) and, at its deadline, asks the shell to
+    /// give it up ([`Output::L2Cancel`]) instead of answering the miss itself.
     L2Get {
         /// The read.
         read: L2ReadId,
@@ -393,6 +398,17 @@ pub enum Output {
         key: Vec<u8>,
         /// The slot reserved for it.
         slot: SlotId,
+        /// Where the worker waits for the bytes, for a `retrieve` (or a batch item).
+        deliver: Option<L2Delivery>,
+    },
+    /// Give up the delivering `L2Get` `read`, past its deadline: answer its `L2Got` as
+    /// [`L2Fetched::TimedOut`] at once and never touch the slot or the buffer, unless
+    /// the hit is being placed already; then report that (`Delivered`) when it is. The
+    /// node answers the request only when that `L2Got` comes, so no byte ever lands in
+    /// a buffer after its request was answered.
+    L2Cancel {
+        /// The read.
+        read: L2ReadId,
     },
     /// Count how many leading `keys` exist in L2 (pipelined; only with L2 on), then
     /// report `L2Existed`.
@@ -603,8 +619,11 @@ struct ContextInfo {
     /// Copies running against it; its free waits for them.
     copies: u32,
     /// The free decided while copies ran.
-    deferred: Option<(InstanceId, Module, FreeCause, &'static str)>,
+    deferred: Option<DeferredFree>,
 }
+
+/// A free decided while copies ran: whose, which module, why, and its label.
+type DeferredFree = (InstanceId, Module, FreeCause, &'static str);
 
 enum CopyFor {
     Store(ReplyTo),

@@ -537,6 +537,26 @@ impl Node {
         nbytes: u64,
         purpose: CopyFor,
     ) {
+        let copy = self.hold_copy(context, slot, purpose);
+        self.outputs.push_back(Output::StartCopy {
+            copy,
+            context,
+            direction,
+            buffer,
+            offset,
+            slot,
+            nbytes,
+        });
+    }
+
+    /// Counts a copy between `context` and `slot` for `purpose`: the context's free
+    /// waits until [`Node::copy_done`] or [`Node::copy_dropped`] ends it.
+    pub(super) fn hold_copy(
+        &mut self,
+        context: ContextId,
+        slot: SlotId,
+        purpose: CopyFor,
+    ) -> CopyId {
         let copy = CopyId(self.next_id());
         if let Some(info) = self.contexts.get_mut(&context) {
             info.copies += 1;
@@ -549,15 +569,7 @@ impl Node {
                 purpose,
             },
         );
-        self.outputs.push_back(Output::StartCopy {
-            copy,
-            context,
-            direction,
-            buffer,
-            offset,
-            slot,
-            nbytes,
-        });
+        copy
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -93,24 +93,16 @@ impl Node {
     }
 
     pub(super) fn copy_done(&mut self, copy: CopyId, result: Result<u64, ProtocolError>) {
-        let Some(Copy {
-            context,
-            slot,
-            purpose,
-        }) = self.copies.remove(&copy)
+        let Some((
+            Copy {
+                context,
+                slot,
+                purpose,
+            },
+            deferred,
+        )) = self.end_copy(copy)
         else {
             return;
-        };
-        let deferred = match self.contexts.get_mut(&context) {
-            Some(info) => {
-                info.copies = info.copies.saturating_sub(1);
-                if info.copies == 0 {
-                    info.deferred.take()
-                } else {
-                    None
-                }
-            }
-            None => None,
         };
         match purpose {
             CopyFor::Store(to) => {
@@ -135,6 +127,34 @@ impl Node {
         if let Some((instance, module, cause, label)) = deferred {
             self.start_free(context, instance, module, cause, label);
         }
+    }
+
+    /// A copy counted by [`Node::hold_copy`] that never ran (an L2 read that delivered
+    /// nothing): its context is free of it, and a free that waited for it starts.
+    pub(super) fn copy_dropped(&mut self, copy: CopyId) {
+        if let Some((Copy { context, .. }, Some((instance, module, cause, label)))) =
+            self.end_copy(copy)
+        {
+            self.start_free(context, instance, module, cause, label);
+        }
+    }
+
+    /// Ends `copy`'s count on its context: the copy, and the free deferred for it when
+    /// it was the last.
+    fn end_copy(&mut self, copy: CopyId) -> Option<(Copy, Option<DeferredFree>)> {
+        let ended = self.copies.remove(&copy)?;
+        let deferred = match self.contexts.get_mut(&ended.context) {
+            Some(info) => {
+                info.copies = info.copies.saturating_sub(1);
+                if info.copies == 0 {
+                    info.deferred.take()
+                } else {
+                    None
+                }
+            }
+            None => None,
+        };
+        Some((ended, deferred))
     }
 
     /// A store's copy finished: publish the slot, or give it back unpublished.

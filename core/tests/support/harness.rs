@@ -5,7 +5,7 @@
 use super::secs;
 use kvwarden_core::l2::{L2Counters, L2State};
 use kvwarden_core::node::l1::SlotId;
-use kvwarden_core::node::l2::{L2Fetched, L2NodeConfig, L2ReadId, L2WriteId};
+use kvwarden_core::node::l2::{L2Delivery, L2Fetched, L2NodeConfig, L2ReadId, L2WriteId};
 use kvwarden_core::node::{
     Built, ConnId, ContextId, CopyId, DeathNotice, Direction, Input, Node, NodeConfig, Note,
     Output, ProcessKey, Transport,
@@ -223,7 +223,9 @@ impl Harness {
 
     pub fn l2_gets(&mut self) -> Vec<(L2ReadId, Vec<u8>, SlotId)> {
         self.take(|output| match output {
-            Output::L2Get { read, key, slot } => Some((*read, key.clone(), *slot)),
+            Output::L2Get {
+                read, key, slot, ..
+            } => Some((*read, key.clone(), *slot)),
             _ => None,
         })
     }
@@ -254,6 +256,31 @@ impl Harness {
             panic!("one L2 read")
         };
         read
+    }
+
+    /// Where each L2 read asked since the last look delivers (`None`: only its slot),
+    /// taken out.
+    pub fn l2_gets_delivering(&mut self) -> Vec<(L2ReadId, Option<L2Delivery>)> {
+        self.take(|output| match output {
+            Output::L2Get { read, deliver, .. } => Some((*read, *deliver)),
+            _ => None,
+        })
+    }
+
+    /// The L2 reads given up (`L2Cancel`) since the last look, taken out.
+    pub fn l2_cancels(&mut self) -> Vec<L2ReadId> {
+        self.take(|output| match output {
+            Output::L2Cancel { read } => Some(*read),
+            _ => None,
+        })
+    }
+
+    /// Answers every L2 read given up since the last look as the shell does when its
+    /// cancel wins: `TimedOut`.
+    pub fn l2_cancels_won(&mut self) {
+        for read in self.l2_cancels() {
+            self.l2_got(read, L2Fetched::TimedOut);
+        }
     }
 
     /// Answers the L2 read `read` with `fetched`.

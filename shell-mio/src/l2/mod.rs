@@ -210,9 +210,9 @@ impl L2Client {
         std::thread::Builder::new()
             .name("kvwarden-l2-deadline".into())
             .spawn(move || {
-                deadline_shared
-                    .deadlines
-                    .run(|pending| deadline_shared.time_out(pending))
+                deadline_shared.deadlines.run(|pending| {
+                    deadline_shared.time_out(pending);
+                })
             })?;
         for index in 0..threads {
             let worker_shared = Arc::clone(&shared);
@@ -264,16 +264,20 @@ impl L2Client {
     /// Reads `key` and, on a hit, hands its payload to `place` on the L2 thread before
     /// the answer is reported (as [`L2Completion::Read`] with `placed`; a hit that
     /// `place` refuses is reported `Absent`). `place` is never called once the read
-    /// was answered otherwise (timed out), so a caller may write into memory it keeps
-    /// for this read until the answer comes.
+    /// was answered otherwise (timed out, or given up with [`L2Read::cancel`]), so a
+    /// caller may write into memory it keeps for this read until the answer comes.
     pub fn get_into(
         &self,
         token: u64,
         key: Vec<u8>,
         place: impl FnOnce(&[u8]) -> bool + Send + 'static,
-    ) {
-        self.shared
-            .submit_read(token, ReadRequest::Get(key), Some(Box::new(place)));
+    ) -> L2Read {
+        L2Read {
+            shared: Arc::clone(&self.shared),
+            pending: self
+                .shared
+                .submit_read(token, ReadRequest::Get(key), Some(Box::new(place))),
+        }
     }
 
     /// Counts how many leading `keys` exist in L2 (pipelined); the answer comes through
@@ -319,6 +323,22 @@ impl Drop for L2Client {
     }
 }
 
+/// A read asked with [`L2Client::get_into`], which its caller may give up.
+pub struct L2Read {
+    shared: Arc<Shared>,
+    pending: Arc<PendingRead>,
+}
+
+impl L2Read {
+    /// Gives the read up: it is answered `TimedOut` now (through [`L2Client::drain`],
+    /// as any answer) and its `place` is never called. Unless it was answered already
+    /// or its hit is being placed: then that answer comes as it would have. Exactly one
+    /// answer either way, and never a `place` after this returns `true`.
+    pub fn cancel(&self) -> bool {
+        self.shared.time_out(&self.pending)
+    }
+}
+
 /// What an L2 thread takes next.
 enum Job {
     Read(Arc<PendingRead>),
@@ -334,7 +354,12 @@ impl Shared {
         self.counters.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn submit_read(&self, token: u64, request: ReadRequest, place: Option<Place>) {
+    fn submit_read(
+        &self,
+        token: u64,
+        request: ReadRequest,
+        place: Option<Place>,
+    ) -> Arc<PendingRead> {
         let pending = Arc::new(PendingRead {
             token,
             request,
@@ -345,13 +370,14 @@ impl Shared {
         if work.shutdown || work.reads.len() >= READS_WAITING_MAX {
             drop(work);
             self.time_out(&pending);
-            return;
+            return pending;
         }
         work.reads.push_back(Arc::clone(&pending));
         drop(work);
         self.deadlines
             .add(Instant::now() + self.config.timeout, Arc::clone(&pending));
         self.work_ready.notify_one();
+        pending
     }
 
     /// Answers `pending` unless it was answered already; counts and reports the answer.
@@ -424,12 +450,14 @@ impl Shared {
         true
     }
 
-    fn time_out(&self, pending: &PendingRead) {
+    /// Answers `pending` `TimedOut` unless it was answered already: true when this
+    /// answered it.
+    fn time_out(&self, pending: &PendingRead) -> bool {
         let answer = match pending.request {
             ReadRequest::Get(_) => Answer::Read(ReadOutcome::TimedOut, None),
             ReadRequest::Exists(_) => Answer::Prefix(PrefixOutcome::TimedOut),
         };
-        self.answer(pending, answer);
+        self.answer(pending, answer)
     }
 
     fn complete(&self, completion: L2Completion) {

@@ -184,3 +184,38 @@ fn reads_past_the_waiting_limit_are_answered_at_once_as_timed_out() {
     )));
     drop(silent);
 }
+
+#[test]
+fn a_read_given_up_is_answered_timed_out_at_once_once_and_never_placed() {
+    // A store that never answers, and a timeout far longer than the test: only the
+    // cancel can answer the read.
+    let silent = TcpListener::bind("127.0.0.1:0").expect("a port");
+    let seed = format!("redis://{}", silent.local_addr().expect("its address"));
+    let (mut poll, client) = spawn(config(seed, 600_000, 1 << 20));
+    let placed = Arc::new(AtomicBool::new(false));
+    let placed_by_read = Arc::clone(&placed);
+    let read = client.get_into(5, b"chunk".to_vec(), move |_| {
+        placed_by_read.store(true, Ordering::SeqCst);
+        true
+    });
+    assert!(read.cancel(), "the first cancel answers it");
+    assert!(
+        !read.cancel(),
+        "answered once: a second cancel does nothing"
+    );
+    let completions = wait_for_completions(&mut poll, &client, 1);
+    let [
+        L2Completion::Read {
+            token: 5,
+            outcome: ReadOutcome::TimedOut,
+            payload: None,
+            placed: None,
+            ..
+        },
+    ] = &completions[..]
+    else {
+        panic!("one TimedOut answer: {completions:?}")
+    };
+    assert!(!placed.load(Ordering::SeqCst), "never placed");
+    assert_eq!(client.counters().timeouts, 1);
+}

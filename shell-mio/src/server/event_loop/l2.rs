@@ -2,10 +2,19 @@
 //! handed back to the node. Nothing here waits for Redis: the client's threads do.
 
 use super::*;
-use crate::l2::{L2Completion, PrefixOutcome};
+use crate::l2::{L2Completion, L2Read, PrefixOutcome};
 use kvwarden_core::l2::{L2State, Push, ReadOutcome, WriteOutcome};
 use kvwarden_core::node::l1::SlotId;
-use kvwarden_core::node::l2::{L2Fetched, L2Presence, L2ReadId, L2WriteId};
+use kvwarden_core::node::l2::{L2Delivery, L2Fetched, L2Presence, L2ReadId, L2WriteId};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// An L2 read out with the client: the slot reserved for it, whether its `place`
+/// delivered into the worker's buffer too, and the handle that gives it up.
+pub(super) struct PendingL2Read {
+    slot: SlotId,
+    delivered: Arc<AtomicBool>,
+    handle: L2Read,
+}
 
 impl Server {
     /// Writes a published slot behind: an L2 thread sends the bytes straight from the
@@ -33,8 +42,15 @@ impl Server {
         }
     }
 
-    /// Reads `key` from L2 for the slot the node reserved.
-    pub(super) fn l2_get(&mut self, read: L2ReadId, key: Vec<u8>, slot: SlotId) {
+    /// Reads `key` from L2 for the slot the node reserved and, with `deliver`, for the
+    /// worker's buffer too.
+    pub(super) fn l2_get(
+        &mut self,
+        read: L2ReadId,
+        key: Vec<u8>,
+        slot: SlotId,
+        deliver: Option<L2Delivery>,
+    ) {
         let Some(client) = &self.l2 else {
             self.inputs.push_back(Input::L2Got {
                 read,
@@ -44,14 +60,50 @@ impl Server {
         };
         // The L2 thread writes a hit straight into the reserved slot (the node keeps it
         // reserved until `L2Got`, even past the deadline, and the client never places
-        // a read it already answered), so the loop copies nothing.
+        // a read it already answered or gave up), then copies it on into the worker's
+        // buffer when it fits there (the node counts the read as a copy on the
+        // context, so the buffer stays mapped): the loop and the pool copy nothing.
         let pool = Arc::clone(self.l1.mapping());
         let offset = self.l1.offset(slot);
         let slot_bytes = self.l1.slot_bytes();
-        self.l2_reads.insert(read.0, slot);
-        client.get_into(read.0, key, move |payload| {
-            payload.len() as u64 <= slot_bytes && pool.write(offset, payload)
+        let target = deliver.and_then(|deliver| {
+            let context = Arc::clone(self.contexts.get(&deliver.context)?);
+            Some((context, deliver.buffer, deliver.offset))
         });
+        let delivered = Arc::new(AtomicBool::new(false));
+        let delivered_by_place = Arc::clone(&delivered);
+        let handle = client.get_into(read.0, key, move |payload| {
+            let nbytes = payload.len() as u64;
+            if nbytes > slot_bytes || !pool.write(offset, payload) {
+                return false;
+            }
+            if let Some((context, buffer, at)) = target
+                && let Some(buffer) = context.buffers.get(buffer)
+                && at
+                    .checked_add(nbytes)
+                    .is_some_and(|end| end <= buffer.len())
+                && buffer.copy_from_l1(&pool, offset, at, nbytes)
+            {
+                delivered_by_place.store(true, Ordering::Release);
+            }
+            true
+        });
+        self.l2_reads.insert(
+            read.0,
+            PendingL2Read {
+                slot,
+                delivered,
+                handle,
+            },
+        );
+    }
+
+    /// Gives up a delivering read past the node's deadline; its answer comes through
+    /// the client as any answer.
+    pub(super) fn l2_cancel(&mut self, read: L2ReadId) {
+        if let Some(pending) = self.l2_reads.get(&read.0) {
+            pending.handle.cancel();
+        }
     }
 
     /// Counts the leading `keys` present in L2.
@@ -82,11 +134,20 @@ impl Server {
                     ..
                 } => {
                     let read = L2ReadId(token);
-                    let slot = self.l2_reads.remove(&token);
+                    let pending = self.l2_reads.remove(&token);
+                    let delivered = pending
+                        .as_ref()
+                        .is_some_and(|pending| pending.delivered.load(Ordering::Acquire));
+                    let slot = pending.map(|pending| pending.slot);
                     let fetched = match (outcome, payload, slot) {
-                        (ReadOutcome::Hit, None, Some(_)) if placed.is_some() => L2Fetched::Hit {
-                            nbytes: placed.unwrap_or(0),
-                        },
+                        (ReadOutcome::Hit, None, Some(_)) if placed.is_some() => {
+                            let nbytes = placed.unwrap_or(0);
+                            if delivered {
+                                L2Fetched::Delivered { nbytes }
+                            } else {
+                                L2Fetched::Hit { nbytes }
+                            }
+                        }
                         (ReadOutcome::Hit, Some(payload), Some(slot)) => {
                             if payload.len() as u64 > self.l1.slot_bytes() {
                                 L2Fetched::Absent // written by a server with larger slots

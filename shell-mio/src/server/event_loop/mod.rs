@@ -180,7 +180,7 @@ pub struct Server {
     /// The L2 state last logged, so that each change to or from down is logged once.
     l2_down_logged: bool,
     /// The slot reserved for each L2 read in flight, by its token.
-    l2_reads: HashMap<u64, kvwarden_core::node::l1::SlotId>,
+    l2_reads: HashMap<u64, l2::PendingL2Read>,
 }
 
 impl Server {

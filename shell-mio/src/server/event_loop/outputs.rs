@@ -179,7 +179,13 @@ impl Server {
                 slot,
                 nbytes,
             } => self.l2_write(write, key, slot, nbytes),
-            Output::L2Get { read, key, slot } => self.l2_get(read, key, slot),
+            Output::L2Get {
+                read,
+                key,
+                slot,
+                deliver,
+            } => self.l2_get(read, key, slot, deliver),
+            Output::L2Cancel { read } => self.l2_cancel(read),
             Output::L2Exists { read, keys } => self.l2_exists(read, keys),
             Output::Stopped {
                 contexts_freed,
