@@ -60,9 +60,23 @@ impl Harness {
     }
 
     fn mappings(&self) -> usize {
-        std::fs::read_to_string(format!("/proc/{}/maps", self.pid()))
-            .map(|maps| maps.lines().count())
-            .unwrap_or(0)
+        self.maps().lines().count()
+    }
+
+    fn maps(&self) -> String {
+        std::fs::read_to_string(format!("/proc/{}/maps", self.pid())).unwrap_or_default()
+    }
+
+    fn fd_targets(&self) -> Vec<String> {
+        let mut targets: Vec<String> = std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
+            .map(|dir| {
+                dir.filter_map(|entry| std::fs::read_link(entry.ok()?.path()).ok())
+                    .map(|target| target.display().to_string())
+                    .collect()
+            })
+            .unwrap_or_default();
+        targets.sort();
+        targets
     }
 
     fn connect(&self) -> RawClient {
@@ -100,15 +114,32 @@ impl Harness {
         self.still_serving();
         self.settle();
         let (fds, maps) = (self.open_fds(), self.mappings());
+        let (fds_before, maps_before) = (self.fd_targets(), self.maps());
         for _ in 0..REPEATS {
             case(&self);
         }
         self.settle();
         self.still_serving();
         self.settle();
-        kvwarden_tests::wait_for("fds and mappings back at the baseline", PATIENCE, || {
-            (self.open_fds() <= fds && self.mappings() <= maps + MAPS_SLACK).then_some(())
-        });
+        let deadline = std::time::Instant::now() + PATIENCE;
+        while self.open_fds() > fds || self.mappings() > maps + MAPS_SLACK {
+            if std::time::Instant::now() > deadline {
+                // What stayed, to tell a leak from a cache (a thread's stack, an arena).
+                let was: std::collections::HashSet<&str> = maps_before.lines().collect();
+                let now = self.maps();
+                let added: Vec<&str> = now.lines().filter(|line| !was.contains(line)).collect();
+                panic!(
+                    "fds and mappings not back at the baseline after {PATIENCE:?}: fds {} \
+                     (baseline {fds}), mappings {} (baseline {maps} + {MAPS_SLACK});\n\
+                     fds before: {fds_before:?}\nfds now: {:?}\nmappings added:\n{}",
+                    self.open_fds(),
+                    self.mappings(),
+                    self.fd_targets(),
+                    added.join("\n")
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
         assert_eq!(
             self.worker.child.try_wait().ok().flatten(),
             None,
