@@ -2,6 +2,11 @@
 //! in flight each, against a local `redis-server` on a Unix socket in the same run
 //! (target: ≥ 1.0 × Redis).
 //!
+//! kvwarden is driven twice per round: by connections that say `hello` with
+//! `sends_fds: false` (read with plain `read`, as Redis reads its clients; the headline
+//! figures) and by the same generator without it (read with `recvmsg`, as a worker's
+//! connection that carries memfds is; the `_recvmsg` figures).
+//!
 //! Redis is driven twice per round: by `redis-benchmark -t ping` (the target's own
 //! wording) and by this load generator speaking RESP, so that both servers also face
 //! the very same client. The ratio is taken against the better Redis figure, and the
@@ -52,7 +57,12 @@ pub fn run(args: &PingArgs) -> Result<(), BenchError> {
     let mut control = target.connect()?;
     control.register_many(&ids, None)?;
     let instances: Vec<Option<u64>> = ids.iter().copied().map(Some).collect();
-    let mut fleet = PingFleet::connect(&target.socket, &instances)?;
+    // The load generator sends no fds, and says so (`hello` with `sends_fds: false`):
+    // the server reads it with plain `read`, as Redis reads its clients. The same
+    // generator without the promise is read with `recvmsg`, as a worker's connection
+    // (which carries its memfds) is: measured beside it in every round.
+    let mut plain = KvwardenFleet::new(PingFleet::connect_without_fds(&target.socket, &instances)?);
+    let mut recvmsg = KvwardenFleet::new(PingFleet::connect(&target.socket, &instances)?);
     let mut redis = if args.no_redis {
         None
     } else if on_path("redis-server") && on_path("redis-benchmark") {
@@ -62,37 +72,21 @@ pub fn run(args: &PingArgs) -> Result<(), BenchError> {
         None
     };
 
-    let mut best: Option<PingOutcome> = None;
-    let mut kvwarden_cpu_us = f64::INFINITY;
     for round in 1..=rounds {
-        let cpu_before = cpu_time(target.pid);
-        let outcome = fleet.run(Pacing::ClosedLoop, WARMUP, seconds)?;
-        if let Some(cost) = cpu_us_per_reply(target.pid, cpu_before, outcome.all_replies) {
-            kvwarden_cpu_us = kvwarden_cpu_us.min(cost);
-        }
-        if outcome.errors > 0 || outcome.untracked > 0 {
-            return Err(BenchError::Failed(format!(
-                "{} error replies and {} `false` answers to pings of registered instances",
-                outcome.errors, outcome.untracked
-            )));
-        }
-        progress(&format!(
-            "round {round}/{rounds}: kvwarden {:.0} req/s",
-            outcome.throughput()
-        ));
+        let label = format!("round {round}/{rounds}");
+        let throughput = plain.round(&target, &format!("{label}: kvwarden"), seconds)?;
+        recvmsg.round(
+            &target,
+            &format!("{label}: kvwarden read with recvmsg"),
+            seconds,
+        )?;
         if let Some(redis) = &mut redis {
-            let requests = ((outcome.throughput() * seconds.as_secs_f64()) as u64).max(50_000);
-            redis.round(&format!("round {round}/{rounds}"), requests, seconds)?;
-        }
-        if best
-            .as_ref()
-            .is_none_or(|b| outcome.throughput() > b.throughput())
-        {
-            best = Some(outcome);
+            let requests = ((throughput * seconds.as_secs_f64()) as u64).max(50_000);
+            redis.round(&label, requests, seconds)?;
         }
     }
     control.unregister_many(&ids)?;
-    let Some(best) = best else {
+    let (Some(best), Some(best_recvmsg)) = (&plain.best, &recvmsg.best) else {
         return Err(BenchError::Failed("no round ran".into()));
     };
 
@@ -101,22 +95,14 @@ pub fn run(args: &PingArgs) -> Result<(), BenchError> {
          best of {rounds} x {:.1} s",
         seconds.as_secs_f64()
     );
-    figure(
-        "S1",
-        "kvwarden_ping_throughput",
-        format!("{:.0}", best.throughput()),
-        "req/s",
-        &setting,
+    plain.print(
+        "",
+        &format!("{setting}; hello sends_fds false: read with read(2)"),
     );
-    if kvwarden_cpu_us.is_finite() {
-        figure(
-            "S1",
-            "kvwarden_server_cpu_per_ping",
-            format!("{kvwarden_cpu_us:.2}"),
-            "us",
-            "CPU time of the server process (all threads) / pings answered, best round",
-        );
-    }
+    recvmsg.print(
+        "_recvmsg",
+        &format!("{setting}; no hello: read with recvmsg(2), as a worker's connection"),
+    );
     let rt = &best.round_trips;
     figure(
         "S1",
@@ -126,7 +112,7 @@ pub fn run(args: &PingArgs) -> Result<(), BenchError> {
         &format!("same run, {} round trips", rt.len()),
     );
     match redis {
-        Some(redis) => redis.print(best.throughput(), rounds),
+        Some(redis) => redis.print(best.throughput(), best_recvmsg.throughput(), rounds),
         None => figure(
             "S1",
             "ratio_vs_redis",
@@ -137,6 +123,75 @@ pub fn run(args: &PingArgs) -> Result<(), BenchError> {
     }
     target.check_no_ping_answered_false()?;
     Ok(())
+}
+
+/// One kind of kvwarden connection, measured round by round.
+struct KvwardenFleet {
+    fleet: PingFleet,
+    best: Option<PingOutcome>,
+    cpu_us_per_ping: f64,
+}
+
+impl KvwardenFleet {
+    fn new(fleet: PingFleet) -> KvwardenFleet {
+        KvwardenFleet {
+            fleet,
+            best: None,
+            cpu_us_per_ping: f64::INFINITY,
+        }
+    }
+
+    /// One measured round: its throughput.
+    fn round(
+        &mut self,
+        target: &Target,
+        label: &str,
+        seconds: Duration,
+    ) -> Result<f64, BenchError> {
+        let cpu_before = cpu_time(target.pid);
+        let outcome = self.fleet.run(Pacing::ClosedLoop, WARMUP, seconds)?;
+        if let Some(cost) = cpu_us_per_reply(target.pid, cpu_before, outcome.all_replies) {
+            self.cpu_us_per_ping = self.cpu_us_per_ping.min(cost);
+        }
+        if outcome.errors > 0 || outcome.untracked > 0 {
+            return Err(BenchError::Failed(format!(
+                "{} error replies and {} `false` answers to pings of registered instances",
+                outcome.errors, outcome.untracked
+            )));
+        }
+        let throughput = outcome.throughput();
+        progress(&format!("{label} {throughput:.0} req/s"));
+        if self
+            .best
+            .as_ref()
+            .is_none_or(|b| throughput > b.throughput())
+        {
+            self.best = Some(outcome);
+        }
+        Ok(throughput)
+    }
+
+    /// Its throughput and CPU figures, their names ending in `suffix`.
+    fn print(&self, suffix: &str, setting: &str) {
+        if let Some(best) = &self.best {
+            figure(
+                "S1",
+                &format!("kvwarden_ping_throughput{suffix}"),
+                format!("{:.0}", best.throughput()),
+                "req/s",
+                setting,
+            );
+        }
+        if self.cpu_us_per_ping.is_finite() {
+            figure(
+                "S1",
+                &format!("kvwarden_server_cpu_per_ping{suffix}"),
+                format!("{:.2}", self.cpu_us_per_ping),
+                "us",
+                "CPU time of the server process (all threads) / pings answered, best round",
+            );
+        }
+    }
 }
 
 /// Redis, measured beside kvwarden round by round.
@@ -198,8 +253,9 @@ impl RedisBaseline {
         Ok(())
     }
 
-    /// The Redis figures and the ratio of `kvwarden_throughput` to the better one.
-    fn print(&self, kvwarden_throughput: f64, rounds: usize) {
+    /// The Redis figures and the ratios of `kvwarden_throughput` (and of `recvmsg`'s,
+    /// connections read with `recvmsg`) to the better one.
+    fn print(&self, kvwarden_throughput: f64, recvmsg_throughput: f64, rounds: usize) {
         let connections = self.connections;
         figure(
             "S1",
@@ -237,6 +293,13 @@ impl RedisBaseline {
             format!("{:.2}", kvwarden_throughput / baseline),
             "x",
             "against the better Redis figure of the two; target >= 1.0",
+        );
+        figure(
+            "S1",
+            "ratio_vs_redis_recvmsg",
+            format!("{:.2}", recvmsg_throughput / baseline),
+            "x",
+            "the same, connections read with recvmsg (no hello)",
         );
     }
 }

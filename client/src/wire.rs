@@ -82,6 +82,8 @@ impl Wire {
                 protocol: PROTOCOL_VERSION,
                 client: client_name.to_owned(),
                 pidfd_index,
+                // The worker's buffers (memfds) travel on this connection.
+                sends_fds: true,
             }
             .args()
         };

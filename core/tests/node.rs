@@ -479,3 +479,90 @@ fn reaped_when_due_not_before_through_the_node() {
     assert_eq!(h.ask(ping(worker)), Value::from(false));
     assert_eq!(h.node.status().pings_answered_false_total, 1);
 }
+
+/// The value of `key` in a reply map.
+fn field<'a>(map: &'a Value, key: &str) -> &'a Value {
+    map.as_map()
+        .and_then(|entries| entries.iter().find(|(k, _)| k.as_str() == Some(key)))
+        .map(|(_, v)| v)
+        .unwrap_or_else(|| panic!("no `{key}` in {map}"))
+}
+
+fn hello(sends_fds: bool) -> Op {
+    Op::Hello {
+        protocol: 1,
+        client: "c".into(),
+        pidfd_index: None,
+        sends_fds,
+    }
+}
+
+// A `hello` that says `sends_fds: false` has the shell read the connection without
+// SCM_RIGHTS from then on (once, for good); one that does not changes nothing, and a
+// memfd registration on a connection that promised no fds is refused, naming why.
+#[test]
+fn a_hello_without_fds_has_the_connection_read_plainly_for_good() {
+    let reads_without_fds = |h: &mut Harness| {
+        h.take(|output| match output {
+            Output::ReadWithoutFds { conn } => Some(*conn),
+            _ => None,
+        })
+    };
+    let mut h = Harness::new(None);
+    let reply = h.ask(hello(true));
+    assert_eq!(field(&reply, "sends_fds"), &Value::from(true));
+    assert!(
+        reads_without_fds(&mut h).is_empty(),
+        "the default reads fds"
+    );
+    h.send(register(id(1)));
+    assert_eq!(h.builds().len(), 1, "the memfd it carried is taken");
+
+    let reply = h.ask(hello(false));
+    assert_eq!(field(&reply, "sends_fds"), &Value::from(false));
+    assert_eq!(reads_without_fds(&mut h), vec![ConnId(1)]);
+    let reply = h.ask(hello(true));
+    assert_eq!(
+        field(&reply, "sends_fds"),
+        &Value::from(false),
+        "a later hello cannot take it back"
+    );
+    assert!(reads_without_fds(&mut h).is_empty(), "said once");
+    let request = h.send_on(ConnId(1), register(id(2)), 0);
+    let Some(Err(error)) = h.reply(request) else {
+        panic!("a memfd registration without its fd is refused")
+    };
+    assert_eq!(error.code, ErrorCode::BadArgs);
+    assert!(
+        error.message.contains("`sends_fds: false`"),
+        "{}",
+        error.message
+    );
+    assert_eq!(h.ask(ping(id(1))), Value::from(true), "pings go on");
+}
+
+#[test]
+fn a_tcp_hello_without_fds_asks_the_shell_for_nothing() {
+    let mut h = Harness::new(None);
+    h.input(Input::Connected {
+        conn: ConnId(2),
+        uid: None,
+        transport: kvwarden_core::node::Transport::Tcp,
+        process: None,
+    });
+    let request = h.send_on(ConnId(2), hello(false), 0);
+    let Some(Ok(reply)) = h.reply(request) else {
+        panic!("answered")
+    };
+    assert_eq!(
+        field(&reply, "sends_fds"),
+        &Value::from(false),
+        "TCP carries none"
+    );
+    assert!(
+        !h.out
+            .iter()
+            .any(|output| matches!(output, Output::ReadWithoutFds { .. })),
+        "TCP is read plainly anyway"
+    );
+}

@@ -179,6 +179,7 @@ impl Ledger {
                 | Output::DropBlend { .. }
                 | Output::Watch { .. }
                 | Output::Unwatch { .. }
+                | Output::ReadWithoutFds { .. }
                 | Output::Note(_) => {}
             }
         }

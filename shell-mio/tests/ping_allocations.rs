@@ -1,6 +1,7 @@
 //! The server's whole ping path allocates nothing: the real server (`Server::bind`,
 //! `run` on a thread of this process) answers 100,000 pings on a warmed-up Unix
-//! connection, from `recvmsg` through decoding, the node, the metrics and encoding the
+//! connection, from `recvmsg` (and 100,000 more after the connection's `hello` says
+//! `sends_fds: false`, from plain `read`) through decoding, the node, the metrics and encoding the
 //! reply into the connection's buffer to the `send`, and the allocation count over them
 //! is 0. A count, not a timing: stable on any machine, however loaded.
 //!
@@ -137,6 +138,7 @@ fn a_ping_through_the_running_server_allocates_nothing_on_a_warm_connection() {
             protocol: kvwarden::protocol::PROTOCOL_VERSION,
             client: "ping_allocations".into(),
             pidfd_index: None,
+            sends_fds: true,
         },
     }
     .encode();
@@ -165,25 +167,50 @@ fn a_ping_through_the_running_server_allocates_nothing_on_a_warm_connection() {
     }
     .encode();
     let pong = reply_of(7, Ok(Value::Boolean(true)));
-    // Warm-up: buffers, queues and tables reach their working size.
-    for _ in 0..1_000 {
-        let n = round_trip(&mut stream, &ping, &mut reply);
-        assert_eq!(&reply[..n], &pong[..]);
-    }
-
-    let (answered, allocations) = counted(|| {
-        let mut answered = 0u64;
-        for _ in 0..100_000 {
-            let n = round_trip(&mut stream, &ping, &mut reply);
-            answered += u64::from(reply[..n] == pong[..]);
+    let mut count_pings = |stream: &mut UnixStream, how: &str| {
+        // Warm-up: buffers, queues and tables reach their working size.
+        for _ in 0..1_000 {
+            let n = round_trip(stream, &ping, &mut reply);
+            assert_eq!(&reply[..n], &pong[..]);
         }
-        answered
-    });
-    assert_eq!(answered, 100_000, "every ping answered true");
-    assert_eq!(
-        allocations, 0,
-        "allocations over 100,000 pings through the server"
+        let (answered, allocations) = counted(|| {
+            let mut answered = 0u64;
+            for _ in 0..100_000 {
+                let n = round_trip(stream, &ping, &mut reply);
+                answered += u64::from(reply[..n] == pong[..]);
+            }
+            answered
+        });
+        assert_eq!(answered, 100_000, "every ping answered true ({how})");
+        assert_eq!(
+            allocations, 0,
+            "allocations over 100,000 pings through the server ({how})"
+        );
+    };
+    count_pings(&mut stream, "read with recvmsg");
+
+    // The same connection promises no more fds: read with plain `read` from here on.
+    let no_fds = Request {
+        id: 9,
+        op: Op::Hello {
+            protocol: kvwarden::protocol::PROTOCOL_VERSION,
+            client: "ping_allocations".into(),
+            pidfd_index: None,
+            sends_fds: false,
+        },
+    }
+    .encode();
+    let mut hello_reply = vec![0u8; 1 << 16];
+    let n = round_trip(&mut stream, &no_fds, &mut hello_reply);
+    let answer = kvwarden::protocol::decode_reply(&hello_reply[4..n]).expect("a reply");
+    let says = answer.result.expect("hello answered");
+    assert!(
+        says.as_map().is_some_and(|map| map
+            .iter()
+            .any(|(k, v)| k.as_str() == Some("sends_fds") && v == &Value::Boolean(false))),
+        "{says}"
     );
+    count_pings(&mut stream, "read with plain read");
 
     // The counter is live, on both sides: the client's own allocation is seen, and so
     // is the event loop's when a request needs one (`status` builds a value tree).

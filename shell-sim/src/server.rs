@@ -865,6 +865,8 @@ impl Server {
                 Output::Unwatch { process } => {
                     self.watched.remove(&process);
                 }
+                // Simulated connections carry no fds: how they are read is the same.
+                Output::ReadWithoutFds { .. } => {}
                 Output::Note(note) => match note {
                     Note::Stall { gap } => {
                         self.stats.stalls += 1;

@@ -658,6 +658,56 @@ fn row_24_fd_index_that_was_not_sent_is_bad_args() {
     });
 }
 
+/// A peer that says `hello` with `sends_fds: false` and then sends fds anyway: the
+/// server reads it without `SCM_RIGHTS`, so the kernel closes the fds unread (the
+/// server never holds them), the registration that needed one is refused naming the
+/// promise, and the connection goes on answering. The same registration on a
+/// connection that made no promise goes through.
+#[test]
+fn row_24_fds_sent_after_promising_none_never_reach_the_server() {
+    Harness::start("row24-broken-promise").check(|h| {
+        let memfd = kvwarden::memfd::create("promised-away", 4096).unwrap();
+        let mut client = h.connect();
+        let options = Value::Map(vec![("sends_fds".into(), false.into())]);
+        let reply = client
+            .request("hello", vec![1.into(), "hostile".into(), options])
+            .expect("hello answered");
+        let hello = kvwarden::server::status::msgpack_to_json(&reply.result.expect("hello"));
+        assert_eq!(hello["sends_fds"], false, "{hello}");
+        for _ in 0..5 {
+            let args = register_args(fresh_instance(), vec![memfd_spec(0, 4096)]);
+            let error = client
+                .request_with_fds("register_kv_cache", args, &[memfd.as_fd()])
+                .unwrap()
+                .result
+                .unwrap_err();
+            assert_bad_args(&error, "register_kv_cache", "`sends_fds: false`");
+            assert!(error.message.contains("carried 0"), "{}", error.message);
+        }
+        assert_still_usable(&mut client);
+        assert_eq!(
+            h.server.status()["worker_liveness"]["tracked_instances"],
+            1,
+            "nothing registered"
+        );
+        // Both ways: without the promise the same memfd registers.
+        let mut keeps_fds = h.connect();
+        let instance = fresh_instance();
+        let reply = keeps_fds
+            .request_with_fds(
+                "register_kv_cache",
+                register_args(instance, vec![memfd_spec(0, 4096)]),
+                &[memfd.as_fd()],
+            )
+            .unwrap();
+        assert!(reply.result.is_ok(), "{reply:?}");
+        let reply = keeps_fds
+            .request("unregister_kv_cache", vec![instance.into()])
+            .unwrap();
+        assert_eq!(reply.result.unwrap(), Value::Boolean(true));
+    });
+}
+
 fn sealed_memfd() -> OwnedFd {
     let fd = kvwarden::memfd::create("sealed", 4096).unwrap();
     rustix::fs::fcntl_add_seals(&fd, rustix::fs::SealFlags::SEAL).unwrap();

@@ -372,6 +372,14 @@ pub enum Output {
         /// The process.
         process: ProcessKey,
     },
+    /// `conn` promised to send no more fds (`hello` with `sends_fds: false`, over the
+    /// Unix socket): read it with plain `read(2)` from here on, cheaper than
+    /// `recvmsg(2)`; the kernel drops any fd sent on it after all. Once per connection,
+    /// before that `hello`'s reply. A shell that goes on with `recvmsg` is correct too.
+    ReadWithoutFds {
+        /// The connection.
+        conn: ConnId,
+    },
     /// Write the `nbytes` published at L1 `slot` to L2 under `key` (only with L2 on).
     /// The slot stays pinned (never evicted or rewritten) until `L2Written`.
     L2Write {
@@ -597,6 +605,9 @@ struct Conn {
     transport: Transport,
     process: Option<(ProcessKey, DeathNotice)>,
     in_flight: usize,
+    /// Whether fds may still arrive on it: over the Unix socket until a `hello` says
+    /// `sends_fds: false` (then the shell reads it without `SCM_RIGHTS`); never over TCP.
+    sends_fds: bool,
 }
 
 /// What the node knows of an entry besides liveness.
@@ -823,6 +834,7 @@ impl Node {
                         transport,
                         process,
                         in_flight: 0,
+                        sends_fds: transport == Transport::Unix,
                     },
                 );
             }

@@ -106,7 +106,7 @@ impl Node {
         }
         match op {
             Op::Ping { .. } => None,
-            Op::Hello { .. } => Some(Ok(self.hello(to.conn))),
+            Op::Hello { sends_fds, .. } => Some(Ok(self.hello(to.conn, sends_fds))),
             Op::Status => {
                 self.outputs.push_back(Output::ReplyStatus {
                     conn: to.conn,
@@ -235,12 +235,22 @@ impl Node {
         let _ = self.liveness.transfer(now, instance, Module::ServerDriven);
     }
 
-    fn hello(&self, conn: ConnId) -> Value {
-        let notice = self
-            .conns
-            .get(&conn)
-            .and_then(|connection| connection.process)
+    /// `hello`: what the worker needs to know of this server. A `sends_fds: false` holds
+    /// for the rest of the connection (a later `hello` cannot take it back: the shell
+    /// reads the connection without `SCM_RIGHTS` from here on).
+    fn hello(&mut self, conn: ConnId, sends_fds: bool) -> Value {
+        let Some(connection) = self.conns.get_mut(&conn) else {
+            return Value::Nil; // unreachable: dispatch found it
+        };
+        let promised_now = connection.sends_fds && !sends_fds;
+        connection.sends_fds &= sends_fds;
+        let sends_fds = connection.sends_fds;
+        let notice = connection
+            .process
             .map_or(DeathNotice::TimeoutOnly, |(_, notice)| notice);
+        if promised_now {
+            self.outputs.push_back(Output::ReadWithoutFds { conn });
+        }
         let status = self.liveness.status();
         Value::Map(vec![
             ("protocol".into(), PROTOCOL_VERSION.into()),
@@ -255,6 +265,7 @@ impl Node {
                 Value::F64(status.registration_grace.as_secs_f64()),
             ),
             ("exit_proof".into(), notice.label().into()),
+            ("sends_fds".into(), sends_fds.into()),
         ])
     }
 
@@ -285,10 +296,16 @@ impl Node {
                         ))));
                     }
                     if usize::try_from(*fd_index).map_or(true, |i| i >= fds) {
+                        let fix = if self.conns.get(&to.conn).is_some_and(|c| !c.sends_fds) {
+                            "this connection said `sends_fds: false` in `hello`, so the \
+                             server reads it without SCM_RIGHTS and the kernel drops any fd \
+                             sent on it; register over a connection that sends fds"
+                        } else {
+                            "send the memfds as SCM_RIGHTS with the frame's first byte"
+                        };
                         return Some(Err(bad_args(format!(
                             "register_kv_cache: buffers[{index}].fd_index {fd_index} names an fd \
-                             this frame did not carry (it carried {fds}); send the memfds as \
-                             SCM_RIGHTS with the frame's first byte"
+                             this frame did not carry (it carried {fds}); {fix}"
                         ))));
                     }
                 }

@@ -34,7 +34,8 @@ enum Arg {
     RetrieveItems,
     /// `rope`: `{rotary_dim: uint, max_positions: uint, base: float}`.
     Rope,
-    /// `hello`'s optional last argument: `{"pidfd_index": uint}` (other keys ignored).
+    /// `hello`'s optional last argument: `{"pidfd_index": uint, "sends_fds": bool}`
+    /// (both optional, other keys ignored).
     HelloOptions,
 }
 
@@ -46,7 +47,7 @@ fn shape(name: &str) -> Option<(&'static str, &'static str, &'static [Arg])> {
         "hello" => (
             "hello",
             "[protocol: uint, client: str] or [protocol: uint, client: str, options: \
-             {\"pidfd_index\": uint}]",
+             {\"pidfd_index\": uint, \"sends_fds\": bool}]",
             &[Uint("protocol"), Text("client"), HelloOptions],
         ),
         "ping" => ("ping", "[instance_id: uint | nil]", &[InstanceOrNil]),
@@ -261,6 +262,15 @@ fn check_args(op: &str, items: &[Value]) -> Result<(), ProtocolError> {
                     Some(value) => {
                         return Err(a.mismatch(format!(
                             "options.pidfd_index must be an unsigned integer, got {}",
+                            describe(value)
+                        )));
+                    }
+                }
+                match field(map, "sends_fds") {
+                    None | Some(Value::Nil | Value::Boolean(_)) => {}
+                    Some(value) => {
+                        return Err(a.mismatch(format!(
+                            "options.sends_fds must be a boolean, got {}",
                             describe(value)
                         )));
                     }

@@ -92,6 +92,10 @@ pub enum Op {
         /// Index among the frame's fds of a pidfd of the sending process (the optional
         /// third argument, `{"pidfd_index": uint}`).
         pidfd_index: Option<u64>,
+        /// False when the connection promises to send no fds after this `hello`
+        /// (`{"sends_fds": false}`): the server then reads it with plain `read(2)`,
+        /// which is cheaper than `recvmsg(2)`. True when absent.
+        sends_fds: bool,
     },
     Ping {
         instance: Option<InstanceId>,
@@ -281,10 +285,18 @@ impl Op {
                 protocol,
                 client,
                 pidfd_index,
+                sends_fds,
             } => {
                 let mut args = vec![uint(*protocol), client.as_str().into()];
+                let mut options = Vec::new();
                 if let Some(index) = pidfd_index {
-                    args.push(Value::Map(vec![("pidfd_index".into(), uint(*index))]));
+                    options.push(("pidfd_index".into(), uint(*index)));
+                }
+                if !sends_fds {
+                    options.push(("sends_fds".into(), false.into()));
+                }
+                if !options.is_empty() {
+                    args.push(Value::Map(options));
                 }
                 args
             }
@@ -557,11 +569,25 @@ mod tests {
                 protocol: PROTOCOL_VERSION,
                 client: "w".into(),
                 pidfd_index: None,
+                sends_fds: true,
             },
             Op::Hello {
                 protocol: PROTOCOL_VERSION,
                 client: "w".into(),
                 pidfd_index: Some(0),
+                sends_fds: true,
+            },
+            Op::Hello {
+                protocol: PROTOCOL_VERSION,
+                client: "w".into(),
+                pidfd_index: None,
+                sends_fds: false,
+            },
+            Op::Hello {
+                protocol: PROTOCOL_VERSION,
+                client: "w".into(),
+                pidfd_index: Some(1),
+                sends_fds: false,
             },
             Op::Ping { instance: None },
             Op::Ping {
@@ -661,8 +687,8 @@ mod tests {
         ];
         assert_eq!(
             ops.len(),
-            OP_NAMES.len() + 2,
-            "one op per name; hello and ping twice"
+            OP_NAMES.len() + 4,
+            "one op per name; hello four times (its options), ping twice"
         );
         for (id, op) in ops.into_iter().enumerate() {
             let request = Request { id: id as u64, op };
@@ -771,15 +797,18 @@ mod tests {
     }
 
     /// `hello [protocol, client]` (every client before the pidfd) stays valid; the
-    /// optional options map carries `pidfd_index`; anything else is `bad_args` naming it.
+    /// optional options map carries `pidfd_index` and `sends_fds`; anything else is
+    /// `bad_args` naming it.
     #[test]
     fn row_24_hello_takes_an_optional_pidfd_index_and_refuses_a_bad_one() {
         let decode = |args: Vec<Value>| decode_request(&request(3.into(), "hello", args));
-        let hello = |pidfd_index| Op::Hello {
+        let hello_with = |pidfd_index, sends_fds| Op::Hello {
             protocol: 1,
             client: "c".into(),
             pidfd_index,
+            sends_fds,
         };
+        let hello = |pidfd_index| hello_with(pidfd_index, true);
         assert_eq!(decode(vec![1.into(), "c".into()]).unwrap().op, hello(None));
         let options = |entries: Vec<(Value, Value)>| Value::Map(entries);
         let with = |value: Value| options(vec![("pidfd_index".into(), value)]);
@@ -794,6 +823,32 @@ mod tests {
                 .unwrap()
                 .op,
             hello(None)
+        );
+        // `sends_fds`: false promises no more fds on the connection; nil or true is
+        // the default.
+        let sends = |value: Value| options(vec![("sends_fds".into(), value)]);
+        for (value, expected) in [
+            (false.into(), false),
+            (true.into(), true),
+            (Value::Nil, true),
+        ] {
+            assert_eq!(
+                decode(vec![1.into(), "c".into(), sends(value)]).unwrap().op,
+                hello_with(None, expected)
+            );
+        }
+        assert_eq!(
+            decode(vec![
+                1.into(),
+                "c".into(),
+                options(vec![
+                    ("sends_fds".into(), false.into()),
+                    ("pidfd_index".into(), 0.into())
+                ])
+            ])
+            .unwrap()
+            .op,
+            hello_with(Some(0), false)
         );
         // Unknown options are ignored (room to grow); an empty map means no pidfd.
         let other = options(vec![("later".into(), true.into())]);
@@ -813,6 +868,14 @@ mod tests {
                 "negative int -1",
             ),
             (vec![1.into(), "c".into(), with("0".into())], "pidfd_index"),
+            (
+                vec![1.into(), "c".into(), sends(0.into())],
+                "options.sends_fds must be a boolean, got uint 0",
+            ),
+            (
+                vec![1.into(), "c".into(), sends("no".into())],
+                "options.sends_fds must be a boolean",
+            ),
             (
                 vec![1.into(), "c".into(), 0.into()],
                 "`options` must be a map",

@@ -99,12 +99,17 @@ impl<'de> DeserializeSeed<'de> for ArgsSeed {
                 let HelloArgs {
                     protocol,
                     client,
-                    pidfd_index,
+                    options:
+                        HelloOptions {
+                            pidfd_index,
+                            sends_fds,
+                        },
                 } = d.deserialize_any(HelloVisitor)?;
                 Op::Hello {
                     protocol,
                     client,
                     pidfd_index,
+                    sends_fds,
                 }
             }
             "ping" => {
@@ -275,12 +280,12 @@ impl<'de> Deserialize<'de> for WireRetrieveItem {
 }
 
 /// `hello`'s `[protocol: uint, client: str]`, or the same with a third argument, an
-/// options map whose `pidfd_index` (uint or nil) counts and whose other keys are
-/// ignored (room to grow).
+/// options map whose `pidfd_index` (uint or nil) and `sends_fds` (bool or nil) count
+/// and whose other keys are ignored (room to grow).
 struct HelloArgs {
     protocol: u64,
     client: String,
-    pidfd_index: Option<u64>,
+    options: HelloOptions,
 }
 
 struct HelloVisitor;
@@ -296,21 +301,32 @@ impl<'de> Visitor<'de> for HelloVisitor {
         let missing = || de::Error::custom("hello has 2 or 3 arguments");
         let protocol: u64 = seq.next_element()?.ok_or_else(missing)?;
         let Text(client) = seq.next_element()?.ok_or_else(missing)?;
-        let pidfd_index = match seq.next_element::<HelloOptions>()? {
-            Some(HelloOptions(index)) => index,
-            None => None,
-        };
+        let options = seq
+            .next_element::<HelloOptions>()?
+            .unwrap_or(HelloOptions::DEFAULT);
         // A fourth argument: rmp-serde refuses a sequence left unread.
         Ok(HelloArgs {
             protocol,
             client,
-            pidfd_index,
+            options,
         })
     }
 }
 
-/// `hello`'s options map: `pidfd_index` when present and not nil.
-struct HelloOptions(Option<u64>);
+/// `hello`'s options map: `pidfd_index` when present and not nil; `sends_fds` true
+/// unless present and false.
+struct HelloOptions {
+    pidfd_index: Option<u64>,
+    sends_fds: bool,
+}
+
+impl HelloOptions {
+    /// No options map, or an empty one.
+    const DEFAULT: HelloOptions = HelloOptions {
+        pidfd_index: None,
+        sends_fds: true,
+    };
+}
 
 impl<'de> Deserialize<'de> for HelloOptions {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<HelloOptions, D::Error> {
@@ -321,12 +337,21 @@ impl<'de> Deserialize<'de> for HelloOptions {
                 f.write_str("an options map")
             }
             fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<HelloOptions, A::Error> {
-                let mut fields = fields(map, &["pidfd_index"])?;
-                match take(&mut fields, "pidfd_index") {
-                    None | Some(Loose::Nil) => Ok(HelloOptions(None)),
-                    Some(Loose::Uint(index)) => Ok(HelloOptions(Some(index))),
-                    _ => Err(de::Error::custom("options.pidfd_index is not a uint")),
-                }
+                let mut fields = fields(map, &["pidfd_index", "sends_fds"])?;
+                let pidfd_index = match take(&mut fields, "pidfd_index") {
+                    None | Some(Loose::Nil) => None,
+                    Some(Loose::Uint(index)) => Some(index),
+                    _ => return Err(de::Error::custom("options.pidfd_index is not a uint")),
+                };
+                let sends_fds = match take(&mut fields, "sends_fds") {
+                    None | Some(Loose::Nil) => true,
+                    Some(Loose::Bool(sends)) => sends,
+                    _ => return Err(de::Error::custom("options.sends_fds is not a bool")),
+                };
+                Ok(HelloOptions {
+                    pidfd_index,
+                    sends_fds,
+                })
             }
         }
         deserializer.deserialize_map(OptionsVisitor)
@@ -427,6 +452,7 @@ enum Loose {
     Float(f64),
     Text(String),
     Bytes(Vec<u8>),
+    Bool(bool),
     Nil,
     Other,
 }
@@ -472,8 +498,8 @@ impl<'de> Deserialize<'de> for Loose {
             fn visit_f64<E: de::Error>(self, value: f64) -> Result<Loose, E> {
                 Ok(Loose::Float(value))
             }
-            fn visit_bool<E: de::Error>(self, _: bool) -> Result<Loose, E> {
-                Ok(Loose::Other)
+            fn visit_bool<E: de::Error>(self, value: bool) -> Result<Loose, E> {
+                Ok(Loose::Bool(value))
             }
             fn visit_unit<E: de::Error>(self) -> Result<Loose, E> {
                 Ok(Loose::Nil)

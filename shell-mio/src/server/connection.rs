@@ -140,6 +140,14 @@ pub struct Connection {
     /// Whether writable readiness is registered for the socket: only while output
     /// waits on a full socket buffer.
     pub writable_interest: bool,
+    /// Whether reads ask for `SCM_RIGHTS` (`recvmsg`): on a Unix connection until it
+    /// promises to send no more fds (the node's [`ReadWithoutFds`]); from then on it is
+    /// read with plain `read`, as TCP is. An fd sent after the promise is closed by the
+    /// kernel unread, and the read that dropped it ends early, so the frames behind it
+    /// wait for the connection's next bytes: only a peer that broke its word waits.
+    ///
+    /// [`ReadWithoutFds`]: kvwarden_core::node::Output::ReadWithoutFds
+    pub reads_fds: bool,
 }
 
 impl Connection {
@@ -166,6 +174,7 @@ impl Connection {
             max_output_bytes,
             close_after_flush: false,
             writable_interest: false,
+            reads_fds: true,
         }
     }
 
@@ -196,6 +205,7 @@ impl Connection {
             let mut ancillary = false;
             let read = match &mut self.stream {
                 Stream::Tcp(stream) => stream.read(&mut chunk[..want]),
+                Stream::Unix(stream) if !self.reads_fds => stream.read(&mut chunk[..want]),
                 Stream::Unix(stream) => {
                     let mut space =
                         [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS_PER_READ))];
@@ -500,6 +510,39 @@ mod tests {
             connection.input_offset + connection.consumed as u64,
             200 * 7
         );
+    }
+
+    /// A connection that promised no more fds is read with plain `read`: its bytes
+    /// come through whole, and an fd sent anyway never reaches the server (the kernel
+    /// closes it). The same send on a connection read with `recvmsg` delivers the fd.
+    #[test]
+    fn a_connection_read_without_fds_gets_every_byte_and_never_an_fd() {
+        for reads_fds in [true, false] {
+            let (mut connection, peer) = connection();
+            connection.reads_fds = reads_fds;
+            let frames: Vec<Vec<u8>> = (0u8..3).map(|n| encode_frame(&[n; 3])).collect();
+            send(&peer, &frames[0], &[]);
+            send(
+                &peer,
+                &frames[1],
+                &[crate::memfd::create("fd", 16).unwrap()],
+            );
+            send(&peer, &frames[2], &[]);
+            read_all(&mut connection);
+            for n in 0u8..3 {
+                let frame = connection
+                    .next_frame(1024, <[u8]>::to_vec)
+                    .unwrap()
+                    .expect("a buffered frame");
+                assert_eq!(frame.body, vec![n; 3], "reads_fds {reads_fds}");
+                let expected = usize::from(reads_fds && n == 1);
+                assert_eq!(
+                    frame.fds.len(),
+                    expected,
+                    "reads_fds {reads_fds}, frame {n}"
+                );
+            }
+        }
     }
 
     /// Replies carrying fds go out each on a sendmsg of its own with its fds, in

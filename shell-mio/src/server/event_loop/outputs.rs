@@ -172,6 +172,11 @@ impl Server {
                 }
             }
             Output::Unwatch { process } => self.processes.unwatch(self.poll.registry(), process),
+            Output::ReadWithoutFds { conn } => {
+                if let Some(connection) = self.connections.get_mut(&token_of(conn)) {
+                    connection.reads_fds = false;
+                }
+            }
             Output::Note(note) => self.note(note),
             Output::L2Write {
                 write,

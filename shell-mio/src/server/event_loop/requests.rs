@@ -30,9 +30,10 @@ impl Server {
             protocol,
             ref client,
             pidfd_index,
+            sends_fds,
         } = request.op
         {
-            tracing::debug!(protocol, client = %client, ?pidfd_index, "hello");
+            tracing::debug!(protocol, client = %client, ?pidfd_index, sends_fds, "hello");
             if let Some(index) = pidfd_index
                 && !self.node.is_shutting_down()
             {
@@ -101,9 +102,15 @@ impl Server {
         }
         let carried = fds.len();
         let Some(position) = usize::try_from(index).ok().filter(|&i| i < carried) else {
+            let fix = if connection.reads_fds {
+                "send the pidfd as SCM_RIGHTS with the frame's first byte"
+            } else {
+                "this connection said `sends_fds: false` in an earlier `hello`, so the \
+                 kernel dropped it; send the pidfd in the first `hello`"
+            };
             return Err(bad_args(format!(
                 "`hello`: pidfd_index {index} names an fd this frame did not carry (it \
-                 carried {carried}); send the pidfd as SCM_RIGHTS with the frame's first byte"
+                 carried {carried}); {fix}"
             )));
         };
         let pidfd = fds.swap_remove(position);
