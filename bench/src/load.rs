@@ -8,7 +8,7 @@
 
 use super::BenchError;
 use super::stats::Samples;
-use crate::protocol::{PROTOCOL_VERSION, decode_reply, encode_request, split_frame};
+use crate::protocol::{decode_reply, encode_request, split_frame};
 use mio::net::UnixStream;
 use mio::{Events, Interest, Poll, Registry, Token};
 use rmpv::Value;
@@ -206,49 +206,6 @@ impl Connection {
     }
 }
 
-/// Says `hello` with `sends_fds: false` on a blocking `stream` and checks that the
-/// server took the promise (its reply says `sends_fds: false`).
-fn hello_without_fds(mut stream: &std::os::unix::net::UnixStream) -> io::Result<()> {
-    let options = Value::Map(vec![("sends_fds".into(), false.into())]);
-    let hello = encode_request(
-        0,
-        "hello",
-        vec![PROTOCOL_VERSION.into(), "kvwarden-bench".into(), options],
-    );
-    stream.write_all(&hello)?;
-    let bad = |what: String| io::Error::new(io::ErrorKind::InvalidData, what);
-    let mut input = Vec::new();
-    let mut chunk = [0u8; 4096];
-    let body = loop {
-        if let Some((body, _)) = split_frame(&input, MAX_REPLY_BYTES)
-            .map_err(|error| bad(format!("a bad hello reply frame: {error}")))?
-        {
-            break body.to_vec();
-        }
-        match stream.read(&mut chunk)? {
-            0 => return Err(bad("the server closed the connection after hello".into())),
-            n => input.extend_from_slice(&chunk[..n]),
-        }
-    };
-    let promised = decode_reply(&body)
-        .ok()
-        .and_then(|reply| reply.result.ok())
-        .and_then(|value| {
-            value.as_map().and_then(|map| {
-                map.iter()
-                    .find(|(key, _)| key.as_str() == Some("sends_fds"))
-                    .and_then(|(_, sends)| sends.as_bool())
-            })
-        });
-    match promised {
-        Some(false) => Ok(()),
-        other => Err(io::Error::other(format!(
-            "the server did not take `sends_fds: false` in hello (its reply says {other:?}); \
-             is it older than this bench?"
-        ))),
-    }
-}
-
 /// Connections that ping, held open between runs.
 pub struct PingFleet {
     poll: Poll,
@@ -296,11 +253,11 @@ impl PingFleet {
                     socket.display()
                 )
             };
-            let std_stream =
-                std::os::unix::net::UnixStream::connect(socket).map_err(BenchError::io(what()))?;
-            if promise_no_fds {
-                hello_without_fds(&std_stream).map_err(BenchError::io(what()))?;
-            }
+            let std_stream = if promise_no_fds {
+                super::raw::RawConnection::connect_without_fds(socket)?
+            } else {
+                std::os::unix::net::UnixStream::connect(socket).map_err(BenchError::io(what()))?
+            };
             std_stream
                 .set_nonblocking(true)
                 .map_err(BenchError::io(what()))?;

@@ -31,6 +31,39 @@ pub struct RawConnection {
 impl RawConnection {
     /// Connects to `socket` and says hello.
     pub fn connect(socket: &Path) -> Result<RawConnection, BenchError> {
+        let mut connection = RawConnection::open(socket)?;
+        connection.call(
+            "hello",
+            vec![PROTOCOL_VERSION.into(), "kvwarden-bench".into()],
+        )?;
+        Ok(connection)
+    }
+
+    /// Connects to `socket` and says hello with `sends_fds: false` (a client that only
+    /// pings), checking that the server took the promise (its reply says `sends_fds:
+    /// false`); the stream, for a caller that speaks on it itself.
+    pub fn connect_without_fds(socket: &Path) -> Result<UnixStream, BenchError> {
+        let mut connection = RawConnection::open(socket)?;
+        let options = Value::Map(vec![("sends_fds".into(), false.into())]);
+        let hello = connection.call(
+            "hello",
+            vec![PROTOCOL_VERSION.into(), "kvwarden-bench".into(), options],
+        )?;
+        let promised = hello.as_map().and_then(|map| {
+            map.iter()
+                .find(|(key, _)| key.as_str() == Some("sends_fds"))
+                .and_then(|(_, sends)| sends.as_bool())
+        });
+        if promised != Some(false) {
+            return Err(BenchError::Failed(format!(
+                "the server did not take `sends_fds: false` in hello (its reply says \
+                 {promised:?}); is it older than this bench?"
+            )));
+        }
+        Ok(connection.stream)
+    }
+
+    fn open(socket: &Path) -> Result<RawConnection, BenchError> {
         let stream = UnixStream::connect(socket).map_err(BenchError::io(format!(
             "connecting to the kvwarden server at {}",
             socket.display()
@@ -38,16 +71,11 @@ impl RawConnection {
         stream
             .set_read_timeout(Some(REPLY_BOUND))
             .map_err(BenchError::io("setting a read timeout"))?;
-        let mut connection = RawConnection {
+        Ok(RawConnection {
             stream,
             next_id: 1,
             input: Vec::new(),
-        };
-        connection.call(
-            "hello",
-            vec![PROTOCOL_VERSION.into(), "kvwarden-bench".into()],
-        )?;
-        Ok(connection)
+        })
     }
 
     /// The server's process id, as the kernel says (`SO_PEERCRED`).
