@@ -234,6 +234,7 @@ impl Mover<'_> {
                 key: Self::key(round, b, self.blocks),
                 buffer: 0,
                 offset: (self.blocks + b) * self.block,
+                nbytes: self.block,
             })
             .collect()
     }
@@ -302,11 +303,13 @@ fn batch_of(instance: InstanceId, singles: Vec<Op>) -> Op {
                 key,
                 buffer,
                 offset,
+                nbytes,
                 ..
             } => retrieves.push(RetrieveItem {
                 key,
                 buffer,
                 offset,
+                nbytes,
             }),
             _ => {}
         }

@@ -253,10 +253,20 @@ impl PingFleet {
                     socket.display()
                 )
             };
-            let std_stream = if promise_no_fds {
-                super::raw::RawConnection::connect_without_fds(socket)?
-            } else {
-                std::os::unix::net::UnixStream::connect(socket).map_err(BenchError::io(what()))?
+            let std_stream = match wire {
+                Wire::Kvwarden => {
+                    let mut raw = if promise_no_fds {
+                        super::raw::RawConnection::connect_without_fds(socket)?
+                    } else {
+                        super::raw::RawConnection::open(socket)?
+                    };
+                    if let Some(instance) = instance {
+                        raw.attach(*instance)?;
+                    }
+                    raw.into_stream()
+                }
+                Wire::Resp => std::os::unix::net::UnixStream::connect(socket)
+                    .map_err(BenchError::io(what()))?,
             };
             std_stream
                 .set_nonblocking(true)

@@ -26,6 +26,22 @@ pub struct RawConnection {
     stream: UnixStream,
     next_id: u64,
     input: Vec<u8>,
+    /// The instances this connection attached (protocol 2: a connection names only
+    /// instances it proved).
+    attached: std::collections::HashSet<u64>,
+}
+
+/// The secret a benchmark draws with `instance`: derived from the id, so that every
+/// connection of a run (the control connection that registers, the fleet that pings)
+/// proves the same one. A benchmark's instances need no protection from each other.
+pub fn bench_secret(instance: u64) -> Vec<u8> {
+    let mut secret = Vec::with_capacity(32);
+    for round in 0..4u64 {
+        secret.extend_from_slice(
+            &(instance ^ round.wrapping_mul(0x9e37_79b9_7f4a_7c15)).to_le_bytes(),
+        );
+    }
+    secret
 }
 
 impl RawConnection {
@@ -42,7 +58,7 @@ impl RawConnection {
     /// Connects to `socket` and says hello with `sends_fds: false` (a client that only
     /// pings), checking that the server took the promise (its reply says `sends_fds:
     /// false`); the stream, for a caller that speaks on it itself.
-    pub fn connect_without_fds(socket: &Path) -> Result<UnixStream, BenchError> {
+    pub fn connect_without_fds(socket: &Path) -> Result<RawConnection, BenchError> {
         let mut connection = RawConnection::open(socket)?;
         let options = Value::Map(vec![("sends_fds".into(), false.into())]);
         let hello = connection.call(
@@ -60,10 +76,49 @@ impl RawConnection {
                  {promised:?}); is it older than this bench?"
             )));
         }
-        Ok(connection.stream)
+        Ok(connection)
     }
 
-    fn open(socket: &Path) -> Result<RawConnection, BenchError> {
+    /// The stream, for a caller that speaks on it itself (nothing may be buffered).
+    pub fn into_stream(self) -> UnixStream {
+        self.stream
+    }
+
+    /// `attach [instance, bench_secret(instance)]`, once per connection.
+    pub fn attach(&mut self, instance: u64) -> Result<(), BenchError> {
+        if self.attached.contains(&instance) {
+            return Ok(());
+        }
+        self.call(
+            "attach",
+            vec![instance.into(), Value::Binary(bench_secret(instance))],
+        )?;
+        self.attached.insert(instance);
+        Ok(())
+    }
+
+    /// Attaches every id of `instances`, pipelined.
+    pub fn attach_many(&mut self, instances: &[u64]) -> Result<(), BenchError> {
+        let fresh: Vec<u64> = instances
+            .iter()
+            .copied()
+            .filter(|instance| !self.attached.contains(instance))
+            .collect();
+        self.pipelined("attach", fresh.len(), |index| {
+            (
+                vec![
+                    fresh[index].into(),
+                    Value::Binary(bench_secret(fresh[index])),
+                ],
+                Vec::new(),
+            )
+        })?;
+        self.attached.extend(fresh);
+        Ok(())
+    }
+
+    /// Opens `socket` without saying hello (a worker's connection read with `recvmsg`).
+    pub fn open(socket: &Path) -> Result<RawConnection, BenchError> {
         let stream = UnixStream::connect(socket).map_err(BenchError::io(format!(
             "connecting to the kvwarden server at {}",
             socket.display()
@@ -75,6 +130,7 @@ impl RawConnection {
             stream,
             next_id: 1,
             input: Vec::new(),
+            attached: std::collections::HashSet::new(),
         })
     }
 
@@ -176,6 +232,7 @@ impl RawConnection {
 
     /// `ping [instance]`: whether the server tracks it.
     pub fn ping(&mut self, instance: u64) -> Result<bool, BenchError> {
+        self.attach(instance)?;
         match self.call("ping", vec![instance.into()])? {
             Value::Boolean(tracked) => Ok(tracked),
             other => Err(BenchError::Failed(format!(
@@ -198,6 +255,7 @@ impl RawConnection {
         buffers: Vec<Value>,
         fds: &[BorrowedFd<'_>],
     ) -> Result<String, BenchError> {
+        self.attach(instance)?;
         let args = vec![
             instance.into(),
             Value::Array(buffers),
@@ -220,6 +278,7 @@ impl RawConnection {
 
     /// `unregister_kv_cache [instance]`.
     pub fn unregister(&mut self, instance: u64) -> Result<bool, BenchError> {
+        self.attach(instance)?;
         Ok(self.call("unregister_kv_cache", vec![instance.into()])? == Value::Boolean(true))
     }
 
@@ -231,6 +290,7 @@ impl RawConnection {
         buffer: Option<(BorrowedFd<'_>, u64)>,
     ) -> Result<(), BenchError> {
         let started = std::time::Instant::now();
+        self.attach_many(instances)?;
         let (buffers, fds): (Vec<Value>, Vec<BorrowedFd<'_>>) = match buffer {
             Some((fd, nbytes)) => (vec![memfd_spec(0, nbytes)], vec![fd]),
             None => (Vec::new(), Vec::new()),
@@ -253,6 +313,7 @@ impl RawConnection {
 
     /// Unregisters every id of `instances`, pipelined.
     pub fn unregister_many(&mut self, instances: &[u64]) -> Result<(), BenchError> {
+        self.attach_many(instances)?;
         self.pipelined("unregister_kv_cache", instances.len(), |index| {
             (vec![instances[index].into()], Vec::new())
         })

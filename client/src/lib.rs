@@ -1,6 +1,17 @@
 //! The worker's client: connect + `hello`, register memfd buffers, store/retrieve/lookup,
 //! and a heartbeat thread driven by the core's [`kvwarden_core::Heartbeat`].
 //!
+//! Every connection attaches the worker's instance right after `hello`: the id and a
+//! 32-byte secret drawn from the OS together, which prove to the server that this
+//! process registered it (protocol 2). An id the server finds bound to another secret
+//! (a squatter took it while the server held nothing of this worker) is replaced by a
+//! fresh id and secret (logged, counted in [`Client::identity_changes`]); the
+//! registration then follows under the new id, as after a reap.
+//!
+//! Over a Unix socket the client checks who answers before it sends any fd: the
+//! server's uid (`SO_PEERCRED`) must be root, this process's own, or one of
+//! [`ClientConfig::trusted_server_uids`].
+//!
 //! Recovery (after a ping answered `false`, a ping that failed and then succeeded, or a
 //! transfer answered `not_registered`) re-registers the same instance id and the same
 //! buffers before health is set again. [`Client::shutdown`] stops the heartbeat and
@@ -73,6 +84,24 @@ pub enum ClientError {
     /// A local resource (a memfd) could not be set up.
     #[error("{0}")]
     Local(String),
+    /// The process answering on the socket runs as a uid this client does not trust:
+    /// nothing was sent to it.
+    #[error(
+        "refusing to talk to the server at {socket}: it runs as uid {uid}, which is neither \
+         root, this process's uid ({own_uid}), nor in ClientConfig::trusted_server_uids \
+         ({trusted:?}); another user may have created the socket first. Check the socket \
+         path, or add uid {uid} to trusted_server_uids if that user runs your server"
+    )]
+    UntrustedServer {
+        /// The socket.
+        socket: String,
+        /// The server's uid.
+        uid: u32,
+        /// This process's uid.
+        own_uid: u32,
+        /// The uids trusted besides root and our own.
+        trusted: Vec<u32>,
+    },
 }
 
 impl ClientError {
@@ -103,6 +132,12 @@ pub struct ClientConfig {
     /// death even where it cannot see the worker's pid (another PID namespace, no
     /// `hostPID`). Off: the server proves the death only by pid, where visible.
     pub send_pidfd: bool,
+    /// Server uids to trust besides root and this process's own (Unix socket only):
+    /// any other is refused before a single fd is sent.
+    pub trusted_server_uids: Vec<u32>,
+    /// The token a TCP `hello` presents (the contents of the server's
+    /// `--tcp-token-file`); see [`ClientConfig::read_tcp_token_file`].
+    pub tcp_token: Option<Vec<u8>>,
 }
 
 impl ClientConfig {
@@ -115,6 +150,47 @@ impl ClientConfig {
             client_name: concat!("kvwarden-client ", env!("CARGO_PKG_VERSION")).to_string(),
             request_timeout: Duration::from_secs(30),
             send_pidfd: true,
+            trusted_server_uids: Vec::new(),
+            tcp_token: None,
+        }
+    }
+
+    /// Reads the TCP token from `path` (surrounding whitespace stripped): tokens never
+    /// travel on a command line.
+    pub fn read_tcp_token_file(path: &std::path::Path) -> Result<Vec<u8>, ClientError> {
+        let text = std::fs::read(path).map_err(|error| {
+            ClientError::Local(format!(
+                "cannot read the TCP token file {}: {error}; it holds the token the server's \
+                 --tcp-token-file names",
+                path.display()
+            ))
+        })?;
+        let token = text.trim_ascii().to_vec();
+        if token.is_empty() {
+            return Err(ClientError::Local(format!(
+                "the TCP token file {} is empty",
+                path.display()
+            )));
+        }
+        Ok(token)
+    }
+}
+
+/// The worker's identity: its instance id and the secret drawn with it.
+#[derive(Clone, Copy)]
+struct Identity {
+    instance: InstanceId,
+    secret: [u8; 32],
+}
+
+impl Identity {
+    fn generate(instance: Option<InstanceId>) -> Identity {
+        let mut secret = [0u8; 32];
+        // The OS's entropy; a process that cannot get it has no business registering.
+        getrandom::fill(&mut secret).expect("the OS random source (getrandom) failed");
+        Identity {
+            instance: instance.unwrap_or_else(InstanceId::generate),
+            secret,
         }
     }
 }
@@ -189,7 +265,9 @@ struct Registration {
 
 struct Shared {
     config: ClientConfig,
-    instance: InstanceId,
+    /// Changed only under the `wire` lock, by an `attach` that found the id taken.
+    identity: Mutex<Identity>,
+    identity_changes: AtomicU64,
     origin: std::time::Instant,
     /// Fair, so that the heartbeat's ping is never starved by back-to-back transfers.
     wire: FairMutex<Option<Wire>>,
@@ -215,29 +293,72 @@ impl Shared {
         Instant::from_nanos(u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX))
     }
 
-    /// One request; a broken or timed-out connection is dropped (the next call
-    /// reconnects and says hello again).
-    fn call(
+    fn instance(&self) -> InstanceId {
+        lock(&self.identity).instance
+    }
+
+    /// A connection that said hello and attached this worker's instance.
+    fn connect(&self) -> Result<Wire, ClientError> {
+        let mut wire = Wire::connect(&self.config)?;
+        self.attach(&mut wire)?;
+        Ok(wire)
+    }
+
+    /// `attach`: proves the instance on this connection. An id bound to another secret
+    /// is replaced by a fresh id and secret (the registration follows: the new id's
+    /// first ping answers `false`).
+    fn attach(&self, wire: &mut Wire) -> Result<(), ClientError> {
+        const ATTEMPTS: usize = 4;
+        let mut last = None;
+        for _ in 0..ATTEMPTS {
+            let identity = *lock(&self.identity);
+            let args = Op::Attach {
+                instance: identity.instance,
+                secret: identity.secret.to_vec(),
+            }
+            .args();
+            let id = self.next_request_id.fetch_add(1, Ordering::Relaxed);
+            match wire.call(id, "attach", args, &[], self.config.request_timeout) {
+                Ok(_) => return Ok(()),
+                Err(error) if error.code() == Some(ErrorCode::Forbidden) => {
+                    let fresh = Identity::generate(None);
+                    tracing::warn!(
+                        old = %identity.instance,
+                        new = %fresh.instance,
+                        %error,
+                        "the server has this instance id bound to another secret (taken \
+                         while the server held nothing of this worker); carrying on under \
+                         a fresh id and secret"
+                    );
+                    *lock(&self.identity) = fresh;
+                    self.identity_changes.fetch_add(1, Ordering::Relaxed);
+                    last = Some(error);
+                }
+                Err(other) => return Err(other),
+            }
+        }
+        Err(last.unwrap_or_else(|| ClientError::Local("attach failed".into())))
+    }
+
+    /// One request built from the current instance id; a broken or timed-out
+    /// connection is dropped (the next call reconnects, says hello and attaches again).
+    fn call_as(
         &self,
         op: &str,
-        args: Vec<Value>,
+        args: impl FnOnce(InstanceId) -> Vec<Value>,
         fds: &[BorrowedFd<'_>],
         timeout: Duration,
     ) -> Result<Value, ClientError> {
         let mut wire = self.wire.lock();
         if wire.is_none() {
-            let fresh = Wire::connect(
-                &self.config.endpoint,
-                &self.config.client_name,
-                self.config.request_timeout,
-                self.config.send_pidfd,
-            )?;
+            let fresh = self.connect()?;
             *lock(&self.exit_proof) = fresh.exit_proof.clone();
             *wire = Some(fresh);
         }
         let Some(connection) = wire.as_mut() else {
             return Err(ClientError::Local("no connection".into()));
         };
+        let args = args(self.instance());
         let id = self.next_request_id.fetch_add(1, Ordering::Relaxed);
         let result = connection.call(id, op, args, fds, timeout);
         if matches!(
@@ -249,28 +370,42 @@ impl Shared {
         result
     }
 
+    /// One request whose arguments name no instance.
+    fn call(
+        &self,
+        op: &str,
+        args: Vec<Value>,
+        fds: &[BorrowedFd<'_>],
+        timeout: Duration,
+    ) -> Result<Value, ClientError> {
+        self.call_as(op, |_| args, fds, timeout)
+    }
+
     fn ping(&self) -> PingReply {
-        let args = Op::Ping {
-            instance: Some(self.instance),
-        }
-        .args();
-        match self.call("ping", args, &[], self.config.heartbeat_interval) {
+        let ping = |instance| {
+            Op::Ping {
+                instance: Some(instance),
+            }
+            .args()
+        };
+        let instance = self.instance();
+        match self.call_as("ping", ping, &[], self.config.heartbeat_interval) {
             Ok(Value::Boolean(true)) => PingReply::Known,
             Ok(Value::Boolean(false)) => {
                 self.pings_answered_false.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(instance = %self.instance, "the server does not hold this instance (reaped or restarted); re-registering");
+                tracing::warn!(%instance, "the server does not hold this instance (reaped or restarted); re-registering");
                 PingReply::Unknown
             }
             Ok(other) => {
-                tracing::error!(instance = %self.instance, reply = ?other, "ping answered with a non-bool; client and server versions differ?");
+                tracing::error!(%instance, reply = ?other, "ping answered with a non-bool; client and server versions differ?");
                 PingReply::Failed
             }
             Err(error @ ClientError::Server { .. }) => {
-                tracing::error!(instance = %self.instance, %error, "ping refused by the server: this worker stays unhealthy until it is fixed");
+                tracing::error!(%instance, %error, "ping refused by the server: this worker stays unhealthy until it is fixed");
                 PingReply::Failed
             }
             Err(error) => {
-                tracing::warn!(instance = %self.instance, %error, "ping failed; unhealthy until the server answers again");
+                tracing::warn!(%instance, %error, "ping failed; unhealthy until the server answers again");
                 PingReply::Failed
             }
         }
@@ -302,14 +437,16 @@ impl Shared {
                 },
             })
             .collect();
-        let op = Op::RegisterKvCache {
-            instance: self.instance,
-            buffers,
-            model_name: registration.model_name.clone(),
-            world_size: registration.world_size,
+        let args = |instance| {
+            Op::RegisterKvCache {
+                instance,
+                buffers,
+                model_name: registration.model_name.clone(),
+                world_size: registration.world_size,
+            }
+            .args()
         };
-        let args = op.args();
-        let value = self.call("register_kv_cache", args, &fds, self.config.request_timeout)?;
+        let value = self.call_as("register_kv_cache", args, &fds, self.config.request_timeout)?;
         let outcome = match &value {
             Value::Map(map) => map
                 .iter()
@@ -339,11 +476,11 @@ impl Shared {
         match self.register(&registration) {
             Ok(outcome) => {
                 self.recoveries.fetch_add(1, Ordering::Relaxed);
-                tracing::info!(instance = %self.instance, outcome, "re-registered");
+                tracing::info!(instance = %self.instance(), outcome, "re-registered");
                 true
             }
             Err(error) => {
-                tracing::warn!(instance = %self.instance, %error, "re-registering failed; will retry after the next successful ping");
+                tracing::warn!(instance = %self.instance(), %error, "re-registering failed; will retry after the next successful ping");
                 false
             }
         }
@@ -404,41 +541,46 @@ impl Client {
         if let Some(warning) = reap_timeout_floor_warning(config.heartbeat_interval) {
             tracing::warn!("{warning}");
         }
-        let instance = config.instance_id.unwrap_or_else(InstanceId::generate);
-        tracing::info!(%instance, endpoint = %config.endpoint, "kvwarden client instance id");
-        let wire = Wire::connect(
-            &config.endpoint,
-            &config.client_name,
-            config.request_timeout,
-            config.send_pidfd,
-        )?;
+        let identity = Identity::generate(config.instance_id);
+        tracing::info!(instance = %identity.instance, endpoint = %config.endpoint, "kvwarden client instance id");
         let heartbeat = Heartbeat::new(HeartbeatConfig {
             interval: config.heartbeat_interval,
         });
-        let exit_proof = wire.exit_proof.clone();
+        let shared = Arc::new(Shared {
+            config,
+            identity: Mutex::new(identity),
+            identity_changes: AtomicU64::new(0),
+            origin: std::time::Instant::now(),
+            wire: FairMutex::new(None),
+            registration: Mutex::new(None),
+            heartbeat: Mutex::new(heartbeat),
+            wake: Condvar::new(),
+            lifecycle: Mutex::new(()),
+            next_request_id: AtomicU64::new(1),
+            recoveries: AtomicU64::new(0),
+            pings_answered_false: AtomicU64::new(0),
+            last_outcome: Mutex::new(None),
+            exit_proof: Mutex::new(None),
+        });
+        let wire = shared.connect()?;
+        *lock(&shared.exit_proof) = wire.exit_proof.clone();
+        *shared.wire.lock() = Some(wire);
         Ok(Client {
-            shared: Arc::new(Shared {
-                config,
-                instance,
-                origin: std::time::Instant::now(),
-                wire: FairMutex::new(Some(wire)),
-                registration: Mutex::new(None),
-                heartbeat: Mutex::new(heartbeat),
-                wake: Condvar::new(),
-                lifecycle: Mutex::new(()),
-                next_request_id: AtomicU64::new(1),
-                recoveries: AtomicU64::new(0),
-                pings_answered_false: AtomicU64::new(0),
-                last_outcome: Mutex::new(None),
-                exit_proof: Mutex::new(exit_proof),
-            }),
+            shared,
             heartbeat_thread: Mutex::new(None),
         })
     }
 
-    /// This worker's instance id.
+    /// This worker's instance id (it changes only when the server had it bound to
+    /// another secret: see [`Client::identity_changes`]).
     pub fn instance_id(&self) -> InstanceId {
-        self.shared.instance
+        self.shared.instance()
+    }
+
+    /// How often this worker drew a fresh instance id and secret because the server
+    /// had its id bound to another secret (0 unless someone squatted it).
+    pub fn identity_changes(&self) -> u64 {
+        self.shared.identity_changes.load(Ordering::Relaxed)
     }
 
     /// Whether the worker may trust its registration (false from a failed ping until a
@@ -521,17 +663,19 @@ impl Client {
         }
     }
 
-    /// A transfer: on `not_registered`, recover and retry once.
-    fn transfer(&self, op: &str, args: Vec<Value>) -> Result<Value, ClientError> {
+    /// A transfer of the op `build` makes for the current instance id: on
+    /// `not_registered`, recover and retry once.
+    fn transfer(&self, op: &str, build: impl Fn(InstanceId) -> Op) -> Result<Value, ClientError> {
         self.start_heartbeat();
         let timeout = self.shared.config.request_timeout;
-        match self.shared.call(op, args.clone(), &[], timeout) {
+        let args = |instance| build(instance).args();
+        match self.shared.call_as(op, args, &[], timeout) {
             Err(error) if error.code() == Some(ErrorCode::NotRegistered) => {
-                tracing::warn!(instance = %self.shared.instance, op, "the server does not hold this instance; re-registering");
+                tracing::warn!(instance = %self.shared.instance(), op, "the server does not hold this instance; re-registering");
                 if !self.shared.recover() {
                     return Err(error);
                 }
-                self.shared.call(op, args, &[], timeout)
+                self.shared.call_as(op, args, &[], timeout)
             }
             other => other,
         }
@@ -546,36 +690,37 @@ impl Client {
         offset: u64,
         nbytes: u64,
     ) -> Result<bool, ClientError> {
-        let args = Op::Store {
-            instance: self.shared.instance,
+        let op = |instance| Op::Store {
+            instance,
             key: key.to_vec(),
             buffer,
             offset,
             nbytes,
-        }
-        .args();
-        match self.transfer("store", args)? {
+        };
+        match self.transfer("store", op)? {
             Value::Boolean(stored) => Ok(stored),
             other => Err(unexpected("store", &other)),
         }
     }
 
-    /// Copies the L1 value of `key` into buffer `buffer` at `offset`: bytes copied, or
-    /// None on a miss.
+    /// Copies the L1 value of `key` into `[offset, offset + nbytes)` of buffer
+    /// `buffer`: bytes copied (`nbytes`), or None on a miss. A stored value of another
+    /// length is a miss, and nothing is written.
     pub fn retrieve(
         &self,
         key: &[u8],
         buffer: u64,
         offset: u64,
+        nbytes: u64,
     ) -> Result<Option<u64>, ClientError> {
-        let args = Op::Retrieve {
-            instance: self.shared.instance,
+        let op = |instance| Op::Retrieve {
+            instance,
             key: key.to_vec(),
             buffer,
             offset,
-        }
-        .args();
-        match self.transfer("retrieve", args)? {
+            nbytes,
+        };
+        match self.transfer("retrieve", op)? {
             Value::Nil => Ok(None),
             other => other
                 .as_u64()
@@ -589,8 +734,8 @@ impl Client {
     /// A bad item refuses the whole batch (`bad_args` naming its index) and copies
     /// nothing; at most [`MAX_BATCH_ITEMS`] items.
     pub fn store_batch(&self, items: &[(&[u8], u64, u64, u64)]) -> Result<Vec<bool>, ClientError> {
-        let args = Op::StoreBatch {
-            instance: self.shared.instance,
+        let op = |instance| Op::StoreBatch {
+            instance,
             items: items
                 .iter()
                 .map(|&(key, buffer, offset, nbytes)| StoreItem {
@@ -600,34 +745,34 @@ impl Client {
                     nbytes,
                 })
                 .collect(),
-        }
-        .args();
-        let reply = self.transfer("store_batch", args)?;
+        };
+        let reply = self.transfer("store_batch", op)?;
         batch_answers("store_batch", &reply, items.len(), |value| match value {
             Value::Boolean(stored) => Some(*stored),
             _ => None,
         })
     }
 
-    /// Retrieves many blocks in one request: each item is `(key, buffer, offset)` as
-    /// for [`Client::retrieve`], and each answer is bytes copied or None on a miss.
+    /// Retrieves many blocks in one request: each item is `(key, buffer, offset,
+    /// nbytes)` as for [`Client::retrieve`], and each answer is bytes copied or None on
+    /// a miss.
     pub fn retrieve_batch(
         &self,
-        items: &[(&[u8], u64, u64)],
+        items: &[(&[u8], u64, u64, u64)],
     ) -> Result<Vec<Option<u64>>, ClientError> {
-        let args = Op::RetrieveBatch {
-            instance: self.shared.instance,
+        let op = |instance| Op::RetrieveBatch {
+            instance,
             items: items
                 .iter()
-                .map(|&(key, buffer, offset)| RetrieveItem {
+                .map(|&(key, buffer, offset, nbytes)| RetrieveItem {
                     key: key.to_vec(),
                     buffer,
                     offset,
+                    nbytes,
                 })
                 .collect(),
-        }
-        .args();
-        let reply = self.transfer("retrieve_batch", args)?;
+        };
+        let reply = self.transfer("retrieve_batch", op)?;
         batch_answers("retrieve_batch", &reply, items.len(), |value| match value {
             Value::Nil => Some(None),
             other => other.as_u64().map(Some),
@@ -666,9 +811,9 @@ impl Client {
             let _lifecycle = lock(&self.shared.lifecycle);
             let registered = lock(&self.shared.registration).take().is_some();
             if registered {
-                let args = vec![self.shared.instance.get().into()];
+                let args = |instance: InstanceId| vec![instance.get().into()];
                 self.shared
-                    .call(
+                    .call_as(
                         "unregister_kv_cache",
                         args,
                         &[],

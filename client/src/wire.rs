@@ -1,6 +1,6 @@
 //! The client's blocking connection: frames out (with fds as `SCM_RIGHTS`), replies in.
 
-use super::ClientError;
+use super::{ClientConfig, ClientError};
 use kvwarden_core::protocol::{
     LENGTH_PREFIX_BYTES, Op, PROTOCOL_VERSION, decode_reply, encode_request,
 };
@@ -52,20 +52,28 @@ pub struct Wire {
 impl Wire {
     /// Connects and says hello; over a Unix socket with `send_pidfd`, the hello
     /// carries a pidfd of this process (the server's proof of its death in every PID
-    /// namespace layout).
-    pub fn connect(
-        endpoint: &Endpoint,
-        client_name: &str,
-        timeout: Duration,
-        send_pidfd: bool,
-    ) -> Result<Wire, ClientError> {
+    /// namespace layout). Over a Unix socket the server's uid is checked first: nothing,
+    /// no fd above all, goes to a server this client does not trust.
+    pub fn connect(config: &ClientConfig) -> Result<Wire, ClientError> {
+        let endpoint = &config.endpoint;
+        let client_name = &config.client_name;
+        let timeout = config.request_timeout;
+        let send_pidfd = config.send_pidfd;
         let name = endpoint.to_string();
         let io = |source| ClientError::Io {
             endpoint: name.clone(),
             source,
         };
         let socket = match endpoint {
-            Endpoint::Unix(path) => Socket::Unix(UnixStream::connect(path).map_err(io)?),
+            Endpoint::Unix(path) => {
+                let stream = UnixStream::connect(path).map_err(io)?;
+                check_server_uid(
+                    &stream,
+                    &path.display().to_string(),
+                    &config.trusted_server_uids,
+                )?;
+                Socket::Unix(stream)
+            }
             Endpoint::Tcp(addr) => {
                 let stream = TcpStream::connect_timeout(addr, timeout).map_err(io)?;
                 let _ = stream.set_nodelay(true);
@@ -84,6 +92,10 @@ impl Wire {
                 pidfd_index,
                 // The worker's buffers (memfds) travel on this connection.
                 sends_fds: true,
+                token: match endpoint {
+                    Endpoint::Tcp(_) => config.tcp_token.clone(),
+                    Endpoint::Unix(_) => None,
+                },
             }
             .args()
         };
@@ -218,4 +230,24 @@ fn exit_proof(hello: &Value) -> Option<String> {
         .find(|(key, _)| key.as_str() == Some("exit_proof"))
         .and_then(|(_, value)| value.as_str())
         .map(str::to_owned)
+}
+
+/// Refuses a server whose uid is neither root, ours, nor one the config trusts.
+fn check_server_uid(stream: &UnixStream, socket: &str, trusted: &[u32]) -> Result<(), ClientError> {
+    let credentials =
+        rustix::net::sockopt::socket_peercred(stream).map_err(|error| ClientError::Io {
+            endpoint: format!("unix:{socket}"),
+            source: error.into(),
+        })?;
+    let uid = credentials.uid.as_raw();
+    let own_uid = rustix::process::getuid().as_raw();
+    if uid == 0 || uid == own_uid || trusted.contains(&uid) {
+        return Ok(());
+    }
+    Err(ClientError::UntrustedServer {
+        socket: socket.to_owned(),
+        uid,
+        own_uid,
+        trusted: trusted.to_vec(),
+    })
 }

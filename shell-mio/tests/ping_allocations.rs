@@ -94,6 +94,7 @@ fn config(socket_path: std::path::PathBuf) -> ServerConfig {
         free_watchdog: Duration::from_secs(10),
         pool_threads: 1,
         l2: None,
+        trust: Default::default(),
     }
 }
 

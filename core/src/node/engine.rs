@@ -10,6 +10,7 @@
 //! It is bookkeeping of the node, like the rest of the slot table.
 
 use super::l1::{Reservation, SlotId, SlotTable};
+use super::trust::TenantId;
 use std::collections::HashMap;
 
 /// Slots one instance may hold at once (reservations plus distinct pinned keys): an
@@ -110,11 +111,16 @@ impl TransferStrategy {
 
     /// Reserves a slot of `l1` for `key`, evicting the least recently used unpinned
     /// committed slot if needed (never a pinned or reserved one).
-    pub fn prepare_store(&mut self, l1: &mut SlotTable, key: &[u8]) -> PrepareStore {
+    pub fn prepare_store(
+        &mut self,
+        l1: &mut SlotTable,
+        key: &[u8],
+        tenant: TenantId,
+    ) -> PrepareStore {
         if self.held_slots() >= MAX_HELD_SLOTS_PER_INSTANCE {
             return PrepareStore::TooManyHeld;
         }
-        match l1.reserve(key) {
+        match l1.reserve(key, tenant) {
             Reservation::AlreadyStored => PrepareStore::AlreadyStored,
             Reservation::Full => PrepareStore::PoolFull,
             Reservation::Reserved(slot) => {
@@ -202,7 +208,7 @@ mod tests {
     const SLOT: u64 = 4096;
 
     fn reserve(strategy: &mut TransferStrategy, l1: &mut SlotTable, key: &[u8]) -> SlotGrant {
-        match strategy.prepare_store(l1, key) {
+        match strategy.prepare_store(l1, key, TenantId(0)) {
             PrepareStore::Reserved(grant) => grant,
             other => panic!("prepare_store {key:?}: {other:?}"),
         }
@@ -217,7 +223,7 @@ mod tests {
         assert_eq!(grant.offset, l1.offset(grant.slot));
         assert_eq!(l1.lookup_prefix(&[b"k".to_vec()]), 0, "not published yet");
         assert_eq!(
-            strategy.prepare_store(&mut l1, b"k"),
+            strategy.prepare_store(&mut l1, b"k", TenantId(0)),
             PrepareStore::AlreadyStored,
             "being stored counts as stored"
         );
@@ -296,7 +302,7 @@ mod tests {
         };
         assert_eq!((read.slot, read.nbytes), (published.slot, 5));
         assert!(matches!(
-            other.prepare_store(&mut l1, b"half-written"),
+            other.prepare_store(&mut l1, b"half-written", TenantId(0)),
             PrepareStore::Reserved(_)
         ));
     }

@@ -2,7 +2,13 @@
 //!
 //! Pure bookkeeping on the node; the shell holds the memory and copies the bytes. A
 //! slot being written or read is never evicted: writes hold a reservation, reads a pin.
+//!
+//! Every slot is charged to the tenant that stored it. A full pool evicts from the
+//! tenant furthest over its quota first (its own least recently used slot), and only
+//! when no tenant is over its quota the pool's least recently used slot: so a
+//! neighbour that floods the pool recycles its own slots, not another tenant's share.
 
+use super::trust::TenantId;
 use std::collections::{BTreeMap, HashMap};
 
 /// Index of a slot.
@@ -14,6 +20,7 @@ enum SlotState {
     /// A store is copying into the slot.
     Writing {
         key: Vec<u8>,
+        tenant: TenantId,
     },
     /// Holds `len` bytes of `key`; evictable while `pins == 0`.
     Committed {
@@ -21,7 +28,19 @@ enum SlotState {
         len: u64,
         pins: u32,
         tick: u64,
+        tenant: TenantId,
     },
+}
+
+/// One tenant's part of the pool.
+#[derive(Debug, Default)]
+struct TenantSlots {
+    /// Slots charged to it (being written or committed).
+    used: usize,
+    /// Its evictable committed slots by last use.
+    lru: BTreeMap<u64, SlotId>,
+    /// Its quota in slots; None: a fair share of the tenants holding slots.
+    quota: Option<usize>,
 }
 
 /// The outcome of asking for a slot to store a key.
@@ -55,6 +74,7 @@ pub struct SlotTable {
     /// Evictable committed slots by last use.
     lru: BTreeMap<u64, SlotId>,
     tick: u64,
+    tenants: Vec<TenantSlots>,
 }
 
 impl SlotTable {
@@ -67,7 +87,74 @@ impl SlotTable {
             free: (0..num_slots).rev().collect(),
             lru: BTreeMap::new(),
             tick: 0,
+            tenants: Vec::new(),
         }
+    }
+
+    fn tenant_mut(&mut self, tenant: TenantId) -> &mut TenantSlots {
+        let index = tenant.0 as usize;
+        if self.tenants.len() <= index {
+            self.tenants.resize_with(index + 1, TenantSlots::default);
+        }
+        &mut self.tenants[index]
+    }
+
+    /// Sets `tenant`'s quota to `slots` (None: a fair share).
+    pub fn set_quota(&mut self, tenant: TenantId, slots: Option<usize>) {
+        self.tenant_mut(tenant).quota = slots;
+    }
+
+    /// Slots charged to `tenant` now.
+    pub fn tenant_slots(&self, tenant: TenantId) -> usize {
+        self.tenants.get(tenant.0 as usize).map_or(0, |t| t.used)
+    }
+
+    /// `tenant`'s quota in slots now: its own, else a fair share of the pool among the
+    /// tenants holding slots (itself counted).
+    pub fn quota_slots(&self, tenant: TenantId) -> usize {
+        let own = self.tenants.get(tenant.0 as usize);
+        if let Some(quota) = own.and_then(|t| t.quota) {
+            return quota;
+        }
+        let others = self
+            .tenants
+            .iter()
+            .enumerate()
+            .filter(|(index, t)| t.used > 0 && *index != tenant.0 as usize)
+            .count();
+        self.slots.len().div_ceil(others + 1)
+    }
+
+    fn lru_add(&mut self, tick: u64, slot: SlotId, tenant: TenantId) {
+        self.lru.insert(tick, slot);
+        self.tenant_mut(tenant).lru.insert(tick, slot);
+    }
+
+    fn lru_remove(&mut self, tick: u64, tenant: TenantId) {
+        self.lru.remove(&tick);
+        self.tenant_mut(tenant).lru.remove(&tick);
+    }
+
+    /// The slot to evict: the least recently used of the tenant furthest over its
+    /// quota, else the pool's least recently used; None when nothing is evictable.
+    fn victim(&self) -> Option<(u64, SlotId)> {
+        let over = self
+            .tenants
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| !t.lru.is_empty())
+            .filter_map(|(index, t)| {
+                let excess = t
+                    .used
+                    .checked_sub(self.quota_slots(TenantId(index as u32)))?;
+                (excess > 0).then_some((excess, index))
+            })
+            .max_by_key(|&(excess, index)| (excess, std::cmp::Reverse(index)));
+        match over {
+            Some((_, index)) => self.tenants[index].lru.first_key_value(),
+            None => self.lru.first_key_value(),
+        }
+        .map(|(&tick, &slot)| (tick, slot))
     }
 
     /// Slots reserved for a write and slots pinned for a read, counted now (a scan:
@@ -104,27 +191,35 @@ impl SlotTable {
         slot as u64 * self.slot_bytes
     }
 
-    /// A slot to store `key` into, evicting the least recently used unpinned slot if
-    /// needed.
-    pub fn reserve(&mut self, key: &[u8]) -> Reservation {
+    /// A slot to store `key` into for `tenant`, evicting an unpinned slot if needed
+    /// (see the module docs for which).
+    pub fn reserve(&mut self, key: &[u8], tenant: TenantId) -> Reservation {
         if self.index.contains_key(key) {
             return Reservation::AlreadyStored;
         }
         let slot = match self.free.pop() {
             Some(slot) => slot,
-            None => match self.lru.pop_first() {
-                Some((_, victim)) => {
-                    if let SlotState::Committed { key, .. } =
-                        std::mem::replace(&mut self.slots[victim], SlotState::Free)
+            None => match self.victim() {
+                Some((tick, victim)) => {
+                    if let SlotState::Committed {
+                        key, tenant: owner, ..
+                    } = std::mem::replace(&mut self.slots[victim], SlotState::Free)
                     {
                         self.index.remove(&key);
+                        self.lru_remove(tick, owner);
+                        let owner = self.tenant_mut(owner);
+                        owner.used = owner.used.saturating_sub(1);
                     }
                     victim
                 }
                 None => return Reservation::Full,
             },
         };
-        self.slots[slot] = SlotState::Writing { key: key.to_vec() };
+        self.slots[slot] = SlotState::Writing {
+            key: key.to_vec(),
+            tenant,
+        };
+        self.tenant_mut(tenant).used += 1;
         self.index.insert(key.to_vec(), slot);
         Reservation::Reserved(slot)
     }
@@ -133,75 +228,91 @@ impl SlotTable {
     pub fn commit(&mut self, slot: SlotId, len: u64) {
         let tick = self.next_tick();
         if let Some(state) = self.slots.get_mut(slot)
-            && let SlotState::Writing { key } = std::mem::replace(state, SlotState::Free)
+            && let SlotState::Writing { key, tenant } = std::mem::replace(state, SlotState::Free)
         {
             *state = SlotState::Committed {
                 key,
                 len,
                 pins: 0,
                 tick,
+                tenant,
             };
-            self.lru.insert(tick, slot);
+            self.lru_add(tick, slot, tenant);
         }
     }
 
     /// The copy into a reserved slot failed: the slot goes back, never published.
     pub fn abort(&mut self, slot: SlotId) {
         if let Some(state) = self.slots.get_mut(slot)
-            && let SlotState::Writing { key } = std::mem::replace(state, SlotState::Free)
+            && let SlotState::Writing { key, tenant } = std::mem::replace(state, SlotState::Free)
         {
             self.index.remove(&key);
             self.free.push(slot);
+            let tenant = self.tenant_mut(tenant);
+            tenant.used = tenant.used.saturating_sub(1);
         }
     }
 
     /// Pins the committed slot of `key` for a read: `(slot, len)`, or None on a miss.
     pub fn pin(&mut self, key: &[u8]) -> Option<(SlotId, u64)> {
         let slot = *self.index.get(key)?;
-        match &mut self.slots[slot] {
+        let (unlisted, len) = match &mut self.slots[slot] {
             SlotState::Committed {
-                len, pins, tick, ..
+                len,
+                pins,
+                tick,
+                tenant,
+                ..
             } => {
-                if *pins == 0 {
-                    self.lru.remove(tick);
-                }
                 *pins += 1;
-                Some((slot, *len))
+                ((*pins == 1).then_some((*tick, *tenant)), *len)
             }
-            _ => None,
+            _ => return None,
+        };
+        if let Some((tick, tenant)) = unlisted {
+            self.lru_remove(tick, tenant);
         }
+        Some((slot, len))
     }
 
     /// Pins a committed slot by its index (to write it to L2 while it stays put):
     /// `(key, len)`, or None when the slot holds no committed value.
     pub fn pin_slot(&mut self, slot: SlotId) -> Option<(Vec<u8>, u64)> {
-        match self.slots.get_mut(slot)? {
+        let (unlisted, found) = match self.slots.get_mut(slot)? {
             SlotState::Committed {
                 key,
                 len,
                 pins,
                 tick,
+                tenant,
             } => {
-                if *pins == 0 {
-                    self.lru.remove(tick);
-                }
                 *pins += 1;
-                Some((key.clone(), *len))
+                (
+                    (*pins == 1).then_some((*tick, *tenant)),
+                    (key.clone(), *len),
+                )
             }
-            _ => None,
+            _ => return None,
+        };
+        if let Some((tick, tenant)) = unlisted {
+            self.lru_remove(tick, tenant);
         }
+        Some(found)
     }
 
     /// A read of a pinned slot finished.
     pub fn unpin(&mut self, slot: SlotId) {
         let next = self.next_tick();
-        if let Some(SlotState::Committed { pins, tick, .. }) = self.slots.get_mut(slot)
+        if let Some(SlotState::Committed {
+            pins, tick, tenant, ..
+        }) = self.slots.get_mut(slot)
             && *pins > 0
         {
             *pins -= 1;
             if *pins == 0 {
                 *tick = next;
-                self.lru.insert(next, slot);
+                let tenant = *tenant;
+                self.lru_add(next, slot, tenant);
             }
         }
     }
@@ -227,16 +338,75 @@ impl SlotTable {
 mod tests {
     use super::*;
 
+    const T: TenantId = TenantId(0);
+
+    fn stored(l1: &mut SlotTable, key: &[u8], tenant: TenantId) -> Option<SlotId> {
+        match l1.reserve(key, tenant) {
+            Reservation::Reserved(slot) => {
+                l1.commit(slot, 1);
+                Some(slot)
+            }
+            _ => None,
+        }
+    }
+
+    /// A tenant that floods a full pool evicts its own slots once it is over its fair
+    /// share, never the slots of a tenant within its share; and a tenant within its
+    /// share that stores into a full pool evicts the flooder's.
+    #[test]
+    fn a_full_pool_evicts_the_tenant_over_its_quota_first() {
+        let (victim, flooder) = (TenantId(0), TenantId(1));
+        let mut l1 = SlotTable::new(8, 64);
+        for key in [b"v0", b"v1", b"v2"] {
+            stored(&mut l1, key, victim).unwrap();
+        }
+        for n in 0..100u32 {
+            stored(&mut l1, format!("f{n}").as_bytes(), flooder).unwrap();
+        }
+        let victim_keys = [b"v0".to_vec(), b"v1".to_vec(), b"v2".to_vec()];
+        assert_eq!(
+            l1.lookup_prefix(&victim_keys),
+            3,
+            "the victim keeps its 3 slots"
+        );
+        assert_eq!(l1.tenant_slots(victim), 3);
+        assert_eq!(l1.tenant_slots(flooder), 5);
+        // The victim stores a fourth chunk (within its fair share of 4): the flooder pays.
+        stored(&mut l1, b"v3", victim).unwrap();
+        assert_eq!(l1.tenant_slots(victim), 4);
+        assert_eq!(l1.tenant_slots(flooder), 4);
+        // Control: with no tenant over its quota, plain LRU evicts the oldest (v0).
+        stored(&mut l1, b"v4", victim).unwrap();
+        assert_eq!(l1.lookup_prefix(&victim_keys[..1]), 0, "plain LRU took v0");
+    }
+
+    #[test]
+    fn a_configured_quota_overrides_the_fair_share() {
+        let (small, big) = (TenantId(0), TenantId(1));
+        let mut l1 = SlotTable::new(10, 64);
+        l1.set_quota(small, Some(2));
+        for n in 0..10u32 {
+            stored(&mut l1, format!("s{n}").as_bytes(), small).unwrap();
+        }
+        assert_eq!(l1.tenant_slots(small), 10, "a free pool is used whole");
+        for n in 0..6u32 {
+            stored(&mut l1, format!("b{n}").as_bytes(), big).unwrap();
+        }
+        assert_eq!(l1.tenant_slots(big), 6);
+        assert_eq!(l1.tenant_slots(small), 4);
+        assert_eq!(l1.quota_slots(small), 2);
+    }
+
     #[test]
     fn lru_evicts_unpinned_and_full_when_everything_is_pinned() {
         let mut l1 = SlotTable::new(2, 4096);
         assert_eq!(l1.num_slots(), 2);
-        let Reservation::Reserved(a) = l1.reserve(b"a") else {
+        let Reservation::Reserved(a) = l1.reserve(b"a", T) else {
             panic!()
         };
         l1.commit(a, 10);
-        assert_eq!(l1.reserve(b"a"), Reservation::AlreadyStored);
-        let Reservation::Reserved(b) = l1.reserve(b"b") else {
+        assert_eq!(l1.reserve(b"a", T), Reservation::AlreadyStored);
+        let Reservation::Reserved(b) = l1.reserve(b"b", T) else {
             panic!()
         };
         l1.commit(b, 10);
@@ -247,16 +417,16 @@ mod tests {
         // Pin b, then a third key evicts a (the only unpinned one).
         let (pinned, len) = l1.pin(b"b").unwrap();
         assert_eq!(len, 10);
-        let Reservation::Reserved(c) = l1.reserve(b"c") else {
+        let Reservation::Reserved(c) = l1.reserve(b"c", T) else {
             panic!()
         };
         assert_eq!(c, a);
         assert_eq!(l1.lookup_prefix(&[b"a".to_vec()]), 0);
         // c is being written and b is pinned: full.
-        assert_eq!(l1.reserve(b"d"), Reservation::Full);
+        assert_eq!(l1.reserve(b"d", T), Reservation::Full);
         l1.abort(c);
         l1.unpin(pinned);
-        assert!(matches!(l1.reserve(b"d"), Reservation::Reserved(_)));
+        assert!(matches!(l1.reserve(b"d", T), Reservation::Reserved(_)));
     }
 
     /// Random reserve/commit/abort/pin/unpin sequences: a slot that is reserved or
@@ -278,7 +448,7 @@ mod tests {
         for round in 0..20_000u64 {
             let key = format!("k{}", next() % 24).into_bytes();
             match next() % 5 {
-                0 | 1 => match l1.reserve(&key) {
+                0 | 1 => match l1.reserve(&key, T) {
                     Reservation::Reserved(slot) => {
                         assert!(
                             !reserved.iter().chain(&pinned).any(|(_, s)| *s == slot),

@@ -34,6 +34,7 @@
 //! None of this touches pings or reaping: a ping is answered before any of it.
 
 use super::l1::Reservation;
+use super::ops::Want;
 use super::*;
 use crate::l2::{
     Admission, HEADER_BYTES, L2Counters, L2Health, L2HealthConfig, L2State, OpResult, Push,
@@ -84,6 +85,9 @@ pub struct L2Delivery {
     pub buffer: usize,
     /// Where in the buffer.
     pub offset: u64,
+    /// The length the worker asked for: deliver only a value of exactly this length
+    /// (any other is not the worker's chunk, and must not touch its buffer).
+    pub nbytes: u64,
 }
 
 /// How an [`Output::L2Get`] ended, as the shell reports it in [`Input::L2Got`].
@@ -164,16 +168,14 @@ pub(super) enum ReadFor {
         to: ReplyTo,
         instance: InstanceId,
         context: ContextId,
-        buffer: u64,
-        offset: u64,
+        want: Want,
     },
     BatchRetrieve {
         batch: u64,
         item: usize,
         instance: InstanceId,
         context: ContextId,
-        buffer: u64,
-        offset: u64,
+        want: Want,
     },
     PrepareRetrieve {
         to: ReplyTo,
@@ -346,12 +348,13 @@ impl Node {
         &mut self,
         now: Instant,
         key: &[u8],
+        tenant: TenantId,
         waiter: ReadFor,
     ) -> Result<(), ReadFor> {
         if self.l2.is_none() {
             return Err(waiter);
         }
-        let slot = match self.l1.reserve(key) {
+        let slot = match self.l1.reserve(key, tenant) {
             Reservation::Reserved(slot) => slot,
             Reservation::AlreadyStored | Reservation::Full => return Err(waiter),
         };
@@ -382,26 +385,23 @@ impl Node {
     /// (decision 9: a free waits for it) until the read's `L2Got`. None for the rest
     /// (an engine-driven `prepare_retrieve` copies by itself).
     fn l2_delivery(&mut self, waiter: &ReadFor, slot: SlotId) -> Option<L2Delivery> {
-        let (instance, context, buffer, offset, purpose) = match *waiter {
+        let (instance, context, want, purpose) = match *waiter {
             ReadFor::Retrieve {
                 to,
                 instance,
                 context,
-                buffer,
-                offset,
-            } => (instance, context, buffer, offset, CopyFor::Retrieve(to)),
+                want,
+            } => (instance, context, want, CopyFor::Retrieve(to)),
             ReadFor::BatchRetrieve {
                 batch,
                 item,
                 instance,
                 context,
-                buffer,
-                offset,
+                want,
             } => (
                 instance,
                 context,
-                buffer,
-                offset,
+                want,
                 CopyFor::BatchRetrieve { batch, item },
             ),
             ReadFor::PrepareRetrieve { .. } | ReadFor::Lookup { .. } | ReadFor::Probe => {
@@ -409,13 +409,21 @@ impl Node {
             }
         };
         let index = self
-            .checked_buffer(context, "an L2 delivery", instance, buffer, offset, 0)
+            .checked_buffer(
+                context,
+                "an L2 delivery",
+                instance,
+                want.buffer,
+                want.offset,
+                want.nbytes,
+            )
             .ok()?;
         Some(L2Delivery {
             copy: self.hold_copy(context, slot, purpose),
             context,
             buffer: index,
-            offset,
+            offset: want.offset,
+            nbytes: want.nbytes,
         })
     }
 
@@ -643,12 +651,11 @@ impl Node {
                 to,
                 instance,
                 context,
-                buffer,
-                offset,
+                want,
             } => {
                 self.end_job(to.conn);
                 let answer = if hit {
-                    self.retrieve_l1(to, instance, context, key, buffer, offset)
+                    self.retrieve_l1(to, instance, context, key, want)
                 } else {
                     Some(Ok(Value::Nil))
                 };
@@ -661,8 +668,7 @@ impl Node {
                 item,
                 instance,
                 context,
-                buffer,
-                offset,
+                want,
             } => {
                 if !hit {
                     self.item_done(batch, item, Ok(Value::Nil));
@@ -672,26 +678,34 @@ impl Node {
                     self.item_done(batch, item, Err(gone(instance, "retrieve_batch")));
                     return;
                 }
-                let Some((slot, nbytes)) = self.l1.pin(key) else {
+                let what = format!("`retrieve_batch` items[{item}]");
+                let index = match self.checked_buffer(
+                    context,
+                    &what,
+                    instance,
+                    want.buffer,
+                    want.offset,
+                    want.nbytes,
+                ) {
+                    Ok(index) => index,
+                    Err(error) => {
+                        self.item_done(batch, item, Err(error));
+                        return;
+                    }
+                };
+                let Some(slot) = self.pin_exact(key, want.nbytes) else {
                     self.item_done(batch, item, Ok(Value::Nil));
                     return;
                 };
-                let what = format!("`retrieve_batch` items[{item}]");
-                match self.checked_buffer(context, &what, instance, buffer, offset, nbytes) {
-                    Ok(index) => self.start_copy(
-                        context,
-                        Direction::FromL1,
-                        index,
-                        offset,
-                        slot,
-                        nbytes,
-                        CopyFor::BatchRetrieve { batch, item },
-                    ),
-                    Err(error) => {
-                        self.l1.unpin(slot);
-                        self.item_done(batch, item, Err(error));
-                    }
-                }
+                self.start_copy(
+                    context,
+                    Direction::FromL1,
+                    index,
+                    want.offset,
+                    slot,
+                    want.nbytes,
+                    CopyFor::BatchRetrieve { batch, item },
+                );
             }
             ReadFor::PrepareRetrieve { to, instance } => {
                 self.end_job(to.conn);

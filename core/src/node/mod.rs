@@ -27,6 +27,7 @@ pub mod l1;
 pub mod l2;
 mod ops;
 mod outcomes;
+pub mod trust;
 
 use crate::config::{Config, ConfigError};
 use crate::effect::FreeCause;
@@ -41,6 +42,7 @@ use l1::{SlotId, SlotTable};
 use l2::{L2Delivery, L2Fetched, L2NodeConfig, L2Presence, L2ReadId, L2Status, L2Tier, L2WriteId};
 use rmpv::Value;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use trust::{Peer, TenantId, TenantView, Trust, TrustConfig};
 
 /// The node's maps are keyed by ids it or the shell hands out: a fast hash suffices.
 type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
@@ -144,8 +146,11 @@ pub struct NodeConfig {
     pub num_slots: usize,
     /// Bytes per slot.
     pub slot_bytes: u64,
-    /// The server's own uid: it may act on any instance.
+    /// The server's own uid: its tenant may register engine-driven by default (it
+    /// acts on no instance it has not attached, like everyone else).
     pub server_uid: u32,
+    /// The operator's tenants and TCP tokens.
+    pub trust: TrustConfig,
     /// Random per server start, told to every `hello`.
     pub boot_id: u64,
     /// The server's name and version, told to every `hello`.
@@ -545,6 +550,8 @@ pub struct InstanceView {
     pub building: bool,
     /// The uid that registered it.
     pub owner_uid: Option<u32>,
+    /// The tenant it acts for.
+    pub tenant: String,
     /// The model.
     pub model_name: String,
     /// The process watched for it.
@@ -590,6 +597,26 @@ pub struct NodeStatus {
     pub instances: Vec<InstanceView>,
     /// L2's figures, None without `--l2`.
     pub l2: Option<L2Status>,
+    /// Requests refused `forbidden` (not the owner, not attached, not authenticated).
+    pub forbidden_total: u64,
+    /// Instance ids bound to a secret now.
+    pub bound_instances: usize,
+    /// Every tenant known, with its L1 use.
+    pub tenants: Vec<TenantStatus>,
+    /// `retrieve`s (and batch items) answered as a miss because the stored value's
+    /// length differs from the destination's.
+    pub retrieve_length_mismatches: u64,
+}
+
+/// One tenant's figures.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TenantStatus {
+    /// Its name, quota setting and rights.
+    pub view: TenantView,
+    /// L1 slots charged to it.
+    pub slots_used: usize,
+    /// Its quota in slots now.
+    pub quota_slots: usize,
 }
 
 /// Where a reply goes.
@@ -602,6 +629,8 @@ struct ReplyTo {
 
 struct Conn {
     uid: Option<u32>,
+    /// Who the peer is, which tenant it acts for, what it attached.
+    peer: Peer,
     transport: Transport,
     process: Option<(ProcessKey, DeathNotice)>,
     in_flight: usize,
@@ -613,6 +642,7 @@ struct Conn {
 /// What the node knows of an entry besides liveness.
 struct Record {
     owner_uid: Option<u32>,
+    tenant: TenantId,
     registered_at: Instant,
     model_name: String,
 }
@@ -703,6 +733,8 @@ pub struct Node {
     freed_total: BTreeMap<&'static str, u64>,
     frees_hung: u64,
     l2: Option<L2Tier>,
+    trust: Trust,
+    length_mismatches: u64,
     #[cfg(feature = "planted-bugs")]
     bug: Option<PlantedBug>,
     /// Planted bug `PingWaitsForL2` only: ping answers held until `handle_timeout`.
@@ -757,9 +789,19 @@ impl Node {
             .clone()
             .map(|l2| L2Tier::new(l2, config.num_slots))
             .transpose()?;
+        let trust = Trust::new(&config.trust, config.server_uid)?;
+        let mut l1 = SlotTable::new(config.num_slots, config.slot_bytes);
+        for tenant in trust.tenants() {
+            let quota = tenant
+                .quota_percent
+                .map(|percent| (config.num_slots * percent as usize / 100).max(1));
+            l1.set_quota(tenant.tenant, quota);
+        }
         Ok(Node {
-            l1: SlotTable::new(config.num_slots, config.slot_bytes),
+            l1,
             l2,
+            trust,
+            length_mismatches: 0,
             config,
             liveness,
             conns: HashMap::default(),
@@ -827,10 +869,12 @@ impl Node {
                 transport,
                 process,
             } => {
+                let peer = self.trust.connect(uid);
                 self.conns.insert(
                     conn,
                     Conn {
                         uid,
+                        peer,
                         transport,
                         process,
                         in_flight: 0,
@@ -853,9 +897,7 @@ impl Node {
                 op,
                 fds,
             } => self.request(now, conn, request_id, op, fds),
-            Input::Disconnected { conn } => {
-                self.conns.remove(&conn);
-            }
+            Input::Disconnected { conn } => self.disconnected(conn),
             Input::BuildDone { context, result } => self.build_done(now, context, result),
             Input::CopyDone { copy, result } => self.copy_done(copy, result),
             Input::BlendDone { blend, result } => self.blend_done(blend, result),
@@ -947,6 +989,7 @@ impl Node {
                 proven: entry.proven,
                 building: entry.building,
                 owner_uid: record.owner_uid,
+                tenant: self.trust.name(record.tenant).to_owned(),
                 model_name: record.model_name.clone(),
                 process: watch.map(|(process, _)| process),
                 death_notice: watch.map_or(DeathNotice::TimeoutOnly, |(_, notice)| notice),
@@ -984,6 +1027,19 @@ impl Node {
             connections: self.conns.len(),
             instances,
             l2: self.l2.as_ref().map(L2Tier::status),
+            forbidden_total: self.trust.forbidden_total(),
+            bound_instances: self.trust.bindings(),
+            tenants: self
+                .trust
+                .tenants()
+                .into_iter()
+                .map(|view| TenantStatus {
+                    slots_used: self.l1.tenant_slots(view.tenant),
+                    quota_slots: self.l1.quota_slots(view.tenant),
+                    view,
+                })
+                .collect(),
+            retrieve_length_mismatches: self.length_mismatches,
         }
     }
 
@@ -1018,6 +1074,22 @@ impl Node {
     /// Slots held by reservations and pins, for the simulator's invariants.
     pub fn l1_occupancy(&self) -> l1::Occupancy {
         self.l1.occupancy()
+    }
+
+    /// A connection went: its proofs go with it, and an instance nobody attached any
+    /// more and that holds no entry is unbound.
+    fn disconnected(&mut self, conn: ConnId) {
+        let Some(connection) = self.conns.remove(&conn) else {
+            return;
+        };
+        for instance in self.trust.disconnect(connection.peer) {
+            let holds_entry = Module::ALL
+                .iter()
+                .any(|&module| self.records.contains_key(&(instance, module)));
+            if !holds_entry {
+                self.trust.release(instance);
+            }
+        }
     }
 
     fn next_id(&mut self) -> u64 {
@@ -1065,6 +1137,7 @@ mod tests {
             num_slots: 4,
             slot_bytes: 64,
             server_uid: 0,
+            trust: TrustConfig::default(),
             boot_id: 1,
             server_name: "test".into(),
             free_watchdog: Duration::from_secs(10),

@@ -12,6 +12,14 @@ use super::engine::{
 use super::l1::Reservation;
 use super::l2::ReadFor;
 use super::*;
+
+/// Where a retrieve wants its bytes: exactly `nbytes` at `offset` of `buffer`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(super) struct Want {
+    pub(super) buffer: u64,
+    pub(super) offset: u64,
+    pub(super) nbytes: u64,
+}
 use crate::liveness::{Registration, TransferError};
 use crate::protocol::{ErrorCode, PROTOCOL_VERSION, RetrieveItem, StoreItem};
 
@@ -29,13 +37,6 @@ fn overloaded() -> ProtocolError {
              for replies before sending more"
         ),
     )
-}
-
-fn describe_uid(uid: Option<u32>) -> String {
-    match uid {
-        Some(uid) => format!("uid {uid}"),
-        None => "a TCP peer (no uid)".to_string(),
-    }
 }
 
 impl Node {
@@ -58,21 +59,47 @@ impl Node {
     }
 
     /// Answers now (`Some`) or once the work it started is done (`None`).
-    fn dispatch(&mut self, now: Instant, to: ReplyTo, op: Op, fds: usize) -> Answer {
+    fn dispatch(&mut self, now: Instant, to: ReplyTo, mut op: Op, fds: usize) -> Answer {
         if self.shutdown.is_some() {
             return Some(Err(ProtocolError::new(
                 ErrorCode::Unavailable,
                 "the server is shutting down; reconnect to its successor and register again",
             )));
         }
-        let Some(connection) = self.conns.get(&to.conn) else {
+        let Some(connection) = self.conns.get_mut(&to.conn) else {
             return None; // a request of a connection the shell never announced
         };
-        let (uid, transport) = (connection.uid, connection.transport);
-        if let Some(instance) = op.instance() {
-            if let Err(error) = self.check_owner(uid, instance, to.op) {
-                return Some(Err(error));
-            }
+        let transport = connection.transport;
+        // Who is who (trust.rs), before anything else: a TCP peer is nobody until its
+        // `hello` presents a token; a request naming an instance needs the connection
+        // to have attached it. A refused request refreshes nothing.
+        let checked = match &op {
+            Op::Hello { token, .. } if transport == Transport::Tcp => self
+                .trust
+                .authenticate(&mut connection.peer, token.as_deref()),
+            Op::Hello { .. } => Ok(()),
+            Op::Attach { .. } => self.trust.require_identity(&connection.peer, to.op),
+            _ => self
+                .trust
+                .require_identity(&connection.peer, to.op)
+                .and_then(|()| match op.instance() {
+                    Some(instance) => self.trust.check(&connection.peer, instance, to.op),
+                    None => Ok(()),
+                }),
+        };
+        if let Err(error) = checked {
+            return Some(Err(error));
+        }
+        let tenant = connection.peer.tenant();
+        if let Op::Attach { instance, secret } = &op {
+            return Some(
+                self.trust
+                    .attach(&mut connection.peer, *instance, secret)
+                    .map(|attached| Value::Map(vec![("outcome".into(), attached.label().into())])),
+            );
+        }
+        if let Some(tenant) = tenant {
+            trust::scope_keys(&mut op, self.trust.key_prefix(tenant));
         }
         if let Op::Ping { instance } = op {
             let answer: Value = self.ping(now, instance).into();
@@ -105,7 +132,7 @@ impl Node {
             self.evidence(now, instance);
         }
         match op {
-            Op::Ping { .. } => None,
+            Op::Ping { .. } | Op::Attach { .. } => None,
             Op::Hello { sends_fds, .. } => Some(Ok(self.hello(to.conn, sends_fds))),
             Op::Status => {
                 self.outputs.push_back(Output::ReplyStatus {
@@ -130,6 +157,22 @@ impl Node {
                 model_name,
                 world_size: _,
             } => {
+                if let Some(tenant) = tenant
+                    && !self.trust.engine_driven_allowed(tenant)
+                {
+                    return Some(Err(ProtocolError::new(
+                        ErrorCode::Forbidden,
+                        format!(
+                            "register_engine_driven: tenant {:?} may not register \
+                             engine-driven: such a worker maps the whole L1 pool read-write, \
+                             every tenant's slots included. Use register_kv_cache with \
+                             store/retrieve, or have the operator trust the tenant \
+                             (serve --tenant {}=uid:...,engine-driven)",
+                            self.trust.name(tenant),
+                            self.trust.name(tenant)
+                        ),
+                    )));
+                }
                 if transport != Transport::Unix {
                     return Some(Err(bad_args(
                         "register_engine_driven: the L1 pool's memfd travels only over the Unix \
@@ -165,10 +208,13 @@ impl Node {
                 key,
                 buffer,
                 offset,
-            } => self.retrieve(now, to, instance, key, buffer, offset),
+                nbytes,
+            } => self.retrieve(now, to, instance, key, buffer, offset, nbytes),
             Op::StoreBatch { instance, items } => self.store_batch(now, to, instance, items),
             Op::RetrieveBatch { instance, items } => self.retrieve_batch(now, to, instance, items),
-            Op::PrepareStore { instance, key } => Some(self.prepare_store(now, instance, &key)),
+            Op::PrepareStore { instance, key } => {
+                Some(self.prepare_store(now, to.conn, instance, &key))
+            }
             Op::CommitStore {
                 instance,
                 key,
@@ -182,36 +228,6 @@ impl Node {
                 |strategy, l1| Ok(strategy.commit_retrieve(l1, &key).into()),
             )),
             Op::RegisterBlend { instance, rope } => self.register_blend(to, instance, rope),
-        }
-    }
-
-    /// An instance belongs to the uid that registered it; the server's own uid may act
-    /// on any instance.
-    fn check_owner(
-        &self,
-        uid: Option<u32>,
-        instance: InstanceId,
-        op: &str,
-    ) -> Result<(), ProtocolError> {
-        if uid == Some(self.config.server_uid) {
-            return Ok(());
-        }
-        let owner = Module::ALL
-            .iter()
-            .find_map(|&module| self.records.get(&(instance, module)))
-            .map(|record| record.owner_uid);
-        match owner {
-            Some(owner) if owner != uid => Err(ProtocolError::new(
-                ErrorCode::Forbidden,
-                format!(
-                    "`{op}`: instance {instance} belongs to {}, and this connection is {}; only \
-                     its owner (or the server's own uid {}) may name it",
-                    describe_uid(owner),
-                    describe_uid(uid),
-                    self.config.server_uid
-                ),
-            )),
-            _ => Ok(()),
         }
     }
 
@@ -248,6 +264,10 @@ impl Node {
         let notice = connection
             .process
             .map_or(DeathNotice::TimeoutOnly, |(_, notice)| notice);
+        let tenant = connection
+            .peer
+            .tenant()
+            .map_or(Value::Nil, |tenant| self.trust.name(tenant).into());
         if promised_now {
             self.outputs.push_back(Output::ReadWithoutFds { conn });
         }
@@ -266,6 +286,7 @@ impl Node {
             ),
             ("exit_proof".into(), notice.label().into()),
             ("sends_fds".into(), sends_fds.into()),
+            ("tenant".into(), tenant.into()),
         ])
     }
 
@@ -348,6 +369,7 @@ impl Node {
             return Some(Err(overloaded()));
         }
         let owner_uid = connection.uid;
+        let tenant = connection.peer.tenant().unwrap_or(TenantId(0));
         self.watch(to.conn, instance);
         match self.liveness.register(now, instance, module) {
             Registration::Refreshed => {
@@ -359,6 +381,7 @@ impl Node {
                     (instance, module),
                     Record {
                         owner_uid,
+                        tenant,
                         registered_at: now,
                         model_name: model_name.clone(),
                     },
@@ -610,7 +633,7 @@ impl Node {
             Ok(opened) => opened,
             Err(error) => return Some(Err(error)),
         };
-        match self.l1.reserve(&key) {
+        match self.l1.reserve(&key, self.tenant(to.conn)) {
             Reservation::AlreadyStored => Some(Ok(true.into())),
             Reservation::Full => Some(Ok(false.into())),
             Reservation::Reserved(slot) => {
@@ -629,6 +652,7 @@ impl Node {
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn retrieve(
         &mut self,
         now: Instant,
@@ -637,25 +661,30 @@ impl Node {
         key: Vec<u8>,
         buffer: u64,
         offset: u64,
+        nbytes: u64,
     ) -> Answer {
         let opened = self.open_transfer(now, to.conn, instance, "retrieve", |node, context| {
-            node.checked_buffer(context, "`retrieve`", instance, buffer, offset, 0)
+            node.checked_buffer(context, "`retrieve`", instance, buffer, offset, nbytes)
         });
         let context = match opened {
             Ok((context, _)) => context,
             Err(error) => return Some(Err(error)),
         };
+        let want = Want {
+            buffer,
+            offset,
+            nbytes,
+        };
         if self.l1_holds(&key) || !self.l2_enabled() {
-            return self.retrieve_l1(to, instance, context, &key, buffer, offset);
+            return self.retrieve_l1(to, instance, context, &key, want);
         }
         let waiter = ReadFor::Retrieve {
             to,
             instance,
             context,
-            buffer,
-            offset,
+            want,
         };
-        match self.l2_ask(now, &key, waiter) {
+        match self.l2_ask(now, &key, self.tenant(to.conn), waiter) {
             Ok(()) => {
                 self.start_job(to.conn);
                 None
@@ -669,38 +698,61 @@ impl Node {
         self.l1.lookup_prefix(std::slice::from_ref(&key.to_vec())) == 1
     }
 
-    /// The L1 part of `retrieve`: pin, check the value fits, copy out.
+    /// The tenant `conn` acts for (checked by `dispatch` before any op runs).
+    pub(super) fn tenant(&self, conn: ConnId) -> TenantId {
+        self.conns
+            .get(&conn)
+            .and_then(|connection| connection.peer.tenant())
+            .unwrap_or(TenantId(0))
+    }
+
+    /// Pins `key`'s committed slot for a copy of exactly `nbytes` into a worker's
+    /// buffer. A value of another length is a miss (counted): a retrieve never writes
+    /// more, or less, than its destination asked for.
+    pub(super) fn pin_exact(&mut self, key: &[u8], nbytes: u64) -> Option<SlotId> {
+        let (slot, len) = self.l1.pin(key)?;
+        if len != nbytes {
+            self.l1.unpin(slot);
+            self.length_mismatches += 1;
+            return None;
+        }
+        Some(slot)
+    }
+
+    /// The L1 part of `retrieve`: pin a value of the wanted length, copy it out.
     pub(super) fn retrieve_l1(
         &mut self,
         to: ReplyTo,
         instance: InstanceId,
         context: ContextId,
         key: &[u8],
-        buffer: u64,
-        offset: u64,
+        want: Want,
     ) -> Answer {
         if !self.contexts.contains_key(&context) {
             return Some(Err(super::l2::gone(instance, "retrieve")));
         }
-        let Some((slot, nbytes)) = self.l1.pin(key) else {
+        let index = match self.checked_buffer(
+            context,
+            "`retrieve`",
+            instance,
+            want.buffer,
+            want.offset,
+            want.nbytes,
+        ) {
+            Ok(index) => index,
+            Err(error) => return Some(Err(error)),
+        };
+        let Some(slot) = self.pin_exact(key, want.nbytes) else {
             return Some(Ok(Value::Nil)); // a miss
         };
-        let index =
-            match self.checked_buffer(context, "`retrieve`", instance, buffer, offset, nbytes) {
-                Ok(index) => index,
-                Err(error) => {
-                    self.l1.unpin(slot);
-                    return Some(Err(error));
-                }
-            };
         self.start_job(to.conn);
         self.start_copy(
             context,
             Direction::FromL1,
             index,
-            offset,
+            want.offset,
             slot,
-            nbytes,
+            want.nbytes,
             CopyFor::Retrieve(to),
         );
         None
@@ -739,8 +791,9 @@ impl Node {
         };
         let mut results = vec![Value::Nil; items.len()];
         let mut copies = Vec::new();
+        let tenant = self.tenant(to.conn);
         for (position, (item, index)) in items.into_iter().zip(indexes).enumerate() {
-            results[position] = match self.l1.reserve(&item.key) {
+            results[position] = match self.l1.reserve(&item.key, tenant) {
                 Reservation::AlreadyStored => true.into(),
                 Reservation::Full => false.into(),
                 Reservation::Reserved(slot) => {
@@ -777,69 +830,59 @@ impl Node {
         let what = |position: usize| format!("`retrieve_batch` items[{position}]");
         let opened =
             self.open_transfer(now, to.conn, instance, "retrieve_batch", |node, context| {
+                let mut indexes = Vec::with_capacity(items.len());
                 for (position, item) in items.iter().enumerate() {
-                    node.checked_buffer(
+                    indexes.push(node.checked_buffer(
                         context,
                         &what(position),
                         instance,
                         item.buffer,
                         item.offset,
-                        0,
-                    )?;
+                        item.nbytes,
+                    )?);
                 }
-                Ok(())
+                Ok(indexes)
             });
-        let context = match opened {
-            Ok((context, ())) => context,
+        let (context, indexes) = match opened {
+            Ok(opened) => opened,
             Err(error) => return Some(Err(error)),
         };
-        let pins: Vec<Option<(SlotId, u64)>> =
-            items.iter().map(|item| self.l1.pin(&item.key)).collect();
-        // The value's length is known only once pinned: a value that does not fit where
-        // its item asks refuses the whole batch, before any copy starts.
+        // Every item was checked against its buffer: each pins a value of exactly its
+        // length, or is a miss.
         let mut copies = Vec::new();
-        for (position, (item, pin)) in items.iter().zip(&pins).enumerate() {
-            let Some((slot, nbytes)) = *pin else {
-                continue;
-            };
-            match self.checked_buffer(
-                context,
-                &what(position),
-                instance,
-                item.buffer,
-                item.offset,
-                nbytes,
-            ) {
-                Ok(index) => copies.push((position, slot, index, item.offset, nbytes)),
-                Err(error) => {
-                    for (slot, _) in pins.iter().flatten() {
-                        self.l1.unpin(*slot);
-                    }
-                    return Some(Err(error));
-                }
+        let mut misses = Vec::new();
+        for (position, (item, &index)) in items.iter().zip(&indexes).enumerate() {
+            match self.pin_exact(&item.key, item.nbytes) {
+                Some(slot) => copies.push((position, slot, index, item.offset, item.nbytes)),
+                None => misses.push(position),
             }
         }
         let results = vec![Value::Nil; items.len()]; // nil: a miss
-        let misses: Vec<usize> = if self.l2_enabled() {
-            (0..items.len()).filter(|&i| pins[i].is_none()).collect()
-        } else {
-            Vec::new()
-        };
+        if !self.l2_enabled() {
+            misses.clear();
+        }
         if copies.is_empty() && misses.is_empty() {
             return Some(Ok(Value::Array(results)));
         }
         let batch = self.open_batch(to, results, copies.len());
+        let tenant = self.tenant(to.conn);
         for position in misses {
             let item = &items[position];
+            if self.l1_holds(&item.key) {
+                continue; // stored with another length: a miss, not an L2 read
+            }
             let waiter = ReadFor::BatchRetrieve {
                 batch,
                 item: position,
                 instance,
                 context,
-                buffer: item.buffer,
-                offset: item.offset,
+                want: Want {
+                    buffer: item.buffer,
+                    offset: item.offset,
+                    nbytes: item.nbytes,
+                },
             };
-            if self.l2_ask(now, &item.key, waiter).is_ok()
+            if self.l2_ask(now, &item.key, tenant, waiter).is_ok()
                 && let Some(open) = self.batches.get_mut(&batch)
             {
                 open.pending += 1;
@@ -908,17 +951,19 @@ impl Node {
     fn prepare_store(
         &mut self,
         now: Instant,
+        conn: ConnId,
         instance: InstanceId,
         key: &[u8],
     ) -> Result<Value, ProtocolError> {
         let num_slots = self.l1.num_slots();
+        let tenant = self.tenant(conn);
         let mut reserved = None;
         let value =
             self.with_strategy(
                 now,
                 instance,
                 "prepare_store",
-                |strategy, l1| match strategy.prepare_store(l1, key) {
+                |strategy, l1| match strategy.prepare_store(l1, key, tenant) {
                     PrepareStore::Reserved(grant) => {
                         reserved = Some(grant.slot);
                         Ok(grant_value(grant, true))
@@ -985,7 +1030,8 @@ impl Node {
         if !self.has_room(to.conn) {
             return Some(Err(overloaded()));
         }
-        match self.l2_ask(now, key, ReadFor::PrepareRetrieve { to, instance }) {
+        let tenant = self.tenant(to.conn);
+        match self.l2_ask(now, key, tenant, ReadFor::PrepareRetrieve { to, instance }) {
             Ok(()) => {
                 self.start_job(to.conn);
                 None

@@ -328,6 +328,7 @@ impl Node {
         }
         if !any {
             self.unwatch(instance);
+            self.trust.release(instance);
         }
     }
 

@@ -30,12 +30,12 @@ enum Arg {
     Buffers,
     /// `items` of `store_batch`: an array of `[key: bin, buffer, offset, nbytes]`.
     StoreItems,
-    /// `items` of `retrieve_batch`: an array of `[key: bin, buffer, offset]`.
+    /// `items` of `retrieve_batch`: an array of `[key: bin, buffer, offset, nbytes]`.
     RetrieveItems,
     /// `rope`: `{rotary_dim: uint, max_positions: uint, base: float}`.
     Rope,
-    /// `hello`'s optional last argument: `{"pidfd_index": uint, "sends_fds": bool}`
-    /// (both optional, other keys ignored).
+    /// `hello`'s optional last argument: `{"pidfd_index": uint, "sends_fds": bool,
+    /// "token": str | bin}` (all optional, other keys ignored).
     HelloOptions,
 }
 
@@ -47,8 +47,13 @@ fn shape(name: &str) -> Option<(&'static str, &'static str, &'static [Arg])> {
         "hello" => (
             "hello",
             "[protocol: uint, client: str] or [protocol: uint, client: str, options: \
-             {\"pidfd_index\": uint, \"sends_fds\": bool}]",
+             {\"pidfd_index\": uint, \"sends_fds\": bool, \"token\": str | bin}]",
             &[Uint("protocol"), Text("client"), HelloOptions],
+        ),
+        "attach" => (
+            "attach",
+            "[instance_id: uint, secret: bin]",
+            &[Instance, Bin("secret")],
         ),
         "ping" => ("ping", "[instance_id: uint | nil]", &[InstanceOrNil]),
         "register_kv_cache" => (
@@ -70,8 +75,14 @@ fn shape(name: &str) -> Option<(&'static str, &'static str, &'static [Arg])> {
         ),
         "retrieve" => (
             "retrieve",
-            "[instance_id: uint, key: bin, buffer: uint, offset: uint]",
-            &[Instance, Bin("key"), Uint("buffer"), Uint("offset")],
+            "[instance_id: uint, key: bin, buffer: uint, offset: uint, nbytes: uint]",
+            &[
+                Instance,
+                Bin("key"),
+                Uint("buffer"),
+                Uint("offset"),
+                Uint("nbytes"),
+            ],
         ),
         "store_batch" => (
             "store_batch",
@@ -80,7 +91,7 @@ fn shape(name: &str) -> Option<(&'static str, &'static str, &'static [Arg])> {
         ),
         "retrieve_batch" => (
             "retrieve_batch",
-            "[instance_id: uint, items: [[key: bin, buffer: uint, offset: uint]]]",
+            "[instance_id: uint, items: [[key: bin, buffer: uint, offset: uint, nbytes: uint]]]",
             &[Instance, RetrieveItems],
         ),
         "lookup" => ("lookup", "[keys: [bin]]", &[Keys]),
@@ -253,7 +264,7 @@ fn check_args(op: &str, items: &[Value]) -> Result<(), ProtocolError> {
             }
             Arg::Buffers => a.buffers(index)?,
             Arg::StoreItems => a.batch_items(index, &["key", "buffer", "offset", "nbytes"])?,
-            Arg::RetrieveItems => a.batch_items(index, &["key", "buffer", "offset"])?,
+            Arg::RetrieveItems => a.batch_items(index, &["key", "buffer", "offset", "nbytes"])?,
             Arg::HelloOptions => {
                 let map = a.map(index, "options")?;
                 match field(map, "pidfd_index") {
@@ -271,6 +282,16 @@ fn check_args(op: &str, items: &[Value]) -> Result<(), ProtocolError> {
                     Some(value) => {
                         return Err(a.mismatch(format!(
                             "options.sends_fds must be a boolean, got {}",
+                            describe(value)
+                        )));
+                    }
+                }
+                match field(map, "token") {
+                    None | Some(Value::Nil | Value::String(_) | Value::Binary(_)) => {}
+                    Some(value) => {
+                        return Err(a.mismatch(format!(
+                            "options.token must be a str or bin (the contents of the server's \
+                             --tcp-token-file), got {}",
                             describe(value)
                         )));
                     }

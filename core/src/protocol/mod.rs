@@ -21,7 +21,7 @@ pub use request::{
 };
 
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u64 = 1;
+pub const PROTOCOL_VERSION: u64 = 2;
 
 /// The deepest MessagePack nesting a valid request needs is 5 (request, args, buffers,
 /// buffer map, value); anything much deeper is garbage and must not cost stack.

@@ -69,6 +69,8 @@ pub struct RetrieveItem {
     pub buffer: u64,
     /// Where the bytes go in the buffer.
     pub offset: u64,
+    /// The destination's length: a stored value of another length is a miss.
+    pub nbytes: u64,
 }
 
 /// CacheBlend rope parameters.
@@ -96,6 +98,14 @@ pub enum Op {
         /// (`{"sends_fds": false}`): the server then reads it with plain `read(2)`,
         /// which is cheaper than `recvmsg(2)`. True when absent.
         sends_fds: bool,
+        /// The TCP token (`{"token": str | bin}`): required over TCP, ignored over the
+        /// Unix socket.
+        token: Option<Vec<u8>>,
+    },
+    /// Proves (or claims) an instance for this connection with the worker's secret.
+    Attach {
+        instance: InstanceId,
+        secret: Vec<u8>,
     },
     Ping {
         instance: Option<InstanceId>,
@@ -121,6 +131,7 @@ pub enum Op {
         key: Vec<u8>,
         buffer: u64,
         offset: u64,
+        nbytes: u64,
     },
     StoreBatch {
         instance: InstanceId,
@@ -166,7 +177,7 @@ pub enum Op {
 }
 
 /// Every op name this server knows, for metrics labels and error messages.
-pub const OP_NAMES: [&str; 17] = [
+pub const OP_NAMES: [&str; 18] = [
     "hello",
     "ping",
     "register_kv_cache",
@@ -184,6 +195,7 @@ pub const OP_NAMES: [&str; 17] = [
     "commit_retrieve",
     "register_blend",
     "status",
+    "attach",
 ];
 
 impl Op {
@@ -213,6 +225,7 @@ impl Op {
             Op::CommitRetrieve { .. } => 14,
             Op::RegisterBlend { .. } => 15,
             Op::Status => 16,
+            Op::Attach { .. } => 17,
         }
     }
 
@@ -221,7 +234,8 @@ impl Op {
         match self {
             Op::Hello { .. } | Op::Lookup { .. } | Op::Status => None,
             Op::Ping { instance } => *instance,
-            Op::RegisterKvCache { instance, .. }
+            Op::Attach { instance, .. }
+            | Op::RegisterKvCache { instance, .. }
             | Op::UnregisterKvCache { instance }
             | Op::Store { instance, .. }
             | Op::Retrieve { instance, .. }
@@ -286,6 +300,7 @@ impl Op {
                 client,
                 pidfd_index,
                 sends_fds,
+                token,
             } => {
                 let mut args = vec![uint(*protocol), client.as_str().into()];
                 let mut options = Vec::new();
@@ -295,11 +310,15 @@ impl Op {
                 if !sends_fds {
                     options.push(("sends_fds".into(), false.into()));
                 }
+                if let Some(token) = token {
+                    options.push(("token".into(), bin(token)));
+                }
                 if !options.is_empty() {
                     args.push(Value::Map(options));
                 }
                 args
             }
+            Op::Attach { instance, secret } => vec![id(instance), bin(secret)],
             Op::Ping { instance } => vec![instance.as_ref().map_or(Value::Nil, id)],
             Op::RegisterKvCache {
                 instance,
@@ -333,7 +352,14 @@ impl Op {
                 key,
                 buffer,
                 offset,
-            } => vec![id(instance), bin(key), uint(*buffer), uint(*offset)],
+                nbytes,
+            } => vec![
+                id(instance),
+                bin(key),
+                uint(*buffer),
+                uint(*offset),
+                uint(*nbytes),
+            ],
             Op::StoreBatch { instance, items } => vec![
                 id(instance),
                 Value::Array(
@@ -356,7 +382,12 @@ impl Op {
                     items
                         .iter()
                         .map(|item| {
-                            Value::Array(vec![bin(&item.key), uint(item.buffer), uint(item.offset)])
+                            Value::Array(vec![
+                                bin(&item.key),
+                                uint(item.buffer),
+                                uint(item.offset),
+                                uint(item.nbytes),
+                            ])
                         })
                         .collect(),
                 ),

@@ -103,6 +103,7 @@ impl<'de> DeserializeSeed<'de> for ArgsSeed {
                         HelloOptions {
                             pidfd_index,
                             sends_fds,
+                            token,
                         },
                 } = d.deserialize_any(HelloVisitor)?;
                 Op::Hello {
@@ -110,7 +111,12 @@ impl<'de> DeserializeSeed<'de> for ArgsSeed {
                     client,
                     pidfd_index,
                     sends_fds,
+                    token,
                 }
+            }
+            "attach" => {
+                let (Instance(instance), Key(secret)) = array(d)?;
+                Op::Attach { instance, secret }
             }
             "ping" => {
                 let (instance,): (Option<Instance>,) = array(d)?;
@@ -152,12 +158,13 @@ impl<'de> DeserializeSeed<'de> for ArgsSeed {
                 }
             }
             "retrieve" => {
-                let (Instance(instance), Key(key), buffer, offset) = array(d)?;
+                let (Instance(instance), Key(key), buffer, offset, nbytes) = array(d)?;
                 Op::Retrieve {
                     instance,
                     key,
                     buffer,
                     offset,
+                    nbytes,
                 }
             }
             "store_batch" => {
@@ -265,16 +272,17 @@ impl<'de> Deserialize<'de> for WireStoreItem {
     }
 }
 
-/// `[key: bin, buffer: uint, offset: uint]`, an item of `retrieve_batch`.
+/// `[key: bin, buffer: uint, offset: uint, nbytes: uint]`, an item of `retrieve_batch`.
 struct WireRetrieveItem(RetrieveItem);
 
 impl<'de> Deserialize<'de> for WireRetrieveItem {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<WireRetrieveItem, D::Error> {
-        let (Key(key), buffer, offset) = array(d)?;
+        let (Key(key), buffer, offset, nbytes) = array(d)?;
         Ok(WireRetrieveItem(RetrieveItem {
             key,
             buffer,
             offset,
+            nbytes,
         }))
     }
 }
@@ -318,6 +326,7 @@ impl<'de> Visitor<'de> for HelloVisitor {
 struct HelloOptions {
     pidfd_index: Option<u64>,
     sends_fds: bool,
+    token: Option<Vec<u8>>,
 }
 
 impl HelloOptions {
@@ -325,6 +334,7 @@ impl HelloOptions {
     const DEFAULT: HelloOptions = HelloOptions {
         pidfd_index: None,
         sends_fds: true,
+        token: None,
     };
 }
 
@@ -337,7 +347,7 @@ impl<'de> Deserialize<'de> for HelloOptions {
                 f.write_str("an options map")
             }
             fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<HelloOptions, A::Error> {
-                let mut fields = fields(map, &["pidfd_index", "sends_fds"])?;
+                let mut fields = fields(map, &["pidfd_index", "sends_fds", "token"])?;
                 let pidfd_index = match take(&mut fields, "pidfd_index") {
                     None | Some(Loose::Nil) => None,
                     Some(Loose::Uint(index)) => Some(index),
@@ -348,9 +358,16 @@ impl<'de> Deserialize<'de> for HelloOptions {
                     Some(Loose::Bool(sends)) => sends,
                     _ => return Err(de::Error::custom("options.sends_fds is not a bool")),
                 };
+                let token = match take(&mut fields, "token") {
+                    None | Some(Loose::Nil) => None,
+                    Some(Loose::Bytes(token)) => Some(token),
+                    Some(Loose::Text(token)) => Some(token.into_bytes()),
+                    _ => return Err(de::Error::custom("options.token is not a str or bin")),
+                };
                 Ok(HelloOptions {
                     pidfd_index,
                     sends_fds,
+                    token,
                 })
             }
         }

@@ -307,7 +307,7 @@ fn copy(gpu: &Gpu, args: &CopyArgs) -> Result<(), String> {
                     for i in 0..rounds {
                         let offset = ((i % chunks_per_buffer) * chunk) as u64;
                         let copied = client
-                            .retrieve(&chunk_key(c, i), 0, offset)
+                            .retrieve(&chunk_key(c, i), 0, offset, chunk as u64)
                             .map_err(|e| e.to_string())?;
                         if copied != Some(chunk as u64) {
                             return Err(format!(

@@ -73,7 +73,7 @@ pub fn main() -> ExitCode {
 #[derive(Debug, clap::Args)]
 pub struct EndpointArgs {
     /// The server's Unix socket [default: $XDG_RUNTIME_DIR/kvwarden.sock, else
-    /// /tmp/kvwarden-<uid>.sock].
+    /// /tmp/kvwarden-<uid>/kvwarden.sock].
     #[arg(long, conflicts_with = "tcp")]
     socket: Option<std::path::PathBuf>,
     /// Connect over TCP instead (no memfd buffers, no process-exit proof).

@@ -4,6 +4,7 @@ use crate::l2::L2Config;
 use crate::server::fault::Faults;
 use crate::server::{DEFAULT_MAX_CONNECTIONS, Server, ServerConfig, listen};
 use kvwarden_core::l2::Namespace;
+use kvwarden_core::node::trust::{TenantSpec, TrustConfig};
 use kvwarden_core::{Config, ConfigError, REAP_TIMEOUT_FLOOR};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -30,7 +31,8 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 5.0, value_name = "SECONDS")]
     stall_threshold_seconds: f64,
     /// The Unix socket [default: $XDG_RUNTIME_DIR/kvwarden.sock, else
-    /// /tmp/kvwarden-<uid>.sock]. A stale file from a dead server is replaced.
+    /// /tmp/kvwarden-<uid>/kvwarden.sock, in a 0700 directory the server creates and
+    /// checks]. A stale file from a dead server is replaced.
     #[arg(long, value_name = "PATH")]
     socket: Option<PathBuf>,
     /// Permission bits of the socket, in octal. 600 admits only this user; other users
@@ -38,9 +40,25 @@ pub struct ServeArgs {
     #[arg(long, default_value = "600", value_name = "OCTAL", value_parser = parse_mode)]
     socket_mode: u32,
     /// Also listen on TCP (e.g. 127.0.0.1:7070). TCP carries no fds and no proof of
-    /// the peer's process: such workers are reaped by timeout only.
+    /// the peer's process: such workers are reaped by timeout only. Needs
+    /// --tcp-token-file: a TCP peer that does not present the token gets `forbidden`.
     #[arg(long, value_name = "ADDR")]
     tcp: Option<SocketAddr>,
+    /// The file holding the token every TCP worker presents in `hello` (whitespace
+    /// around it ignored; at least 16 bytes, e.g. `openssl rand -hex 32 > FILE`; keep
+    /// it mode 600). Its workers are tenant `tcp`, unless a --tenant names the file.
+    #[arg(long, value_name = "PATH")]
+    tcp_token_file: Option<PathBuf>,
+    /// A tenant: whose keys are one keyspace in L1 and L2 (by default each uid is a
+    /// tenant of its own, `uid-<uid>`). NAME=MEMBER[,MEMBER...], members `uid:N`
+    /// (Unix peers of uid N), `token-file:PATH` (TCP peers presenting that token),
+    /// `quota:P%` (its share of L1: a full pool evicts from tenants over their share
+    /// first; default a fair share), `engine-driven` (may register engine-driven: such
+    /// a worker maps the whole L1 pool, every tenant's slots; by default only the
+    /// server's own uid may). Repeat for more tenants. Example:
+    /// --tenant team-a=uid:1001,uid:1002,quota:50%
+    #[arg(long = "tenant", value_name = "NAME=MEMBERS", value_parser = parse_tenant)]
+    tenants: Vec<TenantArg>,
     /// The HTTP listener for /status, /metrics and /healthz, or `off`.
     #[arg(long, default_value = "127.0.0.1:8080", value_name = "ADDR|off", value_parser = parse_http)]
     http: HttpListen,
@@ -215,7 +233,126 @@ fn l2_config(args: &ServeArgs) -> Result<Option<L2Config>, String> {
     Ok(Some(config))
 }
 
+/// A `--tenant` as given: token files are read when the server starts.
+#[derive(Clone, Debug)]
+pub struct TenantArg {
+    name: String,
+    uids: Vec<u32>,
+    token_files: Vec<PathBuf>,
+    quota_percent: Option<u32>,
+    engine_driven: bool,
+}
+
+fn parse_tenant(text: &str) -> Result<TenantArg, String> {
+    let (name, members) = text.split_once('=').ok_or_else(|| {
+        format!("`{text}`: expected NAME=MEMBER[,MEMBER...], e.g. team-a=uid:1001,uid:1002")
+    })?;
+    let mut tenant = TenantArg {
+        name: name.to_owned(),
+        uids: Vec::new(),
+        token_files: Vec::new(),
+        quota_percent: None,
+        engine_driven: false,
+    };
+    for member in members.split(',').filter(|m| !m.is_empty()) {
+        if let Some(uid) = member.strip_prefix("uid:") {
+            let uid = uid
+                .parse()
+                .map_err(|_| format!("`{member}`: uid:N takes a numeric uid"))?;
+            tenant.uids.push(uid);
+        } else if let Some(path) = member.strip_prefix("token-file:") {
+            tenant.token_files.push(PathBuf::from(path));
+        } else if let Some(quota) = member.strip_prefix("quota:") {
+            let percent = quota
+                .trim_end_matches('%')
+                .parse()
+                .ok()
+                .filter(|p| (1..=100).contains(p))
+                .ok_or_else(|| format!("`{member}`: quota:P% takes 1% to 100%"))?;
+            tenant.quota_percent = Some(percent);
+        } else if member == "engine-driven" {
+            tenant.engine_driven = true;
+        } else {
+            return Err(format!(
+                "`{member}`: unknown member; use uid:N, token-file:PATH, quota:P% or engine-driven"
+            ));
+        }
+    }
+    Ok(tenant)
+}
+
+/// Reads a token file: its contents, surrounding whitespace stripped. Tokens never
+/// travel on a command line.
+fn read_token(path: &std::path::Path, flag: &str) -> Result<Vec<u8>, String> {
+    use std::os::unix::fs::PermissionsExt;
+    let bytes =
+        std::fs::read(path).map_err(|e| format!("{flag}: cannot read {}: {e}", path.display()))?;
+    let token = bytes.trim_ascii().to_vec();
+    if token.len() < kvwarden_core::node::trust::MIN_SECRET_BYTES {
+        return Err(format!(
+            "{flag}: {} holds {} bytes; a token needs at least {} (e.g. `openssl rand -hex 32 > {}`)",
+            path.display(),
+            token.len(),
+            kvwarden_core::node::trust::MIN_SECRET_BYTES,
+            path.display()
+        ));
+    }
+    if let Ok(meta) = std::fs::metadata(path)
+        && meta.permissions().mode() & 0o004 != 0
+    {
+        tracing::warn!(path = %path.display(), "the TCP token file is readable by every user; chmod 600 it");
+    }
+    Ok(token)
+}
+
+fn trust_config(args: &ServeArgs) -> Result<TrustConfig, String> {
+    let mut tenants = Vec::new();
+    let mut has_token = false;
+    for tenant in &args.tenants {
+        let tokens = tenant
+            .token_files
+            .iter()
+            .map(|path| read_token(path, &format!("--tenant {}", tenant.name)))
+            .collect::<Result<Vec<_>, _>>()?;
+        has_token |= !tokens.is_empty();
+        tenants.push(TenantSpec {
+            name: tenant.name.clone(),
+            uids: tenant.uids.clone(),
+            tokens,
+            quota_percent: tenant.quota_percent,
+            engine_driven: tenant.engine_driven,
+        });
+    }
+    if let Some(path) = &args.tcp_token_file {
+        let token = read_token(path, "--tcp-token-file")?;
+        has_token = true;
+        match tenants.iter_mut().find(|t| t.name == "tcp") {
+            Some(tcp) => tcp.tokens.push(token),
+            None => tenants.push(TenantSpec {
+                name: "tcp".into(),
+                uids: Vec::new(),
+                tokens: vec![token],
+                quota_percent: None,
+                engine_driven: false,
+            }),
+        }
+    }
+    if args.tcp.is_some() && !has_token {
+        return Err(
+            "--tcp needs --tcp-token-file PATH: TCP has no peer credentials, so every TCP \
+             worker presents a token (make one with `openssl rand -hex 32 > PATH; chmod 600 \
+             PATH`)"
+                .into(),
+        );
+    }
+    let config = TrustConfig { tenants };
+    kvwarden_core::node::trust::Trust::new(&config, rustix::process::getuid().as_raw())
+        .map_err(|e| format!("invalid --tenant: {e}"))?;
+    Ok(config)
+}
+
 fn server_config(args: ServeArgs) -> Result<ServerConfig, String> {
+    let trust = trust_config(&args)?;
     let liveness = liveness_config(&args).map_err(|e| e.to_string())?;
     let l2 = l2_config(&args)?;
     if args.slot_bytes == 0 || args.l1_bytes < args.slot_bytes {
@@ -261,6 +398,7 @@ fn server_config(args: ServeArgs) -> Result<ServerConfig, String> {
         free_watchdog,
         pool_threads: args.pool_threads.clamp(1, 256),
         l2,
+        trust,
     })
 }
 

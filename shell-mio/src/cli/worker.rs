@@ -202,7 +202,7 @@ pub fn run(args: WorkerArgs) -> ExitCode {
             let key = format!("{}-{sent}", client.instance_id()).into_bytes();
             let result = client
                 .store(&key, 0, 0, chunk)
-                .and_then(|_| client.retrieve(&key, 0, buffer_len - chunk));
+                .and_then(|_| client.retrieve(&key, 0, buffer_len - chunk, chunk));
             if let Err(error) = result {
                 eprintln!("kvwarden worker: traffic: {error}");
             }

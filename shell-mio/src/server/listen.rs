@@ -37,6 +37,23 @@ pub enum ListenError {
         /// Its missing directory.
         dir: PathBuf,
     },
+    /// The default socket's directory is not this uid's own.
+    #[error(
+        "refusing the socket directory {dir}: it must be a directory of uid {uid} with mode \
+         0700, and it is owned by uid {owner} with mode {mode:04o} (or is not a directory); \
+         another user may have created it to catch this server's workers. Remove it, or pick \
+         --socket PATH in a directory only you can write (e.g. under $XDG_RUNTIME_DIR)"
+    )]
+    UnsafeSocketDir {
+        /// The directory.
+        dir: PathBuf,
+        /// Its owner.
+        owner: u32,
+        /// Its mode bits.
+        mode: u32,
+        /// This server's uid.
+        uid: u32,
+    },
     /// The Unix socket could not be bound.
     #[error(
         "binding the socket {path}: {source}; check its directory's permissions, or pick \
@@ -103,15 +120,56 @@ impl TcpRole {
     }
 }
 
-/// `$XDG_RUNTIME_DIR/kvwarden.sock`, else `/tmp/kvwarden-<uid>.sock`.
+/// `$XDG_RUNTIME_DIR/kvwarden.sock`, else `/tmp/kvwarden-<uid>/kvwarden.sock` (in a
+/// `0700` directory the server creates and checks: nobody else can create the socket
+/// there first).
 pub fn default_socket_path() -> PathBuf {
     match std::env::var_os("XDG_RUNTIME_DIR") {
         Some(dir) if !dir.is_empty() => Path::new(&dir).join("kvwarden.sock"),
-        _ => PathBuf::from(format!(
-            "/tmp/kvwarden-{}.sock",
-            rustix::process::getuid().as_raw()
-        )),
+        _ => private_dir().join("kvwarden.sock"),
     }
+}
+
+/// `/tmp/kvwarden-<uid>`: the default socket's directory without `XDG_RUNTIME_DIR`.
+fn private_dir() -> PathBuf {
+    PathBuf::from(format!(
+        "/tmp/kvwarden-{}",
+        rustix::process::getuid().as_raw()
+    ))
+}
+
+/// Creates `dir` with mode `0700`, or checks that the one there is a directory (not a
+/// link) of this uid that nobody else may write to: in a world-writable `/tmp`
+/// another user could otherwise create it first and own the socket inside.
+fn ensure_private_dir(dir: &Path) -> Result<(), ListenError> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    let uid = rustix::process::getuid().as_raw();
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Ok(()) => return Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+        Err(source) => {
+            return Err(ListenError::Io {
+                what: "creating the socket directory",
+                target: dir.display().to_string(),
+                source,
+            });
+        }
+    }
+    let meta = std::fs::symlink_metadata(dir).map_err(|source| ListenError::Io {
+        what: "inspecting the socket directory",
+        target: dir.display().to_string(),
+        source,
+    })?;
+    let mode = meta.mode() & 0o7777;
+    if !meta.file_type().is_dir() || meta.uid() != uid || mode & 0o022 != 0 {
+        return Err(ListenError::UnsafeSocketDir {
+            dir: dir.to_path_buf(),
+            owner: meta.uid(),
+            mode,
+            uid,
+        });
+    }
+    Ok(())
 }
 
 /// Binds the Unix socket at `path` with permission bits `mode`. A stale socket file
@@ -144,6 +202,9 @@ pub fn bind_unix(path: &Path, mode: u32) -> Result<mio::net::UnixListener, Liste
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => return Err(io_error("inspecting", e)),
     }
+    if path.parent() == Some(private_dir().as_path()) {
+        ensure_private_dir(&private_dir())?;
+    }
     let dir_missing = || {
         let dir = path.parent().filter(|dir| !dir.as_os_str().is_empty())?;
         (!dir.is_dir()).then(|| ListenError::SocketDirMissing {
@@ -154,18 +215,35 @@ pub fn bind_unix(path: &Path, mode: u32) -> Result<mio::net::UnixListener, Liste
     if let Some(error) = dir_missing() {
         return Err(error);
     }
-    let listener = mio::net::UnixListener::bind(path).map_err(|source| {
+    // bind, chmod, then listen: until `listen` every connect is refused, so no peer
+    // reaches the socket before it has its final mode.
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    let bind_error = |source: io::Error| {
         dir_missing().unwrap_or_else(|| ListenError::UnixBind {
             path: path.to_path_buf(),
             source,
         })
-    })?;
+    };
+    let socket = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::STREAM,
+        SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+        None,
+    )
+    .map_err(|e| bind_error(e.into()))?;
+    let address = SocketAddrUnix::new(path).map_err(|e| bind_error(e.into()))?;
+    rustix::net::bind(&socket, &address).map_err(|e| bind_error(e.into()))?;
     if let Err(error) = std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)) {
         // A failed start leaves no socket file behind.
         let _ = std::fs::remove_file(path);
         return Err(io_error("setting the mode of", error));
     }
-    Ok(listener)
+    if let Err(error) = rustix::net::listen(&socket, 1024) {
+        let _ = std::fs::remove_file(path);
+        return Err(io_error("listening on", error.into()));
+    }
+    let std_listener = std::os::unix::net::UnixListener::from(socket);
+    Ok(mio::net::UnixListener::from_std(std_listener))
 }
 
 /// Binds a TCP listener for `role`.

@@ -60,7 +60,18 @@ pub struct Metrics {
     pub instances_by_death_notice: Family<Labels, Gauge>,
     /// The L2 tier's metrics, registered only with `--l2`.
     pub l2: Option<L2Metrics>,
+    /// Requests refused `forbidden` (set at scrape from the node's count).
+    pub forbidden: Counter,
+    /// Retrieves (and batch items) answered as a miss for a stored value of another
+    /// length than the destination's (set at scrape).
+    pub retrieve_length_mismatches: Counter,
+    /// L1 slots charged to each tenant, and its quota, by `tenant` and `state`
+    /// (`used`, `quota`; set at scrape).
+    pub tenant_slots: Family<Labels2, Gauge>,
 }
+
+/// Two labels.
+pub type Labels2 = Vec<(&'static str, String)>;
 
 /// `kvwarden_l2_*`: the `l2` section of `/status` (set at scrape from the node's counters).
 #[derive(Default)]
@@ -141,6 +152,9 @@ impl Metrics {
             blend_instances: Gauge::default(),
             gpu_memory_bytes: Family::default(),
             instances_by_death_notice: Family::default(),
+            forbidden: Counter::default(),
+            retrieve_length_mismatches: Counter::default(),
+            tenant_slots: Family::default(),
             l2: None,
             registry: Registry::default(),
             request_counters: Default::default(),
@@ -215,6 +229,24 @@ impl Metrics {
         for cause in FREE_CAUSES {
             let _ = metrics.frees.get_or_create(&label("cause", cause));
         }
+        registry.register(
+            "forbidden",
+            "Requests refused forbidden: a connection that had not attached the instance it \
+             named (or proved another secret), a TCP peer without the token, a tenant not \
+             trusted with engine-driven",
+            metrics.forbidden.clone(),
+        );
+        registry.register(
+            "retrieve_length_mismatches",
+            "Retrieves answered as a miss because the stored value's length differs from \
+             the destination's (nothing was written)",
+            metrics.retrieve_length_mismatches.clone(),
+        );
+        registry.register(
+            "tenant_slots",
+            "L1 slots by tenant and state: used (charged to it) and quota (its share now)",
+            metrics.tenant_slots.clone(),
+        );
         registry.register(
             "instances_by_death_notice",
             "Registered instances by how their process's death will be noticed: a pidfd \
@@ -338,6 +370,19 @@ impl Metrics {
         self.instances_by_death_notice
             .get_or_create(&label("noticed_by", notice))
             .set(count);
+    }
+
+    /// Sets one tenant's L1 gauges.
+    pub fn tenant(&self, tenant: &str, used: usize, quota: usize) {
+        let as_i64 = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+        for (state, value) in [("used", used), ("quota", quota)] {
+            self.tenant_slots
+                .get_or_create(&vec![
+                    ("tenant", tenant.to_owned()),
+                    ("state", state.to_owned()),
+                ])
+                .set(as_i64(value));
+        }
     }
 
     /// Sets the L1 gauges.

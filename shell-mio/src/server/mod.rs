@@ -63,4 +63,6 @@ pub struct ServerConfig {
     pub pool_threads: usize,
     /// The L2 tier (`--l2`), or None.
     pub l2: Option<crate::l2::L2Config>,
+    /// The tenants and TCP tokens (`--tenant`, `--tcp-token-file`).
+    pub trust: kvwarden_core::node::trust::TrustConfig,
 }

@@ -36,6 +36,10 @@ pub struct StatusReport {
     pub instances_by_death_notice: DeathNoticeCounts,
     /// Every tracked instance, by id.
     pub instances: Vec<InstanceStatus>,
+    /// Who is who: refusals and bindings.
+    pub trust: TrustStatus,
+    /// Every tenant known, with its L1 use.
+    pub tenants: Vec<TenantStatusReport>,
     /// The L2 tier; absent without `--l2`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub l2: Option<L2StatusReport>,
@@ -59,6 +63,26 @@ pub struct L2StatusReport {
     pub corrupt: u64,
     pub timeouts: u64,
     pub errors: u64,
+}
+
+/// The `trust` section.
+#[derive(Clone, Debug, Serialize)]
+#[allow(missing_docs)] // the keys of docs/protocol.md's status section
+pub struct TrustStatus {
+    pub forbidden_total: u64,
+    pub bound_instances: usize,
+    pub retrieve_length_mismatches_total: u64,
+}
+
+/// One entry of `tenants`.
+#[derive(Clone, Debug, Serialize)]
+#[allow(missing_docs)]
+pub struct TenantStatusReport {
+    pub name: String,
+    pub slots_used: usize,
+    pub quota_slots: usize,
+    pub quota_percent: Option<u32>,
+    pub engine_driven: bool,
 }
 
 /// The `worker_liveness` section.
@@ -175,6 +199,7 @@ pub struct InstanceStatus {
     pub proven: bool,
     pub building: bool,
     pub owner_uid: Option<u32>,
+    pub tenant: String,
     pub watched_pid: Option<i32>,
     pub death_noticed_by: &'static str,
     pub model_name: String,

@@ -61,14 +61,14 @@ impl Server {
         // The L2 thread writes a hit straight into the reserved slot (the node keeps it
         // reserved until `L2Got`, even past the deadline, and the client never places
         // a read it already answered or gave up), then copies it on into the worker's
-        // buffer when it fits there (the node counts the read as a copy on the
+        // buffer when it has the length asked for and fits there (the node counts the read as a copy on the
         // context, so the buffer stays mapped): the loop and the pool copy nothing.
         let pool = Arc::clone(self.l1.mapping());
         let offset = self.l1.offset(slot);
         let slot_bytes = self.l1.slot_bytes();
         let target = deliver.and_then(|deliver| {
             let context = Arc::clone(self.contexts.get(&deliver.context)?);
-            Some((context, deliver.buffer, deliver.offset))
+            Some((context, deliver.buffer, deliver.offset, deliver.nbytes))
         });
         let delivered = Arc::new(AtomicBool::new(false));
         let delivered_by_place = Arc::clone(&delivered);
@@ -77,7 +77,10 @@ impl Server {
             if nbytes > slot_bytes || !pool.write(offset, payload) {
                 return false;
             }
-            if let Some((context, buffer, at)) = target
+            // Delivered only at exactly the length the worker asked for: a value of
+            // another length is not its chunk (the node answers it as a miss).
+            if let Some((context, buffer, at, wanted)) = target
+                && wanted == nbytes
                 && let Some(buffer) = context.buffers.get(buffer)
                 && at
                     .checked_add(nbytes)

@@ -257,6 +257,7 @@ impl Server {
                 num_slots: l1.num_slots(),
                 slot_bytes: l1.slot_bytes(),
                 server_uid: rustix::process::getuid().as_raw(),
+                trust: config.trust.clone(),
                 boot_id,
                 server_name: SERVER_NAME.to_string(),
                 free_watchdog: config.free_watchdog,

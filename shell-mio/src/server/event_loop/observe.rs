@@ -4,7 +4,7 @@ use super::*;
 use crate::protocol::PROTOCOL_VERSION;
 use crate::server::status::{
     BlendStatus, ContextsStatus, DeathNoticeCounts, FreedTotals, InstanceStatus, L1Status,
-    L2StatusReport, LimitsStatus, LivenessStatus, StatusReport,
+    L2StatusReport, LimitsStatus, LivenessStatus, StatusReport, TenantStatusReport, TrustStatus,
 };
 use kvwarden_core::node::NodeStatus;
 
@@ -121,6 +121,15 @@ impl Server {
         if let (Some(metrics), Some(l2)) = (&self.metrics.l2, &node.l2) {
             metrics.mirror(l2.state.as_str(), &l2.counters);
         }
+        Metrics::mirror(&self.metrics.forbidden, node.forbidden_total);
+        Metrics::mirror(
+            &self.metrics.retrieve_length_mismatches,
+            node.retrieve_length_mismatches,
+        );
+        for tenant in &node.tenants {
+            self.metrics
+                .tenant(&tenant.view.name, tenant.slots_used, tenant.quota_slots);
+        }
     }
 
     pub(super) fn status(&self) -> StatusReport {
@@ -140,6 +149,7 @@ impl Server {
                 proven: view.proven,
                 building: view.building,
                 owner_uid: view.owner_uid,
+                tenant: view.tenant.clone(),
                 watched_pid: view.process.and_then(|key| self.processes.pid_of(key)),
                 death_noticed_by: view.death_notice.label(),
                 model_name: view.model_name.clone(),
@@ -213,6 +223,22 @@ impl Server {
                 timeout_only: count_of(peer::DeathNotice::TimeoutOnly),
             },
             instances,
+            trust: TrustStatus {
+                forbidden_total: node.forbidden_total,
+                bound_instances: node.bound_instances,
+                retrieve_length_mismatches_total: node.retrieve_length_mismatches,
+            },
+            tenants: node
+                .tenants
+                .iter()
+                .map(|tenant| TenantStatusReport {
+                    name: tenant.view.name.clone(),
+                    slots_used: tenant.slots_used,
+                    quota_slots: tenant.quota_slots,
+                    quota_percent: tenant.view.quota_percent,
+                    engine_driven: tenant.view.engine_driven,
+                })
+                .collect(),
             l2: node.l2.as_ref().map(|l2| {
                 let c = l2.counters;
                 L2StatusReport {

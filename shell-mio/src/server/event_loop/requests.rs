@@ -31,6 +31,7 @@ impl Server {
             ref client,
             pidfd_index,
             sends_fds,
+            token: _,
         } = request.op
         {
             tracing::debug!(protocol, client = %client, ?pidfd_index, sends_fds, "hello");

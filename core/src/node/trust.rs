@@ -1,0 +1,704 @@
+//! Who is who: the identity behind each connection, the tenant it acts for, and the
+//! capabilities (instance secrets) it has proven.
+//!
+//! Three rules live here and nowhere else:
+//!
+//! - **An instance is a capability, not a number.** The worker draws a secret with its
+//!   instance id and proves it on every connection (`attach`); the node keeps only the
+//!   secret's BLAKE3 digest, compared in constant time. A connection may name an
+//!   instance only once it has attached it. The first `attach` of an unbound id binds
+//!   it to that secret and to the caller's identity (uid, or TCP tenant); the binding
+//!   lives while the instance has an entry or a connection that attached it. Nobody,
+//!   the server's own uid included, acts on an instance it has not proven.
+//! - **TCP is authenticated or refused.** A TCP connection presents a token in `hello`;
+//!   until it has, every request on it is `forbidden`.
+//! - **A tenant's keys are its own.** The tenant is derived from the peer (its uid, or
+//!   its token), never from what it says; every key it names is prefixed with its
+//!   tenant's name, so one tenant's chunk is never another's.
+
+use crate::id::InstanceId;
+use crate::protocol::{ErrorCode, Op, ProtocolError};
+use std::collections::HashMap;
+
+/// Bytes of an instance secret, at least (128 bits of entropy).
+pub const MIN_SECRET_BYTES: usize = 16;
+/// Bytes of an instance secret, at most.
+pub const MAX_SECRET_BYTES: usize = 64;
+/// Instances one connection may attach.
+pub const MAX_ATTACHED_PER_CONNECTION: usize = 1024;
+/// Tenants the node tracks (the operator's and one per uid seen).
+pub const MAX_TENANTS: usize = 65_536;
+/// Bytes of a tenant name.
+pub const MAX_TENANT_NAME_BYTES: usize = 64;
+
+/// A tenant, by its index in the node's table.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TenantId(pub u32);
+
+/// One tenant the operator declared (`--tenant`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TenantSpec {
+    /// Its name: the prefix of its keys in L1 and L2 (so the same on every node).
+    pub name: String,
+    /// Unix peers of these uids act for it.
+    pub uids: Vec<u32>,
+    /// TCP peers presenting one of these tokens act for it (the node keeps digests).
+    pub tokens: Vec<Vec<u8>>,
+    /// Its share of the L1 pool in percent; None: a fair share of the tenants holding
+    /// slots.
+    pub quota_percent: Option<u32>,
+    /// Whether its workers may register engine-driven (they map the whole L1 pool).
+    pub engine_driven: bool,
+}
+
+/// Who may do what: the operator's tenants. Uids no tenant names are each a tenant of
+/// their own (`uid-<uid>`); the server's own uid's tenant may register engine-driven.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TrustConfig {
+    /// The declared tenants.
+    pub tenants: Vec<TenantSpec>,
+}
+
+/// Why a [`TrustConfig`] cannot be used.
+#[derive(Clone, Debug, thiserror::Error, PartialEq, Eq)]
+pub enum TrustConfigError {
+    /// A tenant name that cannot be a key prefix.
+    #[error(
+        "tenant name {0:?}: use 1 to {MAX_TENANT_NAME_BYTES} bytes of ASCII letters, digits, `.`, `_`, `-`"
+    )]
+    BadName(String),
+    /// Two tenants of one name.
+    #[error("tenant {0:?} is declared twice; declare each tenant once, with all its members")]
+    DuplicateName(String),
+    /// A uid in two tenants.
+    #[error(
+        "uid {uid} is a member of both tenant {first:?} and tenant {second:?}; a uid acts for one tenant"
+    )]
+    DuplicateUid {
+        /// The uid.
+        uid: u32,
+        /// The first tenant naming it.
+        first: String,
+        /// The second.
+        second: String,
+    },
+    /// A token in two tenants.
+    #[error(
+        "one token is a member of both tenant {first:?} and tenant {second:?}; give each tenant its own token"
+    )]
+    DuplicateToken {
+        /// The first tenant naming it.
+        first: String,
+        /// The second.
+        second: String,
+    },
+    /// A token too short to be a secret.
+    #[error(
+        "a token of tenant {0:?} has fewer than {MIN_SECRET_BYTES} bytes; use at least 16 random bytes (e.g. `openssl rand -hex 32`)"
+    )]
+    ShortToken(String),
+    /// A quota outside 1..=100 %.
+    #[error("tenant {name:?}: quota {percent}% is not 1 to 100")]
+    BadQuota {
+        /// The tenant.
+        name: String,
+        /// The quota given.
+        percent: u32,
+    },
+}
+
+/// Who a peer is, as far as the node can tell.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum Identity {
+    /// A Unix-socket peer (`SO_PEERCRED`).
+    Uid(u32),
+    /// A TCP peer that presented a token of this tenant.
+    Token(TenantId),
+}
+
+impl std::fmt::Display for Identity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Identity::Uid(uid) => write!(f, "uid {uid}"),
+            Identity::Token(tenant) => write!(f, "a TCP peer of tenant #{}", tenant.0),
+        }
+    }
+}
+
+/// What the node knows of one connection's peer.
+#[derive(Debug, Default)]
+pub struct Peer {
+    /// None: a TCP peer that has not presented a token yet.
+    identity: Option<Identity>,
+    tenant: Option<TenantId>,
+    /// The instances it has attached (one for a worker; a small list).
+    attached: Vec<InstanceId>,
+}
+
+impl Peer {
+    /// The tenant it acts for; None before a TCP peer authenticated.
+    pub fn tenant(&self) -> Option<TenantId> {
+        self.tenant
+    }
+
+    /// Whether it has attached `instance`.
+    #[inline]
+    pub fn has_attached(&self, instance: InstanceId) -> bool {
+        self.attached.contains(&instance)
+    }
+}
+
+struct Tenant {
+    name: String,
+    /// `len(name) | name`: what its keys are prefixed with.
+    prefix: Vec<u8>,
+    quota_percent: Option<u32>,
+    engine_driven: bool,
+}
+
+struct Claim {
+    digest: blake3::Hash,
+    owner: Identity,
+    /// Connections that attached it.
+    proofs: u32,
+}
+
+/// What `attach` found.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Attached {
+    /// The id was unbound: now bound to this secret and this peer.
+    Claimed,
+    /// The id was bound to this secret already.
+    Proven,
+}
+
+impl Attached {
+    /// The reply's `outcome`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Attached::Claimed => "claimed",
+            Attached::Proven => "proven",
+        }
+    }
+}
+
+/// One tenant's row for status pages.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TenantView {
+    /// The tenant.
+    pub tenant: TenantId,
+    /// Its name.
+    pub name: String,
+    /// Its quota in percent of the pool (None: a fair share).
+    pub quota_percent: Option<u32>,
+    /// Whether it may register engine-driven.
+    pub engine_driven: bool,
+}
+
+/// The trust component: tenants, tokens, and the instances' bindings.
+pub struct Trust {
+    tenants: Vec<Tenant>,
+    by_uid: HashMap<u32, TenantId>,
+    tokens: Vec<(blake3::Hash, TenantId)>,
+    claims: HashMap<InstanceId, Claim>,
+    server_uid: u32,
+    forbidden_total: u64,
+}
+
+fn forbidden(message: String) -> ProtocolError {
+    ProtocolError::new(ErrorCode::Forbidden, message)
+}
+
+fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= MAX_TENANT_NAME_BYTES
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
+impl Trust {
+    /// The tenants of `config`; `server_uid`'s own tenant may register engine-driven.
+    pub fn new(config: &TrustConfig, server_uid: u32) -> Result<Trust, TrustConfigError> {
+        let mut trust = Trust {
+            tenants: Vec::new(),
+            by_uid: HashMap::new(),
+            tokens: Vec::new(),
+            claims: HashMap::new(),
+            server_uid,
+            forbidden_total: 0,
+        };
+        for spec in &config.tenants {
+            if !valid_name(&spec.name) || spec.name.starts_with("uid-") {
+                return Err(TrustConfigError::BadName(spec.name.clone()));
+            }
+            if trust.tenants.iter().any(|t| t.name == spec.name) {
+                return Err(TrustConfigError::DuplicateName(spec.name.clone()));
+            }
+            if let Some(percent) = spec.quota_percent
+                && !(1..=100).contains(&percent)
+            {
+                return Err(TrustConfigError::BadQuota {
+                    name: spec.name.clone(),
+                    percent,
+                });
+            }
+            let id = trust.add_tenant(spec.name.clone(), spec.quota_percent, spec.engine_driven);
+            for &uid in &spec.uids {
+                if let Some(&first) = trust.by_uid.get(&uid) {
+                    return Err(TrustConfigError::DuplicateUid {
+                        uid,
+                        first: trust.name(first).to_owned(),
+                        second: spec.name.clone(),
+                    });
+                }
+                trust.by_uid.insert(uid, id);
+            }
+            for token in &spec.tokens {
+                if token.len() < MIN_SECRET_BYTES {
+                    return Err(TrustConfigError::ShortToken(spec.name.clone()));
+                }
+                let digest = blake3::hash(token);
+                if let Some(&(_, first)) = trust.tokens.iter().find(|(d, _)| *d == digest) {
+                    return Err(TrustConfigError::DuplicateToken {
+                        first: trust.name(first).to_owned(),
+                        second: spec.name.clone(),
+                    });
+                }
+                trust.tokens.push((digest, id));
+            }
+        }
+        if !trust.by_uid.contains_key(&server_uid) {
+            let own = trust.add_tenant(format!("uid-{server_uid}"), None, true);
+            trust.by_uid.insert(server_uid, own);
+        }
+        Ok(trust)
+    }
+
+    fn add_tenant(&mut self, name: String, quota_percent: Option<u32>, engine: bool) -> TenantId {
+        let id = TenantId(self.tenants.len() as u32);
+        let mut prefix = Vec::with_capacity(name.len() + 1);
+        prefix.push(name.len() as u8);
+        prefix.extend_from_slice(name.as_bytes());
+        self.tenants.push(Tenant {
+            name,
+            prefix,
+            quota_percent,
+            engine_driven: engine,
+        });
+        id
+    }
+
+    /// The tenant of a Unix-socket peer of `uid`: the operator's, else its own.
+    fn tenant_of_uid(&mut self, uid: u32) -> Option<TenantId> {
+        if let Some(&tenant) = self.by_uid.get(&uid) {
+            return Some(tenant);
+        }
+        if self.tenants.len() >= MAX_TENANTS {
+            return None;
+        }
+        let tenant = self.add_tenant(format!("uid-{uid}"), None, false);
+        self.by_uid.insert(uid, tenant);
+        Some(tenant)
+    }
+
+    /// A new connection's peer: a Unix peer is its uid (and its tenant) at once; a TCP
+    /// peer is nobody until it presents a token.
+    pub fn connect(&mut self, uid: Option<u32>) -> Peer {
+        match uid {
+            Some(uid) => Peer {
+                identity: Some(Identity::Uid(uid)),
+                tenant: self.tenant_of_uid(uid),
+                attached: Vec::new(),
+            },
+            None => Peer::default(),
+        }
+    }
+
+    /// Whether TCP peers can authenticate at all (some tenant has a token).
+    pub fn accepts_tokens(&self) -> bool {
+        !self.tokens.is_empty()
+    }
+
+    /// `hello` over TCP: the token must be one the operator gave a tenant.
+    pub fn authenticate(
+        &mut self,
+        peer: &mut Peer,
+        token: Option<&[u8]>,
+    ) -> Result<(), ProtocolError> {
+        let found = token.and_then(|token| {
+            let digest = blake3::hash(token);
+            // blake3::Hash compares in constant time.
+            self.tokens
+                .iter()
+                .find(|(known, _)| *known == digest)
+                .map(|&(_, tenant)| tenant)
+        });
+        let Some(tenant) = found else {
+            self.forbidden_total += 1;
+            return Err(forbidden(match token {
+                None => "`hello` over TCP must carry the server's token: \
+                         options {\"token\": <the contents of the file the server's \
+                         --tcp-token-file names>}; nothing else is answered on this \
+                         connection until it does"
+                    .into(),
+                Some(_) => "`hello`: this token is not one the server accepts; use the \
+                            contents of the file its --tcp-token-file (or a --tenant's \
+                            token-file) names"
+                    .into(),
+            }));
+        };
+        if let Some(Identity::Token(already)) = peer.identity
+            && already != tenant
+        {
+            self.forbidden_total += 1;
+            return Err(forbidden(
+                "`hello`: this connection authenticated as another tenant already; \
+                 open a new connection for that token"
+                    .into(),
+            ));
+        }
+        peer.identity = Some(Identity::Token(tenant));
+        peer.tenant = Some(tenant);
+        Ok(())
+    }
+
+    /// Refuses every request but `hello` from a peer that has not authenticated.
+    #[inline]
+    pub fn require_identity(&mut self, peer: &Peer, op: &str) -> Result<(), ProtocolError> {
+        if peer.identity.is_some() && peer.tenant.is_some() {
+            return Ok(());
+        }
+        self.forbidden_total += 1;
+        Err(forbidden(if peer.identity.is_none() {
+            format!(
+                "`{op}`: this TCP connection has not authenticated; say `hello` with \
+                 options {{\"token\": ...}} (the contents of the server's --tcp-token-file) \
+                 first"
+            )
+        } else {
+            format!(
+                "`{op}`: the server tracks {MAX_TENANTS} tenants already and gave this \
+                 uid none; ask the operator to join uids into tenants (--tenant)"
+            )
+        }))
+    }
+
+    /// `attach`: proves `instance` with `secret` on this connection, binding the id if
+    /// it is unbound.
+    pub fn attach(
+        &mut self,
+        peer: &mut Peer,
+        instance: InstanceId,
+        secret: &[u8],
+    ) -> Result<Attached, ProtocolError> {
+        if !(MIN_SECRET_BYTES..=MAX_SECRET_BYTES).contains(&secret.len()) {
+            return Err(ProtocolError::new(
+                ErrorCode::BadArgs,
+                format!(
+                    "`attach`: the secret has {} bytes; draw {MIN_SECRET_BYTES} to \
+                     {MAX_SECRET_BYTES} bytes from the OS (32 is usual) with the instance id \
+                     and keep it for the worker's life",
+                    secret.len()
+                ),
+            ));
+        }
+        let Some(identity) = peer.identity else {
+            return Err(forbidden("`attach`: authenticate first".into()));
+        };
+        let digest = blake3::hash(secret);
+        let outcome = match self.claims.get(&instance) {
+            Some(claim) if claim.digest == digest && claim.owner == identity => {
+                if peer.has_attached(instance) {
+                    return Ok(Attached::Proven);
+                }
+                Attached::Proven
+            }
+            Some(claim) => {
+                self.forbidden_total += 1;
+                let whose = if claim.owner == identity {
+                    "another secret".to_string()
+                } else {
+                    format!("another peer ({})", claim.owner)
+                };
+                return Err(forbidden(format!(
+                    "`attach`: instance {instance} is bound to {whose}; a worker that finds \
+                     its id taken draws a fresh instance id and secret and attaches those"
+                )));
+            }
+            None => Attached::Claimed,
+        };
+        if peer.attached.len() >= MAX_ATTACHED_PER_CONNECTION {
+            return Err(ProtocolError::new(
+                ErrorCode::Overloaded,
+                format!(
+                    "`attach`: this connection attached {MAX_ATTACHED_PER_CONNECTION} \
+                     instances already; use one connection per few instances"
+                ),
+            ));
+        }
+        let claim = self.claims.entry(instance).or_insert(Claim {
+            digest,
+            owner: identity,
+            proofs: 0,
+        });
+        claim.proofs += 1;
+        peer.attached.push(instance);
+        Ok(outcome)
+    }
+
+    /// Refuses a request naming `instance` from a connection that has not attached it.
+    /// Counted; the caller refreshes nothing.
+    #[inline]
+    pub fn check(
+        &mut self,
+        peer: &Peer,
+        instance: InstanceId,
+        op: &str,
+    ) -> Result<(), ProtocolError> {
+        if peer.has_attached(instance) {
+            return Ok(());
+        }
+        self.forbidden_total += 1;
+        Err(forbidden(format!(
+            "`{op}`: this connection has not attached instance {instance}; send `attach \
+             [instance_id, secret]` with the secret drawn with the id (every connection, \
+             after hello), then retry. Only the worker holding the secret may name an \
+             instance"
+        )))
+    }
+
+    /// A connection went: its proofs go with it. Returns the instances nobody has
+    /// attached any more; the node drops their bindings unless they hold entries
+    /// ([`Trust::release`]).
+    pub fn disconnect(&mut self, peer: Peer) -> Vec<InstanceId> {
+        let mut orphaned = Vec::new();
+        for instance in peer.attached {
+            if let Some(claim) = self.claims.get_mut(&instance) {
+                claim.proofs = claim.proofs.saturating_sub(1);
+                if claim.proofs == 0 {
+                    orphaned.push(instance);
+                }
+            }
+        }
+        orphaned
+    }
+
+    /// Drops `instance`'s binding when no connection has attached it; the node calls
+    /// this once the instance holds no entry. The id is free again.
+    pub fn release(&mut self, instance: InstanceId) {
+        if self
+            .claims
+            .get(&instance)
+            .is_some_and(|claim| claim.proofs == 0)
+        {
+            self.claims.remove(&instance);
+        }
+    }
+
+    /// The prefix of `tenant`'s keys.
+    #[inline]
+    pub fn key_prefix(&self, tenant: TenantId) -> &[u8] {
+        &self.tenants[tenant.0 as usize].prefix
+    }
+
+    /// `tenant`'s name.
+    pub fn name(&self, tenant: TenantId) -> &str {
+        &self.tenants[tenant.0 as usize].name
+    }
+
+    /// Whether `tenant` may register engine-driven.
+    pub fn engine_driven_allowed(&self, tenant: TenantId) -> bool {
+        self.tenants[tenant.0 as usize].engine_driven
+    }
+
+    /// `tenant`'s quota in percent (None: a fair share).
+    pub fn quota_percent(&self, tenant: TenantId) -> Option<u32> {
+        self.tenants[tenant.0 as usize].quota_percent
+    }
+
+    /// Every tenant, in the order they became known.
+    pub fn tenants(&self) -> Vec<TenantView> {
+        self.tenants
+            .iter()
+            .enumerate()
+            .map(|(index, tenant)| TenantView {
+                tenant: TenantId(index as u32),
+                name: tenant.name.clone(),
+                quota_percent: tenant.quota_percent,
+                engine_driven: tenant.engine_driven,
+            })
+            .collect()
+    }
+
+    /// Requests refused `forbidden` so far.
+    pub fn forbidden_total(&self) -> u64 {
+        self.forbidden_total
+    }
+
+    /// Instance ids bound now.
+    pub fn bindings(&self) -> usize {
+        self.claims.len()
+    }
+
+    /// The server's own uid.
+    pub fn server_uid(&self) -> u32 {
+        self.server_uid
+    }
+}
+
+/// Puts every key `op` names into the tenant's keyspace (`prefix ++ key`): the one
+/// place a request's keys become the node's.
+pub fn scope_keys(op: &mut Op, prefix: &[u8]) {
+    let scope = |key: &mut Vec<u8>| {
+        key.splice(0..0, prefix.iter().copied());
+    };
+    match op {
+        Op::Store { key, .. }
+        | Op::Retrieve { key, .. }
+        | Op::PrepareStore { key, .. }
+        | Op::CommitStore { key, .. }
+        | Op::PrepareRetrieve { key, .. }
+        | Op::CommitRetrieve { key, .. } => scope(key),
+        Op::StoreBatch { items, .. } => items.iter_mut().for_each(|item| scope(&mut item.key)),
+        Op::RetrieveBatch { items, .. } => items.iter_mut().for_each(|item| scope(&mut item.key)),
+        Op::Lookup { keys } => keys.iter_mut().for_each(scope),
+        Op::Hello { .. }
+        | Op::Attach { .. }
+        | Op::Ping { .. }
+        | Op::RegisterKvCache { .. }
+        | Op::UnregisterKvCache { .. }
+        | Op::RegisterEngineDriven { .. }
+        | Op::UnregisterEngineDriven { .. }
+        | Op::RegisterBlend { .. }
+        | Op::Status => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(n: u64) -> InstanceId {
+        InstanceId::new(n).unwrap()
+    }
+
+    #[test]
+    fn an_attached_secret_is_proven_and_another_is_forbidden() {
+        let mut trust = Trust::new(&TrustConfig::default(), 0).unwrap();
+        let mut owner = trust.connect(Some(1000));
+        let mut impostor = trust.connect(Some(1000));
+        let secret = [7u8; 32];
+        assert_eq!(
+            trust.attach(&mut owner, id(5), &secret),
+            Ok(Attached::Claimed)
+        );
+        assert!(trust.check(&owner, id(5), "ping").is_ok());
+        // Same uid, no secret: forbidden.
+        let refused = trust.check(&impostor, id(5), "ping").unwrap_err();
+        assert_eq!(refused.code, ErrorCode::Forbidden);
+        let wrong = trust.attach(&mut impostor, id(5), &[8u8; 32]).unwrap_err();
+        assert_eq!(wrong.code, ErrorCode::Forbidden);
+        assert!(trust.check(&impostor, id(5), "ping").is_err());
+        // The owner's second connection proves the same secret.
+        let mut again = trust.connect(Some(1000));
+        assert_eq!(
+            trust.attach(&mut again, id(5), &secret),
+            Ok(Attached::Proven)
+        );
+        assert_eq!(trust.forbidden_total(), 3);
+    }
+
+    #[test]
+    fn the_right_secret_from_another_uid_is_forbidden() {
+        let mut trust = Trust::new(&TrustConfig::default(), 0).unwrap();
+        let mut owner = trust.connect(Some(1000));
+        let mut other = trust.connect(Some(1001));
+        let secret = [1u8; 16];
+        trust.attach(&mut owner, id(9), &secret).unwrap();
+        let refused = trust.attach(&mut other, id(9), &secret).unwrap_err();
+        assert_eq!(refused.code, ErrorCode::Forbidden);
+        assert!(refused.message.contains("uid 1000"), "{}", refused.message);
+    }
+
+    #[test]
+    fn a_binding_goes_when_no_connection_and_no_entry_hold_it() {
+        let mut trust = Trust::new(&TrustConfig::default(), 0).unwrap();
+        let mut owner = trust.connect(Some(1000));
+        trust.attach(&mut owner, id(3), &[2u8; 32]).unwrap();
+        assert_eq!(trust.disconnect(owner), vec![id(3)]);
+        assert_eq!(
+            trust.bindings(),
+            1,
+            "released only by the node, entries gone"
+        );
+        trust.release(id(3));
+        assert_eq!(trust.bindings(), 0);
+        let mut squatter = trust.connect(Some(1001));
+        assert_eq!(
+            trust.attach(&mut squatter, id(3), &[4u8; 32]),
+            Ok(Attached::Claimed),
+            "a free id may be claimed by anyone"
+        );
+    }
+
+    #[test]
+    fn secrets_shorter_than_128_bits_are_refused() {
+        let mut trust = Trust::new(&TrustConfig::default(), 0).unwrap();
+        let mut peer = trust.connect(Some(1000));
+        let error = trust.attach(&mut peer, id(1), &[0u8; 15]).unwrap_err();
+        assert_eq!(error.code, ErrorCode::BadArgs);
+        assert!(trust.attach(&mut peer, id(1), &[0u8; 16]).is_ok());
+    }
+
+    #[test]
+    fn tcp_peers_need_a_token_and_act_for_its_tenant() {
+        let config = TrustConfig {
+            tenants: vec![TenantSpec {
+                name: "team-a".into(),
+                uids: vec![1000, 1001],
+                tokens: vec![b"0123456789abcdef-token".to_vec()],
+                quota_percent: Some(50),
+                engine_driven: false,
+            }],
+        };
+        let mut trust = Trust::new(&config, 0).unwrap();
+        let mut tcp = trust.connect(None);
+        assert!(trust.require_identity(&tcp, "ping").is_err());
+        assert!(trust.authenticate(&mut tcp, None).is_err());
+        assert!(
+            trust
+                .authenticate(&mut tcp, Some(b"0123456789abcdef-wrong"))
+                .is_err()
+        );
+        trust
+            .authenticate(&mut tcp, Some(b"0123456789abcdef-token"))
+            .unwrap();
+        assert!(trust.require_identity(&tcp, "ping").is_ok());
+        let unix = trust.connect(Some(1001));
+        assert_eq!(tcp.tenant(), unix.tenant(), "joined into one tenant");
+        let alone = trust.connect(Some(1002));
+        assert_ne!(alone.tenant(), unix.tenant());
+        assert_eq!(trust.name(alone.tenant().unwrap()), "uid-1002");
+        assert!(trust.engine_driven_allowed(trust.connect(Some(0)).tenant().unwrap()));
+        assert!(!trust.engine_driven_allowed(unix.tenant().unwrap()));
+    }
+
+    #[test]
+    fn a_config_that_joins_a_uid_twice_is_refused() {
+        let spec = |name: &str| TenantSpec {
+            name: name.into(),
+            uids: vec![7],
+            tokens: vec![],
+            quota_percent: None,
+            engine_driven: false,
+        };
+        let config = TrustConfig {
+            tenants: vec![spec("a"), spec("b")],
+        };
+        assert!(matches!(
+            Trust::new(&config, 0),
+            Err(TrustConfigError::DuplicateUid { uid: 7, .. })
+        ));
+    }
+}
