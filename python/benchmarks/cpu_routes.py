@@ -38,7 +38,7 @@ def staged(worker: Worker, buf: MemfdBuffer, blocks: list, tag: str) -> tuple:
         assert worker.store(f"{tag}/{i}".encode(), 0, 0, len(data))
     saved = time.perf_counter()
     for i, data in enumerate(blocks):
-        assert worker.retrieve(f"{tag}/{i}".encode(), 0, 0) == len(data)
+        assert worker.retrieve(f"{tag}/{i}".encode(), 0, 0, nbytes=len(data)) == len(data)
         bytes(buf.view[: len(data)])
     return saved - started, time.perf_counter() - saved
 

@@ -114,7 +114,9 @@ def check(sock: str, device: int) -> int:
             b = index_of[t.untyped_storage().data_ptr()]
             for block, into in zip(src, dst):
                 for part, (offset, nbytes) in enumerate(block_regions(t, d, into)):
-                    got = worker.retrieve(f"{li}/{block}/{part}".encode(), b, offset)
+                    got = worker.retrieve(
+                        f"{li}/{block}/{part}".encode(), b, offset, nbytes=nbytes
+                    )
                     if got != nbytes:
                         print(
                             f"FAIL: retrieve of layer {li} block {block} part {part}: "

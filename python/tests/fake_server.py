@@ -1,10 +1,21 @@
 """An in-process stand-in for the kvwarden server, for rules that need precise control.
 
-It speaks the same framing and fd passing as the real server, keeps a small model of
-its state (which instances are registered, what L1 holds) and lets a test decide how
-each op is answered: drop pings (timeouts), answer ``bad_args``, block a register until
-the test releases it, forget an instance (a reap), or cut every connection and forget
-everything (a restart). Every request is recorded with the time it arrived.
+It speaks the same framing and fd passing as the real server (protocol 2), keeps a
+small model of its state (which instances are registered, what L1 holds, which secret
+each instance id is bound to and which connection attached which id) and lets a test
+decide how each op is answered: drop pings (timeouts), answer ``bad_args``, block a
+register until the test releases it, forget an instance (a reap), cut every connection
+and forget everything (a restart), bind an id to a squatter's secret, forget a
+connection's attachments. It can also listen on TCP, with a token. Every request is
+recorded with the time it arrived.
+
+The protocol-2 rules it enforces, as the real server does: every op naming an
+instance needs the connection to have ``attach``-ed it (``forbidden`` naming
+``attach`` otherwise; ``ping [nil]`` needs nothing); ``attach`` of an id bound to
+another secret is ``forbidden``; a binding lives while the instance is registered or
+a connection attached it; ``retrieve`` carries ``nbytes`` and a value of another
+length is a miss that writes nothing; over TCP nothing but a ``hello`` with the right
+token is answered until one came.
 """
 
 from __future__ import annotations
@@ -15,25 +26,55 @@ import socket
 import struct
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import msgpack
 
 LENGTH = struct.Struct(">I")
 
 
+#: Ops whose first argument names an instance (``ping`` only when it is not nil).
+NAMING_OPS = {
+    "ping",
+    "register_kv_cache",
+    "unregister_kv_cache",
+    "store",
+    "retrieve",
+    "store_batch",
+    "retrieve_batch",
+    "register_engine_driven",
+    "unregister_engine_driven",
+    "prepare_store",
+    "commit_store",
+    "prepare_retrieve",
+    "commit_retrieve",
+    "register_blend",
+}
+
+#: The secret a squatter bound an id to (never one a worker draws: 32 random bytes).
+SQUATTER_SECRET = b"squatter-secret-" * 2
+
+
 class Recorded:
     """One request as the fake server saw it."""
 
-    def __init__(self, op: str, args: List[Any], nfds: int, at: float, conn: int) -> None:
+    def __init__(
+        self, op: str, args: List[Any], nfds: int, at: float, conn: int, kind: str = "unix"
+    ) -> None:
         self.op = op
         self.args = args
         self.nfds = nfds
         self.at = at
         self.conn = conn
+        self.kind = kind
+        #: How the fake answered: (ok, value) once answered; None while held or dropped.
+        self.answer: Optional[Tuple[bool, Any]] = None
 
     def __repr__(self) -> str:
-        return f"Recorded({self.op}, {self.args!r:.80}, nfds={self.nfds}, conn={self.conn})"
+        return (
+            f"Recorded({self.op}, {self.args!r:.80}, nfds={self.nfds}, conn={self.conn}, "
+            f"answer={self.answer!r:.80})"
+        )
 
 
 class FakeServer:
@@ -42,8 +83,11 @@ class FakeServer:
     SLOT_BYTES = 4096
     NUM_SLOTS = 8
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, tcp_token: Optional[str] = None) -> None:
         self.path = path
+        #: The token a TCP hello must carry (None: TCP hellos need none).
+        self.tcp_token = tcp_token
+        self.tcp_port: Optional[int] = None
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)
         self.requests: List[Recorded] = []
@@ -65,7 +109,19 @@ class FakeServer:
         # pidfd did. `hello_pidfd_pids`: the pid each hello's pidfd named (its fdinfo).
         self.hello_max_args = 3
         self.hello_pidfd_pids: List[int] = []
+        # Protocol 2: instance id -> the secret it is bound to; connection -> the ids it
+        # attached; ids a squatter holds (alive without any connection of ours).
+        self.bindings: Dict[int, bytes] = {}
+        self.attached: Dict[int, Set[int]] = {}
+        self.squatted: Set[int] = set()
+        #: Ops answered ``forbidden`` with this message (a reason other than attach).
+        self.forbid: Dict[str, str] = {}
+        #: Ops before which the connection's attachments are forgotten (as if it never
+        #: attached): the op is answered ``forbidden`` naming attach.
+        self.detach_before: Set[str] = set()
+        self._good_hello: Set[int] = set()  # TCP connections that said the right token
         self._listener: Optional[socket.socket] = None
+        self._tcp_listener: Optional[socket.socket] = None
         self._conns: List[socket.socket] = []
         self._conn_serial = 0
         self._stopped = False
@@ -84,8 +140,19 @@ class FakeServer:
         listener.listen(16)
         self._listener = listener
         self._stopped = False
-        threading.Thread(target=self._accept_loop, args=(listener,), daemon=True).start()
+        threading.Thread(target=self._accept_loop, args=(listener, "unix"), daemon=True).start()
         return self
+
+    def start_tcp(self) -> int:
+        """Also listens on TCP (127.0.0.1, a free port); returns the port."""
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.tcp_port or 0))
+        listener.listen(16)
+        self._tcp_listener = listener
+        self.tcp_port = listener.getsockname()[1]
+        threading.Thread(target=self._accept_loop, args=(listener, "tcp"), daemon=True).start()
+        return self.tcp_port
 
     def stop(self) -> None:
         """Closes the listener and every connection (pending requests get no reply)."""
@@ -93,6 +160,9 @@ class FakeServer:
         if self._listener is not None:
             self._listener.close()
             self._listener = None
+        if self._tcp_listener is not None:
+            self._tcp_listener.close()
+            self._tcp_listener = None
         with self.lock:
             for conn in self._conns:
                 try:
@@ -106,16 +176,38 @@ class FakeServer:
         except FileNotFoundError:
             pass
 
-    def restart(self) -> None:
-        """A server restart: every connection cut and all state forgotten."""
+    def restart(self, squat: Sequence[int] = ()) -> None:
+        """A server restart: every connection cut and all state forgotten. ``squat``:
+        ids another process binds to its own secret before any worker reconnects."""
         self.stop()
         with self.lock:
             self.registered.clear()
             self.engine_registered.clear()
             self.l1.clear()
             self.slots.clear()
+            self.bindings.clear()
+            self.attached.clear()
+            self.squatted.clear()
+            self._good_hello.clear()
             self.boot_id += 1
+            for instance in squat:
+                self.squat(instance)
         self.start()
+        if self.tcp_port is not None:
+            self.start_tcp()
+
+    def squat(self, instance: int) -> None:
+        """Another process claims ``instance`` with its own secret (and keeps it)."""
+        with self.lock:
+            self.bindings[instance] = SQUATTER_SECRET
+            self.squatted.add(instance)
+
+    def detach(self, conn: Optional[int] = None) -> None:
+        """Forgets which ids connection ``conn`` (every one: None) attached."""
+        with self.lock:
+            for serial, ids in self.attached.items():
+                if conn is None or serial == conn:
+                    ids.clear()
 
     # -- queries for tests -------------------------------------------------------------
 
@@ -139,10 +231,31 @@ class FakeServer:
         with self.lock:
             self.registered.discard(instance)
             self.engine_registered.discard(instance)
+            self._release_binding(instance)
+
+    def attaches(self, outcome: Optional[str] = None) -> List[Recorded]:
+        """The ``attach`` requests, optionally only those answered ``outcome``
+        (``claimed``, ``proven``, or ``forbidden``)."""
+        out = []
+        for record in self.ops("attach"):
+            if outcome is None or _outcome_of(record) == outcome:
+                out.append(record)
+        return out
+
+    def _release_binding(self, instance: int) -> None:
+        """Frees the binding once nothing holds it (called with the lock)."""
+        if (
+            instance in self.registered
+            or instance in self.engine_registered
+            or instance in self.squatted
+            or any(instance in ids for ids in self.attached.values())
+        ):
+            return
+        self.bindings.pop(instance, None)
 
     # -- serving ------------------------------------------------------------------------
 
-    def _accept_loop(self, listener: socket.socket) -> None:
+    def _accept_loop(self, listener: socket.socket, kind: str) -> None:
         while not self._stopped:
             try:
                 conn, _ = listener.accept()
@@ -152,9 +265,19 @@ class FakeServer:
                 self._conn_serial += 1
                 serial = self._conn_serial
                 self._conns.append(conn)
-            threading.Thread(target=self._serve, args=(conn, serial), daemon=True).start()
+                self.attached[serial] = set()
+            threading.Thread(target=self._serve, args=(conn, serial, kind), daemon=True).start()
 
-    def _serve(self, conn: socket.socket, serial: int) -> None:
+    def _serve(self, conn: socket.socket, serial: int, kind: str) -> None:
+        try:
+            self._serve_frames(conn, serial, kind)
+        finally:
+            with self.lock:  # a closed connection holds no binding any more
+                ids = self.attached.pop(serial, set())
+                for instance in ids:
+                    self._release_binding(instance)
+
+    def _serve_frames(self, conn: socket.socket, serial: int, kind: str) -> None:
         buffer = bytearray()
         fds: List[int] = []
         try:
@@ -172,18 +295,21 @@ class FakeServer:
                     del buffer[: 4 + length]
                     request_id, op, args = msgpack.unpackb(body, raw=False)
                     frame_fds, fds = fds, []
-                    record = Recorded(op, args, len(frame_fds), time.monotonic(), serial)
+                    record = Recorded(op, args, len(frame_fds), time.monotonic(), serial, kind)
                     with self.cond:
                         self.requests.append(record)
                         self.cond.notify_all()
                     if self.hook is not None:
                         self.hook(record)
-                    answer = self._answer(op, args, frame_fds)
+                    answer = self._checked_answer(conn, serial, kind, op, args, frame_fds)
                     for fd in frame_fds:
                         os.close(fd)
                     if answer is None:
                         continue  # dropped: the client times out
                     ok, value, reply_fds = answer
+                    with self.cond:
+                        record.answer = (ok, value)
+                        self.cond.notify_all()
                     frame = msgpack.packb([request_id, ok, value], use_bin_type=True)
                     frame = LENGTH.pack(len(frame)) + frame
                     if reply_fds:
@@ -194,11 +320,70 @@ class FakeServer:
         except OSError:
             return
 
+    def _checked_answer(
+        self, conn: socket.socket, serial: int, kind: str, op: str, args: List[Any], fds: List[int]
+    ) -> Optional[Tuple[bool, Any, List[int]]]:
+        """The protocol-2 gates (TCP token, attach), then :meth:`_answer`."""
+        if op == "hello":
+            options = args[2] if len(args) > 2 and isinstance(args[2], dict) else {}
+            if kind == "tcp" and self.tcp_token is not None:
+                if options.get("token") != self.tcp_token:
+                    return _error(
+                        "forbidden",
+                        "`hello` over TCP needs the server's token (option `token`)",
+                    )
+                with self.lock:
+                    self._good_hello.add(serial)
+            if kind == "unix":
+                creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+                tenant = "uid-%d" % struct.unpack("3i", creds)[1]
+            else:
+                tenant = "tcp"
+            answer = self._answer(op, args, fds)
+            if answer is not None and answer[0]:
+                answer[1]["tenant"] = tenant
+            return answer
+        if kind == "tcp" and self.tcp_token is not None and serial not in self._good_hello:
+            return _error("forbidden", f"`{op}`: say `hello` with the server's token first")
+        if op == "attach":
+            if op in self.forbid:
+                return _error("forbidden", self.forbid[op])
+            return self._attach(serial, args)
+        if op in NAMING_OPS and not (op == "ping" and args and args[0] is None):
+            with self.lock:
+                if op in self.detach_before:
+                    self.attached.get(serial, set()).clear()
+                if op in self.forbid:
+                    return _error("forbidden", self.forbid[op])
+                instance = args[0] if args else None
+                if instance not in self.attached.get(serial, set()):
+                    return _error(
+                        "forbidden",
+                        f"`{op}`: this connection has not attached instance {instance}; "
+                        f"send `attach [instance_id, secret]` first",
+                    )
+        return self._answer(op, args, fds)
+
+    def _attach(self, serial: int, args: List[Any]) -> Tuple[bool, Any, List[int]]:
+        if len(args) != 2 or not isinstance(args[0], int) or not isinstance(args[1], bytes):
+            return _error("bad_args", f"`attach` expects [instance_id, secret: bin], got {args!r}")
+        instance, secret = args
+        if not 16 <= len(secret) <= 64:
+            return _error("bad_args", f"`attach`: a secret of {len(secret)} bytes; 16..=64")
+        with self.lock:
+            bound = self.bindings.get(instance)
+            if bound is not None and bound != secret:
+                return _error(
+                    "forbidden", f"`attach`: instance {instance} is bound to another secret"
+                )
+            self.bindings[instance] = secret
+            self.attached.setdefault(serial, set()).add(instance)
+        return True, {"outcome": "claimed" if bound is None else "proven"}, []
+
     def _answer(
         self, op: str, args: List[Any], fds: List[int]
     ) -> Optional[Tuple[bool, Any, List[int]]]:
-        def error(code: str, message: str) -> Tuple[bool, Any, List[int]]:
-            return False, {"code": code, "message": message}, []
+        error = _error
 
         if op == "hello":
             if len(args) > self.hello_max_args:
@@ -214,7 +399,7 @@ class FakeServer:
             return (
                 True,
                 {
-                    "protocol": 1,
+                    "protocol": 2,
                     "server": "fake",
                     "boot_id": self.boot_id,
                     "reap_timeout_seconds": self.reap_timeout_seconds,
@@ -259,20 +444,40 @@ class FakeServer:
             with self.lock:
                 was = args[0] in self.registered
                 self.registered.discard(args[0])
+                self._release_binding(args[0])
                 return True, was, []
-        if op in ("store", "retrieve"):
+        if op in ("store", "retrieve", "store_batch", "retrieve_batch"):
             with self.lock:
                 if self.transfer_not_registered or args[0] not in self.registered:
                     return error("not_registered", f"instance {args[0]} is not registered")
-                mapping = self.memfds[args[0]][args[2]]
                 if op == "store":
-                    self.l1[bytes(args[1])] = bytes(mapping[args[3] : args[3] + args[4]])
-                    return True, True, []
-                data = self.l1.get(bytes(args[1]))
-                if data is None:
-                    return True, None, []
-                mapping[args[3] : args[3] + len(data)] = data
-                return True, len(data), []
+                    if len(args) != 5:
+                        return error("bad_args", f"`store` expects 5 arguments, got {args!r}")
+                    return self._copy_in(args[0], args[1:], "`store`") or (True, True, [])
+                if op == "retrieve":
+                    if len(args) != 5:
+                        return error(
+                            "bad_args",
+                            f"`retrieve` expects [instance_id, key, buffer, offset, nbytes], "
+                            f"got {len(args)} arguments",
+                        )
+                    problem = self._check_bounds(args[0], args[1:], "`retrieve`")
+                    if problem is not None:
+                        return problem
+                    return True, self._copy_out(args[0], args[1:]), []
+                items = args[1]
+                for index, item in enumerate(items):
+                    where = f"`{op}` items[{index}]"
+                    if len(item) != 4:
+                        return error("bad_args", f"{where}: expects [key, buffer, offset, nbytes]")
+                    problem = self._check_bounds(args[0], item, where)
+                    if problem is not None:
+                        return problem
+                if op == "store_batch":
+                    for item in items:
+                        self._copy_in(args[0], item, op)
+                    return True, [True] * len(items), []
+                return True, [self._copy_out(args[0], item) for item in items], []
         if op == "lookup":
             with self.lock:
                 count = 0
@@ -301,6 +506,7 @@ class FakeServer:
             with self.lock:
                 was = args[0] in self.engine_registered
                 self.engine_registered.discard(args[0])
+                self._release_binding(args[0])
                 return True, was, []
         if op in ("prepare_store", "commit_store", "prepare_retrieve", "commit_retrieve"):
             with self.lock:
@@ -334,3 +540,53 @@ class FakeServer:
             with self.lock:
                 return True, {"worker_liveness": {"tracked_instances": len(self.registered)}}, []
         return error("unknown_op", f"unknown op {op}")
+
+    # -- copies (called with the lock) ---------------------------------------------------
+
+    def _check_bounds(
+        self, instance: int, item: Sequence[Any], where: str
+    ) -> Optional[Tuple[bool, Any, List[int]]]:
+        _key, buffer, offset, nbytes = item
+        mappings = self.memfds[instance]
+        if not 0 <= buffer < len(mappings) or mappings[buffer] is None:
+            return _error("bad_args", f"{where}: buffer index {buffer} is not a memfd buffer")
+        if offset + nbytes > len(mappings[buffer]):
+            return _error(
+                "bad_args",
+                f"{where}: offset {offset} + nbytes {nbytes} past the buffer's "
+                f"{len(mappings[buffer])} bytes",
+            )
+        return None
+
+    def _copy_in(
+        self, instance: int, item: Sequence[Any], where: str
+    ) -> Optional[Tuple[bool, Any, List[int]]]:
+        problem = self._check_bounds(instance, item, where)
+        if problem is not None:
+            return problem
+        key, buffer, offset, nbytes = item
+        self.l1[bytes(key)] = bytes(self.memfds[instance][buffer][offset : offset + nbytes])
+        return None
+
+    def _copy_out(self, instance: int, item: Sequence[Any]) -> Optional[int]:
+        """Protocol 2: a value of another length than ``nbytes`` is a miss, and nothing
+        is written."""
+        key, buffer, offset, nbytes = item
+        data = self.l1.get(bytes(key))
+        if data is None or len(data) != nbytes:
+            return None
+        self.memfds[instance][buffer][offset : offset + nbytes] = data
+        return nbytes
+
+
+def _error(code: str, message: str) -> Tuple[bool, Any, List[int]]:
+    return False, {"code": code, "message": message}, []
+
+
+def _outcome_of(record: Recorded) -> Optional[str]:
+    if record.answer is None:
+        return None
+    ok, value = record.answer
+    if not ok:
+        return str(value.get("code"))
+    return str(value.get("outcome"))

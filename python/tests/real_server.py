@@ -12,7 +12,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from kvwarden.wire import Connection
 
@@ -39,6 +39,7 @@ class RealServer:
         reap_timeout_seconds: float = 2.0,
         registration_grace_seconds: float = 4.0,
         resolution_seconds: float = 0.1,
+        extra_args: Sequence[str] = (),
     ) -> None:
         self.binary = binary
         self.socket_path = socket_path
@@ -61,6 +62,7 @@ class RealServer:
             "--slot-bytes",
             "1M",
             "--allow-short-timeouts",
+            *extra_args,
         ]
         self.proc: Optional[subprocess.Popen] = None
         self._probe: Optional[Connection] = None

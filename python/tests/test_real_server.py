@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,7 +23,8 @@ import pytest
 from conftest import wait_until
 from real_server import RealServer, find_binary
 
-from kvwarden import BadArgs, MemfdBuffer, Worker
+from kvwarden import BadArgs, Forbidden, Identity, MemfdBuffer, Worker
+from kvwarden.wire import Connection
 
 pytestmark = pytest.mark.real_server
 
@@ -62,7 +64,7 @@ def start_server(kvwarden_bin: str, short_tmp: str) -> Iterator[Callable[..., Re
     finally:
         for server in servers:
             server.stop()
-        print(f"--- server log ({server.log_path}) ---\n{server.log_tail(60)}")
+            print(f"--- server log ({server.log_path}) ---\n{server.log_tail(60)}")
 
 
 class Child:
@@ -143,9 +145,13 @@ def test_real_memfd_store_retrieve_lookup_round_trip(start_server, buffers) -> N
     assert worker.store(b"block-1", nbytes=11) is True
     assert worker.lookup([b"block-1", b"block-2"]) == 1
     view[1000:1011] = b"\0" * 11
-    assert worker.retrieve(b"block-1", offset=1000) == 11
+    assert worker.retrieve(b"block-1", offset=1000, nbytes=11) == 11
     assert bytes(view[1000:1011]) == b"kv-bytes-01"
-    assert worker.retrieve(b"block-2") is None, "a miss is None"
+    assert worker.retrieve(b"block-2", nbytes=11) is None, "a miss is None"
+    view[2000:2012] = b"untouched!!!"
+    assert worker.retrieve(b"block-1", offset=2000, nbytes=10) is None, "another length: a miss"
+    assert worker.retrieve(b"block-1", offset=2000, nbytes=12) is None, "another length: a miss"
+    assert bytes(view[2000:2012]) == b"untouched!!!", "and nothing was written"
     assert [e["module"] for e in server.entries(worker.instance_id)] == ["server_driven"]
     worker.shutdown()
 
@@ -161,13 +167,14 @@ def test_real_store_batch_then_retrieve_batch_moves_every_block(start_server, bu
     assert worker.store_batch(stores) == [True] * 16
     assert worker.lookup([key for key, _, _, _ in stores]) == 16
     view[32768 : 32768 + 16 * block] = b"\0" * (16 * block)
-    retrieves = [(b"blk-%d" % i, 0, 32768 + i * block) for i in range(16)]
-    retrieves[5] = (b"absent", 0, 32768 + 5 * block)
+    retrieves = [(b"blk-%d" % i, 0, 32768 + i * block, block) for i in range(16)]
+    retrieves[5] = (b"absent", 0, 32768 + 5 * block, block)
+    retrieves[9] = (b"blk-9", 0, 32768 + 9 * block, block - 1)  # another length: a miss
     answers = worker.retrieve_batch(retrieves)
-    assert answers[5] is None, "a miss is None"
-    assert answers[:5] + answers[6:] == [block] * 15
+    assert answers[5] is None and answers[9] is None, "a miss is None"
+    assert answers[:5] + answers[6:9] + answers[10:] == [block] * 14
     for i in range(16):
-        want = b"\0" * block if i == 5 else bytes([i]) * block
+        want = b"\0" * block if i in (5, 9) else bytes([i]) * block
         got = bytes(view[32768 + i * block : 32768 + (i + 1) * block])
         assert got == want, f"block {i}"
     assert worker.store_batch([]) == [] and worker.retrieve_batch([]) == []
@@ -183,10 +190,10 @@ def test_real_batch_with_a_bad_item_is_bad_args_naming_it_and_copies_nothing(
         worker.store_batch([(b"good", 0, 0, 8), (b"bad", 0, 65000, 1000)])
     assert worker.lookup([b"good"]) == 0, "nothing stored"
     assert worker.store_batch([(b"good", 0, 0, 8)]) == [True]
-    with pytest.raises(BadArgs, match=r"items\[1\]: offset 65535"):
-        worker.retrieve_batch([(b"good", 0, 100), (b"good", 0, 65535)])
+    with pytest.raises(BadArgs, match=r"items\[1\].*65535"):
+        worker.retrieve_batch([(b"good", 0, 100, 8), (b"good", 0, 65535, 8)])
     with pytest.raises(IndexError, match=r"items\[0\]: buffer index 3"):
-        worker.retrieve_batch([(b"good", 3, 0)])
+        worker.retrieve_batch([(b"good", 3, 0, 8)])
     worker.shutdown()
 
 
@@ -327,9 +334,9 @@ def test_real_server_restart_under_live_workers_each_end_with_one_context(
     assert status["worker_liveness"]["tracked_instances"] == 2
     assert status["contexts"]["built_total"] == 2, "exactly one context each"
     for index, worker in enumerate(workers):
-        assert worker.retrieve(b"before-%d" % index) is None, "the new server's L1 is empty"
+        assert worker.retrieve(b"before-%d" % index, nbytes=4) is None, "the new L1 is empty"
         assert worker.store(b"after-%d" % index, nbytes=4) is True
-        assert worker.retrieve(b"after-%d" % index, offset=8) == 4
+        assert worker.retrieve(b"after-%d" % index, offset=8, nbytes=4) == 4
     time.sleep(3 * INTERVAL)
     assert server.status()["contexts"]["built_total"] == 2, "no duplicate registration later"
     for worker in workers:
@@ -427,3 +434,155 @@ def test_real_row_01_worker_sends_its_pidfd_and_row_02_send_pidfd_false_falls_ba
     assert counts == {"pidfd_from_peer": 1, "pidfd_by_pid": 1, "timeout_only": 0}
     sends.shutdown()
     old.shutdown()
+
+
+# -- protocol 2: who is who ------------------------------------------------------------
+
+
+def test_real_hello_says_protocol_2_with_the_tenant_and_attach_claims_then_proves(
+    start_server, buffers
+) -> None:
+    server = start_server()
+    worker = make_worker(server, buffers)
+    assert worker.server is not None and worker.server.protocol == 2
+    assert worker.server.tenant == f"uid-{os.getuid()}"
+    # The probe connection has not attached the worker's id: forbidden, naming attach.
+    with pytest.raises(Forbidden, match="attach"):
+        server.request("ping", [worker.instance_id])
+    assert server.request("ping", [None]) is True, "ping [nil] needs no attach"
+    # Another secret for a bound id: forbidden; the worker's own: proven.
+    with pytest.raises(Forbidden):
+        server.request("attach", [worker.instance_id, b"x" * 32])
+    secret = worker._identity.secret
+    assert server.request("attach", [worker.instance_id, secret]) == {"outcome": "proven"}
+    assert server.request("ping", [worker.instance_id]) is True, "attached now"
+    with pytest.raises(BadArgs):
+        server.request("attach", [worker.instance_id, b"short"])
+    # A fresh id: claimed.
+    assert server.request("attach", [12345, b"y" * 16]) == {"outcome": "claimed"}
+    assert worker.store(b"k", nbytes=4) is True
+    assert worker.identity_changes == 0
+    worker.shutdown()
+
+
+def test_real_forbidden_naming_attach_is_answered_by_attaching_and_one_retry(
+    start_server, buffers
+) -> None:
+    """The worker skips its attach on the first connection (as a buggy client would):
+    the real server answers the register forbidden with a message naming attach, and
+    the worker attaches on that same connection and retries once, successfully."""
+    server = start_server()
+    buffer = MemfdBuffer.create(1 << 16, "real-kv")
+    buffers.append(buffer)
+    worker = Worker(server.socket_path, heartbeat_interval_seconds=INTERVAL)
+    real_attach = worker._conn._on_attach
+    skipped: List[int] = []
+
+    def attach_from_the_second_call(call) -> None:  # type: ignore[no-untyped-def]
+        if not skipped:
+            skipped.append(1)
+            return
+        real_attach(call)
+
+    worker._conn._on_attach = attach_from_the_second_call
+    assert worker.register_kv_cache([buffer], "real-model") == "created"
+    assert skipped == [1] and worker._conn.connects == 1, "the same connection"
+    assert len(server.entries(worker.instance_id)) == 1
+    worker.shutdown()
+
+
+def test_real_squatted_id_is_traded_for_a_fresh_one_and_registered_there(
+    start_server, buffers
+) -> None:
+    server = start_server()
+    squatter = Connection(server.socket_path, "squatter")
+    squatted = 0x5EED
+    try:
+        squatter.request("attach", [squatted, b"s" * 32], 5.0)  # holds it while connected
+        buffer = MemfdBuffer.create(1 << 16, "real-kv")
+        buffers.append(buffer)
+        worker = Worker(server.socket_path, heartbeat_interval_seconds=INTERVAL)
+        worker._identity = Identity(squatted, b"w" * 32)  # a victim that drew that id
+        assert worker.register_kv_cache([buffer], "real-model") == "created"
+        assert worker.identity_changes == 1 and worker.instance_id != squatted
+        assert len(server.entries(worker.instance_id)) == 1
+        assert server.entries(squatted) == []
+        assert worker.store(b"k", nbytes=4) is True
+        worker.shutdown()
+    finally:
+        squatter.close()
+
+
+def test_real_id_squatted_across_a_server_restart_recovers_under_a_fresh_id_with_one_context(
+    start_server, buffers
+) -> None:
+    server = start_server()
+    server.pings_answered_false_expected = "a restarted server holds nothing"
+    worker = make_worker(server, buffers)
+    assert worker.store(b"k", nbytes=4) is True
+    old_id = worker.instance_id
+    squatter = None
+    # Keep the worker off its connection while the server restarts and the squatter
+    # claims its id: its ping waits for the lock, times out, and the worker is unhealthy.
+    assert worker._conn._lock.acquire(5.0)
+    try:
+        server.restart()
+        squatter = Connection(server.socket_path, "squatter")
+        claimed = squatter.request("attach", [old_id, b"s" * 32], 5.0)[0]
+        assert claimed == {"outcome": "claimed"}
+    finally:
+        worker._conn._lock.release()
+    try:
+        wait_until(lambda: worker.identity_changes == 1, 10, "the worker moved to a fresh id")
+        new_id = worker.instance_id
+        wait_until(lambda: len(server.entries(new_id)) == 1, 10, "re-registered, fresh id")
+        wait_until(worker.healthy.is_set, 10, "healthy")
+        assert server.entries(old_id) == []
+        assert server.status()["contexts"]["built_total"] == 1, "exactly one context"
+        assert worker.store(b"k2", nbytes=4) is True
+        time.sleep(3 * INTERVAL)
+        assert server.status()["contexts"]["built_total"] == 1
+        worker.shutdown()
+    finally:
+        squatter.close()
+
+
+def _free_tcp_port() -> int:
+    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    return port
+
+
+def test_real_tcp_needs_the_token_from_the_file_and_is_a_tenant_of_its_own(
+    start_server, buffers, short_tmp: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KVWARDEN_TCP_TOKEN_FILE", raising=False)
+    token = os.path.join(short_tmp, "token")
+    with open(token, "w") as f:
+        f.write("  real-tcp-token-of-32-bytes-long\n")  # the server wants >= 16
+    os.chmod(token, 0o600)
+    port = _free_tcp_port()
+    server = start_server(extra_args=["--tcp", f"127.0.0.1:{port}", "--tcp-token-file", token])
+    server.pings_answered_false_expected = "the TCP worker pings an id it never registered"
+    local = make_worker(server, buffers)  # over the Unix socket: tenant uid-<uid>
+    assert local.store(b"tenant-key", nbytes=4) is True
+    assert local.lookup([b"tenant-key"]) == 1
+    worker = Worker(tcp_address=f"127.0.0.1:{port}", tcp_token_file=token)
+    try:
+        assert worker.ping() is False, "attached, not registered"
+        assert worker.server is not None and worker.server.protocol == 2
+        assert worker.server.tenant == "tcp" and worker.server_uid is None
+        assert worker.lookup([b"tenant-key"]) == 0, "another tenant's key is not ours"
+    finally:
+        worker.shutdown()
+        local.shutdown()
+    with pytest.raises(Forbidden, match="tcp_token_file"):
+        Worker(tcp_address=f"127.0.0.1:{port}").ping()
+    wrong = os.path.join(short_tmp, "wrong")
+    with open(wrong, "w") as f:
+        f.write("not-the-token-but-as-long-as-one")
+    with pytest.raises(Forbidden):
+        Worker(tcp_address=f"127.0.0.1:{port}", tcp_token_file=wrong).ping()
+    assert server.request("ping", [None]) is True

@@ -115,3 +115,38 @@ def test_worker_warns_when_the_servers_reap_timeout_is_below_three_intervals(
         worker.status()
     assert not [r for r in caplog.records if "reaps after" in r.getMessage()]
     worker.shutdown()
+
+
+def test_on_attach_runs_after_hello_and_a_failure_drops_the_connection(fake: FakeServer) -> None:
+    seen: List[List[str]] = []
+
+    def on_attach(call) -> None:  # type: ignore[no-untyped-def]
+        seen.append([r.op for r in fake.requests])
+        if len(seen) == 1:
+            raise ConnectionLost("test: the attach failed")
+        assert call("ping", [None]) is True, "round trips on the new connection"
+
+    conn = Connection(fake.path, "test", on_attach=on_attach)
+    with pytest.raises(ConnectionLost, match="the attach failed"):
+        conn.request("status", [], timeout=5.0)
+    assert seen == [["hello"]], "called right after hello"
+    assert not conn.is_connected(), "an unattached connection is never used"
+    assert fake.ops("status") == []
+    value, _ = conn.request("status", [], timeout=5.0)
+    assert isinstance(value, dict) and conn.connects == 2
+    assert [r.op for r in fake.requests] == ["hello", "hello", "ping", "status"]
+    assert fake.requests[2].conn == fake.requests[3].conn == fake.requests[1].conn
+    conn.close()
+
+
+def test_callable_args_are_built_after_the_connection_attached(fake: FakeServer) -> None:
+    order: List[str] = []
+    conn = Connection(fake.path, "test", on_attach=lambda call: order.append("attach"))
+    conn.request("ping", lambda: order.append("args") or [None], timeout=5.0)
+    assert order == ["attach", "args"]
+    conn.reattach(5.0)
+    assert order == ["attach", "args", "attach"], "reattach runs the hook on this connection"
+    conn.close()
+    idle = Connection(fake.path, "test", on_attach=lambda call: order.append("idle"))
+    idle.reattach(5.0)
+    assert "idle" not in order, "no connection: nothing to attach (the connect will)"

@@ -81,7 +81,7 @@ def test_health_is_set_at_construction_and_heartbeat_starts_on_first_store(
 
 def test_heartbeat_also_starts_on_first_retrieve(fake: FakeServer, buffer: MemfdBuffer) -> None:
     worker = make_worker(fake, buffer)
-    assert worker.retrieve(b"absent") is None
+    assert worker.retrieve(b"absent", nbytes=4) is None
     assert fake.wait_for(lambda: len(fake.ops("ping")) >= 1, 5)
     worker.shutdown()
 
@@ -201,6 +201,21 @@ def test_transfer_answered_not_registered_triggers_the_same_recovery(
     worker.shutdown()
 
 
+def test_reaped_worker_keeps_its_binding_and_recovers_with_one_context_and_no_new_attach(
+    fake: FakeServer, buffer: MemfdBuffer
+) -> None:
+    worker = make_worker(fake, buffer)
+    worker.store(b"k")
+    assert fake.wait_for(lambda: len(fake.ops("ping")) >= 1, 5)
+    fake.forget(worker.instance_id)  # a reap: the attached connection still holds the id
+    assert worker.instance_id in fake.bindings
+    assert fake.wait_for(lambda: len(registers(fake)) == 2, 5), "re-registered"
+    wait_until(worker.healthy.is_set, 5, "healthy after recovery")
+    assert len(fake.attaches()) == 1, "same connection: no second attach needed"
+    assert fake.contexts_built == 2 and worker.identity_changes == 0
+    worker.shutdown()
+
+
 def test_unhealthy_worker_skips_stores_and_misses_retrieves_without_blocking(
     fake: FakeServer, buffer: MemfdBuffer
 ) -> None:
@@ -212,14 +227,14 @@ def test_unhealthy_worker_skips_stores_and_misses_retrieves_without_blocking(
     before = len(fake.requests)
     started = time.monotonic()
     assert worker.store(b"k2") is False
-    assert worker.retrieve(b"k") is None, "held by the server, but reported as a miss"
+    assert worker.retrieve(b"k", nbytes=4) is None, "held by the server, but reported as a miss"
     assert worker.lookup([b"k"]) == 0
     assert time.monotonic() - started < 0.1, "no blocking while unhealthy"
     transfers = [r for r in fake.requests[before:] if r.op in ("store", "retrieve", "lookup")]
     assert transfers == [], "nothing was sent"
     fake.ping_mode = "normal"
     wait_until(worker.healthy.is_set, 5, "healthy")
-    assert worker.retrieve(b"k") == 4, "and retrieves work again once healthy"
+    assert worker.retrieve(b"k", nbytes=4) == 4, "and retrieves work again once healthy"
     worker.shutdown()
 
 
@@ -328,6 +343,8 @@ def test_server_restart_reconnects_and_reregisters_same_id_once(
     assert regs[1].conn != regs[0].conn, "on a new connection"
     assert fake.contexts_built == 2 and fake.registered == {worker.instance_id}
     assert len(fake.ops("hello")) == 2
+    assert [a.conn for a in fake.attaches("claimed")] == [regs[0].conn, regs[1].conn]
+    assert worker.identity_changes == 0, "the restarted server had no binding: claimed again"
     time.sleep(3 * INTERVAL)
     assert len(registers(fake)) == 2
     worker.shutdown()
@@ -339,11 +356,50 @@ def test_memfd_store_retrieve_lookup_round_trip(fake: FakeServer, buffer: MemfdB
     assert worker.store(b"key-a", buffer=0, offset=0, nbytes=5)
     assert worker.lookup([b"key-a", b"key-b"]) == 1
     buffer.view[100:105] = b"xxxxx"
-    assert worker.retrieve(b"key-a", buffer=0, offset=100) == 5
+    assert worker.retrieve(b"key-a", buffer=0, offset=100, nbytes=5) == 5
     assert bytes(buffer.view[100:105]) == b"hello"
-    assert worker.retrieve(b"key-b") is None
+    [retrieve] = fake.ops("retrieve")
+    assert retrieve.args == [worker.instance_id, b"key-a", 0, 100, 5], "nbytes on the wire"
+    assert worker.retrieve(b"key-b", nbytes=5) is None
     with pytest.raises(IndexError, match="buffer index 3"):
         worker.store(b"k", buffer=3)
+    worker.shutdown()
+
+
+def test_retrieve_of_another_length_is_a_miss_that_writes_nothing(
+    fake: FakeServer, buffer: MemfdBuffer
+) -> None:
+    worker = make_worker(fake, buffer)
+    buffer.view[0:8] = b"8-bytes!"
+    assert worker.store(b"k8", nbytes=8)
+    buffer.view[200:210] = b"untouched!"
+    assert worker.retrieve(b"k8", offset=200, nbytes=4) is None, "stored 8, asked 4: a miss"
+    assert worker.retrieve(b"k8", offset=200, nbytes=10) is None, "asked 10: a miss"
+    assert bytes(buffer.view[200:210]) == b"untouched!", "nothing written on a miss"
+    assert worker.retrieve(b"k8", offset=200, nbytes=8) == 8
+    assert bytes(buffer.view[200:210]) == b"8-bytes!d!"
+    worker.shutdown()
+
+
+def test_retrieve_needs_nbytes_and_batch_items_carry_it(
+    fake: FakeServer, buffer: MemfdBuffer
+) -> None:
+    worker = make_worker(fake, buffer)
+    with pytest.raises(TypeError, match="nbytes"):
+        worker.retrieve(b"k", 0, 0)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="nbytes must be the destination's length"):
+        worker.retrieve(b"k", nbytes="4")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"items\[1\].*\(key, buffer, offset, nbytes\)"):
+        worker.retrieve_batch([(b"a", 0, 0, 4), (b"b", 0, 4)])  # type: ignore[list-item]
+    assert fake.ops("retrieve") == [] and fake.ops("retrieve_batch") == [], "nothing sent"
+    buffer.view[0:8] = b"aaaabbbb"
+    assert worker.store_batch([(b"a", 0, 0, 4), (b"b", 0, 4, 4)]) == [True, True]
+    buffer.view[1000:1012] = b"\0" * 12
+    answers = worker.retrieve_batch([(b"a", 0, 1000, 4), (b"b", 0, 1004, 3), (b"b", 0, 1008, 4)])
+    assert answers == [4, None, 4], "b asked with 3 of its 4 bytes is a miss"
+    assert bytes(buffer.view[1000:1012]) == b"aaaa\0\0\0\0bbbb"
+    [batch] = fake.ops("retrieve_batch")
+    assert batch.args[1] == [[b"a", 0, 1000, 4], [b"b", 0, 1004, 3], [b"b", 0, 1008, 4]]
     worker.shutdown()
 
 

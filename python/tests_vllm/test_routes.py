@@ -22,7 +22,7 @@ class RecordingWorker:
 
     def retrieve_batch(self, items: List[Any]) -> List[Optional[int]]:
         self.batches.append(list(items))
-        return [None if key in self.missing else 100 for key, _, _ in items]
+        return [None if key in self.missing else nbytes for key, _, _, nbytes in items]
 
 
 def route(worker: RecordingWorker) -> _Route:
@@ -67,6 +67,7 @@ def test_load_counts_the_leading_blocks_whose_every_part_came_back() -> None:
     worker = RecordingWorker(missing={key(1, 1)})
     assert route(worker).load_parts(KEYS, PARTS) == 1
     assert len(worker.batches) == 1 and len(worker.batches[0]) == 9, "one request"
+    assert worker.batches[0][5] == (key(1, 2), 0, 1200, 100), "each item carries its nbytes"
     assert route(RecordingWorker()).load_parts(KEYS, PARTS) == 3
 
 

@@ -26,9 +26,10 @@ from .errors import (
     TooLarge,
     Unavailable,
     UnknownOp,
+    UntrustedServer,
 )
 from .heartbeat import Heartbeat, HeartbeatAction, PingReply, reap_timeout_floor_warning
-from .worker import Worker, default_socket_path, new_instance_id
+from .worker import Identity, Worker, default_socket_path, new_instance_id
 
 __all__ = [
     "BadArgs",
@@ -40,6 +41,7 @@ __all__ = [
     "Forbidden",
     "Heartbeat",
     "HeartbeatAction",
+    "Identity",
     "Internal",
     "KvwardenError",
     "MemfdBuffer",
@@ -54,6 +56,7 @@ __all__ = [
     "TooLarge",
     "Unavailable",
     "UnknownOp",
+    "UntrustedServer",
     "Worker",
     "default_socket_path",
     "new_instance_id",

@@ -72,7 +72,9 @@ class NotReady(ServerError):
 
 
 class Forbidden(ServerError):
-    """The instance belongs to another Unix user id."""
+    """Not allowed: the connection has not ``attach``-ed the instance (the message
+    says to attach first), the instance is bound to another secret or tenant, a TCP
+    ``hello`` without the server's token, or an op this tenant may not use."""
 
     code = "forbidden"
 
@@ -99,6 +101,19 @@ class ConnectionLost(KvwardenError):
     """The socket could not be connected, or broke; the next request reconnects."""
 
     code = "connection_lost"
+
+
+class UntrustedServer(ConnectionLost):
+    """The process listening on the Unix socket runs as a uid this worker does not
+    trust (not 0, not its own, not in ``trusted_server_uids``): nothing was sent to it,
+    no fd in particular. ``uid`` is the uid found, ``socket_path`` the path."""
+
+    code = "untrusted_server"
+
+    def __init__(self, message: str, socket_path: str = "", uid: int = -1) -> None:
+        super().__init__(message)
+        self.socket_path = socket_path
+        self.uid = uid
 
 
 class RequestTimeout(KvwardenError):

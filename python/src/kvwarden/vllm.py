@@ -18,15 +18,19 @@ Where the bytes go:
   regions itself (server-driven ``store``/``retrieve``);
 - CPU tensors are ordinary allocations the server cannot map, so the worker gathers
   the step's blocks into a memfd staging buffer registered with the server, and the
-  server copies each block record between it and L1: one copy and one round trip per
-  block each way (the engine-driven path, ``prepare_*``/``commit_*``, needs two round
+  server copies each block record between it and L1: one copy per block each way, in
+  batched requests (the engine-driven path, ``prepare_*``/``commit_*``, needs two round
   trips per block). CPU records carry a header with a CRC-32: a record that fails it is
   a load error and vLLM recomputes the block.
 
-Transfers go one round trip per block (CPU) or block region (GPU), in the order of the
-step's plan (``KvwardenConnectorMetadata.loads``/``saves``): the current protocol has no
-batched op; a batched ``store``/``retrieve`` can replace the per-block loops of the
-routes' ``save`` and ``load`` later.
+Transfers are batched (``store_batch``/``retrieve_batch``, at most
+:data:`~kvwarden.worker.MAX_BATCH_ITEMS` items a request), in the order of the step's
+plan (``KvwardenConnectorMetadata.loads``/``saves``): a save is two batch requests
+(every block part but the first, then the first parts, so that a lookup that finds a
+block's first part finds a whole block; one request when every block is one part), a
+load one (on CPU: per round of staged blocks). Each retrieve item carries its part's
+length, and the server fills a part only from a value of exactly that length: a value
+stored with another length is a miss, never a partial write.
 
 kvwarden never fails a request: while the server is down, restarting or has reaped
 this worker, lookups report no hits and saves are skipped; a load that fails is reported
@@ -478,9 +482,9 @@ class _Route:
         blocks came back whole (a later block may have been written too: vLLM computes
         it again, as it does every block after the first not loaded)."""
         items = [
-            (self.key(key, part), buffer, offset)
+            (self.key(key, part), buffer, offset, nbytes)
             for key, regions in zip(keys, parts)
-            for part, (buffer, offset, _) in enumerate(regions)
+            for part, (buffer, offset, nbytes) in enumerate(regions)
         ]
         got = self._batches(self.c._worker.retrieve_batch, items)
         whole, at = 0, 0

@@ -1,8 +1,16 @@
-"""The wire protocol (version 1) over a Unix socket: framing, fds, request/reply matching.
+"""The wire protocol (version 2) over a Unix socket or TCP: framing, fds, request/reply
+matching, and who is who (the server's credentials, the TCP token, ``attach``).
 
 A frame is a 4-byte big-endian length and a MessagePack body. Requests are
 ``[request_id, op, args]``; replies ``[request_id, ok, value]``. File descriptors travel
-as ``SCM_RIGHTS`` on the ``sendmsg`` that carries a frame's first byte.
+as ``SCM_RIGHTS`` on the ``sendmsg`` that carries a frame's first byte (Unix socket
+only).
+
+Every new connection, before anything else: over the Unix socket the server's uid is
+read (``SO_PEERCRED``) and checked against the uids this client trusts, before any byte
+(and so any fd) is sent; then ``hello`` (with this process's pidfd over the Unix socket,
+with the token over TCP); then the ``on_attach`` hook, which sends ``attach`` for the
+instance the worker acts as, before any request that names it.
 
 Threading: one :class:`Connection` is shared by the engine's thread(s) and the
 heartbeat thread. A FIFO lock serializes whole round trips (send, then read until the
@@ -29,7 +37,19 @@ import socket
 import struct
 import threading
 import time
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import (
+    Any,
+    Callable,
+    Deque,
+    Dict,
+    FrozenSet,
+    Iterable,
+    List,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+)
 
 import msgpack
 
@@ -38,12 +58,16 @@ from .errors import (
     KvwardenError,
     ProtocolViolation,
     RequestTimeout,
+    UntrustedServer,
     server_error,
 )
 
 log = logging.getLogger("kvwarden")
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+#: Environment variables read when the constructor argument is not given.
+TRUSTED_SERVER_UIDS_ENV = "KVWARDEN_TRUSTED_SERVER_UIDS"
+TCP_TOKEN_FILE_ENV = "KVWARDEN_TCP_TOKEN_FILE"
 LENGTH_PREFIX = struct.Struct(">I")
 #: The largest reply this client accepts; the server's request limit defaults to 1 MiB
 #: and a status map of many instances can be larger, so allow generously.
@@ -51,6 +75,15 @@ MAX_REPLY_BYTES = 64 * 1024 * 1024
 #: fds accepted on one read; only ``register_engine_driven`` replies carry one.
 MAX_FDS_PER_READ = 16
 RECV_CHUNK_BYTES = 64 * 1024
+
+
+#: A request's arguments, or a function that builds them once the connection is up
+#: (and attached): how a request names the instance id current at send time.
+Args = Union[Sequence[Any], Callable[[], Sequence[Any]]]
+
+#: ``call(op, args, fds=())`` on a connection being set up: one round trip, the value
+#: or the typed error. Handed to the ``on_attach`` hook.
+Call = Callable[..., Any]
 
 
 def encode_frame(request_id: int, op: str, args: Sequence[Any]) -> bytes:
@@ -125,38 +158,175 @@ class HelloInfo:
         #: How the server will notice this worker's death: ``"pidfd_from_peer"``,
         #: ``"pidfd_by_pid"`` or ``"timeout_only"``; None from an older server.
         self.exit_proof: Optional[str] = value.get("exit_proof")
+        #: The tenant the server put this connection in (``"uid-<uid>"`` by default for
+        #: a Unix peer): its keys live in that tenant's keyspace. None before protocol 2.
+        tenant = value.get("tenant")
+        self.tenant: Optional[str] = None if tenant is None else str(tenant)
+        #: Whether the server still reads fds on this connection; None from an older one.
+        self.sends_fds: Optional[bool] = value.get("sends_fds")
 
     def __repr__(self) -> str:
         return (
             f"HelloInfo(server={self.server!r}, protocol={self.protocol}, boot_id={self.boot_id}, "
-            f"reap_timeout_seconds={self.reap_timeout_seconds}, exit_proof={self.exit_proof!r})"
+            f"tenant={self.tenant!r}, reap_timeout_seconds={self.reap_timeout_seconds}, "
+            f"exit_proof={self.exit_proof!r})"
         )
 
 
+def parse_trusted_server_uids(value: str, source: str = TRUSTED_SERVER_UIDS_ENV) -> FrozenSet[int]:
+    """``"1000,1001"`` → ``{1000, 1001}``; blanks are ignored. Raises ValueError naming
+    the bad entry and ``source``."""
+    uids = set()
+    for entry in value.split(","):
+        entry = entry.strip()
+        if not entry:
+            continue
+        try:
+            uid = int(entry, 10)
+        except ValueError:
+            uid = -1
+        if uid < 0:
+            raise ValueError(
+                f"{source}={value!r}: {entry!r} is not a uid; expected a comma-separated "
+                f"list of non-negative integers, e.g. {source}=1000,1001"
+            )
+        uids.add(uid)
+    return frozenset(uids)
+
+
+def resolve_trusted_server_uids(
+    uids: Optional[Iterable[int]],
+) -> Tuple[FrozenSet[int], str]:
+    """The uids to trust beyond 0 and our own, and how they were set (for messages):
+    ``uids`` when given, else ``$KVWARDEN_TRUSTED_SERVER_UIDS``, else none."""
+    if uids is not None:
+        checked = set()
+        for uid in uids:
+            if isinstance(uid, bool) or not isinstance(uid, int) or uid < 0:
+                raise ValueError(
+                    f"trusted_server_uids must hold non-negative integer uids, got {uid!r}"
+                )
+            checked.add(uid)
+        return frozenset(checked), f"trusted_server_uids={sorted(checked)}"
+    env = os.environ.get(TRUSTED_SERVER_UIDS_ENV)
+    if env is None:
+        return frozenset(), f"trusted_server_uids not given and {TRUSTED_SERVER_UIDS_ENV} unset"
+    return parse_trusted_server_uids(env), f"{TRUSTED_SERVER_UIDS_ENV}={env!r}"
+
+
+def read_token_file(path: str, source: str = "tcp_token_file") -> str:
+    """The TCP token: the file's content with surrounding whitespace stripped. Raises
+    ValueError naming the file and ``source`` when it cannot be read or is empty."""
+    try:
+        with open(path, "r", encoding="utf-8") as f:
+            token = f.read().strip()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(
+            f"{source}={path!r}: cannot read the TCP token: {error}; the file must hold "
+            f"the token of the server's --tcp-token-file"
+        ) from error
+    if not token:
+        raise ValueError(
+            f"{source}={path!r} is empty (or only whitespace); it must hold the token of "
+            f"the server's --tcp-token-file"
+        )
+    return token
+
+
+def parse_tcp_address(address: Union[str, Tuple[str, int]]) -> Tuple[str, int]:
+    """``"host:port"``, ``"[::1]:port"`` or ``(host, port)`` → ``(host, port)``."""
+    if isinstance(address, str):
+        host, sep, port_text = address.rpartition(":")
+        if not sep or not host:
+            raise ValueError(
+                f"tcp_address={address!r}: expected HOST:PORT (e.g. 127.0.0.1:7070, "
+                f"[::1]:7070), as the server's --tcp"
+            )
+        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        try:
+            port = int(port_text, 10)
+        except ValueError:
+            port = -1
+    else:
+        try:
+            host, port = address
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"tcp_address={address!r}: expected 'HOST:PORT' or a (host, port) pair"
+            ) from None
+        host = str(host)
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise ValueError(f"tcp_address={address!r}: the port must be 1..65535")
+    return host, port
+
+
 class Connection:
-    """A reconnecting connection to the server's Unix socket.
+    """A reconnecting connection to the server's Unix socket (or TCP address).
 
     Connects lazily, says ``hello`` on every new connection, and closes itself on any
     stream error so that the next request starts over on a fresh socket (a restarted
-    server is reached this way). ``on_connect`` is called with the hello reply.
+    server is reached this way). ``on_connect`` is called with the hello reply, then
+    ``on_attach`` with a ``call(op, args, fds=())`` that makes round trips on the new
+    connection (the worker sends ``attach`` there); if it raises, the connection is
+    dropped and the request that connected fails with its error.
 
-    With ``send_pidfd`` (the default), every ``hello`` carries a pidfd of this process
-    (``os.pidfd_open(os.getpid())``, Linux 5.3+), so the server can prove this worker's
-    death in any PID namespace; where the platform has none, or the server refuses it
-    (an older server), hello goes without it.
+    Over the Unix socket the server's uid (``SO_PEERCRED``) must be 0, this process's
+    own, or one of ``trusted_server_uids`` (None: ``$KVWARDEN_TRUSTED_SERVER_UIDS``);
+    otherwise :class:`~kvwarden.errors.UntrustedServer` is raised before anything is
+    sent. With ``send_pidfd`` (the default), every ``hello`` carries a pidfd of this
+    process (``os.pidfd_open(os.getpid())``, Linux 5.3+), so the server can prove this
+    worker's death in any PID namespace; where the platform has none, or the server
+    refuses it, hello goes without it.
+
+    With ``tcp_address`` (``"host:port"`` or a pair) it connects over TCP instead: no
+    fds, no credential check, and ``hello`` carries the token read from
+    ``tcp_token_file`` (None: ``$KVWARDEN_TCP_TOKEN_FILE``) on every connect.
     """
 
     def __init__(
         self,
-        socket_path: str,
+        socket_path: Optional[str],
         client_name: str,
-        on_connect: Optional[Any] = None,
+        on_connect: Optional[Callable[[HelloInfo], None]] = None,
         send_pidfd: bool = True,
+        *,
+        tcp_address: Optional[Union[str, Tuple[str, int]]] = None,
+        tcp_token_file: Optional[str] = None,
+        trusted_server_uids: Optional[Iterable[int]] = None,
+        on_attach: Optional[Callable[[Call], None]] = None,
     ) -> None:
+        if tcp_address is not None and socket_path is not None:
+            raise ValueError(
+                f"give socket_path ({socket_path!r}) or tcp_address ({tcp_address!r}), not both"
+            )
+        if tcp_address is None and socket_path is None:
+            raise ValueError("a Connection needs a socket_path or a tcp_address")
+        self.tcp_address = None if tcp_address is None else parse_tcp_address(tcp_address)
         self.socket_path = socket_path
+        if self.tcp_address is not None:
+            host, port = self.tcp_address
+            self.endpoint = f"tcp:[{host}]:{port}" if ":" in host else f"tcp:{host}:{port}"
+        else:
+            self.endpoint = str(socket_path)
         self.client_name = client_name
         self.send_pidfd = send_pidfd
         self._on_connect = on_connect
+        self._on_attach = on_attach
+        self.trusted_server_uids, self._trust_source = resolve_trusted_server_uids(
+            trusted_server_uids
+        )
+        self._token_file: Optional[str] = None
+        self._token_source = "tcp_token_file"
+        if self.tcp_address is not None:
+            if tcp_token_file is not None:
+                self._token_file = str(tcp_token_file)
+            elif os.environ.get(TCP_TOKEN_FILE_ENV):
+                self._token_file = os.environ[TCP_TOKEN_FILE_ENV]
+                self._token_source = TCP_TOKEN_FILE_ENV
+            if self._token_file is not None:
+                read_token_file(self._token_file, self._token_source)  # fail early
+        #: The server's uid as ``SO_PEERCRED`` showed it on the current connection.
+        self.server_uid: Optional[int] = None
         self._lock = FifoLock()
         self._sock: Optional[socket.socket] = None
         self._buffer = bytearray()
@@ -174,12 +344,14 @@ class Connection:
     def request(
         self,
         op: str,
-        args: Sequence[Any],
+        args: Args,
         timeout: float,
         fds: Sequence[int] = (),
     ) -> Tuple[Any, List[int]]:
         """Sends one request and waits for its reply: ``(value, fds)``.
 
+        ``args`` may be a function: it is called once the connection is up and
+        attached, so a request names the instance id current at that moment.
         Raises the typed :class:`~kvwarden.errors.ServerError` for an error reply,
         :class:`~kvwarden.errors.RequestTimeout` when no reply came within ``timeout``
         seconds (including the wait for our turn), :class:`ConnectionLost` when the
@@ -195,8 +367,11 @@ class Connection:
             if self._closed:
                 raise ConnectionLost(f"`{op}`: the connection was closed by shutdown()")
             sock = self._ensure_connected(deadline)
+            if fds and self.tcp_address is not None:
+                raise ValueError(f"`{op}` carries fds, which TCP cannot; use the Unix socket")
+            payload = args() if callable(args) else args
             request_id = self._take_id()
-            self._send(sock, encode_frame(request_id, op, args), fds, deadline, op)
+            self._send(sock, encode_frame(request_id, op, payload), fds, deadline, op)
             reply = self._read_reply(sock, request_id, deadline, op)
         finally:
             self._lock.release()
@@ -221,6 +396,23 @@ class Connection:
             if acquired:
                 self._lock.release()
 
+    def reattach(self, timeout: float) -> None:
+        """Runs the ``on_attach`` hook again on the current connection (after a
+        ``forbidden`` that says to attach). Without a connection it does nothing: the
+        next request connects, and every connect attaches."""
+        deadline = time.monotonic() + timeout
+        if not self._lock.acquire(timeout):
+            raise RequestTimeout(
+                f"`attach` could not be sent within {timeout:g} s: another request on this "
+                f"worker's connection was still waiting for the server"
+            )
+        try:
+            if self._sock is None or self._on_attach is None:
+                return
+            self._attach(self._sock, deadline)
+        finally:
+            self._lock.release()
+
     def is_connected(self) -> bool:
         """Whether a socket is open now (it may still turn out to be broken)."""
         return self._sock is not None
@@ -244,17 +436,7 @@ class Connection:
     def _ensure_connected(self, deadline: float) -> socket.socket:
         if self._sock is not None:
             return self._sock
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.settimeout(max(deadline - time.monotonic(), 0.001))
-            sock.connect(self.socket_path)
-        except OSError as error:
-            sock.close()
-            raise ConnectionLost(
-                f"cannot connect to the kvwarden socket {self.socket_path!r}: {error}; "
-                f"is `kvwarden serve --socket {self.socket_path}` running and is the path "
-                f"right?"
-            ) from error
+        sock = self._open_socket(deadline)
         self._sock = sock
         self._buffer.clear()
         self._buffer_start = 0
@@ -262,15 +444,19 @@ class Connection:
         self.connects += 1
         try:
             reply = None
-            pidfd = own_pidfd() if self.send_pidfd else None
+            options: Dict[str, Any] = {}
+            if self.tcp_address is not None and self._token_file is not None:
+                # Read on every connect: a rotated file is picked up by the next one.
+                options["token"] = read_token_file(self._token_file, self._token_source)
+            pidfd = own_pidfd() if self.send_pidfd and self.tcp_address is None else None
             if pidfd is not None:
                 try:
-                    reply = self._hello(sock, [{"pidfd_index": 0}], [pidfd], deadline)
+                    reply = self._hello(sock, [{**options, "pidfd_index": 0}], [pidfd], deadline)
                 finally:
                     _close_quietly(pidfd)
                 if not reply.ok:
-                    # An older server (two arguments only) or one that cannot check
-                    # pidfds; the connection is still good.
+                    # A server that cannot check pidfds (or one from before them); the
+                    # connection is still good.
                     _, message = _error_fields(reply.value)
                     log.warning(
                         "kvwarden: the server refused this worker's pidfd (%s); carrying on "
@@ -280,14 +466,14 @@ class Connection:
                     )
                     reply = None
             if reply is None:
-                reply = self._hello(sock, [], [], deadline)
+                reply = self._hello(sock, [options] if options else [], [], deadline)
         except KvwardenError:
             self._drop("hello failed")
             raise
         if not reply.ok:
             self._drop("hello refused")
             code, message = _error_fields(reply.value)
-            raise server_error(code, f"hello refused: {message}")
+            raise server_error(code, f"hello refused: {message}{self._hello_hint(code)}")
         if not isinstance(reply.value, dict):
             self._drop("hello reply is not a map")
             raise ProtocolViolation(f"hello reply must be a map, got {reply.value!r}")
@@ -305,7 +491,110 @@ class Connection:
                 self._on_connect(self.hello)
             except Exception:  # a logging hook must never break the connection
                 log.exception("kvwarden: the on_connect hook failed")
+        if self._on_attach is not None:
+            self._attach(sock, deadline)
         return sock
+
+    def _attach(self, sock: socket.socket, deadline: float) -> None:
+        """Runs ``on_attach`` on ``sock``; any failure drops the connection (it must
+        not be used unattached) and is raised."""
+        assert self._on_attach is not None
+
+        def call(op: str, args: Sequence[Any], fds: Sequence[int] = ()) -> Any:
+            request_id = self._take_id()
+            self._send(sock, encode_frame(request_id, op, args), fds, deadline, op)
+            reply = self._read_reply(sock, request_id, deadline, op)
+            for fd in reply.fds:
+                _close_quietly(fd)
+            if not reply.ok:
+                code, message = _error_fields(reply.value)
+                raise server_error(code, message)
+            return reply.value
+
+        try:
+            self._on_attach(call)
+        except BaseException as error:
+            self._drop("attach failed")
+            if isinstance(error, KvwardenError):
+                error.during_attach = True  # type: ignore[attr-defined]
+            raise
+
+    def _open_socket(self, deadline: float) -> socket.socket:
+        """A connected socket; over the Unix socket only once the server's uid passed
+        :meth:`_check_server_uid` (nothing has been sent yet)."""
+        timeout = max(deadline - time.monotonic(), 0.001)
+        if self.tcp_address is not None:
+            try:
+                sock = socket.create_connection(self.tcp_address, timeout)
+            except OSError as error:
+                raise ConnectionLost(
+                    f"cannot connect to the kvwarden server at {self.endpoint}: {error}; is "
+                    f"`kvwarden serve --tcp {self.endpoint[4:]}` running and is the address "
+                    f"right?"
+                ) from error
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+            return sock
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(self.endpoint)
+        except OSError as error:
+            sock.close()
+            raise ConnectionLost(
+                f"cannot connect to the kvwarden socket {self.endpoint!r}: {error}; "
+                f"is `kvwarden serve --socket {self.endpoint}` running and is the path "
+                f"right?"
+            ) from error
+        try:
+            self._check_server_uid(sock)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def _check_server_uid(self, sock: socket.socket) -> None:
+        """Refuses a server whose uid is not 0, ours, or a trusted one: before any fd
+        (our pidfd, memfds) reaches a process that could then act on it."""
+        try:
+            creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            pid, uid, _gid = struct.unpack("3i", creds)
+        except OSError as error:
+            raise UntrustedServer(
+                f"cannot read the credentials (SO_PEERCRED) of the server on "
+                f"{self.endpoint!r}: {error}; refusing to send it anything",
+                socket_path=self.endpoint,
+            ) from error
+        self.server_uid = uid
+        own = os.getuid()
+        if uid in (0, own) or uid in self.trusted_server_uids:
+            return
+        raise UntrustedServer(
+            f"refusing the kvwarden server on {self.endpoint!r}: it runs as uid {uid} "
+            f"(pid {pid}), and this worker (uid {own}) trusts only uid 0, its own uid and "
+            f"the uids it is configured to trust ({self._trust_source}); nothing was sent "
+            f"to it. If that server is yours, add {uid} to Worker(trusted_server_uids=[...]) "
+            f"or to {TRUSTED_SERVER_UIDS_ENV} (e.g. {TRUSTED_SERVER_UIDS_ENV}={uid}); "
+            f"otherwise another user's process is listening on this path: check the "
+            f"socket path and the server",
+            socket_path=self.endpoint,
+            uid=uid,
+        )
+
+    def _hello_hint(self, code: str) -> str:
+        if code != "forbidden" or self.tcp_address is None:
+            return ""
+        if self._token_file is None:
+            return (
+                f"; over TCP the server needs its token: pass tcp_token_file=PATH (or set "
+                f"{TCP_TOKEN_FILE_ENV}) to a file holding the token of its --tcp-token-file"
+            )
+        return (
+            f"; the token read from {self._token_file!r} ({self._token_source}) is not the "
+            f"one in the server's --tcp-token-file"
+        )
 
     def _hello(
         self, sock: socket.socket, options: List[Any], fds: Sequence[int], deadline: float
@@ -317,7 +606,7 @@ class Connection:
 
     def _drop(self, why: str) -> None:
         if self._sock is not None:
-            log.debug("kvwarden: dropping connection to %s: %s", self.socket_path, why)
+            log.debug("kvwarden: dropping connection to %s: %s", self.endpoint, why)
             try:
                 # shutdown() first: it wakes a thread blocked reading this socket,
                 # which close() alone does not.
@@ -352,7 +641,7 @@ class Connection:
         except OSError as error:
             self._drop(f"send of `{op}` failed: {error}")
             raise ConnectionLost(
-                f"`{op}`: the connection to {self.socket_path!r} broke: {error}"
+                f"`{op}`: the connection to {self.endpoint!r} broke: {error}"
             ) from error
 
     def _read_reply(self, sock: socket.socket, request_id: int, deadline: float, op: str) -> _Reply:
@@ -378,7 +667,7 @@ class Connection:
             except OSError as error:
                 self._drop(f"read failed: {error}")
                 raise ConnectionLost(
-                    f"`{op}`: the connection to {self.socket_path!r} broke: {error}"
+                    f"`{op}`: the connection to {self.endpoint!r} broke: {error}"
                 ) from error
             if flags & getattr(socket, "MSG_CTRUNC", 0):
                 log.error(

@@ -1,7 +1,12 @@
 """The inference-engine worker's client: registrations, transfers and the heartbeat.
 
 One :class:`Worker` per engine process (per GPU rank). Its instance id is drawn from a
-fresh UUID, so a restarted process can never bind to a dead one's state on the server.
+fresh UUID, so a restarted process can never bind to a dead one's state on the server,
+together with a 32-byte secret (``secrets.token_bytes``): the worker ``attach``-es the
+pair on every connection before naming the instance, so only the holder of the secret
+can act as that instance (protocol 2). An id another process bound first (a squatter)
+is answered ``forbidden``: the worker then draws a fresh id and secret, counts it
+(:attr:`Worker.identity_changes`) and re-registers under the new id.
 
 Threads: the engine calls the worker from its own thread(s); a daemon heartbeat thread,
 started on the first store/retrieve, pings the server every ``interval`` and runs the
@@ -19,16 +24,30 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 import time
 import uuid
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    List,
+    NamedTuple,
+    Optional,
+    Sequence,
+    Tuple,
+    TypeVar,
+    Union,
+)
 
 from . import __version__
 from .buffers import Buffer, CudaIpcBuffer, EnginePool, MemfdBuffer, Slot
 from .errors import (
     BadArgs,
     ConnectionLost,
+    Forbidden,
     Internal,
     KvwardenError,
     NotReady,
@@ -36,6 +55,7 @@ from .errors import (
     Overloaded,
     ProtocolViolation,
     RequestTimeout,
+    UnknownOp,
 )
 from .heartbeat import (
     DEFAULT_INTERVAL_SECONDS,
@@ -45,7 +65,7 @@ from .heartbeat import (
     reap_timeout_floor_warning,
     validate_interval,
 )
-from .wire import Connection, HelloInfo
+from .wire import Args, Call, Connection, HelloInfo
 
 log = logging.getLogger("kvwarden")
 
@@ -61,19 +81,43 @@ INSTANCE_ID_MAX = (1 << 63) - 1
 #: The most items one ``store_batch`` / ``retrieve_batch`` carries (the server's limit).
 MAX_BATCH_ITEMS = 1024
 
+#: Bytes of the secret drawn with each instance id (the server accepts 16..=64).
+SECRET_BYTES = 32
+
+#: Fresh ids tried in a row when ``attach`` keeps answering ``forbidden``: one squatted
+#: id is an accident or an attack; a fresh random 63-bit id refused again means the
+#: server refuses this caller whatever the id.
+MAX_ATTACH_ATTEMPTS = 3
+
 
 def default_socket_path() -> str:
     """The server's default socket: ``$XDG_RUNTIME_DIR/kvwarden.sock``, else
-    ``/tmp/kvwarden-<uid>.sock`` (the same rule as ``kvwarden serve``)."""
+    ``/tmp/kvwarden-<uid>/kvwarden.sock`` (the same rule as ``kvwarden serve``, which
+    creates that directory with mode 0700)."""
     runtime_dir = os.environ.get("XDG_RUNTIME_DIR")
     if runtime_dir:
         return os.path.join(runtime_dir, "kvwarden.sock")
-    return f"/tmp/kvwarden-{os.getuid()}.sock"
+    return f"/tmp/kvwarden-{os.getuid()}/kvwarden.sock"
 
 
 def new_instance_id() -> int:
     """The low 63 bits of a fresh UUID4: OS entropy, never a PID (PIDs get reused)."""
     return uuid.uuid4().int & INSTANCE_ID_MAX
+
+
+class Identity(NamedTuple):
+    """Who a worker is to the server: an instance id and the secret that proves it."""
+
+    instance_id: int
+    secret: bytes
+
+    @classmethod
+    def fresh(cls) -> "Identity":
+        """A new id and a new secret, both from OS entropy."""
+        return cls(new_instance_id(), secrets.token_bytes(SECRET_BYTES))
+
+    def __repr__(self) -> str:  # never print the secret
+        return f"Identity(instance_id={self.instance_id}, secret=<{len(self.secret)} bytes>)"
 
 
 class Worker:
@@ -93,6 +137,18 @@ class Worker:
     even where it cannot see its pid (a server in another container without
     ``hostPID``). False behaves as clients before it did: the death is proven by pid
     where the server sees it, else noticed only at the reap timeout.
+
+    ``trusted_server_uids``: over the Unix socket the worker checks the server's uid
+    (``SO_PEERCRED``) before it sends anything, its fds above all; uid 0 and this
+    process's own uid are trusted, and so are these (None: the comma-separated
+    ``$KVWARDEN_TRUSTED_SERVER_UIDS``). Another uid raises
+    :class:`~kvwarden.errors.UntrustedServer`.
+
+    ``tcp_address`` (``"host:port"`` or a pair): talk to the server's ``--tcp``
+    listener instead of the Unix socket (no memfd buffers, no engine-driven mode, no
+    process-exit proof). Its ``hello`` carries the token read from ``tcp_token_file``
+    (None: ``$KVWARDEN_TCP_TOKEN_FILE``), whitespace stripped: the content of the
+    server's ``--tcp-token-file``.
     """
 
     def __init__(
@@ -103,12 +159,26 @@ class Worker:
         request_timeout_seconds: float = 30.0,
         client_name: Optional[str] = None,
         send_pidfd: bool = True,
+        trusted_server_uids: Optional[Iterable[int]] = None,
+        tcp_address: Optional[Union[str, Tuple[str, int]]] = None,
+        tcp_token_file: Optional[str] = None,
     ) -> None:
-        self.socket_path = default_socket_path() if socket_path is None else str(socket_path)
+        if tcp_address is not None:
+            if socket_path is not None:
+                raise ValueError(
+                    f"Worker: give socket_path ({socket_path!r}) or tcp_address "
+                    f"({tcp_address!r}), not both"
+                )
+            self.socket_path: Optional[str] = None
+        else:
+            self.socket_path = default_socket_path() if socket_path is None else str(socket_path)
         # A Worker copied into a forked child would share this id and this socket with
         # its parent: exactly the aliasing uuid-derived ids exist to prevent.
         self._pid = os.getpid()
-        self.instance_id = new_instance_id()
+        self._identity = Identity.fresh()
+        #: How many times ``attach`` found this worker's id bound to another secret and
+        #: the worker moved to a fresh id (for tests and metrics; each one is a WARNING).
+        self.identity_changes = 0
         self.interval = validate_interval(heartbeat_interval_seconds)
         if not request_timeout_seconds > 0:
             raise ValueError(
@@ -124,7 +194,13 @@ class Worker:
             client_name or f"kvwarden-python/{__version__}",
             on_connect=self._on_connect,
             send_pidfd=send_pidfd,
+            tcp_address=tcp_address,
+            tcp_token_file=tcp_token_file,
+            trusted_server_uids=trusted_server_uids,
+            on_attach=self._attach,
         )
+        #: Where the server is: the socket path, or ``tcp:HOST:PORT``.
+        self.endpoint = self._conn.endpoint
         self._hb = Heartbeat(self.interval)
         self._hb_lock = threading.Lock()  # guards _hb, _thread and the health edge
         self._wake = threading.Event()
@@ -146,12 +222,18 @@ class Worker:
         log.info(
             "kvwarden worker created: instance_id=%d socket=%s heartbeat_interval=%gs",
             self.instance_id,
-            self.socket_path,
+            self.endpoint,
             self.interval,
         )
         warning = reap_timeout_floor_warning(self.interval)
         if warning is not None:
             log.warning("kvwarden: %s", warning)
+
+    @property
+    def instance_id(self) -> int:
+        """The id this worker acts as. It changes only when ``attach`` finds it bound to
+        another secret (:attr:`identity_changes`); log it, never derive state from it."""
+        return self._identity.instance_id
 
     # -- registrations --------------------------------------------------------------
 
@@ -174,6 +256,12 @@ class Worker:
                     f"buffers[{position}] must be a MemfdBuffer or a CudaIpcBuffer, got "
                     f"{type(buffer).__name__}"
                 )
+            if isinstance(buffer, MemfdBuffer) and self._conn.tcp_address is not None:
+                raise ValueError(
+                    f"buffers[{position}] is a MemfdBuffer, whose fd cannot travel over TCP "
+                    f"({self.endpoint}); connect over the Unix socket (socket_path=...) or "
+                    f"register CudaIpcBuffers"
+                )
         with self._reg_lock:
             if self._kv is not None:
                 raise KvwardenError(
@@ -190,7 +278,7 @@ class Worker:
         """Frees the KV-cache registration now; False when the server did not hold it."""
         with self._reg_lock:
             self._kv = None
-            value, _ = self._request("unregister_kv_cache", [self.instance_id])
+            value, _ = self._request("unregister_kv_cache", self._named())
         return bool(value)
 
     def register_engine_driven(self, model_name: str, world_size: int = 1) -> EnginePool:
@@ -209,7 +297,7 @@ class Worker:
         """Frees the engine-driven registration; False when the server did not hold it."""
         with self._reg_lock:
             self._engine = None
-            value, _ = self._request("unregister_engine_driven", [self.instance_id])
+            value, _ = self._request("unregister_engine_driven", self._named())
         return bool(value)
 
     def register_blend(self, rotary_dim: int, max_positions: int, base: float) -> bool:
@@ -221,7 +309,7 @@ class Worker:
             "base": float(base),
         }
         with self._reg_lock:
-            value, _ = self._request("register_blend", [self.instance_id, rope])
+            value, _ = self._request("register_blend", self._named(rope))
             self._blend = rope
         return bool(value)
 
@@ -248,12 +336,16 @@ class Worker:
             )
         if nbytes is None:
             nbytes = kv[0][buffer].nbytes - offset
-        args = [self.instance_id, bytes(key), buffer, offset, nbytes]
+        args = self._named(bytes(key), buffer, offset, nbytes)
         return bool(self._transfer("store", args, False, start=True))
 
-    def retrieve(self, key: bytes, buffer: int = 0, offset: int = 0) -> Optional[int]:
-        """Asks the server to copy L1's bytes for ``key`` into buffer ``buffer`` at
-        ``offset``. Returns the bytes copied, or None on a miss, while unhealthy or on a
+    def retrieve(
+        self, key: bytes, buffer: int = 0, offset: int = 0, *, nbytes: int
+    ) -> Optional[int]:
+        """Asks the server to copy L1's bytes for ``key`` into ``[offset, offset +
+        nbytes)`` of buffer ``buffer``. ``nbytes`` (required) is the destination block's
+        length: a value stored with another length is a miss and nothing is written.
+        Returns ``nbytes`` when copied, or None on a miss, while unhealthy or on a
         transient failure (the engine recomputes)."""
         if self._shut_down:
             return None
@@ -262,14 +354,13 @@ class Worker:
             raise IndexError(
                 f"retrieve: buffer index {buffer} out of range; {len(kv[0])} buffers are registered"
             )
+        _check_nbytes("retrieve", nbytes)
         value = self._transfer(
-            "retrieve", [self.instance_id, bytes(key), buffer, offset], None, start=True
+            "retrieve", self._named(bytes(key), buffer, offset, nbytes), None, start=True
         )
         return None if value is None else int(value)
 
-    def store_batch(
-        self, items: Sequence[Tuple[bytes, int, int, Optional[int]]]
-    ) -> List[bool]:
+    def store_batch(self, items: Sequence[Tuple[bytes, int, int, Optional[int]]]) -> List[bool]:
         """Many :meth:`store` calls in one request (at most :data:`MAX_BATCH_ITEMS`):
         each item is ``(key, buffer, offset, nbytes)`` (``nbytes`` None: the rest of the
         buffer), each answer what ``store`` would have answered. All False when skipped
@@ -290,31 +381,39 @@ class Worker:
             wire.append([bytes(key), buffer, offset, nbytes])
         _check_batch_size("store_batch", len(wire))
         failure = [False] * len(wire)
-        value = self._transfer("store_batch", [self.instance_id, wire], failure, start=True)
+        value = self._transfer("store_batch", self._named(wire), failure, start=True)
         if value is failure:
             return failure
         return [bool(answer) for answer in _batch_answers("store_batch", value, len(wire))]
 
-    def retrieve_batch(self, items: Sequence[Tuple[bytes, int, int]]) -> List[Optional[int]]:
+    def retrieve_batch(self, items: Sequence[Tuple[bytes, int, int, int]]) -> List[Optional[int]]:
         """Many :meth:`retrieve` calls in one request (at most :data:`MAX_BATCH_ITEMS`):
-        each item is ``(key, buffer, offset)``, each answer the bytes copied or None on a
-        miss. All None while unhealthy or on a transient failure (the engine recomputes).
-        A bad item is :class:`~kvwarden.errors.BadArgs` naming its index; nothing is
-        copied."""
+        each item is ``(key, buffer, offset, nbytes)``, each answer ``nbytes`` when
+        copied or None on a miss (a value stored with another length is a miss). All
+        None while unhealthy or on a transient failure (the engine recomputes). A bad
+        item is :class:`~kvwarden.errors.BadArgs` naming its index; nothing is copied."""
         if self._shut_down:
             return [None] * len(items)
         kv = self._require_kv("retrieve_batch")
         wire: List[List[Any]] = []
-        for index, (key, buffer, offset) in enumerate(items):
+        for index, item in enumerate(items):
+            if len(item) != 4:
+                raise TypeError(
+                    f"retrieve_batch: items[{index}] = {tuple(item)!r:.120} has {len(item)} "
+                    f"fields; each item is (key, buffer, offset, nbytes): nbytes, the "
+                    f"destination's length, is required since protocol 2"
+                )
+            key, buffer, offset, nbytes = item
             if not 0 <= buffer < len(kv[0]):
                 raise IndexError(
                     f"retrieve_batch: items[{index}]: buffer index {buffer} out of range; "
                     f"{len(kv[0])} buffers are registered"
                 )
-            wire.append([bytes(key), buffer, offset])
+            _check_nbytes(f"retrieve_batch: items[{index}]", nbytes)
+            wire.append([bytes(key), buffer, offset, nbytes])
         _check_batch_size("retrieve_batch", len(wire))
         failure: List[Optional[int]] = [None] * len(wire)
-        value = self._transfer("retrieve_batch", [self.instance_id, wire], failure, start=True)
+        value = self._transfer("retrieve_batch", self._named(wire), failure, start=True)
         if value is failure:
             return failure
         return [
@@ -348,7 +447,7 @@ class Worker:
         if self._shut_down:
             return None
         pool = self._require_pool(op)
-        value = self._transfer(op, [self.instance_id, bytes(key)], None, start=True)
+        value = self._transfer(op, self._named(bytes(key)), None, start=True)
         if value is None:
             return None
         return Slot(
@@ -368,7 +467,7 @@ class Worker:
         self._require_pool("commit_store")
         value = self._transfer(
             "commit_store",
-            [self.instance_id, bytes(key), int(nbytes)],
+            self._named(bytes(key), int(nbytes)),
             False,
             start=True,
             gate=False,
@@ -386,7 +485,7 @@ class Worker:
             return False
         self._require_pool("commit_retrieve")
         value = self._transfer(
-            "commit_retrieve", [self.instance_id, bytes(key)], False, start=True, gate=False
+            "commit_retrieve", self._named(bytes(key)), False, start=True, gate=False
         )
         return bool(value)
 
@@ -400,13 +499,19 @@ class Worker:
     def ping(self) -> bool:
         """One ping outside the heartbeat (does not touch health): is this instance
         registered on the server?"""
-        value, _ = self._request("ping", [self.instance_id], timeout=self.interval)
+        value, _ = self._request("ping", self._named(), timeout=self.interval)
         return bool(value)
 
     @property
     def server(self) -> Optional[HelloInfo]:
         """What the server said in ``hello`` on the current connection."""
         return self._conn.hello
+
+    @property
+    def server_uid(self) -> Optional[int]:
+        """The server's uid as ``SO_PEERCRED`` showed it on the last Unix-socket connect
+        (None before one, and over TCP)."""
+        return self._conn.server_uid
 
     def is_healthy(self) -> bool:
         """Whether stores and retrieves are attempted now."""
@@ -449,7 +554,7 @@ class Worker:
                 if not held:
                     continue
                 try:
-                    self._request(op, [self.instance_id])
+                    self._request(op, self._named())
                 except KvwardenError as error:
                     log.warning(
                         "kvwarden: %s of instance %d failed at shutdown: %s",
@@ -474,17 +579,104 @@ class Worker:
 
     # -- internals ------------------------------------------------------------------
 
+    def _named(self, *rest: Any) -> Callable[[], List[Any]]:
+        """The arguments of an op naming this instance: ``[instance_id, *rest]``, the id
+        read when the request is sent, i.e. after the connection attached it (an
+        ``attach`` answered ``forbidden`` on a reconnect changes it)."""
+        return lambda: [self._identity.instance_id, *rest]
+
     def _request(
         self,
         op: str,
-        args: List[Any],
+        args: Args,
         fds: Sequence[int] = (),
         timeout: Optional[float] = None,
     ) -> Tuple[Any, List[int]]:
+        """One round trip. A ``forbidden`` that says to attach (the server does not
+        count this connection as attached) is answered by attaching again on this
+        connection and retrying once; any other ``forbidden`` is raised."""
         self._check_process(op)
-        return self._conn.request(
-            op, args, self.request_timeout if timeout is None else timeout, fds
+        limit = self.request_timeout if timeout is None else timeout
+        try:
+            return self._conn.request(op, args, limit, fds)
+        except Forbidden as error:
+            # Not one the attach itself got (that one has been dealt with already).
+            if "attach" not in error.message or getattr(error, "during_attach", False):
+                raise
+            log.warning(
+                "kvwarden: `%s` of instance %d was answered forbidden (%s); attaching again "
+                "and retrying once",
+                op,
+                self.instance_id,
+                error.message,
+            )
+        self._conn.reattach(limit)
+        return self._conn.request(op, args, limit, fds)
+
+    def _attach(self, call: Call) -> None:
+        """The ``on_attach`` hook: ``attach [instance_id, secret]`` on a new connection,
+        before anything names the instance. ``forbidden`` (the id is bound to another
+        secret or tenant) → a fresh id and secret, a WARNING, :attr:`identity_changes`
+        counted, attach again; the registrations are then replayed under the new id by
+        the recovery (:meth:`_identity_changed`)."""
+        for _ in range(MAX_ATTACH_ATTEMPTS):
+            identity = self._identity
+            try:
+                value = call("attach", [identity.instance_id, identity.secret])
+            except Forbidden as error:
+                fresh = Identity.fresh()
+                self._identity = fresh
+                self.identity_changes += 1
+                log.warning(
+                    "kvwarden: the server refused instance id %d to this worker (%s): another "
+                    "process holds that id with another secret. Carrying on as instance %d "
+                    "(identity change #%d)%s",
+                    identity.instance_id,
+                    error.message,
+                    fresh.instance_id,
+                    self.identity_changes,
+                    "; re-registering under it" if self._holds_registrations() else "",
+                )
+                self._identity_changed()
+                continue
+            except UnknownOp as error:
+                server = self.server.server if self.server is not None else "?"
+                raise UnknownOp(
+                    f"the server {server!r} at {self.endpoint} does not know `attach` "
+                    f"({error.message}): it speaks protocol 1 and this client protocol 2; "
+                    f"upgrade the server"
+                ) from error
+            outcome = _outcome(value, "attach")
+            if outcome not in ("claimed", "proven"):
+                raise ProtocolViolation(
+                    f'attach: expected outcome "claimed" or "proven", got {outcome!r:.100}'
+                )
+            log.debug("kvwarden: instance %d attached: %s", identity.instance_id, outcome)
+            return
+        raise Forbidden(
+            f"attach: {MAX_ATTACH_ATTEMPTS} fresh instance ids in a row were refused by the "
+            f"server at {self.endpoint}; it refuses this worker whatever the id (see the "
+            f"server's log)"
         )
+
+    def _holds_registrations(self) -> bool:
+        return self._kv is not None or self._engine is not None or self._blend is not None
+
+    def _identity_changed(self) -> None:
+        """The instance id changed (called on the connection being set up, under its
+        lock): what this worker registered was under the old id, so it is not held any
+        more. Health clears and the heartbeat recovers at once, exactly as after a
+        transfer answered ``not_registered``; the recovery re-registers under the new
+        id (requests read the id when sent)."""
+        if not self._holds_registrations():
+            return
+        self._start_heartbeat()
+        with self._hb_lock:
+            if self._hb.is_stopped():
+                return
+            self._hb.on_not_registered(time.monotonic())
+            self._sync_health_locked()
+        self._wake.set()
 
     def _check_process(self, op: str) -> None:
         if os.getpid() != self._pid:
@@ -562,7 +754,7 @@ class Worker:
             else:
                 wire.append(buffer.wire())
         value, extra = self._request(
-            "register_kv_cache", [self.instance_id, wire, str(model_name), int(world_size)], fds
+            "register_kv_cache", self._named(wire, str(model_name), int(world_size)), fds
         )
         for fd in extra:
             _close_fd(fd)
@@ -570,7 +762,7 @@ class Worker:
 
     def _send_engine_registration(self, model_name: str, world_size: int) -> EnginePool:
         value, fds = self._request(
-            "register_engine_driven", [self.instance_id, str(model_name), int(world_size)]
+            "register_engine_driven", self._named(str(model_name), int(world_size))
         )
         try:
             if not isinstance(value, dict):
@@ -659,7 +851,7 @@ class Worker:
 
     def _send_ping(self) -> PingReply:
         try:
-            value, fds = self._request("ping", [self.instance_id], timeout=self.interval)
+            value, fds = self._request("ping", self._named(), timeout=self.interval)
         except BadArgs as error:
             # A server of another protocol version: loud, and the worker stays unhealthy.
             log.error(
@@ -688,10 +880,12 @@ class Worker:
         return PingReply.FAILED
 
     def _recover(self) -> bool:
-        """Re-registers everything under the same instance id. Never raises: a failure
-        is logged and reported as False, and the heartbeat asks again after its next
-        good ping. Stops between steps once shutdown() stopped the heartbeat."""
+        """Re-registers everything under the same instance id (a new one only after
+        ``attach`` was refused the old one). Never raises: a failure is logged and
+        reported as False, and the heartbeat asks again after its next good ping. Stops
+        between steps once shutdown() stopped the heartbeat."""
         self.recoveries += 1
+        sent_as: Optional[Identity] = None  # the id the first step went out under
         try:
             with self._reg_lock:
                 steps: List[Tuple[str, Callable[[], Any]]] = []
@@ -709,7 +903,7 @@ class Worker:
                     steps.append(
                         (
                             "register_blend",
-                            lambda: self._request("register_blend", [self.instance_id, blend])[0],
+                            lambda: self._request("register_blend", self._named(blend))[0],
                         )
                     )
                 for name, step in steps:
@@ -717,9 +911,23 @@ class Worker:
                         if self._hb.is_stopped():
                             return False
                     result = step()
+                    if sent_as is None:
+                        # An id change happens on a (re)connect, before the request
+                        # that connected is sent: so the first step went out as this.
+                        sent_as = self._identity
                     log.info(
                         "kvwarden: recovery of instance %d: %s → %r", self.instance_id, name, result
                     )
+            if sent_as is not None and self._identity != sent_as:
+                # A reconnect between two steps moved this worker to a fresh id: the
+                # earlier steps went to the old one. Not done; the next cycle redoes all.
+                log.warning(
+                    "kvwarden: the instance id changed from %d to %d during the recovery; "
+                    "recovering again under the new id",
+                    sent_as.instance_id,
+                    self.instance_id,
+                )
+                return False
             self.recoveries_ok += 1
             return True
         except Exception as error:  # the contract: recovery never raises
@@ -751,8 +959,13 @@ class Worker:
 
 def _check_batch_size(op: str, count: int) -> None:
     if count > MAX_BATCH_ITEMS:
-        raise ValueError(
-            f"{op}: {count} items; a batch holds at most {MAX_BATCH_ITEMS}; split it"
+        raise ValueError(f"{op}: {count} items; a batch holds at most {MAX_BATCH_ITEMS}; split it")
+
+
+def _check_nbytes(op: str, nbytes: Any) -> None:
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise TypeError(
+            f"{op}: nbytes must be the destination's length, an int >= 0, got {nbytes!r}"
         )
 
 
