@@ -8,7 +8,7 @@ use kvwarden_core::node::{Built, ConnId, Direction, Input, Note, Output, Process
 use kvwarden_core::protocol::{BufferSpec, ErrorCode, Op, ProtocolError, RopeSpec};
 use kvwarden_core::{FreeCause, Module};
 use rmpv::Value;
-use support::harness::{Harness, OWNER, SLOT, outcome, ping, register, store};
+use support::harness::{Harness, OWNER, SLOT, TCP_TOKEN, node_key, outcome, ping, register, store};
 use support::{at, id};
 
 // 1. Held REGISTERs wait on the build they joined, not on the (instance, module).
@@ -135,13 +135,13 @@ fn decision_3_a_store_is_answered_once_its_copy_is_done_and_only_then_published(
     };
     assert!(h.reply(request).is_none());
     assert_eq!(
-        h.node.l1_lookup(&[b"k".to_vec()]),
+        h.node.l1_lookup(&[node_key(b"k")]),
         0,
         "not published mid-copy"
     );
     h.copy_done(copy, Ok(100));
     assert_eq!(h.answer(request), Value::from(true));
-    assert_eq!(h.node.l1_lookup(&[b"k".to_vec()]), 1);
+    assert_eq!(h.node.l1_lookup(&[node_key(b"k")]), 1);
     // A failed copy publishes nothing.
     let request = h.send(store(worker, b"j"));
     let [(copy, ..)] = h.copies()[..] else {
@@ -152,7 +152,7 @@ fn decision_3_a_store_is_answered_once_its_copy_is_done_and_only_then_published(
         Err(ProtocolError::new(ErrorCode::Internal, "copy failed")),
     );
     assert_eq!(h.error(request), ErrorCode::Internal);
-    assert_eq!(h.node.l1_lookup(&[b"j".to_vec()]), 0);
+    assert_eq!(h.node.l1_lookup(&[node_key(b"j")]), 0);
 }
 
 // 4. Commits: not registered, not ready, too large.
@@ -232,7 +232,7 @@ fn decision_5_a_pool_full_of_reservations_refuses_and_a_freed_instance_gives_the
         "a's reservation discarded"
     );
     assert!(matches!(h.ask(prepare(b, b"y")), Value::Map(_)));
-    assert_eq!(h.node.l1_lookup(&[b"x".to_vec()]), 0, "never published");
+    assert_eq!(h.node.l1_lookup(&[node_key(b"x")]), 0, "never published");
 }
 
 // 6. Blend limits and a free while computing.
@@ -490,10 +490,11 @@ fn field<'a>(map: &'a Value, key: &str) -> &'a Value {
 
 fn hello(sends_fds: bool) -> Op {
     Op::Hello {
-        protocol: 1,
+        protocol: 2,
         client: "c".into(),
         pidfd_index: None,
         sends_fds,
+        token: None,
     }
 }
 
@@ -550,7 +551,11 @@ fn a_tcp_hello_without_fds_asks_the_shell_for_nothing() {
         transport: kvwarden_core::node::Transport::Tcp,
         process: None,
     });
-    let request = h.send_on(ConnId(2), hello(false), 0);
+    let mut with_token = hello(false);
+    if let Op::Hello { token, .. } = &mut with_token {
+        *token = Some(TCP_TOKEN.to_vec());
+    }
+    let request = h.send_on(ConnId(2), with_token, 0);
     let Some(Ok(reply)) = h.reply(request) else {
         panic!("answered")
     };

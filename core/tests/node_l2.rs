@@ -10,7 +10,7 @@ use kvwarden_core::node::{Direction, Input, Note, ProcessKey};
 use kvwarden_core::protocol::{ErrorCode, Op, ProtocolError, RetrieveItem};
 use rmpv::Value;
 use std::time::Duration;
-use support::harness::{Harness, ping, store};
+use support::harness::{Harness, node_key, ping, store};
 use support::id;
 
 const TIMEOUT: Duration = Duration::from_millis(50);
@@ -28,12 +28,14 @@ fn l2_config(write_queue_bytes: u64) -> L2NodeConfig {
     }
 }
 
-fn retrieve(instance: InstanceId, key: &[u8]) -> Op {
+/// `retrieve` of `key` into offset 4096 of buffer 0, `nbytes` wanted.
+fn retrieve(instance: InstanceId, key: &[u8], nbytes: u64) -> Op {
     Op::Retrieve {
         instance,
         key: key.to_vec(),
         buffer: 0,
         offset: 4096,
+        nbytes,
     }
 }
 
@@ -43,7 +45,7 @@ fn without_l2_no_l2_output_is_ever_produced() {
     let worker = id(1);
     h.registered(worker);
     h.stored(worker, b"a");
-    assert_eq!(h.ask(retrieve(worker, b"missing")), Value::Nil);
+    assert_eq!(h.ask(retrieve(worker, b"missing", 300)), Value::Nil);
     assert_eq!(
         h.ask(Op::Lookup {
             keys: vec![b"a".to_vec(), b"b".to_vec()]
@@ -189,7 +191,7 @@ fn row_27_an_l1_miss_reads_through_and_a_hit_is_promoted_then_served() {
     let mut h = Harness::new(Some(l2_config(1 << 20)));
     let worker = id(1);
     h.registered(worker);
-    let request = h.send(retrieve(worker, b"remote"));
+    let request = h.send(retrieve(worker, b"remote", 300));
     assert!(h.reply(request).is_none(), "waits for L2");
     let [(read, ref key, _slot)] = h.l2_gets()[..] else {
         panic!("one L2 read")
@@ -201,7 +203,7 @@ fn row_27_an_l1_miss_reads_through_and_a_hit_is_promoted_then_served() {
         "a slot waits for the hit"
     );
     h.l2_got(read, L2Fetched::Hit { nbytes: 300 });
-    assert_eq!(h.node.l1_lookup(&[b"remote".to_vec()]), 1, "promoted");
+    assert_eq!(h.node.l1_lookup(&[node_key(b"remote")]), 1, "promoted");
     let [(copy, Direction::FromL1, 300)] = h.copies()[..] else {
         panic!("served from L1 as usual")
     };
@@ -209,7 +211,7 @@ fn row_27_an_l1_miss_reads_through_and_a_hit_is_promoted_then_served() {
     assert_eq!(h.answer(request), Value::from(300u64));
     assert_eq!(h.counters().hits, 1);
     // Now in L1: no second read.
-    let request = h.send(retrieve(worker, b"remote"));
+    let request = h.send(retrieve(worker, b"remote", 300));
     assert!(h.l2_gets().is_empty());
     let [(copy, ..)] = h.copies()[..] else {
         panic!()
@@ -223,7 +225,7 @@ fn row_27_an_l2_miss_answers_as_today_and_gives_the_slot_back() {
     let mut h = Harness::new(Some(l2_config(1 << 20)));
     let worker = id(1);
     h.registered(worker);
-    let request = h.send(retrieve(worker, b"nowhere"));
+    let request = h.send(retrieve(worker, b"nowhere", 300));
     let read = h.l2_get();
     h.l2_got(read, L2Fetched::Absent);
     assert_eq!(h.answer(request), Value::Nil);
@@ -236,7 +238,7 @@ fn row_27_a_read_through_past_the_timeout_is_given_up_with_the_shell_then_a_miss
     let mut h = Harness::new(Some(l2_config(1 << 20)));
     let worker = id(1);
     h.registered(worker);
-    let request = h.send(retrieve(worker, b"slow"));
+    let request = h.send(retrieve(worker, b"slow", 300));
     let read = h.l2_get();
     h.run_for(TIMEOUT);
     assert_eq!(h.l2_cancels(), vec![read], "given up at its deadline");
@@ -251,7 +253,7 @@ fn row_27_a_read_through_past_the_timeout_is_given_up_with_the_shell_then_a_miss
     assert_eq!(h.answer(request), Value::Nil, "a miss");
     assert_eq!((h.counters().timeouts, h.counters().hits), (1, 0));
     assert_eq!(h.node.l1_occupancy().reserved, 0, "the slot given back");
-    assert_eq!(h.node.l1_lookup(&[b"slow".to_vec()]), 0);
+    assert_eq!(h.node.l1_lookup(&[node_key(b"slow")]), 0);
 }
 
 #[test]
@@ -259,7 +261,7 @@ fn row_27_a_cancel_that_lost_to_a_delivery_serves_the_delivered_hit() {
     let mut h = Harness::new(Some(l2_config(1 << 20)));
     let worker = id(1);
     h.registered(worker);
-    let request = h.send(retrieve(worker, b"late"));
+    let request = h.send(retrieve(worker, b"late", 10));
     let read = h.l2_get();
     h.run_for(TIMEOUT);
     assert_eq!(h.l2_cancels(), vec![read]);
@@ -268,7 +270,7 @@ fn row_27_a_cancel_that_lost_to_a_delivery_serves_the_delivered_hit() {
     assert_eq!(h.answer(request), Value::from(10u64));
     assert!(h.copies().is_empty(), "delivered: nothing left to copy");
     assert_eq!((h.counters().timeouts, h.counters().hits), (0, 1));
-    assert_eq!(h.node.l1_lookup(&[b"late".to_vec()]), 1, "promoted");
+    assert_eq!(h.node.l1_lookup(&[node_key(b"late")]), 1, "promoted");
     assert_eq!(h.node.l1_occupancy().pinned, 0);
 }
 
@@ -298,7 +300,7 @@ fn row_27_a_prepare_retrieve_past_the_timeout_is_a_miss_and_a_late_hit_is_still_
         "the slot waits for the late answer: no one else's bytes may land in it"
     );
     h.l2_got(read, L2Fetched::Hit { nbytes: 10 });
-    assert_eq!(h.node.l1_lookup(&[b"slow".to_vec()]), 1);
+    assert_eq!(h.node.l1_lookup(&[node_key(b"slow")]), 1);
     assert!(h.reply(request).is_none(), "answered once");
     assert_eq!(h.counters().hits, 0, "counted once, as the timeout");
 }
@@ -313,6 +315,7 @@ fn a_read_through_delivers_into_the_retrieve_buffer_with_no_copy_of_its_own() {
         key: b"remote".to_vec(),
         buffer: 0,
         offset: 4096,
+        nbytes: 300,
     });
     let [(read, Some(deliver))] = h.l2_gets_delivering()[..] else {
         panic!("one L2 read that delivers")
@@ -324,7 +327,7 @@ fn a_read_through_delivers_into_the_retrieve_buffer_with_no_copy_of_its_own() {
     h.l2_got(read, L2Fetched::Delivered { nbytes: 300 });
     assert!(h.copies().is_empty(), "no copy from L1 afterwards");
     assert_eq!(h.answer(request), Value::from(300u64));
-    assert_eq!(h.node.l1_lookup(&[b"remote".to_vec()]), 1, "promoted");
+    assert_eq!(h.node.l1_lookup(&[node_key(b"remote")]), 1, "promoted");
     assert_eq!(h.node.l1_occupancy().pinned, 0, "nothing left pinned");
     assert_eq!(h.counters().hits, 1);
 }
@@ -341,7 +344,7 @@ fn decision_9_a_free_waits_for_a_read_through_that_may_deliver() {
         let mut h = Harness::new(Some(l2_config(1 << 20)));
         let worker = id(1);
         let context = h.registered(worker);
-        let request = h.send(retrieve(worker, b"remote"));
+        let request = h.send(retrieve(worker, b"remote", 300));
         let read = h.l2_get();
         h.ask(Op::UnregisterKvCache { instance: worker });
         assert!(
@@ -363,7 +366,7 @@ fn row_27_pings_never_wait_for_l2_and_nothing_is_reaped_while_it_is_down() {
     h.registered(worker);
     // L2 never answers: three timeouts open the breaker.
     for key in [b"x1", b"x2", b"x3"] {
-        let request = h.send(retrieve(worker, key));
+        let request = h.send(retrieve(worker, key, 300));
         assert_eq!(h.l2_gets().len(), 1);
         let ping = h.send(ping(worker));
         assert_eq!(h.answer(ping), Value::from(true), "answered at once");
@@ -380,7 +383,7 @@ fn row_27_pings_never_wait_for_l2_and_nothing_is_reaped_while_it_is_down() {
         }
     )));
     // Down: a miss at once, writes dropped.
-    let request = h.send(retrieve(worker, b"x4"));
+    let request = h.send(retrieve(worker, b"x4", 300));
     assert_eq!(h.answer(request), Value::Nil);
     assert!(h.l2_gets().is_empty());
     h.stored(worker, b"w");
@@ -427,12 +430,12 @@ fn row_28_a_corrupt_value_is_a_miss_counted_never_served() {
     let mut h = Harness::new(Some(l2_config(1 << 20)));
     let worker = id(1);
     h.registered(worker);
-    let request = h.send(retrieve(worker, b"torn"));
+    let request = h.send(retrieve(worker, b"torn", 300));
     let read = h.l2_get();
     h.l2_got(read, L2Fetched::Corrupt);
     assert_eq!(h.answer(request), Value::Nil);
     assert!(h.copies().is_empty(), "nothing served");
-    assert_eq!(h.node.l1_lookup(&[b"torn".to_vec()]), 0);
+    assert_eq!(h.node.l1_lookup(&[node_key(b"torn")]), 0);
     assert_eq!(h.node.l1_occupancy().reserved, 0);
     let counters = h.counters();
     assert_eq!((counters.corrupt, counters.misses), (1, 1));
@@ -491,14 +494,19 @@ fn retrieve_batch_serves_l1_items_and_reads_the_rest_through() {
     let worker = id(1);
     h.registered(worker);
     h.stored(worker, b"local");
-    let item = |key: &[u8], offset| RetrieveItem {
+    let item = |key: &[u8], offset, nbytes| RetrieveItem {
         key: key.to_vec(),
         buffer: 0,
         offset,
+        nbytes,
     };
     let request = h.send(Op::RetrieveBatch {
         instance: worker,
-        items: vec![item(b"local", 0), item(b"hit", 8192), item(b"miss", 16384)],
+        items: vec![
+            item(b"local", 0, 100),
+            item(b"hit", 8192, 50),
+            item(b"miss", 16384, 50),
+        ],
     });
     let gets = h.l2_gets();
     assert_eq!(gets.len(), 2);

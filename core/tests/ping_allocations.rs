@@ -61,6 +61,7 @@ fn config() -> NodeConfig {
         num_slots: 4,
         slot_bytes: 4096,
         server_uid: 0,
+        trust: Default::default(),
         boot_id: 1,
         server_name: "test".into(),
         free_watchdog: Duration::from_secs(10),
@@ -109,6 +110,18 @@ fn a_ping_through_the_core_allocates_nothing_on_a_warm_connection() {
             uid: Some(1000),
             transport: Transport::Unix,
             process: None,
+        },
+    );
+    node.handle_input(
+        Instant::ZERO,
+        Input::Request {
+            conn: ConnId(1),
+            request_id: 0,
+            op: Op::Attach {
+                instance,
+                secret: vec![3; 32],
+            },
+            fds: 0,
         },
     );
     node.handle_input(

@@ -4,7 +4,8 @@
 //! pidfds, the simulator with simulated ones. It owns the liveness registry, the
 //! per-context metadata (buffer lengths for bounds checks), the L1 slot table
 //! (reservations, pins, LRU), the engine-driven transfer strategies, the CacheBlend
-//! bookkeeping and its limits, owners, per-connection in-flight counts, REGISTER
+//! bookkeeping and its limits, who is who (instance capabilities, TCP tokens, tenants:
+//! [`trust`]), owners, per-connection in-flight counts, REGISTER
 //! replies held while a build runs, frees deferred while copies run, the free
 //! watchdog, the process watches and the shutdown sequence.
 //!
@@ -777,6 +778,12 @@ pub enum PlantedBug {
     PingWaitsForL2,
     /// An L2 value answered `Corrupt` is promoted and served as a hit (row 28).
     ServeCorrupt,
+    /// A request naming an instance is served without the connection having attached
+    /// it: any peer that knows an id acts on it (rows 30-31).
+    TrustAnyConnection,
+    /// Keys are not scoped to the caller's tenant: one tenant reads another's chunks
+    /// (row 33).
+    SharedKeyspace,
 }
 
 impl Node {
@@ -1136,7 +1143,7 @@ mod tests {
             reap_timeout_floor: Duration::ZERO,
             num_slots: 4,
             slot_bytes: 64,
-            server_uid: 0,
+            server_uid: 1000,
             trust: TrustConfig::default(),
             boot_id: 1,
             server_name: "test".into(),
@@ -1164,6 +1171,22 @@ mod tests {
             );
         }
         let instance = InstanceId::new(7).unwrap();
+        node.handle_input(
+            Instant::ZERO,
+            Input::Request {
+                conn,
+                request_id: 0,
+                op: Op::Attach {
+                    instance,
+                    secret: vec![1; 32],
+                },
+                fds: 0,
+            },
+        );
+        assert!(matches!(
+            node.poll_output(),
+            Some(Output::Reply { result: Ok(_), .. })
+        ));
         node.handle_input(
             Instant::ZERO,
             Input::Request {

@@ -560,7 +560,8 @@ mod tests {
             reap_timeout_floor: Duration::ZERO,
             num_slots: 4,
             slot_bytes: 4096,
-            server_uid: 0,
+            server_uid: 1000,
+            trust: TrustConfig::default(),
             boot_id: 1,
             server_name: "test".into(),
             free_watchdog: Duration::from_secs(10),
@@ -590,6 +591,18 @@ mod tests {
                 uid: Some(1000),
                 transport: Transport::Unix,
                 process: Some((ProcessKey(7), DeathNotice::PidfdByPid)),
+            },
+        );
+        node.handle_input(
+            at(0.0),
+            Input::Request {
+                conn,
+                request_id: 0,
+                op: Op::Attach {
+                    instance,
+                    secret: vec![1; 32],
+                },
+                fds: 0,
             },
         );
         node.handle_input(

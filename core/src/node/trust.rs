@@ -680,7 +680,8 @@ mod tests {
         let alone = trust.connect(Some(1002));
         assert_ne!(alone.tenant(), unix.tenant());
         assert_eq!(trust.name(alone.tenant().unwrap()), "uid-1002");
-        assert!(trust.engine_driven_allowed(trust.connect(Some(0)).tenant().unwrap()));
+        let own = trust.connect(Some(0)).tenant().unwrap();
+        assert!(trust.engine_driven_allowed(own));
         assert!(!trust.engine_driven_allowed(unix.tenant().unwrap()));
     }
 

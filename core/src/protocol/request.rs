@@ -601,24 +601,28 @@ mod tests {
                 client: "w".into(),
                 pidfd_index: None,
                 sends_fds: true,
+                token: None,
             },
             Op::Hello {
                 protocol: PROTOCOL_VERSION,
                 client: "w".into(),
                 pidfd_index: Some(0),
                 sends_fds: true,
+                token: None,
             },
             Op::Hello {
                 protocol: PROTOCOL_VERSION,
                 client: "w".into(),
                 pidfd_index: None,
                 sends_fds: false,
+                token: None,
             },
             Op::Hello {
                 protocol: PROTOCOL_VERSION,
                 client: "w".into(),
                 pidfd_index: Some(1),
                 sends_fds: false,
+                token: None,
             },
             Op::Ping { instance: None },
             Op::Ping {
@@ -654,6 +658,18 @@ mod tests {
                 key: key.clone(),
                 buffer: 0,
                 offset: 1,
+                nbytes: 2,
+            },
+            Op::Attach {
+                instance,
+                secret: vec![9; 32],
+            },
+            Op::Hello {
+                protocol: PROTOCOL_VERSION,
+                client: "w".into(),
+                pidfd_index: None,
+                sends_fds: true,
+                token: Some(b"t0ken".to_vec()),
             },
             Op::StoreBatch {
                 instance,
@@ -678,6 +694,7 @@ mod tests {
                     key: key.clone(),
                     buffer: 1,
                     offset: 2,
+                    nbytes: 3,
                 }],
             },
             Op::Lookup {
@@ -718,8 +735,8 @@ mod tests {
         ];
         assert_eq!(
             ops.len(),
-            OP_NAMES.len() + 4,
-            "one op per name; hello four times (its options), ping twice"
+            OP_NAMES.len() + 5,
+            "one op per name; hello five times (its options), ping twice"
         );
         for (id, op) in ops.into_iter().enumerate() {
             let request = Request { id: id as u64, op };
@@ -838,6 +855,7 @@ mod tests {
             client: "c".into(),
             pidfd_index,
             sends_fds,
+            token: None,
         };
         let hello = |pidfd_index| hello_with(pidfd_index, true);
         assert_eq!(decode(vec![1.into(), "c".into()]).unwrap().op, hello(None));
@@ -937,7 +955,7 @@ mod tests {
         };
         let instance = InstanceId::new(7).unwrap();
         assert_eq!(
-            decode("retrieve_batch", vec![item(b"k", &[0, 8])])
+            decode("retrieve_batch", vec![item(b"k", &[0, 8, 16])])
                 .unwrap()
                 .op,
             Op::RetrieveBatch {
@@ -945,9 +963,18 @@ mod tests {
                 items: vec![RetrieveItem {
                     key: b"k".to_vec(),
                     buffer: 0,
-                    offset: 8
+                    offset: 8,
+                    nbytes: 16,
                 }]
             }
+        );
+        // A protocol-1 item without its length is refused, naming the shape.
+        let old = decode("retrieve_batch", vec![item(b"k", &[0, 8])]).unwrap_err();
+        assert_eq!(old.error.code, ErrorCode::BadArgs);
+        assert!(
+            old.error.message.contains("nbytes"),
+            "{}",
+            old.error.message
         );
         assert_eq!(
             decode("store_batch", vec![]).unwrap().op,
@@ -980,12 +1007,12 @@ mod tests {
             ),
             (
                 "retrieve_batch",
-                vec![Value::Array(vec![1.into(), 0.into(), 0.into()])],
+                vec![Value::Array(vec![1.into(), 0.into(), 0.into(), 0.into()])],
                 "items[0].key must be bin, got uint 1",
             ),
             (
                 "retrieve_batch",
-                vec![item(b"k", &[0, 0]); MAX_BATCH_ITEMS + 1],
+                vec![item(b"k", &[0, 0, 0]); MAX_BATCH_ITEMS + 1],
                 "1025 items; a batch holds at most 1024",
             ),
         ] {
@@ -1002,10 +1029,13 @@ mod tests {
         let error = decode_request(&request(4.into(), "store_batch", vec![7.into()])).unwrap_err();
         assert!(error.error.message.contains("1 arguments instead of 2"));
         assert_eq!(
-            decode("retrieve_batch", vec![item(b"k", &[0, 0]); MAX_BATCH_ITEMS])
-                .unwrap()
-                .op
-                .name(),
+            decode(
+                "retrieve_batch",
+                vec![item(b"k", &[0, 0, 0]); MAX_BATCH_ITEMS]
+            )
+            .unwrap()
+            .op
+            .name(),
             "retrieve_batch"
         );
     }

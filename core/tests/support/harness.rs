@@ -25,6 +25,35 @@ pub struct Harness {
     pub now: Instant,
     pub out: Vec<Output>,
     next_request: u64,
+    /// Connections and the instances the harness attached on them.
+    attached: std::collections::BTreeSet<(ConnId, InstanceId)>,
+    /// Attach automatically before the first request naming an instance (the default:
+    /// a worker attaches on every connection). Off: a test sends `attach` itself.
+    pub auto_attach: bool,
+}
+
+/// The token of the harness's TCP tenant (`tcp`).
+pub const TCP_TOKEN: &[u8] = b"0123456789abcdef-tcp-token";
+
+/// The node's key for `key` stored by `OWNER` (its tenant `uid-1000`'s prefix first).
+pub fn node_key(key: &[u8]) -> Vec<u8> {
+    let tenant = format!("uid-{OWNER}");
+    let mut scoped = vec![tenant.len() as u8];
+    scoped.extend_from_slice(tenant.as_bytes());
+    scoped.extend_from_slice(key);
+    scoped
+}
+
+/// The key a worker named, from the node's key (its tenant's prefix `len | name`
+/// stripped): what the tests compare against.
+pub fn worker_key(node_key: &[u8]) -> Vec<u8> {
+    let prefix = 1 + usize::from(node_key.first().copied().unwrap_or(0));
+    node_key.get(prefix..).unwrap_or_default().to_vec()
+}
+
+/// The secret the harness's workers draw with `instance`.
+pub fn secret_of(instance: InstanceId) -> Vec<u8> {
+    instance.get().to_le_bytes().repeat(4)
 }
 
 impl Harness {
@@ -46,7 +75,18 @@ impl Harness {
             reap_timeout_floor: Duration::ZERO,
             num_slots,
             slot_bytes: SLOT,
-            server_uid: 0,
+            // The owner's tenant may register engine-driven (the server's own uid's
+            // tenant is trusted with the pool); it acts on nothing it has not attached.
+            server_uid: OWNER,
+            trust: kvwarden_core::node::trust::TrustConfig {
+                tenants: vec![kvwarden_core::node::trust::TenantSpec {
+                    name: "tcp".into(),
+                    uids: vec![],
+                    tokens: vec![TCP_TOKEN.to_vec()],
+                    quota_percent: None,
+                    engine_driven: false,
+                }],
+            },
             boot_id: 7,
             server_name: "kvwarden test".into(),
             free_watchdog: secs(5.0),
@@ -59,6 +99,8 @@ impl Harness {
             now: Instant::ZERO,
             out: Vec::new(),
             next_request: 0,
+            attached: Default::default(),
+            auto_attach: true,
         };
         harness.connect(ConnId(1), Some(OWNER), Some(ProcessKey(1)));
         harness
@@ -76,6 +118,7 @@ impl Harness {
     }
 
     pub fn connect(&mut self, conn: ConnId, uid: Option<u32>, process: Option<ProcessKey>) {
+        self.attached.retain(|(attached, _)| *attached != conn);
         self.input(Input::Connected {
             conn,
             uid,
@@ -101,8 +144,31 @@ impl Harness {
         self.run_until(self.now + duration);
     }
 
-    /// Sends `op` on `conn` with `fds` descriptors; returns its request id.
+    /// Sends `op` on `conn` with `fds` descriptors; returns its request id. With
+    /// `auto_attach`, the first request naming an instance on a connection is preceded
+    /// by its `attach` (whose reply is dropped: a refused one leaves the connection
+    /// unattached, and the request is then refused `forbidden`).
     pub fn send_on(&mut self, conn: ConnId, op: Op, fds: usize) -> u64 {
+        if let Some(instance) = op.instance()
+            && self.auto_attach
+            && !matches!(op, Op::Attach { .. })
+            && self.attached.insert((conn, instance))
+        {
+            let attach = self.send_raw(
+                conn,
+                Op::Attach {
+                    instance,
+                    secret: secret_of(instance),
+                },
+                0,
+            );
+            let _ = self.reply(attach);
+        }
+        self.send_raw(conn, op, fds)
+    }
+
+    /// Sends `op` as it is, attaching nothing.
+    pub fn send_raw(&mut self, conn: ConnId, op: Op, fds: usize) -> u64 {
         self.next_request += 1;
         let request_id = self.next_request;
         self.input(Input::Request {
@@ -216,7 +282,7 @@ impl Harness {
                 key,
                 slot,
                 nbytes,
-            } => Some((*write, key.clone(), *slot, *nbytes)),
+            } => Some((*write, worker_key(key), *slot, *nbytes)),
             _ => None,
         })
     }
@@ -225,14 +291,21 @@ impl Harness {
         self.take(|output| match output {
             Output::L2Get {
                 read, key, slot, ..
-            } => Some((*read, key.clone(), *slot)),
+            } => Some((*read, worker_key(key), *slot)),
             _ => None,
         })
     }
 
     pub fn l2_exists(&mut self) -> Vec<(L2ReadId, Vec<Vec<u8>>)> {
         self.take(|output| match output {
-            Output::L2Exists { read, keys } => Some((*read, keys.clone())),
+            Output::L2Exists { read, keys } => {
+                // The breaker's probe key is the node's own, in no tenant.
+                let unscoped = |key: &Vec<u8>| match key.as_slice() {
+                    kvwarden_core::node::l2::PROBE_KEY => key.clone(),
+                    scoped => worker_key(scoped),
+                };
+                Some((*read, keys.iter().map(unscoped).collect()))
+            }
             _ => None,
         })
     }

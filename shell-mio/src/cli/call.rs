@@ -1,6 +1,6 @@
 //! `kvwarden call`: one raw request, the reply printed as JSON.
 
-use crate::client::{Client, ClientConfig, ClientError};
+use crate::client::{Client, ClientError};
 use crate::server::status::{json_to_msgpack, msgpack_to_json};
 use std::process::ExitCode;
 
@@ -9,7 +9,8 @@ use std::process::ExitCode;
 pub struct CallArgs {
     #[command(flatten)]
     endpoint: super::EndpointArgs,
-    /// The op, e.g. `ping` or `unregister_kv_cache`.
+    /// The op, e.g. `status` or `ping`. Ops naming an instance are `forbidden` here:
+    /// only the worker that registered an instance (it holds its secret) may act on it.
     op: String,
     /// The args as a JSON array, e.g. `[123]`.
     #[arg(default_value = "[]")]
@@ -31,7 +32,14 @@ pub fn run(args: CallArgs) -> ExitCode {
     let rmpv::Value::Array(request_args) = json_to_msgpack(&parsed) else {
         return ExitCode::from(2);
     };
-    let client = match Client::connect(ClientConfig::new(args.endpoint.endpoint())) {
+    let config = match args.endpoint.client_config() {
+        Ok(config) => config,
+        Err(message) => {
+            eprintln!("kvwarden call: {message}");
+            return ExitCode::from(2);
+        }
+    };
+    let client = match Client::connect(config) {
         Ok(client) => client,
         Err(error) => {
             eprintln!("kvwarden call: {error}");

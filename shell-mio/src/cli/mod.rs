@@ -76,12 +76,34 @@ pub struct EndpointArgs {
     /// /tmp/kvwarden-<uid>/kvwarden.sock].
     #[arg(long, conflicts_with = "tcp")]
     socket: Option<std::path::PathBuf>,
-    /// Connect over TCP instead (no memfd buffers, no process-exit proof).
-    #[arg(long)]
+    /// Connect over TCP instead (no memfd buffers, no process-exit proof); needs
+    /// --tcp-token-file.
+    #[arg(long, requires = "tcp_token_file")]
     tcp: Option<std::net::SocketAddr>,
+    /// The file holding the server's TCP token (its --tcp-token-file), for --tcp.
+    #[arg(long, value_name = "PATH")]
+    tcp_token_file: Option<std::path::PathBuf>,
+    /// Trust a server running as this uid (besides root and your own): without it the
+    /// client refuses, before sending anything, a socket answered by any other user.
+    #[arg(long = "trust-server-uid", value_name = "UID")]
+    trust_server_uids: Vec<u32>,
 }
 
 impl EndpointArgs {
+    /// The client settings these flags name: the endpoint, the TCP token (read from
+    /// its file), the server uids trusted.
+    fn client_config(&self) -> Result<crate::client::ClientConfig, String> {
+        let mut config = crate::client::ClientConfig::new(self.endpoint());
+        if let Some(path) = &self.tcp_token_file {
+            config.tcp_token = Some(
+                crate::client::ClientConfig::read_tcp_token_file(path)
+                    .map_err(|e| e.to_string())?,
+            );
+        }
+        config.trusted_server_uids = self.trust_server_uids.clone();
+        Ok(config)
+    }
+
     fn endpoint(&self) -> crate::client::Endpoint {
         match (&self.tcp, &self.socket) {
             (Some(addr), _) => crate::client::Endpoint::Tcp(*addr),

@@ -1,6 +1,6 @@
 //! `kvwarden status`: the server's status as a readable table, or JSON.
 
-use crate::client::{Client, ClientConfig};
+use crate::client::Client;
 use crate::server::status::msgpack_to_json;
 use serde_json::Value;
 use std::process::ExitCode;
@@ -17,9 +17,14 @@ pub struct StatusArgs {
 
 /// Fetches and prints the status.
 pub fn run(args: StatusArgs) -> ExitCode {
-    let endpoint = args.endpoint.endpoint();
-    let status = Client::connect(ClientConfig::new(endpoint.clone()))
-        .and_then(|client| client.call("status", Vec::new()));
+    let config = match args.endpoint.client_config() {
+        Ok(config) => config,
+        Err(message) => {
+            eprintln!("kvwarden status: {message}");
+            return ExitCode::from(2);
+        }
+    };
+    let status = Client::connect(config).and_then(|client| client.call("status", Vec::new()));
     let status = match status {
         Ok(value) => msgpack_to_json(&value),
         Err(error) => {
@@ -110,6 +115,39 @@ pub fn table(status: &Value) -> String {
         number(&l1["slots_total"]),
         number(&l1["slot_bytes"]),
         number(&status["connections"]),
+    );
+    // "tenants: uid-1000 12/256 slots, team-a 40/128 slots (engine-driven)".
+    let tenants: Vec<String> = status["tenants"]
+        .as_array()
+        .map(|tenants| {
+            tenants
+                .iter()
+                .map(|tenant| {
+                    format!(
+                        "{} {}/{} slots{}",
+                        number(&tenant["name"]),
+                        number(&tenant["slots_used"]),
+                        number(&tenant["quota_slots"]),
+                        if tenant["engine_driven"].as_bool() == Some(true) {
+                            " (engine-driven)"
+                        } else {
+                            ""
+                        }
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let trust = &status["trust"];
+    out += &format!(
+        "tenants (used/quota): {}; forbidden {}, retrieves of another length {}\n",
+        if tenants.is_empty() {
+            "none".to_string()
+        } else {
+            tenants.join(", ")
+        },
+        number(&trust["forbidden_total"]),
+        number(&trust["retrieve_length_mismatches_total"]),
     );
     let l2 = &status["l2"];
     if l2.is_object() {

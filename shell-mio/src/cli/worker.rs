@@ -4,7 +4,7 @@
 //! death>`, then one line per event (`registered outcome=…`,
 //! `healthy=…`, `recoveries=… outcome=…`, `shutdown=clean`), so a test can follow it.
 
-use crate::client::{Client, ClientBuffer, ClientConfig, MemfdBuffer};
+use crate::client::{Client, ClientBuffer, MemfdBuffer};
 use crate::cuda::{ExportedBuffer, Gpu};
 use kvwarden_core::InstanceId;
 use std::io::Write;
@@ -104,7 +104,13 @@ pub fn run(args: WorkerArgs) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let mut config = ClientConfig::new(args.endpoint.endpoint());
+    let mut config = match args.endpoint.client_config() {
+        Ok(config) => config,
+        Err(message) => {
+            eprintln!("kvwarden worker: {message}");
+            return ExitCode::from(2);
+        }
+    };
     config.heartbeat_interval = interval;
     config.instance_id = instance_id;
     config.client_name = concat!("kvwarden-worker ", env!("CARGO_PKG_VERSION")).to_string();

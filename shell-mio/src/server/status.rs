@@ -316,10 +316,23 @@ mod tests {
                 proven: true,
                 building: false,
                 owner_uid: Some(1000),
+                tenant: "uid-1000".into(),
                 watched_pid: None,
                 death_noticed_by: "timeout_only",
                 model_name: "m".into(),
                 blend_bytes: 0,
+            }],
+            trust: TrustStatus {
+                forbidden_total: 2,
+                bound_instances: 1,
+                retrieve_length_mismatches_total: 0,
+            },
+            tenants: vec![TenantStatusReport {
+                name: "uid-1000".into(),
+                slots_used: 0,
+                quota_slots: 8,
+                quota_percent: None,
+                engine_driven: true,
             }],
             l2: None,
         }
@@ -337,5 +350,8 @@ mod tests {
         assert_eq!(from_http["instances"][0]["instance_id"], 42);
         assert_eq!(from_http["instances"][0]["watched_pid"], Json::Null);
         assert_eq!(from_http["uptime_seconds"], 1.5);
+        assert_eq!(from_http["trust"]["forbidden_total"], 2);
+        assert_eq!(from_http["tenants"][0]["name"], "uid-1000");
+        assert_eq!(from_http["instances"][0]["tenant"], "uid-1000");
     }
 }
