@@ -113,16 +113,16 @@ impl SlotTable {
     /// tenants holding slots (itself counted).
     pub fn quota_slots(&self, tenant: TenantId) -> usize {
         let own = self.tenants.get(tenant.0 as usize);
-        if let Some(quota) = own.and_then(|t| t.quota) {
-            return quota;
-        }
-        let others = self
-            .tenants
-            .iter()
-            .enumerate()
-            .filter(|(index, t)| t.used > 0 && *index != tenant.0 as usize)
-            .count();
-        self.slots.len().div_ceil(others + 1)
+        let holding = self.tenants.iter().filter(|t| t.used > 0).count();
+        let counted = holding + usize::from(own.is_none_or(|t| t.used == 0));
+        self.quota_given(own, counted)
+    }
+
+    /// A tenant's quota when `holding` tenants (it among them) hold slots.
+    fn quota_given(&self, tenant: Option<&TenantSlots>, holding: usize) -> usize {
+        tenant
+            .and_then(|t| t.quota)
+            .unwrap_or_else(|| self.slots.len().div_ceil(holding.max(1)))
     }
 
     fn lru_add(&mut self, tick: u64, slot: SlotId, tenant: TenantId) {
@@ -136,17 +136,18 @@ impl SlotTable {
     }
 
     /// The slot to evict: the least recently used of the tenant furthest over its
-    /// quota, else the pool's least recently used; None when nothing is evictable.
+    /// quota, else the pool's least recently used; None when nothing is evictable. One
+    /// pass over the tenants (only when the pool is full).
     fn victim(&self) -> Option<(u64, SlotId)> {
+        let holding = self.tenants.iter().filter(|t| t.used > 0).count();
         let over = self
             .tenants
             .iter()
             .enumerate()
             .filter(|(_, t)| !t.lru.is_empty())
             .filter_map(|(index, t)| {
-                let excess = t
-                    .used
-                    .checked_sub(self.quota_slots(TenantId(index as u32)))?;
+                // A tenant with evictable slots holds slots: `holding` counts it.
+                let excess = t.used.checked_sub(self.quota_given(Some(t), holding))?;
                 (excess > 0).then_some((excess, index))
             })
             .max_by_key(|&(excess, index)| (excess, std::cmp::Reverse(index)));
