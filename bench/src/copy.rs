@@ -240,6 +240,7 @@ impl Copier<'_> {
                 Value::Binary(key.to_le_bytes().to_vec()),
                 0u64.into(),
                 ((n % buffer_chunks) * chunk).into(),
+                chunk.into(),
             ]
         })
         .map(|(bandwidth, _)| bandwidth)

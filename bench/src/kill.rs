@@ -66,7 +66,7 @@ pub fn run(args: &KillArgs) -> Result<(), BenchError> {
     let mut latencies = Vec::with_capacity(kills);
     let started = Instant::now();
     for kill in 1..=kills {
-        let worker = WorkerProcess::start(&worker_args, Stdio::null())?;
+        let worker = WorkerProcess::start_watchable(&worker_args, Stdio::null())?;
         let instance = worker.instance_id;
         if !control.ping(instance)? {
             return Err(BenchError::Failed(format!(
@@ -168,7 +168,7 @@ fn control_without_pidfd(
 ) -> Result<(), BenchError> {
     let mut args = worker_args.to_vec();
     args.push("--no-send-pidfd".into());
-    let worker = WorkerProcess::start(&args, Stdio::null())?;
+    let worker = WorkerProcess::start_watchable(&args, Stdio::null())?;
     let instance = worker.instance_id;
     let killed_at = Instant::now();
     worker.signal(Signal::KILL);

@@ -164,7 +164,7 @@ pub fn run(args: &L2Args) -> Result<(), BenchError> {
     let (mut through_b, mut get) = (Vec::new(), Vec::new());
     for key in &batch {
         let started = Instant::now();
-        let value = redis.get(&namespace.redis_key(key))?;
+        let value = redis.get(&namespace.redis_key(&own_tenant_key(key)))?;
         get.push(started.elapsed());
         if value.map(|v| v.len()) != Some(SLOT as usize + HEADER_BYTES) {
             return Err(BenchError::Failed(format!(
@@ -254,7 +254,7 @@ pub fn run(args: &L2Args) -> Result<(), BenchError> {
             .map(|keys| {
                 keys.iter()
                     .map(|key| {
-                        let mut name = namespace.redis_key(key);
+                        let mut name = namespace.redis_key(&own_tenant_key(key));
                         name.extend_from_slice(b":baseline");
                         name
                     })
@@ -689,7 +689,8 @@ impl Worker {
         Ok(())
     }
 
-    /// Retrieves `key` into the target half: bytes moved, or None on a miss.
+    /// Retrieves `key`, a chunk of this worker's size, into the target half: bytes
+    /// moved, or None on a miss.
     fn retrieve(&self, key: &[u8]) -> Result<Option<u64>, BenchError> {
         let moved = self.connection.borrow_mut().call(
             "retrieve",
@@ -697,6 +698,7 @@ impl Worker {
                 self.instance.into(),
                 Value::Binary(key.to_vec()),
                 0u64.into(),
+                self.chunk.into(),
                 self.chunk.into(),
             ],
         )?;
@@ -753,4 +755,11 @@ fn start_cluster(node_timeout_ms: u64) -> Result<RedisCluster, BenchError> {
          cluster-node-timeout {node_timeout_ms} ms"
     ));
     Ok(cluster)
+}
+
+/// The node's key for this process's `key`: its uid's tenant (`uid-<uid>`) first, as
+/// the servers it drives store it in L1 and L2.
+fn own_tenant_key(key: &[u8]) -> Vec<u8> {
+    let tenant = format!("uid-{}", rustix::process::getuid().as_raw());
+    kvwarden_core::node::trust::scoped_key(&tenant, key)
 }

@@ -213,6 +213,9 @@ pub struct ServerProcess {
     pub socket: PathBuf,
     /// The TCP address, when `--tcp` was given.
     pub tcp: Option<SocketAddr>,
+    /// The file holding the TCP token, when `--tcp` was given (written here unless
+    /// `args` named one).
+    pub tcp_token_file: Option<PathBuf>,
     /// The HTTP address, when HTTP is on.
     pub http: Option<SocketAddr>,
     log: PathBuf,
@@ -283,6 +286,22 @@ impl ServerProcess {
         if !args.iter().any(|a| a == "--http") {
             command.args(["--http", "off"]);
         }
+        // TCP peers present a token: a server with `--tcp` gets a fresh one of its own.
+        let mut tcp_token_file = None;
+        if args.iter().any(|a| a == "--tcp") && !args.iter().any(|a| a == "--tcp-token-file") {
+            let path = dir.path().join("tcp.token");
+            let token: String = kvwarden_core::InstanceId::generate()
+                .get()
+                .to_be_bytes()
+                .iter()
+                .chain(&kvwarden_core::InstanceId::generate().get().to_be_bytes())
+                .map(|byte| format!("{byte:02x}"))
+                .collect();
+            std::fs::write(&path, token)
+                .map_err(BenchError::io(format!("writing {}", path.display())))?;
+            command.arg("--tcp-token-file").arg(&path);
+            tcp_token_file = Some(path);
+        }
         command
             .args(args)
             .env("RUST_LOG", log_level)
@@ -300,6 +319,7 @@ impl ServerProcess {
             child,
             socket,
             tcp: None,
+            tcp_token_file,
             http: None,
             log,
             _dir: dir,
@@ -377,7 +397,32 @@ impl WorkerProcess {
     /// Starts `kvwarden worker <args>` (stderr to `stderr`, e.g. a log file or null)
     /// and waits until it has registered.
     pub fn start(args: &[String], stderr: Stdio) -> Result<WorkerProcess, BenchError> {
+        WorkerProcess::spawn(args, stderr, None)
+    }
+
+    /// [`WorkerProcess::start`] under an instance id drawn here and its
+    /// [`super::raw::bench_secret`] (`KVWARDEN_WORKER_SECRET`), so that a control
+    /// connection of this process may attach the worker's instance and ping it.
+    pub fn start_watchable(args: &[String], stderr: Stdio) -> Result<WorkerProcess, BenchError> {
+        let instance = super::raw::instance_ids(1)[0];
+        let mut args = args.to_vec();
+        args.extend(["--instance-id".to_string(), instance.to_string()]);
+        let hex: String = super::raw::bench_secret(instance)
+            .iter()
+            .map(|byte| format!("{byte:02x}"))
+            .collect();
+        WorkerProcess::spawn(&args, stderr, Some(hex))
+    }
+
+    fn spawn(
+        args: &[String],
+        stderr: Stdio,
+        secret_hex: Option<String>,
+    ) -> Result<WorkerProcess, BenchError> {
         let mut command = kvwarden_command("worker")?;
+        if let Some(hex) = secret_hex {
+            command.env("KVWARDEN_WORKER_SECRET", hex);
+        }
         command
             .args(args)
             .env("RUST_LOG", "warn")

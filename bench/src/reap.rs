@@ -23,8 +23,11 @@ pub struct ReapArgs {
     #[command(flatten)]
     target: TargetArgs,
     /// The running server's TCP address (with --socket; a started server gets one).
-    #[arg(long, value_name = "ADDR", requires = "socket")]
+    #[arg(long, value_name = "ADDR", requires_all = ["socket", "tcp_token_file"])]
     tcp: Option<SocketAddr>,
+    /// The running server's TCP token file (its --tcp-token-file), with --tcp.
+    #[arg(long, value_name = "PATH", requires = "tcp")]
+    tcp_token_file: Option<std::path::PathBuf>,
     /// Workers frozen, 100 ms apart (one sample each).
     #[arg(long, default_value_t = 5, value_name = "N")]
     samples: usize,
@@ -73,6 +76,11 @@ pub fn run(args: &ReapArgs) -> Result<(), BenchError> {
             "the server listens on no TCP address: give --tcp ADDR with --socket".into(),
         ));
     };
+    let Some(token_file) = args.tcp_token_file.clone().or(target.tcp_token_file.clone()) else {
+        return Err(BenchError::Failed(
+            "the server's TCP token file is unknown: give --tcp-token-file PATH with --tcp".into(),
+        ));
+    };
     let mut control = target.connect()?;
     let status = control.status()?;
     let live = &status["worker_liveness"];
@@ -84,9 +92,12 @@ pub fn run(args: &ReapArgs) -> Result<(), BenchError> {
         ));
     }
     let heartbeat = (t / 4.0).min(1.0).to_string();
+    let token_file = token_file.display().to_string();
     let worker_args: Vec<String> = [
         "--tcp",
         &tcp.to_string(),
+        "--tcp-token-file",
+        &token_file,
         "--heartbeat-interval-seconds",
         &heartbeat,
         "--buffer-bytes",

@@ -22,6 +22,8 @@ pub struct Target {
     pub socket: PathBuf,
     /// Its TCP address, when it listens on TCP.
     pub tcp: Option<SocketAddr>,
+    /// The file holding its TCP token, for a server this benchmark started with TCP.
+    pub tcp_token_file: Option<PathBuf>,
     /// Its process id.
     pub pid: i32,
     spawned: Option<ServerProcess>,
@@ -56,6 +58,7 @@ impl Target {
                 let mut target = Target {
                     socket: socket.clone(),
                     tcp: None,
+                    tcp_token_file: None,
                     pid,
                     spawned: None,
                     pings_answered_false_before: 0,
@@ -116,6 +119,7 @@ impl Target {
         Target {
             socket: server.socket.clone(),
             tcp: server.tcp,
+            tcp_token_file: server.tcp_token_file.clone(),
             pid: server.pid(),
             spawned: Some(server),
             pings_answered_false_before: 0,

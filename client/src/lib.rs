@@ -123,6 +123,10 @@ pub struct ClientConfig {
     pub heartbeat_interval: Duration,
     /// The instance id; None draws a fresh uuid-derived one.
     pub instance_id: Option<InstanceId>,
+    /// The secret drawn with the id; None draws 32 bytes from the OS (always, for a
+    /// worker: its secret is what makes the instance its own). Only a tool that shares
+    /// one instance between processes of its own sets it (the benchmarks, the demo).
+    pub instance_secret: Option<[u8; 32]>,
     /// The name sent in `hello`.
     pub client_name: String,
     /// How long any other request may take.
@@ -147,6 +151,7 @@ impl ClientConfig {
             endpoint,
             heartbeat_interval: HeartbeatConfig::default().interval,
             instance_id: None,
+            instance_secret: None,
             client_name: concat!("kvwarden-client ", env!("CARGO_PKG_VERSION")).to_string(),
             request_timeout: Duration::from_secs(30),
             send_pidfd: true,
@@ -541,7 +546,10 @@ impl Client {
         if let Some(warning) = reap_timeout_floor_warning(config.heartbeat_interval) {
             tracing::warn!("{warning}");
         }
-        let identity = Identity::generate(config.instance_id);
+        let mut identity = Identity::generate(config.instance_id);
+        if let Some(secret) = config.instance_secret {
+            identity.secret = secret;
+        }
         tracing::info!(instance = %identity.instance, endpoint = %config.endpoint, "kvwarden client instance id");
         let heartbeat = Heartbeat::new(HeartbeatConfig {
             interval: config.heartbeat_interval,

@@ -22,6 +22,8 @@ fn serve_help_teaches_the_flags() {
         "--socket",
         "--socket-mode",
         "--tcp",
+        "--tcp-token-file",
+        "--tenant",
         "--http",
         "--l1-bytes",
         "--slot-bytes",

@@ -1,5 +1,6 @@
 //! The server's whole ping path allocates nothing: the real server (`Server::bind`,
-//! `run` on a thread of this process) answers 100,000 pings on a warmed-up Unix
+//! `run` on a thread of this process) answers 100,000 pings of an attached instance
+//! (protocol 2: the attach check is part of the path) on a warmed-up Unix
 //! connection, from `recvmsg` (and 100,000 more after the connection's `hello` says
 //! `sends_fds: false`, from plain `read`) through decoding, the node, the metrics and encoding the
 //! reply into the connection's buffer to the `send`, and the allocation count over them
@@ -140,11 +141,24 @@ fn a_ping_through_the_running_server_allocates_nothing_on_a_warm_connection() {
             client: "ping_allocations".into(),
             pidfd_index: None,
             sends_fds: true,
+            token: None,
         },
     }
     .encode();
     round_trip(&mut stream, &hello, &mut reply);
     let instance = InstanceId::new(42).expect("an instance id");
+    // Protocol 2: the connection proves the instance before naming it.
+    let attach = Request {
+        id: 3,
+        op: Op::Attach {
+            instance,
+            secret: vec![0x42; 32],
+        },
+    }
+    .encode();
+    let n = round_trip(&mut stream, &attach, &mut reply);
+    let answer = kvwarden::protocol::decode_reply(&reply[4..n]).expect("a reply");
+    assert!(answer.result.is_ok(), "attached: {answer:?}");
     let register = Request {
         id: 2,
         op: Op::RegisterEngineDriven {
@@ -198,6 +212,7 @@ fn a_ping_through_the_running_server_allocates_nothing_on_a_warm_connection() {
             client: "ping_allocations".into(),
             pidfd_index: None,
             sends_fds: false,
+            token: None,
         },
     }
     .encode();

@@ -3,6 +3,12 @@
 //! can cut a connection, condition waits with generous bounds, and a real Redis Cluster
 //! on loopback for the L2 tests ([`RedisCluster`]).
 //!
+//! Protocol 2 ("who is who"): a connection names an instance only once it has attached
+//! it with the instance's secret. The raw client's instances use [`instance_secret`]
+//! (derived from the id, so every connection of a test proves the same one):
+//! [`RawClient::attach`] before naming an instance. A server started with `--tcp` gets a
+//! token file of its own ([`Server::tcp_token_file`]) unless the test names one.
+//!
 //! The `kvwarden` binary is found next to the test executable (`target/<profile>/`):
 //! `cargo test --workspace` builds it because the `kvwarden` package has integration
 //! tests of its own. Running only this package needs `cargo build -p kvwarden` first,
@@ -28,6 +34,45 @@ use std::time::{Duration, Instant};
 
 /// The bound every wait uses unless it says otherwise: generous, for loaded CI.
 pub const PATIENCE: Duration = Duration::from_secs(30);
+
+/// The TCP token a test server gets with `--tcp` unless the test gives its own
+/// `--tcp-token-file` (written to `tcp-token` in the server's directory, mode 600).
+pub const TCP_TOKEN: &str = "kvwarden-tests-tcp-token-5f0c2a9d81e4b7c3";
+
+/// The secret the tests' raw clients draw with `instance` (32 bytes, derived from the
+/// id): every connection of a test that attaches `instance` proves the same one. A
+/// real worker draws its secret from the OS; a test only needs it to be known to the
+/// test and to differ between ids.
+pub fn instance_secret(instance: u64) -> Vec<u8> {
+    let mut secret = Vec::with_capacity(32);
+    for round in 0..2u64 {
+        let half = xxhash_rust::xxh3::xxh3_128_with_seed(
+            &instance.to_le_bytes(),
+            0x6b76_7761_7264_656e ^ round,
+        );
+        secret.extend_from_slice(&half.to_le_bytes());
+    }
+    secret
+}
+
+/// The tenant a Unix peer of this test process acts for by default: `uid-<uid>`.
+pub fn own_tenant() -> String {
+    format!("uid-{}", rustix::process::getuid().as_raw())
+}
+
+/// The node's name of a worker's `key` in `tenant`'s keyspace (protocol 2: every key is
+/// scoped per tenant, `[len(name)] ++ name ++ key`): what L2 stores it under.
+pub fn tenant_scoped_key(tenant: &str, key: &[u8]) -> Vec<u8> {
+    kvwarden_core::node::trust::scoped_key(tenant, key)
+}
+
+/// Writes `token` to `path` with mode 600 (a token file for `--tcp-token-file`).
+pub fn write_token_file(path: &Path, token: &str) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::write(path, format!("{token}\n")).expect("writing a token file");
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+        .expect("chmod 600 of the token file");
+}
 
 /// The `kvwarden` binary.
 pub fn kvwarden_bin() -> PathBuf {
@@ -86,6 +131,13 @@ impl TempDir {
     pub fn path(&self) -> &Path {
         self.0.path()
     }
+
+    /// Hands the directory to `uid` (group `uid` too), for a server running as that
+    /// uid to create its socket in (needs root).
+    pub fn chown(&self, uid: u32) {
+        std::os::unix::fs::chown(self.path(), Some(uid), Some(uid))
+            .expect("chown of the temp dir (the tests that act as other uids run as root)");
+    }
 }
 
 /// Sends `signal` to a child process.
@@ -112,6 +164,8 @@ pub struct Server {
     pub http: Option<SocketAddr>,
     /// The TCP address, when enabled.
     pub tcp: Option<SocketAddr>,
+    /// The file holding the TCP token (`--tcp-token-file`), when TCP is enabled.
+    pub tcp_token_file: Option<PathBuf>,
     stderr_path: PathBuf,
     status_client: Mutex<Option<RawClient>>,
     /// Why this test makes the server answer pings `false` on purpose, if it does.
@@ -178,7 +232,20 @@ impl Server {
 
     /// Starts a server with exactly `args` (plus `--socket`) and `env`.
     pub fn start_raw_env(dir: &TempDir, args: &[&str], env: &[(&str, &str)]) -> Server {
-        Server::spawn(dir, args, env, None)
+        Server::spawn_as(dir, args, env, None, None)
+    }
+
+    /// As [`Server::start`], but the server process runs as `uid` (and gid `uid`, no
+    /// supplementary groups: set in the child before `exec`, so it needs root). `dir`
+    /// must be writable by `uid` ([`TempDir::chown`]).
+    pub fn start_as_uid(dir: &TempDir, uid: u32, extra: &[&str]) -> Server {
+        Server::spawn_as(
+            dir,
+            &merge_flags(SHORT_TIMEOUTS, extra),
+            &[],
+            None,
+            Some(uid),
+        )
     }
 
     /// As [`Server::start`], but the server runs in a PID namespace of its own (and a
@@ -187,20 +254,23 @@ impl Server {
     /// [`pid_namespace_unavailable`] first.
     pub fn start_in_pid_namespace(dir: &TempDir, extra: &[&str]) -> Server {
         let unshare = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"];
-        Server::spawn(
+        Server::spawn_as(
             dir,
             &merge_flags(SHORT_TIMEOUTS, extra),
             &[],
             Some(&unshare),
+            None,
         )
     }
 
-    /// Starts `kvwarden serve`, under `wrapper` (a command that runs the rest) if given.
-    fn spawn(
+    /// Starts `kvwarden serve`, under `wrapper` (a command that runs the rest) if given,
+    /// as `uid` if given.
+    fn spawn_as(
         dir: &TempDir,
         args: &[&str],
         env: &[(&str, &str)],
         wrapper: Option<&[&str]>,
+        uid: Option<u32>,
     ) -> Server {
         let socket = dir.path().join("kvwarden.sock");
         static SERIAL: AtomicU64 = AtomicU64::new(0);
@@ -209,6 +279,19 @@ impl Server {
             SERIAL.fetch_add(1, Ordering::Relaxed)
         ));
         let stderr = std::fs::File::create(&stderr_path).expect("server log");
+        // `--tcp` needs a token file (protocol 2); one of the test's own wins.
+        let token_path = dir.path().join("tcp-token");
+        let token_arg = token_path.to_string_lossy().into_owned();
+        let mut args: Vec<&str> = args.to_vec();
+        let tcp_token_file = if let Some(at) = args.iter().position(|a| *a == "--tcp-token-file") {
+            args.get(at + 1).map(PathBuf::from)
+        } else if args.contains(&"--tcp") {
+            write_token_file(&token_path, TCP_TOKEN);
+            args.extend(["--tcp-token-file", token_arg.as_str()]);
+            Some(token_path.clone())
+        } else {
+            None
+        };
         let mut command = match wrapper {
             Some([program, wrapper_args @ ..]) => {
                 let mut command = Command::new(program);
@@ -217,11 +300,16 @@ impl Server {
             }
             _ => Command::new(kvwarden_bin()),
         };
+        if let Some(uid) = uid {
+            use std::os::unix::process::CommandExt;
+            // As root, std also drops the supplementary groups (setgroups(0)).
+            command.uid(uid).gid(uid);
+        }
         let mut child = command
             .arg("serve")
             .arg("--socket")
             .arg(&socket)
-            .args(args)
+            .args(&args)
             .env("RUST_LOG", "info")
             .envs(env.iter().copied())
             .stdin(Stdio::null())
@@ -249,6 +337,7 @@ impl Server {
         Server {
             http: addr("http="),
             tcp: addr("tcp="),
+            tcp_token_file,
             child,
             socket,
             stderr_path,
@@ -526,13 +615,22 @@ impl Worker {
         Worker::start(&merge_flags(&defaults, extra))
     }
 
-    /// Starts a worker over TCP to `address` with a fast heartbeat and no buffer (the
-    /// server cannot see a TCP peer's process: only the heartbeat rules apply to it).
-    pub fn tcp(address: SocketAddr) -> Worker {
+    /// Starts a worker over TCP to `address` (the server's TCP listener, or a proxy to
+    /// it) with the server's token, a fast heartbeat and no buffer (the server cannot
+    /// see a TCP peer's process: only the heartbeat rules apply to it).
+    pub fn tcp(server: &Server, address: SocketAddr) -> Worker {
         let address = address.to_string();
+        let token = server
+            .tcp_token_file
+            .as_ref()
+            .expect("the server listens on TCP (--tcp), with a token file")
+            .to_string_lossy()
+            .into_owned();
         Worker::start(&[
             "--tcp",
             &address,
+            "--tcp-token-file",
+            &token,
             "--heartbeat-interval-seconds",
             "0.2",
             "--buffer-bytes",
@@ -577,6 +675,39 @@ impl RawClient {
         let stream = UnixStream::connect(path)?;
         stream.set_read_timeout(Some(Duration::from_secs(10)))?;
         Ok(RawClient { stream, next_id: 1 })
+    }
+
+    /// Connects and attaches `instance` (with [`instance_secret`]).
+    pub fn connect_attached(path: &Path, instance: u64) -> RawClient {
+        let mut client = RawClient::connect(path).expect("connecting to the server");
+        client.attach(instance);
+        client
+    }
+
+    /// `attach [instance, instance_secret(instance)]`; panics unless the server answers
+    /// `claimed` or `proven`, which it returns.
+    pub fn attach(&mut self, instance: u64) -> String {
+        let reply = self
+            .attach_with(instance, &instance_secret(instance))
+            .expect("a reply to attach");
+        let value = reply
+            .result
+            .unwrap_or_else(|e| panic!("attach of instance {instance} refused: {e}"));
+        let outcome = kvwarden::server::status::msgpack_to_json(&value)["outcome"]
+            .as_str()
+            .map(str::to_owned);
+        match outcome.as_deref() {
+            Some("claimed" | "proven") => outcome.unwrap_or_default(),
+            _ => panic!("attach of instance {instance}: unexpected reply {value}"),
+        }
+    }
+
+    /// `attach [instance, secret]`: the raw reply.
+    pub fn attach_with(&mut self, instance: u64, secret: &[u8]) -> std::io::Result<Reply> {
+        self.request(
+            "attach",
+            vec![instance.into(), Value::Binary(secret.to_vec())],
+        )
     }
 
     /// Sends raw bytes.
@@ -712,4 +843,266 @@ impl Proxy {
     pub fn heal(&self) {
         self.cut.store(false, Ordering::SeqCst);
     }
+}
+
+// ------------------------------------------------------------------ other uids
+
+/// A child process forked from this test process that runs as another uid (setgid,
+/// setuid, no supplementary groups: the tests that use it run as root) and talks to
+/// its parent over two pipes, one JSON value a line. Its body is a closure of the
+/// test, run right after the fork and the privilege drop; the child then exits with
+/// `_exit` (no destructor of the parent's state runs twice).
+///
+/// Right after the fork the child closes every fd but stdin/stdout/stderr and its two
+/// pipe ends: it holds no copy of another test's sockets (which would keep the server
+/// from seeing them close). Its body must touch no lock another thread of the test
+/// process could have held at the fork: it builds its own connections, memfds and
+/// clients, and uses nothing of the parent's but plain values it captured.
+pub struct Forked {
+    pid: libc::pid_t,
+    uid: u32,
+    from_child: std::fs::File,
+    to_child: Option<std::fs::File>,
+    pending: Vec<u8>,
+    exited: bool,
+}
+
+/// The child's end of a [`Forked`]: what it sends and receives.
+pub struct ToParent {
+    to_parent: std::fs::File,
+    from_parent: std::io::BufReader<std::fs::File>,
+}
+
+impl ToParent {
+    /// Sends `value` to the parent (one line).
+    pub fn send(&mut self, value: Json) {
+        let line = serde_json::json!({ "message": value }).to_string();
+        let _ = writeln!(self.to_parent, "{line}");
+    }
+
+    /// Waits for the parent's next value ([`Forked::send`]); `Null` once the parent
+    /// closed its end.
+    pub fn recv(&mut self) -> Json {
+        use std::io::BufRead;
+        let mut line = String::new();
+        match self.from_parent.read_line(&mut line) {
+            Ok(n) if n > 0 => serde_json::from_str(&line).unwrap_or(Json::Null),
+            _ => Json::Null,
+        }
+    }
+}
+
+/// Forks a child that drops to `uid` and runs `body`; its return value is what
+/// [`Forked::finish`] returns. A panic in the body is reported to the parent, which
+/// panics with it.
+pub fn fork_as_uid(uid: u32, body: impl FnOnce(&mut ToParent) -> Json) -> Forked {
+    use rustix::fd::{AsRawFd, FromRawFd, IntoRawFd};
+    use rustix::pipe::{PipeFlags, pipe_with};
+    assert!(
+        rustix::process::geteuid().is_root(),
+        "acting as uid {uid} needs root: run the who-is-who tests as root"
+    );
+    let (up_read, up_write) = pipe_with(PipeFlags::CLOEXEC).expect("a pipe to the parent");
+    let (down_read, down_write) = pipe_with(PipeFlags::CLOEXEC).expect("a pipe to the child");
+    // SAFETY: the child only runs `child_main`, which closes fds, drops privileges, runs
+    // the test's body (see the type's docs for what it may touch) and `_exit`s.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork failed: {}", std::io::Error::last_os_error());
+    if pid == 0 {
+        let keep = [up_write.as_raw_fd(), down_read.as_raw_fd()];
+        // SAFETY: the fds were just created and are owned here.
+        let to_parent = unsafe { std::fs::File::from_raw_fd(up_write.into_raw_fd()) };
+        let from_parent = unsafe { std::fs::File::from_raw_fd(down_read.into_raw_fd()) };
+        let code = child_main(uid, &keep, to_parent, from_parent, body);
+        // SAFETY: ends the child without running the parent's destructors or atexit.
+        unsafe { libc::_exit(code) };
+    }
+    drop(up_write);
+    drop(down_read);
+    Forked {
+        pid,
+        uid,
+        from_child: std::fs::File::from(up_read),
+        to_child: Some(std::fs::File::from(down_write)),
+        pending: Vec::new(),
+        exited: false,
+    }
+}
+
+fn child_main(
+    uid: u32,
+    keep: &[i32],
+    to_parent: std::fs::File,
+    from_parent: std::fs::File,
+    body: impl FnOnce(&mut ToParent) -> Json,
+) -> i32 {
+    close_fds_but(keep);
+    let mut channel = ToParent {
+        to_parent,
+        from_parent: std::io::BufReader::new(from_parent),
+    };
+    // SAFETY: plain syscalls on this (single-threaded) child.
+    let dropped = unsafe {
+        libc::setgroups(0, std::ptr::null()) == 0
+            && libc::setgid(uid) == 0
+            && libc::setuid(uid) == 0
+            && libc::getuid() == uid
+            && libc::geteuid() == uid
+    };
+    if !dropped {
+        let error = std::io::Error::last_os_error();
+        let line = serde_json::json!({ "panic": format!("dropping to uid {uid}: {error}") });
+        let _ = writeln!(channel.to_parent, "{line}");
+        return 1;
+    }
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&mut channel)));
+    let line = match outcome {
+        Ok(value) => serde_json::json!({ "result": value }),
+        Err(panic) => {
+            let text = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_string()))
+                .unwrap_or_else(|| "a panic".to_string());
+            serde_json::json!({ "panic": text })
+        }
+    };
+    let _ = writeln!(channel.to_parent, "{line}");
+    0
+}
+
+/// Closes every fd above 2 but `keep` (read from `/proc/self/fd` first, then closed).
+fn close_fds_but(keep: &[i32]) {
+    let fds: Vec<i32> = std::fs::read_dir("/proc/self/fd")
+        .map(|dir| {
+            dir.filter_map(|entry| entry.ok()?.file_name().to_str()?.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    for fd in fds {
+        if fd > 2 && !keep.contains(&fd) {
+            // SAFETY: closing an fd of this child; nothing here uses it again (the
+            // parent's objects owning it are never dropped in the child).
+            unsafe { libc::close(fd) };
+        }
+    }
+}
+
+impl Forked {
+    /// The uid it runs as.
+    pub fn uid(&self) -> u32 {
+        self.uid
+    }
+
+    /// Sends `value` to the child ([`ToParent::recv`]).
+    pub fn send(&mut self, value: Json) {
+        let to_child = self
+            .to_child
+            .as_mut()
+            .expect("the pipe to the child is open");
+        writeln!(to_child, "{value}").expect("writing to the child");
+    }
+
+    /// The next line from the child, waiting up to [`PATIENCE`].
+    fn line(&mut self, what: &str) -> Json {
+        use rustix::fd::AsRawFd;
+        let start = Instant::now();
+        loop {
+            if let Some(at) = self.pending.iter().position(|&b| b == b'\n') {
+                let line: Vec<u8> = self.pending.drain(..=at).collect();
+                return serde_json::from_slice(&line).unwrap_or_else(|error| {
+                    panic!(
+                        "uid {}'s child sent a line that is not JSON ({error}): {}",
+                        self.uid,
+                        String::from_utf8_lossy(&line)
+                    )
+                });
+            }
+            let left = PATIENCE.saturating_sub(start.elapsed());
+            assert!(
+                !left.is_zero(),
+                "uid {}'s child said nothing within {PATIENCE:?} ({what})",
+                self.uid
+            );
+            let mut poll = libc::pollfd {
+                fd: self.from_child.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            let millis = i32::try_from(left.as_millis()).unwrap_or(i32::MAX);
+            // SAFETY: one valid pollfd.
+            let ready = unsafe { libc::poll(&mut poll, 1, millis) };
+            if ready <= 0 {
+                continue;
+            }
+            let mut chunk = [0u8; 4096];
+            match self.from_child.read(&mut chunk) {
+                Ok(0) => panic!(
+                    "uid {}'s child exited without a word ({what}); partial output: {}",
+                    self.uid,
+                    String::from_utf8_lossy(&self.pending)
+                ),
+                Ok(n) => self.pending.extend_from_slice(&chunk[..n]),
+                Err(error) if error.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(error) => panic!("reading from uid {}'s child: {error}", self.uid),
+            }
+        }
+    }
+
+    /// The child's next [`ToParent::send`]; panics if it panicked or finished instead.
+    pub fn recv(&mut self, what: &str) -> Json {
+        let line = self.line(what);
+        if let Some(message) = line.get("message") {
+            return message.clone();
+        }
+        self.fail(&line, what)
+    }
+
+    /// Closes the pipe to the child, waits for its body's result and its exit.
+    pub fn finish(mut self, what: &str) -> Json {
+        self.to_child = None;
+        let line = loop {
+            let line = self.line(what);
+            if line.get("message").is_none() {
+                break line;
+            }
+        };
+        let Some(result) = line.get("result").cloned() else {
+            self.fail(&line, what)
+        };
+        self.reap();
+        result
+    }
+
+    fn fail(&mut self, line: &Json, what: &str) -> ! {
+        match line.get("panic") {
+            Some(panic) => panic!("uid {}'s child failed ({what}): {panic}", self.uid),
+            None => panic!("uid {}'s child: unexpected line {line} ({what})", self.uid),
+        }
+    }
+
+    fn reap(&mut self) {
+        if self.exited {
+            return;
+        }
+        let mut status = 0;
+        // SAFETY: waits for our own child.
+        unsafe { libc::waitpid(self.pid, &mut status, 0) };
+        self.exited = true;
+    }
+}
+
+impl Drop for Forked {
+    fn drop(&mut self) {
+        if !self.exited {
+            // SAFETY: our own child.
+            unsafe { libc::kill(self.pid, libc::SIGKILL) };
+            self.reap();
+        }
+    }
+}
+
+/// Runs `body` in a child forked as `uid` (see [`Forked`]) and returns its result.
+pub fn run_as_uid(uid: u32, what: &str, body: impl FnOnce() -> Json) -> Json {
+    fork_as_uid(uid, |_| body()).finish(what)
 }

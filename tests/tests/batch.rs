@@ -65,14 +65,14 @@ fn a_batch_of_stores_then_a_batch_of_retrieves_moves_every_block() {
     let missing: Vec<Vec<u8>> = (0..BLOCKS)
         .map(|i| format!("absent-{i}").into_bytes())
         .collect();
-    let mut retrieves: Vec<(&[u8], u64, u64)> = Vec::new();
+    let mut retrieves: Vec<(&[u8], u64, u64, u64)> = Vec::new();
     for i in 0..BLOCKS {
         let key = if i % 4 == 3 {
             &missing[i as usize]
         } else {
             &keys[i as usize]
         };
-        retrieves.push((key.as_slice(), 1, (BLOCKS - 1 - i) * BLOCK));
+        retrieves.push((key.as_slice(), 1, (BLOCKS - 1 - i) * BLOCK, BLOCK));
     }
     let answers = client.retrieve_batch(&retrieves).unwrap();
     for i in 0..BLOCKS {
@@ -169,8 +169,14 @@ fn a_bad_item_refuses_the_whole_batch_and_copies_nothing() {
     // The value fits at offset 0, not at the last byte: known only once pinned.
     let last = BLOCK * BLOCKS - 1;
     for (items, says) in [
-        (vec![(good, 1, 0), (good, 9, 0)], "items[1]: buffer index 9"),
-        (vec![(good, 1, 0), (good, 1, last)], "items[1]: offset"),
+        (
+            vec![(good, 1, 0, BLOCK), (good, 9, 0, BLOCK)],
+            "items[1]: buffer index 9",
+        ),
+        (
+            vec![(good, 1, 0, BLOCK), (good, 1, last, BLOCK)],
+            "items[1]: offset",
+        ),
     ] {
         let error = client.retrieve_batch(&items).unwrap_err();
         assert_eq!(error.code(), Some(ErrorCode::BadArgs), "{error}");
@@ -186,7 +192,7 @@ fn a_bad_item_refuses_the_whole_batch_and_copies_nothing() {
         "a refused batch leaves no pin"
     );
     assert_eq!(
-        client.retrieve_batch(&[(good, 1, 0)]).unwrap(),
+        client.retrieve_batch(&[(good, 1, 0, BLOCK)]).unwrap(),
         vec![Some(BLOCK)]
     );
     assert_eq!(read(&target, 0), pattern(1));
@@ -199,20 +205,36 @@ fn a_batch_for_an_unregistered_instance_is_not_registered() {
     let server = Server::start(&dir, &[]);
     let mut raw = RawClient::connect(&server.socket).unwrap();
     let item = |parts: Vec<Value>| Value::Array(vec![Value::Array(parts)]);
+    let store_item = || {
+        item(vec![
+            Value::Binary(b"k".to_vec()),
+            0.into(),
+            0.into(),
+            8.into(),
+        ])
+    };
+    let retrieve_item = || {
+        item(vec![
+            Value::Binary(b"k".to_vec()),
+            0.into(),
+            0.into(),
+            8.into(),
+        ])
+    };
+    // Before `attach` the id may not be named at all (protocol 2).
     for (op, items) in [
-        (
-            "store_batch",
-            item(vec![
-                Value::Binary(b"k".to_vec()),
-                0.into(),
-                0.into(),
-                8.into(),
-            ]),
-        ),
-        (
-            "retrieve_batch",
-            item(vec![Value::Binary(b"k".to_vec()), 0.into(), 0.into()]),
-        ),
+        ("store_batch", store_item()),
+        ("retrieve_batch", retrieve_item()),
+    ] {
+        let reply = raw.request(op, vec![31337.into(), items]).unwrap();
+        let error = reply.result.unwrap_err();
+        assert_eq!(error.code, ErrorCode::Forbidden, "{op}: {}", error.message);
+        assert!(error.message.contains("attach"), "{}", error.message);
+    }
+    assert_eq!(raw.attach(31337), "claimed");
+    for (op, items) in [
+        ("store_batch", store_item()),
+        ("retrieve_batch", retrieve_item()),
     ] {
         let reply = raw.request(op, vec![31337.into(), items]).unwrap();
         let error = reply.result.unwrap_err();
@@ -238,13 +260,7 @@ fn a_batch_for_an_unregistered_instance_is_not_registered() {
         .unwrap();
     assert!(reply.result.is_ok());
     let reply = raw
-        .request(
-            "retrieve_batch",
-            vec![
-                31337.into(),
-                item(vec![Value::Binary(b"k".to_vec()), 0.into(), 0.into()]),
-            ],
-        )
+        .request("retrieve_batch", vec![31337.into(), retrieve_item()])
         .unwrap();
     assert_eq!(reply.result.unwrap(), Value::Array(vec![Value::Nil]));
 }
@@ -252,19 +268,21 @@ fn a_batch_for_an_unregistered_instance_is_not_registered() {
 #[test]
 fn a_batch_for_an_instance_the_server_forgot_re_registers_and_goes_through() {
     let dir = TempDir::new("batch-recover");
+    // T = 2 s, G = 4 s: a registration that never pings is reaped at G (only the worker
+    // holds its secret, so nobody else can unregister it behind its back any more).
     let server = Server::start(&dir, &[]);
     server.expect_pings_answered_false(
-        "the instance is unregistered behind the client's back: the heartbeat's first ping \
+        "the instance is reaped behind the client's back: the heartbeat's first ping \
          may ask before the batch has re-registered it (an unknown id, rightly told)",
     );
     let (client, source, _) = connect(&server);
     assert!(source.write(0, &pattern(7)));
-    let mut raw = RawClient::connect(&server.socket).unwrap();
     let instance = client.instance_id().get();
-    let reply = raw
-        .request("unregister_kv_cache", vec![instance.into()])
-        .unwrap();
-    assert_eq!(reply.result.unwrap(), Value::Boolean(true));
+    // No transfer yet, so no heartbeat: the registration is reaped at G.
+    server.wait_status("the silent registration reaped", |status| {
+        kvwarden_tests::find_instance(status, instance).is_none()
+            && kvwarden_tests::freed(status, "reaped") == 1
+    });
     assert_eq!(
         client.store_batch(&[(b"after", 0, 0, BLOCK)]).unwrap(),
         vec![true],
@@ -272,12 +290,14 @@ fn a_batch_for_an_instance_the_server_forgot_re_registers_and_goes_through() {
     );
     // The batch's own recovery, and possibly the heartbeat's: the batch starts the
     // heartbeat, whose first ping races it and answers false when it lands between the
-    // UNREGISTER and the batch's re-registration (then the heartbeat recovers too, and
-    // finds the registration there). Under load that is most runs, before issue 12 too.
+    // reap and the batch's re-registration (then the heartbeat recovers too, and finds
+    // the registration there).
     let recoveries = client.recoveries();
     assert!((1..=2).contains(&recoveries), "{recoveries} recoveries");
+    assert_eq!(client.identity_changes(), 0, "the same id all along");
+    assert_eq!(client.instance_id().get(), instance);
     assert_eq!(
-        client.retrieve_batch(&[(b"after", 1, 0)]).unwrap(),
+        client.retrieve_batch(&[(b"after", 1, 0, BLOCK)]).unwrap(),
         vec![Some(BLOCK)]
     );
     client.shutdown().unwrap();

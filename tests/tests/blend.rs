@@ -63,6 +63,9 @@ impl Heartbeat {
     fn start(server: &Server, instances: Vec<u64>) -> Heartbeat {
         let stop = Arc::new(AtomicBool::new(false));
         let mut raw = RawClient::connect(&server.socket).unwrap();
+        for &instance in &instances {
+            raw.attach(instance);
+        }
         let flag = Arc::clone(&stop);
         let thread = std::thread::spawn(move || {
             while !flag.load(Ordering::Relaxed) {
@@ -93,6 +96,11 @@ fn blend_state_dropped_after_unregister_reap_and_process_exit() {
     let dir = TempDir::new("blend-drop");
     let server = Server::start(&dir, &[]);
     let mut raw = RawClient::connect(&server.socket).unwrap();
+    // This connection acts on every instance below but 403 and 404 (each connection
+    // attaches what it names: protocol 2).
+    for instance in [401, 402, 405] {
+        raw.attach(instance);
+    }
 
     // A live instance whose state must survive everything below, and one registered
     // in both modules.
@@ -124,7 +132,7 @@ fn blend_state_dropped_after_unregister_reap_and_process_exit() {
     });
 
     // Reap: registered, pinged once, then silent past the reap timeout.
-    let mut silent = RawClient::connect(&server.socket).unwrap();
+    let mut silent = RawClient::connect_attached(&server.socket, 403);
     register_kv(&mut silent, 403);
     assert_eq!(
         silent.request("ping", vec![403.into()]).unwrap().result,
@@ -187,6 +195,10 @@ fn register_blend_checks_its_parameters_and_needs_a_registration() {
     let dir = TempDir::new("blend-args");
     let server = Server::start(&dir, &[]);
     let mut raw = RawClient::connect(&server.socket).unwrap();
+    let error = register_blend(&mut raw, 410, rope(64, 1024, 10_000.0)).unwrap_err();
+    assert_eq!(error.code, ErrorCode::Forbidden, "not attached: {error}");
+    assert!(error.message.contains("attach"), "{}", error.message);
+    raw.attach(410);
     let error = register_blend(&mut raw, 410, rope(64, 1024, 10_000.0)).unwrap_err();
     assert_eq!(error.code, ErrorCode::NotRegistered, "{error}");
     assert!(error.message.contains("410"), "{}", error.message);

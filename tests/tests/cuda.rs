@@ -20,7 +20,7 @@ fn cuda_buffer() -> Value {
 }
 
 fn register_cuda(server: &Server, instance: u64) -> kvwarden_core::protocol::Reply {
-    let mut client = RawClient::connect(&server.socket).expect("connect");
+    let mut client = RawClient::connect_attached(&server.socket, instance);
     client
         .request(
             "register_kv_cache",

@@ -89,6 +89,7 @@ fn engine_driven_ops_answer_as_the_protocol_says() {
     let server = Server::start(&dir, &[]);
     let mut stranger = EngineWorker::register(&server.socket, 111);
     stranger.instance = 112; // never registered
+    stranger.raw.attach(112); // but attached: the refusal below is about registration
     for (op, args) in [
         ("prepare_store", vec![Value::Binary(b"k".to_vec())]),
         ("commit_store", vec![Value::Binary(b"k".to_vec()), 1.into()]),
@@ -270,7 +271,7 @@ fn a_peer_that_floods_registrations_without_reading_is_cut_off_and_leaks_no_fds(
     let worker = EngineWorker::register(&server.socket, 121);
     server.status(); // its connection is part of the baseline
     let baseline = open_fds(pid);
-    let mut flooder = kvwarden_tests::RawClient::connect(&server.socket).unwrap();
+    let mut flooder = kvwarden_tests::RawClient::connect_attached(&server.socket, 122);
     flooder
         .stream
         .set_write_timeout(Some(std::time::Duration::from_secs(5)))
@@ -317,6 +318,9 @@ fn pipelined_registrations_each_carry_their_own_pool_fd() {
     let dir = TempDir::new("engine-pipelined");
     let server = Server::start(&dir, &[]);
     let mut raw = kvwarden_tests::RawClient::connect(&server.socket).unwrap();
+    for instance in 131..134 {
+        raw.attach(instance);
+    }
     let mut frames = Vec::new();
     let mut expected = std::collections::HashMap::new();
     for n in 0..12u64 {

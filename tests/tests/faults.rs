@@ -56,6 +56,9 @@ fn row_20_hung_free_does_not_block_pings_or_other_frees() {
         server.log().contains("FAULT INJECTION ON").then_some(())
     });
     let mut raw = RawClient::connect(&server.socket).unwrap();
+    for instance in [2001, 2002, 2003] {
+        raw.attach(instance);
+    }
 
     // The first free hangs for good.
     register_kv(&mut raw, 2001);
@@ -102,7 +105,7 @@ fn row_20_hung_free_does_not_block_pings_or_other_frees() {
 fn slow_builds_do_not_hold_up_pings() {
     let dir = TempDir::new("slow-builds");
     let server = Server::start(&dir, &["--fault-build-delay-ms", "1500"]);
-    let mut registering = RawClient::connect(&server.socket).unwrap();
+    let mut registering = RawClient::connect_attached(&server.socket, 2101);
     let (id, frame) = registering.frame(
         "register_kv_cache",
         vec![2101.into(), Value::Array(vec![]), "m".into(), 1.into()],
@@ -113,7 +116,8 @@ fn slow_builds_do_not_hold_up_pings() {
         find_instance(s, 2101).is_some_and(|entry| entry["building"] == true)
     });
     assert_eq!(kvwarden_tests::built(&status), 0);
-    let mut pinger = RawClient::connect(&server.socket).unwrap();
+    // Another connection of the same worker proves the same secret.
+    let mut pinger = RawClient::connect_attached(&server.socket, 2101);
     let reply = pinger.request("ping", vec![2101.into()]).unwrap();
     assert_eq!(reply.result.unwrap(), Value::Boolean(true));
     let error = pinger

@@ -1,8 +1,12 @@
 //! Garbage on the socket (row 24 of `docs/failure-modes.md`, target R4): every case is
 //! answered as `protocol.md` says, only the hostile peer is affected, and afterwards the
-//! server still serves a healthy worker (a separately registered `kvwarden worker`, whose
-//! instance a fresh connection pings: `true`) and holds no more fds or mappings than
-//! before.
+//! server still serves a healthy worker (a separately registered `kvwarden worker`,
+//! still tracked and never told `false`) and the test's own instance (registered on a
+//! connection of its own with one 256 KiB memfd buffer: a fresh connection that
+//! attaches it pings `true`), and holds no more fds or mappings than before.
+//!
+//! Cases that need an instance past the `attach` check (protocol 2) attach it first,
+//! so that the refusal they look for is the one they name and not `forbidden`.
 //!
 //! Each test runs its case once to warm up (pool threads, allocator arenas and the
 //! status connection come into being lazily), measures the server's
@@ -26,11 +30,18 @@ const REPEATS: usize = 3;
 /// allocator may split a region once); one leaked mapping per run exceeds it.
 const MAPS_SLACK: usize = REPEATS - 1;
 
+/// Bytes of the buffer the harness's own instance registers.
+const OWNED_BUFFER_BYTES: u64 = 256 << 10;
+
 /// A server with a healthy worker registered, to throw one kind of garbage at.
 struct Harness {
     _dir: TempDir,
     server: Server,
     worker: Worker,
+    /// The test's own instance (its secret is [`kvwarden_tests::instance_secret`]),
+    /// registered with one [`OWNED_BUFFER_BYTES`] memfd buffer on `_owner`.
+    owned: u64,
+    _owner: RawClient,
     /// Worker connections the server holds when no hostile peer is connected.
     quiet_connections: u64,
 }
@@ -38,16 +49,45 @@ struct Harness {
 impl Harness {
     fn start(tag: &str) -> Harness {
         let dir = TempDir::new(tag);
-        let server = Server::start(&dir, &["--max-frame-bytes", "64K"]);
+        // T and G long enough that the harness's own instance, which never pings on
+        // its own, outlives the test.
+        let server = Server::start(
+            &dir,
+            &[
+                "--max-frame-bytes",
+                "64K",
+                "--worker-reap-timeout-seconds",
+                "60",
+                "--worker-registration-grace-seconds",
+                "120",
+            ],
+        );
         let worker = Worker::unix(&server, &[]);
+        let owned = fresh_instance();
+        let mut owner = RawClient::connect_attached(&server.socket, owned);
+        let memfd = kvwarden::memfd::create("hostile-owned", OWNED_BUFFER_BYTES).unwrap();
+        let reply = owner
+            .request_with_fds(
+                "register_kv_cache",
+                register_args(owned, vec![memfd_spec(0, OWNED_BUFFER_BYTES)]),
+                &[memfd.as_fd()],
+            )
+            .unwrap();
+        reply.result.expect("the harness's own instance registers");
         let quiet_connections = server.status()["connections"].as_u64().unwrap_or(0);
         Harness {
             _dir: dir,
             server,
             worker,
+            owned,
+            _owner: owner,
             quiet_connections,
         }
     }
+
+    /// Instances the server tracks when no case has registered anything: the worker's
+    /// and the harness's own.
+    const TRACKED: u64 = 2;
 
     fn pid(&self) -> u32 {
         self.server.child.id()
@@ -91,20 +131,30 @@ impl Harness {
             });
     }
 
-    /// The server still answers the healthy worker: a fresh connection's ping of its
-    /// instance says `true`, and the worker process is alive.
+    /// The server still serves: a fresh connection that attaches the harness's own
+    /// instance pings it `true`, and the healthy worker is still tracked and was never
+    /// answered `false` (its process is checked alive at the end of [`Harness::check`]).
     fn still_serving(&self) {
         let mut client = self.connect();
+        assert_eq!(client.attach(self.owned), "proven");
         let reply = client
-            .request("ping", vec![self.worker.instance_id.into()])
+            .request("ping", vec![self.owned.into()])
             .expect("the server answers a ping");
         assert_eq!(
             reply.result.expect("ping succeeds"),
             Value::Boolean(true),
-            "the healthy worker is no longer tracked; server log:\n{}",
+            "the harness's instance is no longer tracked; server log:\n{}",
             self.server.log()
         );
-        assert!(find_instance(&self.server.status(), self.worker.instance_id).is_some());
+        let status = self.server.status();
+        assert!(
+            find_instance(&status, self.worker.instance_id).is_some(),
+            "the healthy worker is no longer tracked: {status:#}"
+        );
+        assert_eq!(
+            status["worker_liveness"]["pings_answered_false_total"], 0,
+            "{status:#}"
+        );
     }
 
     /// Warm-up, baseline, [`REPEATS`] runs, then: still serving, no fd or mapping more.
@@ -197,13 +247,14 @@ fn msgpack(value: &Value) -> Vec<u8> {
 }
 
 /// The ops of `protocol.md` with their argument counts.
-const OPS: [(&str, usize); 17] = [
+const OPS: [(&str, usize); 18] = [
     ("hello", 2),
+    ("attach", 2),
     ("ping", 1),
     ("register_kv_cache", 4),
     ("unregister_kv_cache", 1),
     ("store", 5),
-    ("retrieve", 4),
+    ("retrieve", 5),
     ("store_batch", 2),
     ("retrieve_batch", 2),
     ("lookup", 1),
@@ -425,8 +476,19 @@ fn row_24_wrong_types_are_bad_args_and_keep_the_connection() {
             ),
             (
                 "retrieve",
-                vec![id.clone(), key.clone(), 0.into(), Value::Nil],
+                vec![id.clone(), key.clone(), 0.into(), Value::Nil, 1.into()],
                 "`offset`",
+            ),
+            (
+                "retrieve",
+                vec![id.clone(), key.clone(), 0.into(), 0.into(), "1".into()],
+                "`nbytes`",
+            ),
+            ("attach", vec![id.clone(), 5.into()], "`secret`"),
+            (
+                "attach",
+                vec!["7".into(), Value::Binary(vec![1; 32])],
+                "`instance_id`",
             ),
             ("lookup", vec![Value::Array(vec![1.into()])], "`keys`"),
             ("lookup", vec![key.clone()], "`keys`"),
@@ -486,8 +548,9 @@ fn row_24_instance_id_at_or_above_2_pow_63_is_bad_args_for_every_op_naming_one()
                 ),
                 (
                     "retrieve",
-                    vec![id.clone(), key.clone(), 0.into(), 0.into()],
+                    vec![id.clone(), key.clone(), 0.into(), 0.into(), 1.into()],
                 ),
+                ("attach", vec![id.clone(), Value::Binary(vec![1; 32])]),
                 (
                     "register_engine_driven",
                     vec![id.clone(), "m".into(), 1.into()],
@@ -506,7 +569,8 @@ fn row_24_instance_id_at_or_above_2_pow_63_is_bad_args_for_every_op_naming_one()
         }
         let status = h.server.status();
         assert_eq!(
-            status["worker_liveness"]["tracked_instances"], 1,
+            status["worker_liveness"]["tracked_instances"],
+            Harness::TRACKED,
             "{status:#}"
         );
         assert_still_usable(&mut client);
@@ -517,7 +581,8 @@ fn row_24_instance_id_at_or_above_2_pow_63_is_bad_args_for_every_op_naming_one()
 fn row_24_negative_numbers_are_bad_args() {
     Harness::start("row24-negative").check(|h| {
         let mut client = h.connect();
-        let id = Value::from(h.worker.instance_id);
+        client.attach(h.owned);
+        let id = Value::from(h.owned);
         let key = Value::Binary(b"k".to_vec());
         let cases: Vec<(&str, Vec<Value>, &str)> = vec![
             ("ping", vec![(-5).into()], "negative int -5"),
@@ -534,8 +599,18 @@ fn row_24_negative_numbers_are_bad_args() {
             ),
             (
                 "retrieve",
-                vec![id.clone(), key.clone(), (-1).into(), 0.into()],
+                vec![id.clone(), key.clone(), (-1).into(), 0.into(), 1.into()],
                 "`buffer`",
+            ),
+            (
+                "retrieve",
+                vec![id.clone(), key.clone(), 0.into(), 0.into(), (-4).into()],
+                "`nbytes`",
+            ),
+            (
+                "attach",
+                vec![(-3).into(), Value::Binary(vec![1; 32])],
+                "negative int -3",
             ),
             (
                 "register_kv_cache",
@@ -580,11 +655,13 @@ fn row_24_unknown_op_is_unknown_op_and_keeps_the_connection() {
 fn row_24_too_many_buffers_in_one_registration_is_bad_args() {
     Harness::start("row24-buffers").check(|h| {
         let mut client = h.connect();
+        let instance = fresh_instance();
+        client.attach(instance);
         let buffers = vec![memfd_spec(0, 4096); 1025];
         let error = request_error(
             &mut client,
             "register_kv_cache",
-            register_args(fresh_instance(), buffers),
+            register_args(instance, buffers),
         );
         assert_bad_args(&error, "register_kv_cache", "1025 buffers");
         assert_still_usable(&mut client);
@@ -624,25 +701,26 @@ fn row_24_fds_sent_with_no_use_are_closed() {
 fn row_24_fd_index_that_was_not_sent_is_bad_args() {
     Harness::start("row24-fd-index").check(|h| {
         let mut client = h.connect();
+        let ids = [fresh_instance(), fresh_instance(), fresh_instance()];
+        for instance in ids {
+            client.attach(instance);
+        }
         let error = request_error(
             &mut client,
             "register_kv_cache",
-            register_args(fresh_instance(), vec![memfd_spec(0, 4096)]),
+            register_args(ids[0], vec![memfd_spec(0, 4096)]),
         );
         assert_bad_args(&error, "register_kv_cache", "fd_index 0");
         assert!(error.message.contains("carried 0"), "{}", error.message);
         let memfd = kvwarden::memfd::create("one", 4096).unwrap();
-        let args = register_args(
-            fresh_instance(),
-            vec![memfd_spec(0, 4096), memfd_spec(1, 4096)],
-        );
+        let args = register_args(ids[1], vec![memfd_spec(0, 4096), memfd_spec(1, 4096)]);
         let error = client
             .request_with_fds("register_kv_cache", args, &[memfd.as_fd()])
             .unwrap()
             .result
             .unwrap_err();
         assert_bad_args(&error, "register_kv_cache", "fd_index 1");
-        let args = register_args(fresh_instance(), vec![memfd_spec(u64::MAX, 4096)]);
+        let args = register_args(ids[2], vec![memfd_spec(u64::MAX, 4096)]);
         let error = client
             .request_with_fds("register_kv_cache", args, &[memfd.as_fd()])
             .unwrap()
@@ -651,7 +729,8 @@ fn row_24_fd_index_that_was_not_sent_is_bad_args() {
         assert_bad_args(&error, "register_kv_cache", &u64::MAX.to_string());
         let status = h.server.status();
         assert_eq!(
-            status["worker_liveness"]["tracked_instances"], 1,
+            status["worker_liveness"]["tracked_instances"],
+            Harness::TRACKED,
             "{status:#}"
         );
         assert_still_usable(&mut client);
@@ -675,7 +754,9 @@ fn row_24_fds_sent_after_promising_none_never_reach_the_server() {
         let hello = kvwarden::server::status::msgpack_to_json(&reply.result.expect("hello"));
         assert_eq!(hello["sends_fds"], false, "{hello}");
         for _ in 0..5 {
-            let args = register_args(fresh_instance(), vec![memfd_spec(0, 4096)]);
+            let instance = fresh_instance();
+            client.attach(instance);
+            let args = register_args(instance, vec![memfd_spec(0, 4096)]);
             let error = client
                 .request_with_fds("register_kv_cache", args, &[memfd.as_fd()])
                 .unwrap()
@@ -687,12 +768,13 @@ fn row_24_fds_sent_after_promising_none_never_reach_the_server() {
         assert_still_usable(&mut client);
         assert_eq!(
             h.server.status()["worker_liveness"]["tracked_instances"],
-            1,
+            Harness::TRACKED,
             "nothing registered"
         );
         // Both ways: without the promise the same memfd registers.
         let mut keeps_fds = h.connect();
         let instance = fresh_instance();
+        keeps_fds.attach(instance);
         let reply = keeps_fds
             .request_with_fds(
                 "register_kv_cache",
@@ -730,6 +812,7 @@ fn row_24_fd_that_is_not_a_usable_memfd_is_bad_args() {
         ];
         for (what, fd) in candidates {
             let instance = fresh_instance();
+            client.attach(instance);
             let args = register_args(instance, vec![memfd_spec(0, 16)]);
             let error = client
                 .request_with_fds("register_kv_cache", args, &[fd])
@@ -754,6 +837,7 @@ fn row_24_buffer_smaller_than_claimed_is_bad_args() {
         let small = kvwarden::memfd::create("small", 4096).unwrap();
         for claimed in [8192u64, u64::MAX] {
             let instance = fresh_instance();
+            client.attach(instance);
             let args = register_args(instance, vec![memfd_spec(0, claimed)]);
             let error = client
                 .request_with_fds("register_kv_cache", args, &[small.as_fd()])
@@ -776,9 +860,10 @@ fn row_24_buffer_smaller_than_claimed_is_bad_args() {
 fn row_24_offsets_past_the_end_are_bad_args() {
     Harness::start("row24-range").check(|h| {
         let mut client = h.connect();
-        let id = Value::from(h.worker.instance_id);
+        client.attach(h.owned);
+        let id = Value::from(h.owned);
         let key = Value::Binary(b"k".to_vec());
-        // The worker registered one buffer of 256 KiB; slots are 64 KiB.
+        // The harness's instance registered one buffer of 256 KiB; slots are 64 KiB.
         let store = |offset: u64, nbytes: u64| {
             vec![
                 id.clone(),
@@ -801,12 +886,35 @@ fn row_24_offsets_past_the_end_are_bad_args() {
             ),
             (
                 "retrieve",
-                vec![id.clone(), key.clone(), 0.into(), (1u64 << 40).into()],
+                vec![
+                    id.clone(),
+                    key.clone(),
+                    0.into(),
+                    (1u64 << 40).into(),
+                    16.into(),
+                ],
                 "runs past the end",
             ),
             (
                 "retrieve",
-                vec![id.clone(), key.clone(), u64::MAX.into(), 0.into()],
+                vec![
+                    id.clone(),
+                    key.clone(),
+                    0.into(),
+                    ((256u64 << 10) - 8).into(),
+                    16.into(),
+                ],
+                "runs past the end",
+            ),
+            (
+                "retrieve",
+                vec![
+                    id.clone(),
+                    key.clone(),
+                    u64::MAX.into(),
+                    0.into(),
+                    16.into(),
+                ],
                 "buffer index",
             ),
         ];
@@ -815,10 +923,12 @@ fn row_24_offsets_past_the_end_are_bad_args() {
             assert_bad_args(&error, op, needle);
         }
         // A transfer for an instance the server does not hold is not_registered.
+        let unknown = fresh_instance();
+        client.attach(unknown);
         let error = request_error(
             &mut client,
             "retrieve",
-            vec![fresh_instance().into(), key.clone(), 0.into(), 0.into()],
+            vec![unknown.into(), key.clone(), 0.into(), 0.into(), 16.into()],
         );
         assert_eq!(error.code, ErrorCode::NotRegistered, "{}", error.message);
         let status = h.server.status();
@@ -838,11 +948,12 @@ fn fds_reach_their_frame_when_requests_are_pipelined_before_it() {
     Harness::start("fds-pipelined").check(|h| {
         let mut client = h.connect();
         let memfd = kvwarden::memfd::create("pipelined", 4096).unwrap();
+        let instance = fresh_instance();
+        client.attach(instance);
         let mut pings = Vec::new();
         for _ in 0..50 {
             pings.extend(client.frame("ping", vec![Value::Nil]).1);
         }
-        let instance = fresh_instance();
         let (register_id, register) = client.frame(
             "register_kv_cache",
             register_args(instance, vec![memfd_spec(0, 4096)]),
@@ -876,7 +987,7 @@ fn fds_reach_their_frame_when_requests_are_pipelined_before_it() {
 fn store_then_retrieve_round_trips_through_l1() {
     let dir = TempDir::new("l1");
     let server = Server::start(&dir, &[]);
-    let mut client = RawClient::connect(&server.socket).unwrap();
+    let mut client = RawClient::connect_attached(&server.socket, 5);
     let memfd = kvwarden::memfd::create("l1", 8192).unwrap();
     let mapping = kvwarden::memfd::SharedMapping::map(&memfd, 8192).unwrap();
     assert!(mapping.write(100, b"kv-cache-bytes"));
@@ -914,7 +1025,10 @@ fn store_then_retrieve_round_trips_through_l1() {
         .unwrap();
     assert_eq!(found.as_u64(), Some(1));
     let copied = client
-        .request("retrieve", vec![5.into(), key, 0.into(), 4000.into()])
+        .request(
+            "retrieve",
+            vec![5.into(), key, 0.into(), 4000.into(), 14.into()],
+        )
         .unwrap()
         .result
         .unwrap();
@@ -930,6 +1044,7 @@ fn store_then_retrieve_round_trips_through_l1() {
                 Value::Binary(b"nope".to_vec()),
                 0.into(),
                 0.into(),
+                14.into(),
             ],
         )
         .unwrap()
@@ -985,10 +1100,11 @@ fn row_24_half_open_connection_mid_frame_is_closed_without_a_reply() {
 fn row_24_half_open_connection_after_whole_frames_still_gets_every_reply() {
     Harness::start("row24-half-close").check(|h| {
         let mut client = h.connect();
+        client.attach(h.owned);
         let mut ids = Vec::new();
         let mut bytes = Vec::new();
         for _ in 0..3 {
-            let (id, frame) = client.frame("ping", vec![h.worker.instance_id.into()]);
+            let (id, frame) = client.frame("ping", vec![h.owned.into()]);
             ids.push(id);
             bytes.extend(frame);
         }

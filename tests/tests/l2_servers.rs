@@ -79,9 +79,10 @@ fn store(client: &Client, buffer: &MemfdBuffer, key: &[u8], bytes: &[u8]) {
     assert!(client.store(key, 0, 0, bytes.len() as u64).expect("store"));
 }
 
-/// Retrieves `key` into offset `CHUNK` of the buffer: its bytes, or None on a miss.
+/// Retrieves `key` (every chunk here is `CHUNK` bytes) into offset `CHUNK` of the
+/// buffer: its bytes, or None on a miss.
 fn retrieve(client: &Client, buffer: &MemfdBuffer, key: &[u8]) -> Option<Vec<u8>> {
-    let nbytes = client.retrieve(key, 0, CHUNK).expect("retrieve")?;
+    let nbytes = client.retrieve(key, 0, CHUNK, CHUNK).expect("retrieve")?;
     let mut out = vec![0; nbytes as usize];
     assert!(buffer.read(CHUNK, &mut out));
     Some(out)
@@ -141,10 +142,13 @@ fn scan(cluster: &RedisCluster, namespace: &str) -> Vec<String> {
     keys
 }
 
+/// The Redis key of a worker's `key` stored by this test's workers (their tenant is
+/// this process's uid's: keys are scoped per tenant, protocol 2).
 fn redis_key(namespace: &str, key: &[u8]) -> Vec<u8> {
+    let scoped = kvwarden_tests::tenant_scoped_key(&kvwarden_tests::own_tenant(), key);
     Namespace::new(namespace)
         .expect("a namespace")
-        .redis_key(key)
+        .redis_key(&scoped)
 }
 
 #[test]

@@ -41,7 +41,7 @@ fn row_01_sigkilled_worker_is_freed_by_process_exit() {
 fn row_02_invisible_worker_is_reaped_after_the_timeout_and_not_before() {
     let dir = TempDir::new("row02");
     let server = Server::start(&dir, &["--tcp", "127.0.0.1:0"]);
-    let worker = Worker::tcp(server.tcp.expect("tcp address"));
+    let worker = Worker::tcp(&server, server.tcp.expect("tcp address"));
     server.wait_status("the TCP worker proven", |s| {
         find_instance(s, worker.instance_id).is_some_and(|i| i["proven"] == true)
     });
@@ -219,8 +219,8 @@ fn input_before_deadlines_a_ping_queued_behind_more_than_a_turn_of_frames_counts
     use rmpv::Value;
     let dir = TempDir::new("input-first");
     let server = Server::start(&dir, &[]);
-    let mut raw = RawClient::connect(&server.socket).unwrap();
     let instance = 4242u64;
+    let mut raw = RawClient::connect_attached(&server.socket, instance);
     let reply = raw
         .request(
             "register_engine_driven",
@@ -273,8 +273,8 @@ fn row_26_an_instance_whose_heartbeat_stalls_is_reaped_whole_and_its_next_ping_s
     let dir = TempDir::new("row-26");
     let server = Server::start(&dir, &[]);
     server.expect_pings_answered_false("row 26: the ping after the reap is told the instance went");
-    let mut raw = RawClient::connect(&server.socket).unwrap();
     let instance = 2626u64;
+    let mut raw = RawClient::connect_attached(&server.socket, instance);
     let registered = raw
         .request(
             "register_kv_cache",

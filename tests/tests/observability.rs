@@ -92,7 +92,7 @@ fn row_17_reaping_disabled_reaps_nothing_but_process_exit_still_frees() {
     let dir = TempDir::new("row17");
     let server = Server::start_with_reaping(&dir, 0, 0, &["--tcp", "127.0.0.1:0"]);
     assert_eq!(server.status()["worker_liveness"]["enabled"], false);
-    let invisible = Worker::tcp(server.tcp.expect("tcp"));
+    let invisible = Worker::tcp(&server, server.tcp.expect("tcp"));
     let visible = Worker::unix(&server, &[]);
     invisible.signal(Signal::KILL);
     visible.signal(Signal::KILL);

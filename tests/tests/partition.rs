@@ -22,7 +22,7 @@ fn row_07_partition_shorter_than_timeout_refreshes_without_rebuilding() {
         ],
     );
     let proxy = Proxy::start(server.tcp.expect("tcp"));
-    let mut worker = Worker::tcp(proxy.addr);
+    let mut worker = Worker::tcp(&server, proxy.addr);
     server.wait_status("proven", |s| {
         find_instance(s, worker.instance_id).is_some_and(|i| i["proven"] == true)
     });
@@ -60,7 +60,7 @@ fn row_08_partition_longer_than_timeout_rebuilds_one_context() {
     let server = Server::start(&dir, &["--tcp", "127.0.0.1:0"]);
     server.expect_pings_answered_false("reaped during a partition longer than T");
     let proxy = Proxy::start(server.tcp.expect("tcp"));
-    let mut worker = Worker::tcp(proxy.addr);
+    let mut worker = Worker::tcp(&server, proxy.addr);
     server.wait_status("proven", |s| {
         find_instance(s, worker.instance_id).is_some_and(|i| i["proven"] == true)
     });

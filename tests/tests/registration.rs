@@ -37,6 +37,10 @@ fn row_14_unregister_of_unknown_instance_answers_false() {
     let dir = TempDir::new("row14");
     let server = Server::start(&dir, &[]);
     let mut client = RawClient::connect(&server.socket).unwrap();
+    // An id never registered can still be attached (claimed): the unregister is then
+    // about registration, not about who may name the id.
+    assert_eq!(client.attach(12345), "claimed");
+    assert_eq!(client.attach(777), "claimed");
     let reply = client
         .request("unregister_kv_cache", vec![12345.into()])
         .unwrap();
@@ -62,7 +66,7 @@ fn row_14_unregister_of_unknown_instance_answers_false() {
 fn row_15_register_of_present_instance_refreshes_without_rebuilding() {
     let dir = TempDir::new("row15");
     let server = Server::start(&dir, &[]);
-    let mut client = RawClient::connect(&server.socket).unwrap();
+    let mut client = RawClient::connect_attached(&server.socket, 4242);
     let memfd = kvwarden::memfd::create("row15", 8192).unwrap();
     let register = |client: &mut RawClient| {
         let args = vec![
@@ -144,18 +148,39 @@ fn row_23_other_uid_is_forbidden_and_instance_untouched() {
             reply.contains("\"code\":\"forbidden\""),
             "{op}: {reply} {stderr}"
         );
-        assert!(reply.contains("uid 65534"), "{op}: {reply}");
+        // Protocol 2: `kvwarden call` never attached the worker's id (only the worker
+        // holds its secret).
+        assert!(reply.contains("has not attached"), "{op}: {reply}");
     }
     let after = server.status();
     let entry = find_instance(&after, worker.instance_id).expect("instance untouched");
     assert_eq!(built(&after), built(&before));
     assert_eq!(entry["owner_uid"], 0);
-    // The server's own uid may act on any instance.
+    // Protocol 2 (row 30): the server's own uid may NOT act on an instance it has not
+    // attached: root's ping of the worker's id is forbidden, and so is root's attach
+    // of it with a secret other than the worker's.
     let mut root = RawClient::connect(&server.socket).unwrap();
-    let reply = root
+    let error = root
         .request("ping", vec![worker.instance_id.into()])
-        .unwrap();
-    assert_eq!(reply.result.unwrap(), Value::Boolean(true));
+        .unwrap()
+        .result
+        .unwrap_err();
+    assert_eq!(error.code, ErrorCode::Forbidden, "{}", error.message);
+    let error = root
+        .attach_with(worker.instance_id, &kvwarden_tests::instance_secret(1))
+        .unwrap()
+        .result
+        .unwrap_err();
+    assert_eq!(error.code, ErrorCode::Forbidden, "{}", error.message);
+    let error = root
+        .request("unregister_kv_cache", vec![worker.instance_id.into()])
+        .unwrap()
+        .result
+        .unwrap_err();
+    assert_eq!(error.code, ErrorCode::Forbidden, "{}", error.message);
+    let after = server.status();
+    assert!(find_instance(&after, worker.instance_id).is_some());
+    assert_eq!(built(&after), built(&before));
 }
 
 /// Sends `register_kv_cache` for `instance` with one memfd of `actual` bytes claimed as
@@ -177,8 +202,8 @@ fn send_register(client: &mut RawClient, instance: u64, actual: u64, claimed: u6
 fn row_15_register_while_building_is_answered_after_the_build_succeeds() {
     let dir = TempDir::new("row15-building-ok");
     let server = Server::start(&dir, &["--fault-build-delay-ms", "300"]);
-    let mut first = RawClient::connect(&server.socket).unwrap();
-    let mut second = RawClient::connect(&server.socket).unwrap();
+    let mut first = RawClient::connect_attached(&server.socket, 5151);
+    let mut second = RawClient::connect_attached(&server.socket, 5151);
     send_register(&mut first, 5151, 8192, 8192);
     // The second REGISTER arrives while the first build sleeps.
     wait_for("the first build to start", PATIENCE, || {
@@ -204,8 +229,8 @@ fn row_15_register_while_building_is_answered_after_the_build_succeeds() {
 fn row_15_register_while_building_fails_with_the_build_it_joined() {
     let dir = TempDir::new("row15-building-fail");
     let server = Server::start(&dir, &["--fault-build-delay-ms", "300"]);
-    let mut first = RawClient::connect(&server.socket).unwrap();
-    let mut second = RawClient::connect(&server.socket).unwrap();
+    let mut first = RawClient::connect_attached(&server.socket, 6161);
+    let mut second = RawClient::connect_attached(&server.socket, 6161);
     // The first claims more bytes than its memfd holds: its build will fail.
     send_register(&mut first, 6161, 4096, 1 << 20);
     wait_for("the first build to start", PATIENCE, || {

@@ -84,7 +84,9 @@ fn row_18_a_ping_due_at_shutdown_goes_out_before_the_unregister() {
         }
         for i in 0..CHUNKS {
             let key = format!("{round}-{i}");
-            let copied = client.retrieve(key.as_bytes(), 0, i * CHUNK).unwrap();
+            let copied = client
+                .retrieve(key.as_bytes(), 0, i * CHUNK, CHUNK)
+                .unwrap();
             assert_eq!(copied, Some(CHUNK));
         }
         assert_eq!(client.pings_answered_false(), 0, "round {round}");

@@ -64,7 +64,19 @@ fn tcp_port_taken_names_the_tcp_flag_and_leaves_no_socket_file() {
     let addr = taken.local_addr().expect("its address").to_string();
     let socket = dir.path().join("kvwarden.sock");
     let socket_arg = socket.to_string_lossy().into_owned();
-    let output = serve_until_exit(&["--socket", &socket_arg, "--http", "off", "--tcp", &addr]);
+    let token = dir.path().join("tcp-token");
+    kvwarden_tests::write_token_file(&token, kvwarden_tests::TCP_TOKEN);
+    let token_arg = token.to_string_lossy().into_owned();
+    let output = serve_until_exit(&[
+        "--socket",
+        &socket_arg,
+        "--http",
+        "off",
+        "--tcp",
+        &addr,
+        "--tcp-token-file",
+        &token_arg,
+    ]);
     let message = stderr(&output);
     assert!(!output.status.success(), "started anyway:\n{message}");
     assert!(

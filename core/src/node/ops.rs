@@ -170,10 +170,9 @@ impl Node {
                             "register_engine_driven: tenant {:?} may not register \
                              engine-driven: such a worker maps the whole L1 pool read-write, \
                              every tenant's slots included. Use register_kv_cache with \
-                             store/retrieve, or have the operator trust the tenant \
-                             (serve --tenant {}=uid:...,engine-driven)",
+                             store/retrieve, or have the operator trust its uids \
+                             (serve --tenant NAME=uid:N,engine-driven)",
                             self.trust.name(tenant),
-                            self.trust.name(tenant)
                         ),
                     )));
                 }

@@ -64,7 +64,7 @@ pub struct TrustConfig {
 pub enum TrustConfigError {
     /// A tenant name that cannot be a key prefix.
     #[error(
-        "tenant name {0:?}: use 1 to {MAX_TENANT_NAME_BYTES} bytes of ASCII letters, digits, `.`, `_`, `-`"
+        "tenant name {0:?}: use 1 to {MAX_TENANT_NAME_BYTES} bytes of ASCII letters, digits, `.`, `_`, `-`, not starting with `uid-` (the default tenants' names)"
     )]
     BadName(String),
     /// Two tenants of one name.
@@ -277,12 +277,9 @@ impl Trust {
 
     fn add_tenant(&mut self, name: String, quota_percent: Option<u32>, engine: bool) -> TenantId {
         let id = TenantId(self.tenants.len() as u32);
-        let mut prefix = Vec::with_capacity(name.len() + 1);
-        prefix.push(name.len() as u8);
-        prefix.extend_from_slice(name.as_bytes());
         self.tenants.push(Tenant {
+            prefix: scoped_key(&name, b""),
             name,
-            prefix,
             quota_percent,
             engine_driven: engine,
         });
@@ -545,6 +542,18 @@ impl Trust {
     pub fn server_uid(&self) -> u32 {
         self.server_uid
     }
+}
+
+/// The node's key for a worker's `key` in the keyspace of the tenant named `tenant`:
+/// `len(name) | name | key` (tenant names are at most 64 bytes). What L1 and L2 hold;
+/// tools that look into L2 (the benchmarks, the tests) name keys with it.
+pub fn scoped_key(tenant: &str, key: &[u8]) -> Vec<u8> {
+    let name = &tenant.as_bytes()[..tenant.len().min(MAX_TENANT_NAME_BYTES)];
+    let mut scoped = Vec::with_capacity(1 + name.len() + key.len());
+    scoped.push(name.len() as u8);
+    scoped.extend_from_slice(name);
+    scoped.extend_from_slice(key);
+    scoped
 }
 
 /// Puts every key `op` names into the tenant's keyspace (`prefix ++ key`): the one

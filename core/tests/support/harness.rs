@@ -37,11 +37,7 @@ pub const TCP_TOKEN: &[u8] = b"0123456789abcdef-tcp-token";
 
 /// The node's key for `key` stored by `OWNER` (its tenant `uid-1000`'s prefix first).
 pub fn node_key(key: &[u8]) -> Vec<u8> {
-    let tenant = format!("uid-{OWNER}");
-    let mut scoped = vec![tenant.len() as u8];
-    scoped.extend_from_slice(tenant.as_bytes());
-    scoped.extend_from_slice(key);
-    scoped
+    kvwarden_core::node::trust::scoped_key(&format!("uid-{OWNER}"), key)
 }
 
 /// The key a worker named, from the node's key (its tenant's prefix `len | name`

@@ -185,7 +185,7 @@ impl Demo {
             .iter()
             .map(|s| s.to_string())
             .collect();
-            let worker = WorkerProcess::start(&args, Stdio::from(log))?;
+            let worker = WorkerProcess::start_watchable(&args, Stdio::from(log))?;
             self.timeline.event(format!(
                 "worker {role} (pid {}) registered instance {}: one context built",
                 worker.pid(),

@@ -75,6 +75,25 @@ fn cuda_buffer(nbytes: u64, device: u32) -> Result<(ExportedBuffer, ClientBuffer
     Ok((exported, buffer))
 }
 
+/// The secret of `KVWARDEN_WORKER_SECRET`: 64 hex digits. For the benchmarks and the
+/// demo only, which watch a worker's instance from a connection of their own; a real
+/// worker draws its secret and keeps it to itself.
+fn parse_secret(hex: &str) -> Result<[u8; 32], String> {
+    let hex = hex.trim();
+    let mut secret = [0u8; 32];
+    if hex.len() != 64 {
+        return Err(format!(
+            "expected 64 hex digits, got {} characters",
+            hex.len()
+        ));
+    }
+    for (byte, pair) in secret.iter_mut().zip(hex.as_bytes().chunks(2)) {
+        let text = std::str::from_utf8(pair).map_err(|_| "not hex".to_string())?;
+        *byte = u8::from_str_radix(text, 16).map_err(|_| format!("{text:?} is not hex"))?;
+    }
+    Ok(secret)
+}
+
 fn say(line: &str) {
     let mut stdout = std::io::stdout().lock();
     let _ = writeln!(stdout, "{line}");
@@ -113,6 +132,17 @@ pub fn run(args: WorkerArgs) -> ExitCode {
     };
     config.heartbeat_interval = interval;
     config.instance_id = instance_id;
+    match std::env::var("KVWARDEN_WORKER_SECRET")
+        .ok()
+        .map(|hex| parse_secret(&hex))
+    {
+        None => {}
+        Some(Ok(secret)) => config.instance_secret = Some(secret),
+        Some(Err(message)) => {
+            eprintln!("kvwarden worker: KVWARDEN_WORKER_SECRET: {message}");
+            return ExitCode::from(2);
+        }
+    }
     config.client_name = concat!("kvwarden-worker ", env!("CARGO_PKG_VERSION")).to_string();
     config.send_pidfd = !args.no_send_pidfd;
     let client = match Client::connect(config) {

@@ -175,6 +175,11 @@ fn ensure_private_dir(dir: &Path) -> Result<(), ListenError> {
 /// Binds the Unix socket at `path` with permission bits `mode`. A stale socket file
 /// (nobody answers) is replaced; a live server's is refused.
 pub fn bind_unix(path: &Path, mode: u32) -> Result<mio::net::UnixListener, ListenError> {
+    // The default directory is checked before anything in it is looked at (or a stale
+    // socket there removed): one another user made is refused whatever it holds.
+    if path.parent() == Some(private_dir().as_path()) {
+        ensure_private_dir(&private_dir())?;
+    }
     let io_error = |what, source| ListenError::Io {
         what,
         target: path.display().to_string(),
@@ -201,9 +206,6 @@ pub fn bind_unix(path: &Path, mode: u32) -> Result<mio::net::UnixListener, Liste
         }
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => return Err(io_error("inspecting", e)),
-    }
-    if path.parent() == Some(private_dir().as_path()) {
-        ensure_private_dir(&private_dir())?;
     }
     let dir_missing = || {
         let dir = path.parent().filter(|dir| !dir.as_os_str().is_empty())?;

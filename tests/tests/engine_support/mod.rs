@@ -90,9 +90,10 @@ pub fn request_receiving_fds(
 }
 
 impl EngineWorker {
-    /// Connects and registers `instance` for engine-driven transfers; maps the pool.
+    /// Connects, attaches `instance` and registers it for engine-driven transfers; maps
+    /// the pool.
     pub fn register(socket: &Path, instance: u64) -> EngineWorker {
-        let mut raw = RawClient::connect(socket).expect("connecting");
+        let mut raw = RawClient::connect_attached(socket, instance);
         let (reply, mut fds) = request_receiving_fds(
             &mut raw,
             "register_engine_driven",
@@ -294,7 +295,7 @@ pub fn run_helper_if_asked() {
     let socket = std::path::PathBuf::from(socket);
     let instance: u64 = instance.parse().expect("instance");
     let mut engine: Option<EngineWorker> = None;
-    let mut raw = RawClient::connect(&socket).expect("connecting");
+    let mut raw = RawClient::connect_attached(&socket, instance);
     for step in script.split(',') {
         let (verb, key) = step.split_once(':').unwrap_or((step, ""));
         let key = key.as_bytes();
