@@ -76,7 +76,11 @@ pub fn run(args: &ReapArgs) -> Result<(), BenchError> {
             "the server listens on no TCP address: give --tcp ADDR with --socket".into(),
         ));
     };
-    let Some(token_file) = args.tcp_token_file.clone().or(target.tcp_token_file.clone()) else {
+    let Some(token_file) = args
+        .tcp_token_file
+        .clone()
+        .or(target.tcp_token_file.clone())
+    else {
         return Err(BenchError::Failed(
             "the server's TCP token file is unknown: give --tcp-token-file PATH with --tcp".into(),
         ));
