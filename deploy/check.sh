@@ -129,25 +129,21 @@ for _ in $(seq 300); do
 done
 grep -qx ready "$work/serve.out" || { cat "$work/serve.log" >&2; die "the server never said ready"; }
 http="$(sed -n 's/^http=//p' "$work/serve.out")"
-# One request that is refused, so that the request and error counters have a series.
-"$bin" call --socket "$work/kvwarden.sock" ping >/dev/null
+# One request that is refused (exit 3: an error reply), so that the request and error
+# counters have a series.
+status=0
+"$bin" call --socket "$work/kvwarden.sock" ping >/dev/null || status=$?
+[ "$status" -eq 3 ] || die "kvwarden call of a refused request exited $status, expected 3"
 curl -fsS "http://$http/metrics" >"$work/metrics.txt"
 curl -fsS "http://$http/status" >"$work/status.json"
-# /metrics is OpenMetrics (a counter family `x` has the sample `x_total`); promtool's
-# checker reads the classic text format, so check the same text in that form.
-"$venv/bin/python" - "$work/metrics.txt" >"$work/metrics.classic" <<'PY'
-import re, sys
-lines = open(sys.argv[1]).read().splitlines()
-counters = {m[1] for m in (re.match(r"# TYPE (\S+) counter$", l) for l in lines) if m}
-for line in lines:
-    m = re.match(r"# (HELP|TYPE) (\S+)(.*)", line)
-    if m and m[2] in counters:
-        line = f"# {m[1]} {m[2]}_total{m[3]}"
-    if line != "# EOF":
-        print(line)
-PY
-promtool check metrics <"$work/metrics.classic"
+# /metrics as served, the way operators check it: the classic text format unless the
+# scraper asks for OpenMetrics.
+promtool check metrics <"$work/metrics.txt"
 echo "promtool check metrics: ok"
+curl -fsS -H 'Accept: application/openmetrics-text; version=1.0.0' "http://$http/metrics" \
+  | tail -1 | grep -qx '# EOF' || die "an OpenMetrics scrape did not end with # EOF"
+curl -fsSI "http://$http/healthz" | head -1 | grep -q ' 200 ' || die "HEAD /healthz is not 200"
+echo "OpenMetrics on request, HEAD /healthz: ok"
 "$venv/bin/python" "$here/check-metrics.py" "$work/metrics.txt" "$work/status.json" \
   "$here/prometheus/kvwarden-rules.yml" "$here/grafana/kvwarden.json"
 kill -TERM "$server_pid"

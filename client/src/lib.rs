@@ -41,7 +41,7 @@ pub use kvwarden_core::protocol::MAX_BATCH_ITEMS;
 use kvwarden_core::protocol::{BufferSpec, ErrorCode, Op, ProtocolError, RetrieveItem, StoreItem};
 use kvwarden_core::{
     Heartbeat, HeartbeatAction, HeartbeatConfig, InstanceId, Instant, PingReply,
-    reap_timeout_floor_warning,
+    reap_timeout_floor_warning, reap_timeout_warning,
 };
 use memfd::SharedMapping;
 use parking_lot::FairMutex;
@@ -287,6 +287,8 @@ struct Shared {
     last_outcome: Mutex<Option<String>>,
     /// `hello`'s `exit_proof` on the latest connection.
     exit_proof: Mutex<Option<String>>,
+    /// The reap timeout the last warning (or its absence) was judged against.
+    warned_reap_timeout: Mutex<Option<Duration>>,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -302,9 +304,17 @@ impl Shared {
         lock(&self.identity).instance
     }
 
-    /// A connection that said hello and attached this worker's instance.
+    /// A connection that said hello and attached this worker's instance. Warns once
+    /// per reap timeout a server says that 3 × this worker's heartbeat exceeds.
     fn connect(&self) -> Result<Wire, ClientError> {
         let mut wire = Wire::connect(&self.config)?;
+        if let Some(reap_timeout) = wire.reap_timeout
+            && lock(&self.warned_reap_timeout).replace(reap_timeout) != Some(reap_timeout)
+            && let Some(warning) =
+                reap_timeout_warning(self.config.heartbeat_interval, reap_timeout)
+        {
+            tracing::warn!("{warning}");
+        }
         self.attach(&mut wire)?;
         Ok(wire)
     }
@@ -569,6 +579,7 @@ impl Client {
             pings_answered_false: AtomicU64::new(0),
             last_outcome: Mutex::new(None),
             exit_proof: Mutex::new(None),
+            warned_reap_timeout: Mutex::new(None),
         });
         let wire = shared.connect()?;
         *lock(&shared.exit_proof) = wire.exit_proof.clone();

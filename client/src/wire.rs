@@ -47,6 +47,9 @@ pub struct Wire {
     /// How the server said it will notice this process's death (`hello`'s
     /// `exit_proof`; None from a server that does not say).
     pub exit_proof: Option<String>,
+    /// The server's reap timeout (`hello`'s `reap_timeout_seconds`; None from a server
+    /// that does not say).
+    pub reap_timeout: Option<Duration>,
 }
 
 impl Wire {
@@ -84,6 +87,7 @@ impl Wire {
             socket,
             endpoint: name.clone(),
             exit_proof: None,
+            reap_timeout: None,
         };
         let hello_args = |pidfd_index| {
             Op::Hello {
@@ -106,7 +110,7 @@ impl Wire {
         if let Some(pidfd) = pidfd {
             match wire.call(0, "hello", hello_args(Some(0)), &[pidfd.as_fd()], timeout) {
                 Ok(hello) => {
-                    wire.exit_proof = exit_proof(&hello);
+                    wire.said_hello(&hello);
                     return Ok(wire);
                 }
                 // An older server (it takes two arguments) or one that cannot check
@@ -121,8 +125,16 @@ impl Wire {
             }
         }
         let hello = wire.call(0, "hello", hello_args(None), &[], timeout)?;
-        wire.exit_proof = exit_proof(&hello);
+        wire.said_hello(&hello);
         Ok(wire)
+    }
+
+    /// Keeps what the `hello` reply says that the client acts on.
+    fn said_hello(&mut self, hello: &Value) {
+        self.exit_proof = exit_proof(hello);
+        self.reap_timeout = hello_field(hello, "reap_timeout_seconds")
+            .and_then(Value::as_f64)
+            .and_then(|seconds| Duration::try_from_secs_f64(seconds).ok());
     }
 
     fn io(&self, source: std::io::Error) -> ClientError {
@@ -222,13 +234,18 @@ fn own_pidfd() -> Option<rustix::fd::OwnedFd> {
     }
 }
 
-fn exit_proof(hello: &Value) -> Option<String> {
+fn hello_field<'a>(hello: &'a Value, name: &str) -> Option<&'a Value> {
     let Value::Map(map) = hello else {
         return None;
     };
     map.iter()
-        .find(|(key, _)| key.as_str() == Some("exit_proof"))
-        .and_then(|(_, value)| value.as_str())
+        .find(|(key, _)| key.as_str() == Some(name))
+        .map(|(_, value)| value)
+}
+
+fn exit_proof(hello: &Value) -> Option<String> {
+    hello_field(hello, "exit_proof")
+        .and_then(Value::as_str)
         .map(str::to_owned)
 }
 

@@ -6,7 +6,10 @@
 //! `poll_timeout` asks, deferred re-checks included), per second of run time, next to
 //! a full scan of the same instances every R measured in the same process. C6 is the
 //! longest single `handle_timeout` in that steady state and after a burst of
-//! registrations in one second.
+//! registrations in one second. C7 is a ping through the whole node (who-is-who checks,
+//! the registry, the reply) on a connection that attached its instance, next to the
+//! checks alone (`Trust::require_identity` + `Trust::check`): what proving an instance
+//! costs per ping.
 
 use kvwarden_core::{Config, Effect, InstanceId, Instant, Liveness, Module, Registration};
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -308,6 +311,95 @@ fn c4_memory(entries: usize, label: &str) {
     drop(liveness);
 }
 
+fn c7_node_ping() {
+    use kvwarden_core::node::trust::{Trust, TrustConfig};
+    use kvwarden_core::node::{ConnId, Input, Node, NodeConfig, Output, Transport};
+    use kvwarden_core::protocol::Op;
+    let config = NodeConfig {
+        liveness: Config {
+            reap_timeout: Duration::from_secs(120),
+            ..Config::default()
+        },
+        reap_timeout_floor: Duration::ZERO,
+        num_slots: 4,
+        slot_bytes: 4096,
+        server_uid: 1000,
+        trust: TrustConfig::default(),
+        boot_id: 1,
+        server_name: "bench".into(),
+        free_watchdog: Duration::from_secs(10),
+        shutdown_drain: Duration::from_secs(10),
+        cuda_devices: Err("none".into()),
+        l2: None,
+    };
+    let now = Instant::from_nanos(1_000_000_000);
+    let mut node = Node::new(config, now).unwrap();
+    let conn = ConnId(1);
+    let instance = InstanceId::new(42).unwrap();
+    node.handle_input(
+        now,
+        Input::Connected {
+            conn,
+            uid: Some(1000),
+            transport: Transport::Unix,
+            process: None,
+        },
+    );
+    let send = |node: &mut Node, request_id: u64, op: Op| {
+        node.handle_input(
+            now,
+            Input::Request {
+                conn,
+                request_id,
+                op,
+                fds: 0,
+            },
+        );
+        while let Some(output) = node.poll_output() {
+            black_box(matches!(output, Output::Reply { .. }));
+        }
+    };
+    send(
+        &mut node,
+        1,
+        Op::Attach {
+            instance,
+            secret: vec![7; 32],
+        },
+    );
+    send(
+        &mut node,
+        2,
+        Op::RegisterEngineDriven {
+            instance,
+            model_name: "m".into(),
+            world_size: 1,
+        },
+    );
+    let ns = per_call_ns(2000, 512, |i| {
+        send(
+            &mut node,
+            3 + i as u64,
+            Op::Ping {
+                instance: Some(instance),
+            },
+        );
+    });
+    println!(
+        "C7 node_ping_median {ns:.1} ns (a ping through the node on a connection that attached its instance)"
+    );
+    let mut trust = Trust::new(&TrustConfig::default(), 1000).unwrap();
+    let mut peer = trust.connect(Some(1000));
+    trust.attach(&mut peer, instance, &[7; 32]).unwrap();
+    let check_ns = per_call_ns(2000, 512, |_| {
+        black_box(trust.require_identity(&peer, "ping").is_ok());
+        black_box(trust.check(&peer, black_box(instance), "ping").is_ok());
+    });
+    println!(
+        "C7 trust_check_median {check_ns:.1} ns (require_identity + check: what proving an instance costs a ping)"
+    );
+}
+
 fn main() {
     // `cargo test --benches` runs this with --test-like flags: stay quick then.
     if std::env::args().any(|a| a == "--test" || a == "--list") {
@@ -317,10 +409,13 @@ fn main() {
     // `KVWARDEN_BENCH_ONLY=C1` (or C2, C3, C4, C6; C2 and C6 run together) runs one.
     let only = std::env::var("KVWARDEN_BENCH_ONLY").ok();
     let wanted = |id: &str| only.as_deref().is_none_or(|only| only == id);
-    println!("kvwarden-core benchmarks (C1-C4 and C6 of docs/targets.md)");
+    println!("kvwarden-core benchmarks (C1-C4, C6 and C7 of docs/targets.md)");
     if wanted("C1") {
         c1_ping(100_000, "100k", 50);
         c1_ping(1_000_000, "1m", 150);
+    }
+    if wanted("C7") {
+        c7_node_ping();
     }
     let overhead_ns = timer_overhead_ns();
     println!("-- timer overhead {overhead_ns} ns per timed call (thread CPU clock; subtracted)");

@@ -197,3 +197,44 @@ pub fn reap_timeout_floor_warning(interval: Duration) -> Option<String> {
         three_intervals.as_secs_f64(),
     ))
 }
+
+/// The warning a worker logs when 3 × its heartbeat `interval` exceeds the reap timeout
+/// its server said in `hello` (0: reaping disabled, never too short): the server could
+/// reap it between two late pings. None when the interval fits.
+pub fn reap_timeout_warning(interval: Duration, reap_timeout: Duration) -> Option<String> {
+    let three_intervals = interval.saturating_mul(3);
+    if reap_timeout.is_zero() || three_intervals <= reap_timeout {
+        return None;
+    }
+    Some(format!(
+        "heartbeat interval {:?} s: 3 × interval = {:?} s exceeds the server's reap timeout \
+         of {:?} s, so it could reap this live worker between two late pings; use an \
+         interval of at most {:?} s, or raise the server's --worker-reap-timeout-seconds",
+        interval.as_secs_f64(),
+        three_intervals.as_secs_f64(),
+        reap_timeout.as_secs_f64(),
+        reap_timeout.as_secs_f64() / 3.0,
+    ))
+}
+
+#[cfg(test)]
+mod warning_tests {
+    use super::*;
+
+    #[test]
+    fn a_heartbeat_too_slow_for_the_servers_reap_timeout_is_warned_about() {
+        let secs = Duration::from_secs;
+        let warning = reap_timeout_warning(secs(10), secs(20)).expect("30 s > 20 s");
+        assert!(warning.contains("20"), "{warning}");
+        assert!(
+            warning.contains("--worker-reap-timeout-seconds"),
+            "{warning}"
+        );
+        assert_eq!(reap_timeout_warning(secs(10), secs(30)), None, "30 s fits");
+        assert_eq!(
+            reap_timeout_warning(secs(10), secs(0)),
+            None,
+            "reaping disabled"
+        );
+    }
+}

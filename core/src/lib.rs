@@ -81,6 +81,7 @@ pub use config::{Config, ConfigError, REAP_TIMEOUT_FLOOR};
 pub use effect::{Effect, FreeCause};
 pub use heartbeat::{
     Heartbeat, HeartbeatAction, HeartbeatConfig, PingReply, reap_timeout_floor_warning,
+    reap_timeout_warning,
 };
 pub use id::{InstanceId, InvalidInstanceId};
 pub use liveness::{BuildTicket, EntryView, Liveness, Registration, Status, TransferError};

@@ -4,7 +4,8 @@
 //!
 //! Oracles: no panic; the buffered head never exceeds `MAX_REQUEST_BYTES`; a full buffer
 //! is always answered (a connection never waits forever holding 8 KiB); the three served
-//! routes need `GET` and their exact path; every other answer is 400, 404, 405 or 431,
+//! routes need `GET` or `HEAD` (which says so) and their exact path; every other answer
+//! is 400, 404, 405 or 431,
 //! and every response encodes into HTTP that parses back with a matching
 //! `Content-Length`.
 #![no_main]
@@ -34,18 +35,21 @@ fuzz_target!(|data: &[u8]| {
     if let Some(route) = &routed {
         assert_eq!(kvwarden::server::http::route(&input).as_ref(), Some(route));
     }
-    match routed {
-        None => {}
-        Some(Route::Status | Route::Metrics | Route::Healthz) => {
+    let Some(routed) = routed else {
+        return;
+    };
+    match routed.route {
+        Route::Status | Route::Metrics | Route::Healthz => {
             // Empty lines before the request line are ignored (RFC 9112 section 2.2).
             let head = String::from_utf8_lossy(&input);
             let head = head.trim_start_matches(['\r', '\n']);
+            let method = if routed.head { "HEAD " } else { "GET " };
             assert!(
-                head.starts_with("GET "),
-                "served a non-GET request: {head:?}"
+                head.starts_with(method),
+                "served a request that is not {method:?}: {head:?}"
             );
         }
-        Some(Route::Other(response)) => {
+        Route::Other(response) => {
             assert!(
                 matches!(response.code, 400 | 404 | 405 | 431),
                 "unexpected status {}",
@@ -57,7 +61,7 @@ fuzz_target!(|data: &[u8]| {
 });
 
 fn check_encoding(response: &Response) {
-    let bytes = response.encode();
+    let bytes = response.encode(false);
     let mut headers = [httparse::EMPTY_HEADER; 8];
     let mut parsed = httparse::Response::new(&mut headers);
     let Ok(httparse::Status::Complete(head_len)) = parsed.parse(&bytes) else {

@@ -75,3 +75,92 @@ fn status_without_a_server_says_how_to_start_one() {
     assert!(!output.status.success());
     assert!(String::from_utf8_lossy(&output.stderr).contains("kvwarden serve"));
 }
+
+/// Exit 2 with one line naming the flag, the value and the fix, for each refusal.
+#[test]
+fn bad_values_are_refused_naming_the_flag_and_the_form() {
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let socket = dir.path().join("s.sock");
+    let socket = socket.to_str().expect("a UTF-8 path");
+    for (args, says) in [
+        (
+            vec!["--pool-threads", "0"],
+            "--pool-threads 0: use 1 to 256",
+        ),
+        (vec!["--l2", "foo"], "redis://HOST:PORT"),
+        (vec!["--http", "no-such-host.invalid:80"], "invalid --http"),
+        (vec!["--tcp", "127.0.0.1:0"], "--tcp needs --tcp-token-file"),
+    ] {
+        let mut full = vec!["serve", "--socket", socket];
+        full.extend(&args);
+        let output = kvwarden(&full);
+        assert_eq!(output.status.code(), Some(2), "{args:?}");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(stderr.contains(says), "{args:?}: {stderr}");
+    }
+    // A socket path longer than a Unix socket address holds is named as such.
+    let long = format!("/tmp/{}/s.sock", "d".repeat(120));
+    let output = kvwarden(&["serve", "--socket", &long, "--http", "off"]);
+    assert_eq!(output.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("at most 107"), "{stderr}");
+    assert!(!stderr.contains("permissions"), "{stderr}");
+}
+
+/// `kvwarden call` exits 3 on an error reply (printing it), 0 on an ok one; host names
+/// are taken where an address is (`--http localhost:0`); `HEAD /healthz` is answered.
+#[test]
+fn call_exits_non_zero_on_an_error_reply_and_http_takes_a_host_name() {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let socket = dir.path().join("s.sock");
+    let mut server = Command::new(env!("CARGO_BIN_EXE_kvwarden"))
+        .args(["serve", "--socket"])
+        .arg(&socket)
+        .args([
+            "--http",
+            "localhost:0",
+            "--l1-bytes",
+            "4M",
+            "--slot-bytes",
+            "64K",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("starting kvwarden serve");
+    let mut http = None;
+    for line in BufReader::new(server.stdout.take().expect("stdout")).lines() {
+        let line = line.expect("a line");
+        if let Some(address) = line.strip_prefix("http=") {
+            http = Some(address.to_string());
+        }
+        if line == "ready" {
+            break;
+        }
+    }
+    let http = http.expect("the server says http=ADDR");
+    assert!(
+        http.starts_with("127.0.0.1:") || http.starts_with("[::1]:"),
+        "{http}"
+    );
+    let socket = socket.to_str().expect("a UTF-8 path");
+    let ok = kvwarden(&["call", "--socket", socket, "ping", "[null]"]);
+    assert_eq!(ok.status.code(), Some(0));
+    let refused = kvwarden(&["call", "--socket", socket, "ping", "[]"]);
+    assert_eq!(refused.status.code(), Some(3));
+    assert!(String::from_utf8_lossy(&refused.stdout).contains("\"code\":\"bad_args\""));
+    let mut stream = std::net::TcpStream::connect(&http).expect("connecting to HTTP");
+    stream
+        .write_all(b"HEAD /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        .expect("sending HEAD");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).expect("reading");
+    assert!(response.starts_with("HTTP/1.1 200 OK"), "{response}");
+    assert!(
+        response.ends_with("\r\n\r\n"),
+        "no body for HEAD: {response:?}"
+    );
+    let _ = server.kill();
+    let _ = server.wait();
+}

@@ -522,7 +522,11 @@ pub fn find_instance(status: &Json, instance: u64) -> Option<Json> {
     status["instances"]
         .as_array()?
         .iter()
-        .find(|item| item["instance_id"].as_u64() == Some(instance))
+        .find(|item| {
+            // The `status` op's map has the id as an integer, `GET /status` as a string.
+            item["instance_id"].as_u64() == Some(instance)
+                || item["instance_id"].as_str() == Some(instance.to_string().as_str())
+        })
         .cloned()
 }
 

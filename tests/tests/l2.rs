@@ -412,3 +412,48 @@ fn master_killed_its_replica_takes_over_and_traffic_resumes() {
         }
     }
 }
+
+/// At start the server reaches L2 once before `ready` and says what it found, or
+/// exactly why not; `/status` shows `down` with the reason until it is reached, and the
+/// server serves all the same. Control: a reachable Redis is named and `up`.
+#[test]
+fn l2_at_start_is_named_when_reached_and_down_with_the_reason_when_not() {
+    use kvwarden_tests::{Server, TempDir};
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("a free port");
+    // The listener is dropped: nothing answers on the port.
+    let dir = TempDir::new("l2-start-down");
+    let server = Server::start(&dir, &["--l2", &format!("redis://{closed}")]);
+    let status = server.status();
+    assert_eq!(status["l2"]["state"], "down", "{}", status["l2"]);
+    let reason = status["l2"]["reason"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(reason.contains("refused"), "{reason}");
+    assert!(
+        server.log().contains("L2 is unreachable at start"),
+        "{}",
+        server.log()
+    );
+    let pong = kvwarden_tests::RawClient::connect(&server.socket)
+        .expect("connecting")
+        .request("ping", vec![rmpv::Value::Nil])
+        .expect("a reply");
+    assert_eq!(pong.result.expect("ok"), rmpv::Value::Boolean(true));
+
+    let redis = RedisCluster::single();
+    let dir = TempDir::new("l2-start-up");
+    let server = Server::start(&dir, &["--l2", &redis.seeds()[0]]);
+    assert!(
+        server
+            .log()
+            .contains("L2: connected to a single Redis node"),
+        "{}",
+        server.log()
+    );
+    let status = server.status();
+    assert_eq!(status["l2"]["state"], "up", "{}", status["l2"]);
+    assert_eq!(status["l2"]["reason"], serde_json::Value::Null);
+}

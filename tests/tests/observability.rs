@@ -24,6 +24,13 @@ fn http_status_metrics_and_healthz_describe_the_server() {
     assert_eq!(live["registration_grace_seconds"], 4.0);
     assert_eq!(live["tracked_instances"], 1);
     let instance = find_instance(&status, worker.instance_id).expect("the worker listed");
+    // 63-bit ids are strings in JSON (a JSON number above 2^53 is rounded by jq and
+    // JavaScript): exactly the worker's id, and the boot id likewise.
+    assert_eq!(
+        instance["instance_id"],
+        serde_json::Value::String(worker.instance_id.to_string())
+    );
+    assert!(status["boot_id"].as_str().is_some_and(|id| id.parse::<u64>().is_ok()));
     for field in [
         "module",
         "age_seconds",

@@ -421,15 +421,15 @@ impl Node {
             .liveness
             .entry(instance, module)
             .is_some_and(|entry| entry.building);
-        if building && !self.planted(PlantedBug::RefreshBeforeBuild) {
-            if let Some(build) = self
+        if building
+            && !self.planted(PlantedBug::RefreshBeforeBuild)
+            && let Some(build) = self
                 .building
                 .get(&(instance, module))
                 .and_then(|context| self.builds.get_mut(context))
-            {
-                build.waiters.push(to);
-                return;
-            }
+        {
+            build.waiters.push(to);
+            return;
         }
         self.reply_registered(to, module, "refreshed");
     }

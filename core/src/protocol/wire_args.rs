@@ -551,10 +551,11 @@ fn fields<'de, A: MapAccess<'de>>(
     let mut out: Vec<(String, Loose)> = Vec::new();
     while let Some(key) = map.next_key::<Loose>()? {
         let value: Loose = map.next_value()?;
-        if let Loose::Text(key) = key {
-            if known.contains(&key.as_str()) && !out.iter().any(|(seen, _)| *seen == key) {
-                out.push((key, value));
-            }
+        if let Loose::Text(key) = key
+            && known.contains(&key.as_str())
+            && !out.iter().any(|(seen, _)| *seen == key)
+        {
+            out.push((key, value));
         }
     }
     Ok(out)

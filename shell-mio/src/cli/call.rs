@@ -17,7 +17,8 @@ pub struct CallArgs {
     args: String,
 }
 
-/// Sends the request; exit 0 whenever a reply arrived (ok or error), 1 otherwise.
+/// Sends the request and prints the reply as JSON: exit 0 for an ok reply, 3 for an
+/// error reply (printed all the same), 1 when no reply came, 2 for bad arguments.
 pub fn run(args: CallArgs) -> ExitCode {
     let parsed: serde_json::Value = match serde_json::from_str(&args.args) {
         Ok(serde_json::Value::Array(items)) => serde_json::Value::Array(items),
@@ -46,16 +47,22 @@ pub fn run(args: CallArgs) -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    let printed = match client.call(&args.op, request_args) {
-        Ok(value) => serde_json::json!({"ok": true, "value": msgpack_to_json(&value)}),
-        Err(ClientError::Server { error, .. }) => serde_json::json!({
-            "ok": false, "code": error.code.as_str(), "message": error.message,
-        }),
+    let (printed, code) = match client.call(&args.op, request_args) {
+        Ok(value) => (
+            serde_json::json!({"ok": true, "value": msgpack_to_json(&value)}),
+            ExitCode::SUCCESS,
+        ),
+        Err(ClientError::Server { error, .. }) => (
+            serde_json::json!({
+                "ok": false, "code": error.code.as_str(), "message": error.message,
+            }),
+            ExitCode::from(3),
+        ),
         Err(error) => {
             eprintln!("kvwarden call: {error}");
             return ExitCode::from(1);
         }
     };
     println!("{printed}");
-    ExitCode::SUCCESS
+    code
 }

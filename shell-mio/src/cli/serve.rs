@@ -42,7 +42,7 @@ pub struct ServeArgs {
     /// Also listen on TCP (e.g. 127.0.0.1:7070). TCP carries no fds and no proof of
     /// the peer's process: such workers are reaped by timeout only. Needs
     /// --tcp-token-file: a TCP peer that does not present the token gets `forbidden`.
-    #[arg(long, value_name = "ADDR")]
+    #[arg(long, value_name = "ADDR", value_parser = parse_tcp)]
     tcp: Option<SocketAddr>,
     /// The file holding the token every TCP worker presents in `hello` (whitespace
     /// around it ignored; at least 16 bytes, e.g. `openssl rand -hex 32 > FILE`; keep
@@ -85,7 +85,7 @@ pub struct ServeArgs {
     /// (kvwarden_frees_hung_total); it never blocks pings or other frees.
     #[arg(long, default_value_t = 10.0, value_name = "SECONDS")]
     free_watchdog_seconds: f64,
-    /// Threads that build contexts and copy data.
+    /// Threads that build contexts and copy data (1 to 256).
     #[arg(long, default_value_t = 4, value_name = "N")]
     pool_threads: usize,
     /// L2: a Redis Cluster (any of its nodes as seeds) or one plain Redis, shared by
@@ -151,11 +151,28 @@ fn parse_http(text: &str) -> Result<HttpListen, String> {
     if text.eq_ignore_ascii_case("off") {
         return Ok(HttpListen(None));
     }
-    text.parse()
-        .map(|addr| HttpListen(Some(addr)))
-        .map_err(|e| {
-            format!("invalid --http {text:?}: {e}; use ADDR:PORT (e.g. 127.0.0.1:8080) or off")
-        })
+    resolve("--http", text).map(|addr| HttpListen(Some(addr)))
+}
+
+/// `ADDR:PORT` or `HOST:PORT` (e.g. `localhost:8080`), resolved now: the first address
+/// the name has (`localhost`: 127.0.0.1 where /etc/hosts says so).
+fn resolve(flag: &str, text: &str) -> Result<SocketAddr, String> {
+    if let Ok(addr) = text.parse() {
+        return Ok(addr);
+    }
+    use std::net::ToSocketAddrs;
+    match text.to_socket_addrs() {
+        Ok(mut addrs) => addrs.next().ok_or_else(|| {
+            format!("invalid {flag} {text:?}: the name has no address; use ADDR:PORT (e.g. 127.0.0.1:8080)")
+        }),
+        Err(error) => Err(format!(
+            "invalid {flag} {text:?}: {error}; use ADDR:PORT or HOST:PORT (e.g. 127.0.0.1:8080, localhost:8080)"
+        )),
+    }
+}
+
+fn parse_tcp(text: &str) -> Result<SocketAddr, String> {
+    resolve("--tcp", text)
 }
 
 fn parse_mode(text: &str) -> Result<u32, String> {
@@ -370,6 +387,13 @@ fn server_config(args: ServeArgs) -> Result<ServerConfig, String> {
                 args.max_frame_bytes
             )
         })?;
+    if !(1..=256).contains(&args.pool_threads) {
+        return Err(format!(
+            "invalid --pool-threads {}: use 1 to 256 (the threads that build contexts and copy \
+             data; 4 by default)",
+            args.pool_threads
+        ));
+    }
     if args.max_connections == Some(0) {
         return Err("invalid --max-connections 0: at least 1".into());
     }
@@ -396,7 +420,7 @@ fn server_config(args: ServeArgs) -> Result<ServerConfig, String> {
         max_connections: args.max_connections.unwrap_or(DEFAULT_MAX_CONNECTIONS),
         max_connections_from_flag: args.max_connections.is_some(),
         free_watchdog,
-        pool_threads: args.pool_threads.clamp(1, 256),
+        pool_threads: args.pool_threads,
         l2,
         trust,
     })

@@ -65,12 +65,19 @@ impl L2Config {
             .filter(|seed| !seed.is_empty())
             .map(|seed| {
                 if seed.contains("://") {
-                    seed.to_string()
+                    Ok(seed.to_string())
+                } else if has_port(seed) {
+                    Ok(format!("redis://{seed}"))
                 } else {
-                    format!("redis://{seed}")
+                    Err(L2ConfigError::Seed {
+                        seed: seed.to_string(),
+                        reason: "it is neither a URL nor HOST:PORT (a bare name would be \
+                                 taken for a host on the default port, which is rarely meant)"
+                            .into(),
+                    })
                 }
             })
-            .collect();
+            .collect::<Result<_, _>>()?;
         if seeds.is_empty() {
             return Err(L2ConfigError::NoSeeds {
                 given: flag.to_string(),
@@ -104,6 +111,12 @@ impl L2Config {
     }
 }
 
+/// `HOST:PORT` (or `[V6]:PORT`) with a numeric port.
+fn has_port(seed: &str) -> bool {
+    seed.rsplit_once(':')
+        .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok())
+}
+
 fn check_seed(seed: &str) -> Result<(), L2ConfigError> {
     let refuse = |reason: String| L2ConfigError::Seed {
         seed: seed.to_string(),
@@ -132,6 +145,19 @@ mod tests {
             write_queue_bytes: 1 << 20,
             threads: 2,
         }
+    }
+
+    #[test]
+    fn a_seed_that_is_neither_a_url_nor_host_port_is_refused_naming_the_form() {
+        let error = L2Config::parse_seeds("foo").unwrap_err().to_string();
+        assert!(error.contains("\"foo\""), "{error}");
+        assert!(error.contains("redis://HOST:PORT"), "{error}");
+        assert_eq!(
+            L2Config::parse_seeds("redis://a:7000,b:7001").unwrap(),
+            vec!["redis://a:7000".to_string(), "redis://b:7001".to_string()]
+        );
+        assert!(L2Config::parse_seeds("redis://a:7000,b").is_err());
+        assert!(L2Config::parse_seeds("127.0.0.1:6379").is_ok());
     }
 
     #[test]

@@ -119,6 +119,29 @@ impl Conn {
         Ok(Conn::Cluster(Box::new(connection)))
     }
 
+    /// What this store is, in words: "a Redis Cluster of N masters" (from `CLUSTER
+    /// NODES`) or "a single Redis node".
+    pub(super) fn describe(&mut self) -> String {
+        match self {
+            Conn::Single(_) => "a single Redis node (not a cluster)".to_string(),
+            Conn::Cluster(connection) => {
+                let nodes: RedisResult<String> = redis::cmd("CLUSTER")
+                    .arg("NODES")
+                    .query(connection.as_mut());
+                match nodes {
+                    Ok(nodes) => {
+                        let masters = nodes
+                            .lines()
+                            .filter(|line| line.contains("master") && !line.contains("fail"))
+                            .count();
+                        format!("a Redis Cluster of {masters} masters")
+                    }
+                    Err(_) => "a Redis Cluster".to_string(),
+                }
+            }
+        }
+    }
+
     /// Which kind of store this is.
     pub(super) fn mode(&self) -> Mode {
         match self {

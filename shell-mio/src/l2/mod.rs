@@ -168,6 +168,8 @@ struct Shared {
     corrupt_logged: Mutex<HashSet<u64>>,
     corrupt_hasher: RandomState,
     mode: Mutex<Option<Mode>>,
+    /// Why the latest connection attempt failed (cleared by one that succeeds).
+    last_error: Mutex<Option<String>>,
 }
 
 /// The L2 client: a handle on the L2 threads.
@@ -201,6 +203,7 @@ impl L2Client {
             corrupt_logged: Mutex::new(HashSet::new()),
             corrupt_hasher: RandomState::new(),
             mode: Mutex::new(None),
+            last_error: Mutex::new(None),
         });
         let client = L2Client {
             shared: Arc::clone(&shared),
@@ -306,9 +309,46 @@ impl L2Client {
         counters
     }
 
-    /// What the seeds turned out to be, once an L2 thread has connected.
+    /// What the seeds turned out to be, once an L2 thread (or [`L2Client::probe`]) has
+    /// connected.
     pub fn mode(&self) -> Option<Mode> {
         *self.shared.mode.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Why the latest connection attempt failed; None once one succeeded.
+    pub fn last_error(&self) -> Option<String> {
+        self.shared
+            .last_error
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Connects once from the calling thread, each step bounded by `bound`, and says
+    /// what it found ("a Redis Cluster of 3 masters", "a single Redis node") or exactly
+    /// why not: what a server says at start, before `ready`.
+    pub fn probe(&self, bound: std::time::Duration) -> Result<String, String> {
+        match Conn::connect(&self.shared.config.seeds, bound) {
+            Ok(mut conn) => {
+                let found = conn.describe();
+                *self.shared.mode.lock().unwrap_or_else(|e| e.into_inner()) = Some(conn.mode());
+                *self
+                    .shared
+                    .last_error
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner()) = None;
+                Ok(found)
+            }
+            Err(error) => {
+                let reason = describe_error(&error);
+                *self
+                    .shared
+                    .last_error
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner()) = Some(reason.clone());
+                Err(reason)
+            }
+        }
     }
 }
 
@@ -522,7 +562,15 @@ impl Shared {
     /// The thread's connection, made when missing.
     fn connection<'a>(&self, conn: &'a mut Option<Conn>) -> redis::RedisResult<&'a mut Conn> {
         if conn.is_none() {
-            let fresh = Conn::connect(&self.config.seeds, self.config.timeout)?;
+            let fresh = match Conn::connect(&self.config.seeds, self.config.timeout) {
+                Ok(fresh) => fresh,
+                Err(error) => {
+                    *self.last_error.lock().unwrap_or_else(|e| e.into_inner()) =
+                        Some(describe_error(&error));
+                    return Err(error);
+                }
+            };
+            *self.last_error.lock().unwrap_or_else(|e| e.into_inner()) = None;
             let mut mode = self.mode.lock().unwrap_or_else(|e| e.into_inner());
             if mode.is_none() {
                 tracing::info!(mode = ?fresh.mode(), seeds = ?self.config.seeds, "L2 connected");
@@ -663,3 +711,19 @@ enum Answer {
 
 #[cfg(test)]
 mod tests;
+
+/// An operator's reading of a connection failure: what kind, and the client's words.
+pub fn describe_error(error: &redis::RedisError) -> String {
+    let kind = if error.is_timeout() {
+        "timed out"
+    } else if error.is_connection_refusal() {
+        "connection refused"
+    } else if matches!(error.kind(), redis::ErrorKind::AuthenticationFailed) {
+        "authentication failed (check the password in the --l2 URL)"
+    } else if error.is_io_error() {
+        "cannot connect"
+    } else {
+        "refused"
+    };
+    format!("{kind}: {error}")
+}

@@ -19,6 +19,28 @@ pub enum Route {
     Other(Response),
 }
 
+/// A routed request head: where it goes, and how to answer it.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Routed {
+    /// The path's route.
+    pub route: Route,
+    /// `HEAD`: the headers of the `GET` answer, no body.
+    pub head: bool,
+    /// The client asked for OpenMetrics (`Accept: application/openmetrics-text`);
+    /// otherwise `/metrics` is the classic Prometheus text format.
+    pub openmetrics: bool,
+}
+
+impl Routed {
+    fn answer(response: Response) -> Routed {
+        Routed {
+            route: Route::Other(response),
+            head: false,
+            openmetrics: false,
+        }
+    }
+}
+
 /// A response.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Response {
@@ -43,8 +65,9 @@ impl Response {
         }
     }
 
-    /// The bytes on the wire.
-    pub fn encode(&self) -> Vec<u8> {
+    /// The bytes on the wire; for a `HEAD` (`head`), the headers alone (with the
+    /// length the body would have).
+    pub fn encode(&self, head: bool) -> Vec<u8> {
         let mut out = format!(
             "HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
             self.code,
@@ -53,19 +76,21 @@ impl Response {
             self.body.len()
         )
         .into_bytes();
-        out.extend_from_slice(&self.body);
+        if !head {
+            out.extend_from_slice(&self.body);
+        }
         out
     }
 }
 
 /// Parses a request head: None while incomplete.
-pub fn route(head: &[u8]) -> Option<Route> {
+pub fn route(head: &[u8]) -> Option<Routed> {
     let mut headers = [httparse::EMPTY_HEADER; 32];
     let mut request = httparse::Request::new(&mut headers);
     match request.parse(head) {
         Ok(httparse::Status::Partial) => {
             if head.len() >= MAX_REQUEST_BYTES {
-                Some(Route::Other(Response::text(
+                Some(Routed::answer(Response::text(
                     431,
                     "Request Header Fields Too Large",
                     "request head too large\n",
@@ -74,22 +99,31 @@ pub fn route(head: &[u8]) -> Option<Route> {
                 None
             }
         }
-        Err(error) => Some(Route::Other(Response::text(
+        Err(error) => Some(Routed::answer(Response::text(
             400,
             "Bad Request",
             &format!("malformed HTTP request: {error}\n"),
         ))),
         Ok(httparse::Status::Complete(_)) => {
-            if request.method != Some("GET") {
-                return Some(Route::Other(Response::text(
-                    405,
-                    "Method Not Allowed",
-                    "only GET is served\n",
-                )));
-            }
+            let head = match request.method {
+                Some("GET") => false,
+                Some("HEAD") => true,
+                _ => {
+                    return Some(Routed::answer(Response::text(
+                        405,
+                        "Method Not Allowed",
+                        "only GET and HEAD are served\n",
+                    )));
+                }
+            };
+            let openmetrics = request.headers.iter().any(|header| {
+                header.name.eq_ignore_ascii_case("accept")
+                    && std::str::from_utf8(header.value)
+                        .is_ok_and(|value| value.contains("application/openmetrics-text"))
+            });
             let path = request.path.unwrap_or("/");
             let path = path.split('?').next().unwrap_or(path);
-            Some(match path {
+            let route = match path {
                 "/status" => Route::Status,
                 "/metrics" => Route::Metrics,
                 "/healthz" => Route::Healthz,
@@ -98,6 +132,11 @@ pub fn route(head: &[u8]) -> Option<Route> {
                     "Not Found",
                     "not found; try /status, /metrics or /healthz\n",
                 )),
+            };
+            Some(Routed {
+                route,
+                head,
+                openmetrics,
             })
         }
     }
@@ -107,7 +146,7 @@ pub fn route(head: &[u8]) -> Option<Route> {
 /// dropped) and routes it: `None` while the head is incomplete. Once `input` is full the
 /// answer is always `Some` (431 or 400), so a connection never waits on a full buffer.
 /// Pure: the fuzzer (`http_request`) drives it with arbitrary bytes in arbitrary chunks.
-pub fn feed(input: &mut Vec<u8>, chunk: &[u8]) -> Option<Route> {
+pub fn feed(input: &mut Vec<u8>, chunk: &[u8]) -> Option<Routed> {
     let room = MAX_REQUEST_BYTES.saturating_sub(input.len());
     input.extend_from_slice(&chunk[..chunk.len().min(room)]);
     route(input)
@@ -139,7 +178,7 @@ impl HttpConnection {
 
     /// Reads what is available: Ok(Some(route)) once a head is complete; Err when the
     /// peer is gone.
-    pub fn read(&mut self) -> io::Result<Option<Route>> {
+    pub fn read(&mut self) -> io::Result<Option<Routed>> {
         let mut chunk = [0u8; 4096];
         loop {
             if self.answered {
@@ -159,9 +198,9 @@ impl HttpConnection {
         }
     }
 
-    /// Queues the response.
-    pub fn answer(&mut self, response: &Response) {
-        self.output = response.encode();
+    /// Queues the response (its headers alone for a `HEAD`).
+    pub fn answer(&mut self, response: &Response, head: bool) {
+        self.output = response.encode(head);
         self.answered = true;
     }
 
@@ -184,28 +223,55 @@ impl HttpConnection {
 mod tests {
     use super::*;
 
+    fn route_of(head: &[u8]) -> Option<Route> {
+        route(head).map(|routed| routed.route)
+    }
+
     #[test]
     fn routes_known_paths_and_rejects_the_rest() {
-        assert_eq!(route(b"GET /status HTTP/1.1\r\n\r\n"), Some(Route::Status));
         assert_eq!(
-            route(b"GET /healthz?x=1 HTTP/1.0\r\n\r\n"),
+            route_of(b"GET /status HTTP/1.1\r\n\r\n"),
+            Some(Route::Status)
+        );
+        assert_eq!(
+            route_of(b"GET /healthz?x=1 HTTP/1.0\r\n\r\n"),
             Some(Route::Healthz)
         );
-        assert_eq!(route(b"GET /status HTTP/1.1\r\n"), None);
+        assert_eq!(route_of(b"GET /status HTTP/1.1\r\n"), None);
         // Found by the http_request fuzzer, which wrongly expected a refusal: empty
         // lines before the request line are ignored (RFC 9112 section 2.2).
         assert_eq!(
-            route(b"\n\n\r\nGET /healthz HTTP/1.1\r\n\r\n"),
+            route_of(b"\n\n\r\nGET /healthz HTTP/1.1\r\n\r\n"),
             Some(Route::Healthz)
         );
         assert!(
-            matches!(route(b"POST /status HTTP/1.1\r\n\r\n"), Some(Route::Other(r)) if r.code == 405)
+            matches!(route_of(b"POST /status HTTP/1.1\r\n\r\n"), Some(Route::Other(r)) if r.code == 405)
         );
         assert!(
-            matches!(route(b"\x00\x01garbage\r\n\r\n"), Some(Route::Other(r)) if r.code == 400)
+            matches!(route_of(b"\x00\x01garbage\r\n\r\n"), Some(Route::Other(r)) if r.code == 400)
         );
         assert!(
-            matches!(route(&vec![b'a'; MAX_REQUEST_BYTES]), Some(Route::Other(r)) if r.code == 400 || r.code == 431)
+            matches!(route_of(&vec![b'a'; MAX_REQUEST_BYTES]), Some(Route::Other(r)) if r.code == 400 || r.code == 431)
         );
+    }
+
+    /// `HEAD` is a `GET` without the body (probes and load balancers send it); the
+    /// classic text format unless the scraper asks for OpenMetrics.
+    #[test]
+    fn head_is_served_and_metrics_negotiate_their_format() {
+        let head = route(b"HEAD /healthz HTTP/1.1\r\n\r\n").unwrap();
+        assert_eq!((head.route, head.head), (Route::Healthz, true));
+        let get = route(b"GET /metrics HTTP/1.1\r\nAccept: */*\r\n\r\n").unwrap();
+        assert!(!get.head && !get.openmetrics);
+        let scraper = route(
+            b"GET /metrics HTTP/1.1\r\nAccept: application/openmetrics-text;version=1.0.0,text/plain;q=0.5\r\n\r\n",
+        )
+        .unwrap();
+        assert!(scraper.openmetrics);
+        let response = Response::text(200, "OK", "ok\n");
+        let headers = String::from_utf8(response.encode(true)).unwrap();
+        assert!(headers.ends_with("\r\n\r\n"), "{headers}");
+        assert!(headers.contains("Content-Length: 3"), "{headers}");
+        assert!(response.encode(false).ends_with(b"ok\n"));
     }
 }

@@ -54,6 +54,18 @@ pub enum ListenError {
         /// This server's uid.
         uid: u32,
     },
+    /// The socket path does not fit a Unix socket address.
+    #[error(
+        "the socket path {path} is {len} bytes; a Unix socket path holds at most \
+         {MAX_SOCKET_PATH_BYTES}: pick a shorter --socket PATH (e.g. under /run or \
+         $XDG_RUNTIME_DIR)"
+    )]
+    SocketPathTooLong {
+        /// The socket path.
+        path: PathBuf,
+        /// Its length in bytes.
+        len: usize,
+    },
     /// The Unix socket could not be bound.
     #[error(
         "binding the socket {path}: {source}; check its directory's permissions, or pick \
@@ -120,6 +132,9 @@ impl TcpRole {
     }
 }
 
+/// The longest path a Unix socket address holds (`sun_path` is 108 bytes with its NUL).
+pub const MAX_SOCKET_PATH_BYTES: usize = 107;
+
 /// `$XDG_RUNTIME_DIR/kvwarden.sock`, else `/tmp/kvwarden-<uid>/kvwarden.sock` (in a
 /// `0700` directory the server creates and checks: nobody else can create the socket
 /// there first).
@@ -175,6 +190,13 @@ fn ensure_private_dir(dir: &Path) -> Result<(), ListenError> {
 /// Binds the Unix socket at `path` with permission bits `mode`. A stale socket file
 /// (nobody answers) is replaced; a live server's is refused.
 pub fn bind_unix(path: &Path, mode: u32) -> Result<mio::net::UnixListener, ListenError> {
+    let len = path.as_os_str().len();
+    if len > MAX_SOCKET_PATH_BYTES {
+        return Err(ListenError::SocketPathTooLong {
+            path: path.to_path_buf(),
+            len,
+        });
+    }
     // The default directory is checked before anything in it is looked at (or a stale
     // socket there removed): one another user made is refused whatever it holds.
     if path.parent() == Some(private_dir().as_path()) {

@@ -413,7 +413,7 @@ impl Metrics {
         }
     }
 
-    /// The text exposition.
+    /// The OpenMetrics text exposition (what `prometheus-client` writes).
     pub fn encode(&self) -> String {
         let mut out = String::new();
         if let Err(error) = encode(&mut out, &self.registry) {
@@ -421,10 +421,76 @@ impl Metrics {
         }
         out
     }
+
+    /// The classic Prometheus text format (0.0.4), what `promtool check metrics` and a
+    /// scraper that does not ask for OpenMetrics read: see [`openmetrics_to_classic`].
+    pub fn encode_classic(&self) -> String {
+        openmetrics_to_classic(&self.encode())
+    }
+}
+
+/// OpenMetrics text → the classic format: a counter family `x` (whose samples are
+/// `x_total`) is named `x_total` in its `HELP` and `TYPE` lines, `# UNIT` and `# EOF`
+/// lines go. Everything else is the same in both.
+pub fn openmetrics_to_classic(openmetrics: &str) -> String {
+    let counters: std::collections::HashSet<&str> = openmetrics
+        .lines()
+        .filter_map(|line| line.strip_prefix("# TYPE "))
+        .filter_map(|rest| rest.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(openmetrics.len());
+    for line in openmetrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let renamed = ["# HELP ", "# TYPE "].iter().find_map(|prefix| {
+            let rest = line.strip_prefix(prefix)?;
+            let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
+            counters
+                .contains(name)
+                .then(|| format!("{prefix}{name}_total {tail}"))
+        });
+        match renamed {
+            Some(line) => out.push_str(line.trim_end()),
+            None => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out
 }
 
 impl Default for Metrics {
     fn default() -> Metrics {
         Metrics::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_classic_format_names_counters_by_their_samples_and_has_no_eof() {
+        let metrics = Metrics::new();
+        metrics.request(0);
+        let classic = metrics.encode_classic();
+        assert!(
+            classic.contains("# TYPE kvwarden_requests_total counter\n"),
+            "{classic}"
+        );
+        assert!(
+            classic.contains("kvwarden_requests_total{op=\"hello\"} 1"),
+            "{classic}"
+        );
+        assert!(
+            classic.contains("# TYPE kvwarden_tracked_instances gauge"),
+            "{classic}"
+        );
+        assert!(!classic.contains("# EOF"), "{classic}");
+        assert!(
+            metrics
+                .encode()
+                .contains("# TYPE kvwarden_requests counter")
+        );
     }
 }

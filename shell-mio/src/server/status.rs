@@ -49,8 +49,10 @@ pub struct StatusReport {
 #[derive(Clone, Debug, Serialize)]
 #[allow(missing_docs)] // the keys of docs/protocol.md's status section
 pub struct L2StatusReport {
-    /// `up`, `degraded` or `down`.
+    /// `connecting` (not connected yet), `up`, `degraded` or `down`.
     pub state: &'static str,
+    /// Why the latest connection attempt failed (null once one succeeded).
+    pub reason: Option<String>,
     /// The seeds of `--l2`.
     pub nodes: Vec<String>,
     /// `cluster` or `single` once connected, else null.
@@ -214,9 +216,29 @@ impl StatusReport {
         rmpv::decode::read_value(&mut bytes.as_slice()).unwrap_or(Value::Nil)
     }
 
-    /// The report as `GET /status` serves it.
+    /// The report as `GET /status` serves it: the 63-bit ids (`boot_id`, each
+    /// `instance_id`) as strings, since a JSON number above 2^53 is rounded by jq,
+    /// JavaScript and Grafana (an id copied from them would name another instance). The
+    /// `status` op's MessagePack keeps them integers.
     pub fn to_json_pretty(&self) -> Vec<u8> {
-        serde_json::to_vec_pretty(self).unwrap_or_default()
+        serde_json::to_vec_pretty(&self.to_json()).unwrap_or_default()
+    }
+
+    /// The JSON of `GET /status` (see [`StatusReport::to_json_pretty`]).
+    pub fn to_json(&self) -> Json {
+        let mut json = serde_json::to_value(self).unwrap_or_default();
+        let stringify = |value: &mut Json| {
+            if let Some(id) = value.as_u64() {
+                *value = Json::String(id.to_string());
+            }
+        };
+        stringify(&mut json["boot_id"]);
+        if let Some(instances) = json["instances"].as_array_mut() {
+            for instance in instances {
+                stringify(&mut instance["instance_id"]);
+            }
+        }
+        json
     }
 }
 
@@ -341,13 +363,18 @@ mod tests {
     #[test]
     fn the_status_op_and_get_status_show_the_same_map() {
         let report = report();
-        let from_msgpack = msgpack_to_json(&report.to_msgpack());
+        let mut from_msgpack = msgpack_to_json(&report.to_msgpack());
         let from_http: Json = serde_json::from_slice(&report.to_json_pretty()).unwrap();
+        // The same map, but for the ids: integers in MessagePack, strings in JSON.
+        assert_eq!(from_msgpack["boot_id"], 7);
+        assert_eq!(from_http["boot_id"], "7");
+        from_msgpack["boot_id"] = "7".into();
+        from_msgpack["instances"][0]["instance_id"] = "42".into();
         assert_eq!(from_msgpack, from_http);
         assert_eq!(from_http["worker_liveness"]["pings_total"], 3);
         assert_eq!(from_http["gpu"]["available"], false);
         assert_eq!(from_http["gpu"]["reason"], "no CUDA driver");
-        assert_eq!(from_http["instances"][0]["instance_id"], 42);
+        assert_eq!(from_http["instances"][0]["instance_id"], "42");
         assert_eq!(from_http["instances"][0]["watched_pid"], Json::Null);
         assert_eq!(from_http["uptime_seconds"], 1.5);
         assert_eq!(from_http["trust"]["forbidden_total"], 2);

@@ -213,8 +213,14 @@ impl Server {
     pub(super) fn l2_state_changed(&mut self, from: L2State, to: L2State) {
         if to == L2State::Down && !self.l2_down_logged {
             self.l2_down_logged = true;
+            let reason = self
+                .l2
+                .as_ref()
+                .and_then(|client| client.last_error())
+                .unwrap_or_else(|| "its operations failed or timed out".to_string());
             tracing::warn!(
                 from = from.as_str(),
+                %reason,
                 "L2 is down: L1 misses are answered as misses at once and writes behind are \
                  dropped (counted) until a probe succeeds; pings, L1 and reaping are unaffected"
             );

@@ -73,6 +73,9 @@ const MAX_HTTP_CONNECTIONS: usize = 64;
 /// The server's name and version, told to every `hello`.
 const SERVER_NAME: &str = concat!("kvwarden ", env!("CARGO_PKG_VERSION"));
 
+/// How long a start waits for L2 to answer before saying it is unreachable.
+pub const L2_START_BOUND: Duration = Duration::from_secs(2);
+
 /// Why the server could not start or stopped.
 #[derive(Debug, Error)]
 pub enum ServerError {
@@ -248,6 +251,22 @@ impl Server {
             Some(l2_config) => Some(crate::l2::L2Client::spawn(l2_config.clone(), waker)?),
             None => None,
         };
+        if let (Some(client), Some(l2_config)) = (&l2, &config.l2) {
+            // Said before `ready`, bounded: what the seeds are, or exactly why not. An
+            // unreachable L2 is not fatal (L2 is optional); the server goes on without it
+            // until it answers.
+            match client.probe(L2_START_BOUND) {
+                Ok(found) => {
+                    tracing::info!(seeds = ?l2_config.seeds, "L2: connected to {found}")
+                }
+                Err(reason) => tracing::warn!(
+                    seeds = ?l2_config.seeds,
+                    %reason,
+                    "L2 is unreachable at start: L1 misses are misses and writes behind are \
+                     dropped until it answers; /status says `down` with the reason"
+                ),
+            }
+        }
         let gpu = GpuState::start(l1.mapping());
         let boot_id = InstanceId::generate().get();
         let node = Node::new(

@@ -46,36 +46,51 @@ impl Server {
         let Some(connection) = self.http_connections.get_mut(&token) else {
             return;
         };
-        let routed = connection.read();
-        let response = match routed {
+        let routed = match connection.read() {
             Err(_) => {
                 self.close_http(token);
                 return;
             }
-            Ok(None) => None,
-            Ok(Some(Route::Status)) => Some(Response {
-                code: 200,
-                reason: "OK",
-                content_type: "application/json",
-                body: self.status().to_json_pretty(),
-            }),
-            Ok(Some(Route::Metrics)) => {
-                self.refresh_metrics();
-                Some(Response {
+            Ok(routed) => routed,
+        };
+        let response = routed.map(|routed| {
+            let response = match routed.route {
+                Route::Status => Response {
                     code: 200,
                     reason: "OK",
-                    content_type: "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                    body: self.metrics.encode().into_bytes(),
-                })
-            }
-            Ok(Some(Route::Healthz)) => Some(Response::text(200, "OK", "ok\n")),
-            Ok(Some(Route::Other(response))) => Some(response),
-        };
+                    content_type: "application/json",
+                    body: self.status().to_json_pretty(),
+                },
+                Route::Metrics => {
+                    self.refresh_metrics();
+                    let (content_type, body) = if routed.openmetrics {
+                        (
+                            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                            self.metrics.encode(),
+                        )
+                    } else {
+                        (
+                            "text/plain; version=0.0.4; charset=utf-8",
+                            self.metrics.encode_classic(),
+                        )
+                    };
+                    Response {
+                        code: 200,
+                        reason: "OK",
+                        content_type,
+                        body: body.into_bytes(),
+                    }
+                }
+                Route::Healthz => Response::text(200, "OK", "ok\n"),
+                Route::Other(response) => response,
+            };
+            (response, routed.head)
+        });
         let Some(connection) = self.http_connections.get_mut(&token) else {
             return;
         };
-        if let Some(response) = response {
-            connection.answer(&response);
+        if let Some((response, head)) = response {
+            connection.answer(&response, head);
         }
         match connection.flush() {
             Ok(true) | Err(_) => self.close_http(token),
@@ -241,8 +256,17 @@ impl Server {
                 .collect(),
             l2: node.l2.as_ref().map(|l2| {
                 let c = l2.counters;
+                let client = self.l2.as_ref();
+                let reason = client.and_then(|client| client.last_error());
+                let connected = client.is_some_and(|client| client.mode().is_some());
                 L2StatusReport {
-                    state: l2.state.as_str(),
+                    // Before any connection the breaker has not judged anything yet.
+                    state: match (connected, &reason) {
+                        (false, None) => "connecting",
+                        (false, Some(_)) => "down",
+                        (true, _) => l2.state.as_str(),
+                    },
+                    reason,
                     nodes: self
                         .config
                         .l2

@@ -168,7 +168,7 @@ impl Server {
                     });
                 if let Err(error) = watched {
                     let pid = self.processes.pid_of(process);
-                    tracing::warn!(?pid, %error, "watching a pidfd failed; its instances are left to the heartbeat rules");
+                    tracing::warn!(pid = %shown_pid(pid), %error, "watching a pidfd failed; its instances are left to the heartbeat rules");
                 }
             }
             Output::Unwatch { process } => self.processes.unwatch(self.poll.registry(), process),
@@ -316,7 +316,7 @@ impl Server {
             Note::ProcessExited { instance, held } => {
                 if held {
                     let pid = self.exiting_pid;
-                    tracing::info!(?pid, %instance, "process exited; freeing its entries now");
+                    tracing::info!(pid = %shown_pid(pid), %instance, "process exited; freeing its entries now");
                 }
             }
             Note::UnregisterUnknown { instance, module } => {
@@ -445,4 +445,10 @@ fn with_fds(
         paired.push((spec, fd));
     }
     Ok(paired)
+}
+
+/// A watched process's pid for a log line: the number, or `unknown` for one the server
+/// cannot see (another PID namespace).
+fn shown_pid(pid: Option<i32>) -> String {
+    pid.map_or_else(|| "unknown".to_string(), |pid| pid.to_string())
 }

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The docs against the binary: every metric, log target, /status field and `kvwarden`
+# flag that README.md, docs/*.md and python/README.md name in a code span is looked up
+# in a live server (started here with --l2 on a throwaway redis-server, a worker
+# registered, HTTP on) and its --help texts (.ci/docs-check.py says what counts as
+# which). Then the checker is shown to fail: a scratch doc naming one wrong metric, log
+# target, field and flag must give exactly four problems. About 20 s.
+#
+#   bash .ci/docs-check.sh          # KVWARDEN_BIN: the binary (default: target/debug)
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bin="${KVWARDEN_BIN:-${CARGO_TARGET_DIR:-$root/target}/debug/kvwarden}"
+[ -x "$bin" ] || (cd "$root" && cargo build -p kvwarden)
+work="$(mktemp -d "${TMPDIR:-/tmp}/kvwarden-docs.XXXXXX")"
+pids=()
+cleanup() { for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done; rm -rf "$work"; }
+trap cleanup EXIT
+die() { printf '.ci/docs-check.sh: %s\n' "$1" >&2; exit 1; }
+
+port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+redis-server --port "$port" --bind 127.0.0.1 --save '' --appendonly no >"$work/redis.log" 2>&1 &
+pids+=($!)
+for _ in $(seq 100); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; sleep 0.1; done
+redis-cli -p "$port" ping >/dev/null || die "redis-server did not start on port $port"
+
+"$bin" serve --socket "$work/kvwarden.sock" --http 127.0.0.1:0 --l2 "redis://127.0.0.1:$port" \
+  --l1-bytes 16M --slot-bytes 64K >"$work/serve.out" 2>"$work/serve.log" &
+pids+=($!)
+for _ in $(seq 200); do grep -qx ready "$work/serve.out" 2>/dev/null && break; sleep 0.05; done
+grep -qx ready "$work/serve.out" || { cat "$work/serve.log" >&2; die "the server never said ready"; }
+http="$(sed -n 's/^http=//p' "$work/serve.out")"
+"$bin" worker --socket "$work/kvwarden.sock" --buffer-bytes 256K --chunk-bytes 4K \
+  --traffic-every-ms 50 >"$work/worker.out" 2>/dev/null &
+pids+=($!)
+for _ in $(seq 200); do grep -q '^registered' "$work/worker.out" 2>/dev/null && break; sleep 0.05; done
+sleep 0.5 # some traffic, so that every series has a sample
+# One request that is refused (exit 3), so that the error counters have a series too.
+"$bin" call --socket "$work/kvwarden.sock" ping >/dev/null 2>&1 || true
+curl -fsS "http://$http/metrics" >"$work/metrics.txt"
+curl -fsS "http://$http/status" >"$work/status.json"
+
+mkdir "$work/help"
+"$bin" --help >"$work/help/kvwarden"
+for command in serve status worker call demo bench gpu; do
+  "$bin" "$command" --help >"$work/help/$command"
+done
+for sub in $(sed -n '/^Commands:/,/^$/s/^  \([a-z0-9-]*\) .*/\1/p' "$work/help/bench"); do
+  [ "$sub" = help ] || "$bin" bench "$sub" --help >"$work/help/bench-$sub"
+done
+for sub in $(sed -n '/^Commands:/,/^$/s/^  \([a-z0-9-]*\) .*/\1/p' "$work/help/gpu"); do
+  [ "$sub" = help ] || "$bin" gpu "$sub" --help >"$work/help/gpu-$sub"
+done
+
+python3 "$root/.ci/docs-check.py" "$root" "$work/metrics.txt" "$work/status.json" "$work/help"
+
+# The checker fails on a wrong name of each kind (and only on those).
+cat >"$work/wrong.md" <<'MD'
+`kvwarden_no_such_metric_total`, `kvwarden::server::event_loop::effects`,
+`worker_liveness.no_such_field`, `--no-such-flag`; and right ones:
+`kvwarden_reaps_total`, `kvwarden::server::event_loop::outputs`, `trust.forbidden_total`,
+`--tcp-token-file`.
+MD
+if python3 "$root/.ci/docs-check.py" "$root" "$work/metrics.txt" "$work/status.json" \
+     "$work/help" "$work/wrong.md" 2>"$work/wrong.err"; then
+  die "the checker passed a doc with four wrong names"
+fi
+problems="$(grep -c ': `' "$work/wrong.err" || true)"
+[ "$problems" -eq 4 ] || { cat "$work/wrong.err" >&2; die "expected 4 problems in the wrong doc, got $problems"; }
+echo "docs-check: shown to fail on a wrong metric, log target, status field and flag (4 of 4)"
