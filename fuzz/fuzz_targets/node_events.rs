@@ -1,6 +1,8 @@
 //! Arbitrary sequences of every input of the server's state machine (`node`): requests
 //! (typed, and raw bytes through the real decoder), connections, completions in any
-//! order (L2's too, when the run has L2), process exits, shutdown, time steps.
+//! order (L2's too, when the run has L2), process exits, shutdown, time steps. Typed
+//! requests attach with one of three secrets (protocol 2) so that the rest reaches the
+//! registry; `node_trust` fuzzes who is who itself.
 //!
 //! Oracles: no panic; a context is freed at most once and only one that was built; no
 //! context is freed while a copy using it runs; every request is answered at most
@@ -24,18 +26,54 @@ use std::time::Duration;
 
 #[derive(Arbitrary, Debug)]
 enum Step {
-    Connect { conn: u8, uid: u8, unix: bool, process: Option<u8> },
+    Connect {
+        conn: u8,
+        uid: u8,
+        unix: bool,
+        process: Option<u8>,
+    },
     Disconnect(u8),
-    Raw { conn: u8, bytes: Vec<u8>, fds: u8 },
-    Typed { conn: u8, op: TypedOp, instance: u8, key: u8, n: u16 },
-    BuildDone { which: u8, ok: bool, lens: Vec<u16> },
-    CopyDone { which: u8, ok: bool },
-    BlendDone { which: u8, ok: bool },
+    Raw {
+        conn: u8,
+        bytes: Vec<u8>,
+        fds: u8,
+    },
+    Typed {
+        conn: u8,
+        op: TypedOp,
+        instance: u8,
+        key: u8,
+        n: u16,
+    },
+    BuildDone {
+        which: u8,
+        ok: bool,
+        lens: Vec<u16>,
+    },
+    CopyDone {
+        which: u8,
+        ok: bool,
+    },
+    BlendDone {
+        which: u8,
+        ok: bool,
+    },
     FreeDone(u8),
     Exit(u8),
-    L2Written { which: u8, outcome: u8 },
-    L2Got { which: u8, fetched: u8, nbytes: u16 },
-    L2Existed { which: u8, presence: u8, count: u8 },
+    L2Written {
+        which: u8,
+        outcome: u8,
+    },
+    L2Got {
+        which: u8,
+        fetched: u8,
+        nbytes: u16,
+    },
+    L2Existed {
+        which: u8,
+        presence: u8,
+        count: u8,
+    },
     Shutdown,
     Step(u16),
     Tick,
@@ -56,6 +94,7 @@ enum TypedOp {
     CommitRetrieve,
     Blend,
     Lookup,
+    Attach,
 }
 
 fn instance(raw: u8) -> InstanceId {
@@ -66,10 +105,15 @@ fn typed(op: &TypedOp, instance: InstanceId, key: u8, n: u16) -> Op {
     let key = vec![key % 8];
     let n = u64::from(n);
     match op {
-        TypedOp::Ping => Op::Ping { instance: Some(instance) },
+        TypedOp::Ping => Op::Ping {
+            instance: Some(instance),
+        },
         TypedOp::Register => Op::RegisterKvCache {
             instance,
-            buffers: vec![BufferSpec::Memfd { fd_index: n % 2, nbytes: 4096 }],
+            buffers: vec![BufferSpec::Memfd {
+                fd_index: n % 2,
+                nbytes: 4096,
+            }],
             model_name: "m".into(),
             world_size: 1,
         },
@@ -80,17 +124,41 @@ fn typed(op: &TypedOp, instance: InstanceId, key: u8, n: u16) -> Op {
         },
         TypedOp::Unregister => Op::UnregisterKvCache { instance },
         TypedOp::UnregisterEngine => Op::UnregisterEngineDriven { instance },
-        TypedOp::Store => Op::Store { instance, key, buffer: n % 2, offset: n % 64, nbytes: n % 5000 },
-        TypedOp::Retrieve => Op::Retrieve { instance, key, buffer: n % 2, offset: n % 64 },
+        TypedOp::Store => Op::Store {
+            instance,
+            key,
+            buffer: n % 2,
+            offset: n % 64,
+            nbytes: n % 5000,
+        },
+        TypedOp::Retrieve => Op::Retrieve {
+            instance,
+            key,
+            buffer: n % 2,
+            offset: n % 64,
+            nbytes: n % 5000,
+        },
         TypedOp::Prepare => Op::PrepareStore { instance, key },
-        TypedOp::Commit => Op::CommitStore { instance, key, nbytes: n },
+        TypedOp::Commit => Op::CommitStore {
+            instance,
+            key,
+            nbytes: n,
+        },
         TypedOp::PrepareRetrieve => Op::PrepareRetrieve { instance, key },
         TypedOp::CommitRetrieve => Op::CommitRetrieve { instance, key },
         TypedOp::Blend => Op::RegisterBlend {
             instance,
-            rope: RopeSpec { rotary_dim: n % 9, max_positions: n, base: 10.0 },
+            rope: RopeSpec {
+                rotary_dim: n % 9,
+                max_positions: n,
+                base: 10.0,
+            },
         },
         TypedOp::Lookup => Op::Lookup { keys: vec![key] },
+        TypedOp::Attach => Op::Attach {
+            instance,
+            secret: vec![b'k' ^ (n % 3) as u8; 32],
+        },
     }
 }
 
@@ -123,13 +191,21 @@ impl Ledger {
                 // nothing new starts.
                 let starts = matches!(
                     output,
-                    Output::StartBuild { .. } | Output::StartCopy { .. } | Output::StartBlend { .. }
+                    Output::StartBuild { .. }
+                        | Output::StartCopy { .. }
+                        | Output::StartBlend { .. }
                 );
                 assert!(!starts, "{output:?} after Stopped");
             }
             match output {
-                Output::Reply { conn, request_id, .. } | Output::ReplyStatus { conn, request_id } => {
-                    assert!(self.answered.insert((conn, request_id)), "request {request_id} answered twice");
+                Output::Reply {
+                    conn, request_id, ..
+                }
+                | Output::ReplyStatus { conn, request_id } => {
+                    assert!(
+                        self.answered.insert((conn, request_id)),
+                        "request {request_id} answered twice"
+                    );
                 }
                 Output::StartBuild { context, .. } => self.builds.push(context),
                 Output::StartCopy { copy, context, .. } => {
@@ -138,9 +214,18 @@ impl Ledger {
                 }
                 Output::StartBlend { blend, .. } => self.blends.push(blend),
                 Output::StartFree { free, context, .. } => {
-                    assert!(self.built.contains(&context), "free of a context never built");
-                    assert!(self.freed.insert(context), "context {context:?} freed twice");
-                    assert!(!self.copies.values().any(|&c| c == context), "freed while a copy runs");
+                    assert!(
+                        self.built.contains(&context),
+                        "free of a context never built"
+                    );
+                    assert!(
+                        self.freed.insert(context),
+                        "context {context:?} freed twice"
+                    );
+                    assert!(
+                        !self.copies.values().any(|&c| c == context),
+                        "freed while a copy runs"
+                    );
                     assert!(
                         !self.deliveries.values().any(|&c| c == context),
                         "freed while an L2 read may deliver into it"
@@ -150,7 +235,10 @@ impl Ledger {
                 Output::Stopped { .. } => self.stopped = true,
                 Output::L2Write { write, .. } => {
                     assert!(self.l2, "an L2 write from a node without L2");
-                    assert!(self.l2_named.insert(write.0), "L2 write {write:?} asked twice");
+                    assert!(
+                        self.l2_named.insert(write.0),
+                        "L2 write {write:?} asked twice"
+                    );
                     self.l2_writes.push(write);
                 }
                 Output::L2Get { read, deliver, .. } => {
@@ -158,7 +246,8 @@ impl Ledger {
                     assert!(self.l2_named.insert(read.0), "L2 read {read:?} asked twice");
                     if let Some(deliver) = deliver {
                         assert!(
-                            self.built.contains(&deliver.context) && !self.freed.contains(&deliver.context),
+                            self.built.contains(&deliver.context)
+                                && !self.freed.contains(&deliver.context),
                             "a delivery into a context not live"
                         );
                         self.deliveries.insert(read, deliver.context);
@@ -166,12 +255,18 @@ impl Ledger {
                     self.l2_gets.push(read);
                 }
                 Output::L2Cancel { read } => {
-                    assert!(self.deliveries.contains_key(&read), "gave up {read:?}, not a delivering read out");
+                    assert!(
+                        self.deliveries.contains_key(&read),
+                        "gave up {read:?}, not a delivering read out"
+                    );
                     assert!(self.cancelled.insert(read), "gave up {read:?} twice");
                 }
                 Output::L2Exists { read, .. } => {
                     assert!(self.l2, "an L2 lookup from a node without L2");
-                    assert!(self.l2_named.insert(read.0), "L2 lookup {read:?} asked twice");
+                    assert!(
+                        self.l2_named.insert(read.0),
+                        "L2 lookup {read:?} asked twice"
+                    );
                     self.l2_exists.push(read);
                 }
                 Output::KeepBlend { .. }
@@ -207,6 +302,7 @@ fuzz_target!(|input: (bool, Vec<Step>)| {
         num_slots: 4,
         slot_bytes: 4096,
         server_uid: 0,
+        trust: kvwarden_core::node::trust::TrustConfig::default(),
         boot_id: 1,
         server_name: "fuzz".into(),
         free_watchdog: Duration::from_millis(500),
@@ -231,13 +327,24 @@ fuzz_target!(|input: (bool, Vec<Step>)| {
     let mut request_id = 0u64;
     for step in steps.into_iter().take(512) {
         let input = match step {
-            Step::Connect { conn, uid, unix, process } => Some(Input::Connected {
+            Step::Connect {
+                conn,
+                uid,
+                unix,
+                process,
+            } => Some(Input::Connected {
                 conn: ConnId(u64::from(conn % 4)),
                 uid: unix.then_some(u32::from(uid % 3)),
-                transport: if unix { Transport::Unix } else { Transport::Tcp },
+                transport: if unix {
+                    Transport::Unix
+                } else {
+                    Transport::Tcp
+                },
                 process: process.map(|p| (ProcessKey(u64::from(p % 4)), DeathNotice::PidfdByPid)),
             }),
-            Step::Disconnect(conn) => Some(Input::Disconnected { conn: ConnId(u64::from(conn % 4)) }),
+            Step::Disconnect(conn) => Some(Input::Disconnected {
+                conn: ConnId(u64::from(conn % 4)),
+            }),
             Step::Raw { conn, bytes, fds } => match decode_request(&bytes) {
                 Ok(request) => {
                     // The wire's id may repeat; the ledger's "answered once" needs its own.
@@ -251,7 +358,13 @@ fuzz_target!(|input: (bool, Vec<Step>)| {
                 }
                 Err(_) => None,
             },
-            Step::Typed { conn, op, instance: raw, key, n } => {
+            Step::Typed {
+                conn,
+                op,
+                instance: raw,
+                key,
+                n,
+            } => {
                 request_id += 1;
                 Some(Input::Request {
                     conn: ConnId(u64::from(conn % 4)),
@@ -266,7 +379,9 @@ fuzz_target!(|input: (bool, Vec<Step>)| {
                     Ok(if lens.is_empty() {
                         Built::EngineDriven
                     } else {
-                        Built::ServerDriven { buffer_lens: lens.iter().map(|&l| u64::from(l)).collect() }
+                        Built::ServerDriven {
+                            buffer_lens: lens.iter().map(|&l| u64::from(l)).collect(),
+                        }
                     })
                 } else {
                     Err(ProtocolError::new(ErrorCode::BadArgs, "no"))
@@ -280,15 +395,23 @@ fuzz_target!(|input: (bool, Vec<Step>)| {
                     ledger.copies.remove(&copy);
                     Input::CopyDone {
                         copy,
-                        result: if ok { Ok(1) } else { Err(ProtocolError::new(ErrorCode::Internal, "no")) },
+                        result: if ok {
+                            Ok(1)
+                        } else {
+                            Err(ProtocolError::new(ErrorCode::Internal, "no"))
+                        },
                     }
                 })
             }
-            Step::BlendDone { which, ok } => pick(&mut ledger.blends, which).map(|blend| Input::BlendDone {
-                blend,
-                result: if ok { Ok(()) } else { Err("no".into()) },
-            }),
-            Step::FreeDone(which) => pick(&mut ledger.frees, which).map(|free| Input::FreeDone { free }),
+            Step::BlendDone { which, ok } => {
+                pick(&mut ledger.blends, which).map(|blend| Input::BlendDone {
+                    blend,
+                    result: if ok { Ok(()) } else { Err("no".into()) },
+                })
+            }
+            Step::FreeDone(which) => {
+                pick(&mut ledger.frees, which).map(|free| Input::FreeDone { free })
+            }
             Step::L2Written { which, outcome } => pick(&mut ledger.l2_writes, which).map(|write| {
                 let outcome = match outcome % 3 {
                     0 => WriteOutcome::Written,
@@ -297,11 +420,19 @@ fuzz_target!(|input: (bool, Vec<Step>)| {
                 };
                 Input::L2Written { write, outcome }
             }),
-            Step::L2Got { which, fetched, nbytes } => pick(&mut ledger.l2_gets, which).map(|read| {
+            Step::L2Got {
+                which,
+                fetched,
+                nbytes,
+            } => pick(&mut ledger.l2_gets, which).map(|read| {
                 ledger.deliveries.remove(&read);
                 let fetched = match fetched % 6 {
-                    0 => L2Fetched::Hit { nbytes: u64::from(nbytes) % 4097 },
-                    5 => L2Fetched::Delivered { nbytes: u64::from(nbytes) % 4097 },
+                    0 => L2Fetched::Hit {
+                        nbytes: u64::from(nbytes) % 4097,
+                    },
+                    5 => L2Fetched::Delivered {
+                        nbytes: u64::from(nbytes) % 4097,
+                    },
                     1 => L2Fetched::Absent,
                     2 => L2Fetched::Corrupt,
                     3 => L2Fetched::TimedOut,
@@ -309,17 +440,21 @@ fuzz_target!(|input: (bool, Vec<Step>)| {
                 };
                 Input::L2Got { read, fetched }
             }),
-            Step::L2Existed { which, presence, count } => {
-                pick(&mut ledger.l2_exists, which).map(|read| {
-                    let presence = match presence % 3 {
-                        0 => L2Presence::Present(u64::from(count)),
-                        1 => L2Presence::TimedOut,
-                        _ => L2Presence::Failed,
-                    };
-                    Input::L2Existed { read, presence }
-                })
-            }
-            Step::Exit(process) => Some(Input::ProcessExited { process: ProcessKey(u64::from(process % 4)) }),
+            Step::L2Existed {
+                which,
+                presence,
+                count,
+            } => pick(&mut ledger.l2_exists, which).map(|read| {
+                let presence = match presence % 3 {
+                    0 => L2Presence::Present(u64::from(count)),
+                    1 => L2Presence::TimedOut,
+                    _ => L2Presence::Failed,
+                };
+                Input::L2Existed { read, presence }
+            }),
+            Step::Exit(process) => Some(Input::ProcessExited {
+                process: ProcessKey(u64::from(process % 4)),
+            }),
             Step::Shutdown => Some(Input::Shutdown),
             Step::Step(ms) => {
                 now = now + Duration::from_millis(u64::from(ms % 1000));

@@ -72,7 +72,8 @@ enum Command {
         /// Inject a bug into the server model of every seed (to see the swarm catch it):
         /// skip_handle_timeout, double_free, keep_blend_state, keep_pins,
         /// timeout_before_input, ignore_pings, panic, late_wake, wall_clock,
-        /// register_after_unregister, refresh_while_building.
+        /// register_after_unregister, refresh_while_building, trust_any_connection,
+        /// shared_keyspace (the node's bugs need --features planted-bugs).
         #[arg(long)]
         inject_bug: Option<String>,
     },
@@ -290,6 +291,10 @@ pub struct SeedOutcome {
     /// L2 (rows 27–29): whether the profile ran with L2, writes carried out, reads
     /// answered with a hit, reads answered `Corrupt`, operations failed or timed out.
     pub l2: [u64; 5],
+    /// Who is who (rows 30–33): whether the profile drew an adversary, `forbidden`
+    /// replies to requests naming an instance, `forbidden` replies on TCP, reads
+    /// answered as a miss for another tenant's key, fresh ids drawn after a squat.
+    pub trust: [u64; 5],
 }
 
 /// Runs one seed (twice when `twice`).
@@ -308,6 +313,12 @@ pub fn run_seed_with(
     cfg.bug = bug;
     let virtual_nanos = cfg.duration;
     let l2_enabled = cfg.server.l2.enabled;
+    let adversary = cfg.events.iter().any(|e| {
+        matches!(
+            e.action,
+            Action::Poach(_) | Action::Impersonate(_) | Action::TcpProbe(_) | Action::Intrude(..)
+        )
+    });
     let report = run_config(cfg.clone(), Vec::new(), verbose);
     let mut violation = report.violation.clone();
     if twice && violation.is_none() {
@@ -338,6 +349,18 @@ pub fn run_seed_with(
             stats.l2_corrupt,
             stats.l2_failed,
         ],
+        trust: [
+            u64::from(adversary),
+            stats.forbidden,
+            stats.tcp_forbidden,
+            stats.foreign_misses,
+            report
+                .last
+                .workers
+                .iter()
+                .map(|w| w.stats.identity_changes)
+                .sum(),
+        ],
     }
 }
 
@@ -356,7 +379,7 @@ pub fn run_swarm(seeds: &[u64], options: &SwarmOptions) -> i32 {
                         break;
                     };
                     let twice = options.check_determinism
-                        && (index as u64) % options.determinism_every == 0;
+                        && (index as u64).is_multiple_of(options.determinism_every);
                     let outcome = run_seed_with(seed, twice, options.verbose, options.bug);
                     results.lock().expect("no thread panics while holding it")[index] =
                         Some(outcome);
@@ -370,7 +393,12 @@ pub fn run_swarm(seeds: &[u64], options: &SwarmOptions) -> i32 {
     let mut events = 0u64;
     let mut virtual_nanos = 0u64;
     let mut l2 = [0u64; 5];
+    let mut trust = [0u64; 5];
+    let mut by_invariant: std::collections::BTreeMap<&'static str, u64> = Default::default();
     for outcome in results.into_iter().flatten() {
+        for (total, value) in trust.iter_mut().zip(outcome.trust) {
+            *total += value;
+        }
         events += outcome.events;
         for (total, value) in l2.iter_mut().zip(outcome.l2) {
             *total += value;
@@ -390,6 +418,7 @@ pub fn run_swarm(seeds: &[u64], options: &SwarmOptions) -> i32 {
             continue;
         };
         failures += 1;
+        *by_invariant.entry(violation.invariant).or_default() += 1;
         if failures <= 20 {
             println!("SEED={} FAIL {violation}", outcome.seed);
             print!("{}", swarm::describe(&swarm::draw(outcome.seed)));
@@ -407,6 +436,13 @@ pub fn run_swarm(seeds: &[u64], options: &SwarmOptions) -> i32 {
         }
     }
     let wall = started.elapsed().as_secs_f64();
+    if failures > 0 {
+        let list: Vec<String> = by_invariant
+            .iter()
+            .map(|(name, n)| format!("{name}: {n}"))
+            .collect();
+        println!("failures by invariant: {}", list.join(", "));
+    }
     println!(
         "swarm: {} seeds, {failures} failed, {:.1} s wall{}",
         seeds.len(),
@@ -430,6 +466,10 @@ pub fn run_swarm(seeds: &[u64], options: &SwarmOptions) -> i32 {
         println!(
             "stats: l2_runs={} l2_written={} l2_hits={} l2_corrupt={} l2_failed={}",
             l2[0], l2[1], l2[2], l2[3], l2[4]
+        );
+        println!(
+            "stats: adversary_runs={} forbidden={} tcp_forbidden={} foreign_misses={} identity_changes={}",
+            trust[0], trust[1], trust[2], trust[3], trust[4]
         );
     }
     code

@@ -58,6 +58,9 @@ pub struct ServerSpec {
     pub free_watchdog: Nanos,
     /// The L2 tier (rows 27–29): off unless a scenario's `[l2]` or the swarm enables it.
     pub l2: crate::l2::L2Spec,
+    /// The TCP token (`--tcp-token-file`): TCP peers presenting it act for the tenant
+    /// [`TCP_TENANT`] (row 32). None: no TCP peer can authenticate.
+    pub tcp_token: Option<Vec<u8>>,
 }
 
 impl Default for ServerSpec {
@@ -76,9 +79,33 @@ impl Default for ServerSpec {
             free_hang_rate: 0.0,
             free_watchdog: 10 * SECOND,
             l2: crate::l2::L2Spec::default(),
+            tcp_token: None,
         }
     }
 }
+
+impl ServerSpec {
+    /// The node's trust configuration: one declared tenant, [`TCP_TENANT`], for the TCP
+    /// token when there is one; every uid is a tenant of its own (`uid-<uid>`).
+    pub fn trust(&self) -> kvwarden_core::node::trust::TrustConfig {
+        kvwarden_core::node::trust::TrustConfig {
+            tenants: self
+                .tcp_token
+                .iter()
+                .map(|token| kvwarden_core::node::trust::TenantSpec {
+                    name: TCP_TENANT.to_string(),
+                    uids: Vec::new(),
+                    tokens: vec![token.clone()],
+                    quota_percent: None,
+                    engine_driven: false,
+                })
+                .collect(),
+        }
+    }
+}
+
+/// The tenant the TCP token's peers act for (the production server names it so too).
+pub const TCP_TENANT: &str = "tcp";
 
 /// When a worker starts its heartbeat.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -91,8 +118,10 @@ pub enum HeartbeatStart {
     Never,
 }
 
-/// The uid of the simulated server process: it may act on any instance.
-pub const SERVER_UID: u32 = 0;
+/// The uid of the simulated server process: the workers' own (the usual deployment), so
+/// that their tenant (`uid-1000`) may register engine-driven (row 35). It acts on no
+/// instance it has not attached: nobody does (rows 30–31).
+pub const SERVER_UID: u32 = WORKER_UID;
 /// The uid workers run as unless a scenario says otherwise.
 pub const WORKER_UID: u32 = 1000;
 
@@ -245,9 +274,22 @@ pub enum Action {
     BuildFailureRate(f64),
     /// Change the probability that a free never returns (row 20).
     FreeHangRate(f64),
-    /// Worker `0` (of its own uid) names worker `1`'s current instance in a ping, a
-    /// REGISTER, a transfer and an UNREGISTER (row 23).
+    /// Worker `0` (of any uid) names worker `1`'s current instance in a ping, a
+    /// REGISTER, transfers, `register_blend`, both UNREGISTERs and an `attach` with a
+    /// wrong secret, on its own connection, which never attached it (rows 23, 30, 31).
     Intrude(usize, usize),
+    /// The process in this slot reads every instance id from the node's status (and
+    /// remembers those it read before, across server restarts) and intrudes on each,
+    /// at most [`MAX_IMPERSONATED`] of them (rows 30–31: after a server restart its
+    /// wrong-secret `attach` of an unbound id claims it first, a squat).
+    Impersonate(usize),
+    /// The process in this slot, of another tenant than its victims, stores, retrieves
+    /// and looks up their keys (those they stored last and those they store next) with
+    /// its own instance, and tries to register engine-driven (rows 33, 35).
+    Poach(usize),
+    /// A TCP peer connects, says `hello` with this token, then names every known
+    /// instance in requests (row 32); its connection closes after.
+    TcpProbe(TokenChoice),
     /// L2 goes down: every operation fails (`l2_down`), until `L2Up`.
     L2Down,
     /// L2 is unreachable: no operation is answered, the shell's client times out
@@ -268,6 +310,20 @@ pub enum Action {
     /// the server, builds stop failing, frees stop hanging, L2 healthy (the swarm's
     /// final phase).
     HealAll,
+}
+
+/// At most this many instances one `Impersonate` names.
+pub const MAX_IMPERSONATED: usize = 8;
+
+/// What a probing TCP peer presents in its `hello`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum TokenChoice {
+    /// No token at all.
+    Missing,
+    /// A token the server does not accept.
+    Wrong,
+    /// The server's token (it acts for [`TCP_TENANT`], which attached no instance).
+    Right,
 }
 
 /// Deliberate bugs, to show the invariants catch them: bugs of the simulated shell or
@@ -318,11 +374,16 @@ pub enum InjectedBug {
     ServeCorrupt,
     /// Node: with L2 on, a ping's answer waits for the next `handle_timeout` (row 27).
     PingWaitsForL2,
+    /// Node: a request naming an instance is served whether or not its connection
+    /// attached it (rows 30–31).
+    TrustAnyConnection,
+    /// Node: keys are not scoped to the caller's tenant (row 33).
+    SharedKeyspace,
 }
 
 impl InjectedBug {
     /// Every bug with its scenario-file spelling.
-    pub const ALL: [(InjectedBug, &'static str); 21] = [
+    pub const ALL: [(InjectedBug, &'static str); 23] = [
         (InjectedBug::SkipHandleTimeout, "skip_handle_timeout"),
         (InjectedBug::DoubleFree, "double_free"),
         (InjectedBug::KeepBlendState, "keep_blend_state"),
@@ -347,6 +408,8 @@ impl InjectedBug {
         (InjectedBug::WriteUnpublished, "write_unpublished"),
         (InjectedBug::ServeCorrupt, "serve_corrupt"),
         (InjectedBug::PingWaitsForL2, "ping_waits_for_l2"),
+        (InjectedBug::TrustAnyConnection, "trust_any_connection"),
+        (InjectedBug::SharedKeyspace, "shared_keyspace"),
     ];
 
     /// The bug's spelling.
@@ -374,6 +437,8 @@ impl InjectedBug {
             InjectedBug::WriteUnpublished => PlantedBug::WriteUnpublished,
             InjectedBug::ServeCorrupt => PlantedBug::ServeCorrupt,
             InjectedBug::PingWaitsForL2 => PlantedBug::PingWaitsForL2,
+            InjectedBug::TrustAnyConnection => PlantedBug::TrustAnyConnection,
+            InjectedBug::SharedKeyspace => PlantedBug::SharedKeyspace,
             InjectedBug::SkipHandleTimeout
             | InjectedBug::TimeoutBeforeInput
             | InjectedBug::Panic

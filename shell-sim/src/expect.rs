@@ -55,10 +55,18 @@ pub enum ExpectKind {
     L2Corrupt,
     /// At least `min` L2 operations answered `Failed` or `TimedOut` (row 27).
     L2Failed,
+    /// At least `min` fresh ids the worker drew because its `attach` was refused
+    /// (row 31: its id was squatted).
+    IdentityChanges,
+    /// At least `min` `forbidden` replies on TCP connections (row 32).
+    TcpForbidden,
+    /// At least `min` reads answered as a miss for keys only another tenant stored
+    /// (row 33).
+    ForeignMisses,
 }
 
 impl ExpectKind {
-    const NAMES: [(ExpectKind, &'static str); 21] = [
+    const NAMES: [(ExpectKind, &'static str); 24] = [
         (ExpectKind::Reaped, "reaped"),
         (ExpectKind::NotReaped, "not_reaped"),
         (ExpectKind::Freed, "freed"),
@@ -80,10 +88,13 @@ impl ExpectKind {
         (ExpectKind::L2Hits, "l2_hits"),
         (ExpectKind::L2Corrupt, "l2_corrupt"),
         (ExpectKind::L2Failed, "l2_failed"),
+        (ExpectKind::IdentityChanges, "identity_changes"),
+        (ExpectKind::TcpForbidden, "tcp_forbidden"),
+        (ExpectKind::ForeignMisses, "foreign_misses"),
     ];
 
     /// The accepted spellings, for error messages.
-    pub const HELP: &'static str = "one of reaped, not_reaped, freed, not_freed, contexts, builds, healthy, recovered, bad_args, unregister_false, stalls, reservations_discarded, frees_deferred, converged, forbidden, frees_hung, decode_errors, l2_written, l2_hits, l2_corrupt, l2_failed";
+    pub const HELP: &'static str = "one of reaped, not_reaped, freed, not_freed, contexts, builds, healthy, recovered, bad_args, unregister_false, stalls, reservations_discarded, frees_deferred, converged, forbidden, frees_hung, decode_errors, l2_written, l2_hits, l2_corrupt, l2_failed, identity_changes, tcp_forbidden, foreign_misses";
 
     /// The kind spelled `name` in a scenario file.
     pub fn parse(name: &str) -> Option<ExpectKind> {
@@ -114,6 +125,7 @@ impl ExpectKind {
                 | ExpectKind::BadArgs
                 | ExpectKind::UnregisterFalse
                 | ExpectKind::Forbidden
+                | ExpectKind::IdentityChanges
         )
     }
 
@@ -198,15 +210,14 @@ pub fn judge(expectations: &[Expectation], report: &RunReport) -> Vec<ExpectFail
 
 fn instances(expectation: &Expectation, report: &RunReport) -> Vec<InstanceId> {
     match expectation.target {
-        Target::All => report.instances.iter().flatten().copied().collect(),
-        Target::Worker {
-            slot,
-            incarnation: Some(n),
-        } => report.instance(slot, Some(n)).into_iter().collect(),
-        Target::Worker {
-            slot,
-            incarnation: None,
-        } => report.instances.get(slot).cloned().unwrap_or_default(),
+        Target::All => report
+            .instances
+            .iter()
+            .flatten()
+            .flatten()
+            .copied()
+            .collect(),
+        Target::Worker { slot, incarnation } => report.ids(slot, incarnation),
     }
 }
 
@@ -419,11 +430,15 @@ fn judge_one(
                 );
             }
         }
-        ExpectKind::BadArgs | ExpectKind::UnregisterFalse | ExpectKind::Forbidden => {
+        ExpectKind::BadArgs
+        | ExpectKind::UnregisterFalse
+        | ExpectKind::Forbidden
+        | ExpectKind::IdentityChanges => {
             let min = e.min.unwrap_or(1);
             let have = current(e, snapshot, report).map_or(0, |w| match e.kind {
                 ExpectKind::BadArgs => w.stats.bad_args_replies,
                 ExpectKind::Forbidden => w.stats.forbidden_replies,
+                ExpectKind::IdentityChanges => w.stats.identity_changes,
                 _ => w.stats.unregister_false,
             });
             if have < min {
@@ -452,9 +467,13 @@ fn judge_one(
         | ExpectKind::L2Written
         | ExpectKind::L2Hits
         | ExpectKind::L2Corrupt
-        | ExpectKind::L2Failed => {
+        | ExpectKind::L2Failed
+        | ExpectKind::TcpForbidden
+        | ExpectKind::ForeignMisses => {
             let min = e.min.unwrap_or(1);
             let have = match e.kind {
+                ExpectKind::TcpForbidden => snapshot.server.tcp_forbidden,
+                ExpectKind::ForeignMisses => snapshot.server.foreign_misses,
                 ExpectKind::L2Written => snapshot.server.l2_written,
                 ExpectKind::L2Hits => snapshot.server.l2_hits,
                 ExpectKind::L2Corrupt => snapshot.server.l2_corrupt,

@@ -23,6 +23,7 @@
 //! | `free_during_copy` | safety | a free started while a copy still uses the context |
 //! | `ping_waited_for_l2` | safety | a ping not answered in the node call it was handed in (row 27: nothing a ping needs waits for L2 or anything else) |
 //! | `l2_unpublished` | safety | an `L2Write` of a key never published: no store's copy into L1 completed and no `commit_store` was answered `true` for it (row 29: an engine-driven reservation never committed, a copy cut short) |
+//! | `non_owner_served` | safety | a request the trust rules refuse (its connection never attached the instance it names with its secret, a TCP peer without the token, a wrong-secret `attach`, an untrusted tenant's engine-driven REGISTER) answered other than `forbidden`, or changing the instance it names; or a read answered with a chunk its tenant never stored (rows 30–33; see [`trust`]) |
 //! | `l2_corrupt_served` | safety | a `retrieve` or `prepare_retrieve` answered with data after the simulated L2 answered its read `Corrupt` (row 28; the read's L1 slot was reserved, so no good copy was in L1) |
 //! | `context_leaked` | liveness | an entry gone, its context neither freed nor waiting for a copy |
 //! | `not_freed_at_shutdown` | liveness | a clean stop that left a context unfreed |
@@ -31,11 +32,18 @@
 //! | `leak_at_end`, `not_converged` | liveness | end-of-run checks (see [`crate::world`]) |
 //! | `core_diverged` | internal | the core answered other than the reference model |
 
+mod trust;
+
+pub use trust::{AttachExpect, Read, Verdict, prefix_of, uid_tenant};
+
 use crate::oracle::{CorrectedClock, GapKind, Key, Shadow};
 use crate::time::{Nanos, as_seconds};
 use crate::violation::{Class, Violation};
 use kvwarden_core::{FreeCause, InstanceId, Module, TransferError};
 use std::collections::{BTreeMap, BTreeSet};
+
+/// A hash set with a fixed seed: lookups only, never iterated.
+type HashSet<T> = std::collections::HashSet<T, foldhash::fast::FixedState>;
 
 /// Where a context is in its life.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -86,6 +94,8 @@ pub struct Checker {
     pub contexts: Vec<ContextRecord>,
     live_per_key: BTreeMap<Key, u32>,
     copies_per_key: BTreeMap<Key, u32>,
+    /// The context (ledger id) each entry was built with.
+    entry_context: BTreeMap<Key, u64>,
     ping_arrivals: BTreeMap<InstanceId, Nanos>,
     module_arrivals: BTreeMap<Key, Nanos>,
     /// Per instance, the modules the worker registered in the instance's current life
@@ -102,8 +112,12 @@ pub struct Checker {
     pub violation: Option<Violation>,
     now: Nanos,
     /// Keys whose published bytes reached L1 (a store's copy completed, a commit
-    /// answered `true`): the only keys L2 may be written (row 29).
-    published: BTreeSet<Vec<u8>>,
+    /// answered `true`), as the node keys them (the tenant's prefix, then the worker's
+    /// key): the only keys L2 may be written (row 29), the only ones a read of the tenant
+    /// may answer with data (row 33).
+    published: HashSet<Vec<u8>>,
+    /// The trust rules' reference model (rows 30–33).
+    trust: trust::TrustModel,
     /// Requests (connection, request) whose L2 read was answered `Corrupt`: never
     /// answered with data (row 28).
     corrupt_reads: BTreeMap<(u64, u64), Vec<u8>>,
@@ -125,6 +139,7 @@ impl Checker {
             contexts: Vec::new(),
             live_per_key: BTreeMap::new(),
             copies_per_key: BTreeMap::new(),
+            entry_context: BTreeMap::new(),
             ping_arrivals: BTreeMap::new(),
             module_arrivals: BTreeMap::new(),
             made: BTreeMap::new(),
@@ -136,8 +151,9 @@ impl Checker {
             expected_stall: None,
             violation: None,
             now,
-            published: BTreeSet::new(),
+            published: HashSet::default(),
             corrupt_reads: BTreeMap::new(),
+            trust: trust::TrustModel::default(),
         }
     }
 
@@ -244,6 +260,7 @@ impl Checker {
         }
         self.live_per_key.clear();
         self.copies_per_key.clear();
+        self.entry_context.clear();
         let threshold = self.clock.threshold();
         self.clock = CorrectedClock::new(now, threshold);
         self.shadow = Shadow::new(self.shadow.reap_timeout, self.shadow.registration_grace);
@@ -252,6 +269,7 @@ impl Checker {
         self.made.clear();
         self.reaped_now.clear();
         self.expected_stall = None;
+        self.trust_restarted();
     }
 
     /// A request from `instance` reached the server's socket (evidence, whether or not
@@ -403,6 +421,7 @@ impl Checker {
             && entry.building == Some(serial)
         {
             self.shadow.built(key, now_c);
+            self.entry_context.insert(key, context);
         }
         // Otherwise the core must hand the context straight back as Cancelled.
     }
@@ -764,7 +783,27 @@ impl Checker {
             }
         }
         for key in std::mem::take(&mut self.touched_keys) {
-            let live = self.live_contexts_of(key);
+            let mut live = self.live_contexts_of(key);
+            if live > 1 {
+                // A context whose entry went while a copy used it waits for the copy
+                // (its free is deferred): nobody holds it, whatever was built since.
+                let current = self
+                    .shadow
+                    .get(key)
+                    .and_then(|_| self.entry_context.get(&key).copied());
+                let waiting = self
+                    .contexts
+                    .iter()
+                    .enumerate()
+                    .filter(|(id, r)| {
+                        (r.instance, r.module) == key
+                            && r.state == ContextState::Live
+                            && r.copies > 0
+                            && Some(*id as u64) != current
+                    })
+                    .count() as u32;
+                live -= waiting;
+            }
             if live > 1 {
                 self.fail(
                     Class::Safety,

@@ -55,9 +55,25 @@ pub struct Envelope {
     pub uid: u32,
     /// Whether the server can open a pidfd of the process (same host and pid namespace).
     pub same_host: bool,
+    /// The secret the process drew with `instance`. The client attaches on every
+    /// connection before anything else: the first message of a connection to reach the
+    /// server opens it, and the shell hands the node that connection's `attach
+    /// [instance, secret]` before the message (request id [`HANDSHAKE_ID`] + `epoch`).
+    /// None: a peer that attaches nothing (a TCP probe).
+    pub secret: Option<[u8; 32]>,
+    /// Which connection of the process this travels on: bumped when the client
+    /// reconnects (told to attach first) or draws a fresh identity. A message of an
+    /// older connection than the server saw last is lost with it.
+    pub epoch: u32,
+    /// Over TCP: no uid, no fds; the peer is nobody until a `hello` with the token.
+    pub tcp: bool,
     /// What it asks.
     pub payload: Payload,
 }
+
+/// Request ids from here up are the connection's own `attach` (plus its epoch); the
+/// client reads only a refusal of it.
+pub const HANDSHAKE_ID: u64 = 0xffff_ffff_0000_0000;
 
 impl Envelope {
     /// The decoded op, if it decoded.

@@ -7,7 +7,7 @@
 
 use crate::config::{
     Action, Direction, FaultEvent, HeartbeatStart, InjectedBug, LinkSpec, ServerSpec, SimConfig,
-    WorkerSpec,
+    TokenChoice, WorkerSpec,
 };
 use crate::expect::{ExpectKind, Expectation, Target};
 use crate::time::{Nanos, from_seconds};
@@ -99,6 +99,7 @@ struct RawServer {
     free_seconds: Option<f64>,
     free_hang_rate: Option<f64>,
     free_watchdog_seconds: Option<f64>,
+    tcp_token: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -159,6 +160,7 @@ struct RawEvent {
     delay_ms: Option<f64>,
     link: Option<RawLink>,
     target: Option<String>,
+    token: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -399,6 +401,16 @@ impl Reader<'_> {
         }
         if let Some(v) = raw.free_hang_rate {
             spec.free_hang_rate = self.probability("server.free_hang_rate", v)?;
+        }
+        if let Some(v) = &raw.tcp_token {
+            if v.len() < 16 {
+                return Err(self.bad(
+                    "server.tcp_token",
+                    format!("{v:?}"),
+                    "at least 16 bytes (the server refuses shorter tokens)",
+                ));
+            }
+            spec.tcp_token = Some(v.as_bytes().to_vec());
         }
         if let Some(v) = raw.free_watchdog_seconds {
             spec.free_watchdog = self.seconds("server.free_watchdog_seconds", v)?;
@@ -671,6 +683,36 @@ impl Reader<'_> {
                 }
                 (Action::Intrude(from[0], target[0]), None)
             }
+            "impersonate" | "poach" => {
+                let from = slots()?;
+                if from.len() != 1 {
+                    return Err(self.bad(
+                        field("workers"),
+                        format!("{:?}", raw.workers),
+                        "impersonate and poach need exactly one worker (the adversary)",
+                    ));
+                }
+                if raw.action == "poach" {
+                    (Action::Poach(from[0]), None)
+                } else {
+                    (Action::Impersonate(from[0]), None)
+                }
+            }
+            "tcp_probe" => {
+                let token = match raw.token.as_deref().unwrap_or("missing") {
+                    "missing" => TokenChoice::Missing,
+                    "wrong" => TokenChoice::Wrong,
+                    "right" => TokenChoice::Right,
+                    other => {
+                        return Err(self.bad(
+                            field("token"),
+                            format!("{other:?}"),
+                            "\"missing\", \"wrong\" or \"right\" (the server's tcp_token)",
+                        ));
+                    }
+                };
+                (Action::TcpProbe(token), None)
+            }
             "l2_down" => (Action::L2Down, Some(Action::L2Up)),
             "l2_partition" => (Action::L2Partition, Some(Action::L2Up)),
             "l2_up" => (Action::L2Up, None),
@@ -701,7 +743,7 @@ impl Reader<'_> {
                 return Err(self.bad(
                     field("action"),
                     format!("{other:?}"),
-                    "one of crash, restart, freeze, thaw, starve_heartbeat, feed_heartbeat, stop, unregister, register, transfer, partition, heal, set_link, server_pause, server_resume, server_restart, server_stop, clock_step, build_failure_rate, free_hang_rate, intrude, l2_down, l2_partition, l2_up, l2_slow, l2_corrupt, l2_flaky, l2_garble, heal_all",
+                    "one of crash, restart, freeze, thaw, starve_heartbeat, feed_heartbeat, stop, unregister, register, transfer, partition, heal, set_link, server_pause, server_resume, server_restart, server_stop, clock_step, build_failure_rate, free_hang_rate, intrude, impersonate, poach, tcp_probe, l2_down, l2_partition, l2_up, l2_slow, l2_corrupt, l2_flaky, l2_garble, heal_all",
                 ));
             }
         };

@@ -13,11 +13,19 @@
 //!
 //! After every node call the shell reports to the [`Checker`] what the node's outputs
 //! and replies say happened (see [`crate::invariants`]).
+//!
+//! Who is who (protocol 2): a connection is opened by the first of its messages to
+//! reach the socket; a worker's client attaches on every connection before anything
+//! else, so the shell hands the node that connection's `attach [instance, secret]` (the
+//! message carries the secret) right after `Connected` and before the message. Only a
+//! refusal of it goes back to the worker. A message of an older connection of the
+//! process than the newest one seen (the client reconnected, or drew a fresh id) is
+//! lost with that connection, which closes. TCP peers connect without a uid.
 
 use crate::config::{InjectedBug, SERVER_UID, ServerSpec};
-use crate::invariants::{Checker, ShellView};
+use crate::invariants::{Checker, Read, ShellView, Verdict};
 use crate::l2::{L2Fate, L2Job, SimL2};
-use crate::message::{Channel, Envelope, Payload, ReplyEnvelope};
+use crate::message::{Channel, Envelope, HANDSHAKE_ID, Payload, ReplyEnvelope};
 use crate::oracle::Key;
 use crate::time::{Nanos, duration, instant, nanos_of};
 use kvwarden_core::node::l2::{L2Fetched, L2Presence};
@@ -152,6 +160,13 @@ pub struct ServerStats {
     pub l2_failed: u64,
     /// L2 breaker changes the node noted.
     pub l2_state_changes: u64,
+    /// Connections opened with the client's `attach` (each worker connection).
+    pub attaches: u64,
+    /// `forbidden` replies on TCP connections (row 32).
+    pub tcp_forbidden: u64,
+    /// Reads (`retrieve`, batch items, `lookup`) answered as a miss for a key another
+    /// tenant stored and the reader's tenant did not (row 33: kept apart).
+    pub foreign_misses: u64,
 }
 
 /// What a request asks, as far as the checker must know to read its answer (an op
@@ -183,9 +198,11 @@ impl Asked {
             Op::PrepareRetrieve { .. } | Op::CommitRetrieve { .. } => {
                 Asked::Transfer(Module::EngineDriven)
             }
-            Op::Hello { .. } | Op::Lookup { .. } | Op::RegisterBlend { .. } | Op::Status => {
-                Asked::Other
-            }
+            Op::Hello { .. }
+            | Op::Attach { .. }
+            | Op::Lookup { .. }
+            | Op::RegisterBlend { .. }
+            | Op::Status => Asked::Other,
         }
     }
 }
@@ -199,10 +216,16 @@ enum Call {
         instance: Option<InstanceId>,
         asked: Asked,
         exiting: bool,
-        /// The named instance's entries before, when it is not the sender's own.
-        before: Option<[Option<kvwarden_core::EntryView>; 2]>,
+        /// What the trust rules let it do (the reference model's verdict).
+        verdict: Verdict,
+        /// The named instance's entries and blend state before, when the rules refuse
+        /// the request.
+        before: Option<Before>,
         /// A `retrieve` or `prepare_retrieve`: an L2 read it causes is its own.
         reads: bool,
+        /// A store's or commit's keys, as the node keys them (both start their copy,
+        /// or answer, in the call they are handed in).
+        publish: Publishing,
     },
     BuildDone {
         key: Key,
@@ -213,6 +236,13 @@ enum Call {
     Exit(InstanceId),
     Other,
 }
+
+/// What a store or commit in flight publishes: its keys (as the node keys them), and
+/// whether it is a commit (whose `true` publishes; a store's copies do).
+type Publishing = (Vec<Vec<u8>>, bool);
+
+/// An instance as a refused request must leave it: its entries and blend state.
+type Before = ([Option<kvwarden_core::EntryView>; 2], bool);
 
 /// The simulated server process.
 pub struct Server {
@@ -227,8 +257,12 @@ pub struct Server {
     node: Option<Node>,
     outputs: Vec<Output>,
     inbox: VecDeque<Input>,
-    conns: HashMap<(usize, u32, Channel), ConnId>,
-    peers: HashMap<ConnId, (usize, u32)>,
+    /// Each process's open connections: the newest epoch seen, and its id.
+    conns: HashMap<(usize, u32, Channel), (u32, ConnId)>,
+    /// Whom a connection answers: slot, process, and whether it is TCP.
+    peers: HashMap<ConnId, (usize, u32, bool)>,
+    /// Reads in flight whose answer must not reveal another tenant's chunk.
+    tenant_reads: HashMap<(u64, u64), (&'static str, Read)>,
     next_conn: u64,
     /// Node context id → the checker's ledger id.
     ledger: HashMap<ContextId, u64>,
@@ -254,10 +288,7 @@ pub struct Server {
     pub l2: SimL2,
     /// L2 reads asked for a `retrieve` or `prepare_retrieve`: its (connection, request).
     l2_reads: BTreeMap<u64, (u64, u64)>,
-    /// Stores and commits in flight (connection, request) → the keys their `true`
-    /// publishes (L2 on only).
-    publishing: HashMap<(u64, u64), Vec<Vec<u8>>>,
-    /// Copies into L1 of a store: the key their completion publishes (L2 on only).
+    /// Copies into L1 of a store: the key their completion publishes.
     store_copies: HashMap<u64, Vec<u8>>,
     /// L2 writes (a pinned slot) and reads (a reserved slot) not answered yet.
     l2_holding: usize,
@@ -292,6 +323,7 @@ impl Server {
             inbox: VecDeque::new(),
             conns: HashMap::default(),
             peers: HashMap::default(),
+            tenant_reads: HashMap::default(),
             next_conn: 0,
             ledger: HashMap::default(),
             builds: HashMap::default(),
@@ -307,7 +339,6 @@ impl Server {
             exited_same_host: BTreeSet::new(),
             stats: ServerStats::default(),
             l2_reads: BTreeMap::new(),
-            publishing: HashMap::default(),
             store_copies: HashMap::default(),
             l2_holding: 0,
             l2_delivering: BTreeMap::new(),
@@ -343,6 +374,7 @@ impl Server {
             num_slots: NUM_SLOTS,
             slot_bytes: crate::worker::STORE_BYTES,
             server_uid: SERVER_UID,
+            trust: self.spec.trust(),
             boot_id: self.boot,
             server_name: "kvwarden-sim".to_string(),
             free_watchdog: duration(self.spec.free_watchdog),
@@ -456,6 +488,7 @@ impl Server {
         self.inbox.clear();
         self.conns.clear();
         self.peers.clear();
+        self.tenant_reads.clear();
         self.ledger.clear();
         self.builds.clear();
         self.copies.clear();
@@ -466,7 +499,6 @@ impl Server {
         self.reserved_total = 0;
         self.watched.clear();
         self.l2_reads.clear();
-        self.publishing.clear();
         self.store_copies.clear();
         self.l2_holding = 0;
         self.l2_delivering.clear();
@@ -504,35 +536,66 @@ impl Server {
         }
     }
 
-    /// The connection of a worker process in this boot, opened (`Connected`) on its
-    /// first message.
+    /// The connection of a worker process in this boot, opened (`Connected`, then the
+    /// client's `attach`) on its first message; None for a message of a connection the
+    /// process has replaced (lost with it).
     fn conn(
         &mut self,
         now: Nanos,
         envelope: &Envelope,
         checker: &mut Checker,
         out: &mut ServerOut,
-    ) -> ConnId {
+    ) -> Option<ConnId> {
         let key = (envelope.slot, envelope.incarnation, envelope.channel);
-        if let Some(&conn) = self.conns.get(&key) {
-            return conn;
+        match self.conns.get(&key) {
+            Some(&(epoch, conn)) if epoch == envelope.epoch => return Some(conn),
+            Some(&(epoch, _)) if epoch > envelope.epoch => return None,
+            Some(&(_, old)) => {
+                // The client reconnected: its old connection closes.
+                self.conns.remove(&key);
+                self.close(now, old, checker, out);
+            }
+            None => {}
         }
         self.next_conn += 1;
         let conn = ConnId(self.next_conn);
-        self.conns.insert(key, conn);
+        self.conns.insert(key, (envelope.epoch, conn));
         self.peers
-            .insert(conn, (envelope.slot, envelope.incarnation));
-        let process = envelope
-            .same_host
+            .insert(conn, (envelope.slot, envelope.incarnation, envelope.tcp));
+        let (uid, transport) = if envelope.tcp {
+            (None, Transport::Tcp)
+        } else {
+            (Some(envelope.uid), Transport::Unix)
+        };
+        let process = (envelope.same_host && !envelope.tcp)
             .then_some((ProcessKey(envelope.instance.get()), DeathNotice::PidfdByPid));
         let input = NodeInput::Connected {
             conn,
-            uid: Some(envelope.uid),
-            transport: Transport::Unix,
+            uid,
+            transport,
             process,
         };
+        checker.connected(conn.0, uid);
         self.call(now, Some(input), Call::Other, checker, out);
-        conn
+        if let Some(secret) = envelope.secret {
+            self.stats.attaches += 1;
+            let op = Op::Attach {
+                instance: envelope.instance,
+                secret: secret.to_vec(),
+            };
+            let request_id = HANDSHAKE_ID + u64::from(envelope.epoch);
+            self.feed(now, conn, envelope, request_id, op, 0, checker, out);
+        }
+        Some(conn)
+    }
+
+    /// A connection closes (`Disconnected`).
+    fn close(&mut self, now: Nanos, conn: ConnId, checker: &mut Checker, out: &mut ServerOut) {
+        self.peers.remove(&conn);
+        self.tenant_reads.retain(|&(c, _), _| c != conn.0);
+        let input = NodeInput::Disconnected { conn };
+        self.call(now, Some(input), Call::Other, checker, out);
+        checker.disconnected(conn.0);
     }
 
     fn read(&mut self, now: Nanos, input: Input, checker: &mut Checker, out: &mut ServerOut) {
@@ -608,10 +671,8 @@ impl Server {
             }
             Input::Closed { slot, incarnation } => {
                 for channel in [Channel::Main, Channel::Raw] {
-                    if let Some(conn) = self.conns.remove(&(slot, incarnation, channel)) {
-                        self.peers.remove(&conn);
-                        let input = NodeInput::Disconnected { conn };
-                        self.call(now, Some(input), Call::Other, checker, out);
+                    if let Some((_, conn)) = self.conns.remove(&(slot, incarnation, channel)) {
+                        self.close(now, conn, checker, out);
                     }
                 }
             }
@@ -633,67 +694,114 @@ impl Server {
     fn request(
         &mut self,
         now: Nanos,
-        envelope: Envelope,
+        mut envelope: Envelope,
         checker: &mut Checker,
         out: &mut ServerOut,
     ) {
-        let conn = self.conn(now, &envelope, checker, out);
-        let exiting = envelope.exiting;
-        let (request_id, op, fds) = match envelope.payload {
-            Payload::Op { id, op, fds } => (id, op, fds),
-            Payload::Decoded(Ok(request)) => (request.id, request.op, 0),
-            Payload::Decoded(Err(error)) => {
-                // As the production shell: the decode error is the reply; a frame that
-                // cannot be trusted closes that connection only.
-                self.stats.decode_errors += 1;
-                let request_id = error.request_id.unwrap_or(0);
-                let code = error.error.code;
-                if code == ErrorCode::BadArgs {
-                    self.stats.bad_args += 1;
-                }
-                out.replies.push(ReplyEnvelope {
-                    slot: envelope.slot,
-                    incarnation: envelope.incarnation,
-                    boot: self.boot,
-                    request_id,
-                    result: Err(error.error),
-                });
-                if code.closes_connection() {
-                    self.stats.connections_closed += 1;
-                    let key = (envelope.slot, envelope.incarnation, envelope.channel);
-                    self.conns.remove(&key);
-                    self.peers.remove(&conn);
-                    let input = NodeInput::Disconnected { conn };
-                    self.call(now, Some(input), Call::Other, checker, out);
-                }
-                return;
-            }
-            Payload::Bytes(_) => return, // decoded on arrival; never here
+        let Some(conn) = self.conn(now, &envelope, checker, out) else {
+            return; // it travelled on a connection the process has closed
         };
-        if self.spec.l2.enabled {
-            let keys = match &op {
-                Op::Store { key, .. } | Op::CommitStore { key, .. } => vec![key.clone()],
-                Op::StoreBatch { items, .. } => items.iter().map(|item| item.key.clone()).collect(),
-                _ => Vec::new(),
+        let (request_id, op, fds) =
+            match std::mem::replace(&mut envelope.payload, Payload::Bytes(Vec::new())) {
+                Payload::Op { id, op, fds } => (id, op, fds),
+                Payload::Decoded(Ok(request)) => (request.id, request.op, 0),
+                Payload::Decoded(Err(error)) => {
+                    // As the production shell: the decode error is the reply; a frame that
+                    // cannot be trusted closes that connection only.
+                    self.stats.decode_errors += 1;
+                    let request_id = error.request_id.unwrap_or(0);
+                    let code = error.error.code;
+                    if code == ErrorCode::BadArgs {
+                        self.stats.bad_args += 1;
+                    }
+                    out.replies.push(ReplyEnvelope {
+                        slot: envelope.slot,
+                        incarnation: envelope.incarnation,
+                        boot: self.boot,
+                        request_id,
+                        result: Err(error.error),
+                    });
+                    if code.closes_connection() {
+                        self.stats.connections_closed += 1;
+                        let key = (envelope.slot, envelope.incarnation, envelope.channel);
+                        self.conns.remove(&key);
+                        self.close(now, conn, checker, out);
+                    }
+                    return;
+                }
+                Payload::Bytes(_) => return, // decoded on arrival; never here
             };
-            if !keys.is_empty() {
-                self.publishing.insert((conn.0, request_id), keys);
+        self.feed(now, conn, &envelope, request_id, op, fds, checker, out);
+    }
+
+    /// Hands one request to the node, judged first by the trust rules' reference model.
+    #[allow(clippy::too_many_arguments)]
+    fn feed(
+        &mut self,
+        now: Nanos,
+        conn: ConnId,
+        envelope: &Envelope,
+        request_id: u64,
+        op: Op,
+        fds: usize,
+        checker: &mut Checker,
+        out: &mut ServerOut,
+    ) {
+        let verdict = checker.verdict(conn.0, &op);
+        let instance = op.instance();
+        let allowed = verdict == Verdict::Allowed;
+        let mut publish: Publishing = (Vec::new(), false);
+        if allowed && let Some(prefix) = checker.tenant_prefix(conn.0) {
+            let scoped = |key: &[u8]| {
+                let mut scoped = prefix.to_vec();
+                scoped.extend_from_slice(key);
+                scoped
+            };
+            publish = match &op {
+                Op::Store { key, .. } => (vec![scoped(key)], false),
+                Op::CommitStore { key, .. } => (vec![scoped(key)], true),
+                Op::StoreBatch { items, .. } => {
+                    (items.iter().map(|item| scoped(&item.key)).collect(), false)
+                }
+                _ => (Vec::new(), false),
+            };
+            let read = match &op {
+                Op::Retrieve { key, .. } => Some((vec![key.clone()], false)),
+                Op::RetrieveBatch { items, .. } => {
+                    Some((items.iter().map(|item| item.key.clone()).collect(), false))
+                }
+                Op::Lookup { keys } => Some((keys.clone(), true)),
+                _ => None,
+            };
+            if let Some((keys, lookup)) = read {
+                let read = Read {
+                    prefix: prefix.to_vec(),
+                    keys,
+                    lookup,
+                };
+                self.tenant_reads
+                    .insert((conn.0, request_id), (op.name(), read));
             }
         }
         let reads = matches!(op, Op::Retrieve { .. } | Op::PrepareRetrieve { .. });
-        let instance = op.instance();
-        let before = instance
-            .filter(|&named| named != envelope.instance)
-            .map(|named| self.entries(named));
+        let before = match verdict {
+            Verdict::Refused(_) => {
+                instance.map(|named| (self.entries(named), self.blend.contains(&named)))
+            }
+            _ => None,
+        };
         let call = Call::Request {
             conn,
             request_id,
             name: op.name(),
             instance,
             asked: Asked::of(&op),
-            exiting,
+            // The clean shutdown's last word is about the process's own instance.
+            exiting: envelope.exiting && instance == Some(envelope.instance),
+            verdict,
             before,
             reads,
+            publish,
         };
         let input = NodeInput::Request {
             conn,
@@ -758,11 +866,11 @@ impl Server {
                     request_id,
                     result,
                     ..
-                } => self.reply(conn, request_id, result, out),
+                } => self.reply(conn, request_id, result, checker, out),
                 Output::ReplyStatus { conn, request_id } => {
                     let tracked = self.node.as_ref().map_or(0, Node::tracked) as u64;
                     let value = Value::Map(vec![("tracked".into(), tracked.into())]);
-                    self.reply(conn, request_id, Ok(value), out);
+                    self.reply(conn, request_id, Ok(value), checker, out);
                 }
                 Output::StartBuild {
                     context,
@@ -790,14 +898,10 @@ impl Server {
                 } => {
                     if direction == Direction::ToL1
                         && let Call::Request {
-                            conn, request_id, ..
+                            publish: (keys, false),
+                            ..
                         } = &call
-                        && let Some(key) =
-                            self.publishing
-                                .get(&(conn.0, *request_id))
-                                .and_then(|keys| {
-                                    keys.get((offset / crate::worker::STORE_BYTES) as usize)
-                                })
+                        && let Some(key) = keys.get((offset / crate::worker::STORE_BYTES) as usize)
                     {
                         self.store_copies.insert(copy.0, key.clone());
                     }
@@ -873,7 +977,9 @@ impl Server {
                         checker.stall_reported(nanos_of(gap));
                     }
                     Note::ProcessExited { instance, held } => {
-                        exit_noted |= matches!(call, Call::Exit(exited) if exited == instance);
+                        // A process may hold instances besides the one it started as
+                        // (ids it claimed): any of them noted is the exit applied.
+                        exit_noted |= matches!(call, Call::Exit(_));
                         checker.process_exited(now, instance, held);
                     }
                     Note::EngineReleased {
@@ -1053,6 +1159,7 @@ impl Server {
                 instance,
                 asked,
                 exiting,
+                verdict,
                 before,
                 ..
             } => {
@@ -1066,24 +1173,40 @@ impl Server {
                     _ => None,
                 });
                 let code = reply.and_then(|r| r.as_ref().err()).map(|e| e.code);
+                if code == Some(ErrorCode::Forbidden) && instance.is_some() {
+                    self.stats.forbidden += 1;
+                }
+                // Who is who first: a request the rules refuse is judged here in full.
+                let served = checker.judge_trust(conn.0, name, *instance, verdict, reply);
+                if let (Some(named), Some(before)) = (*instance, before)
+                    && code != Some(ErrorCode::Unavailable)
+                {
+                    // (A shutdown frees everything, whoever asks.)
+                    let after = (self.entries(named), self.blend.contains(&named));
+                    checker.refused_left_alone(name, named, before, &after);
+                }
+                if *verdict == Verdict::OwnerRefused
+                    && code == Some(ErrorCode::Forbidden)
+                    && let Some(named) = *instance
+                {
+                    // Refused for its tenant, but the owner's request: evidence of life.
+                    checker.evidence(now, named);
+                }
+                if let Call::Request {
+                    publish: (keys, true),
+                    ..
+                } = call
+                    && reply == Some(&Ok(Value::Boolean(true)))
+                {
+                    // A commit answered `true` published its key (a store's key is
+                    // published when its copy completes, never by its answer: `true`
+                    // for a key already there copied nothing).
+                    keys.iter().for_each(|key| checker.published(key.clone()));
+                }
                 let Some(instance) = *instance else {
                     return;
                 };
-                if code == Some(ErrorCode::Forbidden) {
-                    self.stats.forbidden += 1;
-                    if let Some(before) = before
-                        && self.entries(instance) != *before
-                    {
-                        checker.fail(
-                            crate::violation::Class::Safety,
-                            "forbidden_touched",
-                            format!(
-                                "a `{name}` from another uid was refused `forbidden`, yet \
-                                 instance {instance}'s entries changed: {before:?} → {:?}",
-                                self.entries(instance)
-                            ),
-                        );
-                    }
+                if !served || code == Some(ErrorCode::Forbidden) {
                     return;
                 }
                 if code == Some(ErrorCode::Unavailable) {
@@ -1247,8 +1370,8 @@ impl Server {
         })
     }
 
-    /// What the node's replies say about L2: stores and commits answered `true`
-    /// published their keys; a read L2 found corrupt must not be answered with data.
+    /// What the node's replies say about L2: a read L2 found corrupt must not be answered
+    /// with data.
     fn l2_replies(&mut self, outputs: &[Output], checker: &mut Checker) {
         for output in outputs {
             let Output::Reply {
@@ -1260,16 +1383,8 @@ impl Server {
             else {
                 continue;
             };
-            let request = (conn.0, *request_id);
-            if let Some(keys) = self.publishing.remove(&request) {
-                // A commit answered `true` published its key (a store's key is
-                // published when its copy completes).
-                if *result == Ok(Value::Boolean(true)) && keys.len() == 1 {
-                    keys.into_iter().for_each(|key| checker.published(key));
-                }
-            }
             let data = matches!(result, Ok(value) if *value != Value::Nil);
-            checker.answered(request, data);
+            checker.answered((conn.0, *request_id), data);
         }
     }
 
@@ -1329,15 +1444,27 @@ impl Server {
         conn: ConnId,
         request_id: u64,
         result: Result<Value, ProtocolError>,
+        checker: &mut Checker,
         out: &mut ServerOut,
     ) {
-        let Some(&(slot, incarnation)) = self.peers.get(&conn) else {
+        if !self.tenant_reads.is_empty()
+            && let Some((name, read)) = self.tenant_reads.remove(&(conn.0, request_id))
+        {
+            // Reads answered: never with a chunk another tenant stored (row 33).
+            self.stats.foreign_misses += checker.read_answered(name, &read, &result);
+        }
+        let Some(&(slot, incarnation, tcp)) = self.peers.get(&conn) else {
             return; // the connection is gone: nobody to answer
         };
-        if let Err(error) = &result
-            && error.code == ErrorCode::BadArgs
-        {
-            self.stats.bad_args += 1;
+        if let Err(error) = &result {
+            match error.code {
+                ErrorCode::BadArgs => self.stats.bad_args += 1,
+                ErrorCode::Forbidden if tcp => self.stats.tcp_forbidden += 1,
+                _ => {}
+            }
+        }
+        if request_id >= HANDSHAKE_ID && result.is_ok() {
+            return; // the client reads only a refusal of its connection's attach
         }
         out.replies.push(ReplyEnvelope {
             slot,

@@ -8,7 +8,8 @@
 //! the convergence check.
 
 use crate::config::{
-    Action, Direction, FaultEvent, HeartbeatStart, LinkSpec, ServerSpec, SimConfig, WorkerSpec,
+    Action, Direction, FaultEvent, HeartbeatStart, LinkSpec, ServerSpec, SimConfig, TokenChoice,
+    WORKER_UID, WorkerSpec,
 };
 use crate::rng::Rng;
 use crate::time::{MILLISECOND, SECOND, as_seconds};
@@ -47,6 +48,7 @@ pub fn draw(seed: u64) -> SimConfig {
         free_hang_rate: 0.0,
         free_watchdog: 10 * SECOND,
         l2: crate::l2::L2Spec::default(),
+        tcp_token: None,
     };
     let mut server = server;
     let count = rng.between(1, 6) as usize;
@@ -228,6 +230,74 @@ pub fn draw(seed: u64) -> SimConfig {
         }
         events.sort_by_key(|e| e.at);
     }
+    // Adversaries (rows 30–33), drawn after everything else for the same reason.
+    let at_random = |rng: &mut Rng| {
+        rng.between(5 * SECOND / MILLISECOND, fault_end / MILLISECOND) * MILLISECOND
+    };
+    if rng.chance(0.15) {
+        // Another tenant, a worker of its own that poaches the others' keys.
+        let slot = workers.len();
+        let mut spec = WorkerSpec::new(format!("w{slot}"));
+        spec.uid = WORKER_UID + 1;
+        spec.start_at = rng.between(0, 5000) * MILLISECOND;
+        spec.heartbeat_interval = longest_interval;
+        spec.same_host = rng.chance(0.5);
+        spec.traffic_every =
+            Some(rng.between(500, 2 * longest_interval / MILLISECOND) * MILLISECOND);
+        spec.link.delay = rng.between(100, 5000) * 1000;
+        workers.push(spec);
+        for _ in 0..rng.between(1, 12) {
+            let at = at_random(&mut rng);
+            events.push(FaultEvent {
+                at,
+                action: Action::Poach(slot),
+            });
+        }
+    }
+    if count >= 2 && rng.chance(0.15) {
+        // A worker of the same uid that names every instance it read from the status,
+        // and squats ids right after server restarts.
+        let impostor = rng.between(0, count as u64 - 1) as usize;
+        for _ in 0..rng.between(1, 6) {
+            let at = at_random(&mut rng);
+            events.push(FaultEvent {
+                at,
+                action: Action::Impersonate(impostor),
+            });
+        }
+        let restarts: Vec<(u64, u64)> = events
+            .iter()
+            .filter_map(|e| match e.action {
+                Action::ServerRestart { down } => Some((e.at, down)),
+                _ => None,
+            })
+            .collect();
+        for (at, down) in restarts {
+            if rng.chance(0.7) {
+                for at in [at - MILLISECOND, at + down + MILLISECOND] {
+                    events.push(FaultEvent {
+                        at,
+                        action: Action::Impersonate(impostor),
+                    });
+                }
+            }
+        }
+    }
+    if rng.chance(0.1) {
+        // A TCP peer, without the token, with a wrong one, or with the server's.
+        if rng.chance(0.7) {
+            server.tcp_token = Some(b"swarm-tcp-token-0123456789abcdef".to_vec());
+        }
+        for _ in 0..rng.between(1, 5) {
+            let at = at_random(&mut rng);
+            let token = rng.pick(&[TokenChoice::Missing, TokenChoice::Wrong, TokenChoice::Right]);
+            events.push(FaultEvent {
+                at,
+                action: Action::TcpProbe(token),
+            });
+        }
+    }
+    events.sort_by_key(|e| e.at);
     SimConfig {
         name: format!("swarm seed {seed}"),
         seed: run_seed,
@@ -244,7 +314,7 @@ pub fn draw(seed: u64) -> SimConfig {
 pub fn describe(cfg: &SimConfig) -> String {
     let s = &cfg.server;
     let mut text = format!(
-        "  run seed {}, duration {:.1}s\n  server: T={:.1}s G={:.1}s R={:.3}s stall={:.1}s build {:.3}-{:.3}s fail {:.3} copy {:.3}s exit notice {:.3}s free {:.3}s hang {:.3}\n",
+        "  run seed {}, duration {:.1}s\n  server: T={:.1}s G={:.1}s R={:.3}s stall={:.1}s build {:.3}-{:.3}s fail {:.3} copy {:.3}s exit notice {:.3}s free {:.3}s hang {:.3} tcp token {}\n",
         cfg.seed,
         as_seconds(cfg.duration),
         as_seconds(s.reap_timeout),
@@ -258,6 +328,7 @@ pub fn describe(cfg: &SimConfig) -> String {
         as_seconds(s.exit_notice_delay),
         as_seconds(s.free_delay),
         s.free_hang_rate,
+        s.tcp_token.is_some(),
     );
     if s.l2.enabled {
         let _ = writeln!(
@@ -272,8 +343,9 @@ pub fn describe(cfg: &SimConfig) -> String {
     for w in &cfg.workers {
         let _ = writeln!(
             text,
-            "  {}: start {:.3}s H={:.0}s same_host={} traffic={:?} hb_start={:?} modules={:?} blend={} garbage={:?} link: delay {:.3}ms jitter {:.3}ms loss {:.3} dup {:.3}",
+            "  {}: uid {} start {:.3}s H={:.0}s same_host={} traffic={:?} hb_start={:?} modules={:?} blend={} garbage={:?} link: delay {:.3}ms jitter {:.3}ms loss {:.3} dup {:.3}",
             w.name,
+            w.uid,
             as_seconds(w.start_at),
             as_seconds(w.heartbeat_interval),
             w.same_host,

@@ -10,9 +10,17 @@
 //! It speaks the real protocol: every request is a [`kvwarden_core::protocol::Op`]
 //! (a pre-liveness client's `ping []` travels as bytes through the server's real
 //! decoder), and every reply is read from the real `Result<Value, ProtocolError>`.
+//!
+//! Who is who (protocol 2): the process draws a secret with its instance id and
+//! attaches on every connection before anything else (the world's messages carry the
+//! secret; the shell hands the node the `attach` when the connection opens). A request
+//! answered `forbidden` for want of an attach makes it reconnect (a new connection,
+//! attached again); its own `attach` refused `forbidden` (the id is bound to another
+//! secret: squatted after a server restart) makes it draw a fresh id and secret
+//! ([`Outbox::identity_refused`]) and register again under them (row 31).
 
 use crate::config::{HeartbeatStart, WorkerSpec};
-use crate::message::{Channel, Payload, body};
+use crate::message::{Channel, HANDSHAKE_ID, Payload, body};
 use crate::time::{Nanos, duration, instant};
 use kvwarden_core::protocol::{
     BufferSpec, ErrorCode, Op, ProtocolError, RetrieveItem, RopeSpec, StoreItem,
@@ -110,6 +118,10 @@ pub struct WorkerStats {
     pub forbidden_replies: u64,
     /// Raw byte frames sent (row 24).
     pub garbage_sent: u64,
+    /// Fresh ids drawn because the process's own `attach` was refused (row 31).
+    pub identity_changes: u64,
+    /// Reconnections because a request was refused for want of an `attach`.
+    pub reconnects: u64,
 }
 
 /// What a worker asks of the world after an input.
@@ -121,6 +133,9 @@ pub struct Outbox {
     pub garbage: u32,
     /// The process exited at the end of a clean shutdown.
     pub exited: bool,
+    /// The server refused the process's own `attach`: the world draws it a fresh id and
+    /// secret ([`Worker::change_identity`]).
+    pub identity_refused: bool,
 }
 
 /// One worker process.
@@ -130,8 +145,13 @@ pub struct Worker {
     pub slot: usize,
     /// Which process of the slot this is.
     pub incarnation: u32,
-    /// Its id, drawn at start-up.
+    /// Its id, drawn at start-up (and again when its `attach` is refused).
     pub instance: InstanceId,
+    /// The secret drawn with the id.
+    pub secret: [u8; 32],
+    /// Its connection's generation (see [`crate::message::Envelope::epoch`]).
+    pub epoch: u32,
+    registered_once: bool,
     /// Running, frozen or dead.
     pub process: Process,
     spec: WorkerSpec,
@@ -152,7 +172,8 @@ pub struct Worker {
     last_request_deadline: Nanos,
     held_replies: Vec<(u64, Result<Value, ProtocolError>)>,
     request_serial: u64,
-    pending: HashMap<u64, (Nanos, Pending)>,
+    /// Requests in flight: when sent, on which connection, what.
+    pending: HashMap<u64, (Nanos, u32, Pending)>,
     /// Counters.
     pub stats: WorkerStats,
     /// The instant of the pending wake event, and its generation.
@@ -162,8 +183,14 @@ pub struct Worker {
 }
 
 impl Worker {
-    /// A process of `spec` with id `instance`, not yet started.
-    pub fn new(slot: usize, incarnation: u32, instance: InstanceId, spec: WorkerSpec) -> Worker {
+    /// A process of `spec` with id `instance` and its secret, not yet started.
+    pub fn new(
+        slot: usize,
+        incarnation: u32,
+        instance: InstanceId,
+        secret: [u8; 32],
+        spec: WorkerSpec,
+    ) -> Worker {
         let heartbeat = Heartbeat::new(HeartbeatConfig {
             interval: duration(spec.heartbeat_interval),
         });
@@ -171,6 +198,9 @@ impl Worker {
             slot,
             incarnation,
             instance,
+            secret,
+            epoch: 0,
+            registered_once: false,
             process: Process::Running,
             spec,
             heartbeat,
@@ -328,14 +358,31 @@ impl Worker {
         result: Result<Value, ProtocolError>,
         out: &mut Outbox,
     ) {
-        if let Err(error) = &result
-            && error.code == ErrorCode::Forbidden
-        {
+        let forbidden = matches!(&result, Err(error) if error.code == ErrorCode::Forbidden);
+        if forbidden {
             self.stats.forbidden_replies += 1;
         }
-        let Some((_, pending)) = self.pending.remove(&request_id) else {
+        if request_id >= HANDSHAKE_ID {
+            // Only a refusal of a connection's own `attach` comes back: the id is bound
+            // to another secret. One of the current connection draws a fresh identity.
+            if forbidden && request_id - HANDSHAKE_ID == u64::from(self.epoch) {
+                out.identity_refused = true;
+            }
+            return;
+        }
+        let Some((_, epoch, pending)) = self.pending.remove(&request_id) else {
             return; // late, duplicated, or not ours to read (raw bytes)
         };
+        if forbidden
+            && epoch == self.epoch
+            && let Err(error) = &result
+            && error.message.contains("attach")
+        {
+            // The connection never attached this id (its attach was lost with a
+            // refusal of it): reconnect, which attaches again.
+            self.epoch += 1;
+            self.stats.reconnects += 1;
+        }
         match pending {
             Pending::Ping { seq } => {
                 if seq != self.ping_seq || self.ping_sent_at.is_none() {
@@ -471,6 +518,7 @@ impl Worker {
                     self.retry_initial_at = Some(now + self.spec.heartbeat_interval);
                     return;
                 }
+                self.registered_once = true;
                 if self.spec.heartbeat_start == HeartbeatStart::OnRegister {
                     self.heartbeat.start(instant(now));
                 }
@@ -546,13 +594,9 @@ impl Worker {
     /// it, `store_batch` of two fresh keys and `retrieve_batch` of them; engine-driven
     /// prepares a store (committed `commit_after` later).
     fn transfer_op(&mut self, module: Module) -> Op {
-        let key = |serial: u64| {
-            let mut key = self.instance.get().to_le_bytes().to_vec();
-            key.extend_from_slice(&serial.to_le_bytes());
-            key
-        };
-        let fresh = key(self.op_serial);
         let instance = self.instance;
+        let key = |serial: u64| chunk_key(instance, serial);
+        let fresh = key(self.op_serial);
         match module {
             Module::ServerDriven => {
                 let previous = self.last_stored.take().unwrap_or_else(|| fresh.clone());
@@ -572,6 +616,7 @@ impl Worker {
                         key: previous,
                         buffer: 0,
                         offset: 0,
+                        nbytes: STORE_BYTES,
                     },
                     3 => {
                         self.last_stored = Some(fresh.clone());
@@ -595,6 +640,7 @@ impl Worker {
                                 key,
                                 buffer: 0,
                                 offset: index as u64 * STORE_BYTES,
+                                nbytes: STORE_BYTES,
                             })
                             .collect();
                         Op::RetrieveBatch { instance, items }
@@ -615,11 +661,11 @@ impl Worker {
         if self.pending.len() >= 256 {
             // Requests older than two timeouts were given up long ago.
             let horizon = now.saturating_sub(2 * self.spec.heartbeat_interval);
-            self.pending.retain(|_, (sent, _)| *sent >= horizon);
+            self.pending.retain(|_, (sent, _, _)| *sent >= horizon);
         }
         self.request_serial += 1;
         let id = self.request_serial;
-        self.pending.insert(id, (now, pending));
+        self.pending.insert(id, (now, self.epoch, pending));
         id
     }
 
@@ -746,6 +792,52 @@ impl Worker {
         }
         self.begin_round(now, Purpose::Reregister, out);
     }
+}
+
+impl Worker {
+    /// Its `attach` was refused: the process draws a fresh id and secret (the world
+    /// gives them), reconnects (a new connection attaches them first), and registers
+    /// again under them: a round now, or the one it was running, restarted (row 31).
+    pub fn change_identity(
+        &mut self,
+        now: Nanos,
+        instance: InstanceId,
+        secret: [u8; 32],
+        out: &mut Outbox,
+    ) {
+        self.instance = instance;
+        self.secret = secret;
+        self.epoch += 1;
+        self.stats.identity_changes += 1;
+        self.last_stored = None;
+        self.commits.clear();
+        if self.process != Process::Running || self.shutdown.is_some() {
+            return;
+        }
+        match self.round.as_ref().map(|round| round.purpose) {
+            Some(purpose) => self.begin_round(now, purpose, out),
+            None if self.registered_once => self.begin_round(now, Purpose::Reregister, out),
+            None => {} // the initial round's retry registers under the new id
+        }
+    }
+
+    /// The keys this process stored last and will store next (a chunk's key is a
+    /// function of what it holds, so another tenant can compute them: row 33).
+    pub fn recent_keys(&self) -> Vec<Vec<u8>> {
+        let mut keys: Vec<Vec<u8>> = self.last_stored.iter().cloned().collect();
+        for serial in self.op_serial + 1..=self.op_serial + 4 {
+            keys.push(chunk_key(self.instance, serial));
+            keys.push(chunk_key(self.instance, serial | 1 << 63));
+        }
+        keys
+    }
+}
+
+/// The key of a worker's chunk number `serial`.
+pub fn chunk_key(instance: InstanceId, serial: u64) -> Vec<u8> {
+    let mut key = instance.get().to_le_bytes().to_vec();
+    key.extend_from_slice(&serial.to_le_bytes());
+    key
 }
 
 fn unregister_op(instance: InstanceId, module: Module) -> Op {

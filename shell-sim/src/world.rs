@@ -17,6 +17,9 @@ use crate::worker::{Outbox, Worker};
 use kvwarden_core::{FreeCause, InstanceId, Module};
 use std::collections::{BTreeMap, BTreeSet};
 
+/// A hash map with a fixed seed: lookups only, never iterated into the trace.
+type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::FixedState>;
+
 mod end;
 mod faults;
 mod report;
@@ -45,7 +48,23 @@ pub struct World {
     frees: Vec<(Nanos, FreeRecord)>,
     reaps: Vec<(InstanceId, Nanos)>,
     used_ids: BTreeSet<u64>,
-    instances: Vec<Vec<InstanceId>>,
+    /// Every id of each slot's processes: slot → incarnation → ids (a fresh one each
+    /// time its `attach` was refused).
+    instances: Vec<Vec<Vec<InstanceId>>>,
+    /// The generator of the workers' secrets: its own, seeded from the run's seed, so
+    /// that drawing them moves no other draw of the run.
+    secrets: Rng,
+    /// Instance ids an impostor read from the node's status (rows 30–31); kept across
+    /// server restarts, as the impostor remembers them.
+    seen_ids: BTreeSet<InstanceId>,
+    /// Request ids of the adversaries' requests (above any client's own).
+    adversary_serial: u64,
+    /// TCP probes so far: each is a connection of its own.
+    tcp_probes: u32,
+    /// The newest connection of each process (boot, slot, process, channel) whose
+    /// message reached the socket, once any process reconnected (empty until then: every
+    /// message is of a first connection).
+    socket_epochs: HashMap<(u64, usize, u32, Channel), u32>,
     gone: BTreeMap<InstanceId, Nanos>,
     build_failure_rate: f64,
     free_hang_rate: f64,
@@ -62,13 +81,14 @@ impl World {
     pub fn new(cfg: SimConfig, checkpoints: Vec<Nanos>, verbose: bool) -> Result<World, String> {
         let server = Server::new(cfg.server.clone(), cfg.bug, 0)?;
         let spec = &cfg.server;
-        let checker = Checker::new(
+        let mut checker = Checker::new(
             0,
             spec.reap_timeout,
             spec.registration_grace,
             spec.resolution,
             spec.stall_threshold,
         );
+        checker.set_trust(crate::config::SERVER_UID, spec.tcp_token.clone());
         let network = Network::new(cfg.workers.iter().map(|w| w.link.clone()));
         let mut max_link_delay = 0;
         for (slot, _) in cfg.workers.iter().enumerate() {
@@ -101,6 +121,11 @@ impl World {
             reaps: Vec::new(),
             used_ids: BTreeSet::new(),
             instances: vec![Vec::new(); slots],
+            secrets: Rng::new(cfg.seed ^ 0x5ec2_e7a1_7ac4_0000),
+            seen_ids: BTreeSet::new(),
+            adversary_serial: 0,
+            tcp_probes: 0,
+            socket_epochs: HashMap::default(),
             gone: BTreeMap::new(),
             build_failure_rate: cfg.server.build_failure_rate,
             free_hang_rate: cfg.server.free_hang_rate,
@@ -346,10 +371,19 @@ impl World {
         }
     }
 
+    fn fresh_secret(&mut self) -> [u8; 32] {
+        let mut secret = [0u8; 32];
+        for chunk in secret.chunks_mut(8) {
+            chunk.copy_from_slice(&self.secrets.next_u64().to_le_bytes());
+        }
+        secret
+    }
+
     fn spawn(&mut self, slot: usize) {
         let instance = self.fresh_instance();
+        let secret = self.fresh_secret();
         let incarnation = self.instances[slot].len() as u32;
-        self.instances[slot].push(instance);
+        self.instances[slot].push(vec![instance]);
         let spec = self.cfg.workers[slot].clone();
         if self.verbose() {
             self.note(format!(
@@ -357,7 +391,7 @@ impl World {
                 spec.name
             ));
         }
-        let mut worker = Worker::new(slot, incarnation, instance, spec);
+        let mut worker = Worker::new(slot, incarnation, instance, secret, spec);
         let mut out = Outbox::default();
         worker.start(self.now, &mut out);
         let healthy = worker.is_healthy();
@@ -365,17 +399,38 @@ impl World {
         self.after_worker(slot, out, healthy);
     }
 
+    /// A message of the process in `slot` as it is now, on `channel`.
+    pub(crate) fn envelope_of(
+        &self,
+        slot: usize,
+        channel: Channel,
+        payload: Payload,
+    ) -> Option<Envelope> {
+        let worker = self.workers.get(slot)?.as_ref()?;
+        Some(Envelope {
+            slot,
+            incarnation: worker.incarnation,
+            instance: worker.instance,
+            boot: self.server.boot,
+            sent_at: self.now,
+            exiting: worker.is_shutting_down(),
+            channel,
+            uid: worker.spec().uid,
+            same_host: worker.spec().same_host,
+            secret: Some(worker.secret),
+            epoch: worker.epoch,
+            tcp: false,
+            payload,
+        })
+    }
+
     fn after_worker(&mut self, slot: usize, out: Outbox, healthy_before: bool) {
-        let now = self.now;
         let Some(worker) = self.workers[slot].as_ref() else {
             return;
         };
         let instance = worker.instance;
         let incarnation = worker.incarnation;
-        let exiting = worker.is_shutting_down();
         let healthy = worker.is_healthy();
-        let uid = worker.spec().uid;
-        let same_host = worker.spec().same_host;
         let mut requests = out.requests;
         for _ in 0..out.garbage {
             let id = self.rng.next_u64() >> 1;
@@ -385,19 +440,12 @@ impl World {
             if !matches!(self.server.state, ServerState::Up | ServerState::Draining) {
                 continue; // connection refused
             }
-            let envelope = Envelope {
-                slot,
-                incarnation,
-                instance,
-                boot: self.server.boot,
-                sent_at: now,
-                exiting,
-                channel,
-                uid,
-                same_host,
-                payload,
-            };
-            self.send_request(envelope);
+            if let Some(envelope) = self.envelope_of(slot, channel, payload) {
+                self.send_request(envelope);
+            }
+        }
+        if out.identity_refused {
+            self.change_identity(slot);
         }
         if healthy != healthy_before && self.verbose() {
             let name = self.cfg.workers[slot].name.clone();
@@ -417,6 +465,14 @@ impl World {
 
     pub(crate) fn send_request(&mut self, envelope: Envelope) {
         let slot = envelope.slot;
+        if slot >= self.workers.len() {
+            // A TCP probe's own line: local, in order, lossless.
+            self.agenda.push(
+                self.now + crate::time::MILLISECOND / 10,
+                Event::ToServer(Box::new(envelope)),
+            );
+            return;
+        }
         let arrivals = self
             .network
             .send(&mut self.rng, self.now, slot, Way::ToServer);
@@ -472,24 +528,39 @@ impl World {
         };
         let mut out = Outbox::default();
         worker.register_ops(self.now, &mut out);
-        let (incarnation, instance) = (worker.incarnation, worker.instance);
-        let (uid, same_host) = (worker.spec().uid, worker.spec().same_host);
         for (channel, payload) in out.requests {
-            let envelope = Envelope {
-                slot,
-                incarnation,
-                instance,
-                boot: self.server.boot,
-                sent_at: self.now,
-                exiting: true,
-                channel,
-                uid,
-                same_host,
-                payload,
-            };
-            self.agenda
-                .push(self.now + 1, Event::ToServer(Box::new(envelope)));
+            if let Some(mut envelope) = self.envelope_of(slot, channel, payload) {
+                envelope.exiting = true;
+                self.agenda
+                    .push(self.now + 1, Event::ToServer(Box::new(envelope)));
+            }
         }
+    }
+
+    /// The process's `attach` was refused (its id is bound to another secret): a fresh
+    /// id and secret, never used before (row 31).
+    fn change_identity(&mut self, slot: usize) {
+        let instance = self.fresh_instance();
+        let secret = self.fresh_secret();
+        let Some(worker) = self.workers[slot].as_mut() else {
+            return;
+        };
+        let old = worker.instance;
+        let incarnation = worker.incarnation as usize;
+        if let Some(ids) = self.instances[slot].get_mut(incarnation) {
+            ids.push(instance);
+        }
+        let healthy = worker.is_healthy();
+        let mut out = Outbox::default();
+        worker.change_identity(self.now, instance, secret, &mut out);
+        if self.verbose() {
+            let name = self.cfg.workers[slot].name.clone();
+            self.note(format!(
+                "{name}#{incarnation}: its attach of instance {old} was refused (bound to \
+                 another secret); it carries on as instance {instance}"
+            ));
+        }
+        self.after_worker(slot, out, healthy);
     }
 
     fn exited(&mut self, slot: usize) {
@@ -571,13 +642,36 @@ impl World {
         {
             return; // the connection it travelled on is gone
         }
+        // A connection the process replaced (it reconnected, or drew a fresh id) is
+        // closed: what still travelled on it is lost.
+        let line = (
+            envelope.boot,
+            envelope.slot,
+            envelope.incarnation,
+            envelope.channel,
+        );
+        // Only processes that moved past their first connection are recorded.
+        if envelope.epoch > 0 || !self.socket_epochs.is_empty() {
+            let newest = self.socket_epochs.entry(line).or_insert(envelope.epoch);
+            if envelope.epoch < *newest {
+                return;
+            }
+            *newest = envelope.epoch;
+        }
         if let Payload::Bytes(bytes) = &envelope.payload {
             let decoded = kvwarden_core::protocol::decode_request(bytes);
             envelope.payload = Payload::Decoded(decoded);
         }
         // Evidence of life: a request of the process naming its own instance reached
-        // the socket, whether or not the server has read it yet.
+        // the socket, whether or not the server has read it yet (unless the id is
+        // bound to another secret: the process's requests naming it are refused).
+        let own = !envelope.tcp
+            && envelope.secret.is_some_and(|secret| {
+                self.checker
+                    .would_attach(envelope.instance, &secret, envelope.uid)
+            });
         match envelope.op() {
+            _ if !own => {}
             Some(kvwarden_core::protocol::Op::Ping {
                 instance: Some(named),
             }) if *named == envelope.instance => {
@@ -718,6 +812,9 @@ impl World {
     }
 
     fn send_reply(&mut self, reply: ReplyEnvelope) {
+        if reply.slot >= self.workers.len() {
+            return; // a TCP probe's: the checker read it at the server
+        }
         let arrivals = self
             .network
             .send(&mut self.rng, self.now, reply.slot, Way::ToWorker);
@@ -752,8 +849,8 @@ impl World {
     }
 
     fn name_of(&self, instance: InstanceId) -> String {
-        for (slot, ids) in self.instances.iter().enumerate() {
-            if let Some(incarnation) = ids.iter().position(|&id| id == instance) {
+        for (slot, incarnations) in self.instances.iter().enumerate() {
+            if let Some(incarnation) = incarnations.iter().position(|ids| ids.contains(&instance)) {
                 return format!("{}#{incarnation}", self.cfg.workers[slot].name);
             }
         }

@@ -259,6 +259,49 @@ fn a_node_whose_ping_waits_with_l2_on_is_caught() {
 }
 
 #[test]
+fn a_node_that_trusts_any_connection_serves_the_impostor_and_is_caught() {
+    // Row 30: the same-uid impostor's ping of w0's instance, from a connection that
+    // never attached it, is answered (and refreshes w0) instead of `forbidden`.
+    let (class, invariant, detail) = violation_with_bug(
+        "30-same-uid-impostor-forbidden.toml",
+        "trust_any_connection",
+    );
+    assert_eq!(
+        (class, invariant),
+        (Class::Safety, "non_owner_served"),
+        "{detail}"
+    );
+    assert!(detail.contains("not `forbidden`"), "{detail}");
+}
+
+#[test]
+fn a_node_that_trusts_any_connection_is_caught_on_tcp_too() {
+    // Row 32: the authenticated TCP peer attached nothing, yet its requests naming the
+    // workers' instances are served.
+    let (class, invariant, detail) =
+        violation_with_bug("32-tcp-peer-without-token.toml", "trust_any_connection");
+    assert_eq!(
+        (class, invariant),
+        (Class::Safety, "non_owner_served"),
+        "{detail}"
+    );
+}
+
+#[test]
+fn a_node_with_one_keyspace_for_every_tenant_reveals_chunks_and_is_caught() {
+    // Row 33: the other tenant's retrieve of a key only the victims' tenant stored is
+    // answered with their bytes (or a victim reads the poacher's).
+    let (class, invariant, detail) =
+        violation_with_bug("33-other-tenant-keys-apart.toml", "shared_keyspace");
+    assert_eq!(
+        (class, invariant),
+        (Class::Safety, "non_owner_served"),
+        "{detail}"
+    );
+    assert!(detail.contains("never stored"), "{detail}");
+}
+
+#[test]
 fn an_l2_fault_without_l2_is_a_bad_scenario() {
     let text = "name = \"x\"\nduration_seconds = 10\n[[workers]]\n[[events]]\nat_seconds = 1\naction = \"l2_down\"\n";
     let error = scenario::parse(Path::new("l2.toml"), text).expect_err("no [l2]");
@@ -582,5 +625,153 @@ mod row_26 {
         checker.transfer(5 * SECOND, (id, ED), Err(TransferError::NotRegistered));
         checker.ping(6 * SECOND, id, true);
         assert!(checker.violation.is_none(), "{:?}", checker.violation);
+    }
+}
+
+// Rows 30–33: the trust rules' reference model, driven the way a node that let a
+// non-owner through would drive it.
+
+mod who_is_who {
+    use kvwarden_core::InstanceId;
+    use kvwarden_core::protocol::Op;
+    use kvwarden_sim::invariants::{AttachExpect, Checker, Read, Verdict, prefix_of};
+    use kvwarden_sim::time::SECOND;
+    use kvwarden_sim::violation::Class;
+    use rmpv::Value;
+
+    fn checker() -> Checker {
+        let mut checker = Checker::new(0, 30 * SECOND, 60 * SECOND, SECOND, 5 * SECOND);
+        checker.set_trust(1000, Some(b"0123456789abcdef-token".to_vec()));
+        checker
+    }
+
+    fn outcome(label: &str) -> Result<Value, kvwarden_core::protocol::ProtocolError> {
+        Ok(Value::Map(vec![("outcome".into(), label.into())]))
+    }
+
+    #[test]
+    fn a_wrong_secret_attach_the_node_accepts_is_non_owner_served() {
+        let mut checker = checker();
+        let id = InstanceId::new(9).unwrap();
+        checker.connected(1, Some(1000));
+        checker.connected(2, Some(1000));
+        let owner = Op::Attach {
+            instance: id,
+            secret: vec![1; 32],
+        };
+        let verdict = checker.verdict(1, &owner);
+        checker.judge_trust(1, "attach", Some(id), &verdict, Some(&outcome("claimed")));
+        assert!(checker.violation.is_none(), "{:?}", checker.violation);
+        // The owner's own connection may now name it; the impostor's may not.
+        let ping = Op::Ping { instance: Some(id) };
+        assert_eq!(checker.verdict(1, &ping), Verdict::Allowed);
+        assert!(matches!(checker.verdict(2, &ping), Verdict::Refused(_)));
+        let thief = Op::Attach {
+            instance: id,
+            secret: vec![2; 32],
+        };
+        let verdict = checker.verdict(2, &thief);
+        assert!(matches!(
+            verdict,
+            Verdict::Attach {
+                expect: AttachExpect::Forbidden,
+                ..
+            }
+        ));
+        checker.judge_trust(2, "attach", Some(id), &verdict, Some(&outcome("proven")));
+        let violation = checker.violation.expect("a stolen capability is caught");
+        assert_eq!(
+            (violation.class, violation.invariant),
+            (Class::Safety, "non_owner_served")
+        );
+    }
+
+    #[test]
+    fn an_id_is_free_again_once_no_connection_and_no_entry_hold_it() {
+        let mut checker = checker();
+        let id = InstanceId::new(3).unwrap();
+        checker.connected(1, Some(1000));
+        let attach = |secret: u8| Op::Attach {
+            instance: id,
+            secret: vec![secret; 32],
+        };
+        let verdict = checker.verdict(1, &attach(1));
+        checker.judge_trust(1, "attach", Some(id), &verdict, Some(&outcome("claimed")));
+        checker.disconnected(1);
+        // Another uid claims the unbound id (a squat): the rules allow it.
+        checker.connected(2, Some(1001));
+        assert!(matches!(
+            checker.verdict(2, &attach(7)),
+            Verdict::Attach {
+                expect: AttachExpect::Claimed,
+                ..
+            }
+        ));
+    }
+
+    #[test]
+    fn a_tcp_peer_is_nobody_until_its_hello_presents_the_token() {
+        let mut checker = checker();
+        checker.connected(5, None);
+        let ping = Op::Ping {
+            instance: Some(InstanceId::new(4).unwrap()),
+        };
+        assert!(matches!(
+            checker.verdict(5, &Op::Status),
+            Verdict::Refused(_)
+        ));
+        let hello = |token: &[u8]| Op::Hello {
+            protocol: 2,
+            client: "t".into(),
+            pidfd_index: None,
+            sends_fds: false,
+            token: Some(token.to_vec()),
+        };
+        let wrong = checker.verdict(5, &hello(b"not-the-token-at-all"));
+        assert_eq!(
+            wrong,
+            Verdict::Hello {
+                authenticates: false
+            }
+        );
+        // A node that accepts it lets a stranger in.
+        checker.judge_trust(5, "hello", None, &wrong, Some(&Ok(Value::Nil)));
+        assert_eq!(
+            checker.violation.as_ref().map(|v| v.invariant),
+            Some("non_owner_served")
+        );
+        let mut checker = self::checker();
+        checker.connected(5, None);
+        let right = checker.verdict(5, &hello(b"0123456789abcdef-token"));
+        checker.judge_trust(5, "hello", None, &right, Some(&Ok(Value::Nil)));
+        assert_eq!(checker.verdict(5, &Op::Status), Verdict::Allowed);
+        assert!(matches!(checker.verdict(5, &ping), Verdict::Refused(_)));
+        assert!(checker.violation.is_none());
+    }
+
+    #[test]
+    fn a_read_answered_with_another_tenants_chunk_is_non_owner_served() {
+        let mut checker = checker();
+        checker.connected(1, Some(1000));
+        checker.connected(2, Some(1001));
+        let mut scoped = prefix_of("uid-1000");
+        scoped.extend_from_slice(b"chunk");
+        checker.published(scoped);
+        let read = Read {
+            prefix: prefix_of("uid-1001"),
+            keys: vec![b"chunk".to_vec()],
+            lookup: false,
+        };
+        // A miss is right, and counted as a poacher kept out.
+        assert_eq!(checker.read_answered("retrieve", &read, &Ok(Value::Nil)), 1);
+        assert!(checker.violation.is_none());
+        checker.read_answered("retrieve", &read, &Ok(Value::from(4096u64)));
+        let violation = checker
+            .violation
+            .expect("another tenant's bytes are caught");
+        assert_eq!(
+            (violation.class, violation.invariant),
+            (Class::Safety, "non_owner_served")
+        );
     }
 }

@@ -69,6 +69,11 @@ scenario_tests! {
     row_27_l2_down_partitioned_or_slow_delays_no_ping_and_reaps_no_one => "27-l2-down-pings-unaffected.toml",
     row_28_a_corrupt_l2_value_is_a_miss_never_served => "28-l2-corrupt-values.toml",
     row_29_only_published_data_reaches_l2_when_a_worker_dies_mid_store => "29-worker-killed-with-reservation-l2.toml",
+    row_30_a_same_uid_impostor_naming_an_instance_is_forbidden_and_refreshes_nothing => "30-same-uid-impostor-forbidden.toml",
+    row_31_a_wrong_secret_is_forbidden_and_a_squatted_id_costs_the_victim_nothing => "31-wrong-secret-and-squatted-id.toml",
+    row_32_a_tcp_peer_without_the_token_is_forbidden_everything => "32-tcp-peer-without-token.toml",
+    row_33_another_tenants_reads_miss_and_its_stores_never_reach_the_victim => "33-other-tenant-keys-apart.toml",
+    row_33_tenants_stay_apart_through_l2_read_through => "33-other-tenant-keys-apart-l2.toml",
 }
 
 #[test]
@@ -91,7 +96,7 @@ fn every_scenario_file_has_a_test_named_for_its_row() {
     for name in &on_disk {
         let row: String = name.chars().take(2).collect();
         assert!(
-            row.parse::<u32>().is_ok_and(|n| (1..=29).contains(&n)),
+            row.parse::<u32>().is_ok_and(|n| (1..=37).contains(&n)),
             "{name} must start with its row number"
         );
     }

@@ -119,6 +119,16 @@ fn the_swarm_catches_injected_bugs_with_the_right_class() {
             Class::Safety,
             "l2_unpublished",
         ),
+        (
+            InjectedBug::TrustAnyConnection,
+            Class::Safety,
+            "non_owner_served",
+        ),
+        (
+            InjectedBug::SharedKeyspace,
+            Class::Safety,
+            "non_owner_served",
+        ),
     ];
     for (bug, class, invariant) in cases {
         let caught = (0..200)

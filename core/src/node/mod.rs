@@ -876,6 +876,11 @@ impl Node {
                 transport,
                 process,
             } => {
+                // A shell that reuses a connection id ends the old connection first:
+                // its proofs go with it, so no binding outlives every connection.
+                if self.conns.contains_key(&conn) {
+                    self.disconnected(conn);
+                }
                 let peer = self.trust.connect(uid);
                 self.conns.insert(
                     conn,

@@ -1,13 +1,14 @@
 //! Faults and operator actions, applied to the running world.
 
 use super::World;
-use crate::config::Action;
+use crate::config::{Action, MAX_IMPERSONATED, TokenChoice};
 use crate::event::Event;
 use crate::message::{Channel, Envelope, Payload};
 use crate::server::{ServerOut, ServerState};
-use crate::time::Nanos;
-use crate::worker::{Outbox, Process, Worker};
-use kvwarden_core::protocol::{BufferSpec, Op};
+use crate::time::{MILLISECOND, Nanos};
+use crate::worker::{Outbox, Process, STORE_BYTES, Worker};
+use kvwarden_core::InstanceId;
+use kvwarden_core::protocol::{BufferSpec, Op, RetrieveItem, RopeSpec};
 
 impl World {
     pub(super) fn apply(&mut self, action: Action) {
@@ -118,7 +119,14 @@ impl World {
             }
             Action::BuildFailureRate(rate) => self.build_failure_rate = rate,
             Action::FreeHangRate(rate) => self.free_hang_rate = rate,
-            Action::Intrude(from, target) => self.intrude(from, target),
+            Action::Intrude(from, target) => {
+                if let Some(victim) = self.workers[target].as_ref().map(|w| w.instance) {
+                    self.intrude(from, &[victim]);
+                }
+            }
+            Action::Impersonate(from) => self.impersonate(from),
+            Action::Poach(from) => self.poach(from),
+            Action::TcpProbe(token) => self.tcp_probe(token),
             Action::L2Down => self.server.l2.down = true,
             Action::L2Partition => self.server.l2.partitioned = true,
             Action::L2Up => {
@@ -132,8 +140,12 @@ impl World {
             Action::L2Garble(slots) => {
                 for slot in slots {
                     if let Some(worker) = self.workers[slot].as_ref() {
-                        // The workers' keys begin with their instance id.
-                        let prefix = worker.instance.get().to_le_bytes();
+                        // The node keys a chunk with its tenant's prefix, then the
+                        // worker's key, which begins with its instance id.
+                        let mut prefix = crate::invariants::prefix_of(
+                            &crate::invariants::uid_tenant(worker.spec().uid),
+                        );
+                        prefix.extend_from_slice(&worker.instance.get().to_le_bytes());
                         self.server.l2.garble(&prefix);
                     }
                 }
@@ -172,19 +184,47 @@ impl World {
         self.after_worker(slot, out, healthy);
     }
 
-    /// Row 23: the process in slot `from` names the instance of the process in slot
-    /// `target` in a ping, a REGISTER, a transfer and an UNREGISTER of every module.
-    fn intrude(&mut self, from: usize, target: usize) {
-        let Some(victim) = self.workers[target].as_ref().map(|w| w.instance) else {
-            return;
-        };
-        let Some(worker) = self.workers[from].as_ref() else {
-            return;
-        };
-        if worker.process != Process::Running {
+    /// A request id for an adversary's request: above any client's own, never reused.
+    fn adversary_id(&mut self) -> u64 {
+        self.adversary_serial += 1;
+        (1 << 62) + self.adversary_serial
+    }
+
+    /// Sends `ops` as the process in slot `from`, on its own (attached) connection.
+    fn send_as(&mut self, from: usize, ops: Vec<Op>) {
+        if !matches!(self.server.state, ServerState::Up | ServerState::Draining) {
             return;
         }
-        let ops = [
+        let running = self.workers[from]
+            .as_ref()
+            .is_some_and(|w| w.process == Process::Running && !w.is_shutting_down());
+        if !running {
+            return;
+        }
+        for op in ops {
+            let fds = usize::from(matches!(op, Op::RegisterKvCache { .. }));
+            let id = self.adversary_id();
+            let payload = Payload::Op { id, op, fds };
+            if let Some(envelope) = self.envelope_of(from, Channel::Main, payload) {
+                self.send_request(envelope);
+            }
+        }
+    }
+
+    /// A secret nobody drew with the instance (the impostor's guess).
+    fn wrong_secret(&mut self) -> Vec<u8> {
+        let mut secret = vec![0u8; 32];
+        for chunk in secret.chunks_mut(8) {
+            chunk.copy_from_slice(&self.rng.next_u64().to_le_bytes());
+        }
+        secret
+    }
+
+    /// Everything an impostor tries with another's instance id `victim`: a ping, a
+    /// REGISTER, a store from and a retrieve into the victim's buffers, a prepare,
+    /// `register_blend`, both UNREGISTERs, and an `attach` with a wrong secret.
+    fn intrusion(&mut self, victim: InstanceId) -> Vec<Op> {
+        vec![
             Op::Ping {
                 instance: Some(victim),
             },
@@ -204,38 +244,238 @@ impl World {
                 offset: 0,
                 nbytes: 16,
             },
+            Op::Retrieve {
+                instance: victim,
+                key: b"intruder".to_vec(),
+                buffer: 0,
+                offset: 0,
+                nbytes: STORE_BYTES,
+            },
             Op::PrepareStore {
                 instance: victim,
                 key: b"intruder".to_vec(),
             },
+            Op::RegisterBlend {
+                instance: victim,
+                rope: RopeSpec {
+                    rotary_dim: 64,
+                    max_positions: 1024,
+                    base: 10_000.0,
+                },
+            },
             Op::UnregisterKvCache { instance: victim },
             Op::UnregisterEngineDriven { instance: victim },
-        ];
-        let base = Envelope {
-            slot: from,
-            incarnation: worker.incarnation,
-            instance: worker.instance,
-            boot: self.server.boot,
-            sent_at: self.now,
-            exiting: false,
-            channel: Channel::Main,
-            uid: worker.spec().uid,
-            same_host: worker.spec().same_host,
-            payload: Payload::Bytes(Vec::new()),
+            Op::Attach {
+                instance: victim,
+                secret: self.wrong_secret(),
+            },
+        ]
+    }
+
+    /// Rows 23, 30, 31: the process in slot `from` names each of `victims` in
+    /// everything of [`World::intrusion`], on its own connection, which attached only
+    /// its own instance (and whatever its wrong-secret attaches claimed).
+    fn intrude(&mut self, from: usize, victims: &[InstanceId]) {
+        let mut ops = Vec::new();
+        for &victim in victims {
+            ops.extend(self.intrusion(victim));
+        }
+        self.send_as(from, ops);
+    }
+
+    /// Rows 30–31: an impostor reads every instance id from the node's status (and
+    /// keeps those it read before a server restart) and intrudes on at most
+    /// [`MAX_IMPERSONATED`] of them, its own excepted.
+    fn impersonate(&mut self, from: usize) {
+        self.read_status();
+        let Some(own) = self.workers[from].as_ref().map(|w| w.instance) else {
+            return;
         };
+        let mut known: Vec<InstanceId> = self
+            .seen_ids
+            .iter()
+            .copied()
+            .filter(|&id| id != own)
+            .collect();
+        while known.len() > MAX_IMPERSONATED {
+            let drop = self.rng.between(0, known.len() as u64 - 1) as usize;
+            known.remove(drop);
+        }
+        if self.verbose() {
+            let name = self.cfg.workers[from].name.clone();
+            self.note(format!("{name} impersonates instances {known:?}"));
+        }
+        self.intrude(from, &known);
+    }
+
+    /// What an impostor learns from the node's status page: every instance id.
+    pub(super) fn read_status(&mut self) {
+        if let Some(node) = self.server.node() {
+            self.seen_ids
+                .extend(node.status().instances.iter().map(|view| view.instance));
+        }
+    }
+
+    /// Row 33 (and 35): the process in slot `from` stores, retrieves and looks up the
+    /// keys of every worker of another tenant (what they stored last, what they store
+    /// next: a chunk's key is a function of its content) with its own instance, and
+    /// tries to register engine-driven.
+    fn poach(&mut self, from: usize) {
+        let Some(poacher) = self.workers[from].as_ref() else {
+            return;
+        };
+        let (own, uid) = (poacher.instance, poacher.spec().uid);
+        let mut ops = Vec::new();
+        for slot in 0..self.workers.len() {
+            let Some(victim) = self.workers[slot].as_ref() else {
+                continue;
+            };
+            if slot == from || victim.spec().uid == uid || victim.process == Process::Dead {
+                continue;
+            }
+            let keys = victim.recent_keys();
+            // Pre-store ("poison") some of the keys it stores next.
+            for key in keys.iter().skip(1).take(4) {
+                if self.rng.chance(0.5) {
+                    ops.push(Op::Store {
+                        instance: own,
+                        key: key.clone(),
+                        buffer: 0,
+                        offset: 0,
+                        nbytes: STORE_BYTES,
+                    });
+                }
+            }
+            // Read what it stored (and what it is about to store).
+            let first = keys[0].clone();
+            ops.push(Op::Retrieve {
+                instance: own,
+                key: first.clone(),
+                buffer: 0,
+                offset: 0,
+                nbytes: STORE_BYTES,
+            });
+            let items = keys
+                .iter()
+                .take(3)
+                .enumerate()
+                .map(|(index, key)| RetrieveItem {
+                    key: key.clone(),
+                    buffer: 0,
+                    offset: index as u64 * STORE_BYTES,
+                    nbytes: STORE_BYTES,
+                })
+                .collect();
+            ops.push(Op::RetrieveBatch {
+                instance: own,
+                items,
+            });
+            ops.push(Op::Lookup {
+                keys: keys.iter().take(3).cloned().collect(),
+            });
+        }
+        if self.rng.chance(0.25) {
+            // Row 35: an untrusted tenant may not map the whole pool.
+            ops.push(Op::RegisterEngineDriven {
+                instance: own,
+                model_name: "poacher".to_string(),
+                world_size: 1,
+            });
+        }
+        self.send_as(from, ops);
+    }
+
+    /// Row 32: a TCP peer connects, says `hello` with `token`, then names every known
+    /// instance (ping, attach with a wrong secret, a REGISTER, a store, a retrieve, an
+    /// UNREGISTER), looks keys up and asks for the status; its connection closes 1 ms
+    /// later.
+    fn tcp_probe(&mut self, token: TokenChoice) {
         if !matches!(self.server.state, ServerState::Up | ServerState::Draining) {
             return;
         }
-        for (index, op) in ops.into_iter().enumerate() {
-            let fds = usize::from(matches!(op, Op::RegisterKvCache { .. }));
-            let mut envelope = base.clone();
-            envelope.payload = Payload::Op {
-                id: (1 << 62) + index as u64,
-                op,
-                fds,
+        self.read_status();
+        let token = match token {
+            TokenChoice::Missing => None,
+            TokenChoice::Wrong => Some(self.wrong_secret()),
+            TokenChoice::Right => self.cfg.server.tcp_token.clone(),
+        };
+        let slot = self.workers.len();
+        self.tcp_probes += 1;
+        let incarnation = self.tcp_probes;
+        let mut known: Vec<InstanceId> = self.seen_ids.iter().copied().collect();
+        known.truncate(MAX_IMPERSONATED);
+        let mut ops = vec![Op::Hello {
+            protocol: kvwarden_core::protocol::PROTOCOL_VERSION,
+            client: "tcp-probe".to_string(),
+            pidfd_index: None,
+            sends_fds: false,
+            token,
+        }];
+        let mut keys = Vec::new();
+        for worker in self.workers.iter().flatten() {
+            keys.extend(worker.recent_keys().into_iter().take(1));
+        }
+        ops.push(Op::Lookup { keys });
+        ops.push(Op::Status);
+        for &victim in &known {
+            ops.push(Op::Ping {
+                instance: Some(victim),
+            });
+            ops.push(Op::Attach {
+                instance: victim,
+                secret: self.wrong_secret(),
+            });
+            ops.push(Op::RegisterKvCache {
+                instance: victim,
+                buffers: Vec::new(),
+                model_name: "tcp-probe".to_string(),
+                world_size: 1,
+            });
+            ops.push(Op::Store {
+                instance: victim,
+                key: b"tcp-probe".to_vec(),
+                buffer: 0,
+                offset: 0,
+                nbytes: 16,
+            });
+            ops.push(Op::Retrieve {
+                instance: victim,
+                key: b"tcp-probe".to_vec(),
+                buffer: 0,
+                offset: 0,
+                nbytes: STORE_BYTES,
+            });
+            ops.push(Op::UnregisterKvCache { instance: victim });
+        }
+        let nobody = InstanceId::new(1).expect("1 is an id");
+        for op in ops {
+            let id = self.adversary_id();
+            let envelope = Envelope {
+                slot,
+                incarnation,
+                instance: nobody,
+                boot: self.server.boot,
+                sent_at: self.now,
+                exiting: false,
+                channel: Channel::Main,
+                uid: u32::MAX,
+                same_host: false,
+                secret: None,
+                epoch: 0,
+                tcp: true,
+                payload: Payload::Op { id, op, fds: 0 },
             };
             self.send_request(envelope);
         }
+        let boot = self.server.boot;
+        self.agenda.push(
+            self.now + MILLISECOND,
+            Event::Disconnect {
+                boot,
+                slot,
+                incarnation,
+            },
+        );
     }
 
     pub(super) fn crash(&mut self, slot: usize) {

@@ -69,19 +69,32 @@ pub struct RunReport {
     pub frees: Vec<(Nanos, FreeRecord)>,
     /// Every entry reaped, with the time: (instance, time).
     pub reaps: Vec<(InstanceId, Nanos)>,
-    /// Instance ids of each slot, by incarnation.
-    pub instances: Vec<Vec<InstanceId>>,
+    /// Instance ids of each slot, by incarnation: the id it started with, then each
+    /// fresh one it drew when its `attach` was refused (row 31).
+    pub instances: Vec<Vec<Vec<InstanceId>>>,
     /// Contexts built per instance.
     pub builds: BTreeMap<InstanceId, u64>,
 }
 
 impl RunReport {
-    /// The id of `slot`'s process number `incarnation`.
+    /// The current id of `slot`'s process number `incarnation` (None: the last one).
     pub fn instance(&self, slot: usize, incarnation: Option<u32>) -> Option<InstanceId> {
-        let ids = self.instances.get(slot)?;
+        let incarnations = self.instances.get(slot)?;
+        let ids = match incarnation {
+            Some(n) => incarnations.get(n as usize)?,
+            None => incarnations.last()?,
+        };
+        ids.last().copied()
+    }
+
+    /// Every id of `slot`'s process number `incarnation` (None: of all its processes).
+    pub fn ids(&self, slot: usize, incarnation: Option<u32>) -> Vec<InstanceId> {
+        let Some(incarnations) = self.instances.get(slot) else {
+            return Vec::new();
+        };
         match incarnation {
-            Some(n) => ids.get(n as usize).copied(),
-            None => ids.last().copied(),
+            Some(n) => incarnations.get(n as usize).cloned().unwrap_or_default(),
+            None => incarnations.iter().flatten().copied().collect(),
         }
     }
 }
