@@ -566,10 +566,17 @@ pub struct Worker {
 impl Worker {
     /// Starts `kvwarden worker` with `args` and waits until it has registered.
     pub fn start(args: &[&str]) -> Worker {
+        Worker::start_with_env(args, &[])
+    }
+
+    /// As [`Worker::start`], with extra environment variables for the worker process
+    /// (e.g. `LD_LIBRARY_PATH` naming the stand-in libcuda of `tests/tests/cuda.rs`).
+    pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Worker {
         let mut child = Command::new(kvwarden_bin())
             .arg("worker")
             .args(args)
             .env("RUST_LOG", "warn")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

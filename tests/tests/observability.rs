@@ -30,7 +30,11 @@ fn http_status_metrics_and_healthz_describe_the_server() {
         instance["instance_id"],
         serde_json::Value::String(worker.instance_id.to_string())
     );
-    assert!(status["boot_id"].as_str().is_some_and(|id| id.parse::<u64>().is_ok()));
+    assert!(
+        status["boot_id"]
+            .as_str()
+            .is_some_and(|id| id.parse::<u64>().is_ok())
+    );
     for field in [
         "module",
         "age_seconds",

@@ -158,8 +158,14 @@ fn reclaim(gpu: &Gpu, args: &ReclaimArgs) -> Result<(), String> {
     } else {
         start_server(&[])?
     };
-    let endpoint: Vec<String> = match (&server.tcp, args.control) {
-        (Some(addr), true) => vec!["--tcp".into(), addr.to_string()],
+    let endpoint: Vec<String> = match (&server.tcp, &server.tcp_token_file, args.control) {
+        // A TCP worker presents the token the started server was given.
+        (Some(addr), Some(token_file), true) => vec![
+            "--tcp".into(),
+            addr.to_string(),
+            "--tcp-token-file".into(),
+            token_file.display().to_string(),
+        ],
         _ => vec!["--socket".into(), server.socket.display().to_string()],
     };
     let tolerance = (args.bytes / 16).max(64 << 20);
