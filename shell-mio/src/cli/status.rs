@@ -109,13 +109,6 @@ pub fn table(status: &Value) -> String {
         number(&contexts["frees_in_flight"]),
         number(&contexts["frees_hung_total"]),
     );
-    out += &format!(
-        "L1: {}/{} slots of {} bytes; connections {}\n",
-        number(&l1["slots_used"]),
-        number(&l1["slots_total"]),
-        number(&l1["slot_bytes"]),
-        number(&status["connections"]),
-    );
     // "tenants: uid-1000 12/256 slots, team-a 40/128 slots (engine-driven)".
     let tenants: Vec<String> = status["tenants"]
         .as_array()
@@ -140,12 +133,17 @@ pub fn table(status: &Value) -> String {
         .unwrap_or_default();
     let trust = &status["trust"];
     out += &format!(
-        "tenants (used/quota): {}; forbidden {}, retrieves of another length {}\n",
+        "L1: {}/{} slots of {} bytes (by tenant, used/quota: {}); connections {}; forbidden \
+         {}, retrieves of another length {}\n",
+        number(&l1["slots_used"]),
+        number(&l1["slots_total"]),
+        number(&l1["slot_bytes"]),
         if tenants.is_empty() {
             "none".to_string()
         } else {
             tenants.join(", ")
         },
+        number(&status["connections"]),
         number(&trust["forbidden_total"]),
         number(&trust["retrieve_length_mismatches_total"]),
     );
