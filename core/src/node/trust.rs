@@ -201,7 +201,6 @@ pub struct Trust {
     by_uid: HashMap<u32, TenantId>,
     tokens: Vec<(blake3::Hash, TenantId)>,
     claims: HashMap<InstanceId, Claim>,
-    server_uid: u32,
     forbidden_total: u64,
 }
 
@@ -225,7 +224,6 @@ impl Trust {
             by_uid: HashMap::new(),
             tokens: Vec::new(),
             claims: HashMap::new(),
-            server_uid,
             forbidden_total: 0,
         };
         for spec in &config.tenants {
@@ -310,11 +308,6 @@ impl Trust {
             },
             None => Peer::default(),
         }
-    }
-
-    /// Whether TCP peers can authenticate at all (some tenant has a token).
-    pub fn accepts_tokens(&self) -> bool {
-        !self.tokens.is_empty()
     }
 
     /// `hello` over TCP: the token must be one the operator gave a tenant.
@@ -509,11 +502,6 @@ impl Trust {
         self.tenants[tenant.0 as usize].engine_driven
     }
 
-    /// `tenant`'s quota in percent (None: a fair share).
-    pub fn quota_percent(&self, tenant: TenantId) -> Option<u32> {
-        self.tenants[tenant.0 as usize].quota_percent
-    }
-
     /// Every tenant, in the order they became known.
     pub fn tenants(&self) -> Vec<TenantView> {
         self.tenants
@@ -536,11 +524,6 @@ impl Trust {
     /// Instance ids bound now.
     pub fn bindings(&self) -> usize {
         self.claims.len()
-    }
-
-    /// The server's own uid.
-    pub fn server_uid(&self) -> u32 {
-        self.server_uid
     }
 }
 
