@@ -13,6 +13,11 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 python=${PYTHON:-python3}
 export KVWARDEN_BIN=${KVWARDEN_BIN:-target/release/kvwarden}
+# No torch (or no interpreter): exit 2 at once, before any pip install.
+if ! "$python" -c 'import torch' 2>/dev/null; then
+  echo "gpu-kv-check: cannot run here: $python has no PyTorch (set PYTHON to an interpreter with a CUDA build of torch)" >&2
+  exit 2
+fi
 if ! "$python" -c 'import msgpack' 2>/dev/null; then
   # The client's one dependency, into a scratch dir (the image has torch, maybe not it).
   deps="$(mktemp -d)"; trap 'rm -rf "$deps"' EXIT

@@ -98,6 +98,35 @@ impl ExportedBuffer {
     }
 }
 
+impl ExportedBuffer {
+    /// Host → device copy into the worker's own allocation (to set up round trips).
+    pub fn write(&self, offset: usize, src: &[u8]) -> Result<(), CudaError> {
+        self.check(offset, src.len())?;
+        self.context.make_current()?;
+        // SAFETY: the range is inside the allocation (checked above).
+        unsafe { sys::cuMemcpyHtoD_v2(self.ptr + offset as u64, src.as_ptr().cast(), src.len()) }
+            .result()
+            .map_err(|error| CudaError::Driver {
+                call: "cuMemcpyHtoD",
+                device: self.context.device,
+                error,
+            })
+    }
+
+    /// Sets every byte of the allocation to `byte`.
+    pub fn fill(&self, byte: u8) -> Result<(), CudaError> {
+        self.context.make_current()?;
+        // SAFETY: `ptr` points to `nbytes` bytes allocated by `allocate`.
+        unsafe { sys::cuMemsetD8_v2(self.ptr, byte, self.nbytes) }
+            .result()
+            .map_err(|error| CudaError::Driver {
+                call: "cuMemsetD8",
+                device: self.context.device,
+                error,
+            })
+    }
+}
+
 impl Drop for ExportedBuffer {
     fn drop(&mut self) {
         if self.context.make_current().is_ok() {
