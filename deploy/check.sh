@@ -4,7 +4,9 @@
 #
 #   systemd/kvwarden.service     systemd-analyze verify (a copy whose ExecStart is the
 #                                binary built here; any warning about the unit fails)
-#   kubernetes/*.yaml            kubernetes-validate --strict, offline (bundled schemas)
+#   kubernetes/*.yaml            kubernetes-validate --strict, offline (bundled schemas);
+#                                the NetworkPolicy selects the DaemonSet's pods, admits
+#                                only its HTTP port and only from named sources
 #   prometheus/kvwarden-rules*   promtool check rules, promtool test rules
 #   grafana/kvwarden.json        valid JSON, unique panel ids, a query per panel
 #   a live kvwarden serve        promtool check metrics on its /metrics; every metric
@@ -34,6 +36,7 @@ die() { printf 'deploy/check.sh: %s\n' "$1" >&2; exit 1; }
 # Every file here is checked below; a new one must be added to a check.
 say "every file under deploy/ has a check"
 known="check.sh check-metrics.py systemd/kvwarden.service kubernetes/daemonset.yaml
+kubernetes/networkpolicy.yaml
 prometheus/kvwarden-rules.yml prometheus/kvwarden-rules.test.yml grafana/kvwarden.json"
 while IFS= read -r file; do
   grep -qxF "$file" <<<"$(tr ' ' '\n' <<<"$known")" \
@@ -92,6 +95,31 @@ offline=()
 # No network namespace of its own where it may: proves the schemas are local.
 if unshare -n true 2>/dev/null; then offline=(unshare -n); fi
 "${offline[@]}" "$venv/bin/kubernetes-validate" --strict "$here"/kubernetes/*.yaml
+
+say "kubernetes: the NetworkPolicy selects the DaemonSet's pods and admits only its HTTP port"
+"$venv/bin/python" - "$here/kubernetes/daemonset.yaml" "$here/kubernetes/networkpolicy.yaml" <<'PY'
+import sys, yaml
+daemonset = yaml.safe_load(open(sys.argv[1]))
+policy = yaml.safe_load(open(sys.argv[2]))
+pod = daemonset["spec"]["template"]
+labels = pod["metadata"]["labels"]
+container = next(c for c in pod["spec"]["containers"] if c["name"] == "kvwarden")
+http_ports = {p["containerPort"] for p in container["ports"] if p["name"] == "http"}
+selector = policy["spec"]["podSelector"]["matchLabels"]
+problems = []
+if any(labels.get(k) != v for k, v in selector.items()):
+    problems.append(f"podSelector {selector} does not select the DaemonSet's pods {labels}")
+if policy["spec"].get("policyTypes") != ["Ingress"]:
+    problems.append("policyTypes must be [Ingress]: every other ingress denied")
+ports = {p["port"] for rule in policy["spec"]["ingress"] for p in rule.get("ports", [])}
+if not ports or ports != http_ports:
+    problems.append(f"admitted ports {ports} are not the HTTP port {http_ports}")
+if any(not rule.get("from") for rule in policy["spec"]["ingress"]):
+    problems.append("an ingress rule without `from` admits every pod in the cluster")
+if problems:
+    sys.exit("networkpolicy.yaml: " + "; ".join(problems))
+print(f"ok: pods {selector}, port {sorted(ports)} from {len(policy['spec']['ingress'])} source rule(s)")
+PY
 
 say "prometheus: promtool check rules, promtool test rules"
 promtool check rules "$here/prometheus/kvwarden-rules.yml"

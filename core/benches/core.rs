@@ -331,6 +331,7 @@ fn c7_node_ping() {
         shutdown_drain: Duration::from_secs(10),
         cuda_devices: Err("none".into()),
         l2: None,
+        connections: kvwarden_core::node::admission::ConnectionLimits::unbounded(),
     };
     let now = Instant::from_nanos(1_000_000_000);
     let mut node = Node::new(config, now).unwrap();

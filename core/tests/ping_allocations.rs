@@ -67,6 +67,7 @@ fn config() -> NodeConfig {
         free_watchdog: Duration::from_secs(10),
         shutdown_drain: Duration::from_secs(10),
         cuda_devices: Err("none".into()),
+        connections: kvwarden_core::node::admission::ConnectionLimits::unbounded(),
         l2: None,
     }
 }

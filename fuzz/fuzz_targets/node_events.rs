@@ -308,6 +308,7 @@ fuzz_target!(|input: (bool, Vec<Step>)| {
         free_watchdog: Duration::from_millis(500),
         shutdown_drain: Duration::from_millis(500),
         cuda_devices: Err("none".into()),
+        connections: kvwarden_core::node::admission::ConnectionLimits::unbounded(),
         l2: with_l2.then(|| L2NodeConfig {
             timeout: Duration::from_millis(50),
             write_queue_bytes: 3 * 4096,

@@ -354,6 +354,7 @@ fuzz_target!(|steps: Vec<Step>| {
         free_watchdog: Duration::from_millis(500),
         shutdown_drain: Duration::from_millis(500),
         cuda_devices: Err("none".into()),
+        connections: kvwarden_core::node::admission::ConnectionLimits::unbounded(),
         l2: None,
     };
     #[allow(unused_mut)]

@@ -381,6 +381,7 @@ impl Server {
             shutdown_drain: SHUTDOWN_DRAIN,
             cuda_devices: Err("the simulator has no CUDA".to_string()),
             l2: self.spec.l2.node_config(),
+            connections: kvwarden_core::node::admission::ConnectionLimits::unbounded(),
         };
         #[allow(unused_mut)]
         let mut node = Node::new(config, instant(now)).map_err(|error| error.to_string())?;

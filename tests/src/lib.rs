@@ -248,6 +248,44 @@ impl Server {
         )
     }
 
+    /// As [`Server::start`], but under an open-file limit of `fds` (soft and hard,
+    /// `prlimit`), so that the fd budget derived from it is small enough to reach.
+    pub fn start_with_open_files(dir: &TempDir, fds: u64, extra: &[&str]) -> Server {
+        let nofile = format!("--nofile={fds}:{fds}");
+        let wrapper = ["prlimit", nofile.as_str(), "--"];
+        Server::spawn_as(
+            dir,
+            &merge_flags(SHORT_TIMEOUTS, extra),
+            &[],
+            Some(&wrapper),
+            None,
+        )
+    }
+
+    /// The fds the server process holds now (`/proc/<pid>/fd`).
+    pub fn open_fds(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.child.id()))
+            .map(|entries| entries.count())
+            .unwrap_or(0)
+    }
+
+    /// The value of the counter `name` (a full sample name, `…_total`) whose labels
+    /// include every `label="value"` of `labels`, from `/metrics`; 0 when absent.
+    pub fn counter(&self, name: &str, labels: &[(&str, &str)]) -> u64 {
+        let (code, body) = self.http_get("/metrics");
+        assert_eq!(code, 200, "{body}");
+        body.lines()
+            .filter(|line| line.starts_with(name) && line[name.len()..].starts_with('{'))
+            .filter(|line| {
+                labels
+                    .iter()
+                    .all(|(label, value)| line.contains(&format!("{label}=\"{value}\"")))
+            })
+            .filter_map(|line| line.rsplit(' ').next()?.parse::<f64>().ok())
+            .map(|value| value as u64)
+            .sum()
+    }
+
     /// As [`Server::start`], but the server runs in a PID namespace of its own (and a
     /// `/proc` of that namespace), as in a container without `hostPID`: every worker
     /// started by the test is outside it, so `SO_PEERCRED` shows it pid 0. Check

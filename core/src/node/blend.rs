@@ -12,8 +12,13 @@ use std::collections::HashMap;
 pub const MAX_TABLE_BYTES: u64 = 256 << 20;
 
 /// The most bytes every instance's tables (and those being computed) may take
-/// together; beyond it `register_blend` is answered `overloaded`.
-pub const MAX_TOTAL_BYTES: u64 = 4 << 30;
+/// together; beyond it `register_blend` is answered `overloaded`. Fitted to the
+/// DaemonSet's memory: its limit leaves 2 GiB above the L1 pool (failure mode 47).
+pub const MAX_TOTAL_BYTES: u64 = 1 << 30;
+
+/// The most bytes one tenant's instances' tables may take together: three quarters of
+/// [`MAX_TOTAL_BYTES`], so that a quarter always stays for the other tenants.
+pub const MAX_TENANT_BYTES: u64 = MAX_TOTAL_BYTES - MAX_TOTAL_BYTES / 4;
 
 /// Identifies one computation of rope tables.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -93,6 +98,23 @@ impl BlendBook {
                 .values()
                 .map(|&(_, _, bytes)| bytes)
                 .sum::<u64>()
+    }
+
+    /// Bytes held and being computed by the instances `belongs` picks (a tenant's).
+    pub fn committed_bytes_of(&self, mut belongs: impl FnMut(InstanceId) -> bool) -> u64 {
+        let held: u64 = self
+            .held
+            .iter()
+            .filter(|(instance, _)| belongs(**instance))
+            .map(|(_, &(_, bytes))| bytes)
+            .sum();
+        let pending: u64 = self
+            .pending
+            .iter()
+            .filter(|(instance, _)| belongs(**instance))
+            .map(|(_, &(_, _, bytes))| bytes)
+            .sum();
+        held + pending
     }
 
     /// Computation `id` of `bytes` for `instance` starts; it replaces any still running.

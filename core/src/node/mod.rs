@@ -22,6 +22,7 @@
 //! 3. drain `poll_output`, carrying out each output;
 //! 4. sleep until `poll_timeout`, or the next input.
 
+pub mod admission;
 pub mod blend;
 pub mod engine;
 pub mod l1;
@@ -164,6 +165,8 @@ pub struct NodeConfig {
     pub cuda_devices: Result<u64, String>,
     /// The L2 tier (`--l2`), or None: no L2 output is ever produced.
     pub l2: Option<L2NodeConfig>,
+    /// Connections held at once, all together and per uid ([`Node::admits`]).
+    pub connections: admission::ConnectionLimits,
 }
 
 /// Something that arrived: a request, a connection, a completion, a signal.
@@ -735,6 +738,7 @@ pub struct Node {
     frees_hung: u64,
     l2: Option<L2Tier>,
     trust: Trust,
+    admission: admission::Admission,
     length_mismatches: u64,
     #[cfg(feature = "planted-bugs")]
     bug: Option<PlantedBug>,
@@ -808,6 +812,7 @@ impl Node {
             l1,
             l2,
             trust,
+            admission: admission::Admission::new(config.connections),
             length_mismatches: 0,
             config,
             liveness,
@@ -861,6 +866,12 @@ impl Node {
         }
     }
 
+    /// Whether a peer of `uid` (None: TCP) may open one more connection now: the
+    /// shell asks before it accepts one into the node ([`admission`]).
+    pub fn admits(&self, uid: Option<u32>) -> Result<(), admission::Refused> {
+        self.admission.admits(uid)
+    }
+
     /// The configuration.
     pub fn config(&self) -> &NodeConfig {
         &self.config
@@ -882,6 +893,7 @@ impl Node {
                     self.disconnected(conn);
                 }
                 let peer = self.trust.connect(uid);
+                self.admission.connected(uid);
                 self.conns.insert(
                     conn,
                     Conn {
@@ -1094,6 +1106,7 @@ impl Node {
         let Some(connection) = self.conns.remove(&conn) else {
             return;
         };
+        self.admission.disconnected(connection.uid);
         for instance in self.trust.disconnect(connection.peer) {
             let holds_entry = Module::ALL
                 .iter()
@@ -1156,6 +1169,7 @@ mod tests {
             shutdown_drain: SHUTDOWN_DRAIN,
             cuda_devices: Err("none".into()),
             l2: None,
+            connections: crate::node::admission::ConnectionLimits::unbounded(),
         };
         Node::new(config, Instant::ZERO).unwrap()
     }

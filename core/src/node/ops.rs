@@ -147,6 +147,12 @@ impl Node {
             }
             Op::Lookup { keys } => {
                 let l1_count = self.l1.lookup_prefix(&keys);
+                // Its L2 remainder runs as a job: counted in the connection's cap, as
+                // every transfer is (failure mode 46).
+                if self.l2.is_some() && (l1_count as usize) < keys.len() && !self.has_room(to.conn)
+                {
+                    return Some(Err(overloaded()));
+                }
                 self.l2_lookup(now, to, &keys, l1_count)
                     .map(|count| Ok(count.into()))
             }
@@ -1097,6 +1103,33 @@ impl Node {
                     blend::MAX_TOTAL_BYTES
                 ),
             )));
+        }
+        // One tenant's instances together stay within their share (failure mode 47).
+        let tenant_of = |records: &BTreeMap<(InstanceId, Module), Record>, id: InstanceId| {
+            Module::ALL
+                .iter()
+                .find_map(|&module| records.get(&(id, module)).map(|record| record.tenant))
+        };
+        if let Some(tenant) = tenant_of(&self.records, instance) {
+            let records = &self.records;
+            let tenant_committed = self.blend.committed_bytes_of(|other| {
+                other != instance && tenant_of(records, other) == Some(tenant)
+            });
+            if tenant_committed.saturating_add(bytes) > blend::MAX_TENANT_BYTES {
+                return Some(Err(ProtocolError::new(
+                    ErrorCode::Overloaded,
+                    format!(
+                        "`register_blend`: {bytes} more bytes of rope tables would take tenant \
+                         {:?} past its share of {} bytes ({tenant_committed} held or being \
+                         computed by its other instances; a quarter of the server's {} is kept \
+                         for other tenants); unregister instances it no longer uses, or lower \
+                         max_positions",
+                        self.trust.name(tenant),
+                        blend::MAX_TENANT_BYTES,
+                        blend::MAX_TOTAL_BYTES,
+                    ),
+                )));
+            }
         }
         if !self.has_room(to.conn) {
             return Some(Err(overloaded()));

@@ -568,6 +568,7 @@ mod tests {
             shutdown_drain: SHUTDOWN_DRAIN,
             cuda_devices: Err("none".into()),
             l2: None,
+            connections: crate::node::admission::ConnectionLimits::unbounded(),
         };
         Node::new(config, at(0.0)).unwrap()
     }

@@ -6,7 +6,7 @@
 //! arguments are checked in order against its shape; the first mismatch is the answer.
 
 use super::error::{DecodeError, ErrorCode, ProtocolError};
-use super::request::{MAX_BATCH_ITEMS, OP_NAMES};
+use super::request::{MAX_BATCH_ITEMS, MAX_KEY_BYTES, MAX_TEXT_BYTES, OP_NAMES};
 use super::{MAX_DEPTH, PROTOCOL_VERSION};
 use crate::InstanceId;
 use rmpv::Value;
@@ -261,6 +261,15 @@ fn check_args(op: &str, items: &[Value]) -> Result<(), ProtocolError> {
                 if !keys.iter().all(is_key) {
                     return Err(a.wrong(index, "keys", "an array of bin"));
                 }
+                if keys.len() > MAX_BATCH_ITEMS {
+                    return Err(a.mismatch(format!(
+                        "{} keys; a lookup holds at most {MAX_BATCH_ITEMS}; split it",
+                        keys.len()
+                    )));
+                }
+                for (position, key) in keys.iter().enumerate() {
+                    a.key_length(key, &format!("keys[{position}]"))?;
+                }
             }
             Arg::Buffers => a.buffers(index)?,
             Arg::StoreItems => a.batch_items(index, &["key", "buffer", "offset", "nbytes"])?,
@@ -361,6 +370,10 @@ impl Args<'_> {
 
     fn string(&self, index: usize, name: &str) -> Result<(), ProtocolError> {
         match self.items.get(index).and_then(Value::as_str) {
+            Some(text) if text.len() > MAX_TEXT_BYTES => Err(self.mismatch(format!(
+                "{name} is {} bytes; at most {MAX_TEXT_BYTES}",
+                text.len()
+            ))),
             Some(_) => Ok(()),
             None => Err(self.wrong(index, name, "a UTF-8 string")),
         }
@@ -368,9 +381,24 @@ impl Args<'_> {
 
     fn bin(&self, index: usize, name: &str) -> Result<(), ProtocolError> {
         match self.items.get(index) {
-            Some(value) if is_key(value) => Ok(()),
+            Some(value) if is_key(value) => self.key_length(value, name),
             _ => Err(self.wrong(index, name, "bin")),
         }
+    }
+
+    /// A key (or bin) past [`MAX_KEY_BYTES`] is refused naming its size.
+    fn key_length(&self, value: &Value, name: &str) -> Result<(), ProtocolError> {
+        let len = match value {
+            Value::Binary(bytes) => bytes.len(),
+            Value::String(text) => text.as_bytes().len(),
+            _ => 0,
+        };
+        if len > MAX_KEY_BYTES {
+            return Err(self.mismatch(format!(
+                "{name} is {len} bytes; a key holds at most {MAX_KEY_BYTES} (hash long keys)"
+            )));
+        }
+        Ok(())
     }
 
     fn map(&self, index: usize, name: &str) -> Result<&[(Value, Value)], ProtocolError> {
@@ -409,6 +437,9 @@ impl Args<'_> {
                 )));
             }
             for (part, name) in parts.iter().zip(fields) {
+                if *name == "key" && is_key(part) {
+                    self.key_length(part, &format!("items[{position}].key"))?;
+                }
                 let fits = if *name == "key" {
                     is_key(part)
                 } else {

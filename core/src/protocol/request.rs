@@ -47,6 +47,15 @@ pub enum BufferSpec {
 /// one step's blocks, and its reply and pending copies must stay bounded.
 pub const MAX_BATCH_ITEMS: usize = 1024;
 
+/// The longest key (and any bin argument) accepted: keys are held in the L1 index and
+/// L2 as they come, so their size is bounded like everything a peer makes the server
+/// hold (failure mode 46). A content hash with a model prefix is well under it.
+pub const MAX_KEY_BYTES: usize = 4096;
+
+/// The longest string argument accepted (`model_name`, `hello`'s client name): names,
+/// echoed in `status`, where five 900 KB names once made the reply too large.
+pub const MAX_TEXT_BYTES: usize = 256;
+
 /// One item of `store_batch`: what `store` takes, less the instance.
 #[derive(Clone, Debug, PartialEq)]
 pub struct StoreItem {

@@ -16,7 +16,8 @@
 
 use super::MAX_DEPTH;
 use super::request::{
-    BufferSpec, MAX_BATCH_ITEMS, OP_NAMES, Op, Request, RetrieveItem, RopeSpec, StoreItem,
+    BufferSpec, MAX_BATCH_ITEMS, MAX_KEY_BYTES, MAX_TEXT_BYTES, OP_NAMES, Op, Request,
+    RetrieveItem, RopeSpec, StoreItem,
 };
 use crate::InstanceId;
 use serde::Deserialize;
@@ -185,7 +186,7 @@ impl<'de> DeserializeSeed<'de> for ArgsSeed {
             "lookup" => {
                 let (Bounded(keys),): (Bounded<Key>,) = array(d)?;
                 Op::Lookup {
-                    keys: keys.into_iter().map(|Key(key)| key).collect(),
+                    keys: batch(keys)?.into_iter().map(|Key(key)| key).collect(),
                 }
             }
             "register_engine_driven" => {
@@ -400,10 +401,13 @@ impl<'de> Deserialize<'de> for Key {
                 f.write_str("bin")
             }
             fn visit_bytes<E: de::Error>(self, bytes: &[u8]) -> Result<Key, E> {
+                if bytes.len() > MAX_KEY_BYTES {
+                    return Err(E::custom("key too long"));
+                }
                 Ok(Key(bytes.to_vec()))
             }
             fn visit_str<E: de::Error>(self, text: &str) -> Result<Key, E> {
-                Ok(Key(text.as_bytes().to_vec()))
+                self.visit_bytes(text.as_bytes())
             }
         }
         deserializer.deserialize_bytes(KeyVisitor)
@@ -422,6 +426,9 @@ impl<'de> Deserialize<'de> for Text {
                 f.write_str("a UTF-8 string")
             }
             fn visit_str<E: de::Error>(self, text: &str) -> Result<Text, E> {
+                if text.len() > MAX_TEXT_BYTES {
+                    return Err(E::custom("string too long"));
+                }
                 Ok(Text(text.to_owned()))
             }
         }

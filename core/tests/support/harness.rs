@@ -88,6 +88,7 @@ impl Harness {
             free_watchdog: secs(5.0),
             shutdown_drain: secs(10.0),
             cuda_devices: Err("no CUDA in tests".into()),
+            connections: kvwarden_core::node::admission::ConnectionLimits::unbounded(),
             l2,
         };
         let mut harness = Harness {

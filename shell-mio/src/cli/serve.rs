@@ -78,9 +78,28 @@ pub struct ServeArgs {
     #[arg(long, default_value = "1M", value_name = "BYTES", value_parser = super::parse_bytes)]
     max_frame_bytes: u64,
     /// The most worker connections held at once [default: 10000, lowered to what the
-    /// open-file limit holds: 2 fds per connection, 256 kept aside].
+    /// open-file limit holds: 2 fds per connection, 256 and a quarter of the limit kept
+    /// aside (the quarter for fds on their way in frames)].
     #[arg(long, value_name = "N")]
     max_connections: Option<usize>,
+    /// The most connections one uid holds at once; all TCP peers together count as one
+    /// uid. Past it that uid's new connections are refused (kvwarden_connections_cut_total
+    /// {reason="uid_share"}) while other uids still connect [default: three quarters of
+    /// --max-connections].
+    #[arg(long, value_name = "N")]
+    max_connections_per_uid: Option<usize>,
+    /// A request frame must arrive whole within this of its first byte (the first frame
+    /// within this of the connection's accept), and an HTTP request be read and answered
+    /// within it; otherwise the connection is cut (a slow or stalled peer holds no slot).
+    /// Idle connections between frames are never cut: a worker that only pings keeps its
+    /// connection.
+    #[arg(long, default_value_t = 10.0, value_name = "SECONDS")]
+    frame_timeout_seconds: f64,
+    /// Accept memfd buffers on hugetlbfs (MFD_HUGETLB). Off by default: mapping one
+    /// reserves the node's huge pages for the server and charges them to the server's
+    /// memory, so a worker could exhaust the pool for every other process.
+    #[arg(long)]
+    allow_hugetlb_buffers: bool,
     /// A context free still running after this long is logged and counted
     /// (kvwarden_frees_hung_total); it never blocks pings or other frees.
     #[arg(long, default_value_t = 10.0, value_name = "SECONDS")]
@@ -397,6 +416,19 @@ fn server_config(args: ServeArgs) -> Result<ServerConfig, String> {
     if args.max_connections == Some(0) {
         return Err("invalid --max-connections 0: at least 1".into());
     }
+    if args.max_connections_per_uid == Some(0) {
+        return Err("invalid --max-connections-per-uid 0: at least 1".into());
+    }
+    let frame_timeout = Duration::try_from_secs_f64(args.frame_timeout_seconds)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| {
+            format!(
+                "invalid --frame-timeout-seconds {}: use a positive number of seconds (the \
+                 default is 10)",
+                args.frame_timeout_seconds
+            )
+        })?;
     let free_watchdog = Duration::try_from_secs_f64(args.free_watchdog_seconds)
         .ok()
         .filter(|d| !d.is_zero())
@@ -419,6 +451,9 @@ fn server_config(args: ServeArgs) -> Result<ServerConfig, String> {
         max_frame_bytes,
         max_connections: args.max_connections.unwrap_or(DEFAULT_MAX_CONNECTIONS),
         max_connections_from_flag: args.max_connections.is_some(),
+        max_connections_per_uid: args.max_connections_per_uid,
+        frame_timeout,
+        allow_hugetlb_buffers: args.allow_hugetlb_buffers,
         free_watchdog,
         pool_threads: args.pool_threads,
         l2,

@@ -18,6 +18,11 @@ use std::mem::MaybeUninit;
 const MAX_FDS_PER_READ: usize = 32;
 /// Bytes read per system call.
 const READ_CHUNK_BYTES: usize = 64 * 1024;
+/// fds one connection may hold that no complete frame has taken yet: the most one frame
+/// may carry (a registration's buffers and a pidfd). Past it the connection is closed
+/// and its fds with it: one fd sent over and over inside a frame that never completes
+/// would otherwise fill the server's fd table (row 43).
+pub const MAX_HELD_FDS: usize = kvwarden_core::node::MAX_BUFFERS_PER_REGISTRATION + 1;
 /// Replies carrying fds queued at once: each holds a duplicated fd until it is sent,
 /// so a peer that asks for many and reads none is cut off long before the server runs
 /// out of descriptors.
@@ -148,6 +153,9 @@ pub struct Connection {
     ///
     /// [`ReadWithoutFds`]: kvwarden_core::node::Output::ReadWithoutFds
     pub reads_fds: bool,
+    /// When the frame now arriving began: its first byte was read (or, for the first
+    /// frame, the connection was accepted). None while no partial frame is buffered.
+    frame_started: Option<std::time::Instant>,
 }
 
 impl Connection {
@@ -175,7 +183,28 @@ impl Connection {
             close_after_flush: false,
             writable_interest: false,
             reads_fds: true,
+            frame_started: Some(std::time::Instant::now()),
         }
+    }
+
+    /// fds received that no complete frame has taken yet.
+    pub fn held_fds(&self) -> usize {
+        self.fds.len()
+    }
+
+    /// Notes that a partial frame is buffered as of `now` (its clock starts at the
+    /// first call that sees it); call after the frames read were handled.
+    pub fn note_partial_frame(&mut self, now: std::time::Instant) {
+        if self.consumed < self.input.len() {
+            self.frame_started.get_or_insert(now);
+        }
+    }
+
+    /// Whether a frame has been arriving for longer than `timeout` (or the first frame
+    /// has not arrived within it of the accept): a slow or stalled peer.
+    pub fn frame_overdue(&self, now: std::time::Instant, timeout: std::time::Duration) -> bool {
+        self.frame_started
+            .is_some_and(|started| now.saturating_duration_since(started) > timeout)
     }
 
     /// One read (one system call), up to the input bound.
@@ -280,6 +309,7 @@ impl Connection {
         }
         let body = read_body(&self.input[self.consumed + LENGTH_PREFIX_BYTES..][..body_len]);
         self.consumed += total;
+        self.frame_started = None;
         Ok(Some(Frame { body, fds }))
     }
 

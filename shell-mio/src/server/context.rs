@@ -124,6 +124,18 @@ pub struct BuildRequest {
     pub model_name: String,
     /// The GPUs, when the request has `cuda_ipc` buffers (checked before the build).
     pub gpu: Option<Arc<Gpu>>,
+    /// Memfds on hugetlbfs are accepted (`--allow-hugetlb-buffers`).
+    pub allow_hugetlb: bool,
+}
+
+/// `statfs.f_type` of hugetlbfs (`HUGETLBFS_MAGIC`).
+const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
+
+/// Whether `fd` lives on hugetlbfs (`memfd_create(MFD_HUGETLB)`): its pages come from
+/// the node's huge-page pool, reserved by the server's mapping and charged to it.
+fn on_hugetlbfs(fd: &OwnedFd) -> bool {
+    #[allow(clippy::useless_conversion, clippy::unnecessary_cast)] // f_type's width varies
+    rustix::fs::fstatfs(fd).is_ok_and(|fs| i64::from(fs.f_type as i64) == HUGETLBFS_MAGIC)
 }
 
 /// Builds a server-driven context: checks and seals each memfd, then maps it. Runs on
@@ -133,6 +145,17 @@ pub fn build(request: BuildRequest) -> Result<Context, ProtocolError> {
     for (index, (spec, fd)) in request.buffers.into_iter().enumerate() {
         match (spec, fd) {
             (BufferSpec::Memfd { nbytes, .. }, Some(fd)) => {
+                if !request.allow_hugetlb && on_hugetlbfs(&fd) {
+                    return Err(ProtocolError::new(
+                        ErrorCode::BadArgs,
+                        format!(
+                            "register_kv_cache: buffers[{index}] is a memfd on hugetlbfs \
+                             (MFD_HUGETLB): mapping it would reserve the node's huge pages for \
+                             the server and charge them to it; register a plain memfd, or have \
+                             the operator allow them (serve --allow-hugetlb-buffers)"
+                        ),
+                    ));
+                }
                 memfd::check_and_seal(&fd, nbytes).map_err(|e| {
                     ProtocolError::new(
                         ErrorCode::BadArgs,

@@ -162,6 +162,9 @@ pub struct HttpConnection {
     written: usize,
     /// A response was queued.
     pub answered: bool,
+    /// When it was accepted: a request must be read and answered within the frame
+    /// timeout of this, and a full listener closes the oldest first.
+    pub accepted: std::time::Instant,
 }
 
 impl HttpConnection {
@@ -173,6 +176,7 @@ impl HttpConnection {
             output: Vec::new(),
             written: 0,
             answered: false,
+            accepted: std::time::Instant::now(),
         }
     }
 

@@ -298,10 +298,22 @@ pub struct FdLimit {
 }
 
 impl FdLimit {
-    /// Worker connections that fit: `(soft - RESERVED_FDS) / FDS_PER_CONNECTION`.
+    /// Worker connections that fit: `(soft - RESERVED_FDS - transit) /
+    /// FDS_PER_CONNECTION`, where `transit` is [`FdLimit::transit_budget`].
     pub fn connection_capacity(&self) -> usize {
-        let capacity = self.soft.saturating_sub(RESERVED_FDS) / FDS_PER_CONNECTION;
+        let capacity = self
+            .soft
+            .saturating_sub(RESERVED_FDS)
+            .saturating_sub(self.soft / 4)
+            / FDS_PER_CONNECTION;
         usize::try_from(capacity).unwrap_or(usize::MAX).max(1)
+    }
+
+    /// fds all connections together may hold for frames not yet complete (memfds of
+    /// a registration on their way): a quarter of the soft limit, kept out of the
+    /// connection capacity, so that peers hoarding fds cannot fill the table (row 43).
+    pub fn transit_budget(&self) -> usize {
+        usize::try_from(self.soft / 4).unwrap_or(usize::MAX).max(64)
     }
 }
 
@@ -343,18 +355,21 @@ mod tests {
     use super::*;
 
     #[test]
-    fn connection_capacity_keeps_a_reserve_and_two_fds_per_connection() {
+    fn connection_capacity_keeps_a_reserve_a_transit_budget_and_two_fds_per_connection() {
         let limit = |soft| FdLimit {
             soft_at_start: 1024,
             soft,
             hard: soft,
         };
-        assert_eq!(limit(1024).connection_capacity(), 384);
-        assert_eq!(limit(1_048_576).connection_capacity(), 524_160);
+        assert_eq!(limit(1024).connection_capacity(), 256);
+        assert_eq!(limit(1024).transit_budget(), 256);
+        assert_eq!(limit(1_048_576).connection_capacity(), 393_088);
+        assert_eq!(limit(1_048_576).transit_budget(), 262_144);
         assert_eq!(limit(100).connection_capacity(), 1, "never zero");
+        assert_eq!(limit(100).transit_budget(), 64, "never below 64");
         assert_eq!(
             limit(u64::MAX).connection_capacity(),
-            usize::try_from((u64::MAX - RESERVED_FDS) / 2).unwrap_or(usize::MAX)
+            usize::try_from((u64::MAX - RESERVED_FDS - u64::MAX / 4) / 2).unwrap_or(usize::MAX)
         );
     }
 

@@ -48,6 +48,9 @@ pub struct Metrics {
     pub l1_slots: Family<Labels, Gauge>,
     /// Open worker connections.
     pub connections: Gauge,
+    /// Connections the server cut, by `transport` (`unix`, `tcp`, `http`) and `reason`
+    /// (`frame_timeout`, `fds_held`, `fd_budget`, `uid_share`, `listener_full`).
+    pub connections_cut: Family<Labels, Counter>,
     /// Bytes of CacheBlend rope tables held, all instances together (set at scrape).
     pub blend_bytes: Gauge,
     /// Instances holding CacheBlend rope tables (set at scrape).
@@ -148,6 +151,7 @@ impl Metrics {
             ping_seconds: Histogram::new(exponential_buckets(1e-6, 4.0, 10)),
             l1_slots: Family::default(),
             connections: Gauge::default(),
+            connections_cut: Family::default(),
             blend_bytes: Gauge::default(),
             blend_instances: Gauge::default(),
             gpu_memory_bytes: Family::default(),
@@ -210,6 +214,15 @@ impl Metrics {
             "connections",
             "Open worker connections",
             metrics.connections.clone(),
+        );
+        registry.register(
+            "connections_cut",
+            "Connections the server cut or refused, by transport and reason: frame_timeout \
+             (a frame or HTTP request not whole within --frame-timeout-seconds), fds_held \
+             (more fds than one frame may carry), fd_budget (fds held for incomplete frames \
+             over the budget), uid_share (a uid over --max-connections-per-uid), \
+             listener_full (the oldest HTTP connection closed for a new one)",
+            metrics.connections_cut.clone(),
         );
         registry.register(
             "blend_bytes",

@@ -29,6 +29,9 @@ use std::time::Duration;
 /// what the open-file limit holds.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
 
+/// `--frame-timeout-seconds` when the operator does not say.
+pub const DEFAULT_FRAME_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Everything `kvwarden serve` decides.
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
@@ -57,6 +60,14 @@ pub struct ServerConfig {
     /// `max_connections` came from the operator's `--max-connections`, not the
     /// default: lowering it to the open-file limit is then worth a warning.
     pub max_connections_from_flag: bool,
+    /// The most connections one uid holds at once (TCP peers together count as one);
+    /// None: three quarters of `max_connections`.
+    pub max_connections_per_uid: Option<usize>,
+    /// A frame (and the first frame after the accept, and an HTTP request and its
+    /// answer) must arrive whole within this, or the connection is cut.
+    pub frame_timeout: Duration,
+    /// Memfd buffers on hugetlbfs are accepted (`--allow-hugetlb-buffers`).
+    pub allow_hugetlb_buffers: bool,
     /// A free running longer than this is reported.
     pub free_watchdog: Duration,
     /// Threads for builds and copies.

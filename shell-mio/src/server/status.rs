@@ -34,15 +34,37 @@ pub struct StatusReport {
     pub watched_processes: usize,
     /// Registered instances by how their process's death will be noticed.
     pub instances_by_death_notice: DeathNoticeCounts,
-    /// Every tracked instance, by id.
+    /// The tracked instances, by id: the first [`MAX_LISTED`].
     pub instances: Vec<InstanceStatus>,
+    /// Tracked instances past [`MAX_LISTED`], not listed (the reply stays bounded).
+    pub instances_omitted: usize,
     /// Who is who: refusals and bindings.
     pub trust: TrustStatus,
-    /// Every tenant known, with its L1 use.
+    /// The tenants known, with their L1 use: the [`MAX_LISTED`] using the most slots.
     pub tenants: Vec<TenantStatusReport>,
+    /// Tenants past [`MAX_LISTED`], not listed.
+    pub tenants_omitted: usize,
     /// The L2 tier; absent without `--l2`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub l2: Option<L2StatusReport>,
+}
+
+/// Instances (and tenants) a status lists at most: past it the reply says how many it
+/// left out, so that it stays far below a reply's bound however many there are
+/// (failure mode 46).
+pub const MAX_LISTED: usize = 1000;
+
+impl StatusReport {
+    /// What `/status` on a listener other than loopback shows: no uids and no pids,
+    /// which only the node's own users need (they read them over the socket or on
+    /// loopback).
+    pub fn without_local_identities(mut self) -> StatusReport {
+        for instance in &mut self.instances {
+            instance.owner_uid = None;
+            instance.watched_pid = None;
+        }
+        self
+    }
 }
 
 /// The `l2` section (present only with `--l2`).
@@ -344,6 +366,7 @@ mod tests {
                 model_name: "m".into(),
                 blend_bytes: 0,
             }],
+            instances_omitted: 0,
             trust: TrustStatus {
                 forbidden_total: 2,
                 bound_instances: 1,
@@ -356,8 +379,19 @@ mod tests {
                 quota_percent: None,
                 engine_driven: true,
             }],
+            tenants_omitted: 0,
             l2: None,
         }
+    }
+
+    #[test]
+    fn status_off_loopback_leaves_out_uids_and_pids() {
+        let mut report = report();
+        report.instances[0].watched_pid = Some(4321);
+        let shown = report.without_local_identities().to_json();
+        assert_eq!(shown["instances"][0]["owner_uid"], Json::Null, "{shown}");
+        assert_eq!(shown["instances"][0]["watched_pid"], Json::Null, "{shown}");
+        assert_eq!(shown["instances"][0]["instance_id"], "42", "{shown}");
     }
 
     #[test]

@@ -6,11 +6,21 @@ impl Server {
     // ---------------------------------------------------------------- connections
 
     pub(super) fn admit(&mut self, mut stream: Stream, mut peer: crate::server::connection::Peer) {
-        if self.connections.len() >= self.config.max_connections {
+        if let Err(refused) = self.node.admits(peer.uid) {
+            let transport = match stream {
+                Stream::Unix(_) => "unix",
+                Stream::Tcp(_) => "tcp",
+            };
             tracing::warn!(
-                max_connections = self.config.max_connections,
-                "refusing a connection: --max-connections reached"
+                uid = peer.uid,
+                transport,
+                "refusing a connection: {refused}"
             );
+            let reason = match refused {
+                kvwarden_core::node::admission::Refused::Full { .. } => "max_connections",
+                kvwarden_core::node::admission::Refused::UidShare { .. } => "uid_share",
+            };
+            self.cut(transport, reason);
             return;
         }
         let token = self.token();
@@ -116,6 +126,120 @@ impl Server {
     /// peer shut its side, so the end of the stream is queued and must be read even
     /// after a short read.
     pub(super) fn read_connection(&mut self, token: Token, peer_closed: bool) {
+        self.read_connection_frames(token, peer_closed);
+        let now = self.turn_started;
+        if let Some(connection) = self.connections.get_mut(&token) {
+            connection.note_partial_frame(now);
+        }
+    }
+
+    /// Counts a connection the server cut, by transport and reason
+    /// (`kvwarden_connections_cut_total`).
+    pub(super) fn cut(&self, transport: &'static str, reason: &'static str) {
+        self.metrics
+            .connections_cut
+            .get_or_create(&vec![
+                ("transport".to_string(), transport.to_string()),
+                ("reason".to_string(), reason.to_string()),
+            ])
+            .inc();
+    }
+
+    fn transport_name(&self, token: Token) -> &'static str {
+        match self.connections.get(&token).map(|c| &c.stream) {
+            Some(Stream::Tcp(_)) => "tcp",
+            _ => "unix",
+        }
+    }
+
+    /// Closes `token` when it holds more fds than one frame may carry, or when the fds
+    /// all connections hold for frames not yet complete exceed the budget (then the
+    /// connection holding the most goes): true when `token` was closed.
+    fn enforce_fd_bounds(&mut self, token: Token) -> bool {
+        let Some(held) = self.connections.get(&token).map(Connection::held_fds) else {
+            return true;
+        };
+        if held <= 32 {
+            return false; // one read's worth: nothing to judge
+        }
+        let cap = MAX_HELD_FDS.min(self.fd_transit_budget);
+        if held > cap {
+            tracing::warn!(
+                token = token.0,
+                held_fds = held,
+                max_held_fds = cap,
+                "closing a connection that sent more fds than one frame may carry \
+                 without completing the frame (its fds are closed)"
+            );
+            self.cut(self.transport_name(token), "fds_held");
+            self.close(token, "too many fds held");
+            return true;
+        }
+        let total: usize = self.connections.values().map(Connection::held_fds).sum();
+        if total <= self.fd_transit_budget {
+            return false;
+        }
+        let Some(largest) = self
+            .connections
+            .iter()
+            .max_by_key(|(_, connection)| connection.held_fds())
+            .map(|(token, _)| *token)
+        else {
+            return false;
+        };
+        tracing::warn!(
+            token = largest.0,
+            held_fds_total = total,
+            fd_budget = self.fd_transit_budget,
+            "fds held for incomplete frames exceed the budget: closing the connection \
+             holding the most"
+        );
+        self.cut(self.transport_name(largest), "fd_budget");
+        self.close(largest, "fd budget exceeded");
+        largest == token
+    }
+
+    /// Cuts every connection whose frame (or HTTP request) has been arriving for
+    /// longer than the frame timeout, and every HTTP connection not answered within it:
+    /// slow or stalled peers hold no slot for long (rows 42 and 43). Idle connections
+    /// between frames are never cut: a worker that only pings keeps its connection.
+    pub(super) fn sweep_deadlines(&mut self) {
+        let now = self.turn_started;
+        if now.saturating_duration_since(self.last_sweep) < SWEEP_EVERY {
+            return;
+        }
+        self.last_sweep = now;
+        let timeout = self.config.frame_timeout;
+        let overdue: Vec<Token> = self
+            .connections
+            .iter()
+            .filter(|(_, connection)| !connection.close_after_flush)
+            .filter(|(_, connection)| connection.frame_overdue(now, timeout))
+            .map(|(token, _)| *token)
+            .collect();
+        for token in overdue {
+            tracing::warn!(
+                token = token.0,
+                frame_timeout_seconds = timeout.as_secs_f64(),
+                "closing a connection whose frame did not arrive whole within \
+                 --frame-timeout-seconds (a slow or stalled peer)"
+            );
+            self.cut(self.transport_name(token), "frame_timeout");
+            self.close(token, "frame timeout");
+        }
+        let stale: Vec<Token> = self
+            .http_connections
+            .iter()
+            .filter(|(_, connection)| now.saturating_duration_since(connection.accepted) > timeout)
+            .map(|(token, _)| *token)
+            .collect();
+        for token in stale {
+            self.cut("http", "frame_timeout");
+            self.close_http(token);
+        }
+    }
+
+    fn read_connection_frames(&mut self, token: Token, peer_closed: bool) {
         if self.node.is_shutting_down() {
             return;
         }
@@ -134,6 +258,7 @@ impl Server {
                 return;
             }
             match connection.read() {
+                Ok(_) if self.enforce_fd_bounds(token) => return,
                 Ok(ReadOutcome::WouldBlock) => return,
                 Ok(ReadOutcome::Drained) if !peer_closed => {
                     // The queue is empty: answer what came, and wait for the next event.

@@ -9,7 +9,7 @@
 
 use super::ServerConfig;
 use super::blend::RopeTables;
-use super::connection::{Connection, Frame, ReadOutcome, Stream};
+use super::connection::{Connection, Frame, MAX_HELD_FDS, ReadOutcome, Stream};
 use super::context::Context;
 use super::gpu::GpuState;
 use super::http::{HttpConnection, Response, Route};
@@ -69,6 +69,8 @@ const FRAMES_PER_TURN: usize = 256;
 const MAX_DEFERRED_TURNS: u32 = 64;
 /// HTTP connections held at once.
 const MAX_HTTP_CONNECTIONS: usize = 64;
+/// How often connections are checked against the frame timeout (its resolution).
+const SWEEP_EVERY: Duration = Duration::from_millis(500);
 
 /// The server's name and version, told to every `hello`.
 const SERVER_NAME: &str = concat!("kvwarden ", env!("CARGO_PKG_VERSION"));
@@ -184,6 +186,15 @@ pub struct Server {
     l2_down_logged: bool,
     /// The slot reserved for each L2 read in flight, by its token.
     l2_reads: HashMap<u64, l2::PendingL2Read>,
+    /// fds all connections together may hold for frames not yet complete
+    /// ([`listen::FdLimit::transit_budget`]).
+    fd_transit_budget: usize,
+    /// When this loop turn began (after the poll): the clock of frame deadlines.
+    turn_started: std::time::Instant,
+    /// When connections were last checked against the frame timeout.
+    last_sweep: std::time::Instant,
+    /// The HTTP listener is on loopback: `/status` shows uids and pids.
+    http_is_loopback: bool,
 }
 
 impl Server {
@@ -293,6 +304,10 @@ impl Server {
                         write_queue_bytes: l2.write_queue_bytes,
                         health: kvwarden_core::l2::L2HealthConfig::default(),
                     }),
+                connections: kvwarden_core::node::admission::ConnectionLimits::new(
+                    config.max_connections,
+                    config.max_connections_per_uid,
+                ),
             },
             Instant::ZERO,
         )?;
@@ -411,6 +426,10 @@ impl Server {
             l2,
             l2_down_logged: false,
             l2_reads: HashMap::default(),
+            fd_transit_budget: fd_limit.transit_budget(),
+            turn_started: std::time::Instant::now(),
+            last_sweep: std::time::Instant::now(),
+            http_is_loopback: config.http.is_none_or(|addr| addr.ip().is_loopback()),
             config,
         })
     }
@@ -453,6 +472,7 @@ impl Server {
                     return Err(e.into());
                 }
             }
+            self.turn_started = std::time::Instant::now();
             // Connections left unread last turn go after this turn's events.
             let mut again = std::mem::take(&mut self.reading_again);
             again.extend(self.read_again.drain());
@@ -465,6 +485,7 @@ impl Server {
             }
             self.reading_again = again;
             self.take_completions();
+            self.sweep_deadlines();
             // Input before deadlines (see MAX_DEFERRED_TURNS).
             if self.read_again.is_empty() || self.deferred_turns >= MAX_DEFERRED_TURNS {
                 self.deferred_turns = 0;
@@ -496,11 +517,13 @@ impl Server {
             return Duration::ZERO;
         }
         let now = self.now();
+        // At least once a second: the frame timeout's sweep runs on the loop's turns.
         self.node
             .poll_timeout()
             .map_or(Duration::from_secs(1), |at| {
                 at.saturating_duration_since(now)
             })
+            .min(Duration::from_secs(1))
     }
 
     /// Hands `input` to the node and carries out what it asks.

@@ -4,7 +4,8 @@ use super::*;
 use crate::protocol::PROTOCOL_VERSION;
 use crate::server::status::{
     BlendStatus, ContextsStatus, DeathNoticeCounts, FreedTotals, InstanceStatus, L1Status,
-    L2StatusReport, LimitsStatus, LivenessStatus, StatusReport, TenantStatusReport, TrustStatus,
+    L2StatusReport, LimitsStatus, LivenessStatus, MAX_LISTED, StatusReport, TenantStatusReport,
+    TrustStatus,
 };
 use kvwarden_core::node::NodeStatus;
 
@@ -19,7 +20,21 @@ impl Server {
             match listener.accept() {
                 Ok((mut stream, _)) => {
                     if self.http_connections.len() >= MAX_HTTP_CONNECTIONS {
-                        continue; // dropped: closed
+                        // Full: the oldest goes, never the newcomer, so that idle or
+                        // slow connections cannot keep /healthz from answering (row 42).
+                        let oldest = self
+                            .http_connections
+                            .iter()
+                            .min_by_key(|(_, connection)| connection.accepted)
+                            .map(|(token, _)| *token);
+                        if let Some(oldest) = oldest {
+                            tracing::warn!(
+                                max_http_connections = MAX_HTTP_CONNECTIONS,
+                                "HTTP listener full: closing its oldest connection"
+                            );
+                            self.cut("http", "listener_full");
+                            self.close_http(oldest);
+                        }
                     }
                     let token = self.token();
                     let interest = Interest::READABLE | Interest::WRITABLE;
@@ -59,7 +74,11 @@ impl Server {
                     code: 200,
                     reason: "OK",
                     content_type: "application/json",
-                    body: self.status().to_json_pretty(),
+                    body: if self.http_is_loopback {
+                        self.status().to_json_pretty()
+                    } else {
+                        self.status().without_local_identities().to_json_pretty()
+                    },
                 },
                 Route::Metrics => {
                     self.refresh_metrics();
@@ -172,6 +191,23 @@ impl Server {
             })
             .collect();
         instances.sort_by_key(|item| item.instance_id);
+        let instances_omitted = instances.len().saturating_sub(MAX_LISTED);
+        instances.truncate(MAX_LISTED);
+        let mut tenants: Vec<TenantStatusReport> = node
+            .tenants
+            .iter()
+            .map(|tenant| TenantStatusReport {
+                name: tenant.view.name.clone(),
+                slots_used: tenant.slots_used,
+                quota_slots: tenant.quota_slots,
+                quota_percent: tenant.view.quota_percent,
+                engine_driven: tenant.view.engine_driven,
+            })
+            .collect();
+        // The busiest first, then by name: what an operator looks for when it is long.
+        tenants.sort_by(|a, b| b.slots_used.cmp(&a.slots_used).then(a.name.cmp(&b.name)));
+        let tenants_omitted = tenants.len().saturating_sub(MAX_LISTED);
+        tenants.truncate(MAX_LISTED);
         let freed = |cause: &str| self.metrics.frees_for(cause);
         let counts = death_notice_counts(&node);
         let count_of = |notice: peer::DeathNotice| {
@@ -238,22 +274,14 @@ impl Server {
                 timeout_only: count_of(peer::DeathNotice::TimeoutOnly),
             },
             instances,
+            instances_omitted,
             trust: TrustStatus {
                 forbidden_total: node.forbidden_total,
                 bound_instances: node.bound_instances,
                 retrieve_length_mismatches_total: node.retrieve_length_mismatches,
             },
-            tenants: node
-                .tenants
-                .iter()
-                .map(|tenant| TenantStatusReport {
-                    name: tenant.view.name.clone(),
-                    slots_used: tenant.slots_used,
-                    quota_slots: tenant.quota_slots,
-                    quota_percent: tenant.view.quota_percent,
-                    engine_driven: tenant.view.engine_driven,
-                })
-                .collect(),
+            tenants,
+            tenants_omitted,
             l2: node.l2.as_ref().map(|l2| {
                 let c = l2.counters;
                 let client = self.l2.as_ref();

@@ -216,6 +216,7 @@ impl Server {
     ) {
         let delay = self.faults.build_delay();
         let gpu = self.gpu.gpu().ok().cloned();
+        let allow_hugetlb = self.config.allow_hugetlb_buffers;
         self.pool.submit(
             move || {
                 fault::delay_build(delay); // --fault-build-delay-ms
@@ -230,6 +231,7 @@ impl Server {
                                 buffers,
                                 model_name,
                                 gpu,
+                                allow_hugetlb,
                             })
                         })
                         .map(Some),

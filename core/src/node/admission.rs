@@ -1,0 +1,159 @@
+//! Who may open one more connection: the node-wide bound (`--max-connections`) and each
+//! uid's share of it (`--max-connections-per-uid`), so that one uid — or all TCP peers
+//! together, who have no uid — cannot take every connection and lock the others out
+//! (failure mode 44).
+
+use std::collections::HashMap;
+use thiserror::Error;
+
+/// The bounds on connections held at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConnectionLimits {
+    /// Connections held at once, all peers together.
+    pub max: usize,
+    /// Connections one uid holds at once (TCP peers count as one uid).
+    pub per_uid: usize,
+}
+
+impl ConnectionLimits {
+    /// `max` connections, `per_uid` of them per uid (None: three quarters of `max`, so
+    /// that a quarter always stays for the other uids). `per_uid` is lowered to `max`.
+    pub fn new(max: usize, per_uid: Option<usize>) -> ConnectionLimits {
+        let max = max.max(1);
+        let per_uid = per_uid.unwrap_or(max - max / 4).clamp(1, max);
+        ConnectionLimits { max, per_uid }
+    }
+
+    /// No bound that a test or a simulation would reach.
+    pub fn unbounded() -> ConnectionLimits {
+        ConnectionLimits {
+            max: usize::MAX,
+            per_uid: usize::MAX,
+        }
+    }
+}
+
+/// Why a connection was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Error)]
+pub enum Refused {
+    /// Every connection is taken.
+    #[error("--max-connections {max} reached")]
+    Full {
+        /// The bound.
+        max: usize,
+    },
+    /// The peer's uid holds its whole share.
+    #[error(
+        "{} already holds --max-connections-per-uid {per_uid} connections (a quarter of \
+         --max-connections is kept for the other uids)",
+        uid.map_or_else(|| "TCP (all TCP peers together)".to_string(), |uid| format!("uid {uid}"))
+    )]
+    UidShare {
+        /// The uid; None for TCP.
+        uid: Option<u32>,
+        /// The share.
+        per_uid: usize,
+    },
+}
+
+/// The connections held, all together and per uid.
+#[derive(Debug)]
+pub struct Admission {
+    limits: ConnectionLimits,
+    total: usize,
+    by_uid: HashMap<Option<u32>, usize>,
+}
+
+impl Admission {
+    /// Nothing held yet.
+    pub fn new(limits: ConnectionLimits) -> Admission {
+        Admission {
+            limits,
+            total: 0,
+            by_uid: HashMap::new(),
+        }
+    }
+
+    /// Whether a peer of `uid` (None: TCP) may open one more connection now.
+    pub fn admits(&self, uid: Option<u32>) -> Result<(), Refused> {
+        if self.total >= self.limits.max {
+            return Err(Refused::Full {
+                max: self.limits.max,
+            });
+        }
+        if self.by_uid.get(&uid).copied().unwrap_or(0) >= self.limits.per_uid {
+            return Err(Refused::UidShare {
+                uid,
+                per_uid: self.limits.per_uid,
+            });
+        }
+        Ok(())
+    }
+
+    /// A connection of `uid` was opened.
+    pub fn connected(&mut self, uid: Option<u32>) {
+        self.total += 1;
+        *self.by_uid.entry(uid).or_insert(0) += 1;
+    }
+
+    /// A connection of `uid` closed.
+    pub fn disconnected(&mut self, uid: Option<u32>) {
+        self.total = self.total.saturating_sub(1);
+        if let Some(count) = self.by_uid.get_mut(&uid) {
+            *count -= 1;
+            if *count == 0 {
+                self.by_uid.remove(&uid);
+            }
+        }
+    }
+
+    /// The bounds.
+    pub fn limits(&self) -> ConnectionLimits {
+        self.limits
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_share_keeps_a_quarter_for_the_other_uids() {
+        assert_eq!(ConnectionLimits::new(20, None).per_uid, 15);
+        assert_eq!(ConnectionLimits::new(1, None).per_uid, 1);
+        assert_eq!(
+            ConnectionLimits::new(10, Some(50)).per_uid,
+            10,
+            "lowered to max"
+        );
+        assert_eq!(ConnectionLimits::new(10, Some(0)).per_uid, 1, "never zero");
+    }
+
+    #[test]
+    fn one_uid_stops_at_its_share_and_others_still_connect_up_to_the_bound() {
+        let mut admission = Admission::new(ConnectionLimits::new(20, None));
+        // TCP peers (no uid) take their 15 ...
+        for _ in 0..15 {
+            assert_eq!(admission.admits(None), Ok(()));
+            admission.connected(None);
+        }
+        // ... and no more,
+        assert_eq!(
+            admission.admits(None),
+            Err(Refused::UidShare {
+                uid: None,
+                per_uid: 15
+            })
+        );
+        // while a Unix worker of another uid still connects, up to the bound.
+        for _ in 0..5 {
+            assert_eq!(admission.admits(Some(1000)), Ok(()));
+            admission.connected(Some(1000));
+        }
+        assert_eq!(admission.admits(Some(1001)), Err(Refused::Full { max: 20 }));
+        // A closed connection gives its place back to its uid.
+        admission.disconnected(None);
+        assert_eq!(admission.admits(None), Ok(()));
+        assert_eq!(admission.admits(Some(1001)), Ok(()));
+    }
+}

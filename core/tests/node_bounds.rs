@@ -1,0 +1,155 @@
+//! What one peer may make the node hold or run, decided by the node (issue 25): each
+//! limit shown next to its control, the same request within the limit, served.
+
+mod support;
+
+use kvwarden_core::node::admission::{Admission, ConnectionLimits, Refused};
+use kvwarden_core::node::blend::{MAX_TABLE_BYTES, MAX_TENANT_BYTES, MAX_TOTAL_BYTES};
+use kvwarden_core::node::{ConnId, MAX_IN_FLIGHT_PER_CONNECTION, Output};
+use kvwarden_core::protocol::{ErrorCode, Op, RopeSpec};
+use support::harness::{Harness, OWNER, register};
+use support::id;
+
+fn l2_config() -> kvwarden_core::node::l2::L2NodeConfig {
+    kvwarden_core::node::l2::L2NodeConfig {
+        timeout: std::time::Duration::from_secs(5),
+        write_queue_bytes: 1 << 20,
+        health: kvwarden_core::l2::L2HealthConfig::default(),
+    }
+}
+
+/// Rope parameters whose tables take exactly [`MAX_TABLE_BYTES`] (256 MiB).
+fn largest_rope() -> RopeSpec {
+    RopeSpec {
+        rotary_dim: 128,
+        max_positions: MAX_TABLE_BYTES / 128 / 4,
+        base: 10_000.0,
+    }
+}
+
+/// Registers `instance` on `conn` (server-driven) and builds its context.
+fn registered_on(h: &mut Harness, conn: ConnId, instance: kvwarden_core::InstanceId) {
+    let request = h.send_on(conn, register(instance), 1);
+    let [context] = h.builds()[..] else {
+        panic!("one build")
+    };
+    h.build(context);
+    let _ = h.answer(request);
+}
+
+/// `register_blend` of the largest tables for `instance` on `conn`; the computation
+/// finishes at once. Returns the reply's error code, or None when it was served.
+fn blend(h: &mut Harness, conn: ConnId, instance: kvwarden_core::InstanceId) -> Option<ErrorCode> {
+    let request = h.send_on(
+        conn,
+        Op::RegisterBlend {
+            instance,
+            rope: largest_rope(),
+        },
+        0,
+    );
+    let started = h.take(|output| match output {
+        Output::StartBlend { blend, .. } => Some(*blend),
+        _ => None,
+    });
+    if let [started] = started[..] {
+        h.input(kvwarden_core::node::Input::BlendDone {
+            blend: started,
+            result: Ok(()),
+        });
+    }
+    match h.reply(request) {
+        Some(Ok(_)) => None,
+        Some(Err(error)) => {
+            assert!(
+                error.message.contains("share") || error.message.contains("limit"),
+                "{}",
+                error.message
+            );
+            Some(error.code)
+        }
+        None => panic!("register_blend answered"),
+    }
+}
+
+/// Row 47: one tenant's rope tables stay within its share (three quarters of the
+/// server's budget): its fourth 256 MiB table set is `overloaded`, while another
+/// tenant's first is served (the control) — and all of them stay within the server's
+/// 1 GiB, fitted to the DaemonSet's memory.
+#[test]
+fn row_47_one_tenants_rope_tables_stay_within_its_share_and_another_tenant_is_served() {
+    assert_eq!(MAX_TOTAL_BYTES, 1 << 30);
+    assert_eq!(MAX_TENANT_BYTES, 768 << 20);
+    let mut h = Harness::with_slots(64, None);
+    let owner = ConnId(1);
+    let other = ConnId(2);
+    h.connect(other, Some(OWNER + 1), None);
+    for n in 1..=4 {
+        registered_on(&mut h, owner, id(n));
+    }
+    registered_on(&mut h, other, id(10));
+    // Three of the owner's: 768 MiB, its share.
+    for n in 1..=3 {
+        assert_eq!(blend(&mut h, owner, id(n)), None, "instance {n}");
+    }
+    // The fourth would take it past its share.
+    assert_eq!(blend(&mut h, owner, id(4)), Some(ErrorCode::Overloaded));
+    // Another tenant's is served: the quarter kept for the others.
+    assert_eq!(blend(&mut h, other, id(10)), None);
+    assert_eq!(h.node.status().blend.0, 4 * MAX_TABLE_BYTES);
+    // The same parameters again compute nothing and count once.
+    assert_eq!(blend(&mut h, owner, id(1)), None);
+}
+
+/// Row 46: a `lookup` whose keys go on to L2 runs as a job and counts in the
+/// connection's cap: with 64 of them waiting on L2, the 65th is `overloaded` (the
+/// control: the first 64 were taken); one answered makes room again.
+#[test]
+fn row_46_lookups_waiting_on_l2_count_in_the_connections_cap() {
+    let mut h = Harness::new(Some(l2_config()));
+    let keys = vec![b"not-in-l1".to_vec()];
+    let mut requests = Vec::new();
+    for _ in 0..MAX_IN_FLIGHT_PER_CONNECTION {
+        requests.push(h.send(Op::Lookup { keys: keys.clone() }));
+    }
+    let reads = h.l2_exists();
+    assert_eq!(
+        reads.len(),
+        MAX_IN_FLIGHT_PER_CONNECTION,
+        "all 64 went to L2"
+    );
+    assert!(requests.iter().all(|&request| h.reply(request).is_none()));
+    let refused = h.send(Op::Lookup { keys: keys.clone() });
+    assert_eq!(h.error(refused), ErrorCode::Overloaded);
+    assert!(h.l2_exists().is_empty(), "the 65th asked L2 nothing");
+    // A lookup L1 answers alone needs no job: served at once.
+    assert_eq!(h.ask(Op::Lookup { keys: vec![] }), rmpv::Value::from(0u64));
+    let (read, _) = reads[0].clone();
+    h.input(kvwarden_core::node::Input::L2Existed {
+        read,
+        presence: kvwarden_core::node::l2::L2Presence::Present(0),
+    });
+    assert!(h.reply(requests[0]).is_some());
+    let again = h.send(Op::Lookup { keys });
+    assert!(h.reply(again).is_none(), "taken: it waits on L2");
+    assert_eq!(h.l2_exists().len(), 1);
+}
+
+/// Row 44, the rule itself: one uid stops at its share, others connect up to the bound.
+#[test]
+fn row_44_a_uid_stops_at_its_share_of_the_connections() {
+    let mut admission = Admission::new(ConnectionLimits::new(8, None));
+    for _ in 0..6 {
+        assert_eq!(admission.admits(Some(1001)), Ok(()));
+        admission.connected(Some(1001));
+    }
+    assert!(matches!(
+        admission.admits(Some(1001)),
+        Err(Refused::UidShare { per_uid: 6, .. })
+    ));
+    assert_eq!(
+        admission.admits(Some(0)),
+        Ok(()),
+        "the control: another uid"
+    );
+}
