@@ -56,12 +56,20 @@ pub fn run(args: &ConnectionsArgs) -> Result<(), BenchError> {
     super::print_machine();
     let max_connections = (count + 64).to_string();
     // The server needs two fds per connection (the socket and the peer's pidfd) and
-    // keeps 256 aside: give it that, as an operator's LimitNOFILE= would.
-    let server_open_files = 2 * (count as u64 + 64) + 256 + 1024;
+    // keeps 256 and a quarter of its limit aside: give it that, as an operator's
+    // LimitNOFILE= would.
+    let server_open_files = (2 * (count as u64 + 64) + 256 + 1024) * 4 / 3 + 1;
+    // Every connection is this process's (one uid): the node-wide bound is measured,
+    // not one uid's share of it.
     let target = Target::start_with_open_files(
         &args.target,
         "bench-connections",
-        &["--max-connections", &max_connections],
+        &[
+            "--max-connections",
+            &max_connections,
+            "--max-connections-per-uid",
+            &max_connections,
+        ],
         Some(server_open_files),
     )?;
     let (soft, hard) =
@@ -79,7 +87,8 @@ pub fn run(args: &ConnectionsArgs) -> Result<(), BenchError> {
     let capped = (held_count < count).then(|| {
         format!(
             "capped at {held_count}: the server admits {admitted} connections (open files soft \
-             {}, hard {}, 2 fds per connection + 256 kept aside); raise its hard limit \
+             {}, hard {}, 2 fds per connection + 256 and a quarter of the limit kept aside); \
+             raise its hard limit \
              (LimitNOFILE=, ulimit -Hn; raising it needs CAP_SYS_RESOURCE) to hold {count}",
             limits["open_files_soft"], limits["open_files_hard"]
         )

@@ -200,6 +200,10 @@ impl LimitedServer {
                 "4M",
                 "--slot-bytes",
                 "64K",
+                // One uid holds every connection here on purpose: the node-wide cap is
+                // what these tests measure, not the per-uid share (rows 44).
+                "--max-connections-per-uid",
+                "1000000",
             ])
             .arg("--socket")
             .arg(&socket)
@@ -252,8 +256,12 @@ fn r5_max_connections_is_capped_by_the_open_file_limit_and_says_so() {
     let mut first = RawClient::connect(&socket).expect("connecting");
     let status = status_of(&mut first);
     let limits = &status["limits"];
-    let capacity = (FDS - kvwarden::server::listen::RESERVED_FDS)
-        / kvwarden::server::listen::FDS_PER_CONNECTION;
+    let capacity = kvwarden::server::listen::FdLimit {
+        soft_at_start: FDS,
+        soft: FDS,
+        hard: FDS,
+    }
+    .connection_capacity() as u64;
     assert_eq!(limits["open_files_soft"], FDS, "{limits:#}");
     assert_eq!(limits["open_files_hard"], FDS, "{limits:#}");
     assert_eq!(limits["connection_capacity"], capacity, "{limits:#}");

@@ -37,7 +37,7 @@ impl ConnectionLimits {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Error)]
 pub enum Refused {
     /// Every connection is taken.
-    #[error("--max-connections {max} reached")]
+    #[error("--max-connections reached (all {max} connections are held)")]
     Full {
         /// The bound.
         max: usize,

@@ -213,8 +213,8 @@ impl Server {
                     open_files_soft = fd_limit.soft,
                     open_files_hard = fd_limit.hard,
                     "--max-connections lowered to what the open-file limit holds ({} fds per \
-                     connection, {} kept aside); raise the hard limit (LimitNOFILE=, ulimit -Hn) \
-                     to hold more",
+                     connection, {} and a quarter of the limit kept aside); raise the hard limit \
+                     (LimitNOFILE=, ulimit -Hn) to hold more",
                     listen::FDS_PER_CONNECTION,
                     listen::RESERVED_FDS,
                 );
@@ -224,8 +224,8 @@ impl Server {
                     open_files_soft = fd_limit.soft,
                     open_files_hard = fd_limit.hard,
                     "worker connections limited to what the open-file limit holds ({} fds per \
-                     connection, {} kept aside; the default asks for {}); raise the hard limit \
-                     (LimitNOFILE=, ulimit -Hn) to hold more",
+                     connection, {} and a quarter of the limit kept aside; the default asks for \
+                     {}); raise the hard limit (LimitNOFILE=, ulimit -Hn) to hold more",
                     listen::FDS_PER_CONNECTION,
                     listen::RESERVED_FDS,
                     config.max_connections,
