@@ -15,7 +15,7 @@ use std::io::{self, IoSliceMut, Read, Write};
 use std::mem::MaybeUninit;
 
 /// The most fds one `recvmsg` accepts; more are truncated by the kernel (and closed).
-const MAX_FDS_PER_READ: usize = 32;
+pub const MAX_FDS_PER_READ: usize = 32;
 /// Bytes read per system call.
 const READ_CHUNK_BYTES: usize = 64 * 1024;
 /// fds one connection may hold that no complete frame has taken yet: the most one frame

@@ -152,16 +152,14 @@ impl Server {
         }
     }
 
-    /// Closes `token` when it holds more fds than one frame may carry, or when the fds
+    /// Closes `token` (which holds more fds than one read brings: fewer need no
+    /// judging) when it holds more fds than one frame may carry, or when the fds
     /// all connections hold for frames not yet complete exceed the budget (then the
     /// connection holding the most goes): true when `token` was closed.
     fn enforce_fd_bounds(&mut self, token: Token) -> bool {
         let Some(held) = self.connections.get(&token).map(Connection::held_fds) else {
             return true;
         };
-        if held <= 32 {
-            return false; // one read's worth: nothing to judge
-        }
         let cap = MAX_HELD_FDS.min(self.fd_transit_budget);
         if held > cap {
             tracing::warn!(
@@ -257,8 +255,13 @@ impl Server {
             if connection.close_after_flush {
                 return;
             }
-            match connection.read() {
-                Ok(_) if self.enforce_fd_bounds(token) => return,
+            let read = connection.read();
+            let held_fds = connection.held_fds();
+            // A read may have brought fds: past a bound, the connection is closed.
+            if read.is_ok() && held_fds > FDS_PER_READ && self.enforce_fd_bounds(token) {
+                return;
+            }
+            match read {
                 Ok(ReadOutcome::WouldBlock) => return,
                 Ok(ReadOutcome::Drained) if !peer_closed => {
                     // The queue is empty: answer what came, and wait for the next event.

@@ -9,7 +9,9 @@
 
 use super::ServerConfig;
 use super::blend::RopeTables;
-use super::connection::{Connection, Frame, MAX_HELD_FDS, ReadOutcome, Stream};
+use super::connection::{
+    Connection, Frame, MAX_FDS_PER_READ as FDS_PER_READ, MAX_HELD_FDS, ReadOutcome, Stream,
+};
 use super::context::Context;
 use super::gpu::GpuState;
 use super::http::{HttpConnection, Response, Route};
