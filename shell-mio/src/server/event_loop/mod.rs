@@ -476,6 +476,7 @@ impl Server {
             }
             self.flush_dirty();
             if self.stopped {
+                self.finish_l2_writes();
                 return Ok(());
             }
         }
