@@ -757,3 +757,24 @@ fn row_19_sigterm_with_redis_stopped_counts_what_is_lost_and_exits() {
     // still land once it resumes (Redis had it in its socket buffer), so no more is said.
     assert!(keys(&redis, "drop") >= 1, "{log}");
 }
+
+#[test]
+fn the_l2_trust_flags_are_explained_in_help() {
+    let help = Command::new(kvwarden_tests::kvwarden_bin())
+        .args(["serve", "--help"])
+        .output()
+        .expect("kvwarden serve --help");
+    let help = String::from_utf8_lossy(&help.stdout);
+    for flag in [
+        "--l2-tls-ca-file",
+        "--l2-tls-cert-file",
+        "--l2-tls-key-file",
+        "--l2-username",
+        "--l2-password-file",
+        "KVWARDEN_L2_PASSWORD",
+        "--l2-secret-file",
+        "rediss://",
+    ] {
+        assert!(help.contains(flag), "--help explains {flag}: {help}");
+    }
+}

@@ -304,6 +304,9 @@ fn l2_config(args: &ServeArgs) -> Result<Option<L2Config>, String> {
                     );
                 }
             };
+            if let Some((_, key)) = client {
+                warn_if_world_readable("--l2-tls-key-file", key);
+            }
             Some(L2Tls::from_files(ca.as_deref(), client).map_err(|e| e.to_string())?)
         }
     };
@@ -316,6 +319,7 @@ fn l2_config(args: &ServeArgs) -> Result<Option<L2Config>, String> {
                     path.display()
                 )
             })?;
+            warn_if_world_readable("--l2-secret-file", path);
             Some(
                 ClusterSecret::from_file_bytes(&path.display().to_string(), &bytes)
                     .map_err(|e| e.to_string())?,
@@ -338,6 +342,16 @@ fn l2_config(args: &ServeArgs) -> Result<Option<L2Config>, String> {
     Ok(Some(config))
 }
 
+/// Warns when the file of `flag` at `path` is readable by every user: it holds a secret.
+fn warn_if_world_readable(flag: &str, path: &std::path::Path) {
+    use std::os::unix::fs::PermissionsExt;
+    if let Ok(meta) = std::fs::metadata(path)
+        && meta.permissions().mode() & 0o004 != 0
+    {
+        tracing::warn!(path = %path.display(), "{flag}: the file is readable by every user; chmod 600 it");
+    }
+}
+
 /// The environment variable that may hold the L2 password.
 pub const L2_PASSWORD_ENV: &str = "KVWARDEN_L2_PASSWORD";
 
@@ -356,6 +370,7 @@ fn l2_auth(args: &ServeArgs) -> Result<L2Auth, String> {
             let bytes = std::fs::read(path).map_err(|e| {
                 format!("--l2-password-file {}: cannot read it: {e}", path.display())
             })?;
+            warn_if_world_readable("--l2-password-file", path);
             let text = String::from_utf8(bytes.trim_ascii().to_vec()).map_err(|_| {
                 format!(
                     "--l2-password-file {}: the password is not UTF-8 text",
