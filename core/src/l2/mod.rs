@@ -66,4 +66,4 @@ pub use value::{
     MAC_FORMAT_VERSION, MAC_HEADER_BYTES, MAC_TAG_BYTES, MAGIC, SECRET_MIN_BYTES, SecretError,
     ValueFormat, decode, encode, header,
 };
-pub use write_queue::{Push, WriteQueue};
+pub use write_queue::{Push, SHUTDOWN_DRAIN, WriteQueue};

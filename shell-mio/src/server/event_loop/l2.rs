@@ -8,9 +8,6 @@ use kvwarden_core::node::l1::SlotId;
 use kvwarden_core::node::l2::{L2Delivery, L2Fetched, L2Presence, L2ReadId, L2WriteId};
 use std::sync::atomic::{AtomicBool, Ordering};
 
-/// How long the write-behind queue may take to reach L2 at shutdown.
-pub(super) const L2_SHUTDOWN_DRAIN: Duration = Duration::from_secs(2);
-
 /// An L2 read out with the client: the slot reserved for it, whether its `place`
 /// delivered into the worker's buffer too, and the handle that gives it up.
 pub(super) struct PendingL2Read {
@@ -213,13 +210,14 @@ impl Server {
     }
 
     /// At shutdown, after the node stopped: gives the write-behind queue up to
-    /// [`L2_SHUTDOWN_DRAIN`] to reach L2 and logs what it wrote and what it lost (also
-    /// counted in `write_drops`). A restart loses what this line says is dropped.
+    /// [`kvwarden_core::l2::SHUTDOWN_DRAIN`] to reach L2 and logs what it wrote and what
+    /// it lost (also counted in `write_drops`). A restart loses what this line says is
+    /// dropped.
     pub(super) fn finish_l2_writes(&mut self) {
         let Some(client) = &self.l2 else {
             return;
         };
-        let finished = client.finish_writes(L2_SHUTDOWN_DRAIN);
+        let finished = client.finish_writes(kvwarden_core::l2::SHUTDOWN_DRAIN);
         if finished.failed == 0 && finished.dropped == 0 {
             tracing::info!(
                 written = finished.written,
@@ -230,7 +228,7 @@ impl Server {
                 written = finished.written,
                 failed = finished.failed,
                 dropped = finished.dropped,
-                bound_ms = L2_SHUTDOWN_DRAIN.as_millis() as u64,
+                bound_ms = kvwarden_core::l2::SHUTDOWN_DRAIN.as_millis() as u64,
                 "L2 write-behind queue not written out at shutdown: the failed and dropped \
                  chunks are lost to L2 (they were in this node's L1 only)"
             );
