@@ -20,7 +20,7 @@ use super::redis_cluster::{self, RedisCluster};
 use super::stats::Samples;
 use super::{BenchError, figure, progress};
 use kvwarden_client::memfd::{SharedMapping, create};
-use kvwarden_core::l2::{HEADER_BYTES, Namespace};
+use kvwarden_core::l2::{ClusterSecret, HEADER_BYTES, MAC_HEADER_BYTES, Namespace, ValueFormat};
 use kvwarden_core::node::l2::WRITE_BEHIND_SLOTS_SHARE;
 use rmpv::Value;
 use rustix::fd::{AsFd, OwnedFd};
@@ -58,6 +58,45 @@ pub struct L2Args {
     /// A tiny run (2 chunks, 1 s stop): checks that every figure is printed.
     #[arg(long)]
     smoke: bool,
+    /// `--l2-secret-file` of both servers: every value carries a MAC (compare a run with
+    /// and one without it).
+    #[arg(long, value_name = "PATH")]
+    l2_secret_file: Option<std::path::PathBuf>,
+}
+
+/// Prints what the value check costs per value, on this CPU and in this build: the
+/// keyed-BLAKE3 MAC of `--l2-secret-file` and the xxh3 checksum without it (each value is
+/// checked once when written and once when read).
+fn print_value_check_cost(smoke: bool) {
+    let build = if cfg!(debug_assertions) {
+        "debug build: compare only with each other"
+    } else {
+        "release build"
+    };
+    let namespace = Namespace::default();
+    let secret = ClusterSecret::from_file_bytes("bench", &[0x42; 32]).ok();
+    for (label, size) in [("256KiB", 256u64 << 10), ("2MiB", SLOT)] {
+        let payload = vec![0x5a_u8; size as usize];
+        let rounds: u32 = if smoke { 2 } else { 64 };
+        for (name, format) in [
+            ("mac_ns_per_value", ValueFormat::new(secret.clone(), SLOT)),
+            ("checksum_ns_per_value", ValueFormat::new(None, SLOT)),
+        ] {
+            let started = Instant::now();
+            for round in 0..rounds {
+                let header = format.header(&namespace, &round.to_le_bytes(), &payload);
+                std::hint::black_box(header);
+            }
+            let ns = started.elapsed().as_nanos() / u128::from(rounds);
+            figure(
+                "L2",
+                &format!("{name} {label}"),
+                ns,
+                "ns",
+                &format!("one value's header computed, mean of {rounds}; {build}"),
+            );
+        }
+    }
 }
 
 /// Runs L1–L4 and prints their figures.
@@ -82,6 +121,12 @@ pub fn run(args: &L2Args) -> Result<(), BenchError> {
     }
     let stop = super::positive_seconds("--stop-seconds", args.stop_seconds)?;
     super::print_machine();
+    print_value_check_cost(args.smoke);
+    let header_bytes = if args.l2_secret_file.is_some() {
+        MAC_HEADER_BYTES
+    } else {
+        HEADER_BYTES
+    };
     let mut cluster = match &args.l2 {
         Some(_) => None,
         None => Some(start_cluster(args.cluster_node_timeout_ms)?),
@@ -105,7 +150,7 @@ pub fn run(args: &L2Args) -> Result<(), BenchError> {
         .max(512 << 20)
         .to_string();
     let serve = |tag: &str| -> Result<super::process::ServerProcess, BenchError> {
-        let args: Vec<String> = [
+        let mut flags: Vec<String> = [
             "--l1-bytes",
             &l1_bytes,
             "--slot-bytes",
@@ -125,7 +170,11 @@ pub fn run(args: &L2Args) -> Result<(), BenchError> {
         .iter()
         .map(|s| s.to_string())
         .collect();
-        super::process::ServerProcess::start(tag, &args, "warn")
+        if let Some(path) = &args.l2_secret_file {
+            flags.push("--l2-secret-file".into());
+            flags.push(path.display().to_string());
+        }
+        super::process::ServerProcess::start(tag, &flags, "warn")
     };
     let a = serve("bench-l2-a")?;
     let b = serve("bench-l2-b")?;
@@ -166,7 +215,7 @@ pub fn run(args: &L2Args) -> Result<(), BenchError> {
         let started = Instant::now();
         let value = redis.get(&namespace.redis_key(&own_tenant_key(key)))?;
         get.push(started.elapsed());
-        if value.map(|v| v.len()) != Some(SLOT as usize + HEADER_BYTES) {
+        if value.map(|v| v.len()) != Some(SLOT as usize + header_bytes) {
             return Err(BenchError::Failed(format!(
                 "GET of {} found no {SLOT}-byte value with its header in L2 (did node A's write \
                  fail?)",
@@ -248,7 +297,7 @@ pub fn run(args: &L2Args) -> Result<(), BenchError> {
         })?;
         let missed = missed.into_inner();
         let read_through = rate((total - missed) * chunk, started.elapsed());
-        let value = vec![7u8; chunk as usize + HEADER_BYTES];
+        let value = vec![7u8; chunk as usize + header_bytes];
         let set_keys: Vec<Vec<Vec<u8>>> = per_client
             .iter()
             .map(|keys| {

@@ -9,11 +9,17 @@
 //! Also the pieces: [`server_command`] (a `redis-server` command line, as the S1
 //! baseline starts its own), [`cli`] (one `redis-cli` command), [`wait_until`] and
 //! [`free_port_pair`].
+//!
+//! [`Security`] starts one with a password (`requirepass`, `masterauth`) and/or TLS only
+//! (`--port 0 --tls-port P`, TLS on the cluster bus and replication too) with a
+//! throwaway CA made by `openssl` in its directory ([`TlsFiles`]): the server
+//! certificates name `IP:127.0.0.1`; a client certificate, and a second CA that signed
+//! nothing, are there for the tests.
 
 use super::BenchError;
 use super::process::{START_BOUND, TempDir, die_with_parent};
 use std::net::TcpListener;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -23,6 +29,157 @@ pub const CLUSTER_NODE_TIMEOUT_MS: u64 = 1000;
 
 /// The programs a [`RedisCluster`] runs.
 pub const REDIS_PROGRAMS: [&str; 2] = ["redis-server", "redis-cli"];
+
+/// How the Redis processes of a [`RedisCluster`] are reached.
+#[derive(Clone, Debug, Default)]
+pub struct Security {
+    /// `requirepass` (and `masterauth`) of every node.
+    pub password: Option<String>,
+    /// TLS only, with a throwaway CA; `Some(true)`: clients must present a certificate
+    /// (`tls-auth-clients yes`), `Some(false)`: they may (`optional`).
+    pub tls: Option<bool>,
+}
+
+/// The PEM files of a TLS [`RedisCluster`], in its directory.
+#[derive(Clone, Debug)]
+pub struct TlsFiles {
+    /// The CA that signed every certificate here.
+    pub ca: PathBuf,
+    /// The servers' certificate (`subjectAltName=IP:127.0.0.1`) and key.
+    pub server_cert: PathBuf,
+    /// The servers' key.
+    pub server_key: PathBuf,
+    /// A client certificate the CA signed, for mutual TLS.
+    pub client_cert: PathBuf,
+    /// Its key.
+    pub client_key: PathBuf,
+    /// Another CA, which signed nothing here: a client that trusts only it must refuse
+    /// the servers.
+    pub other_ca: PathBuf,
+}
+
+impl TlsFiles {
+    /// Makes the CAs and certificates in `dir` with `openssl`.
+    pub fn make(dir: &Path) -> Result<TlsFiles, BenchError> {
+        require(&["openssl"]).map_err(|_| {
+            BenchError::Failed(
+                "`openssl` is not on PATH: the TLS tests make a throwaway CA with it; install \
+                 it with `apt-get install -y openssl` (Debian/Ubuntu) or `brew install \
+                 openssl`"
+                    .into(),
+            )
+        })?;
+        let files = TlsFiles {
+            ca: dir.join("ca.crt"),
+            server_cert: dir.join("server.crt"),
+            server_key: dir.join("server.key"),
+            client_cert: dir.join("client.crt"),
+            client_key: dir.join("client.key"),
+            other_ca: dir.join("other-ca.crt"),
+        };
+        let ext = dir.join("san.ext");
+        std::fs::write(&ext, "subjectAltName=IP:127.0.0.1\n")
+            .map_err(BenchError::io("writing the certificates' extension file"))?;
+        let ec = [
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+        ];
+        let run = |args: &[&str]| -> Result<(), BenchError> {
+            let output = Command::new("openssl")
+                .args(args)
+                .current_dir(dir)
+                .stdin(Stdio::null())
+                .output()
+                .map_err(BenchError::io("running openssl"))?;
+            if output.status.success() {
+                Ok(())
+            } else {
+                Err(BenchError::Failed(format!(
+                    "openssl {} failed: {}",
+                    args.join(" "),
+                    String::from_utf8_lossy(&output.stderr)
+                )))
+            }
+        };
+        for (name, subject) in [
+            ("ca", "/CN=kvwarden test CA"),
+            ("other-ca", "/CN=not the CA"),
+        ] {
+            let (key, cert) = (format!("{name}.key"), format!("{name}.crt"));
+            let mut args = vec!["req", "-x509"];
+            args.extend(ec);
+            args.extend([
+                "-keyout", &key, "-out", &cert, "-days", "2", "-subj", subject,
+            ]);
+            run(&args)?;
+        }
+        for name in ["server", "client"] {
+            let (key, csr, cert) = (
+                format!("{name}.key"),
+                format!("{name}.csr"),
+                format!("{name}.crt"),
+            );
+            let mut args = vec!["req"];
+            args.extend(ec);
+            args.extend(["-keyout", &key, "-out", &csr, "-subj", "/CN=127.0.0.1"]);
+            run(&args)?;
+            run(&[
+                "x509",
+                "-req",
+                "-in",
+                &csr,
+                "-CA",
+                "ca.crt",
+                "-CAkey",
+                "ca.key",
+                "-CAcreateserial",
+                "-out",
+                &cert,
+                "-days",
+                "2",
+                "-extfile",
+                "san.ext",
+            ])?;
+        }
+        Ok(files)
+    }
+}
+
+impl Security {
+    /// The `redis-cli` arguments that reach a node: TLS with the CA (and the client
+    /// certificate), the password through `REDISCLI_AUTH` (see [`Security::cli`]).
+    fn cli_args(&self, tls: Option<&TlsFiles>) -> Vec<String> {
+        let mut args = Vec::new();
+        if let Some(files) = tls {
+            args.push("--tls".to_string());
+            for (flag, path) in [
+                ("--cacert", &files.ca),
+                ("--cert", &files.client_cert),
+                ("--key", &files.client_key),
+            ] {
+                args.push(flag.to_string());
+                args.push(path.display().to_string());
+            }
+        }
+        args
+    }
+
+    /// A `redis-cli -h 127.0.0.1 -p port` command that reaches a node secured so.
+    pub fn cli(&self, tls: Option<&TlsFiles>, port: u16) -> Command {
+        let mut command = Command::new("redis-cli");
+        command
+            .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+            .args(self.cli_args(tls))
+            .stdin(Stdio::null());
+        if let Some(password) = &self.password {
+            command.env("REDISCLI_AUTH", password);
+        }
+        command
+    }
+}
 
 /// Whether `program` is an executable on `PATH`.
 pub fn on_path(program: &str) -> bool {
@@ -66,10 +223,19 @@ pub fn server_command(dir: &Path) -> Command {
 /// Runs `redis-cli -h 127.0.0.1 -p port args…` and returns its stdout, or `None` when
 /// it failed.
 pub fn cli(port: u16, args: &[&str]) -> Option<String> {
-    let output = Command::new("redis-cli")
-        .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+    cli_secured(&Security::default(), None, port, args)
+}
+
+/// [`cli`] against a node secured by `security` (with `tls` its files).
+pub fn cli_secured(
+    security: &Security,
+    tls: Option<&TlsFiles>,
+    port: u16,
+    args: &[&str],
+) -> Option<String> {
+    let output = security
+        .cli(tls, port)
         .args(args)
-        .stdin(Stdio::null())
         .stderr(Stdio::null())
         .output()
         .ok()?;
@@ -105,14 +271,24 @@ const PORT_ATTEMPTS: usize = 20;
 /// Waits (up to [`START_BOUND`]) until `redis-server` `child` answers on `port` with its
 /// own pid: `Ok(true)`. `Ok(false)` when it exited first or another process answers on
 /// `port`: the port was taken.
+#[cfg(test)]
 fn answers_as_itself(child: &mut Child, port: u16) -> Result<bool, BenchError> {
+    answers_as_itself_secured(child, port, &Security::default(), None)
+}
+
+fn answers_as_itself_secured(
+    child: &mut Child,
+    port: u16,
+    security: &Security,
+    tls: Option<&TlsFiles>,
+) -> Result<bool, BenchError> {
     let own = format!("process_id:{}", child.id());
     let started = Instant::now();
     loop {
         if let Ok(Some(_exited)) = child.try_wait() {
             return Ok(false);
         }
-        if let Some(info) = cli(port, &["info", "server"]) {
+        if let Some(info) = cli_secured(security, tls, port, &["info", "server"]) {
             return Ok(info.lines().any(|line| line.trim() == own));
         }
         if started.elapsed() > START_BOUND {
@@ -161,6 +337,8 @@ pub struct RedisNode {
 pub struct RedisCluster {
     nodes: Vec<RedisNode>,
     dir: TempDir,
+    security: Security,
+    tls: Option<TlsFiles>,
 }
 
 impl RedisCluster {
@@ -178,12 +356,23 @@ impl RedisCluster {
         replicas: usize,
         node_timeout_ms: u64,
     ) -> Result<RedisCluster, BenchError> {
+        RedisCluster::start_secured(masters, replicas, node_timeout_ms, Security::default())
+    }
+
+    /// [`RedisCluster::start_with_node_timeout`], reached as `security` says.
+    pub fn start_secured(
+        masters: usize,
+        replicas: usize,
+        node_timeout_ms: u64,
+        security: Security,
+    ) -> Result<RedisCluster, BenchError> {
         if masters < 3 {
             return Err(BenchError::Failed(format!(
                 "a Redis Cluster needs at least 3 masters, {masters} asked"
             )));
         }
-        let cluster = RedisCluster::launch(masters * (1 + replicas), Some(node_timeout_ms))?;
+        let cluster =
+            RedisCluster::launch(masters * (1 + replicas), Some(node_timeout_ms), security)?;
         let mut create: Vec<String> = vec!["--cluster".into(), "create".into()];
         create.extend(
             cluster
@@ -196,9 +385,10 @@ impl RedisCluster {
             replicas.to_string(),
             "--cluster-yes".into(),
         ]);
-        let output = Command::new("redis-cli")
+        let port = cluster.nodes.first().map_or(0, |node| node.port);
+        let output = cluster
+            .cli_command(port)
             .args(&create)
-            .stdin(Stdio::null())
             .output()
             .map_err(BenchError::io("running redis-cli --cluster create"))?;
         if !output.status.success() {
@@ -215,16 +405,48 @@ impl RedisCluster {
 
     /// Starts one plain Redis (cluster support off) on a loopback port.
     pub fn single() -> Result<RedisCluster, BenchError> {
-        RedisCluster::launch(1, None)
+        RedisCluster::launch(1, None, Security::default())
+    }
+
+    /// [`RedisCluster::single`], reached as `security` says.
+    pub fn single_secured(security: Security) -> Result<RedisCluster, BenchError> {
+        RedisCluster::launch(1, None, security)
+    }
+
+    /// A `redis-cli -h 127.0.0.1 -p port` command that reaches this cluster's nodes
+    /// (TLS, password) as they are secured.
+    pub fn cli_command(&self, port: u16) -> Command {
+        self.security.cli(self.tls.as_ref(), port)
+    }
+
+    /// [`cli`] against this cluster's node on `port`, secured as it is.
+    pub fn cli(&self, port: u16, args: &[&str]) -> Option<String> {
+        cli_secured(&self.security, self.tls.as_ref(), port, args)
+    }
+
+    /// The TLS files, when it was started with TLS.
+    pub fn tls_files(&self) -> Option<&TlsFiles> {
+        self.tls.as_ref()
     }
 
     /// Starts `count` redis-server processes (cluster nodes with this
     /// `cluster-node-timeout`, or plain), each answering on a port of its own.
-    fn launch(count: usize, node_timeout_ms: Option<u64>) -> Result<RedisCluster, BenchError> {
+    fn launch(
+        count: usize,
+        node_timeout_ms: Option<u64>,
+        security: Security,
+    ) -> Result<RedisCluster, BenchError> {
         require(&REDIS_PROGRAMS)?;
+        let dir = TempDir::new("redis")?;
+        let tls = match security.tls {
+            Some(_) => Some(TlsFiles::make(dir.path())?),
+            None => None,
+        };
         let mut cluster = RedisCluster {
             nodes: Vec::new(),
-            dir: TempDir::new("redis")?,
+            dir,
+            security,
+            tls,
         };
         let mut taken = Vec::new();
         for _ in 0..count {
@@ -257,9 +479,36 @@ impl RedisCluster {
             let log = std::fs::File::create(&log_path)
                 .map_err(BenchError::io("creating a Redis node's log file"))?;
             let mut command = server_command(&node_dir);
-            command
-                .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
-                .args(["--protected-mode", "no"]);
+            match (&self.tls, self.security.tls) {
+                (Some(files), Some(require_client_cert)) => {
+                    command
+                        .args(["--port", "0", "--tls-port", &port.to_string()])
+                        .args(["--tls-cluster", "yes", "--tls-replication", "yes"])
+                        .arg("--tls-cert-file")
+                        .arg(&files.server_cert)
+                        .arg("--tls-key-file")
+                        .arg(&files.server_key)
+                        .arg("--tls-ca-cert-file")
+                        .arg(&files.ca)
+                        .args([
+                            "--tls-auth-clients",
+                            if require_client_cert {
+                                "yes"
+                            } else {
+                                "optional"
+                            },
+                        ]);
+                }
+                _ => {
+                    command.args(["--port", &port.to_string()]);
+                }
+            }
+            if let Some(password) = &self.security.password {
+                command
+                    .args(["--requirepass", password])
+                    .args(["--masterauth", password]);
+            }
+            command.args(["--bind", "127.0.0.1", "--protected-mode", "no"]);
             if let Some(node_timeout_ms) = node_timeout_ms {
                 command
                     .args(["--cluster-enabled", "yes"])
@@ -278,12 +527,14 @@ impl RedisCluster {
                 .stderr(log)
                 .spawn()
                 .map_err(BenchError::io("spawning redis-server"))?;
-            if answers_as_itself(&mut child, port).map_err(|error| {
-                let _ = child.kill();
-                let _ = child.wait();
-                let log = std::fs::read_to_string(&log_path).unwrap_or_default();
-                BenchError::Failed(format!("{error}; its log:\n{log}"))
-            })? {
+            if answers_as_itself_secured(&mut child, port, &self.security, self.tls.as_ref())
+                .map_err(|error| {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+                    BenchError::Failed(format!("{error}; its log:\n{log}"))
+                })?
+            {
                 return Ok(RedisNode {
                     port,
                     child: Some(child),
@@ -305,10 +556,11 @@ impl RedisCluster {
     pub fn wait_ok(&self) -> Result<(), BenchError> {
         for port in self.live_ports() {
             wait_until(&format!("cluster_state:ok on port {port}"), || {
-                cli(port, &["cluster", "info"]).filter(|info| info.contains("cluster_state:ok"))
+                self.cli(port, &["cluster", "info"])
+                    .filter(|info| info.contains("cluster_state:ok"))
             })?;
             wait_until(&format!("the replica on port {port} in sync"), || {
-                cli(port, &["info", "replication"]).filter(|info| {
+                self.cli(port, &["info", "replication"]).filter(|info| {
                     info.contains("role:master") || info.contains("master_link_status:up")
                 })
             })?;
@@ -316,11 +568,16 @@ impl RedisCluster {
         Ok(())
     }
 
-    /// `redis://127.0.0.1:PORT` of every node started (live or not).
+    /// `redis://127.0.0.1:PORT` (`rediss://` with TLS) of every node started (live or not).
     pub fn seeds(&self) -> Vec<String> {
+        let scheme = if self.tls.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        };
         self.nodes
             .iter()
-            .map(|node| format!("redis://127.0.0.1:{}", node.port))
+            .map(|node| format!("{scheme}://127.0.0.1:{}", node.port))
             .collect()
     }
 
@@ -337,7 +594,10 @@ impl RedisCluster {
     pub fn masters(&self) -> Vec<u16> {
         self.live_ports()
             .into_iter()
-            .filter(|port| cli(*port, &["role"]).is_some_and(|role| role.starts_with("master")))
+            .filter(|port| {
+                self.cli(*port, &["role"])
+                    .is_some_and(|role| role.starts_with("master"))
+            })
             .collect()
     }
 
@@ -346,7 +606,7 @@ impl RedisCluster {
     pub fn replica_of(&self, master: u16) -> Option<u16> {
         let needle = format!("master_port:{master}");
         self.live_ports().into_iter().find(|port| {
-            cli(*port, &["info", "replication"])
+            self.cli(*port, &["info", "replication"])
                 .is_some_and(|info| info.lines().any(|line| line.trim() == needle))
         })
     }
@@ -357,7 +617,8 @@ impl RedisCluster {
         self.live_ports()
             .into_iter()
             .map(|port| {
-                let nodes = cli(port, &["cluster", "nodes"])
+                let nodes = self
+                    .cli(port, &["cluster", "nodes"])
                     .unwrap_or_else(|| "(no answer to CLUSTER NODES)\n".into());
                 format!("node {port} sees:\n{nodes}")
             })

@@ -26,6 +26,9 @@ impl Harness {
         let waker = mio::Waker::new(poll.registry(), WAKER).expect("a waker");
         let config = L2Config {
             seeds,
+            auth: Default::default(),
+            tls: None,
+            format: l2::ValueFormat::new(None, 1 << 20),
             namespace: Namespace::new("kvwarden-test").expect("a namespace"),
             timeout: Duration::from_millis(timeout_ms),
             ttl: Some(Duration::from_secs(600)),

@@ -2,7 +2,8 @@
 //! server. Pure data and decisions; the Redis I/O lives in the shell's L2 threads.
 //!
 //! - [`value`]: the format of a value in L2 (header with magic, version, length and
-//!   checksum) and the decoder that refuses anything else.
+//!   checksum, or a MAC under the cluster secret) and the decoder that refuses anything
+//!   else, longer values included.
 //! - [`key`]: how a chunk's key is named in L2 ([`Namespace`]).
 //! - [`health`]: up / degraded / down, and the circuit breaker that stops asking.
 //! - [`write_queue`]: the write-behind queue, bounded in bytes.
@@ -60,5 +61,9 @@ pub use health::{
     Admission, L2Health, L2HealthConfig, L2HealthConfigError, L2State, OpResult, Transition,
 };
 pub use key::{DEFAULT_NAMESPACE, NAMESPACE_MAX_BYTES, Namespace, NamespaceError};
-pub use value::{DecodeError, FORMAT_VERSION, HEADER_BYTES, MAGIC, decode, encode, header};
-pub use write_queue::{Push, WriteQueue};
+pub use value::{
+    ClusterSecret, DecodeError, FORMAT_VERSION, HEADER_BYTES, Header, MAC_CONTEXT,
+    MAC_FORMAT_VERSION, MAC_HEADER_BYTES, MAC_TAG_BYTES, MAGIC, SECRET_MIN_BYTES, SecretError,
+    ValueFormat, decode, encode, header,
+};
+pub use write_queue::{Push, SHUTDOWN_DRAIN, WriteQueue};

@@ -1,29 +1,60 @@
 //! The L2 value format: a fixed header that lets a reader prove a value is whole, of this
-//! format and written by kvwarden before a single byte of it is served.
+//! format and written by kvwarden (with a cluster secret: by a server holding it, for this
+//! very key) before a single byte of it is served.
+//!
+//! Two versions, one per kind of server; a server reads only its own:
 //!
 //! ```text
-//! offset  size  field
-//!      0     4  magic            b"KVL2"
-//!      4     4  format version   u32, little endian (FORMAT_VERSION)
-//!      8     8  payload length   u64, little endian
-//!     16     8  payload checksum u64, little endian: xxh3-64 of the payload
-//!     24     …  payload
+//! version 1 (no --l2-secret-file)          version 2 (--l2-secret-file)
+//! offset  size  field                      offset  size  field
+//!      0     4  magic b"KVL2"                   0     4  magic b"KVL2"
+//!      4     4  version 1 (u32 LE)              4     4  version 2 (u32 LE)
+//!      8     8  payload length (u64 LE)         8     8  payload length (u64 LE)
+//!     16     8  xxh3-64 of the payload         16    32  keyed BLAKE3 tag
+//!     24     …  payload                        48     …  payload
 //! ```
 //!
-//! The checksum catches torn and truncated writes and values written by something else;
-//! it is not a signature: whoever can write to the cluster is trusted.
+//! The checksum of version 1 catches torn and truncated writes and values written by
+//! something else by mistake; it is not a signature: whoever can write to the cluster is
+//! trusted. The tag of version 2 is `blake3::keyed_hash` with the key
+//! `blake3::derive_key(MAC_CONTEXT, secret file)` over the header's first 16 bytes, the
+//! namespace and the chunk key (the tenant-scoped key), each with its length as a u64 LE
+//! in front, and the payload: a value written by anyone without the secret, or copied
+//! from one key to another, does not verify.
+//!
+//! Every read is bounded ([`ValueFormat::read_limit_bytes`]): a value longer than a slot
+//! plus the header is a miss before it is looked at.
 
+use super::key::Namespace;
 use thiserror::Error;
 use xxhash_rust::xxh3::xxh3_64;
 
 /// The first four bytes of every L2 value.
 pub const MAGIC: [u8; 4] = *b"KVL2";
 
-/// The format version this build writes and the only one it reads.
+/// The format version of a value with a checksum: what a server without a cluster secret
+/// writes and the only one it reads.
 pub const FORMAT_VERSION: u32 = 1;
 
-/// The size of the header in front of the payload.
+/// The format version of a value with a MAC: what a server with `--l2-secret-file`
+/// writes and the only one it reads.
+pub const MAC_FORMAT_VERSION: u32 = 2;
+
+/// The size of the header of a version-1 value; the write-behind queue counts every
+/// value's header at this size.
 pub const HEADER_BYTES: usize = 24;
+
+/// The size of a MAC tag.
+pub const MAC_TAG_BYTES: usize = 32;
+
+/// The size of the header of a version-2 value (with a MAC).
+pub const MAC_HEADER_BYTES: usize = 16 + MAC_TAG_BYTES;
+
+/// The fewest bytes a cluster secret file may hold.
+pub const SECRET_MIN_BYTES: usize = 32;
+
+/// The context string of the MAC key's derivation (`blake3::derive_key`).
+pub const MAC_CONTEXT: &str = "kvwarden L2 value MAC v1";
 
 /// Why a value read from L2 cannot be served. Every variant means: a miss, counted,
 /// logged once per key, and the key deleted.
@@ -52,7 +83,7 @@ pub enum DecodeError {
     /// Written by another format version of kvwarden.
     #[error(
         "L2 value has format version {found}, this server reads only version \
-         {FORMAT_VERSION} (a server of another version shares the namespace: give each \
+         {FORMAT_VERSION} (or {MAC_FORMAT_VERSION} with --l2-secret-file) (a server of another version shares the namespace: give each \
          version its own --l2-namespace); it is a miss and will be deleted"
     )]
     OtherVersion {
@@ -70,6 +101,44 @@ pub enum DecodeError {
         declared_bytes: u64,
         /// The bytes after the header.
         actual_bytes: u64,
+    },
+    /// A value with a MAC read by a server without a cluster secret.
+    #[error(
+        "L2 value has format version {MAC_FORMAT_VERSION} (authenticated: written by a \
+         server with --l2-secret-file), this server has no secret and reads only version \
+         {FORMAT_VERSION}; give it the cluster's --l2-secret-file (or give servers without \
+         a secret their own --l2-namespace); it is a miss and will be deleted"
+    )]
+    Authenticated,
+    /// A value without a MAC read by a server with a cluster secret.
+    #[error(
+        "L2 value has format version {FORMAT_VERSION} (no MAC: written by a server without \
+         --l2-secret-file, or by anyone who can reach Redis), this server has \
+         --l2-secret-file and serves only authenticated values (version \
+         {MAC_FORMAT_VERSION}); give every server of the namespace the same \
+         --l2-secret-file; it is a miss and will be deleted"
+    )]
+    Unauthenticated,
+    /// The tag does not verify: written without this cluster's secret, or moved here
+    /// from another key.
+    #[error(
+        "L2 value's MAC does not verify for this key (written by someone without this \
+         cluster's secret, with another --l2-secret-file, or copied from another key); \
+         every server of the namespace needs the same --l2-secret-file; it is a miss and \
+         will be deleted"
+    )]
+    MacMismatch,
+    /// Longer than a slot plus the header: the read stopped at the bound.
+    #[error(
+        "L2 value is longer than {limit_bytes} bytes, the most a value of one \
+         {max_payload_bytes}-byte slot and its header may hold (read stopped there; written \
+         by a server with larger --slot-bytes, or planted); it is a miss and will be deleted"
+    )]
+    Oversized {
+        /// The longest value accepted (header included).
+        limit_bytes: u64,
+        /// The largest payload accepted (the slot size).
+        max_payload_bytes: u64,
     },
     /// The payload does not hash to the checksum in the header.
     #[error(
@@ -104,57 +173,273 @@ pub fn encode(payload: &[u8]) -> Vec<u8> {
     value
 }
 
-/// The payload of `value`, once every check of the header passed.
+/// The payload of a version-1 `value`, once every check of the header passed, with no
+/// bound on its length: [`ValueFormat::decode`] without a secret and without a bound.
 ///
 /// Checks in order: long enough for the magic, magic, long enough for the header,
 /// version, payload length (short: [`DecodeError::Truncated`], long:
 /// [`DecodeError::LengthMismatch`]), checksum. Never panics and never allocates.
 pub fn decode(value: &[u8]) -> Result<&[u8], DecodeError> {
-    let len_bytes = value.len() as u64;
-    let Some(magic) = value.first_chunk::<4>() else {
-        return Err(DecodeError::Truncated {
-            len_bytes,
-            need_bytes: HEADER_BYTES as u64,
-        });
-    };
-    if *magic != MAGIC {
-        return Err(DecodeError::BadMagic { found: *magic });
-    }
-    let Some((header, payload)) = value.split_first_chunk::<HEADER_BYTES>() else {
-        return Err(DecodeError::Truncated {
-            len_bytes,
-            need_bytes: HEADER_BYTES as u64,
-        });
-    };
-    let version = u32::from_le_bytes(le_field(header, 4));
-    if version != FORMAT_VERSION {
-        return Err(DecodeError::OtherVersion { found: version });
-    }
-    let declared_bytes = u64::from_le_bytes(le_field(header, 8));
-    let actual_bytes = payload.len() as u64;
-    if actual_bytes < declared_bytes {
-        return Err(DecodeError::Truncated {
-            len_bytes,
-            need_bytes: declared_bytes.saturating_add(HEADER_BYTES as u64),
-        });
-    }
-    if actual_bytes > declared_bytes {
-        return Err(DecodeError::LengthMismatch {
-            declared_bytes,
-            actual_bytes,
-        });
-    }
-    let stored = u64::from_le_bytes(le_field(header, 16));
-    let computed = xxh3_64(payload);
-    if stored != computed {
-        return Err(DecodeError::ChecksumMismatch { stored, computed });
-    }
-    Ok(payload)
+    ValueFormat::new(None, u64::MAX).decode(&Namespace::default(), b"", value)
 }
 
-/// The `N` bytes of `header` at `at`; the callers' offsets are constants inside the
-/// header, so the fallback (zeros) is never taken.
-fn le_field<const N: usize>(header: &[u8; HEADER_BYTES], at: usize) -> [u8; N] {
+/// A cluster secret's MAC key, derived from the secret file's bytes; never printed.
+#[derive(Clone)]
+pub struct ClusterSecret {
+    key: [u8; 32],
+}
+
+/// A secret file that was refused.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum SecretError {
+    /// Fewer bytes than [`SECRET_MIN_BYTES`].
+    #[error(
+        "--l2-secret-file {path}: it holds {len_bytes} bytes, a cluster secret needs at \
+         least {SECRET_MIN_BYTES} (make one with `head -c 32 /dev/urandom > {path}; chmod \
+         600 {path}` and give every server of the namespace the same file)"
+    )]
+    TooShort {
+        /// The file, as named.
+        path: String,
+        /// Its size.
+        len_bytes: usize,
+    },
+}
+
+impl ClusterSecret {
+    /// The secret of the file `path` holding `bytes` (every byte counts; at least
+    /// [`SECRET_MIN_BYTES`]).
+    pub fn from_file_bytes(path: &str, bytes: &[u8]) -> Result<ClusterSecret, SecretError> {
+        if bytes.len() < SECRET_MIN_BYTES {
+            return Err(SecretError::TooShort {
+                path: path.to_string(),
+                len_bytes: bytes.len(),
+            });
+        }
+        Ok(ClusterSecret {
+            key: blake3::derive_key(MAC_CONTEXT, bytes),
+        })
+    }
+}
+
+impl std::fmt::Debug for ClusterSecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ClusterSecret(<redacted>)")
+    }
+}
+
+/// The header of one value, as written in front of its payload.
+#[derive(Clone, Copy, Debug)]
+pub struct Header {
+    bytes: [u8; MAC_HEADER_BYTES],
+    len: usize,
+}
+
+impl AsRef<[u8]> for Header {
+    fn as_ref(&self) -> &[u8] {
+        self.bytes.get(..self.len).unwrap_or_default()
+    }
+}
+
+/// How this server writes and reads L2 values: with a MAC (a cluster secret) or a
+/// checksum, and the largest payload it accepts (its slot size).
+#[derive(Clone, Debug)]
+pub struct ValueFormat {
+    secret: Option<ClusterSecret>,
+    max_payload_bytes: u64,
+}
+
+impl ValueFormat {
+    /// Values with a MAC under `secret` (version 2), or with a checksum without one
+    /// (version 1), of at most `max_payload_bytes` of payload.
+    #[must_use]
+    pub fn new(secret: Option<ClusterSecret>, max_payload_bytes: u64) -> ValueFormat {
+        ValueFormat {
+            secret,
+            max_payload_bytes,
+        }
+    }
+
+    /// Whether values carry a MAC.
+    #[must_use]
+    pub fn authenticated(&self) -> bool {
+        self.secret.is_some()
+    }
+
+    /// The size of the header this server writes and reads.
+    #[must_use]
+    pub fn header_bytes(&self) -> usize {
+        if self.secret.is_some() {
+            MAC_HEADER_BYTES
+        } else {
+            HEADER_BYTES
+        }
+    }
+
+    /// The most a read fetches, less one: the largest payload plus the larger header
+    /// (so that a value of the other kind of server is seen whole, and refused for what
+    /// it is). A read asks for one byte more than this (`GETRANGE key 0 LIMIT`), so that
+    /// a longer value is seen to be longer without ever being fetched whole.
+    #[must_use]
+    pub fn read_limit_bytes(&self) -> u64 {
+        self.max_payload_bytes
+            .saturating_add(MAC_HEADER_BYTES as u64)
+    }
+
+    /// The header of `payload` stored under chunk key `key` of `namespace`.
+    #[must_use]
+    pub fn header(&self, namespace: &Namespace, key: &[u8], payload: &[u8]) -> Header {
+        let mut bytes = [0u8; MAC_HEADER_BYTES];
+        bytes[0..4].copy_from_slice(&MAGIC);
+        bytes[8..16].copy_from_slice(&(payload.len() as u64).to_le_bytes());
+        match &self.secret {
+            None => {
+                bytes[4..8].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+                bytes[16..24].copy_from_slice(&xxh3_64(payload).to_le_bytes());
+                Header {
+                    bytes,
+                    len: HEADER_BYTES,
+                }
+            }
+            Some(secret) => {
+                bytes[4..8].copy_from_slice(&MAC_FORMAT_VERSION.to_le_bytes());
+                let fixed: [u8; 16] = le_field(&bytes, 0);
+                let tag = mac(secret, &fixed, namespace, key, payload);
+                bytes[16..MAC_HEADER_BYTES].copy_from_slice(tag.as_bytes());
+                Header {
+                    bytes,
+                    len: MAC_HEADER_BYTES,
+                }
+            }
+        }
+    }
+
+    /// The value holding `payload` under `key` of `namespace`: [`ValueFormat::header`]
+    /// then the payload.
+    #[must_use]
+    pub fn encode(&self, namespace: &Namespace, key: &[u8], payload: &[u8]) -> Vec<u8> {
+        let header = self.header(namespace, key, payload);
+        let mut value = Vec::with_capacity(header.len + payload.len());
+        value.extend_from_slice(header.as_ref());
+        value.extend_from_slice(payload);
+        value
+    }
+
+    /// The payload of `value` read under chunk key `key` of `namespace` (at most
+    /// [`ValueFormat::read_limit_bytes`] + 1 bytes of it), once every check passed.
+    ///
+    /// Checks in order: the read bound ([`DecodeError::Oversized`]), long enough for
+    /// the magic, magic, version (another kind of server: [`DecodeError::Authenticated`]
+    /// or [`DecodeError::Unauthenticated`]), long enough for the header, a payload of at
+    /// most a slot ([`DecodeError::Oversized`]), payload length, then the checksum or
+    /// the MAC (compared in constant time). Never panics and never
+    /// allocates.
+    pub fn decode<'v>(
+        &self,
+        namespace: &Namespace,
+        key: &[u8],
+        value: &'v [u8],
+    ) -> Result<&'v [u8], DecodeError> {
+        let len_bytes = value.len() as u64;
+        let limit_bytes = self.read_limit_bytes();
+        if len_bytes > limit_bytes {
+            return Err(DecodeError::Oversized {
+                limit_bytes,
+                max_payload_bytes: self.max_payload_bytes,
+            });
+        }
+        let header_bytes = self.header_bytes();
+        let Some(magic) = value.first_chunk::<4>() else {
+            return Err(DecodeError::Truncated {
+                len_bytes,
+                need_bytes: header_bytes as u64,
+            });
+        };
+        if *magic != MAGIC {
+            return Err(DecodeError::BadMagic { found: *magic });
+        }
+        let Some(fixed) = value.first_chunk::<16>() else {
+            return Err(DecodeError::Truncated {
+                len_bytes,
+                need_bytes: header_bytes as u64,
+            });
+        };
+        let version = u32::from_le_bytes(le_field(fixed, 4));
+        match (version, &self.secret) {
+            (FORMAT_VERSION, None) | (MAC_FORMAT_VERSION, Some(_)) => {}
+            (MAC_FORMAT_VERSION, None) => return Err(DecodeError::Authenticated),
+            (FORMAT_VERSION, Some(_)) => return Err(DecodeError::Unauthenticated),
+            (found, _) => return Err(DecodeError::OtherVersion { found }),
+        }
+        let (Some(header), Some(payload)) = (value.get(..header_bytes), value.get(header_bytes..))
+        else {
+            return Err(DecodeError::Truncated {
+                len_bytes,
+                need_bytes: header_bytes as u64,
+            });
+        };
+        let declared_bytes = u64::from_le_bytes(le_field(fixed, 8));
+        let actual_bytes = payload.len() as u64;
+        if actual_bytes > self.max_payload_bytes {
+            return Err(DecodeError::Oversized {
+                limit_bytes: self.max_payload_bytes.saturating_add(header_bytes as u64),
+                max_payload_bytes: self.max_payload_bytes,
+            });
+        }
+        if actual_bytes < declared_bytes {
+            return Err(DecodeError::Truncated {
+                len_bytes,
+                need_bytes: declared_bytes.saturating_add(header_bytes as u64),
+            });
+        }
+        if actual_bytes > declared_bytes {
+            return Err(DecodeError::LengthMismatch {
+                declared_bytes,
+                actual_bytes,
+            });
+        }
+        match &self.secret {
+            None => {
+                let stored = u64::from_le_bytes(le_field(header, 16));
+                let computed = xxh3_64(payload);
+                if stored != computed {
+                    return Err(DecodeError::ChecksumMismatch { stored, computed });
+                }
+            }
+            Some(secret) => {
+                let stored: [u8; MAC_TAG_BYTES] = le_field(header, 16);
+                // `blake3::Hash` compares in constant time.
+                if blake3::Hash::from_bytes(stored) != mac(secret, fixed, namespace, key, payload) {
+                    return Err(DecodeError::MacMismatch);
+                }
+            }
+        }
+        Ok(payload)
+    }
+}
+
+/// The tag of a version-2 value: keyed BLAKE3 over the header's first 16 bytes, the
+/// length-prefixed namespace and chunk key, and the payload.
+fn mac(
+    secret: &ClusterSecret,
+    fixed: &[u8; 16],
+    namespace: &Namespace,
+    key: &[u8],
+    payload: &[u8],
+) -> blake3::Hash {
+    let mut hasher = blake3::Hasher::new_keyed(&secret.key);
+    hasher.update(fixed);
+    for part in [namespace.as_str().as_bytes(), key] {
+        hasher.update(&(part.len() as u64).to_le_bytes());
+        hasher.update(part);
+    }
+    hasher.update(payload);
+    hasher.finalize()
+}
+
+/// The `N` bytes of `header` at `at`; the callers' offsets are constants inside a header
+/// they checked the length of, so the fallback (zeros) is never taken.
+fn le_field<const N: usize>(header: &[u8], at: usize) -> [u8; N] {
     header
         .get(at..at + N)
         .and_then(|bytes| <[u8; N]>::try_from(bytes).ok())
@@ -236,11 +521,11 @@ mod tests {
         let mut value = encode(b"payload");
         put_u32(&mut value, 4, FORMAT_VERSION);
         assert!(decode(&value).is_ok());
-        put_u32(&mut value, 4, FORMAT_VERSION + 1);
+        put_u32(&mut value, 4, MAC_FORMAT_VERSION + 1);
         assert_eq!(
             decode(&value),
             Err(DecodeError::OtherVersion {
-                found: FORMAT_VERSION + 1
+                found: MAC_FORMAT_VERSION + 1
             })
         );
     }
@@ -312,7 +597,105 @@ mod tests {
         );
     }
 
+    fn secret(byte: u8) -> ClusterSecret {
+        ClusterSecret::from_file_bytes("secret", &[byte; 32]).unwrap()
+    }
+
+    fn ns(name: &str) -> Namespace {
+        Namespace::new(name).unwrap()
+    }
+
+    #[test]
+    fn a_value_with_a_mac_decodes_under_the_same_secret_and_key_only() {
+        let format = ValueFormat::new(Some(secret(1)), 4096);
+        let value = format.encode(&ns("kv"), b"key", b"payload");
+        assert_eq!(value.len(), MAC_HEADER_BYTES + 7);
+        assert_eq!(
+            format.decode(&ns("kv"), b"key", &value),
+            Ok(&b"payload"[..])
+        );
+        // Another key, another namespace, another secret: the same bytes do not verify.
+        assert_eq!(
+            format.decode(&ns("kv"), b"kez", &value),
+            Err(DecodeError::MacMismatch)
+        );
+        assert_eq!(
+            format.decode(&ns("kw"), b"key", &value),
+            Err(DecodeError::MacMismatch)
+        );
+        let other = ValueFormat::new(Some(secret(2)), 4096);
+        assert_eq!(
+            other.decode(&ns("kv"), b"key", &value),
+            Err(DecodeError::MacMismatch)
+        );
+        // The length prefixes keep namespace and key apart.
+        let value = format.encode(&ns("kv"), b"", b"payload");
+        assert_eq!(format.decode(&ns("kv"), b"", &value), Ok(&b"payload"[..]));
+    }
+
+    #[test]
+    fn a_flipped_bit_anywhere_in_a_mac_value_fails_it() {
+        let format = ValueFormat::new(Some(secret(1)), 4096);
+        let value = format.encode(&ns("kv"), b"key", b"payload");
+        for at in 0..value.len() {
+            let mut bad = value.clone();
+            bad[at] ^= 1;
+            assert!(format.decode(&ns("kv"), b"key", &bad).is_err(), "{at}");
+        }
+    }
+
+    #[test]
+    fn a_server_with_a_secret_refuses_values_without_one_and_vice_versa() {
+        let plain = ValueFormat::new(None, 4096);
+        let keyed = ValueFormat::new(Some(secret(1)), 4096);
+        let plain_value = plain.encode(&ns("kv"), b"k", b"payload");
+        let keyed_value = keyed.encode(&ns("kv"), b"k", b"payload");
+        assert!(plain.decode(&ns("kv"), b"k", &plain_value).is_ok());
+        assert!(keyed.decode(&ns("kv"), b"k", &keyed_value).is_ok());
+        let error = keyed.decode(&ns("kv"), b"k", &plain_value).unwrap_err();
+        assert_eq!(error, DecodeError::Unauthenticated);
+        assert!(error.to_string().contains("--l2-secret-file"), "{error}");
+        let error = plain.decode(&ns("kv"), b"k", &keyed_value).unwrap_err();
+        assert_eq!(error, DecodeError::Authenticated);
+        assert!(error.to_string().contains("--l2-secret-file"), "{error}");
+    }
+
+    #[test]
+    fn a_value_longer_than_a_slot_and_its_header_is_oversized_and_one_that_fits_is_not() {
+        for format in [
+            ValueFormat::new(None, 8),
+            ValueFormat::new(Some(secret(1)), 8),
+        ] {
+            let fits = format.encode(&ns("kv"), b"k", &[7; 8]);
+            assert!(fits.len() as u64 <= format.read_limit_bytes());
+            assert!(format.decode(&ns("kv"), b"k", &fits).is_ok());
+            let mut longer = fits.clone();
+            longer.push(0);
+            let error = format.decode(&ns("kv"), b"k", &longer).unwrap_err();
+            assert!(matches!(error, DecodeError::Oversized { .. }), "{error}");
+            assert!(error.to_string().contains("--slot-bytes"), "{error}");
+        }
+    }
+
+    #[test]
+    fn a_secret_file_shorter_than_32_bytes_is_refused_naming_it_and_its_size() {
+        assert!(ClusterSecret::from_file_bytes("f", &[0; SECRET_MIN_BYTES]).is_ok());
+        let error = ClusterSecret::from_file_bytes("/etc/kv.secret", &[0; 31]).unwrap_err();
+        let message = error.to_string();
+        assert!(
+            message.contains("/etc/kv.secret") && message.contains("31 bytes"),
+            "{message}"
+        );
+        assert_eq!(format!("{:?}", secret(1)), "ClusterSecret(<redacted>)");
+    }
+
     proptest! {
+        #[test]
+        fn no_byte_string_panics_the_mac_decoder(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+            let format = ValueFormat::new(Some(secret(3)), 64);
+            let _ = format.decode(&Namespace::default(), b"k", &bytes);
+        }
+
         #[test]
         fn no_byte_string_panics_the_decoder(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
             let _ = decode(&bytes);

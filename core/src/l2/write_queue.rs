@@ -9,8 +9,17 @@
 //! `store` that completed, or an engine-driven `commit_store`. Never an engine-driven
 //! reservation that was not committed, nor a copy cut short by a free. The queue cannot
 //! tell; checking it is the caller's job, at the one place that publishes a chunk in L1.
+//!
+//! At shutdown the queue gets [`SHUTDOWN_DRAIN`] to empty; the rest is lost.
 
 use std::collections::VecDeque;
+use std::time::Duration;
+
+/// How long the queue may take to reach L2 once the server has stopped (SIGTERM): long
+/// enough for a healthy cluster to take a full queue of a few hundred MiB, short enough
+/// that an orchestrator's grace period (30 s by default in Kubernetes) is never at risk
+/// whatever Redis does. What is left then is dropped and counted.
+pub const SHUTDOWN_DRAIN: Duration = Duration::from_secs(2);
 
 /// What became of a push.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]

@@ -22,7 +22,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Run the server (Unix socket, optional TCP, HTTP status/metrics).
-    Serve(serve::ServeArgs),
+    Serve(Box<serve::ServeArgs>),
     /// Print a running server's status as a table (or JSON).
     Status(status::StatusArgs),
     /// Run a worker process: memfd buffers, heartbeat, store/retrieve traffic.
@@ -59,7 +59,7 @@ pub fn main() -> ExitCode {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     match cli.command {
-        Command::Serve(args) => serve::run(args),
+        Command::Serve(args) => serve::run(*args),
         Command::Status(args) => status::run(args),
         Command::Worker(args) => worker::run(args),
         Command::Call(args) => call::run(args),

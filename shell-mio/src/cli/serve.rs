@@ -1,9 +1,9 @@
 //! `kvwarden serve`.
 
-use crate::l2::L2Config;
+use crate::l2::{L2Auth, L2Config, L2Tls};
 use crate::server::fault::Faults;
 use crate::server::{DEFAULT_MAX_CONNECTIONS, Server, ServerConfig, listen};
-use kvwarden_core::l2::Namespace;
+use kvwarden_core::l2::{ClusterSecret, Namespace, ValueFormat};
 use kvwarden_core::node::trust::{TenantSpec, TrustConfig};
 use kvwarden_core::{Config, ConfigError, REAP_TIMEOUT_FLOOR};
 use std::net::SocketAddr;
@@ -110,8 +110,50 @@ pub struct ServeArgs {
     /// L2: a Redis Cluster (any of its nodes as seeds) or one plain Redis, shared by
     /// every node's server: chunks published in L1 are written behind to it, and L1
     /// misses read through from it. Without it the server is L1 only.
-    #[arg(long, value_name = "redis://HOST:PORT[,HOST:PORT...]")]
+    /// `rediss://HOST:PORT` seeds reach it over TLS (every seed one scheme). Never put
+    /// a password in the URL: it is refused; use --l2-password-file.
+    #[arg(long, value_name = "redis[s]://HOST:PORT[,HOST:PORT...]")]
     l2: Option<String>,
+    /// The PEM CA certificate(s) that sign the Redis servers' certificates, for
+    /// `rediss://` seeds [default: the system's roots]. The servers' certificates are
+    /// always verified, names included; read at start.
+    #[arg(long, value_name = "PATH", requires = "l2")]
+    l2_tls_ca_file: Option<PathBuf>,
+    /// A PEM client certificate (chain) for mutual TLS with Redis
+    /// (`tls-auth-clients yes`); needs --l2-tls-key-file.
+    #[arg(
+        long,
+        value_name = "PATH",
+        requires = "l2",
+        requires = "l2_tls_key_file"
+    )]
+    l2_tls_cert_file: Option<PathBuf>,
+    /// The PEM private key of --l2-tls-cert-file (keep it mode 600).
+    #[arg(
+        long,
+        value_name = "PATH",
+        requires = "l2",
+        requires = "l2_tls_cert_file"
+    )]
+    l2_tls_key_file: Option<PathBuf>,
+    /// The Redis ACL user every L2 connection authenticates as [default: the default
+    /// user]. Needs a password (--l2-password-file or KVWARDEN_L2_PASSWORD).
+    #[arg(long, value_name = "NAME", requires = "l2")]
+    l2_username: Option<String>,
+    /// The file holding the L2 password (`requirepass` or the ACL user's; surrounding
+    /// whitespace ignored; keep it mode 600). Or set the environment variable
+    /// KVWARDEN_L2_PASSWORD. The password is never taken from the command line and
+    /// never printed.
+    #[arg(long, value_name = "PATH", requires = "l2")]
+    l2_password_file: Option<PathBuf>,
+    /// The cluster secret (a file of at least 32 bytes, every byte counts: `head -c 32
+    /// /dev/urandom > FILE; chmod 600 FILE`): every L2 value then carries a keyed-BLAKE3
+    /// MAC over its key and payload, and a value without a valid one (written by anyone
+    /// without the secret, or moved to another key) is a miss, counted as corrupt and
+    /// deleted. Every server of the namespace needs the same file [default: none:
+    /// values carry an xxh3 checksum; whoever can write to Redis is trusted].
+    #[arg(long, value_name = "PATH", requires = "l2")]
+    l2_secret_file: Option<PathBuf>,
     /// The prefix of every L2 key (`NAMESPACE:…`); servers that share chunks use the
     /// same one. ASCII letters, digits, `.`, `_`, `-`, `:`; at most 64 bytes.
     #[arg(long, default_value = "kvwarden", value_name = "NAME", requires = "l2")]
@@ -257,8 +299,58 @@ fn l2_config(args: &ServeArgs) -> Result<Option<L2Config>, String> {
             args.l2_ttl_seconds
         ));
     }
+    let tls = match (
+        &args.l2_tls_ca_file,
+        &args.l2_tls_cert_file,
+        &args.l2_tls_key_file,
+    ) {
+        (None, None, None) => None,
+        (ca, cert, key) => {
+            let flag = if ca.is_some() {
+                "--l2-tls-ca-file"
+            } else {
+                "--l2-tls-cert-file"
+            };
+            L2Config::check_tls_flag(&seeds, flag).map_err(|e| e.to_string())?;
+            let client = match (cert, key) {
+                (Some(cert), Some(key)) => Some((cert.as_path(), key.as_path())),
+                (None, None) => None,
+                _ => {
+                    return Err(
+                        "--l2-tls-cert-file and --l2-tls-key-file go together: give \
+                                both (mutual TLS) or neither"
+                            .into(),
+                    );
+                }
+            };
+            if let Some((_, key)) = client {
+                warn_if_world_readable("--l2-tls-key-file", key);
+            }
+            Some(L2Tls::from_files(ca.as_deref(), client).map_err(|e| e.to_string())?)
+        }
+    };
+    let secret = match &args.l2_secret_file {
+        Some(path) => {
+            let bytes = std::fs::read(path).map_err(|e| {
+                format!(
+                    "--l2-secret-file {}: cannot read it: {e} (give every server of the \
+                     namespace the same file of at least 32 bytes)",
+                    path.display()
+                )
+            })?;
+            warn_if_world_readable("--l2-secret-file", path);
+            Some(
+                ClusterSecret::from_file_bytes(&path.display().to_string(), &bytes)
+                    .map_err(|e| e.to_string())?,
+            )
+        }
+        None => None,
+    };
     let config = L2Config {
         seeds,
+        auth: l2_auth(args)?,
+        tls,
+        format: ValueFormat::new(secret, args.slot_bytes),
         namespace,
         timeout: Duration::from_millis(args.l2_timeout_ms),
         ttl: (args.l2_ttl_seconds > 0).then(|| Duration::from_secs(args.l2_ttl_seconds)),
@@ -267,6 +359,68 @@ fn l2_config(args: &ServeArgs) -> Result<Option<L2Config>, String> {
     };
     config.validate().map_err(|e| e.to_string())?;
     Ok(Some(config))
+}
+
+/// Warns when the file of `flag` at `path` is readable by every user: it holds a secret.
+fn warn_if_world_readable(flag: &str, path: &std::path::Path) {
+    use std::os::unix::fs::PermissionsExt;
+    if let Ok(meta) = std::fs::metadata(path)
+        && meta.permissions().mode() & 0o004 != 0
+    {
+        tracing::warn!(path = %path.display(), "{flag}: the file is readable by every user; chmod 600 it");
+    }
+}
+
+/// The environment variable that may hold the L2 password.
+pub const L2_PASSWORD_ENV: &str = "KVWARDEN_L2_PASSWORD";
+
+/// The L2 credentials: `--l2-username`, and the password from `--l2-password-file` or
+/// [`L2_PASSWORD_ENV`] (not both).
+fn l2_auth(args: &ServeArgs) -> Result<L2Auth, String> {
+    let from_env = std::env::var_os(L2_PASSWORD_ENV).filter(|value| !value.is_empty());
+    let password = match (&args.l2_password_file, from_env) {
+        (Some(path), Some(_)) => {
+            return Err(format!(
+                "--l2-password-file {} and {L2_PASSWORD_ENV} both given: use one",
+                path.display()
+            ));
+        }
+        (Some(path), None) => {
+            let bytes = std::fs::read(path).map_err(|e| {
+                format!("--l2-password-file {}: cannot read it: {e}", path.display())
+            })?;
+            warn_if_world_readable("--l2-password-file", path);
+            let text = String::from_utf8(bytes.trim_ascii().to_vec()).map_err(|_| {
+                format!(
+                    "--l2-password-file {}: the password is not UTF-8 text",
+                    path.display()
+                )
+            })?;
+            if text.is_empty() {
+                return Err(format!(
+                    "--l2-password-file {}: the file is empty; put the password in it",
+                    path.display()
+                ));
+            }
+            Some(text)
+        }
+        (None, Some(value)) => Some(
+            value
+                .into_string()
+                .map_err(|_| format!("{L2_PASSWORD_ENV}: the password is not UTF-8 text"))?,
+        ),
+        (None, None) => None,
+    };
+    if args.l2_username.is_some() && password.is_none() {
+        return Err(format!(
+            "--l2-username needs a password: give --l2-password-file PATH or set \
+             {L2_PASSWORD_ENV}"
+        ));
+    }
+    Ok(L2Auth {
+        username: args.l2_username.clone(),
+        password,
+    })
 }
 
 /// A `--tenant` as given: token files are read when the server starts.

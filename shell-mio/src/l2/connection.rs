@@ -13,10 +13,15 @@
 //! caller is answered by the deadline thread regardless. Against a node that vanished
 //! from the network (nothing acknowledged), `TCP_USER_TIMEOUT` ends such a wait after
 //! [`user_timeout`] instead of the kernel's many minutes. Sockets are `TCP_NODELAY`.
+//!
+//! Every connection presents the configured credentials (`AUTH`), and `rediss://` seeds
+//! are reached over TLS (rustls) with the server's certificate verified against
+//! `--l2-tls-ca-file` (or the system's roots) and its name; there is no insecure mode.
 
+use super::config::L2Config;
 use redis::cluster::{ClusterClient, ClusterConnection};
 use redis::io::tcp::TcpSettings;
-use redis::{ConnectionLike, IntoConnectionInfo, RedisError, RedisResult};
+use redis::{ConnectionInfo, ConnectionLike, IntoConnectionInfo, RedisError, RedisResult};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
@@ -65,14 +70,20 @@ impl Conn {
     /// Connects through the first seed that answers. A fresh cluster connection reads
     /// the slot map anew, which is how a thread learns about a failover: after any
     /// error the thread drops its connection and the next operation comes here.
-    pub(super) fn connect(seeds: &[String], timeout: Duration) -> RedisResult<Conn> {
+    pub(super) fn connect(config: &L2Config, timeout: Duration) -> RedisResult<Conn> {
+        let seeds = &config.seeds;
         let mut last_error = None;
         for seed in seeds {
             let probe = seed
                 .as_str()
                 .into_connection_info()
-                .map(|info| info.set_tcp_settings(tcp_settings(timeout)))
-                .and_then(redis::Client::open)
+                .map(|info| with_auth(info, config).set_tcp_settings(tcp_settings(timeout)))
+                .and_then(|info| match &config.tls {
+                    Some(tls) if config.uses_tls() => {
+                        redis::Client::build_with_tls(info, tls.certificates())
+                    }
+                    _ => redis::Client::open(info),
+                })
                 .and_then(|client| client.get_connection_with_timeout(timeout))
                 .and_then(|connection| {
                     connection.set_read_timeout(Some(timeout))?;
@@ -90,7 +101,7 @@ impl Conn {
                 .arg("INFO")
                 .query::<String>(&mut connection)
             {
-                Ok(_) => return Conn::connect_cluster(seeds, timeout),
+                Ok(_) => return Conn::connect_cluster(config, timeout),
                 Err(error) if is_server_refusal(&error) => {
                     if seeds.len() > 1 && !PLAIN_WITH_SEEDS_WARNED.swap(true, Ordering::Relaxed) {
                         tracing::warn!(
@@ -107,14 +118,24 @@ impl Conn {
             .unwrap_or_else(|| RedisError::from((redis::ErrorKind::Client, "no L2 seed"))))
     }
 
-    fn connect_cluster(seeds: &[String], timeout: Duration) -> RedisResult<Conn> {
-        let connection = ClusterClient::builder(seeds.to_vec())
+    fn connect_cluster(config: &L2Config, timeout: Duration) -> RedisResult<Conn> {
+        let mut builder = ClusterClient::builder(config.seeds.clone())
             .connection_timeout(timeout)
             .response_timeout(timeout)
             .retries(CLUSTER_RETRIES)
-            .tcp_settings(tcp_settings(timeout))
-            .build()?
-            .get_connection()?;
+            .tcp_settings(tcp_settings(timeout));
+        if let Some(username) = &config.auth.username {
+            builder = builder.username(username);
+        }
+        if let Some(password) = &config.auth.password {
+            builder = builder.password(password);
+        }
+        if let Some(tls) = &config.tls
+            && config.uses_tls()
+        {
+            builder = builder.certs(tls.certificates());
+        }
+        let connection = builder.build()?.get_connection()?;
         connection.set_write_timeout(Some(timeout))?;
         Ok(Conn::Cluster(Box::new(connection)))
     }
@@ -157,9 +178,16 @@ impl Conn {
         }
     }
 
-    /// `GET name`.
-    pub(super) fn get(&mut self, name: &[u8]) -> RedisResult<Option<Vec<u8>>> {
-        redis::cmd("GET").arg(name).query(self.like())
+    /// `GETRANGE name 0 limit_bytes`: the value, or its first `limit_bytes + 1` bytes
+    /// when it is longer (so a longer one is seen to be, and never fetched whole); None
+    /// when the key is missing (or holds an empty string, which no kvwarden value is).
+    pub(super) fn get(&mut self, name: &[u8], limit_bytes: u64) -> RedisResult<Option<Vec<u8>>> {
+        let value: Vec<u8> = redis::cmd("GETRANGE")
+            .arg(name)
+            .arg(0)
+            .arg(limit_bytes)
+            .query(self.like())?;
+        Ok((!value.is_empty()).then_some(value))
     }
 
     /// `SET name header+payload [PX ttl]`: the two parts are written straight into the
@@ -205,6 +233,18 @@ impl Conn {
             }
         }
     }
+}
+
+/// `info` with the configured credentials (seeds never carry any).
+fn with_auth(info: ConnectionInfo, config: &L2Config) -> ConnectionInfo {
+    let mut redis = info.redis_settings().clone();
+    if let Some(username) = &config.auth.username {
+        redis = redis.set_username(username);
+    }
+    if let Some(password) = &config.auth.password {
+        redis = redis.set_password(password);
+    }
+    info.set_redis_settings(redis)
 }
 
 /// One command argument made of two byte strings, one after the other.

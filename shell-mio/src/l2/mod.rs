@@ -12,15 +12,18 @@
 //!   [`L2Client::drain`], always within the timeout (plus at most
 //!   [`deadline::WAKE_SLACK`]): a deadline thread answers `TimedOut` for whatever the L2
 //!   threads have not answered by then.
-//! - A value that fails any check of its header ([`kvwarden_core::l2::decode`]), or a
-//!   key that holds something other than a string, is a miss, counted as corrupt,
-//!   logged once per key, and deleted.
+//! - A value that fails any check of [`kvwarden_core::l2::ValueFormat::decode`] (its
+//!   header, its checksum or MAC, its length against the slot: a read never fetches more
+//!   than a slot plus the header), or a key that holds something other than a string,
+//!   is a miss, counted as corrupt, logged once per key, and deleted.
+//! - [`L2Client::finish_writes`] gives the write-behind queue a bounded time at
+//!   shutdown and says what it did not write.
 
 mod config;
 mod connection;
 mod deadline;
 
-pub use config::{L2Config, L2ConfigError, MAX_THREADS};
+pub use config::{L2Auth, L2Config, L2ConfigError, L2Tls, MAX_THREADS, redact_seed};
 pub use connection::Mode;
 
 use connection::Conn;
@@ -154,13 +157,28 @@ struct WriteTask {
 struct Work {
     reads: VecDeque<Arc<PendingRead>>,
     writes: WriteQueue<WriteTask>,
+    /// Writes taken by an L2 thread and not ended yet.
+    writes_in_flight: usize,
     shutdown: bool,
+}
+
+/// What [`L2Client::finish_writes`] did with the write-behind queue.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct FinishedWrites {
+    /// Writes that reached L2 while it waited.
+    pub written: u64,
+    /// Writes that failed or timed out while it waited.
+    pub failed: u64,
+    /// Writes still queued or being written when the bound passed: lost.
+    pub dropped: u64,
 }
 
 struct Shared {
     config: L2Config,
     work: Mutex<Work>,
     work_ready: Condvar,
+    /// Signalled each time a write ends.
+    write_ended: Condvar,
     deadlines: Deadlines<PendingRead>,
     completions: Mutex<VecDeque<L2Completion>>,
     waker: Arc<mio::Waker>,
@@ -187,15 +205,18 @@ impl L2Client {
     ) -> Result<L2Client, L2SpawnError> {
         let waker = waker.into();
         config.validate()?;
+        config::install_crypto_provider();
         let threads = config.threads;
         let shared = Arc::new(Shared {
             work: Mutex::new(Work {
                 reads: VecDeque::new(),
                 writes: WriteQueue::new(config.write_queue_bytes),
+                writes_in_flight: 0,
                 shutdown: false,
             }),
             config,
             work_ready: Condvar::new(),
+            write_ended: Condvar::new(),
             deadlines: Deadlines::new(),
             completions: Mutex::new(VecDeque::new()),
             waker,
@@ -328,7 +349,7 @@ impl L2Client {
     /// what it found ("a Redis Cluster of 3 masters", "a single Redis node") or exactly
     /// why not: what a server says at start, before `ready`.
     pub fn probe(&self, bound: std::time::Duration) -> Result<String, String> {
-        match Conn::connect(&self.shared.config.seeds, bound) {
+        match Conn::connect(&self.shared.config, bound) {
             Ok(mut conn) => {
                 let found = conn.describe();
                 *self.shared.mode.lock().unwrap_or_else(|e| e.into_inner()) = Some(conn.mode());
@@ -348,6 +369,48 @@ impl L2Client {
                     .unwrap_or_else(|e| e.into_inner()) = Some(reason.clone());
                 Err(reason)
             }
+        }
+    }
+}
+
+impl L2Client {
+    /// At shutdown: waits until every queued write has ended, for at most `bound`, then
+    /// stops the threads (as dropping the client does). Writes still queued or under
+    /// way then are dropped, counted in `write_drops` and in the answer. Never waits
+    /// longer than `bound`, whatever Redis does.
+    pub fn finish_writes(&self, bound: std::time::Duration) -> FinishedWrites {
+        let before = *self.shared.lock_counters();
+        let deadline = Instant::now() + bound;
+        let mut work = self.shared.lock_work();
+        while !work.shutdown && (work.writes.waiting() > 0 || work.writes_in_flight > 0) {
+            let Some(left) = deadline.checked_duration_since(Instant::now()) else {
+                break;
+            };
+            work = self
+                .shared
+                .write_ended
+                .wait_timeout(work, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        let mut dropped = work.writes_in_flight as u64;
+        while work.writes.pop().is_some() {
+            dropped += 1;
+        }
+        work.shutdown = true;
+        let counters = {
+            let mut counters = self.shared.lock_counters();
+            counters.write_drops = counters.write_drops.saturating_add(dropped);
+            *counters
+        };
+        drop(work);
+        self.shared.work_ready.notify_all();
+        self.shared.deadlines.shut_down();
+        FinishedWrites {
+            written: counters.writes.saturating_sub(before.writes),
+            failed: (counters.timeouts + counters.errors)
+                .saturating_sub(before.timeouts + before.errors),
+            dropped,
         }
     }
 }
@@ -434,7 +497,9 @@ impl Shared {
                     .take();
                 let (outcome, payload, placed) = match (outcome, value, place) {
                     (ReadOutcome::Hit, Some(value), Some(place)) => {
-                        let payload = value.get(l2::HEADER_BYTES..).unwrap_or_default();
+                        let payload = value
+                            .get(self.config.format.header_bytes()..)
+                            .unwrap_or_default();
                         if place(payload) {
                             (ReadOutcome::Hit, None, Some(payload.len() as u64))
                         } else {
@@ -444,7 +509,7 @@ impl Shared {
                     (outcome, value, _) => (
                         outcome,
                         value.map(|mut value| {
-                            value.drain(..l2::HEADER_BYTES.min(value.len()));
+                            value.drain(..self.config.format.header_bytes().min(value.len()));
                             value
                         }),
                         None,
@@ -527,6 +592,7 @@ impl Shared {
                         break Job::Read(pending);
                     }
                     if let Some((task, bytes)) = work.writes.pop() {
+                        work.writes_in_flight += 1;
                         break Job::Write(task, bytes);
                     }
                     work = self
@@ -547,8 +613,15 @@ impl Shared {
                 Job::Write(task, bytes) => {
                     let token = task.token;
                     let (key, outcome) = self.write(&mut conn, task);
-                    self.lock_work().writes.complete(bytes);
-                    self.lock_counters().record_write(outcome);
+                    {
+                        // Counted under the work lock, so that `finish_writes` counts
+                        // each write once: ended (here) or dropped (there).
+                        let mut work = self.lock_work();
+                        work.writes.complete(bytes);
+                        work.writes_in_flight = work.writes_in_flight.saturating_sub(1);
+                        self.lock_counters().record_write(outcome);
+                    }
+                    self.write_ended.notify_all();
                     self.complete(L2Completion::Written {
                         token,
                         key,
@@ -562,7 +635,7 @@ impl Shared {
     /// The thread's connection, made when missing.
     fn connection<'a>(&self, conn: &'a mut Option<Conn>) -> redis::RedisResult<&'a mut Conn> {
         if conn.is_none() {
-            let fresh = match Conn::connect(&self.config.seeds, self.config.timeout) {
+            let fresh = match Conn::connect(&self.config, self.config.timeout) {
                 Ok(fresh) => fresh,
                 Err(error) => {
                     *self.last_error.lock().unwrap_or_else(|e| e.into_inner()) =
@@ -618,10 +691,14 @@ impl Shared {
         let name = self.config.namespace.redis_key(key);
         let result = self
             .connection(conn)
-            .and_then(|connection| connection.get(&name));
+            .and_then(|connection| connection.get(&name, self.config.format.read_limit_bytes()));
         match result {
             Ok(None) => Answer::Read(ReadOutcome::Absent, None),
-            Ok(Some(value)) => match l2::decode(&value) {
+            Ok(Some(value)) => match self
+                .config
+                .format
+                .decode(&self.config.namespace, key, &value)
+            {
                 // The payload stays where it is, after the header: no copy to move it.
                 Ok(_) => Answer::Read(ReadOutcome::Hit, Some(value)),
                 Err(error) => {
@@ -680,10 +757,13 @@ impl Shared {
     fn write(&self, conn: &mut Option<Conn>, task: WriteTask) -> (Vec<u8>, WriteOutcome) {
         let name = self.config.namespace.redis_key(&task.key);
         let payload = (*task.payload).as_ref();
-        let header = l2::header(payload);
-        let result = self
-            .connection(conn)
-            .and_then(|connection| connection.set(&name, &header, payload, self.config.ttl));
+        let header = self
+            .config
+            .format
+            .header(&self.config.namespace, &task.key, payload);
+        let result = self.connection(conn).and_then(|connection| {
+            connection.set(&name, header.as_ref(), payload, self.config.ttl)
+        });
         // The caller's bytes (perhaps an L1 slot kept from eviction) are free from here.
         drop(task.payload);
         let outcome = match result {
@@ -719,7 +799,8 @@ pub fn describe_error(error: &redis::RedisError) -> String {
     } else if error.is_connection_refusal() {
         "connection refused"
     } else if matches!(error.kind(), redis::ErrorKind::AuthenticationFailed) {
-        "authentication failed (check the password in the --l2 URL)"
+        "authentication failed (check --l2-password-file or KVWARDEN_L2_PASSWORD, and \
+         --l2-username)"
     } else if error.is_io_error() {
         "cannot connect"
     } else {

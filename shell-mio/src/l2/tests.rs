@@ -11,6 +11,9 @@ const WAKER: mio::Token = mio::Token(7);
 fn config(seed: String, timeout_ms: u64, write_queue_bytes: u64) -> L2Config {
     L2Config {
         seeds: vec![seed],
+        auth: L2Auth::default(),
+        tls: None,
+        format: kvwarden_core::l2::ValueFormat::new(None, 1 << 20),
         namespace: kvwarden_core::l2::Namespace::default(),
         timeout: Duration::from_millis(timeout_ms),
         ttl: None,

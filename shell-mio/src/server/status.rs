@@ -79,6 +79,10 @@ pub struct L2StatusReport {
     pub nodes: Vec<String>,
     /// `cluster` or `single` once connected, else null.
     pub mode: Option<&'static str>,
+    /// Whether L2 is reached over TLS (`rediss://`).
+    pub tls: bool,
+    /// Whether values carry a MAC under the cluster secret (`--l2-secret-file`).
+    pub authenticated_values: bool,
     pub queue_bytes: u64,
     pub writes: u64,
     pub write_drops: u64,

@@ -209,6 +209,32 @@ impl Server {
         );
     }
 
+    /// At shutdown, after the node stopped: gives the write-behind queue up to
+    /// [`kvwarden_core::l2::SHUTDOWN_DRAIN`] to reach L2 and logs what it wrote and what
+    /// it lost (also counted in `write_drops`). A restart loses what this line says is
+    /// dropped.
+    pub(super) fn finish_l2_writes(&mut self) {
+        let Some(client) = &self.l2 else {
+            return;
+        };
+        let finished = client.finish_writes(kvwarden_core::l2::SHUTDOWN_DRAIN);
+        if finished.failed == 0 && finished.dropped == 0 {
+            tracing::info!(
+                written = finished.written,
+                "L2 write-behind queue written out at shutdown"
+            );
+        } else {
+            tracing::warn!(
+                written = finished.written,
+                failed = finished.failed,
+                dropped = finished.dropped,
+                bound_ms = kvwarden_core::l2::SHUTDOWN_DRAIN.as_millis() as u64,
+                "L2 write-behind queue not written out at shutdown: the failed and dropped \
+                 chunks are lost to L2 (they were in this node's L1 only)"
+            );
+        }
+    }
+
     /// Logs L2 going down and coming back, once each.
     pub(super) fn l2_state_changed(&mut self, from: L2State, to: L2State) {
         if to == L2State::Down && !self.l2_down_logged {

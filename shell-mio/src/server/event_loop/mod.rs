@@ -499,6 +499,7 @@ impl Server {
             }
             self.flush_dirty();
             if self.stopped {
+                self.finish_l2_writes();
                 return Ok(());
             }
         }

@@ -307,6 +307,16 @@ impl Server {
                             crate::l2::Mode::Single => "single",
                         },
                     ),
+                    tls: self
+                        .config
+                        .l2
+                        .as_ref()
+                        .is_some_and(|config| config.uses_tls()),
+                    authenticated_values: self
+                        .config
+                        .l2
+                        .as_ref()
+                        .is_some_and(|config| config.format.authenticated()),
                     queue_bytes: c.queue_bytes,
                     writes: c.writes,
                     write_drops: c.write_drops,
