@@ -5,10 +5,10 @@ mod support;
 
 use kvwarden_core::node::admission::{Admission, ConnectionLimits, Refused};
 use kvwarden_core::node::blend::{MAX_TABLE_BYTES, MAX_TENANT_BYTES, MAX_TOTAL_BYTES};
-use kvwarden_core::node::{ConnId, MAX_IN_FLIGHT_PER_CONNECTION, Output};
+use kvwarden_core::node::{ConnId, Input, MAX_IN_FLIGHT_PER_CONNECTION, Output, Transport};
 use kvwarden_core::protocol::{ErrorCode, Op, RopeSpec};
-use support::harness::{Harness, OWNER, register};
-use support::id;
+use support::harness::{Harness, OWNER, TCP_TOKEN, register};
+use support::{at, id};
 
 fn l2_config() -> kvwarden_core::node::l2::L2NodeConfig {
     kvwarden_core::node::l2::L2NodeConfig {
@@ -138,7 +138,7 @@ fn row_46_lookups_waiting_on_l2_count_in_the_connections_cap() {
 /// Row 44, the rule itself: one uid stops at its share, others connect up to the bound.
 #[test]
 fn row_44_a_uid_stops_at_its_share_of_the_connections() {
-    let mut admission = Admission::new(ConnectionLimits::new(8, None));
+    let mut admission = Admission::new(ConnectionLimits::new(8, None, None));
     for _ in 0..6 {
         assert_eq!(admission.admits(Some(1001)), Ok(()));
         admission.connected(Some(1001));
@@ -152,4 +152,52 @@ fn row_44_a_uid_stops_at_its_share_of_the_connections() {
         Ok(()),
         "the control: another uid"
     );
+}
+
+fn hello(token: Option<&[u8]>) -> Op {
+    Op::Hello {
+        protocol: 2,
+        client: "test".into(),
+        pidfd_index: None,
+        sends_fds: false,
+        token: token.map(<[u8]>::to_vec),
+    }
+}
+
+fn disconnects(h: &mut Harness) -> Vec<ConnId> {
+    h.take(|output| match output {
+        Output::Disconnect { conn, .. } => Some(*conn),
+        _ => None,
+    })
+}
+
+/// Row 44, TCP: a peer that connects and never presents the token (or sends a
+/// refused request and goes quiet) is cut at the deadline, so it cannot hold one of
+/// the TCP share's places for good; the control, a peer that presents it late but
+/// before the deadline, is never cut.
+#[test]
+fn row_44_a_tcp_peer_that_never_presents_the_token_is_cut_at_its_deadline() {
+    let limits = ConnectionLimits::new(100, None, Some(std::time::Duration::from_secs(10)));
+    let mut h = Harness::with_limits(4, None, limits);
+    let (quiet, refused, late) = (ConnId(2), ConnId(3), ConnId(4));
+    for conn in [quiet, refused, late] {
+        h.input(Input::Connected {
+            conn,
+            uid: None,
+            transport: Transport::Tcp,
+            process: None,
+        });
+    }
+    let refusal = h.send_raw(refused, hello(None), 0);
+    assert_eq!(h.error(refusal), ErrorCode::Forbidden);
+    h.run_until(at(9.0));
+    let welcome = h.send_raw(late, hello(Some(TCP_TOKEN)), 0);
+    assert!(h.reply(welcome).is_some_and(|reply| reply.is_ok()));
+    assert!(disconnects(&mut h).is_empty(), "nobody before the deadline");
+    h.run_until(at(10.0));
+    let mut cut = disconnects(&mut h);
+    cut.sort();
+    assert_eq!(cut, vec![quiet, refused], "the two that never authenticated");
+    h.run_until(at(60.0));
+    assert!(disconnects(&mut h).is_empty(), "each once; the authenticated one never");
 }

@@ -275,6 +275,7 @@ impl Ledger {
                 | Output::Watch { .. }
                 | Output::Unwatch { .. }
                 | Output::ReadWithoutFds { .. }
+                | Output::Disconnect { .. }
                 | Output::Note(_) => {}
             }
         }

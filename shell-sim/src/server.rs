@@ -972,6 +972,8 @@ impl Server {
                 }
                 // Simulated connections carry no fds: how they are read is the same.
                 Output::ReadWithoutFds { .. } => {}
+                // The simulated node has no deadline to authenticate (unbounded limits).
+                Output::Disconnect { .. } => {}
                 Output::Note(note) => match note {
                     Note::Stall { gap } => {
                         self.stats.stalls += 1;

@@ -255,6 +255,8 @@ fn row_44_one_uid_cannot_take_every_connection() {
             "12",
             "--tcp",
             "127.0.0.1:0",
+            "--frame-timeout-seconds",
+            "2",
         ],
     );
     // Control: root's worker is served.
@@ -289,8 +291,32 @@ fn row_44_one_uid_cannot_take_every_connection() {
     alice.send(json!("done"));
     alice.finish("uid 1001");
 
-    // TCP peers together: 12 connections, each a well-formed hello with the token.
     let tcp = server.tcp.expect("TCP on");
+    let hello = |id: u64, token: Option<&str>| {
+        let options = token.map_or_else(Vec::new, |token| vec![("token".into(), token.into())]);
+        encode_request(
+            id,
+            "hello",
+            vec![2u64.into(), "test".into(), Value::Map(options)],
+        )
+    };
+    // A TCP peer that never presents the token: its refused hello is answered, then it
+    // is cut once --frame-timeout-seconds have passed, and its place is free again.
+    let mut stranger = TcpStream::connect(tcp).expect("connecting over TCP");
+    stranger.set_read_timeout(Some(PATIENCE)).unwrap();
+    stranger.write_all(&hello(1, None)).unwrap();
+    let mut prefix = [0u8; 4];
+    stranger.read_exact(&mut prefix).expect("the refusal");
+    let mut refusal = vec![0u8; u32::from_be_bytes(prefix) as usize];
+    stranger.read_exact(&mut refusal).unwrap();
+    let mut byte = [0u8; 1];
+    assert!(
+        matches!(stranger.read(&mut byte), Ok(0)),
+        "an unauthenticated TCP peer is cut"
+    );
+    assert_eq!(cut_total(&server, "tcp", "unauthenticated"), 1);
+
+    // TCP peers together: 12 connections, each a well-formed hello with the token.
     let mut answered = 0;
     let mut streams = Vec::new();
     for id in 0..12u64 {
@@ -298,16 +324,7 @@ fn row_44_one_uid_cannot_take_every_connection() {
         stream
             .set_read_timeout(Some(Duration::from_secs(5)))
             .unwrap();
-        let hello = encode_request(
-            id + 1,
-            "hello",
-            vec![
-                2u64.into(),
-                "test".into(),
-                Value::Map(vec![("token".into(), TCP_TOKEN.into())]),
-            ],
-        );
-        let _ = stream.write_all(&hello);
+        let _ = stream.write_all(&hello(id + 1, Some(TCP_TOKEN)));
         let mut prefix = [0u8; 4];
         if stream.read_exact(&mut prefix).is_ok() {
             answered += 1;

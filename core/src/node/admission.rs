@@ -3,7 +3,10 @@
 //! together, who have no uid — cannot take every connection and lock the others out
 //! (failure mode 44).
 
-use std::collections::HashMap;
+use super::ConnId;
+use crate::Instant;
+use std::collections::{BTreeSet, HashMap};
+use std::time::Duration;
 use thiserror::Error;
 
 /// The bounds on connections held at once.
@@ -13,15 +16,28 @@ pub struct ConnectionLimits {
     pub max: usize,
     /// Connections one uid holds at once (TCP peers count as one uid).
     pub per_uid: usize,
+    /// How long a TCP peer may stay connected without presenting a token (None: for
+    /// ever). Past it the node asks the shell to close the connection: an unauthenticated
+    /// peer that sent one frame and went quiet would otherwise hold one of the TCP
+    /// share's places for good.
+    pub unauthenticated_timeout: Option<Duration>,
 }
 
 impl ConnectionLimits {
     /// `max` connections, `per_uid` of them per uid (None: three quarters of `max`, so
     /// that a quarter always stays for the other uids). `per_uid` is lowered to `max`.
-    pub fn new(max: usize, per_uid: Option<usize>) -> ConnectionLimits {
+    pub fn new(
+        max: usize,
+        per_uid: Option<usize>,
+        unauthenticated_timeout: Option<Duration>,
+    ) -> ConnectionLimits {
         let max = max.max(1);
         let per_uid = per_uid.unwrap_or(max - max / 4).clamp(1, max);
-        ConnectionLimits { max, per_uid }
+        ConnectionLimits {
+            max,
+            per_uid,
+            unauthenticated_timeout,
+        }
     }
 
     /// No bound that a test or a simulation would reach.
@@ -29,6 +45,7 @@ impl ConnectionLimits {
         ConnectionLimits {
             max: usize::MAX,
             per_uid: usize::MAX,
+            unauthenticated_timeout: None,
         }
     }
 }
@@ -56,12 +73,15 @@ pub enum Refused {
     },
 }
 
-/// The connections held, all together and per uid.
+/// The connections held, all together and per uid, and when each TCP peer that has not
+/// authenticated yet must have.
 #[derive(Debug)]
 pub struct Admission {
     limits: ConnectionLimits,
     total: usize,
     by_uid: HashMap<Option<u32>, usize>,
+    /// (deadline, connection) of TCP peers connected with a deadline to authenticate.
+    token_deadlines: BTreeSet<(Instant, ConnId)>,
 }
 
 impl Admission {
@@ -71,6 +91,7 @@ impl Admission {
             limits,
             total: 0,
             by_uid: HashMap::new(),
+            token_deadlines: BTreeSet::new(),
         }
     }
 
@@ -111,6 +132,36 @@ impl Admission {
     pub fn limits(&self) -> ConnectionLimits {
         self.limits
     }
+
+    /// A TCP peer connected at `now`: the deadline by which it must present a token,
+    /// if there is one.
+    pub fn awaiting_token(&mut self, conn: ConnId, now: Instant) -> Option<Instant> {
+        let deadline = now + self.limits.unauthenticated_timeout?;
+        self.token_deadlines.insert((deadline, conn));
+        Some(deadline)
+    }
+
+    /// The earliest deadline to authenticate.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        self.token_deadlines.first().map(|&(at, _)| at)
+    }
+
+    /// The deadlines passed by `now`, earliest first (each taken once).
+    pub fn take_expired(&mut self, now: Instant) -> Vec<(Instant, ConnId)> {
+        let mut expired = Vec::new();
+        while let Some(&(at, conn)) = self.token_deadlines.first()
+            && at <= now
+        {
+            self.token_deadlines.pop_first();
+            expired.push((at, conn));
+        }
+        expired
+    }
+
+    /// Forgets `conn`'s deadline (it authenticated, or left).
+    pub fn forget_deadline(&mut self, conn: ConnId, deadline: Instant) {
+        self.token_deadlines.remove(&(deadline, conn));
+    }
 }
 
 #[cfg(test)]
@@ -131,7 +182,7 @@ mod tests {
 
     #[test]
     fn one_uid_stops_at_its_share_and_others_still_connect_up_to_the_bound() {
-        let mut admission = Admission::new(ConnectionLimits::new(20, None));
+        let mut admission = Admission::new(ConnectionLimits::new(20, None, None));
         // TCP peers (no uid) take their 15 ...
         for _ in 0..15 {
             assert_eq!(admission.admits(None), Ok(()));

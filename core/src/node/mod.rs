@@ -389,6 +389,14 @@ pub enum Output {
         /// The connection.
         conn: ConnId,
     },
+    /// Close this connection (then report `Disconnected`): a TCP peer that did not
+    /// present a token within the limits' `unauthenticated_timeout` of connecting.
+    Disconnect {
+        /// The connection.
+        conn: ConnId,
+        /// Why, for the log.
+        why: &'static str,
+    },
     /// Write the `nbytes` published at L1 `slot` to L2 under `key` (only with L2 on).
     /// The slot stays pinned (never evicted or rewritten) until `L2Written`.
     L2Write {
@@ -641,6 +649,8 @@ struct Conn {
     /// Whether fds may still arrive on it: over the Unix socket until a `hello` says
     /// `sends_fds: false` (then the shell reads it without `SCM_RIGHTS`); never over TCP.
     sends_fds: bool,
+    /// When a TCP peer must have presented its token ([`admission`]).
+    token_deadline: Option<Instant>,
 }
 
 /// What the node knows of an entry besides liveness.
@@ -894,6 +904,10 @@ impl Node {
                 }
                 let peer = self.trust.connect(uid);
                 self.admission.connected(uid);
+                let token_deadline = match transport {
+                    Transport::Tcp => self.admission.awaiting_token(conn, now),
+                    Transport::Unix => None,
+                };
                 self.conns.insert(
                     conn,
                     Conn {
@@ -903,6 +917,7 @@ impl Node {
                         process,
                         in_flight: 0,
                         sends_fds: transport == Transport::Unix,
+                        token_deadline,
                     },
                 );
             }
@@ -955,7 +970,29 @@ impl Node {
         self.drain_effects();
         self.check_free_watchdog(now);
         self.l2_timeout(now);
+        self.cut_unauthenticated(now);
         self.step_shutdown(now);
+    }
+
+    /// Asks the shell to close every TCP connection still unauthenticated at its
+    /// deadline (failure mode 44).
+    fn cut_unauthenticated(&mut self, now: Instant) {
+        for (deadline, conn) in self.admission.take_expired(now) {
+            let Some(connection) = self.conns.get_mut(&conn) else {
+                continue;
+            };
+            if connection.token_deadline != Some(deadline) {
+                continue; // a deadline of an earlier connection of this id
+            }
+            connection.token_deadline = None;
+            if connection.peer.tenant().is_none() {
+                self.outputs.push_back(Output::Disconnect {
+                    conn,
+                    why: "a TCP peer did not present the server's token within \
+                          --frame-timeout-seconds of connecting",
+                });
+            }
+        }
     }
 
     /// When `handle_timeout` must next be called (None: only after an input).
@@ -977,6 +1014,9 @@ impl Node {
         }
         if let Some(l2) = self.l2.as_ref().and_then(L2Tier::poll_timeout) {
             earliest(l2);
+        }
+        if let Some(token) = self.admission.next_deadline() {
+            earliest(token);
         }
         at
     }
@@ -1107,6 +1147,9 @@ impl Node {
             return;
         };
         self.admission.disconnected(connection.uid);
+        if let Some(deadline) = connection.token_deadline {
+            self.admission.forget_deadline(conn, deadline);
+        }
         for instance in self.trust.disconnect(connection.peer) {
             let holds_entry = Module::ALL
                 .iter()

@@ -61,6 +61,19 @@ impl Harness {
     /// A node of `num_slots` slots at time zero (a 30 s reap timeout, a 5 s free
     /// watchdog, a 10 s shutdown drain), with connection 1 open: `OWNER`'s process 1.
     pub fn with_slots(num_slots: usize, l2: Option<L2NodeConfig>) -> Harness {
+        Harness::with_limits(
+            num_slots,
+            l2,
+            kvwarden_core::node::admission::ConnectionLimits::unbounded(),
+        )
+    }
+
+    /// As [`Harness::with_slots`], with these connection limits.
+    pub fn with_limits(
+        num_slots: usize,
+        l2: Option<L2NodeConfig>,
+        connections: kvwarden_core::node::admission::ConnectionLimits,
+    ) -> Harness {
         let config = NodeConfig {
             liveness: Config {
                 reap_timeout: secs(30.0),
@@ -88,7 +101,7 @@ impl Harness {
             free_watchdog: secs(5.0),
             shutdown_drain: secs(10.0),
             cuda_devices: Err("no CUDA in tests".into()),
-            connections: kvwarden_core::node::admission::ConnectionLimits::unbounded(),
+            connections,
             l2,
         };
         let mut harness = Harness {

@@ -309,6 +309,7 @@ impl Server {
                 connections: kvwarden_core::node::admission::ConnectionLimits::new(
                     config.max_connections,
                     config.max_connections_per_uid,
+                    Some(config.frame_timeout),
                 ),
             },
             Instant::ZERO,

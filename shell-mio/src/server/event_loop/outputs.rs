@@ -177,6 +177,11 @@ impl Server {
                     connection.reads_fds = false;
                 }
             }
+            Output::Disconnect { conn, why } => {
+                tracing::warn!(token = conn.0, "closing a connection: {why}");
+                self.cut("tcp", "unauthenticated");
+                self.close(token_of(conn), why);
+            }
             Output::Note(note) => self.note(note),
             Output::L2Write {
                 write,
