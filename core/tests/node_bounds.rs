@@ -197,7 +197,14 @@ fn row_44_a_tcp_peer_that_never_presents_the_token_is_cut_at_its_deadline() {
     h.run_until(at(10.0));
     let mut cut = disconnects(&mut h);
     cut.sort();
-    assert_eq!(cut, vec![quiet, refused], "the two that never authenticated");
+    assert_eq!(
+        cut,
+        vec![quiet, refused],
+        "the two that never authenticated"
+    );
     h.run_until(at(60.0));
-    assert!(disconnects(&mut h).is_empty(), "each once; the authenticated one never");
+    assert!(
+        disconnects(&mut h).is_empty(),
+        "each once; the authenticated one never"
+    );
 }

@@ -463,3 +463,72 @@ fn row_48_a_hugetlbfs_memfd_is_refused_unless_the_operator_allows_it() {
     );
     assert!(served(&mut raw));
 }
+
+// ------------------------------------------------------------------ row 49
+
+/// Row 49: buffers are bounded for all connections together, and the budget cuts the
+/// uid that fills it. Root's worker holds a 900 KB frame it has not finished (the
+/// control: it completes it afterwards and is answered); uid 1001 then opens 300
+/// connections with a 1 MiB frame each never finished (300 MiB, past the 256 MiB
+/// budget): its connections are cut, root's is not.
+#[test]
+fn row_49_connection_buffers_are_bounded_and_the_uid_filling_them_is_cut() {
+    let dir = TempDir::new("row49-buffers");
+    let server = Server::start(
+        &dir,
+        &["--socket-mode", "666", "--frame-timeout-seconds", "120"],
+    );
+    let mut root = RawClient::connect(&server.socket).expect("connecting");
+    let keys = Value::Array((0..220).map(|_| Value::Binary(vec![7u8; 4096])).collect());
+    let (id, frame) = root.frame("lookup", vec![keys]);
+    assert!(frame.len() > 900_000);
+    root.send_bytes(&frame[..frame.len() - 10]).unwrap();
+
+    let socket = server.socket.clone();
+    let mut alice = fork_as_uid(ALICE, move |parent| {
+        let mut held = Vec::new();
+        let mut cut = 0;
+        let chunk = vec![0x90u8; 1 << 20];
+        for _ in 0..300 {
+            let Ok(mut raw) = RawClient::connect(&socket) else {
+                cut += 1;
+                continue;
+            };
+            let started = raw
+                .send_bytes(&((1u32 << 20) - 64).to_be_bytes())
+                .and_then(|()| raw.send_bytes(&chunk[..(1 << 20) - 100]));
+            if started.is_err() {
+                cut += 1; // closed while it sent
+            } else {
+                held.push(raw);
+            }
+        }
+        // Which of them the server closed (the server answers none of them: a read that
+        // would block is a connection still held).
+        std::thread::sleep(Duration::from_millis(500));
+        for raw in &mut held {
+            raw.stream.set_nonblocking(true).unwrap();
+            let mut byte = [0u8; 1];
+            match raw.stream.read(&mut byte) {
+                Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {}
+                _ => cut += 1,
+            }
+        }
+        parent.send(json!(cut));
+        parent.recv();
+        json!(null)
+    });
+    let cut = alice.recv("uid 1001's connections");
+    assert!(
+        cut.as_u64() >= Some(20),
+        "uid 1001's connections were cut: {cut}"
+    );
+    assert!(cut_total(&server, "unix", "memory_budget") >= 20);
+    // Root's half-sent frame survived: finished now, it is answered.
+    root.send_bytes(&frame[frame.len() - 10..]).unwrap();
+    let reply = root.read_reply().expect("root's lookup answered");
+    assert_eq!(reply.id, id);
+    assert_eq!(reply.result.expect("served"), Value::from(0u64));
+    alice.send(json!("done"));
+    alice.finish("uid 1001");
+}

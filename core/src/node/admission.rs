@@ -170,14 +170,18 @@ mod tests {
 
     #[test]
     fn the_default_share_keeps_a_quarter_for_the_other_uids() {
-        assert_eq!(ConnectionLimits::new(20, None).per_uid, 15);
-        assert_eq!(ConnectionLimits::new(1, None).per_uid, 1);
+        assert_eq!(ConnectionLimits::new(20, None, None).per_uid, 15);
+        assert_eq!(ConnectionLimits::new(1, None, None).per_uid, 1);
         assert_eq!(
-            ConnectionLimits::new(10, Some(50)).per_uid,
+            ConnectionLimits::new(10, Some(50), None).per_uid,
             10,
             "lowered to max"
         );
-        assert_eq!(ConnectionLimits::new(10, Some(0)).per_uid, 1, "never zero");
+        assert_eq!(
+            ConnectionLimits::new(10, Some(0), None).per_uid,
+            1,
+            "never zero"
+        );
     }
 
     #[test]

@@ -156,6 +156,8 @@ pub struct Connection {
     /// When the frame now arriving began: its first byte was read (or, for the first
     /// frame, the connection was accepted). None while no partial frame is buffered.
     frame_started: Option<std::time::Instant>,
+    /// Its [`Connection::memory`] as the server last counted it in its total.
+    pub counted_memory: usize,
 }
 
 impl Connection {
@@ -184,6 +186,7 @@ impl Connection {
             writable_interest: false,
             reads_fds: true,
             frame_started: Some(std::time::Instant::now()),
+            counted_memory: 0,
         }
     }
 
@@ -192,12 +195,32 @@ impl Connection {
         self.fds.len()
     }
 
-    /// Notes that a partial frame is buffered as of `now` (its clock starts at the
-    /// first call that sees it); call after the frames read were handled.
-    pub fn note_partial_frame(&mut self, now: std::time::Instant) {
+    /// Call after the frames read were handled: starts the clock of a partial frame
+    /// (at the first call that sees it), and gives back buffers that are empty but grew
+    /// past four read chunks (one big frame or reply must not keep a megabyte per idle
+    /// connection). Returns the bytes its buffers hold now.
+    pub fn settle(&mut self, now: std::time::Instant) -> usize {
         if self.consumed < self.input.len() {
             self.frame_started.get_or_insert(now);
+        } else if self.input.capacity() > 4 * READ_CHUNK_BYTES {
+            self.input_offset += self.input.len() as u64;
+            self.consumed = 0;
+            self.input = Vec::new();
         }
+        self.shrink_output();
+        self.memory()
+    }
+
+    /// Gives back an output buffer that is empty but grew past four read chunks.
+    pub fn shrink_output(&mut self) {
+        if self.output.is_empty() && self.output.capacity() > 4 * READ_CHUNK_BYTES {
+            self.output = Vec::new();
+        }
+    }
+
+    /// The bytes its input and output buffers hold (their capacity).
+    pub fn memory(&self) -> usize {
+        self.input.capacity() + self.output.capacity()
     }
 
     /// Whether a frame has been arriving for longer than `timeout` (or the first frame

@@ -104,6 +104,7 @@ impl Server {
 
     pub(super) fn close(&mut self, token: Token, why: &str) {
         if let Some(mut connection) = self.connections.remove(&token) {
+            self.buffered_bytes -= connection.counted_memory;
             let _ = self.poll.registry().deregister(connection.stream.source());
             tracing::debug!(
                 token = token.0,
@@ -129,8 +130,38 @@ impl Server {
         self.read_connection_frames(token, peer_closed);
         let now = self.turn_started;
         if let Some(connection) = self.connections.get_mut(&token) {
-            connection.note_partial_frame(now);
+            let memory = connection.settle(now);
+            self.count_memory(token, memory);
         }
+    }
+
+    /// Counts `token`'s buffers at `memory` bytes in the total of every connection's;
+    /// past the budget the largest connection of the uid holding the most is cut (row
+    /// 49), so peers that keep partial frames or unread replies cannot hold the server's
+    /// memory, nor make it cut another uid's connections.
+    pub(super) fn count_memory(&mut self, token: Token, memory: usize) {
+        let Some(connection) = self.connections.get_mut(&token) else {
+            return;
+        };
+        self.buffered_bytes = self.buffered_bytes - connection.counted_memory + memory;
+        connection.counted_memory = memory;
+        if self.buffered_bytes <= self.buffer_budget {
+            return;
+        }
+        let Some((largest, heaviest)) = self.heaviest(|connection| connection.counted_memory)
+        else {
+            return;
+        };
+        tracing::warn!(
+            token = largest.0,
+            uid = heaviest,
+            buffered_bytes = self.buffered_bytes,
+            buffer_budget = self.buffer_budget,
+            "connection buffers exceed their budget (frames not yet whole, replies not yet \
+             read): closing the largest connection of the uid whose connections hold the most"
+        );
+        self.cut(self.transport_name(largest), "memory_budget");
+        self.close(largest, "buffer budget exceeded");
     }
 
     /// Counts a connection the server cut, by transport and reason
@@ -155,7 +186,7 @@ impl Server {
     /// Closes `token` (which holds more fds than one read brings: fewer need no
     /// judging) when it holds more fds than one frame may carry, or when the fds
     /// all connections hold for frames not yet complete exceed the budget (then the
-    /// connection holding the most goes): true when `token` was closed.
+    /// largest holder of the uid holding the most goes): true when `token` was closed.
     fn enforce_fd_bounds(&mut self, token: Token) -> bool {
         let Some(held) = self.connections.get(&token).map(Connection::held_fds) else {
             return true;
@@ -177,24 +208,36 @@ impl Server {
         if total <= self.fd_transit_budget {
             return false;
         }
-        let Some(largest) = self
-            .connections
-            .iter()
-            .max_by_key(|(_, connection)| connection.held_fds())
-            .map(|(token, _)| *token)
-        else {
+        let Some((largest, uid)) = self.heaviest(Connection::held_fds) else {
             return false;
         };
         tracing::warn!(
             token = largest.0,
+            uid,
             held_fds_total = total,
             fd_budget = self.fd_transit_budget,
-            "fds held for incomplete frames exceed the budget: closing the connection \
-             holding the most"
+            "fds held for incomplete frames exceed the budget: closing the largest holder of \
+             the uid holding the most"
         );
         self.cut(self.transport_name(largest), "fd_budget");
         self.close(largest, "fd budget exceeded");
         largest == token
+    }
+
+    /// The largest connection (by `weight`) of the uid whose connections weigh the most
+    /// together (TCP peers are one uid), and that uid: what a budget cuts, so that one
+    /// uid's load never costs another uid its connection.
+    fn heaviest(&self, weight: impl Fn(&Connection) -> usize) -> Option<(Token, Option<u32>)> {
+        let mut by_uid: HashMap<Option<u32>, usize> = HashMap::default();
+        for connection in self.connections.values() {
+            *by_uid.entry(connection.peer.uid).or_default() += weight(connection);
+        }
+        let (&uid, _) = by_uid.iter().max_by_key(|(_, total)| **total)?;
+        self.connections
+            .iter()
+            .filter(|(_, connection)| connection.peer.uid == uid)
+            .max_by_key(|(_, connection)| weight(connection))
+            .map(|(token, _)| (*token, uid))
     }
 
     /// Cuts every connection whose frame (or HTTP request) has been arriving for
@@ -415,6 +458,8 @@ impl Server {
                     self.close(token, "closed after its last reply");
                 }
                 Ok(()) => {
+                    connection.shrink_output();
+                    let memory = connection.memory();
                     let waiting = connection.has_output();
                     if waiting != connection.writable_interest {
                         let interest = if waiting {
@@ -432,6 +477,7 @@ impl Server {
                                 .close(token, &format!("asking for writability failed: {error}")),
                         }
                     }
+                    self.count_memory(token, memory);
                 }
                 Err(error) => self.close(token, &format!("write failed: {error}")),
             }

@@ -197,6 +197,18 @@ pub struct Server {
     last_sweep: std::time::Instant,
     /// The HTTP listener is on loopback: `/status` shows uids and pids.
     http_is_loopback: bool,
+    /// Bytes every connection's input and output buffers hold, as last counted.
+    buffered_bytes: usize,
+    /// The most they may hold together ([`buffer_budget`]).
+    buffer_budget: usize,
+}
+
+/// The most bytes all connections' buffers may hold together: 256 MiB, or eight
+/// connections' worth of a whole frame and a full output buffer when frames are larger.
+/// Past it the connection holding the most is cut (row 49).
+fn buffer_budget(max_frame_bytes: usize) -> usize {
+    let per_connection = max_frame_bytes + (4 * max_frame_bytes).max(4 << 20) + (64 << 10);
+    (256usize << 20).max(8 * per_connection)
 }
 
 impl Server {
@@ -433,6 +445,8 @@ impl Server {
             turn_started: std::time::Instant::now(),
             last_sweep: std::time::Instant::now(),
             http_is_loopback: config.http.is_none_or(|addr| addr.ip().is_loopback()),
+            buffered_bytes: 0,
+            buffer_budget: buffer_budget(config.max_frame_bytes),
             config,
         })
     }
