@@ -532,3 +532,30 @@ fn row_49_connection_buffers_are_bounded_and_the_uid_filling_them_is_cut() {
     alice.send(json!("done"));
     alice.finish("uid 1001");
 }
+
+// ------------------------------------------------------------------ row 45
+
+/// Row 45: on an HTTP listener that is not loopback (as the DaemonSet's
+/// `--http=0.0.0.0:8080`), `/status` leaves out uids and pids; the control, the same
+/// server's `status` op over the socket, shows them.
+#[test]
+fn row_45_status_off_loopback_leaves_out_uids_and_pids() {
+    let dir = TempDir::new("row45-status");
+    let server = Server::start(&dir, &["--http", "0.0.0.0:0"]);
+    let _worker = register_memfd(&server.socket, 4501);
+    // Control: the node's own users see them.
+    let local = server.status();
+    let entry = kvwarden_tests::find_instance(&local, 4501).expect("the instance");
+    assert_eq!(
+        entry["owner_uid"],
+        json!(rustix::process::getuid().as_raw())
+    );
+    // Off loopback: null.
+    let (code, body) = server.http_get("/status");
+    assert_eq!(code, 200, "{body}");
+    let shown: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+    let entry = kvwarden_tests::find_instance(&shown, 4501).expect("the instance, listed");
+    assert_eq!(entry["owner_uid"], serde_json::Value::Null, "{entry}");
+    assert_eq!(entry["watched_pid"], serde_json::Value::Null, "{entry}");
+    assert_eq!(entry["instance_id"], "4501", "ids stay: they are public");
+}

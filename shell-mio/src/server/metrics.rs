@@ -49,8 +49,8 @@ pub struct Metrics {
     /// Open worker connections.
     pub connections: Gauge,
     /// Connections the server cut, by `transport` (`unix`, `tcp`, `http`) and `reason`
-    /// (`frame_timeout`, `fds_held`, `fd_budget`, `uid_share`, `max_connections`,
-    /// `unauthenticated`, `listener_full`).
+    /// (`frame_timeout`, `fds_held`, `fd_budget`, `memory_budget`, `uid_share`,
+    /// `max_connections`, `unauthenticated`, `listener_full`).
     pub connections_cut: Family<Labels, Counter>,
     /// Bytes of CacheBlend rope tables held, all instances together (set at scrape).
     pub blend_bytes: Gauge,
@@ -221,7 +221,8 @@ impl Metrics {
             "Connections the server cut or refused, by transport and reason: frame_timeout \
              (a frame or HTTP request not whole within --frame-timeout-seconds), fds_held \
              (more fds than one frame may carry), fd_budget (fds held for incomplete frames \
-             over the budget), uid_share (a uid over --max-connections-per-uid), \
+             over the budget), memory_budget (connection buffers over their budget), \
+             uid_share (a uid over --max-connections-per-uid), \
              max_connections (every connection held), unauthenticated (a TCP peer without \
              the token past --frame-timeout-seconds), listener_full (the oldest HTTP \
              connection closed for a new one)",

@@ -131,20 +131,20 @@ impl Server {
         let now = self.turn_started;
         if let Some(connection) = self.connections.get_mut(&token) {
             let memory = connection.settle(now);
-            self.count_memory(token, memory);
+            let counted = std::mem::replace(&mut connection.counted_memory, memory);
+            if memory != counted {
+                self.count_memory(counted, memory);
+            }
         }
     }
 
-    /// Counts `token`'s buffers at `memory` bytes in the total of every connection's;
-    /// past the budget the largest connection of the uid holding the most is cut (row
-    /// 49), so peers that keep partial frames or unread replies cannot hold the server's
-    /// memory, nor make it cut another uid's connections.
-    pub(super) fn count_memory(&mut self, token: Token, memory: usize) {
-        let Some(connection) = self.connections.get_mut(&token) else {
-            return;
-        };
-        self.buffered_bytes = self.buffered_bytes - connection.counted_memory + memory;
-        connection.counted_memory = memory;
+    /// Counts a connection's buffers, counted at `counted` bytes so far, at `memory` in
+    /// the total of every connection's; past the budget the largest connection of the uid
+    /// holding the most is cut (row 49), so peers that keep partial frames or unread
+    /// replies cannot hold the server's memory, nor make it cut another uid's
+    /// connections. (A ping's buffers keep their size: nothing to count.)
+    pub(super) fn count_memory(&mut self, counted: usize, memory: usize) {
+        self.buffered_bytes = self.buffered_bytes - counted + memory;
         if self.buffered_bytes <= self.buffer_budget {
             return;
         }
@@ -460,6 +460,7 @@ impl Server {
                 Ok(()) => {
                     connection.shrink_output();
                     let memory = connection.memory();
+                    let counted = std::mem::replace(&mut connection.counted_memory, memory);
                     let waiting = connection.has_output();
                     if waiting != connection.writable_interest {
                         let interest = if waiting {
@@ -477,7 +478,9 @@ impl Server {
                                 .close(token, &format!("asking for writability failed: {error}")),
                         }
                     }
-                    self.count_memory(token, memory);
+                    if memory != counted {
+                        self.count_memory(counted, memory);
+                    }
                 }
                 Err(error) => self.close(token, &format!("write failed: {error}")),
             }
