@@ -10,6 +10,39 @@ use prometheus_client::registry::Registry;
 
 type Labels = Vec<(String, String)>;
 
+/// Every `(transport, reason)` of `kvwarden_connections_cut_total`.
+pub const CONNECTION_CUTS: &[(&str, &[&str])] = &[
+    (
+        "unix",
+        &[
+            "frame_timeout",
+            "fds_held",
+            "fd_budget",
+            "memory_budget",
+            "uid_share",
+            "max_connections",
+        ],
+    ),
+    (
+        "tcp",
+        &[
+            "frame_timeout",
+            "memory_budget",
+            "uid_share",
+            "max_connections",
+            "unauthenticated",
+        ],
+    ),
+    ("http", &["frame_timeout", "listener_full"]),
+];
+
+fn cut_labels(transport: &str, reason: &str) -> Labels {
+    vec![
+        ("transport".to_string(), transport.to_string()),
+        ("reason".to_string(), reason.to_string()),
+    ]
+}
+
 /// Every metric the server exports.
 pub struct Metrics {
     registry: Registry,
@@ -228,6 +261,15 @@ impl Metrics {
              connection closed for a new one)",
             metrics.connections_cut.clone(),
         );
+        // Every cut's series exists from the start (at 0), so that a rate over it is
+        // defined before the first cut.
+        for (transport, reasons) in CONNECTION_CUTS {
+            for reason in *reasons {
+                let _ = metrics
+                    .connections_cut
+                    .get_or_create(&cut_labels(transport, reason));
+            }
+        }
         registry.register(
             "blend_bytes",
             "Bytes of CacheBlend rope tables held",
@@ -336,6 +378,14 @@ impl Metrics {
     /// Counts a request that did not decode.
     pub fn invalid_request(&self) {
         self.invalid_requests.inc();
+    }
+
+    /// Counts a connection the server cut or refused (`kvwarden_connections_cut_total`):
+    /// one of [`CONNECTION_CUTS`].
+    pub fn connection_cut(&self, transport: &str, reason: &str) {
+        self.connections_cut
+            .get_or_create(&cut_labels(transport, reason))
+            .inc();
     }
 
     /// Counts an error reply.

@@ -167,13 +167,7 @@ impl Server {
     /// Counts a connection the server cut, by transport and reason
     /// (`kvwarden_connections_cut_total`).
     pub(super) fn cut(&self, transport: &'static str, reason: &'static str) {
-        self.metrics
-            .connections_cut
-            .get_or_create(&vec![
-                ("transport".to_string(), transport.to_string()),
-                ("reason".to_string(), reason.to_string()),
-            ])
-            .inc();
+        self.metrics.connection_cut(transport, reason);
     }
 
     fn transport_name(&self, token: Token) -> &'static str {
