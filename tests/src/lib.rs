@@ -14,6 +14,7 @@
 //! tests of its own. Running only this package needs `cargo build -p kvwarden` first,
 //! or `KVWARDEN_BIN=/path/to/kvwarden`.
 
+pub mod l2_worker;
 pub mod redis_cluster;
 
 pub use redis_cluster::RedisCluster;

@@ -8,17 +8,19 @@
 mod engine_support;
 
 use engine_support::Helper;
-use kvwarden::client::{Client, ClientConfig, Endpoint, MemfdBuffer};
+use kvwarden::client::{Client, MemfdBuffer};
 use kvwarden_core::l2::Namespace;
 use kvwarden_core::protocol::Op;
+use kvwarden_tests::l2_worker::{chunk, l2_counter, store, wait_written, worker};
 use kvwarden_tests::{PATIENCE, RedisCluster, Server, TempDir, freed, wait_for};
-use serde_json::Value as Json;
 use std::process::{Command, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// `--slot-bytes` of the test servers: one chunk.
 const CHUNK: u64 = 64 << 10;
+
+/// The model name the workers here register.
+const MODEL: &str = "l2";
 
 /// The helper process of row 29 (a no-op when run as a test).
 #[test]
@@ -51,32 +53,8 @@ fn server(dir: &TempDir, cluster: &RedisCluster, namespace: &str) -> Server {
     )
 }
 
-/// A server-driven worker with one 1 MiB buffer registered.
-fn worker(server: &Server) -> (Client, Arc<MemfdBuffer>) {
-    let client = Client::connect(ClientConfig::new(Endpoint::Unix(server.socket.clone())))
-        .expect("connecting");
-    let buffer = Arc::new(MemfdBuffer::new(1 << 20).expect("a memfd"));
-    client
-        .register(vec![Arc::clone(&buffer)], "l2", 1)
-        .expect("registering");
-    (client, buffer)
-}
-
-/// Chunk `seed`'s bytes.
-fn chunk(seed: u64) -> Vec<u8> {
-    (0..CHUNK)
-        .map(|i| (i.wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(40_503)) as u8)
-        .collect()
-}
-
 fn checksum(bytes: &[u8]) -> u64 {
     xxhash_rust::xxh3::xxh3_64(bytes)
-}
-
-/// Stores `bytes` under `key` from offset 0 of the worker's buffer.
-fn store(client: &Client, buffer: &MemfdBuffer, key: &[u8], bytes: &[u8]) {
-    assert!(buffer.write(0, bytes));
-    assert!(client.store(key, 0, 0, bytes.len() as u64).expect("store"));
 }
 
 /// Retrieves `key` (every chunk here is `CHUNK` bytes) into offset `CHUNK` of the
@@ -94,19 +72,6 @@ fn ping(client: &Client) -> bool {
     }
     .args();
     client.call("ping", args).expect("ping answered") == rmpv::Value::Boolean(true)
-}
-
-fn l2(status: &Json, field: &str) -> u64 {
-    status["l2"][field]
-        .as_u64()
-        .unwrap_or_else(|| panic!("l2.{field} in {status}"))
-}
-
-/// Waits until `server` has written at least `writes` values to L2.
-fn wait_written(server: &Server, writes: u64) {
-    server.wait_status(&format!("{writes} L2 writes"), |status| {
-        l2(status, "writes") >= writes
-    });
 }
 
 /// `redis-cli -c -p port args…`: its stdout (cluster redirections followed).
@@ -157,12 +122,12 @@ fn row_27_a_chunk_stored_through_node_a_is_retrieved_through_node_b() {
     let (dir_a, dir_b) = (TempDir::new("l2-node-a"), TempDir::new("l2-node-b"));
     let a = server(&dir_a, &cluster, "cross");
     let b = server(&dir_b, &cluster, "cross");
-    let (writer, source) = worker(&a);
-    let bytes = chunk(1);
+    let (writer, source) = worker(&a, MODEL);
+    let bytes = chunk(1, CHUNK);
     store(&writer, &source, b"prefix-0", &bytes);
     wait_written(&a, 1);
 
-    let (reader, target) = worker(&b);
+    let (reader, target) = worker(&b, MODEL);
     assert_eq!(
         reader
             .lookup(&[b"prefix-0".to_vec(), b"prefix-1".to_vec()])
@@ -173,14 +138,14 @@ fn row_27_a_chunk_stored_through_node_a_is_retrieved_through_node_b() {
     let read = retrieve(&reader, &target, b"prefix-0").expect("a hit through L2");
     assert_eq!(checksum(&read), checksum(&bytes), "byte-identical");
     let status = b.status();
-    assert_eq!(l2(&status, "hits"), 1);
-    assert_eq!(l2(&status, "corrupt"), 0);
+    assert_eq!(l2_counter(&status, "hits"), 1);
+    assert_eq!(l2_counter(&status, "corrupt"), 0);
     assert_eq!(status["l2"]["state"], "up");
     assert_eq!(status["l1"]["slots_used"], 1, "promoted into B's L1");
     // Served from B's L1 now: no second L2 read.
     let again = retrieve(&reader, &target, b"prefix-0").expect("an L1 hit");
     assert_eq!(checksum(&again), checksum(&bytes));
-    assert_eq!(l2(&b.status(), "hits"), 1);
+    assert_eq!(l2_counter(&b.status(), "hits"), 1);
     // A miss everywhere is a miss, as without L2.
     assert!(retrieve(&reader, &target, b"absent").is_none());
     let (code, body) = b.http_get("/metrics");
@@ -203,10 +168,10 @@ fn row_27_every_redis_process_stopped_pings_answered_l1_serves_l2_misses() {
     let (dir_a, dir_b) = (TempDir::new("l2-stop-a"), TempDir::new("l2-stop-b"));
     let a = server(&dir_a, &cluster, "stop");
     let b = server(&dir_b, &cluster, "stop");
-    let (local, local_buffer) = worker(&a);
-    let (remote, remote_buffer) = worker(&b);
-    let local_bytes = chunk(2);
-    let remote_bytes = chunk(3);
+    let (local, local_buffer) = worker(&a, MODEL);
+    let (remote, remote_buffer) = worker(&b, MODEL);
+    let local_bytes = chunk(2, CHUNK);
+    let remote_bytes = chunk(3, CHUNK);
     store(&local, &local_buffer, b"in-l1", &local_bytes);
     store(&remote, &remote_buffer, b"l2-only", &remote_bytes);
     wait_written(&a, 1);
@@ -251,7 +216,7 @@ fn row_27_every_redis_process_stopped_pings_answered_l1_serves_l2_misses() {
     });
     assert_eq!(checksum(&read), checksum(&remote_bytes));
     let status = a.wait_status("L2 up again", |status| status["l2"]["state"] == "up");
-    assert_eq!(l2(&status, "corrupt"), 0);
+    assert_eq!(l2_counter(&status, "corrupt"), 0);
     let log = a.log();
     assert_eq!(log.matches("L2 is down").count(), 1, "logged once: {log}");
     assert_eq!(log.matches("L2 is back").count(), 1, "logged once: {log}");
@@ -263,8 +228,8 @@ fn row_27_a_master_killed_its_replica_takes_over_and_l2_resumes() {
     let (dir_a, dir_b) = (TempDir::new("l2-kill-a"), TempDir::new("l2-kill-b"));
     let a = server(&dir_a, &cluster, "failover");
     let b = server(&dir_b, &cluster, "failover");
-    let (writer, source) = worker(&a);
-    let (reader, target) = worker(&b);
+    let (writer, source) = worker(&a, MODEL);
+    let (reader, target) = worker(&b, MODEL);
     let victim = cluster.masters()[0];
     cluster.kill(victim);
     // Keep publishing across the failover: writes to the dead master's slots fail
@@ -274,18 +239,25 @@ fn row_27_a_master_killed_its_replica_takes_over_and_l2_resumes() {
         "every key written again after the failover",
         PATIENCE,
         || {
-            let before = l2(&a.status(), "writes");
+            let before = l2_counter(&a.status(), "writes");
             let batch: Vec<u64> = (seed..seed + 12).collect();
             seed += 12;
             for &n in &batch {
-                store(&writer, &source, format!("f-{n}").as_bytes(), &chunk(n));
+                store(
+                    &writer,
+                    &source,
+                    format!("f-{n}").as_bytes(),
+                    &chunk(n, CHUNK),
+                );
             }
             std::thread::sleep(Duration::from_millis(300));
-            (l2(&a.status(), "writes") >= before + batch.len() as u64).then_some(())
+            (l2_counter(&a.status(), "writes") >= before + batch.len() as u64).then_some(())
         },
     );
     let status = a.status();
-    let failed = l2(&status, "errors") + l2(&status, "timeouts") + l2(&status, "write_drops");
+    let failed = l2_counter(&status, "errors")
+        + l2_counter(&status, "timeouts")
+        + l2_counter(&status, "write_drops");
     assert!(
         failed > 0,
         "writes during the failover are counted as failed or dropped: {status}"
@@ -294,10 +266,14 @@ fn row_27_a_master_killed_its_replica_takes_over_and_l2_resumes() {
     for n in seed - 12..seed {
         let read = retrieve(&reader, &target, format!("f-{n}").as_bytes())
             .unwrap_or_else(|| panic!("f-{n} through L2 after the failover"));
-        assert_eq!(checksum(&read), checksum(&chunk(n)));
+        assert_eq!(checksum(&read), checksum(&chunk(n, CHUNK)));
     }
-    assert_eq!(l2(&b.status(), "corrupt"), 0, "no corrupt value served");
-    assert_eq!(l2(&a.status(), "corrupt"), 0);
+    assert_eq!(
+        l2_counter(&b.status(), "corrupt"),
+        0,
+        "no corrupt value served"
+    );
+    assert_eq!(l2_counter(&a.status(), "corrupt"), 0);
 }
 
 #[test]
@@ -306,8 +282,8 @@ fn row_28_a_value_overwritten_in_redis_is_a_miss_counted_and_deleted() {
     let (dir_a, dir_b) = (TempDir::new("l2-corrupt-a"), TempDir::new("l2-corrupt-b"));
     let a = server(&dir_a, &cluster, "corrupt");
     let b = server(&dir_b, &cluster, "corrupt");
-    let (writer, source) = worker(&a);
-    let (reader, target) = worker(&b);
+    let (writer, source) = worker(&a, MODEL);
+    let (reader, target) = worker(&b, MODEL);
     let port = cluster.live_ports()[0];
     for (n, damage) in [
         b"garbage, not a kvwarden value".to_vec(),
@@ -317,7 +293,7 @@ fn row_28_a_value_overwritten_in_redis_is_a_miss_counted_and_deleted() {
     .enumerate()
     {
         let key = format!("damaged-{n}").into_bytes();
-        store(&writer, &source, &key, &chunk(n as u64));
+        store(&writer, &source, &key, &chunk(n as u64, CHUNK));
         wait_written(&a, n as u64 + 1);
         let name = redis_key("corrupt", &key);
         assert_eq!(redis_cli(port, &[b"SET", &name, &damage]), "OK");
@@ -325,12 +301,12 @@ fn row_28_a_value_overwritten_in_redis_is_a_miss_counted_and_deleted() {
             retrieve(&reader, &target, &key).is_none(),
             "a damaged value is a miss, never served"
         );
-        assert_eq!(l2(&b.status(), "corrupt"), n as u64 + 1);
+        assert_eq!(l2_counter(&b.status(), "corrupt"), n as u64 + 1);
         wait_for("the damaged key deleted", PATIENCE, || {
             (redis_cli(port, &[b"EXISTS", &name]) == "0").then_some(())
         });
     }
-    assert_eq!(l2(&b.status(), "hits"), 0);
+    assert_eq!(l2_counter(&b.status(), "hits"), 0);
 }
 
 #[test]
@@ -351,8 +327,8 @@ fn row_29_a_worker_killed_with_a_reservation_prepared_never_reaches_l2() {
     });
     // A later publication goes through the same queue: once it is in L2, anything
     // queued before it has been written too.
-    let (writer, source) = worker(&server);
-    store(&writer, &source, b"after", &chunk(9));
+    let (writer, source) = worker(&server, MODEL);
+    store(&writer, &source, b"after", &chunk(9, CHUNK));
     wait_written(&server, 2);
     let keys = scan(&cluster, "row29");
     let published = String::from_utf8(redis_key("row29", b"published-x")).unwrap();

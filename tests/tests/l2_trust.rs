@@ -10,15 +10,18 @@
 //! test fails saying so.
 
 use kvwarden::bench::redis_cluster::{self as harness, Security};
-use kvwarden::client::{Client, ClientConfig, Endpoint, MemfdBuffer};
+use kvwarden::client::{Client, MemfdBuffer};
 use kvwarden_core::l2::{self, Namespace};
+use kvwarden_tests::l2_worker::{chunk, l2_counter, store, wait_written, worker};
 use kvwarden_tests::{PATIENCE, Server, TempDir, wait_for};
 use serde_json::Value as Json;
 use std::process::{Command, Stdio};
-use std::sync::Arc;
 
 /// `--slot-bytes` of the test servers: one chunk.
 const CHUNK: u64 = 64 << 10;
+
+/// The model name the workers here register.
+const MODEL: &str = "l2-trust";
 
 /// A Redis Cluster of 3 masters (no replicas) or one plain Redis, secured so.
 fn redis(cluster: bool, security: Security) -> harness::RedisCluster {
@@ -62,27 +65,6 @@ fn server(
     Server::start_with_env(dir, &flags, env)
 }
 
-fn worker(server: &Server) -> (Client, Arc<MemfdBuffer>) {
-    let client = Client::connect(ClientConfig::new(Endpoint::Unix(server.socket.clone())))
-        .expect("connecting");
-    let buffer = Arc::new(MemfdBuffer::new(1 << 20).expect("a memfd"));
-    client
-        .register(vec![Arc::clone(&buffer)], "l2-trust", 1)
-        .expect("registering");
-    (client, buffer)
-}
-
-fn chunk(seed: u64) -> Vec<u8> {
-    (0..CHUNK)
-        .map(|i| (i.wrapping_mul(2_654_435_761) ^ seed.wrapping_mul(40_503)) as u8)
-        .collect()
-}
-
-fn store(client: &Client, buffer: &MemfdBuffer, key: &[u8], bytes: &[u8]) {
-    assert!(buffer.write(0, bytes));
-    assert!(client.store(key, 0, 0, bytes.len() as u64).expect("store"));
-}
-
 /// The sentinel a retrieve's destination holds before it: a miss leaves it there.
 const UNTOUCHED: u8 = 0xA5;
 
@@ -106,18 +88,6 @@ fn retrieve(client: &Client, buffer: &MemfdBuffer, key: &[u8]) -> Option<Vec<u8>
             None
         }
     }
-}
-
-fn l2(status: &Json, field: &str) -> u64 {
-    status["l2"][field]
-        .as_u64()
-        .unwrap_or_else(|| panic!("l2.{field} in {status}"))
-}
-
-fn wait_written(server: &Server, writes: u64) {
-    server.wait_status(&format!("{writes} L2 writes"), |status| {
-        l2(status, "writes") >= writes
-    });
 }
 
 /// The Redis key of this test process's worker's `key` (tenant-scoped).
@@ -173,16 +143,16 @@ fn row_38_a_chunk_stored_over_tls_is_retrieved_through_another_server() {
     let ca = ["--l2-tls-ca-file", path(&files.ca)];
     let a = server(&dir_a, &seeds, "tls", &ca, &[]);
     let b = server(&dir_b, &seeds, "tls", &ca, &[]);
-    let (writer, source) = worker(&a);
-    let (reader, target) = worker(&b);
-    let bytes = chunk(38);
+    let (writer, source) = worker(&a, MODEL);
+    let (reader, target) = worker(&b, MODEL);
+    let bytes = chunk(38, CHUNK);
     store(&writer, &source, b"over-tls", &bytes);
     wait_written(&a, 1);
     assert_eq!(retrieve(&reader, &target, b"over-tls"), Some(bytes));
     let status = b.status();
     assert_eq!(status["l2"]["tls"], Json::Bool(true), "{status}");
     assert_eq!(status["l2"]["state"], "up", "{status}");
-    assert_eq!(l2(&status, "hits"), 1);
+    assert_eq!(l2_counter(&status, "hits"), 1);
 }
 
 #[test]
@@ -209,8 +179,8 @@ fn row_38_a_server_trusting_another_ca_or_speaking_plaintext_gets_no_l2() {
         &["--l2-tls-ca-file", path(&files.ca)],
         &[],
     );
-    let (writer, source) = worker(&writer_server);
-    let bytes = chunk(1);
+    let (writer, source) = worker(&writer_server, MODEL);
+    let bytes = chunk(1, CHUNK);
     store(&writer, &source, b"secret-chunk", &bytes);
     wait_written(&writer_server, 1);
 
@@ -222,7 +192,7 @@ fn row_38_a_server_trusting_another_ca_or_speaking_plaintext_gets_no_l2() {
         &["--l2-tls-ca-file", path(&files.ca)],
         &[],
     );
-    let (reader, target) = worker(&trusting);
+    let (reader, target) = worker(&trusting, MODEL);
     assert_eq!(retrieve(&reader, &target, b"secret-chunk"), Some(bytes));
 
     // A server that trusts another CA refuses the servers: no value served, and the
@@ -234,7 +204,7 @@ fn row_38_a_server_trusting_another_ca_or_speaking_plaintext_gets_no_l2() {
         &["--l2-tls-ca-file", path(&files.other_ca)],
         &[],
     );
-    let (reader, target) = worker(&other);
+    let (reader, target) = worker(&other, MODEL);
     assert_eq!(retrieve(&reader, &target, b"secret-chunk"), None);
     let status = other.wait_status("the certificate refusal in l2.reason", |status| {
         status["l2"]["reason"].as_str().is_some()
@@ -245,18 +215,18 @@ fn row_38_a_server_trusting_another_ca_or_speaking_plaintext_gets_no_l2() {
         .to_lowercase();
     assert!(reason.contains("certificate"), "{status}");
     assert_ne!(status["l2"]["state"], "up", "{status}");
-    assert_eq!(l2(&status, "hits"), 0);
+    assert_eq!(l2_counter(&status, "hits"), 0);
 
     // The TLS port does not speak plaintext: a redis:// server aimed at it gets nothing.
     let plain_seeds = seeds.replace("rediss://", "redis://");
     let plain = server(&dirs[3], &plain_seeds, "tls2", &[], &[]);
-    let (reader, target) = worker(&plain);
+    let (reader, target) = worker(&plain, MODEL);
     assert_eq!(retrieve(&reader, &target, b"secret-chunk"), None);
     let status = plain.wait_status("a reason in l2.reason", |status| {
         status["l2"]["reason"].as_str().is_some()
     });
     assert_eq!(status["l2"]["tls"], Json::Bool(false), "{status}");
-    assert_eq!(l2(&status, "hits"), 0, "{status}");
+    assert_eq!(l2_counter(&status, "hits"), 0, "{status}");
 }
 
 #[test]
@@ -285,11 +255,11 @@ fn row_38_mutual_tls_admits_the_client_certificate_and_refuses_a_server_without_
     ];
     let a = server(&dir_a, &seeds, "mtls", &with_cert, &[]);
     let b = server(&dir_b, &seeds, "mtls", &with_cert, &[]);
-    let (writer, source) = worker(&a);
-    let bytes = chunk(2);
+    let (writer, source) = worker(&a, MODEL);
+    let bytes = chunk(2, CHUNK);
     store(&writer, &source, b"mutual", &bytes);
     wait_written(&a, 1);
-    let (reader, target) = worker(&b);
+    let (reader, target) = worker(&b, MODEL);
     assert_eq!(retrieve(&reader, &target, b"mutual"), Some(bytes));
 
     let without = server(
@@ -299,12 +269,12 @@ fn row_38_mutual_tls_admits_the_client_certificate_and_refuses_a_server_without_
         &["--l2-tls-ca-file", path(&files.ca)],
         &[],
     );
-    let (reader, target) = worker(&without);
+    let (reader, target) = worker(&without, MODEL);
     assert_eq!(retrieve(&reader, &target, b"mutual"), None);
     let status = without.wait_status("a reason in l2.reason", |status| {
         status["l2"]["reason"].as_str().is_some()
     });
-    assert_eq!(l2(&status, "hits"), 0, "{status}");
+    assert_eq!(l2_counter(&status, "hits"), 0, "{status}");
 }
 
 #[test]
@@ -390,11 +360,11 @@ fn row_39_a_value_not_written_with_the_cluster_secret_is_a_miss_never_served() {
     ];
     let a = server(&dirs[0], &seeds, "mac", &with_secret, &[]);
     let b = server(&dirs[1], &seeds, "mac", &with_secret, &[]);
-    let (writer, source) = worker(&a);
-    let (reader, target) = worker(&b);
+    let (writer, source) = worker(&a, MODEL);
+    let (reader, target) = worker(&b, MODEL);
 
     // Control: what one server with the secret writes, another with it serves.
-    let bytes = chunk(39);
+    let bytes = chunk(39, CHUNK);
     store(&writer, &source, b"shared", &bytes);
     wait_written(&a, 1);
     assert_eq!(retrieve(&reader, &target, b"shared"), Some(bytes.clone()));
@@ -408,17 +378,17 @@ fn row_39_a_value_not_written_with_the_cluster_secret_is_a_miss_never_served() {
         &["--l2-secret-file", other_secret.as_str()],
         &[],
     );
-    let (other_reader, other_target) = worker(&other);
+    let (other_reader, other_target) = worker(&other, MODEL);
     store(&writer, &source, b"for-other", &bytes);
     wait_written(&a, 2);
     assert_eq!(retrieve(&other_reader, &other_target, b"for-other"), None);
-    assert_eq!(l2(&other.status(), "corrupt"), 1);
+    assert_eq!(l2_counter(&other.status(), "corrupt"), 1);
     let plain = server(&dirs[3], &seeds, "mac", &[], &[]);
-    let (plain_reader, plain_target) = worker(&plain);
+    let (plain_reader, plain_target) = worker(&plain, MODEL);
     store(&writer, &source, b"for-plain", &bytes);
     wait_written(&a, 3);
     assert_eq!(retrieve(&plain_reader, &plain_target, b"for-plain"), None);
-    assert_eq!(l2(&plain.status(), "corrupt"), 1);
+    assert_eq!(l2_counter(&plain.status(), "corrupt"), 1);
     assert!(plain.log().contains("--l2-secret-file"), "{}", plain.log());
 
     // An attacker who can reach Redis but has no secret plants values under real keys:
@@ -433,12 +403,12 @@ fn row_39_a_value_not_written_with_the_cluster_secret_is_a_miss_never_served() {
         .encode(
             &Namespace::new("mac").expect("ns"),
             b"whatever",
-            &chunk(666),
+            &chunk(666, CHUNK),
         );
         value[20] ^= 1;
         value
     };
-    for (n, planted) in [l2::encode(&chunk(666)), forged_mac]
+    for (n, planted) in [l2::encode(&chunk(666, CHUNK)), forged_mac]
         .into_iter()
         .enumerate()
     {
@@ -454,13 +424,13 @@ fn row_39_a_value_not_written_with_the_cluster_secret_is_a_miss_never_served() {
             None,
             "a planted value was served"
         );
-        assert_eq!(l2(&b.status(), "corrupt"), n as u64 + 1);
+        assert_eq!(l2_counter(&b.status(), "corrupt"), n as u64 + 1);
         wait_for("the planted key deleted", PATIENCE, || {
             let exists: bool = redis::cmd("EXISTS").arg(&name).query(hand.as_mut()).ok()?;
             (!exists).then_some(())
         });
     }
-    assert_eq!(l2(&b.status(), "hits"), 1);
+    assert_eq!(l2_counter(&b.status(), "hits"), 1);
 }
 
 #[test]
@@ -477,10 +447,10 @@ fn row_39_a_value_moved_to_another_key_is_a_miss() {
     let (dir_a, dir_b) = (TempDir::new("move-a"), TempDir::new("move-b"));
     let a = server(&dir_a, &seeds, "move", &with_secret, &[]);
     let b = server(&dir_b, &seeds, "move", &with_secret, &[]);
-    let (writer, source) = worker(&a);
-    let (reader, target) = worker(&b);
-    store(&writer, &source, b"original", &chunk(3));
-    store(&writer, &source, b"kept", &chunk(4));
+    let (writer, source) = worker(&a, MODEL);
+    let (reader, target) = worker(&b, MODEL);
+    store(&writer, &source, b"original", &chunk(3, CHUNK));
+    store(&writer, &source, b"kept", &chunk(4, CHUNK));
     wait_written(&a, 2);
     let mut hand = by_hand(&redis, false);
     let value: Vec<u8> = redis::cmd("GET")
@@ -493,9 +463,12 @@ fn row_39_a_value_moved_to_another_key_is_a_miss() {
         .exec(hand.as_mut())
         .expect("SET by hand");
     // Control: the value under its own key is served.
-    assert_eq!(retrieve(&reader, &target, b"original"), Some(chunk(3)));
+    assert_eq!(
+        retrieve(&reader, &target, b"original"),
+        Some(chunk(3, CHUNK))
+    );
     assert_eq!(retrieve(&reader, &target, b"copy"), None);
-    assert_eq!(l2(&b.status(), "corrupt"), 1);
+    assert_eq!(l2_counter(&b.status(), "corrupt"), 1);
     // Another server's value copied over a key it does not belong to: a miss too.
     let kept: Vec<u8> = redis::cmd("GET")
         .arg(redis_key("move", b"kept"))
@@ -508,9 +481,9 @@ fn row_39_a_value_moved_to_another_key_is_a_miss() {
         .expect("SET by hand");
     let c_dir = TempDir::new("move-c");
     let c = server(&c_dir, &seeds, "move", &with_secret, &[]);
-    let (reader_c, target_c) = worker(&c);
+    let (reader_c, target_c) = worker(&c, MODEL);
     assert_eq!(retrieve(&reader_c, &target_c, b"original"), None);
-    assert_eq!(l2(&c.status(), "corrupt"), 1);
+    assert_eq!(l2_counter(&c.status(), "corrupt"), 1);
 }
 
 #[test]
@@ -541,12 +514,12 @@ fn row_40_a_64_mib_value_planted_under_a_key_is_a_miss_counted_and_deleted() {
     let (dir_a, dir_b) = (TempDir::new("big-a"), TempDir::new("big-b"));
     let a = server(&dir_a, &seeds, "big", &[], &[]);
     let b = server(&dir_b, &seeds, "big", &[], &[]);
-    let (writer, source) = worker(&a);
-    let (reader, target) = worker(&b);
+    let (writer, source) = worker(&a, MODEL);
+    let (reader, target) = worker(&b, MODEL);
     // Control: a chunk of one slot is served.
-    store(&writer, &source, b"fits", &chunk(5));
+    store(&writer, &source, b"fits", &chunk(5, CHUNK));
     wait_written(&a, 1);
-    assert_eq!(retrieve(&reader, &target, b"fits"), Some(chunk(5)));
+    assert_eq!(retrieve(&reader, &target, b"fits"), Some(chunk(5, CHUNK)));
 
     // A value of 64 MiB whose header is a valid one: only its length gives it away.
     let payload = vec![0x5a; 64 << 20];
@@ -561,8 +534,8 @@ fn row_40_a_64_mib_value_planted_under_a_key_is_a_miss_counted_and_deleted() {
     drop(planted);
     assert_eq!(retrieve(&reader, &target, b"huge"), None);
     let status = b.status();
-    assert_eq!(l2(&status, "corrupt"), 1, "{status}");
-    assert_eq!(l2(&status, "hits"), 1, "{status}");
+    assert_eq!(l2_counter(&status, "corrupt"), 1, "{status}");
+    assert_eq!(l2_counter(&status, "hits"), 1, "{status}");
     wait_for("the oversized key deleted", PATIENCE, || {
         let exists: bool = redis::cmd("EXISTS").arg(&name).query(hand.as_mut()).ok()?;
         (!exists).then_some(())
@@ -607,11 +580,11 @@ fn row_41_the_l2_password_works_from_a_file_or_the_environment_and_is_never_show
         &[],
         &[("KVWARDEN_L2_PASSWORD", PASSWORD)],
     );
-    let (writer, source) = worker(&a);
-    let (reader, target) = worker(&b);
-    store(&writer, &source, b"authed", &chunk(6));
+    let (writer, source) = worker(&a, MODEL);
+    let (reader, target) = worker(&b, MODEL);
+    store(&writer, &source, b"authed", &chunk(6, CHUNK));
     wait_written(&a, 1);
-    assert_eq!(retrieve(&reader, &target, b"authed"), Some(chunk(6)));
+    assert_eq!(retrieve(&reader, &target, b"authed"), Some(chunk(6, CHUNK)));
 
     // A wrong password is refused, with a reason that says so.
     let c = server(
@@ -621,14 +594,14 @@ fn row_41_the_l2_password_works_from_a_file_or_the_environment_and_is_never_show
         &["--l2-password-file", &wrong_file],
         &[],
     );
-    let (reader_c, target_c) = worker(&c);
+    let (reader_c, target_c) = worker(&c, MODEL);
     assert_eq!(retrieve(&reader_c, &target_c, b"authed"), None);
     let status = c.wait_status("the refusal in l2.reason", |status| {
         status["l2"]["reason"].as_str().is_some()
     });
     let reason = status["l2"]["reason"].as_str().unwrap_or_default();
     assert!(reason.contains("--l2-password-file"), "{status}");
-    assert_eq!(l2(&status, "hits"), 0);
+    assert_eq!(l2_counter(&status, "hits"), 0);
 
     // Nowhere it prints: the log, /status, the status op.
     for server in [&a, &b, &c] {
@@ -709,9 +682,14 @@ fn row_19_chunks_stored_just_before_sigterm_are_in_redis_after_the_server_exits(
     let seeds = redis.seeds().join(",");
     let dir = TempDir::new("drain");
     let server = server(&dir, &seeds, "drain", &[], &[]);
-    let (writer, source) = worker(&server);
+    let (writer, source) = worker(&server, MODEL);
     for n in 0..BEFORE_SIGTERM {
-        store(&writer, &source, format!("last-{n}").as_bytes(), &chunk(n));
+        store(
+            &writer,
+            &source,
+            format!("last-{n}").as_bytes(),
+            &chunk(n, CHUNK),
+        );
     }
     drop(writer);
     let (exit, log) = server.terminate();
@@ -729,13 +707,18 @@ fn row_19_sigterm_with_redis_stopped_counts_what_is_lost_and_exits() {
     let seeds = redis.seeds().join(",");
     let dir = TempDir::new("drain-stopped");
     let server = server(&dir, &seeds, "drop", &["--l2-timeout-ms", "1000"], &[]);
-    let (writer, source) = worker(&server);
+    let (writer, source) = worker(&server, MODEL);
     // Control: with Redis answering, a chunk reaches it.
-    store(&writer, &source, b"before-stop", &chunk(99));
+    store(&writer, &source, b"before-stop", &chunk(99, CHUNK));
     wait_written(&server, 1);
     redis.stop_all();
     for n in 0..BEFORE_SIGTERM {
-        store(&writer, &source, format!("lost-{n}").as_bytes(), &chunk(n));
+        store(
+            &writer,
+            &source,
+            format!("lost-{n}").as_bytes(),
+            &chunk(n, CHUNK),
+        );
     }
     drop(writer);
     let (exit, log) = server.terminate();

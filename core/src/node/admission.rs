@@ -73,6 +73,16 @@ pub enum Refused {
     },
 }
 
+impl Refused {
+    /// Its name in metrics and logs: `max_connections` or `uid_share`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Refused::Full { .. } => "max_connections",
+            Refused::UidShare { .. } => "uid_share",
+        }
+    }
+}
+
 /// The connections held, all together and per uid, and when each TCP peer that has not
 /// authenticated yet must have.
 #[derive(Debug)]
@@ -126,11 +136,6 @@ impl Admission {
                 self.by_uid.remove(&uid);
             }
         }
-    }
-
-    /// The bounds.
-    pub fn limits(&self) -> ConnectionLimits {
-        self.limits
     }
 
     /// A TCP peer connected at `now`: the deadline by which it must present a token,

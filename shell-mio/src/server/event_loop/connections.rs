@@ -16,11 +16,7 @@ impl Server {
                 transport,
                 "refusing a connection: {refused}"
             );
-            let reason = match refused {
-                kvwarden_core::node::admission::Refused::Full { .. } => "max_connections",
-                kvwarden_core::node::admission::Refused::UidShare { .. } => "uid_share",
-            };
-            self.cut(transport, reason);
+            self.cut(transport, refused.label());
             return;
         }
         let token = self.token();
