@@ -82,3 +82,43 @@ def test_a_corrupted_or_foreign_record_is_refused():
     )
     assert "magic" in prefix.record_problem(b"\0" * len(good), key, len(payload), LAYOUT)
     assert "record of" in prefix.record_problem(good[:-1], key, len(payload), LAYOUT)
+
+
+def test_extra_keys_change_the_block_they_belong_to_and_every_later_key():
+    root = prefix.namespace({"model": "m"})
+    tokens = list(range(96))
+    plain = prefix.chain_keys(root, tokens, 32)
+    assert prefix.chain_keys(root, tokens, 32, [None, None, None]) == plain  # as before
+    salted = prefix.encode_extra_keys((("cache_salt", "tenant-b"),))
+    image = prefix.encode_extra_keys((("mm", "img-hash", 4),))
+
+    first = prefix.chain_keys(root, tokens, 32, [salted, None, None])
+    middle = prefix.chain_keys(root, tokens, 32, [None, image, None])
+
+    assert all(a != b for a, b in zip(first, plain))  # the salt: every key differs
+    assert middle[0] == plain[0]
+    assert middle[1] != plain[1] and middle[2] != plain[2]
+
+
+def test_extra_keys_encode_distinct_values_distinctly():
+    values = [
+        None,
+        True,
+        False,
+        0,
+        1,
+        "1",
+        b"1",
+        1.0,
+        ("a", "b"),
+        ("ab",),
+        (("a",), "b"),
+        ["a", "b", None],
+        ("lora", "adapter-a", "/a"),
+        ("lora", "adapter-a", "/b"),
+    ]
+    encoded = [prefix.encode_extra_keys(v) for v in values]
+    assert len(set(encoded)) == len(values)
+    # A tuple and a list of the same items are the same keys (engines use either).
+    assert prefix.encode_extra_keys(("x", 1)) == prefix.encode_extra_keys(["x", 1])
+    assert prefix.encode_extra_keys(("mm", "h", 3)) == prefix.encode_extra_keys(("mm", "h", 3))

@@ -105,12 +105,14 @@ def kv_transfer_config(socket_path, **extra):
     }
 
 
-def make_llm(model_dir, socket_path=None, **extra):
+def make_llm(model_dir, socket_path=None, lora=False, **extra):
     from vllm import LLM
 
     kwargs = {}
     if socket_path:
         kwargs["kv_transfer_config"] = kv_transfer_config(socket_path, **extra)
+    if lora:
+        kwargs.update(enable_lora=True, max_loras=2, max_lora_rank=8)
     llm = LLM(
         model=model_dir,
         skip_tokenizer_init=True,
@@ -138,15 +140,73 @@ def connectors(llm):
     return scheduler, worker
 
 
-def generate(llm, prompts, max_tokens):
+def generate(llm, prompts, max_tokens, cache_salt=None, lora=None):
+    """Greedy tokens of each prompt; ``max_tokens`` one count or one per prompt;
+    ``lora``: ``[name, id, path]`` of an adapter for every prompt."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
-    outputs = llm.generate(
-        [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
-    )
+    counts = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+        for n in counts
+    ]
+    inputs = []
+    for p in prompts:
+        prompt = TokensPrompt(prompt_token_ids=p)
+        if cache_salt is not None:
+            prompt["cache_salt"] = cache_salt
+        inputs.append(prompt)
+    kwargs = {}
+    if lora is not None:
+        from vllm.lora.request import LoRARequest
+
+        kwargs["lora_request"] = LoRARequest(lora[0], lora[1], lora[2])
+    outputs = llm.generate(inputs, params, use_tqdm=False, **kwargs)
     return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+class StepLog:
+    """Per scheduler step: which requests ran and which waited for a kvwarden load
+    (``WAITING_FOR_REMOTE_KVS``), by their index in the generate's prompts. With
+    ``release`` set, SIGCONTs that pid once ``release_after`` steps have run while a
+    load waited (the load was held by a SIGSTOPped server)."""
+
+    def __init__(self, scheduler):
+        from vllm.v1.request import RequestStatus
+
+        self.waiting_status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.scheduler = scheduler
+        self.steps = []
+        self.release = None
+        self.release_after = 0
+        original = scheduler.schedule
+
+        def schedule(*args, **kwargs):
+            out = original(*args, **kwargs)
+            waiting = sorted(
+                r.request_id
+                for r in scheduler.requests.values()
+                if r.status == self.waiting_status
+            )
+            ran = sorted(out.num_scheduled_tokens)
+            self.steps.append({"ran": ran, "waiting_for_load": waiting})
+            overlapped = sum(1 for s in self.steps if s["waiting_for_load"] and s["ran"])
+            if self.release is not None and overlapped >= self.release_after:
+                os.kill(self.release, signal.SIGCONT)
+                self.release = None
+            return out
+
+        scheduler.schedule = schedule
+
+
+def counters(scheduler, worker):
+    """The connectors' counters, scheduler and worker side summed."""
+    total = {}
+    for connector in (scheduler, worker):
+        for name, value in (connector.stats if connector else {}).items():
+            total[name] = total.get(name, 0) + value
+    return total
 
 
 def main():
@@ -155,19 +215,27 @@ def main():
     extra = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
     out = sys.stdout
     sys.stdout = sys.stderr  # vLLM's prints must not mix with the result lines
-    llm = make_llm(model_dir, socket_path, **extra)
+    lora = bool(extra.pop("lora", False))
+    llm = make_llm(model_dir, socket_path, lora=lora, **extra)
     scheduler, worker = connectors(llm)
+    core_scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    step_log = StepLog(core_scheduler)
     ready = {"pid": os.getpid()}
     if worker is not None:
         ready["instance_id"] = worker._worker.instance_id if worker._worker else None
         ready["root"] = scheduler._root.hex()
         load = worker.start_load_kv
         kill_at_load = []
+        stop_at_load = []
 
         def start_load_kv(*args, **kwargs):
-            # A deterministic "server killed mid-run": right when this step's loads start.
-            while kill_at_load:
-                os.kill(kill_at_load.pop(), signal.SIGKILL)
+            # A deterministic "server killed (or stalled) mid-run": right when a step
+            # starts loading.
+            if worker._get_connector_metadata().loads:
+                while kill_at_load:
+                    os.kill(kill_at_load.pop(), signal.SIGKILL)
+                while stop_at_load:
+                    os.kill(stop_at_load.pop(), signal.SIGSTOP)
             return load(*args, **kwargs)
 
         worker.start_load_kv = start_load_kv
@@ -177,14 +245,28 @@ def main():
         command = json.loads(line)
         if "kill_at_first_load" in command:
             kill_at_load.append(command["kill_at_first_load"])
-        before_s = dict(scheduler.stats) if scheduler else {}
-        before_w = dict(worker.stats) if worker else {}
-        tokens = generate(llm, command["prompts"], command.get("max_tokens", 8))
-        result = {"tokens": tokens}
-        if scheduler is not None:
-            result.update({k: v - before_s[k] for k, v in scheduler.stats.items()})
+        if "stall_at_first_load" in command:
+            # SIGSTOP the server as the load starts, SIGCONT it after n overlapped steps.
+            pid, steps = command["stall_at_first_load"]
+            stop_at_load.append(pid)
+            step_log.release, step_log.release_after = pid, steps
+        before = counters(scheduler, worker)
+        first_step = len(step_log.steps)
+        tokens = generate(
+            llm,
+            command["prompts"],
+            command.get("max_tokens", 8),
+            cache_salt=command.get("cache_salt"),
+            lora=command.get("lora"),
+        )
         if worker is not None:
-            result.update({k: v - before_w[k] for k, v in worker.stats.items()})
+            # Saves are asynchronous: let them land, so that counts and the next
+            # generate's hits do not depend on timing.
+            assert worker.wait_for_lanes(60.0), "the connector's lanes did not go idle"
+        after = counters(scheduler, worker)
+        result = {"tokens": tokens, **{k: v - before.get(k, 0) for k, v in after.items()}}
+        result["steps"] = step_log.steps[first_step:]
+        if worker is not None:
             result["healthy"] = bool(worker._worker and worker._worker.is_healthy())
         out.write("KVW-RESULT " + json.dumps(result) + "\n")
         out.flush()

@@ -1,7 +1,9 @@
 """T1: vLLM's real ``Scheduler`` with the kvwarden connector and a real server.
 
-No model runs: the test plays the model runner, so it sees exactly which blocks the
-scheduler asks the workers to load and save.
+No model runs: the test plays the model runner and the workers' connectors (what
+``get_finished`` and ``get_block_ids_with_load_errors`` report), so it sees exactly which
+blocks the scheduler asks the workers to load and save, which requests wait for a load
+and when vLLM frees blocks whose saves are pending.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from vllm.config import (
 )
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from vllm.v1.outputs import ModelRunnerOutput
-from vllm.v1.request import Request
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvwarden import prefix
@@ -89,20 +91,55 @@ def server_keys(
     return keys, [prefix.rank_key(k, 0) for k in keys]
 
 
-def first_step(scheduler: Scheduler, tokens: List[int]):
+def first_step(scheduler: Scheduler, tokens: List[int], failed_blocks: int = -1):
+    """Adds request r1 and schedules until it computes. A request with hits first waits
+    for its asynchronous load (``WAITING_FOR_REMOTE_KVS``, not scheduled); the test then
+    reports the load ended (with block ``failed_blocks`` of the load and those after it
+    failed, when given). Returns the step that computes, the load (or None), that
+    step's metadata and r1's block ids."""
     scheduler.add_request(Request("r1", tokens, SamplingParams(max_tokens=1, temperature=0), None))
     out = scheduler.schedule()
     meta = out.kv_connector_metadata
     assert isinstance(meta, KvwardenConnectorMetadata)
+    load = None
+    if meta.loads:
+        (load,) = meta.loads
+        assert "r1" not in out.num_scheduled_tokens, "r1 ran before its load ended"
+        assert scheduler.requests["r1"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        failed = set(load.block_ids[failed_blocks:]) if failed_blocks >= 0 else set()
+        report_transfers(scheduler, out, recving={"r1"}, invalid=failed)
+        out = scheduler.schedule()
+        meta = out.kv_connector_metadata
+        assert meta.loads == []
     (new,) = out.scheduled_new_reqs
-    return out, meta, list(new.block_ids[0])
+    return out, load, meta, list(new.block_ids[0])
+
+
+def report_transfers(scheduler, out, recving=(), sending=(), invalid=(), ran=()) -> None:
+    """Plays a step's model runner: ``ran`` each sampled nothing (a step inside a
+    prompt), and the workers' connectors reported these transfers ended."""
+    runner = ModelRunnerOutput(
+        req_ids=list(ran),
+        req_id_to_index={r: i for i, r in enumerate(ran)},
+        sampled_token_ids=[[] for _ in ran],
+        kv_connector_output=KVConnectorOutput(
+            finished_recving=set(recving) or None,
+            finished_sending=set(sending) or None,
+            invalid_block_ids=set(invalid),
+        ),
+    )
+    scheduler.update_from_output(out, runner)
 
 
 def finish(scheduler: Scheduler, out) -> None:
-    """Plays the model runner: one sampled token, which ends the request (max_tokens=1)."""
+    """Plays the model runner: one sampled token, which ends the request (max_tokens=1);
+    then the workers report its saves done, and vLLM frees its blocks."""
     runner = ModelRunnerOutput(req_ids=["r1"], req_id_to_index={"r1": 0}, sampled_token_ids=[[7]])
     scheduler.update_from_output(out, runner)
     assert not scheduler.has_unfinished_requests(), "the request did not complete"
+    if "r1" in scheduler.requests:  # held for its saves
+        report_transfers(scheduler, scheduler.schedule(), sending={"r1"})
+    assert "r1" not in scheduler.requests
 
 
 def test_stored_blocks_are_matched_and_exactly_their_block_ids_loaded(model_dir, server):
@@ -110,11 +147,11 @@ def test_stored_blocks_are_matched_and_exactly_their_block_ids_loaded(model_dir,
     keys, on_server = server_keys(scheduler, PROMPT, 5)
     store_blocks(server.socket_path, on_server)
 
-    out, meta, block_ids = first_step(scheduler, PROMPT)
+    out, load, meta, block_ids = first_step(scheduler, PROMPT)
 
     assert scheduler.connector.stats["matched_tokens"] == 5 * BLOCK_SIZE
     assert out.num_scheduled_tokens["r1"] == len(PROMPT) - 5 * BLOCK_SIZE
-    assert meta.loads == [BlockMoves("r1", keys, block_ids[:5])]
+    assert load == BlockMoves("r1", keys, block_ids[:5])
     # The blocks this step computes (6..9) are saved; the loaded ones are not again.
     all_keys = prefix.chain_keys(scheduler.connector._root, PROMPT, BLOCK_SIZE)
     assert meta.saves == [BlockMoves("r1", all_keys[5:9], block_ids[5:9])]
@@ -124,10 +161,10 @@ def test_stored_blocks_are_matched_and_exactly_their_block_ids_loaded(model_dir,
 def test_nothing_stored_nothing_matched_and_every_full_block_saved(model_dir, server):
     scheduler = make_scheduler(model_dir, server.socket_path)
 
-    out, meta, block_ids = first_step(scheduler, PROMPT)
+    out, load, meta, block_ids = first_step(scheduler, PROMPT)
 
     assert out.num_scheduled_tokens["r1"] == len(PROMPT)
-    assert meta.loads == []
+    assert load is None
     all_keys = prefix.chain_keys(scheduler.connector._root, PROMPT, BLOCK_SIZE)
     assert meta.saves == [BlockMoves("r1", all_keys, block_ids[:9])]
     finish(scheduler, out)
@@ -139,10 +176,10 @@ def test_a_prompt_of_whole_blocks_recomputes_its_last_block(model_dir, server):
     keys, on_server = server_keys(scheduler, tokens, 9)
     store_blocks(server.socket_path, on_server)
 
-    out, meta, block_ids = first_step(scheduler, tokens)
+    out, load, meta, block_ids = first_step(scheduler, tokens)
 
     assert out.num_scheduled_tokens["r1"] == BLOCK_SIZE
-    assert meta.loads == [BlockMoves("r1", keys[:8], block_ids[:8])]
+    assert load == BlockMoves("r1", keys[:8], block_ids[:8])
     finish(scheduler, out)
 
 
@@ -151,10 +188,10 @@ def test_a_stored_block_after_a_missing_one_is_not_matched(model_dir, server):
     keys, on_server = server_keys(scheduler, PROMPT, 5)
     store_blocks(server.socket_path, on_server[:2] + on_server[3:])  # block 3 missing
 
-    out, meta, block_ids = first_step(scheduler, PROMPT)
+    out, load, meta, block_ids = first_step(scheduler, PROMPT)
 
     assert out.num_scheduled_tokens["r1"] == len(PROMPT) - 2 * BLOCK_SIZE
-    assert meta.loads == [BlockMoves("r1", keys[:2], block_ids[:2])]
+    assert load == BlockMoves("r1", keys[:2], block_ids[:2])
     finish(scheduler, out)
 
 
@@ -164,11 +201,11 @@ def test_with_the_server_stopped_nothing_matches_and_the_request_completes(model
     store_blocks(server.socket_path, on_server)
     server.stop()
 
-    out, meta, _ = first_step(scheduler, PROMPT)
+    out, load, meta, _ = first_step(scheduler, PROMPT)
 
     assert scheduler.connector.stats["matched_tokens"] == 0
     assert out.num_scheduled_tokens["r1"] == len(PROMPT)
-    assert meta.loads == []
+    assert load is None
     finish(scheduler, out)
 
 
@@ -180,7 +217,7 @@ def test_a_stalled_server_costs_one_timeout_then_lookups_pause(model_dir, server
     store_blocks(server.socket_path, on_server)
     server.signal(signal.SIGSTOP)
     try:
-        out, meta, _ = first_step(scheduler, PROMPT)
+        out, load, meta, _ = first_step(scheduler, PROMPT)
         finish(scheduler, out)
         scheduler.add_request(Request("r2", PROMPT, SamplingParams(max_tokens=1), None))
         second = scheduler.schedule()
@@ -201,15 +238,12 @@ def test_a_chunked_prefill_saves_each_block_once_in_the_step_that_completes_it(m
     store_blocks(server.socket_path, on_server)
     all_keys = prefix.chain_keys(scheduler.connector._root, PROMPT, BLOCK_SIZE)
 
-    out, meta, block_ids = first_step(scheduler, PROMPT)
+    out, load, meta, block_ids = first_step(scheduler, PROMPT)
     plans = [meta]
     computed = 2 * BLOCK_SIZE + out.num_scheduled_tokens["r1"]
     while computed < len(PROMPT):
         # Plays the model runner for a step that ends inside the prompt: nothing sampled.
-        runner = ModelRunnerOutput(
-            req_ids=["r1"], req_id_to_index={"r1": 0}, sampled_token_ids=[[]]
-        )
-        scheduler.update_from_output(out, runner)
+        report_transfers(scheduler, out, ran=["r1"])
         out = scheduler.schedule()
         computed += out.num_scheduled_tokens["r1"]
         for blocks in out.scheduled_cached_reqs.new_block_ids:
@@ -217,8 +251,8 @@ def test_a_chunked_prefill_saves_each_block_once_in_the_step_that_completes_it(m
                 block_ids += blocks[0]
         plans.append(out.kv_connector_metadata)
 
-    assert [len(p.loads) for p in plans] == [1] + [0] * (len(plans) - 1)
-    assert plans[0].loads == [BlockMoves("r1", keys, block_ids[:2])]
+    assert [len(p.loads) for p in plans] == [0] * len(plans)
+    assert load == BlockMoves("r1", keys, block_ids[:2])
     saved = [
         (key, block)
         for plan in plans
@@ -229,3 +263,199 @@ def test_a_chunked_prefill_saves_each_block_once_in_the_step_that_completes_it(m
     assert len(plans) == 3
     assert [len(p.saves[0].keys) if p.saves else 0 for p in plans] == [3, 3, 1]
     finish(scheduler, out)
+
+
+def decode_step(scheduler: Scheduler, out, running: List[str], **transfers) -> None:
+    """Plays a step in which each of ``running`` sampled one token."""
+    runner = ModelRunnerOutput(
+        req_ids=list(running),
+        req_id_to_index={r: i for i, r in enumerate(running)},
+        sampled_token_ids=[[5] for _ in running],
+        kv_connector_output=KVConnectorOutput(
+            finished_recving=set(transfers.get("recving", ())) or None,
+            finished_sending=set(transfers.get("sending", ())) or None,
+        ),
+    )
+    scheduler.update_from_output(out, runner)
+
+
+def test_row_51_a_request_waiting_for_its_load_does_not_hold_back_another_requests_decode(
+    model_dir, server
+):
+    scheduler = make_scheduler(model_dir, server.socket_path)
+    _, on_server = server_keys(scheduler, PROMPT, 5)
+    store_blocks(server.socket_path, on_server)
+    other = [(i * 11) % 1000 + 3 for i in range(40)]  # no stored blocks
+    scheduler.add_request(Request("r0", other, SamplingParams(max_tokens=20), None))
+    out = scheduler.schedule()
+    decode_step(scheduler, out, ["r0"])  # r0's prefill
+
+    scheduler.add_request(Request("r1", PROMPT, SamplingParams(max_tokens=1), None))
+    steps = []
+    for _ in range(6):  # r1's load has not ended: the workers report nothing for it
+        out = scheduler.schedule()
+        steps.append(sorted(out.num_scheduled_tokens))
+        assert scheduler.requests["r1"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        decode_step(scheduler, out, ["r0"])
+    assert steps == [["r0"]] * 6  # r0 decoded in every step r1 waited
+
+    out = scheduler.schedule()
+    decode_step(scheduler, out, ["r0"], recving={"r1"})
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens["r1"] == len(PROMPT) - 5 * BLOCK_SIZE
+    assert out.num_scheduled_tokens["r0"] == 1
+
+
+def test_a_failed_block_of_a_load_is_recomputed_with_those_after_it_and_saved_again(
+    model_dir, server
+):
+    scheduler = make_scheduler(model_dir, server.socket_path)
+    keys, on_server = server_keys(scheduler, PROMPT, 5)
+    store_blocks(server.socket_path, on_server)
+    all_keys = prefix.chain_keys(scheduler.connector._root, PROMPT, BLOCK_SIZE)
+
+    # The workers report the load ended with its third block (and so those after it)
+    # not delivered.
+    out, load, meta, block_ids = first_step(scheduler, PROMPT, failed_blocks=2)
+
+    assert load == BlockMoves("r1", keys, block_ids[:5])
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 2 * BLOCK_SIZE
+    assert out.num_scheduled_tokens["r1"] == len(PROMPT) - 2 * BLOCK_SIZE
+    assert meta.saves == [BlockMoves("r1", all_keys[2:9], block_ids[2:9])]
+    finish(scheduler, out)
+
+
+def test_row_52_a_request_with_saves_keeps_its_blocks_until_the_workers_report_them(model_dir, server):
+    scheduler = make_scheduler(model_dir, server.socket_path)
+    pool = scheduler.kv_cache_manager.block_pool
+    free_before = pool.get_num_free_blocks()
+
+    out, load, meta, block_ids = first_step(scheduler, PROMPT)
+    assert meta.saves, "the test needs a request with saves"
+    runner = ModelRunnerOutput(req_ids=["r1"], req_id_to_index={"r1": 0}, sampled_token_ids=[[7]])
+    scheduler.update_from_output(out, runner)
+
+    assert not scheduler.has_unfinished_requests()
+    assert "r1" in scheduler.requests, "vLLM freed r1 while its saves were pending"
+    assert pool.get_num_free_blocks() < free_before
+    out = scheduler.schedule()
+    report_transfers(scheduler, out)  # a step without the report: still held
+    assert "r1" in scheduler.requests
+    report_transfers(scheduler, scheduler.schedule(), sending={"r1"})
+    assert "r1" not in scheduler.requests
+    assert pool.get_num_free_blocks() == free_before
+
+    # The control: a prompt shorter than a block plans no save, so nothing is held.
+    scheduler.add_request(Request("r2", PROMPT[:20], SamplingParams(max_tokens=1), None))
+    out = scheduler.schedule()
+    assert out.kv_connector_metadata.saves == []
+    runner = ModelRunnerOutput(req_ids=["r2"], req_id_to_index={"r2": 0}, sampled_token_ids=[[7]])
+    scheduler.update_from_output(out, runner)
+    assert "r2" not in scheduler.requests
+    assert pool.get_num_free_blocks() == free_before
+
+
+def salted(request_id: str, salt, **kwargs) -> Request:
+    return Request(request_id, PROMPT, SamplingParams(max_tokens=1), None, cache_salt=salt, **kwargs)
+
+
+def matched(scheduler: Scheduler, request: Request) -> int:
+    tokens, _ = scheduler.connector.get_num_new_matched_tokens(request, 0)
+    return tokens
+
+
+def test_row_50_the_same_tokens_under_another_cache_salt_get_no_hits_and_the_same_salt_hits(
+    model_dir, server
+):
+    scheduler = make_scheduler(model_dir, server.socket_path)
+    connector = scheduler.connector
+    _, unsalted = server_keys(scheduler, PROMPT, 5)
+    store_blocks(server.socket_path, unsalted)
+    tenant_b = [prefix.rank_key(k, 0) for k in connector._keys(salted("b0", "tenant-b"), PROMPT)]
+    store_blocks(server.socket_path, tenant_b[:3])
+
+    # The control: without a salt the blocks stored without one are found.
+    assert matched(scheduler, salted("u", None)) == 5 * BLOCK_SIZE
+    assert matched(scheduler, salted("b1", "tenant-b")) == 3 * BLOCK_SIZE
+    assert matched(scheduler, salted("c1", "tenant-c")) == 0
+    # The salt is in the first block's key, so every key of the chain differs.
+    assert not set(tenant_b) & set(unsalted)
+
+
+def test_row_50_keys_follow_vllms_extra_keys_for_lora_adapters_and_images(model_dir, server):
+    from vllm.lora.request import LoRARequest
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    scheduler = make_scheduler(model_dir, server.socket_path)
+    connector = scheduler.connector
+    plain = connector._keys(salted("p", None), PROMPT)
+
+    adapter_a = connector._keys(salted("a", None, lora_request=LoRARequest("a", 1, "/a")), PROMPT)
+    adapter_b = connector._keys(salted("b", None, lora_request=LoRARequest("b", 2, "/b")), PROMPT)
+    assert len({adapter_a[0], adapter_b[0], plain[0]}) == 3  # every block, from the first
+
+    def image(identifier: str) -> MultiModalFeatureSpec:
+        # The same placeholder tokens (PROMPT's) at tokens 100..139: blocks 3 and 4.
+        return MultiModalFeatureSpec(
+            data=None,
+            modality="image",
+            identifier=identifier,
+            mm_position=PlaceholderRange(offset=100, length=40),
+        )
+
+    with_a = connector._keys(salted("ia", None, mm_features=[image("img-a")]), PROMPT)
+    with_b = connector._keys(salted("ib", None, mm_features=[image("img-b")]), PROMPT)
+    assert with_a[:3] == with_b[:3] == plain[:3]  # blocks before the image are shared
+    assert all(a != b for a, b in zip(with_a[3:], with_b[3:]))  # from its block on, not
+
+    # On the server: adapter a's stored blocks are found for adapter a only.
+    store_blocks(server.socket_path, [prefix.rank_key(k, 0) for k in adapter_a[:4]])
+    request_a = salted("a2", None, lora_request=LoRARequest("a", 1, "/a"))
+    request_b = salted("b2", None, lora_request=LoRARequest("b", 2, "/b"))
+    assert matched(scheduler, request_a) == 4 * BLOCK_SIZE
+    assert matched(scheduler, request_b) == 0
+
+
+def test_the_connectors_counts_reach_vllms_stats_and_prometheus(model_dir, server):
+    import prometheus_client
+
+    from kvwarden.vllm_metrics import KvwardenStats
+
+    scheduler = make_scheduler(model_dir, server.socket_path)
+    _, on_server = server_keys(scheduler, PROMPT, 5)
+    store_blocks(server.socket_path, on_server)
+    assert matched(scheduler, salted("s1", None)) == 5 * BLOCK_SIZE
+
+    # What vLLM's scheduler takes after each step (update_from_output).
+    stats = scheduler.connector.get_kv_connector_stats()
+    assert stats is not None
+    assert (stats.data["lookups"], stats.data["lookup_hits"]) == (1, 1)
+    assert stats.data["matched_tokens"] == 5 * BLOCK_SIZE
+    assert scheduler.connector.get_kv_connector_stats() is None  # a new interval: nothing yet
+    # Two ranks' intervals summed, as vLLM aggregates them.
+    summed = KvwardenConnector.build_kv_connector_stats(dict(stats.data)).aggregate(
+        KvwardenStats(data={"blocks_loaded": 5, "matched_tokens": 1})
+    )
+    reduced = summed.reduce()
+    assert (reduced["blocks_loaded"], reduced["matched_tokens"]) == (5, 5 * BLOCK_SIZE + 1)
+
+    registry = prometheus_client.CollectorRegistry()
+
+    def in_registry(kind):
+        return type(kind.__name__, (kind,), {"__init__": lambda self, *a, **k: kind.__init__(self, *a, registry=registry, **k)})
+
+    prom = KvwardenConnector.build_prom_metrics(
+        scheduler.vllm_config if hasattr(scheduler, "vllm_config") else None,
+        {
+            prometheus_client.Gauge: in_registry(prometheus_client.Gauge),
+            prometheus_client.Counter: in_registry(prometheus_client.Counter),
+            prometheus_client.Histogram: in_registry(prometheus_client.Histogram),
+        },
+        ["model_name", "engine"],
+        {0: ["tiny", "0"]},
+    )
+    prom.observe(summed.data, 0)
+    labels = {"model_name": "tiny", "engine": "0"}
+    assert registry.get_sample_value("vllm:kvwarden_blocks_loaded_total", labels) == 5
+    assert registry.get_sample_value("vllm:kvwarden_lookups_total", labels) == 1
+    assert registry.get_sample_value("vllm:kvwarden_saves_dropped_total", labels) == 0

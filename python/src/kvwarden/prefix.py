@@ -7,7 +7,10 @@ A block's key is chained: ``key[i] = blake2b(key[i-1] + token ids of block i)``,
 ``key[-1]`` a namespace digest of everything that makes KV bytes differ for the same
 tokens (model, dtype, KV layout, block size, tensor-parallel size). Equal keys therefore
 mean an equal prefix of the same model in the same layout, and a block is only ever
-found together with every block before it. Each tensor-parallel rank stores its own
+found together with every block before it. What else makes a block's KV differ for the
+same tokens (an engine's per-block extra keys: LoRA adapter, multimodal hashes, a
+tenant's ``cache_salt``) goes into that block's digest too (``extras``), and so into
+every later key. Each tensor-parallel rank stores its own
 shard under ``rank_key(key, rank, part)``.
 
 A stored value is a record: a 64-byte header (magic, payload length, CRC-32 of the
@@ -42,17 +45,69 @@ def namespace(fields: Mapping[str, Union[str, int]]) -> bytes:
     return hashlib.blake2b(b"kvwarden-prefix/1\n" + text.encode(), digest_size=KEY_BYTES).digest()
 
 
-def chain_keys(root: bytes, token_ids: Sequence[int], block_size: int) -> List[bytes]:
-    """The keys of the *full* blocks of ``token_ids``; a partial last block has none."""
+def chain_keys(
+    root: bytes,
+    token_ids: Sequence[int],
+    block_size: int,
+    extras: Optional[Sequence[Optional[bytes]]] = None,
+) -> List[bytes]:
+    """The keys of the *full* blocks of ``token_ids``; a partial last block has none.
+
+    ``extras[i]``, when given and not None, is what besides its tokens makes block ``i``'s
+    KV bytes differ (an engine's per-block extra keys: an adapter, an image's hash, a
+    tenant's salt; :func:`encode_extra_keys`): it goes into block ``i``'s digest, and so
+    through the chain into every later key. Without extras a key is as before."""
     if block_size <= 0:
         raise ValueError(f"block_size must be > 0, got {block_size!r}")
     keys: List[bytes] = []
     previous = root
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
+    for index, start in enumerate(range(0, len(token_ids) - block_size + 1, block_size)):
         block = struct.pack(f"<{block_size}q", *token_ids[start : start + block_size])
+        extra = extras[index] if extras is not None and index < len(extras) else None
+        if extra:
+            block += _EXTRA_MARK + struct.pack("<I", len(extra)) + extra
         previous = hashlib.blake2b(previous + block, digest_size=KEY_BYTES).digest()
         keys.append(previous)
     return keys
+
+
+#: Separates a block's tokens from its extra keys in the digest's input (tokens are
+#: whole 8-byte words, so no token list can end in these bytes and a length).
+_EXTRA_MARK = b"\xffkvw-extra"
+
+
+def encode_extra_keys(value: object) -> bytes:
+    """A canonical byte string of an engine's extra keys for one block: nested tuples and
+    lists of str, bytes, int, float, bool and None, each tagged with its type and length,
+    so that two different values never encode alike. Anything else is encoded by its
+    type name and ``repr`` (stable for the value types engines use)."""
+    out = bytearray()
+    _encode(value, out)
+    return bytes(out)
+
+
+def _encode(value: object, out: bytearray) -> None:
+    def tagged(tag: bytes, body: bytes) -> None:
+        out.extend(tag + struct.pack("<I", len(body)) + body)
+
+    if value is None:
+        out.extend(b"N")
+    elif isinstance(value, bool):
+        out.extend(b"T" if value else b"F")
+    elif isinstance(value, int):
+        tagged(b"i", str(value).encode())
+    elif isinstance(value, float):
+        out.extend(b"f" + struct.pack("<d", value))
+    elif isinstance(value, str):
+        tagged(b"s", value.encode("utf-8", "surrogatepass"))
+    elif isinstance(value, (bytes, bytearray, memoryview)):
+        tagged(b"b", bytes(value))
+    elif isinstance(value, (tuple, list)):
+        out.extend(b"t" + struct.pack("<I", len(value)))
+        for item in value:
+            _encode(item, out)
+    else:
+        tagged(b"r", f"{type(value).__qualname__}:{value!r}".encode("utf-8", "replace"))
 
 
 def rank_key(key: bytes, rank: int, part: int = 0) -> bytes:

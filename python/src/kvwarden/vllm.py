@@ -6,43 +6,62 @@ Select it with::
         "kv_connector_module_path": "kvwarden.vllm", "kv_role": "kv_both"}'
 
 Scheduler side (one per engine): chained prefix keys per full prompt block
-(``kvwarden.prefix``), ``lookup`` of a new request's keys, the number of tokens to load
-(the last prompt token is always recomputed), and each step's load and save plan in the
-connector metadata. Worker side (one per rank): one :class:`kvwarden.Worker`, the
-rank's KV tensors registered with the server, the step's blocks moved before
-(``start_load_kv``) and after (``wait_for_save``) the forward pass.
+(``kvwarden.prefix``) that include vLLM's own extra keys for the block (LoRA adapter,
+multimodal hashes and offsets, ``cache_salt``, prompt-embeds digests: vLLM's
+``generate_block_hash_extra_keys``, so that the connector follows vLLM's definition),
+one ``lookup`` of a new request's keys, the number of tokens to load (the last prompt
+token is always recomputed), and each step's load and save plan in the connector
+metadata. Worker side (one per rank): one :class:`kvwarden.Worker`, the rank's KV
+tensors registered with the server, and two background lanes that move the blocks.
+
+Nothing waits for kvwarden on the forward path:
+
+- **Loads are asynchronous.** A request with hits is answered ``(n, True)``: vLLM
+  allocates its blocks and parks it in ``WAITING_FOR_REMOTE_KVS`` while the other
+  requests keep decoding; the rank's load lane fetches the blocks and ``get_finished``
+  reports the request when they are in place. Blocks a load could not deliver are
+  reported by ``get_block_ids_with_load_errors`` in that same step (never later), and
+  vLLM recomputes them.
+- **Saves are asynchronous.** After the forward pass, ``wait_for_save`` hands the step's
+  completed prompt blocks to the rank's save lane and returns. On CPU the blocks are
+  first gathered into a staging buffer of ``kvwarden_save_queue_blocks`` rows (the save
+  queue; a step's blocks beyond its free rows are dropped and counted, the step never
+  waits). On a GPU the server reads the blocks itself, so a request with saves planned
+  returns ``True`` from ``request_finished``: vLLM keeps its blocks until
+  ``get_finished`` reports its saves done (done on both routes, one rule), and
+  ``handle_preemptions`` waits for a preempted request's saves before its blocks can be
+  reused.
 
 Where the bytes go:
 
 - CUDA tensors are registered as CUDA IPC buffers and the server copies each block's
   regions itself (server-driven ``store``/``retrieve``);
 - CPU tensors are ordinary allocations the server cannot map, so the worker gathers
-  the step's blocks into a memfd staging buffer registered with the server, and the
-  server copies each block record between it and L1: one copy per block each way, in
-  batched requests (the engine-driven path, ``prepare_*``/``commit_*``, needs two round
-  trips per block). CPU records carry a header with a CRC-32: a record that fails it is
-  a load error and vLLM recomputes the block.
+  blocks into memfd staging buffers registered with the server (one for loads, one for
+  the save queue), and the server copies each block record between them and L1. CPU
+  records carry a header with a CRC-32: a record that fails it is a load error and
+  vLLM recomputes the block.
 
 Transfers are batched (``store_batch``/``retrieve_batch``, at most
-:data:`~kvwarden.worker.MAX_BATCH_ITEMS` items a request), in the order of the step's
-plan (``KvwardenConnectorMetadata.loads``/``saves``): a save is two batch requests
+:data:`~kvwarden.worker.MAX_BATCH_ITEMS` items a request): a save is two batch requests
 (every block part but the first, then the first parts, so that a lookup that finds a
 block's first part finds a whole block; one request when every block is one part), a
 load one (on CPU: per round of staged blocks). Each retrieve item carries its part's
-length, and the server fills a part only from a value of exactly that length: a value
-stored with another length is a miss, never a partial write.
+length, and the server fills a part only from a value of exactly that length.
 
 kvwarden never fails a request: while the server is down, restarting or has reaped
-this worker, lookups report no hits and saves are skipped; a load that fails is reported
-through ``get_block_ids_with_load_errors`` and vLLM recomputes those blocks (the
-connector sets ``kv_load_failure_policy`` to ``"recompute"``). A stalled server costs at
-most one request timeout, then nothing is asked of it for a while. See
-``docs/vllm.md``.
+this worker, lookups report no hits and saves are skipped; a failed load is recomputed
+(the connector sets ``kv_load_failure_policy`` to ``"recompute"``). A stalled server
+costs a load at most one request timeout, and the forward path nothing. An outage is
+logged once when it starts and once when it ends, with a reminder a minute in between.
+What the connector did shows in vLLM's stats and ``/metrics``
+(``vllm:kvwarden_*_total``, :mod:`kvwarden.vllm_metrics`). See ``docs/vllm.md``.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
@@ -57,6 +76,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from . import prefix
 from .buffers import MemfdBuffer
 from .kv_tensors import block_dim, block_regions, cuda_ipc_buffer
+from .lanes import Lane
+from .vllm_metrics import Counters, KvwardenPromMetrics, KvwardenStats
 from .worker import MAX_BATCH_ITEMS, Worker
 
 if TYPE_CHECKING:
@@ -70,6 +91,19 @@ if TYPE_CHECKING:
 # Under vLLM's logger, so that lines show with vLLM's own (its handlers cover "vllm.*").
 log = logging.getLogger("vllm.kvwarden")
 
+
+def _adopt_vllm_logging() -> None:
+    """The client's own logger ("kvwarden": the Worker's outage and health lines) writes
+    through vLLM's handlers, in vLLM's format, unless the application set it up."""
+    client = logging.getLogger("kvwarden")
+    source = logging.getLogger("vllm")
+    if client.handlers or not source.handlers:
+        return
+    for handler in source.handlers:
+        client.addHandler(handler)
+    client.setLevel(source.getEffectiveLevel())
+    client.propagate = False
+
 #: Where one part of a block lives: (registered buffer index, offset, nbytes).
 Region = Tuple[int, int, int]
 
@@ -77,20 +111,30 @@ Region = Tuple[int, int, int]
 DEFAULTS: Dict[str, Any] = {
     # The server's Unix socket; None: the server's default (kvwarden.default_socket_path).
     "kvwarden_socket": None,
-    # Bound on one request to the server; a stalled server costs at most this per step.
+    # Bound on one request to the server: the most a stalled server costs a lookup or a
+    # load (the forward path never waits for one).
     "kvwarden_request_timeout_seconds": 2.0,
     # After a failed lookup or transfer, this long without asking (no hits, no saves).
     "kvwarden_retry_after_seconds": 5.0,
-    # Blocks the CPU staging buffer holds (a step's transfers go in rounds of this many).
+    # Blocks the CPU load staging buffer holds (a load goes in rounds of this many).
     "kvwarden_staging_blocks": 64,
+    # Blocks the save queue holds (CPU: rows of the save staging buffer; GPU: blocks
+    # whose save is queued or running); a step's saves beyond it are dropped, counted.
+    "kvwarden_save_queue_blocks": 256,
     # The worker's heartbeat (keep 3 × it within the server's reap timeout).
     "kvwarden_heartbeat_interval_seconds": 10.0,
 }
 
+#: vLLM's extra keys of a block (None where this vLLM has no such function).
+try:
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+except ImportError:  # pragma: no cover - a vLLM without it has no extra keys to follow
+    generate_block_hash_extra_keys = None
+
 
 @dataclass
 class BlockMoves:
-    """One request's blocks to move this step: ``keys[i]`` ↔ vLLM block ``block_ids[i]``."""
+    """One request's blocks to move: ``keys[i]`` ↔ vLLM block ``block_ids[i]``."""
 
     req_id: str
     keys: List[bytes]
@@ -99,10 +143,13 @@ class BlockMoves:
 
 @dataclass
 class KvwardenConnectorMetadata(KVConnectorMetadata):
-    """A step's plan: what to load before the forward pass, what to save after it."""
+    """A step's plan: the loads to start (their requests wait in
+    ``WAITING_FOR_REMOTE_KVS``), the blocks the step completes (to save after it), and
+    the requests preempted in it (whose blocks may be reused)."""
 
     loads: List[BlockMoves] = field(default_factory=list)
     saves: List[BlockMoves] = field(default_factory=list)
+    preempted: List[str] = field(default_factory=list)
 
 
 @dataclass
@@ -114,10 +161,7 @@ class _RequestState:
     block_ids: List[int] = field(default_factory=list)
     # Tokens vLLM had computed (local prefix cache) when it asked for matches.
     local_computed_tokens: int = 0
-    # Blocks to load in the next step: [first, first + count).
-    load_first: int = 0
-    load_count: int = 0
-    # Blocks before this index are stored, loaded or vLLM's own prefix hits.
+    # Blocks before this index are stored, being loaded, or vLLM's own prefix hits.
     saved_blocks: int = 0
 
 
@@ -145,12 +189,14 @@ class KvwardenConnector(KVConnectorBase_V1):
         kv_cache_config: Optional["KVCacheConfig"] = None,
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _adopt_vllm_logging()
         extra = dict(DEFAULTS)
         extra.update(self._kv_transfer_config.kv_connector_extra_config or {})
         self._socket: Optional[str] = extra["kvwarden_socket"]
         self._timeout = float(extra["kvwarden_request_timeout_seconds"])
         self._backoff = _Backoff(float(extra["kvwarden_retry_after_seconds"]))
-        self._staging_blocks = int(extra["kvwarden_staging_blocks"])
+        self._staging_blocks = _positive(extra, "kvwarden_staging_blocks")
+        self._save_queue_blocks = _positive(extra, "kvwarden_save_queue_blocks")
         self._interval = float(extra["kvwarden_heartbeat_interval_seconds"])
         self._block_size = int(vllm_config.cache_config.block_size)
         parallel = vllm_config.parallel_config
@@ -158,11 +204,19 @@ class KvwardenConnector(KVConnectorBase_V1):
         self._shards = int(parallel.tensor_parallel_size) * int(parallel.pipeline_parallel_size)
         self._root = prefix.namespace(_namespace_fields(vllm_config, kv_cache_config))
         self._worker: Optional[Worker] = None
+        #: What this process did (``counters.total``: since start, for tests).
+        self.counters = Counters()
+        self.stats = self.counters.total
+        self._unreachable_reported = 0.0
 
         if role == KVConnectorRole.SCHEDULER:
             self._requests: Dict[str, _RequestState] = {}
-            #: Counters, for tests and the benchmark.
-            self.stats = {"lookups": 0, "lookup_failures": 0, "matched_tokens": 0}
+            # Loads planned since the last step's metadata (update_state_after_alloc).
+            self._loads: List[BlockMoves] = []
+            # Requests with a save planned: vLLM keeps their blocks until the workers
+            # report the saves done (request_finished → True).
+            self._saving: Set[str] = set()
+            self._extra_keys_failed = False
             policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
             if policy != "recompute":
                 # A kvwarden miss must never fail a request: vLLM recomputes instead.
@@ -173,15 +227,18 @@ class KvwardenConnector(KVConnectorBase_V1):
             self._layers: List[Tuple[str, Any, int]] = []  # (name, tensor, block dim)
             self._route: Optional[_Route] = None
             self._registered = False
+            self._register_lock = threading.Lock()
+            self._load_lane = Lane(f"kvwarden-load-rank{self._rank}")
+            self._save_lane = Lane(f"kvwarden-save-rank{self._rank}")
+            # Shared with the lanes, under _lock.
+            self._lock = threading.Lock()
+            self._saves_ended = threading.Condition(self._lock)
+            self._loads_done: List[Tuple[BlockMoves, int]] = []
+            self._saves_pending: Dict[str, int] = {}
+            # The forward thread's own.
+            self._saving: Set[str] = set()
+            self._finishing: Set[str] = set()
             self._load_errors: Set[int] = set()
-            #: Counters, for tests and the benchmark.
-            self.stats = {
-                "blocks_loaded": 0,
-                "blocks_saved": 0,
-                "load_errors": 0,
-                "load_seconds": 0.0,
-                "save_seconds": 0.0,
-            }
 
     # -- the server connection, shared by both roles ---------------------------------
 
@@ -195,6 +252,30 @@ class KvwardenConnector(KVConnectorBase_V1):
             )
         return self._worker
 
+    # -- stats, in vLLM's stats and Prometheus output --------------------------------
+
+    def get_kv_connector_stats(self) -> Optional[KvwardenStats]:
+        if self._worker is not None and getattr(self, "_rank", 0) == 0:
+            down = self._worker.outage.unreachable_seconds()
+            self.counters.add("unreachable_seconds", down - self._unreachable_reported)
+            self._unreachable_reported = down
+        data = self.counters.take()
+        return KvwardenStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None) -> KvwardenStats:
+        return KvwardenStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: "VllmConfig",
+        metric_types: Dict[type, type],
+        labelnames: List[str],
+        per_engine_labelvalues: Dict[int, List[object]],
+    ) -> KvwardenPromMetrics:
+        return KvwardenPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     # ================================================================================
     # Scheduler side
     # ================================================================================
@@ -205,34 +286,56 @@ class KvwardenConnector(KVConnectorBase_V1):
         state = self._requests.get(request.request_id)
         prompt = list(request.prompt_token_ids or [])
         if state is None or state.prompt_tokens != len(prompt):
-            state = _RequestState(
-                keys=prefix.chain_keys(self._root, prompt, self._block_size),
-                prompt_tokens=len(prompt),
-            )
+            state = _RequestState(keys=self._keys(request, prompt), prompt_tokens=len(prompt))
             self._requests[request.request_id] = state
         state.local_computed_tokens = num_computed_tokens
-        state.load_count = 0
         if not state.keys or not self._backoff.open():
             return 0, False
         worker = self._client()
-        self.stats["lookups"] += 1
+        self.counters.add("lookups")
         hits = len(state.keys)
         for rank in range(self._shards):
             keys = [prefix.rank_key(k, rank) for k in state.keys[:hits]]
             try:
                 hits = min(hits, int(worker._request("lookup", [keys])[0]))
             except Exception as error:  # any failure: no hits, and a pause
-                log.warning(
-                    "kvwarden: lookup failed, reporting no hits for %g s: %s",
-                    self._backoff.retry_after_seconds,
-                    error,
-                )
-                self.stats["lookup_failures"] += 1
+                worker.outage.failed("lookup (reporting no hits)", error)
+                self.counters.add("lookup_failures")
                 self._backoff.failed()
                 return 0, False
+        worker.outage.answered()
         matched = prefix.loadable_tokens(hits, self._block_size, len(prompt), num_computed_tokens)
-        self.stats["matched_tokens"] += matched
-        return matched, False
+        if matched:
+            self.counters.add("lookup_hits")
+            self.counters.add("matched_tokens", matched)
+        return matched, matched > 0
+
+    def _keys(self, request: "Request", prompt: List[int]) -> List[bytes]:
+        """The chain keys of the prompt's full blocks, each block's vLLM extra keys in
+        its digest. None of them when the extra keys cannot be computed: without them,
+        two tenants' (or adapters', or images') blocks could share a key."""
+        blocks = len(prompt) // self._block_size
+        if generate_block_hash_extra_keys is None or not blocks:
+            return prefix.chain_keys(self._root, prompt, self._block_size)
+        extras: List[Optional[bytes]] = []
+        mm_index = 0
+        try:
+            for block in range(blocks):
+                start = block * self._block_size
+                keys, mm_index = generate_block_hash_extra_keys(
+                    request, start, start + self._block_size, mm_index
+                )
+                extras.append(prefix.encode_extra_keys(keys) if keys else None)
+        except Exception:
+            if not self._extra_keys_failed:
+                self._extra_keys_failed = True
+                log.exception(
+                    "kvwarden: vLLM's extra keys of request %s could not be computed; "
+                    "requests like it are neither looked up nor saved",
+                    request.request_id,
+                )
+            return []
+        return prefix.chain_keys(self._root, prompt, self._block_size, extras)
 
     def update_state_after_alloc(
         self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
@@ -240,17 +343,26 @@ class KvwardenConnector(KVConnectorBase_V1):
         state = self._requests.get(request.request_id)
         if state is None or num_external_tokens <= 0:
             return
-        state.load_first = state.local_computed_tokens // self._block_size
-        state.load_count = num_external_tokens // self._block_size
+        first = state.local_computed_tokens // self._block_size
+        last = first + num_external_tokens // self._block_size
+        block_ids = list(blocks.get_block_ids()[0])
+        self._loads.append(
+            BlockMoves(request.request_id, state.keys[first:last], block_ids[first:last])
+        )
+        state.saved_blocks = max(state.saved_blocks, last)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        meta = KvwardenConnectorMetadata()
+        meta = KvwardenConnectorMetadata(
+            loads=self._loads, preempted=sorted(scheduler_output.preempted_req_ids or ())
+        )
+        self._loads = []
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is None:
                 continue
             state.block_ids = list(new.block_ids[0])
+            # After a load: what it delivered (vLLM lowers it past a failed block).
             state.saved_blocks = new.num_computed_tokens // self._block_size
             self._plan(
                 meta, new.req_id, state, new.num_computed_tokens + scheduled.get(new.req_id, 0)
@@ -278,18 +390,7 @@ class KvwardenConnector(KVConnectorBase_V1):
         state: _RequestState,
         computed_after: int,
     ) -> None:
-        """Adds the request's pending load and the blocks this step completes."""
-        if state.load_count:
-            last = state.load_first + state.load_count
-            meta.loads.append(
-                BlockMoves(
-                    req_id,
-                    state.keys[state.load_first : last],
-                    state.block_ids[state.load_first : last],
-                )
-            )
-            state.saved_blocks = max(state.saved_blocks, last)
-            state.load_count = 0
+        """Adds the prompt blocks this step completes to the save plan."""
         full = min(computed_after, state.prompt_tokens) // self._block_size
         full = min(full, len(state.keys), len(state.block_ids))
         if full > state.saved_blocks:
@@ -301,12 +402,17 @@ class KvwardenConnector(KVConnectorBase_V1):
                 )
             )
             state.saved_blocks = full
+            self._saving.add(req_id)
 
     def request_finished(
         self, request: "Request", block_ids: List[int]
     ) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        """True (vLLM keeps the blocks until the workers report the saves) for a request
+        with a save planned; the workers follow the same rule (``get_finished``)."""
         self._requests.pop(request.request_id, None)
-        return False, None
+        saving = request.request_id in self._saving
+        self._saving.discard(request.request_id)
+        return saving, None
 
     # ================================================================================
     # Worker side
@@ -344,22 +450,20 @@ class KvwardenConnector(KVConnectorBase_V1):
         Worker's heartbeat restores the registration itself (reap, restart)."""
         if self._registered:
             return True
-        if self._route is None or not self._backoff.open():
-            return False
-        try:
-            self._route.register(self._client())
-        except Exception as error:
-            log.warning(
-                "kvwarden: rank %d could not register its KV cache (%s); no loads or saves, "
-                "retrying in %g s",
-                self._rank,
-                error,
-                self._backoff.retry_after_seconds,
-            )
-            self._backoff.failed()
-            return False
-        self._registered = True
-        return True
+        with self._register_lock:
+            if self._registered:
+                return True
+            if self._route is None or not self._backoff.open():
+                return False
+            worker = self._client()
+            try:
+                self._route.register(worker)
+            except Exception as error:
+                worker.outage.failed(f"rank {self._rank}'s KV cache registration", error)
+                self._backoff.failed()
+                return False
+            self._registered = True
+            return True
 
     def _usable(self) -> bool:
         return (
@@ -370,46 +474,147 @@ class KvwardenConnector(KVConnectorBase_V1):
         )
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        """Hands the step's loads to the load lane; returns at once."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvwardenConnectorMetadata)
-        started = time.perf_counter()
         for moves in meta.loads:
-            loaded = self._guarded("load", moves, 0)
-            self.stats["blocks_loaded"] += loaded
-            if loaded < len(moves.block_ids):
-                # vLLM recomputes from the first block not loaded.
-                failed = moves.block_ids[loaded:]
+            if not self._load_lane.submit(lambda moves=moves: self._load(moves)):
+                self._load_ended(moves, 0)
+
+    def _load(self, moves: BlockMoves) -> None:
+        """On the load lane: the blocks into vLLM's, then the request is reported."""
+        started = time.perf_counter()
+        loaded = self._guarded("load", moves) if self._usable() else 0
+        self.counters.add("load_seconds", time.perf_counter() - started)
+        self._load_ended(moves, loaded)
+
+    def _load_ended(self, moves: BlockMoves, loaded: int) -> None:
+        self.counters.add("blocks_loaded", loaded)
+        if self._route is not None:
+            self.counters.add("bytes_loaded", loaded * self._route.block_bytes())
+        with self._lock:
+            self._loads_done.append((moves, loaded))
+
+    def wait_for_lanes(self, timeout: float) -> bool:
+        """Waits until both lanes are idle (tests, benchmarks); True when they are."""
+        deadline = time.monotonic() + timeout
+        while not (self._load_lane.idle() and self._save_lane.idle()):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        return True
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads fill the blocks of waiting requests, never this step's
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # wait_for_save queues every layer's blocks after the forward pass
+
+    def wait_for_save(self) -> None:
+        """Queues the step's saves on the save lane; never waits for one."""
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvwardenConnectorMetadata)
+        for moves in meta.saves:
+            # The scheduler's rule (request_finished): a planned save holds the blocks.
+            self._saving.add(moves.req_id)
+            if not (self._usable() and self._route):
+                continue
+            try:
+                job, dropped = self._route.stage_save(moves)
+            except Exception:
+                log.exception("kvwarden: staging the save of request %s failed", moves.req_id)
+                self._backoff.failed()
+                continue
+            self.counters.add("saves_dropped", dropped)
+            if job is None:
+                continue
+            with self._lock:
+                self._saves_pending[moves.req_id] = self._saves_pending.get(moves.req_id, 0) + 1
+            if not self._save_lane.submit(lambda moves=moves, job=job: self._save(moves, job)):
+                self._save_ended(moves.req_id)
+
+    def _save(self, moves: BlockMoves, job: Callable[[], int]) -> None:
+        """On the save lane."""
+        started = time.perf_counter()
+        try:
+            saved = job()
+        except Exception:
+            log.exception("kvwarden: save of request %s failed", moves.req_id)
+            self._backoff.failed()
+            saved = 0
+        self.counters.add("save_seconds", time.perf_counter() - started)
+        self.counters.add("blocks_saved", saved)
+        if self._route is not None:
+            self.counters.add("bytes_saved", saved * self._route.block_bytes())
+        self._save_ended(moves.req_id)
+
+    def _save_ended(self, req_id: str) -> None:
+        with self._lock:
+            left = self._saves_pending.get(req_id, 1) - 1
+            if left > 0:
+                self._saves_pending[req_id] = left
+            else:
+                self._saves_pending.pop(req_id, None)
+            self._saves_ended.notify_all()
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before a preempted request's blocks can be reused: where a save reads vLLM's
+        blocks themselves (GPU), wait for that request's saves. CPU saves read the save
+        queue's own copy, so nothing waits there."""
+        if not isinstance(kv_connector_metadata, KvwardenConnectorMetadata):
+            return
+        if self._route is None or not self._route.saves_read_blocks:
+            return
+        for req_id in kv_connector_metadata.preempted:
+            with self._lock:
+                pending = self._saves_pending.get(req_id, 0)
+                bound = time.monotonic() + self._timeout * (2 * pending + 1)
+                while self._saves_pending.get(req_id, 0) and time.monotonic() < bound:
+                    self._saves_ended.wait(max(bound - time.monotonic(), 0.0))
+                if self._saves_pending.get(req_id, 0):
+                    log.error(
+                        "kvwarden: request %s was preempted while its save is still running "
+                        "after %.1f s; its blocks may be reused before the server has read "
+                        "them",
+                        req_id,
+                        self._timeout * (2 * pending + 1),
+                    )
+
+    def get_finished(
+        self, finished_req_ids: Set[str]
+    ) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
+        """The requests whose loads ended (their failed blocks go to
+        ``get_block_ids_with_load_errors``, which vLLM asks right after) and the finished
+        requests whose saves all ended."""
+        with self._lock:
+            loads, self._loads_done = self._loads_done, []
+        recving: Set[str] = set()
+        for moves, loaded in loads:
+            recving.add(moves.req_id)
+            failed = moves.block_ids[loaded:]
+            if failed:
                 self._load_errors.update(failed)
-                self.stats["load_errors"] += len(failed)
+                self.counters.add("load_errors", len(failed))
                 log.info(
                     "kvwarden: request %s: %d of %d blocks loaded; vLLM recomputes the rest",
                     moves.req_id,
                     loaded,
                     len(moves.block_ids),
                 )
-        self.stats["load_seconds"] += time.perf_counter() - started
+        self._finishing |= set(finished_req_ids) & self._saving
+        with self._lock:
+            sending = {r for r in self._finishing if r not in self._saves_pending}
+        self._finishing -= sending
+        self._saving -= sending
+        return sending or None, recving or None
 
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv loads every layer before the forward pass
-
-    def save_kv_layer(
-        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
-    ) -> None:
-        return  # wait_for_save saves every layer after the forward pass
-
-    def wait_for_save(self) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KvwardenConnectorMetadata)
-        started = time.perf_counter()
-        for moves in meta.saves:
-            self.stats["blocks_saved"] += self._guarded("save", moves, 0)
-        self.stats["save_seconds"] += time.perf_counter() - started
-
-    def _guarded(self, what: str, moves: BlockMoves, failure: int) -> int:
-        """``self._route.load``/``save``; never raises into vLLM: any error (a server
-        of another configuration, a bug) counts as nothing moved, and pauses transfers."""
-        if not (self._usable() and self._route):
-            return failure
+    def _guarded(self, what: str, moves: BlockMoves) -> int:
+        """``self._route.load``; never raises into vLLM: any error (a server of another
+        configuration, a bug) counts as nothing moved, and pauses transfers."""
+        if self._route is None:
+            return 0
         try:
             return getattr(self._route, what)(moves)
         except Exception:
@@ -420,12 +625,17 @@ class KvwardenConnector(KVConnectorBase_V1):
                 self._backoff.retry_after_seconds,
             )
             self._backoff.failed()
-            return failure
+            return 0
+
     def get_block_ids_with_load_errors(self) -> Set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def shutdown(self) -> None:
+        if self._role != KVConnectorRole.SCHEDULER:
+            # Queued saves get one request timeout each at most, then are lost.
+            self._load_lane.stop(self._timeout)
+            self._save_lane.stop(self._timeout * 2)
         if self._worker is not None:
             self._worker.shutdown()
             self._worker = None
@@ -435,10 +645,28 @@ class _Route:
     """How one rank's blocks travel; ``load``/``save`` return how many blocks (from the
     first) went through, and open the connector's backoff on a failure."""
 
+    #: Whether a queued save reads vLLM's blocks themselves (then a preempted
+    #: request's saves must end before its blocks are reused).
+    saves_read_blocks = False
+
     def __init__(self, connector: KvwardenConnector) -> None:
         self.c = connector
 
     def register(self, worker: Worker) -> None:
+        raise NotImplementedError
+
+    def block_bytes(self) -> int:
+        """KV bytes of one block on this rank (for the metrics)."""
+        raise NotImplementedError
+
+    def stage_save(self, moves: BlockMoves) -> Tuple[Optional[Callable[[], int]], int]:
+        """On the forward thread, right after the forward pass: makes the blocks of
+        ``moves`` safe to save later and returns the save (run on the save lane; how
+        many leading blocks it stored) and how many blocks were dropped (a full queue)."""
+        raise NotImplementedError
+
+    def load(self, moves: BlockMoves) -> int:
+        """On the load lane: how many leading blocks of ``moves`` are now in vLLM's."""
         raise NotImplementedError
 
     def key(self, key: bytes, part: int) -> bytes:
@@ -448,8 +676,12 @@ class _Route:
         # A stalled or dead server would cost a timeout per request and step: pause.
         # (A plain miss, a block evicted since the lookup, pauses too; it is rare.)
         self.c._backoff.failed()
-        log.info(
-            "kvwarden: %s; no transfers for %g s", what, self.c._backoff.retry_after_seconds
+        worker = self.c._worker
+        # During an outage the Worker's outage log says it all, once.
+        outage = getattr(worker, "outage", None)
+        level = logging.DEBUG if outage is not None and outage.is_down() else logging.INFO
+        log.log(
+            level, "kvwarden: %s; no transfers for %g s", what, self.c._backoff.retry_after_seconds
         )
 
     def save_parts(self, keys: Sequence[bytes], parts: Sequence[Sequence[Region]]) -> int:
@@ -506,7 +738,8 @@ class _Route:
 
 
 class _CpuRoute(_Route):
-    """Block records staged in a registered memfd; the server copies them to and from L1."""
+    """Block records staged in registered memfds (buffer 0: loads, buffer 1: the save
+    queue); the server copies them to and from L1."""
 
     def register(self, worker: Worker) -> None:
         self.layer_bytes = [
@@ -519,55 +752,78 @@ class _CpuRoute(_Route):
         self.parts = -(-record // self.slot_bytes)
         self.record_bytes = record
         self.stride = -(-record // 4096) * 4096
-        self.rows = max(1, self.c._staging_blocks)
         if getattr(self, "staging", None) is None:  # kept across failed registrations
-            self.staging = MemfdBuffer.create(
-                self.rows * self.stride, f"kvwarden-vllm-rank{self.c._rank}"
+            rank = self.c._rank
+            self.staging, self.table = self._buffer(self.c._staging_blocks, f"load-rank{rank}")
+            self.queue, self.queue_table = self._buffer(
+                self.c._save_queue_blocks, f"save-rank{rank}"
             )
-            flat = torch.frombuffer(self.staging.view, dtype=torch.uint8)
-            self.table = flat.view(self.rows, self.stride)
-        worker.register_kv_cache([self.staging], model_name=_model_name(self.c._vllm_config))
+            self.free_rows = list(range(self.c._save_queue_blocks))
+            self.rows_lock = threading.Lock()
+        worker.register_kv_cache(
+            [self.staging, self.queue], model_name=_model_name(self.c._vllm_config)
+        )
 
-    def _part_spans(self, row: int) -> List[Tuple[int, int]]:
+    def _buffer(self, rows: int, name: str) -> Tuple[MemfdBuffer, torch.Tensor]:
+        buffer = MemfdBuffer.create(rows * self.stride, f"kvwarden-vllm-{name}")
+        flat = torch.frombuffer(buffer.view, dtype=torch.uint8)
+        return buffer, flat.view(rows, self.stride)
+
+    def block_bytes(self) -> int:
+        return self.payload_bytes
+
+    def _parts(self, buffer: int, row: int) -> List[Region]:
         start = row * self.stride
         return [
             (
+                buffer,
                 start + p * self.slot_bytes,
                 min(self.slot_bytes, self.record_bytes - p * self.slot_bytes),
             )
             for p in range(self.parts)
         ]
 
-    def _parts(self, row: int) -> List[Region]:
-        return [(0, offset, nbytes) for offset, nbytes in self._part_spans(row)]
+    def stage_save(self, moves: BlockMoves) -> Tuple[Optional[Callable[[], int]], int]:
+        with self.rows_lock:
+            count = min(len(moves.block_ids), len(self.free_rows))
+            rows, self.free_rows = self.free_rows[:count], self.free_rows[count:]
+        dropped = len(moves.block_ids) - count
+        if not count:
+            return None, dropped
+        try:
+            self._gather(moves.block_ids[:count], rows)
+        except BaseException:
+            self._release(rows)
+            raise
+        keys = moves.keys[:count]
 
-    def save(self, moves: BlockMoves) -> int:
-        done = 0
-        for first in range(0, len(moves.block_ids), self.rows):
-            keys = moves.keys[first : first + self.rows]
-            ids = moves.block_ids[first : first + self.rows]
-            self._gather(ids)
-            for row, key in enumerate(keys):
-                record = self.staging.view[
-                    row * self.stride : row * self.stride + self.record_bytes
-                ]
-                payload = record[prefix.RECORD_HEADER_BYTES :]
-                record[: prefix.RECORD_HEADER_BYTES] = prefix.pack_header(
-                    self.key(key, 0), payload, self.c._layout
-                )
-                del payload, record
-            stored = self.save_parts(keys, [self._parts(row) for row in range(len(keys))])
-            done += stored
-            if stored < len(keys):
-                return done
-        return done
+        def save() -> int:
+            try:
+                for row, key in zip(rows, keys):
+                    start = row * self.stride
+                    record = self.queue.view[start : start + self.record_bytes]
+                    payload = record[prefix.RECORD_HEADER_BYTES :]
+                    record[: prefix.RECORD_HEADER_BYTES] = prefix.pack_header(
+                        self.key(key, 0), payload, self.c._layout
+                    )
+                    del payload, record
+                return self.save_parts(keys, [self._parts(1, row) for row in rows])
+            finally:
+                self._release(rows)
+
+        return save, dropped
+
+    def _release(self, rows: List[int]) -> None:
+        with self.rows_lock:
+            self.free_rows.extend(rows)
 
     def load(self, moves: BlockMoves) -> int:
         done = 0
-        for first in range(0, len(moves.block_ids), self.rows):
-            keys = moves.keys[first : first + self.rows]
-            ids = moves.block_ids[first : first + self.rows]
-            retrieved = self.load_parts(keys, [self._parts(row) for row in range(len(keys))])
+        rows = self.table.shape[0]
+        for first in range(0, len(moves.block_ids), rows):
+            keys = moves.keys[first : first + rows]
+            ids = moves.block_ids[first : first + rows]
+            retrieved = self.load_parts(keys, [self._parts(0, row) for row in range(len(keys))])
             if retrieved < len(keys):
                 self.failed(f"block {ids[retrieved]}: not retrieved")
             good = 0
@@ -590,15 +846,21 @@ class _CpuRoute(_Route):
                 break
         return done
 
-    def _gather(self, ids: List[int]) -> None:
+    def _gather(self, ids: List[int], rows: List[int]) -> None:
+        """vLLM blocks ``ids`` into save-queue rows ``rows``, layer after layer."""
         index = torch.tensor(ids, dtype=torch.long)
+        rows_index = torch.tensor(rows, dtype=torch.long)
         offset = prefix.RECORD_HEADER_BYTES
         for (_, tensor, dim), nbytes in zip(self.c._layers, self.layer_bytes):
-            rows = tensor.index_select(dim, index).movedim(dim, 0).reshape(len(ids), -1)
-            self.table[: len(ids), offset : offset + nbytes].copy_(rows.view(torch.uint8))
+            data = tensor.index_select(dim, index).movedim(dim, 0).reshape(len(ids), -1)
+            self.queue_table[:, offset : offset + nbytes].index_copy_(
+                0, rows_index, data.view(torch.uint8)
+            )
             offset += nbytes
 
     def _scatter(self, ids: List[int]) -> None:
+        """Load rows ``0..len(ids)`` into vLLM blocks ``ids`` (blocks of a request
+        waiting for this load: no forward pass touches them meanwhile)."""
         index = torch.tensor(ids, dtype=torch.long)
         offset = prefix.RECORD_HEADER_BYTES
         for (_, tensor, dim), nbytes in zip(self.c._layers, self.layer_bytes):
@@ -612,6 +874,8 @@ class _CpuRoute(_Route):
 class _GpuRoute(_Route):
     """CUDA tensors registered over IPC; the server copies each block region itself."""
 
+    saves_read_blocks = True
+
     def register(self, worker: Worker) -> None:
         buffers = []
         by_storage: Dict[int, int] = {}
@@ -624,6 +888,11 @@ class _GpuRoute(_Route):
             self.where.append((by_storage[base], tensor, dim))
         worker.register_kv_cache(buffers, model_name=_model_name(self.c._vllm_config))
         self.buffers = buffers
+        self.queued = 0  # blocks whose save is queued or running
+        self.queued_lock = threading.Lock()
+
+    def block_bytes(self) -> int:
+        return sum(nbytes for _, _, nbytes in self._regions(0))
 
     def _regions(self, block_id: int) -> List[Tuple[int, int, int]]:
         """(buffer, offset, nbytes) of every region of a block, layer by layer."""
@@ -633,9 +902,26 @@ class _GpuRoute(_Route):
                 out.append((index, offset, nbytes))
         return out
 
-    def save(self, moves: BlockMoves) -> int:
-        torch.cuda.current_stream().synchronize()  # the forward pass wrote these blocks
-        return self.save_parts(moves.keys, [self._regions(block) for block in moves.block_ids])
+    def stage_save(self, moves: BlockMoves) -> Tuple[Optional[Callable[[], int]], int]:
+        with self.queued_lock:
+            count = min(len(moves.block_ids), self.c._save_queue_blocks - self.queued)
+            count = max(count, 0)
+            self.queued += count
+        dropped = len(moves.block_ids) - count
+        if not count:
+            return None, dropped
+        # The forward pass wrote these blocks: the server reads them once it is done.
+        torch.cuda.current_stream().synchronize()
+        keys, ids = moves.keys[:count], moves.block_ids[:count]
+
+        def save() -> int:
+            try:
+                return self.save_parts(keys, [self._regions(block) for block in ids])
+            finally:
+                with self.queued_lock:
+                    self.queued -= count
+
+        return save, dropped
 
     def load(self, moves: BlockMoves) -> int:
         done = self.load_parts(moves.keys, [self._regions(block) for block in moves.block_ids])
@@ -652,6 +938,21 @@ def _leading(answers: List[Any]) -> int:
             break
         count += 1
     return count
+
+
+def _positive(extra: Dict[str, Any], name: str) -> int:
+    """``extra[name]`` as a positive int, or an error that names it."""
+    value = extra[name]
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        number = 0
+    if number <= 0 or number != value:
+        raise ValueError(
+            f"kv_connector_extra_config: {name} must be a positive integer, got {value!r} "
+            f"(default {DEFAULTS[name]})"
+        )
+    return number
 
 
 def _without(shape: Tuple[int, ...], dim: int) -> Tuple[int, ...]:

@@ -65,6 +65,7 @@ from .heartbeat import (
     reap_timeout_floor_warning,
     validate_interval,
 )
+from .outage import Outage
 from .wire import Args, Call, Connection, HelloInfo
 
 log = logging.getLogger("kvwarden")
@@ -201,6 +202,8 @@ class Worker:
         )
         #: Where the server is: the socket path, or ``tcp:HOST:PORT``.
         self.endpoint = self._conn.endpoint
+        #: Whether the server answers: one WARNING when it stops, one when it is back.
+        self.outage = Outage(self.endpoint)
         self._hb = Heartbeat(self.interval)
         self._hb_lock = threading.Lock()  # guards _hb, _thread and the health edge
         self._wake = threading.Event()
@@ -429,8 +432,9 @@ class Worker:
         try:
             value, _ = self._request("lookup", [[bytes(k) for k in keys]])
         except _TRANSIENT as error:
-            log.warning("kvwarden: lookup failed, reporting 0 hits: %s", error)
+            self.outage.failed("lookup (reporting 0 hits)", error)
             return 0
+        self.outage.answered()
         return int(value)
 
     # -- engine-driven transfers ----------------------------------------------------
@@ -736,8 +740,9 @@ class Worker:
             self._wake.set()
             return failure
         except _TRANSIENT as error:
-            log.warning("kvwarden: %s failed, the engine carries on without it: %s", op, error)
+            self.outage.failed(op, error)
             return failure
+        self.outage.answered()
         for fd in fds:  # no transfer reply carries fds; never leak one
             _close_fd(fd)
         return value
@@ -863,8 +868,9 @@ class Worker:
             )
             return PingReply.FAILED
         except KvwardenError as error:
-            log.warning("kvwarden: ping of instance %d failed: %s", self.instance_id, error)
+            self.outage.failed(f"ping of instance {self.instance_id}", error)
             return PingReply.FAILED
+        self.outage.answered()
         for fd in fds:
             _close_fd(fd)
         if value is True:
