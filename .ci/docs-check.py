@@ -7,7 +7,10 @@ given) and looks each name up in what a live server showed:
 
 - a metric (`kvwarden_...`): a series or family of METRICS_TEXT (a live /metrics;
   `_bucket`, `_sum`, `_count` of a histogram count), else a `kv_connector_extra_config`
-  key of the vLLM connector (python/src/kvwarden/vllm.py) or a crate name;
+  key of the vLLM connector (python/src/kvwarden/vllm.py) or a crate name; one written
+  `vllm:kvwarden_NAME_total` (or a `*` pattern of them) is the connector's counter on
+  vLLM's /metrics, and NAME must be a key of COUNTERS in
+  python/src/kvwarden/vllm_metrics.py;
 - a log target (`kvwarden::...`): a module of the `kvwarden` crate (a file under
   shell-mio/src/, or a folder with mod.rs);
 - a status field (a dotted path whose first part is a key of STATUS_JSON, e.g.
@@ -26,7 +29,8 @@ import re
 import sys
 
 SPAN = re.compile(r"`([^`\n]+)`")
-METRIC = re.compile(r"\bkvwarden_[a-z0-9_]+\b")
+METRIC = re.compile(r"(?<!vllm:)\bkvwarden_[a-z0-9_]+\b")
+VLLM_METRIC = re.compile(r"\bvllm:kvwarden_([a-z0-9_]+?)(_total)?(?![a-z0-9_*])")
 TARGET = re.compile(r"\bkvwarden::[a-z0-9_:]+[a-z0-9_]")
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 PATH = re.compile(r"^[a-z_][a-z0-9_]*(\[\])?(\.[a-z_*][a-z0-9_*]*(\[\])?)+$")
@@ -110,6 +114,10 @@ def main():
     helps = "".join(open(os.path.join(help_dir, f)).read() for f in sorted(os.listdir(help_dir)))
     flags = set(FLAG.findall(helps))
     connector = open(os.path.join(root, "python", "src", "kvwarden", "vllm.py")).read()
+    counters_source = open(os.path.join(root, "python", "src", "kvwarden", "vllm_metrics.py")).read()
+    counters_block = counters_source.split("COUNTERS", 1)[1].split("}", 1)[0]
+    connector_counters = set(re.findall(r'^\s+"([a-z0-9_]+)":', counters_block, re.M))
+    assert connector_counters, "no COUNTERS in vllm_metrics.py: the check would prove nothing"
     if not docs:
         docs = ["README.md", "python/README.md"] + sorted(
             os.path.join("docs", f) for f in os.listdir(os.path.join(root, "docs")) if f.endswith(".md")
@@ -135,6 +143,10 @@ def main():
                     if f'"{name}"' in connector:
                         continue
                     problems.append(f"{where}: no metric (and no connector setting) {name}")
+                for name, _ in VLLM_METRIC.findall(span):
+                    checked += 1
+                    if name not in connector_counters:
+                        problems.append(f"{where}: the vLLM connector has no counter {name}")
                 for target in TARGET.findall(span):
                     checked += 1
                     if not module_exists(root, target):

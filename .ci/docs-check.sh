@@ -4,7 +4,7 @@
 # in a live server (started here with --l2 on a throwaway redis-server, a worker
 # registered, HTTP on) and its --help texts (.ci/docs-check.py says what counts as
 # which). Then the checker is shown to fail: a scratch doc naming one wrong metric, log
-# target, field and flag must give exactly four problems. About 20 s.
+# target, field, flag and vLLM connector counter must give exactly five problems. About 20 s.
 #
 #   bash .ci/docs-check.sh          # KVWARDEN_BIN: the binary (default: target/debug)
 set -euo pipefail
@@ -56,14 +56,14 @@ python3 "$root/.ci/docs-check.py" "$root" "$work/metrics.txt" "$work/status.json
 # The checker fails on a wrong name of each kind (and only on those).
 cat >"$work/wrong.md" <<'MD'
 `kvwarden_no_such_metric_total`, `kvwarden::server::event_loop::effects`,
-`worker_liveness.no_such_field`, `--no-such-flag`; and right ones:
-`kvwarden_reaps_total`, `kvwarden::server::event_loop::outputs`, `trust.forbidden_total`,
-`--tcp-token-file`.
+`worker_liveness.no_such_field`, `--no-such-flag`, `vllm:kvwarden_no_such_total`; and
+right ones: `kvwarden_reaps_total`, `kvwarden::server::event_loop::outputs`,
+`trust.forbidden_total`, `--tcp-token-file`, `vllm:kvwarden_saves_dropped_total`.
 MD
 if python3 "$root/.ci/docs-check.py" "$root" "$work/metrics.txt" "$work/status.json" \
      "$work/help" "$work/wrong.md" 2>"$work/wrong.err"; then
-  die "the checker passed a doc with four wrong names"
+  die "the checker passed a doc with five wrong names"
 fi
 problems="$(grep -c ': `' "$work/wrong.err" || true)"
-[ "$problems" -eq 4 ] || { cat "$work/wrong.err" >&2; die "expected 4 problems in the wrong doc, got $problems"; }
-echo "docs-check: shown to fail on a wrong metric, log target, status field and flag (4 of 4)"
+[ "$problems" -eq 5 ] || { cat "$work/wrong.err" >&2; die "expected 5 problems in the wrong doc, got $problems"; }
+echo "docs-check: shown to fail on a wrong metric, log target, status field, flag and vLLM counter (5 of 5)"
