@@ -2,6 +2,13 @@
 KV cache, registered over CUDA IPC (``CudaIpcBuffer``), every region of some blocks
 stored, the blocks zeroed, retrieved into other blocks, and the bytes compared.
 
+Then the asynchronous path the connector takes (``kvwarden.kv_routes.GpuRoute`` on a
+``kvwarden.lanes.Lane``, exactly the connector's code, without vLLM): the saves of 64
+blocks queued in 4 steps of 16 on a save lane and the load of them into other blocks on
+a load lane, while this thread keeps writing other blocks of the same tensors (a
+stand-in forward pass); then the loaded bytes are compared, and so are the blocks the
+"forward pass" wrote (a transfer that touched them would show).
+
     KVWARDEN_BIN=target/release/kvwarden python3 python/scripts/gpu_kv_check.py
 
 Needs PyTorch with CUDA and msgpack (not vLLM). Exits 0 when every byte came back,
@@ -13,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
@@ -31,7 +39,9 @@ if not torch.cuda.is_available():
     cannot(f"torch {torch.__version__} sees no CUDA device (CPU-only build, no driver or no GPU)")
 try:
     from kvwarden import Worker
+    from kvwarden.kv_routes import BlockMoves, GpuRoute
     from kvwarden.kv_tensors import block_dim, block_regions, cuda_ipc_buffer
+    from kvwarden.lanes import Lane
 except ImportError as error:
     cannot(f"{error} (pip install msgpack)")
 
@@ -56,7 +66,8 @@ def main() -> int:
                 if server.poll() is not None:
                     cannot(f"kvwarden serve exited with {server.returncode}")
                 time.sleep(0.05)
-            return check(sock, device)
+            result = check(sock, device)
+            return result if result else check_async(sock, device)
         finally:
             server.terminate()
             server.wait(30)
@@ -138,6 +149,130 @@ def check(sock: str, device: int) -> int:
     print(f"gpu_kv ok layers {len(layers)} blocks {MOVED} bytes {moved}")
     print(f"gpu_kv store_GBps {moved / stored_s / 1e9:.2f} (one round trip per region)")
     print(f"gpu_kv retrieve_GBps {moved / retrieved_s / 1e9:.2f} (one round trip per region)")
+    return 0
+
+
+class _Backoff:
+    """The connector's backoff, reduced to what the route calls."""
+
+    retry_after_seconds = 5.0
+
+    def __init__(self) -> None:
+        self.failures = 0
+
+    def failed(self) -> None:
+        self.failures += 1
+
+
+def vllm_layers(device: int, seed: int):
+    """(name, tensor, block dim) of KV tensors laid out like vLLM's GPU KV cache."""
+    g = torch.Generator(device=f"cuda:{device}").manual_seed(seed)
+    shapes = [
+        (2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE),  # FlashAttention: K/V first
+        (NUM_BLOCKS, 2, BLOCK_SIZE, KV_HEADS, HEAD_SIZE),  # FlashInfer: blocks first
+    ]
+    layers = []
+    for i in range(LAYERS):
+        t = torch.randn(shapes[i % 2], generator=g, device=f"cuda:{device}").to(torch.bfloat16)
+        layers.append((f"layer{i}", t, block_dim(t, NUM_BLOCKS)))
+    return layers
+
+
+def check_async(sock: str, device: int) -> int:
+    layers = vllm_layers(device, 1)
+    torch.cuda.synchronize()
+    worker = Worker(sock)
+    host = SimpleNamespace(
+        _rank=0,
+        _layers=layers,
+        _worker=worker,
+        _backoff=_Backoff(),
+        _staging_blocks=64,
+        _save_queue_blocks=MOVED,
+        _layout=b"\0" * 8,
+        _model_name="gpu-kv-check-async",
+    )
+    route = GpuRoute(host)
+    saves, loads = Lane("gpu-check-save"), Lane("gpu-check-load")
+    src = list(range(MOVED))
+    dst = list(range(NUM_BLOCKS - MOVED, NUM_BLOCKS))
+    forward = list(range(MOVED, 2 * MOVED))  # the stand-in forward pass's blocks
+    keys = [b"async/%d" % block for block in src]
+    expected = [t.index_select(d, torch.tensor(src, device=t.device)).clone() for _, t, d in layers]
+    g = torch.Generator(device=f"cuda:{device}").manual_seed(2)
+    try:
+        route.register(worker)
+        print(f"async: registered {len(route.buffers)} buffers")
+        stored: list = []
+        last_written = {}  # layer name → what the stand-in forward pass wrote last
+
+        def run_forward(until_idle: Lane) -> int:
+            """Writes the forward blocks until the lane is idle; how many passes ran."""
+            passes = 0
+            while not until_idle.idle() or passes == 0:
+                for name, t, d in layers:
+                    index = torch.tensor(forward, device=t.device)
+                    shape = list(t.shape)
+                    shape[d] = len(forward)
+                    values = torch.randn(shape, generator=g, device=t.device).to(t.dtype)
+                    t.index_copy_(d, index, values)
+                    last_written[name] = values
+                passes += 1
+            torch.cuda.synchronize()
+            return passes
+
+        started = time.perf_counter()
+        for step in range(4):  # four steps, 16 blocks each, as vLLM's steps would queue them
+            part = slice(step * MOVED // 4, (step + 1) * MOVED // 4)
+            job, dropped = route.stage_save(BlockMoves("r", keys[part], src[part]))
+            if job is None or dropped:
+                print(f"FAIL: async: step {step}'s save was dropped ({dropped} blocks)")
+                return 1
+            saves.submit(lambda job=job: stored.append(job()))
+        save_passes = run_forward(saves)
+        saved_s = time.perf_counter() - started
+        if stored != [MOVED // 4] * 4:
+            print(f"FAIL: async: the save lane stored {stored}, expected {[MOVED // 4] * 4}")
+            return 1
+        for _, t, d in layers:
+            t.index_fill_(d, torch.tensor(dst, device=t.device), 0)
+        torch.cuda.synchronize()
+        loaded: list = []
+        started = time.perf_counter()
+        loads.submit(lambda: loaded.append(route.load(BlockMoves("r", keys, dst))))
+        # The stand-in forward pass runs meanwhile, on its own blocks again.
+        load_passes = run_forward(loads)
+        loaded_s = time.perf_counter() - started
+        torch.cuda.synchronize()
+        if loaded != [MOVED]:
+            print(f"FAIL: async: the load lane loaded {loaded}, expected [{MOVED}]")
+            return 1
+        bad = [
+            name
+            for (name, t, d), want in zip(layers, expected)
+            if not torch.equal(t.index_select(d, torch.tensor(dst, device=t.device)), want)
+        ]
+        clobbered = [
+            name
+            for name, t, d in layers
+            if not torch.equal(
+                t.index_select(d, torch.tensor(forward, device=t.device)), last_written[name]
+            )
+        ]
+    finally:
+        saves.stop(30.0)
+        loads.stop(30.0)
+        worker.shutdown()
+    if bad:
+        print(f"FAIL: async: the bytes of {bad} differ after the save and load lanes")
+        return 1
+    if clobbered:
+        print(f"FAIL: async: the forward pass's blocks of {clobbered} changed under the lanes")
+        return 1
+    nbytes = MOVED * route.block_bytes()
+    print(f"gpu_kv async_ok layers {len(layers)} blocks {MOVED} bytes {nbytes}")
+    print(f"gpu_kv async_save_GBps {nbytes / saved_s / 1e9:.2f} (4 batches on the save lane, {save_passes} forward passes meanwhile)")
+    print(f"gpu_kv async_load_GBps {nbytes / loaded_s / 1e9:.2f} (1 batch on the load lane, {load_passes} forward passes meanwhile)")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The batched moves both routes share (``_Route.save_parts``/``load_parts``), against a
+"""The batched moves both routes share (``Route.save_parts``/``load_parts``), against a
 worker that records its batches: a block's first part is stored only after all its
 others, a failure stops at the first incomplete block, and a step larger than a batch
 goes in several."""
@@ -7,7 +7,8 @@ from types import SimpleNamespace
 from typing import Any, List, Optional, Set
 
 from kvwarden import prefix
-from kvwarden.vllm import _Backoff, _Route
+from kvwarden.kv_routes import Route
+from kvwarden.vllm import _Backoff
 from kvwarden.worker import MAX_BATCH_ITEMS
 
 
@@ -25,9 +26,9 @@ class RecordingWorker:
         return [None if key in self.missing else nbytes for key, _, _, nbytes in items]
 
 
-def route(worker: RecordingWorker) -> _Route:
+def route(worker: RecordingWorker) -> Route:
     connector = SimpleNamespace(_rank=0, _worker=worker, _backoff=_Backoff(5.0))
-    return _Route(connector)
+    return Route(connector)
 
 
 def key(block: int, part: int) -> bytes:

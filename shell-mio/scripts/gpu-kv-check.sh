@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The vLLM connector's CUDA route on a host with an NVIDIA GPU and PyTorch (no vLLM
 # needed): KV tensors laid out like vLLM's GPU KV cache registered as CudaIpcBuffers,
-# blocks stored, zeroed, retrieved elsewhere, bytes compared (docs/vllm.md).
+# blocks stored, zeroed, retrieved elsewhere, bytes compared; then the connector's
+# asynchronous path (its GPU route on save and load lanes while other blocks are being
+# written), bytes compared again (docs/vllm.md).
 #
 #   KVWARDEN_BIN=path/to/kvwarden shell-mio/scripts/gpu-kv-check.sh
 #

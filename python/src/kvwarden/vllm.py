@@ -64,7 +64,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -74,11 +74,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from . import prefix
-from .buffers import MemfdBuffer
-from .kv_tensors import block_dim, block_regions, cuda_ipc_buffer
+from .kv_routes import BlockMoves, CpuRoute, GpuRoute, Route
+from .kv_tensors import block_dim
 from .lanes import Lane
 from .vllm_metrics import Counters, KvwardenPromMetrics, KvwardenStats
-from .worker import MAX_BATCH_ITEMS, Worker
+from .worker import Worker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -104,9 +104,6 @@ def _adopt_vllm_logging() -> None:
     client.setLevel(source.getEffectiveLevel())
     client.propagate = False
 
-#: Where one part of a block lives: (registered buffer index, offset, nbytes).
-Region = Tuple[int, int, int]
-
 #: ``kv_connector_extra_config`` keys and their defaults.
 DEFAULTS: Dict[str, Any] = {
     # The server's Unix socket; None: the server's default (kvwarden.default_socket_path).
@@ -130,15 +127,6 @@ try:
     from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 except ImportError:  # pragma: no cover - a vLLM without it has no extra keys to follow
     generate_block_hash_extra_keys = None
-
-
-@dataclass
-class BlockMoves:
-    """One request's blocks to move: ``keys[i]`` ↔ vLLM block ``block_ids[i]``."""
-
-    req_id: str
-    keys: List[bytes]
-    block_ids: List[int]
 
 
 @dataclass
@@ -204,6 +192,7 @@ class KvwardenConnector(KVConnectorBase_V1):
         self._shards = int(parallel.tensor_parallel_size) * int(parallel.pipeline_parallel_size)
         self._root = prefix.namespace(_namespace_fields(vllm_config, kv_cache_config))
         self._worker: Optional[Worker] = None
+        self._model_name = str(vllm_config.model_config.model)
         #: What this process did (``counters.total``: since start, for tests).
         self.counters = Counters()
         self.stats = self.counters.total
@@ -225,7 +214,7 @@ class KvwardenConnector(KVConnectorBase_V1):
         else:
             self._rank = _tp_rank()
             self._layers: List[Tuple[str, Any, int]] = []  # (name, tensor, block dim)
-            self._route: Optional[_Route] = None
+            self._route: Optional[Route] = None
             self._registered = False
             self._register_lock = threading.Lock()
             self._load_lane = Lane(f"kvwarden-load-rank{self._rank}")
@@ -435,7 +424,7 @@ class KvwardenConnector(KVConnectorBase_V1):
             + f";{first.device.type}"
         )
         self._layout = prefix.layout_digest(description)
-        self._route = _GpuRoute(self) if first.is_cuda else _CpuRoute(self)
+        self._route = GpuRoute(self) if first.is_cuda else CpuRoute(self)
         log.info(
             "kvwarden: rank %d: %d KV tensors (%s), %s route",
             self._rank,
@@ -641,305 +630,6 @@ class KvwardenConnector(KVConnectorBase_V1):
             self._worker = None
 
 
-class _Route:
-    """How one rank's blocks travel; ``load``/``save`` return how many blocks (from the
-    first) went through, and open the connector's backoff on a failure."""
-
-    #: Whether a queued save reads vLLM's blocks themselves (then a preempted
-    #: request's saves must end before its blocks are reused).
-    saves_read_blocks = False
-
-    def __init__(self, connector: KvwardenConnector) -> None:
-        self.c = connector
-
-    def register(self, worker: Worker) -> None:
-        raise NotImplementedError
-
-    def block_bytes(self) -> int:
-        """KV bytes of one block on this rank (for the metrics)."""
-        raise NotImplementedError
-
-    def stage_save(self, moves: BlockMoves) -> Tuple[Optional[Callable[[], int]], int]:
-        """On the forward thread, right after the forward pass: makes the blocks of
-        ``moves`` safe to save later and returns the save (run on the save lane; how
-        many leading blocks it stored) and how many blocks were dropped (a full queue)."""
-        raise NotImplementedError
-
-    def load(self, moves: BlockMoves) -> int:
-        """On the load lane: how many leading blocks of ``moves`` are now in vLLM's."""
-        raise NotImplementedError
-
-    def key(self, key: bytes, part: int) -> bytes:
-        return prefix.rank_key(key, self.c._rank, part)
-
-    def failed(self, what: str) -> None:
-        # A stalled or dead server would cost a timeout per request and step: pause.
-        # (A plain miss, a block evicted since the lookup, pauses too; it is rare.)
-        self.c._backoff.failed()
-        worker = self.c._worker
-        # During an outage the Worker's outage log says it all, once.
-        outage = getattr(worker, "outage", None)
-        level = logging.DEBUG if outage is not None and outage.is_down() else logging.INFO
-        log.log(
-            level, "kvwarden: %s; no transfers for %g s", what, self.c._backoff.retry_after_seconds
-        )
-
-    def save_parts(self, keys: Sequence[bytes], parts: Sequence[Sequence[Region]]) -> int:
-        """Stores block ``i``'s ``parts[i]`` (``(buffer, offset, nbytes)`` each) under
-        ``key(keys[i], part)``; how many leading blocks were stored whole. Two batch
-        requests (one when every block is one part): every part but the first, then the
-        first parts of the blocks stored so far, so that a lookup that finds a block's
-        part 0 finds a complete block."""
-        rest = [
-            (self.key(key, part), *region)
-            for key, regions in zip(keys, parts)
-            for part, region in enumerate(regions)
-            if part > 0
-        ]
-        stored = self._batches(self.c._worker.store_batch, rest)
-        whole, at = 0, 0
-        for regions in parts:
-            if not all(stored[at : at + len(regions) - 1]):
-                break
-            at += len(regions) - 1
-            whole += 1
-        heads = [(self.key(key, 0), *regions[0]) for key, regions in zip(keys, parts[:whole])]
-        done = _leading(self._batches(self.c._worker.store_batch, heads))
-        if done < len(keys):
-            self.failed(f"save of a block stopped after {done} blocks")
-        return done
-
-    def load_parts(self, keys: Sequence[bytes], parts: Sequence[Sequence[Region]]) -> int:
-        """Retrieves every part of every block in one batch request; how many leading
-        blocks came back whole (a later block may have been written too: vLLM computes
-        it again, as it does every block after the first not loaded)."""
-        items = [
-            (self.key(key, part), buffer, offset, nbytes)
-            for key, regions in zip(keys, parts)
-            for part, (buffer, offset, nbytes) in enumerate(regions)
-        ]
-        got = self._batches(self.c._worker.retrieve_batch, items)
-        whole, at = 0, 0
-        for regions in parts:
-            if any(got[at + i] != nbytes for i, (_, _, nbytes) in enumerate(regions)):
-                break
-            at += len(regions)
-            whole += 1
-        return whole
-
-    @staticmethod
-    def _batches(send: Callable[[List[Any]], List[Any]], items: List[Any]) -> List[Any]:
-        """``send`` in batches of at most ``MAX_BATCH_ITEMS``: one request per step
-        unless a step moves more parts than a batch holds."""
-        out: List[Any] = []
-        for first in range(0, len(items), MAX_BATCH_ITEMS):
-            out += send(items[first : first + MAX_BATCH_ITEMS])
-        return out
-
-
-class _CpuRoute(_Route):
-    """Block records staged in registered memfds (buffer 0: loads, buffer 1: the save
-    queue); the server copies them to and from L1."""
-
-    def register(self, worker: Worker) -> None:
-        self.layer_bytes = [
-            t[(slice(None),) * d + (0,)].numel() * t.element_size() for _, t, d in self.c._layers
-        ]
-        self.payload_bytes = sum(self.layer_bytes)
-        record = prefix.RECORD_HEADER_BYTES + self.payload_bytes
-        status = worker.status()
-        self.slot_bytes = int(status["l1"]["slot_bytes"])
-        self.parts = -(-record // self.slot_bytes)
-        self.record_bytes = record
-        self.stride = -(-record // 4096) * 4096
-        if getattr(self, "staging", None) is None:  # kept across failed registrations
-            rank = self.c._rank
-            self.staging, self.table = self._buffer(self.c._staging_blocks, f"load-rank{rank}")
-            self.queue, self.queue_table = self._buffer(
-                self.c._save_queue_blocks, f"save-rank{rank}"
-            )
-            self.free_rows = list(range(self.c._save_queue_blocks))
-            self.rows_lock = threading.Lock()
-        worker.register_kv_cache(
-            [self.staging, self.queue], model_name=_model_name(self.c._vllm_config)
-        )
-
-    def _buffer(self, rows: int, name: str) -> Tuple[MemfdBuffer, torch.Tensor]:
-        buffer = MemfdBuffer.create(rows * self.stride, f"kvwarden-vllm-{name}")
-        flat = torch.frombuffer(buffer.view, dtype=torch.uint8)
-        return buffer, flat.view(rows, self.stride)
-
-    def block_bytes(self) -> int:
-        return self.payload_bytes
-
-    def _parts(self, buffer: int, row: int) -> List[Region]:
-        start = row * self.stride
-        return [
-            (
-                buffer,
-                start + p * self.slot_bytes,
-                min(self.slot_bytes, self.record_bytes - p * self.slot_bytes),
-            )
-            for p in range(self.parts)
-        ]
-
-    def stage_save(self, moves: BlockMoves) -> Tuple[Optional[Callable[[], int]], int]:
-        with self.rows_lock:
-            count = min(len(moves.block_ids), len(self.free_rows))
-            rows, self.free_rows = self.free_rows[:count], self.free_rows[count:]
-        dropped = len(moves.block_ids) - count
-        if not count:
-            return None, dropped
-        try:
-            self._gather(moves.block_ids[:count], rows)
-        except BaseException:
-            self._release(rows)
-            raise
-        keys = moves.keys[:count]
-
-        def save() -> int:
-            try:
-                for row, key in zip(rows, keys):
-                    start = row * self.stride
-                    record = self.queue.view[start : start + self.record_bytes]
-                    payload = record[prefix.RECORD_HEADER_BYTES :]
-                    record[: prefix.RECORD_HEADER_BYTES] = prefix.pack_header(
-                        self.key(key, 0), payload, self.c._layout
-                    )
-                    del payload, record
-                return self.save_parts(keys, [self._parts(1, row) for row in rows])
-            finally:
-                self._release(rows)
-
-        return save, dropped
-
-    def _release(self, rows: List[int]) -> None:
-        with self.rows_lock:
-            self.free_rows.extend(rows)
-
-    def load(self, moves: BlockMoves) -> int:
-        done = 0
-        rows = self.table.shape[0]
-        for first in range(0, len(moves.block_ids), rows):
-            keys = moves.keys[first : first + rows]
-            ids = moves.block_ids[first : first + rows]
-            retrieved = self.load_parts(keys, [self._parts(0, row) for row in range(len(keys))])
-            if retrieved < len(keys):
-                self.failed(f"block {ids[retrieved]}: not retrieved")
-            good = 0
-            for row, key in enumerate(keys[:retrieved]):
-                start = row * self.stride
-                problem = prefix.record_problem(
-                    self.staging.view[start : start + self.record_bytes],
-                    self.key(key, 0),
-                    self.payload_bytes,
-                    self.c._layout,
-                )
-                if problem is not None:
-                    log.warning("kvwarden: block %d not loaded: %s", ids[row], problem)
-                    break
-                good += 1
-            if good:
-                self._scatter(ids[:good])
-            done += good
-            if good < len(ids):
-                break
-        return done
-
-    def _gather(self, ids: List[int], rows: List[int]) -> None:
-        """vLLM blocks ``ids`` into save-queue rows ``rows``, layer after layer."""
-        index = torch.tensor(ids, dtype=torch.long)
-        rows_index = torch.tensor(rows, dtype=torch.long)
-        offset = prefix.RECORD_HEADER_BYTES
-        for (_, tensor, dim), nbytes in zip(self.c._layers, self.layer_bytes):
-            data = tensor.index_select(dim, index).movedim(dim, 0).reshape(len(ids), -1)
-            self.queue_table[:, offset : offset + nbytes].index_copy_(
-                0, rows_index, data.view(torch.uint8)
-            )
-            offset += nbytes
-
-    def _scatter(self, ids: List[int]) -> None:
-        """Load rows ``0..len(ids)`` into vLLM blocks ``ids`` (blocks of a request
-        waiting for this load: no forward pass touches them meanwhile)."""
-        index = torch.tensor(ids, dtype=torch.long)
-        offset = prefix.RECORD_HEADER_BYTES
-        for (_, tensor, dim), nbytes in zip(self.c._layers, self.layer_bytes):
-            shape = list(tensor.shape)
-            del shape[dim]
-            rows = self.table[: len(ids), offset : offset + nbytes].view(tensor.dtype)
-            tensor.index_copy_(dim, index, rows.reshape([len(ids)] + shape).movedim(0, dim))
-            offset += nbytes
-
-
-class _GpuRoute(_Route):
-    """CUDA tensors registered over IPC; the server copies each block region itself."""
-
-    saves_read_blocks = True
-
-    def register(self, worker: Worker) -> None:
-        buffers = []
-        by_storage: Dict[int, int] = {}
-        self.where: List[Tuple[int, Any, int]] = []  # (buffer index, tensor, dim)
-        for _, tensor, dim in self.c._layers:
-            base = tensor.untyped_storage().data_ptr()
-            if base not in by_storage:
-                by_storage[base] = len(buffers)
-                buffers.append(cuda_ipc_buffer(tensor))
-            self.where.append((by_storage[base], tensor, dim))
-        worker.register_kv_cache(buffers, model_name=_model_name(self.c._vllm_config))
-        self.buffers = buffers
-        self.queued = 0  # blocks whose save is queued or running
-        self.queued_lock = threading.Lock()
-
-    def block_bytes(self) -> int:
-        return sum(nbytes for _, _, nbytes in self._regions(0))
-
-    def _regions(self, block_id: int) -> List[Tuple[int, int, int]]:
-        """(buffer, offset, nbytes) of every region of a block, layer by layer."""
-        out = []
-        for index, tensor, dim in self.where:
-            for offset, nbytes in block_regions(tensor, dim, block_id):
-                out.append((index, offset, nbytes))
-        return out
-
-    def stage_save(self, moves: BlockMoves) -> Tuple[Optional[Callable[[], int]], int]:
-        with self.queued_lock:
-            count = min(len(moves.block_ids), self.c._save_queue_blocks - self.queued)
-            count = max(count, 0)
-            self.queued += count
-        dropped = len(moves.block_ids) - count
-        if not count:
-            return None, dropped
-        # The forward pass wrote these blocks: the server reads them once it is done.
-        torch.cuda.current_stream().synchronize()
-        keys, ids = moves.keys[:count], moves.block_ids[:count]
-
-        def save() -> int:
-            try:
-                return self.save_parts(keys, [self._regions(block) for block in ids])
-            finally:
-                with self.queued_lock:
-                    self.queued -= count
-
-        return save, dropped
-
-    def load(self, moves: BlockMoves) -> int:
-        done = self.load_parts(moves.keys, [self._regions(block) for block in moves.block_ids])
-        if done < len(moves.block_ids):
-            self.failed(f"block {moves.block_ids[done]}: not retrieved")
-        return done
-
-
-def _leading(answers: List[Any]) -> int:
-    """How many answers, from the first, are true."""
-    count = 0
-    for answer in answers:
-        if not answer:
-            break
-        count += 1
-    return count
-
-
 def _positive(extra: Dict[str, Any], name: str) -> int:
     """``extra[name]`` as a positive int, or an error that names it."""
     value = extra[name]
@@ -957,10 +647,6 @@ def _positive(extra: Dict[str, Any], name: str) -> int:
 
 def _without(shape: Tuple[int, ...], dim: int) -> Tuple[int, ...]:
     return shape[:dim] + shape[dim + 1 :]
-
-
-def _model_name(vllm_config: "VllmConfig") -> str:
-    return str(vllm_config.model_config.model)
 
 
 def _namespace_fields(
