@@ -32,6 +32,9 @@ from .worker import MAX_BATCH_ITEMS, Worker
 # Under vLLM's logger when it runs there (its handlers cover "vllm.*").
 log = logging.getLogger("vllm.kvwarden")
 
+#: An element type of each size, for moving tensors' bytes whatever their dtype.
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
 #: Where one part of a block lives: (registered buffer index, offset, nbytes).
 Region = Tuple[int, int, int]
 
@@ -265,14 +268,20 @@ class CpuRoute(Route):
 
     def _scatter(self, ids: List[int]) -> None:
         """Load rows ``0..len(ids)`` into vLLM blocks ``ids`` (blocks of a request
-        waiting for this load: no forward pass touches them meanwhile)."""
-        index = torch.tensor(ids, dtype=torch.long)
+        waiting for this load: no forward pass touches them meanwhile). On the load lane,
+        with numpy over the same memory: a plain copy there, with no torch thread pool of
+        its own competing with the forward pass's for the cores."""
+        import numpy as np  # vLLM's dependency; the GPU route does without
+
+        index = np.asarray(ids, dtype=np.int64)
         offset = prefix.RECORD_HEADER_BYTES
         for (_, tensor, dim), nbytes in zip(self.c._layers, self.layer_bytes):
+            words = _WORDS[tensor.element_size()]
             shape = list(tensor.shape)
             del shape[dim]
-            rows = self.table[: len(ids), offset : offset + nbytes].view(tensor.dtype)
-            tensor.index_copy_(dim, index, rows.reshape([len(ids)] + shape).movedim(0, dim))
+            rows = self.table[: len(ids), offset : offset + nbytes].view(words).numpy()
+            target = np.moveaxis(tensor.view(words).numpy(), dim, 0)
+            target[index] = rows.reshape([len(ids)] + shape)
             offset += nbytes
 
 
