@@ -216,6 +216,7 @@ class KvwardenConnector(KVConnectorBase_V1):
             self._layers: List[Tuple[str, Any, int]] = []  # (name, tensor, block dim)
             self._route: Optional[Route] = None
             self._registered = False
+            self._registering = False  # a registration is queued on the load lane
             self._register_lock = threading.Lock()
             self._load_lane = Lane(f"kvwarden-load-rank{self._rank}")
             self._save_lane = Lane(f"kvwarden-save-rank{self._rank}")
@@ -455,12 +456,30 @@ class KvwardenConnector(KVConnectorBase_V1):
             return True
 
     def _usable(self) -> bool:
+        """On a lane: registered (registering first if need be), and the server usable."""
         return (
             self._ensure_registered()
             and self._backoff.open()
             and self._worker is not None
             and self._worker.is_healthy()
         )
+
+    def _usable_now(self) -> bool:
+        """On the forward path, without a round trip: a registration still to make is
+        handed to the load lane, and this step's transfers are skipped."""
+        if not self._registered:
+            if self._backoff.open() and not self._registering:
+                self._registering = True
+                if not self._load_lane.submit(self._register_off_the_forward_path):
+                    self._registering = False
+            return False
+        return self._backoff.open() and self._worker is not None and self._worker.is_healthy()
+
+    def _register_off_the_forward_path(self) -> None:
+        try:
+            self._ensure_registered()
+        finally:
+            self._registering = False
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         """Hands the step's loads to the load lane; returns at once."""
@@ -508,7 +527,7 @@ class KvwardenConnector(KVConnectorBase_V1):
         for moves in meta.saves:
             # The scheduler's rule (request_finished): a planned save holds the blocks.
             self._saving.add(moves.req_id)
-            if not (self._usable() and self._route):
+            if not (self._route and self._usable_now()):
                 continue
             try:
                 job, dropped = self._route.stage_save(moves)
