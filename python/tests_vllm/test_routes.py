@@ -79,3 +79,16 @@ def test_a_step_larger_than_a_batch_goes_in_several() -> None:
     parts = [[(0, 100 * b, 100)] for b in range(blocks)]
     assert route(worker).load_parts(keys, parts) == blocks
     assert [len(batch) for batch in worker.batches] == [MAX_BATCH_ITEMS, 5]
+
+
+def test_the_backoff_closes_after_a_failure_and_opens_on_a_recovery_or_its_time() -> None:
+    recoveries = [0]
+    backoff = _Backoff(3600.0, lambda: recoveries[0])
+    assert backoff.open()
+    backoff.failed()
+    assert not backoff.open()  # an hour to wait…
+    recoveries[0] += 1  # …unless the heartbeat restored the registrations
+    assert backoff.open()
+    backoff.failed()
+    assert not backoff.open()  # a failure after that recovery closes it again
+    assert _Backoff(0.0, lambda: 0).open()

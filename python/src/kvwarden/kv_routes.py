@@ -17,6 +17,7 @@ tensor layout digest) and ``_model_name``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 from dataclasses import dataclass
@@ -31,6 +32,10 @@ from .worker import MAX_BATCH_ITEMS, Worker
 
 # Under vLLM's logger when it runs there (its handlers cover "vllm.*").
 log = logging.getLogger("vllm.kvwarden")
+
+#: Blocks of one CPU load round: small enough that the server's copy of the next round
+#: overlaps most of this one's check and scatter, large enough to cost few round trips.
+LOAD_ROUND_BLOCKS = 16
 
 #: An element type of each size, for moving tensors' bytes whatever their dtype.
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -226,33 +231,65 @@ class CpuRoute(Route):
             self.free_rows.extend(rows)
 
     def load(self, moves: BlockMoves) -> int:
-        done = 0
+        """In rounds of half the load staging buffer, pipelined: while this round's
+        records are checked and scattered, the server copies the next round into the
+        other half (fetched from the route's fetch thread; the worker's connection
+        serializes the requests)."""
         rows = self.table.shape[0]
-        for first in range(0, len(moves.block_ids), rows):
-            keys = moves.keys[first : first + rows]
-            ids = moves.block_ids[first : first + rows]
-            retrieved = self.load_parts(keys, [self._parts(0, row) for row in range(len(keys))])
-            if retrieved < len(keys):
-                self.failed(f"block {ids[retrieved]}: not retrieved")
-            good = 0
-            for row, key in enumerate(keys[:retrieved]):
-                start = row * self.stride
-                problem = prefix.record_problem(
-                    self.staging.view[start : start + self.record_bytes],
-                    self.key(key, 0),
-                    self.payload_bytes,
-                    self.c._layout,
-                )
-                if problem is not None:
-                    log.warning("kvwarden: block %d not loaded: %s", ids[row], problem)
+        halves = 2 if rows >= 2 else 1
+        size = max(1, min(rows // halves, LOAD_ROUND_BLOCKS))
+        rounds = [
+            (moves.keys[first : first + size], moves.block_ids[first : first + size])
+            for first in range(0, len(moves.block_ids), size)
+        ]
+
+        def fetch(index: int) -> int:
+            keys = rounds[index][0]
+            base = (index % halves) * size
+            return self.load_parts(keys, [self._parts(0, base + row) for row in range(len(keys))])
+
+        done = 0
+        pending = self._fetcher().submit(fetch, 0) if rounds else None
+        try:
+            for index, (keys, ids) in enumerate(rounds):
+                retrieved = pending.result()
+                pending = None
+                if retrieved == len(keys) and index + 1 < len(rounds) and halves == 2:
+                    pending = self._fetcher().submit(fetch, index + 1)
+                if retrieved < len(keys):
+                    self.failed(f"block {ids[retrieved]}: not retrieved")
+                base = (index % halves) * size
+                good = 0
+                for row, key in enumerate(keys[:retrieved]):
+                    start = (base + row) * self.stride
+                    problem = prefix.record_problem(
+                        self.staging.view[start : start + self.record_bytes],
+                        self.key(key, 0),
+                        self.payload_bytes,
+                        self.c._layout,
+                    )
+                    if problem is not None:
+                        log.warning("kvwarden: block %d not loaded: %s", ids[row], problem)
+                        break
+                    good += 1
+                if good:
+                    self._scatter(ids[:good], base)
+                done += good
+                if good < len(ids):
                     break
-                good += 1
-            if good:
-                self._scatter(ids[:good])
-            done += good
-            if good < len(ids):
-                break
+                if pending is None and index + 1 < len(rounds):
+                    pending = self._fetcher().submit(fetch, index + 1)  # one half only
+        finally:
+            if pending is not None:  # never leave a fetch writing into the staging rows
+                pending.result()
         return done
+
+    def _fetcher(self) -> "concurrent.futures.ThreadPoolExecutor":
+        if getattr(self, "fetch_pool", None) is None:
+            self.fetch_pool = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix=f"kvwarden-fetch-rank{self.c._rank}"
+            )
+        return self.fetch_pool
 
     def _gather(self, ids: List[int], rows: List[int]) -> None:
         """vLLM blocks ``ids`` into save-queue rows ``rows``, layer after layer."""
@@ -266,8 +303,8 @@ class CpuRoute(Route):
             )
             offset += nbytes
 
-    def _scatter(self, ids: List[int]) -> None:
-        """Load rows ``0..len(ids)`` into vLLM blocks ``ids`` (blocks of a request
+    def _scatter(self, ids: List[int], base: int = 0) -> None:
+        """Load rows ``base..base + len(ids)`` into vLLM blocks ``ids`` (blocks of a request
         waiting for this load: no forward pass touches them meanwhile). On the load lane,
         with numpy over the same memory: a plain copy there, with no torch thread pool of
         its own competing with the forward pass's for the cores."""
@@ -279,7 +316,7 @@ class CpuRoute(Route):
             words = _WORDS[tensor.element_size()]
             shape = list(tensor.shape)
             del shape[dim]
-            rows = self.table[: len(ids), offset : offset + nbytes].view(words).numpy()
+            rows = self.table[base : base + len(ids), offset : offset + nbytes].view(words).numpy()
             target = np.moveaxis(tensor.view(words).numpy(), dim, 0)
             target[index] = rows.reshape([len(ids)] + shape)
             offset += nbytes

@@ -154,17 +154,27 @@ class _RequestState:
 
 
 class _Backoff:
-    """After a failure, nothing is asked of the server for ``retry_after_seconds``."""
+    """After a failure, nothing is asked of the server for ``retry_after_seconds``, or
+    until the worker's heartbeat restored its registrations (``recoveries``: how many
+    recoveries succeeded so far), whichever comes first: a restarted server is used
+    again as soon as it holds this worker's buffers."""
 
-    def __init__(self, retry_after_seconds: float) -> None:
+    def __init__(
+        self, retry_after_seconds: float, recoveries: Optional[Callable[[], int]] = None
+    ) -> None:
         self.retry_after_seconds = retry_after_seconds
+        self._recoveries = recoveries or (lambda: 0)
         self._until = 0.0
+        self._recovered_at_failure = 0
 
     def open(self) -> bool:
-        return time.monotonic() >= self._until
+        if time.monotonic() >= self._until:
+            return True
+        return self._recoveries() > self._recovered_at_failure
 
     def failed(self) -> None:
         self._until = time.monotonic() + self.retry_after_seconds
+        self._recovered_at_failure = self._recoveries()
 
 
 class KvwardenConnector(KVConnectorBase_V1):
@@ -182,7 +192,10 @@ class KvwardenConnector(KVConnectorBase_V1):
         extra.update(self._kv_transfer_config.kv_connector_extra_config or {})
         self._socket: Optional[str] = extra["kvwarden_socket"]
         self._timeout = float(extra["kvwarden_request_timeout_seconds"])
-        self._backoff = _Backoff(float(extra["kvwarden_retry_after_seconds"]))
+        self._backoff = _Backoff(
+            float(extra["kvwarden_retry_after_seconds"]),
+            lambda: self._worker.recoveries_ok if self._worker is not None else 0,
+        )
         self._staging_blocks = _positive(extra, "kvwarden_staging_blocks")
         self._save_queue_blocks = _positive(extra, "kvwarden_save_queue_blocks")
         self._interval = float(extra["kvwarden_heartbeat_interval_seconds"])
