@@ -28,17 +28,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 import engine_child  # noqa: E402  (the model writer and engine settings of the tests)
 
-MODEL = dict(
-    engine_child.MODEL_CONFIG,
-    hidden_size=512,
-    intermediate_size=1408,
-    num_hidden_layers=8,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=64,
-    vocab_size=8192,
-    max_position_embeddings=8192,
-)
+MODEL = engine_child.BENCH_MODEL_CONFIG
 
 
 def main() -> None:

@@ -88,17 +88,7 @@ import engine_child  # noqa: E402  (the model writer and connector config of the
 # the servers here run vLLM as deployed: API server and engine core apart.
 os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
 
-MODEL = dict(
-    engine_child.MODEL_CONFIG,
-    hidden_size=512,
-    intermediate_size=1408,
-    num_hidden_layers=8,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=64,
-    vocab_size=8192,
-    max_position_embeddings=8192,
-)
+MODEL = engine_child.BENCH_MODEL_CONFIG
 SERVED_MODEL_NAME = "kvw-bench"
 KV_CACHE_BYTES = 1 << 30
 #: One block's record (a 64-byte header, then 8 layers × K and V × 32 tokens × 4 heads ×

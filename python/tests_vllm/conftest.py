@@ -49,6 +49,35 @@ def server(short_tmp: str) -> Iterator[RealServer]:
         real.stop()
 
 
+@pytest.fixture(scope="module")
+def module_tmp() -> Iterator[str]:
+    """A directory for one test module's engines and server (module-scoped fixtures)."""
+    with tempfile.TemporaryDirectory(prefix="kvw-vllm-") as path:
+        yield path
+
+
+@pytest.fixture(scope="module")
+def model(module_tmp: str) -> str:
+    return write_model(os.path.join(module_tmp, "model"))
+
+
+@pytest.fixture(scope="module")
+def module_server(module_tmp: str) -> Iterator[RealServer]:
+    """One server for a whole test module, with the same timeouts as ``server``."""
+    real = RealServer(
+        find_binary() or pytest.fail("no kvwarden binary: set KVWARDEN_BIN"),
+        os.path.join(module_tmp, "kv.sock"),
+        os.path.join(module_tmp, "server.log"),
+        reap_timeout_seconds=60.0,
+        registration_grace_seconds=120.0,
+    )
+    real.start()
+    try:
+        yield real
+    finally:
+        real.stop()
+
+
 @pytest.fixture
 def model_dir(short_tmp: str) -> str:
     return write_model(os.path.join(short_tmp, "model"))

@@ -40,6 +40,19 @@ MODEL_CONFIG = {
     "eos_token_id": 2,
 }
 BLOCK_SIZE = 32
+#: The benchmarks' model (``python/benchmarks``): big enough that a 2,000-token prefill
+#: takes a good part of a second on a CPU, so that loading it instead shows.
+BENCH_MODEL_CONFIG = dict(
+    MODEL_CONFIG,
+    hidden_size=512,
+    intermediate_size=1408,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    vocab_size=8192,
+    max_position_embeddings=8192,
+)
 
 
 #: Standard deviation of each weight kind (norms are 1). Big enough that every block
@@ -168,7 +181,7 @@ def generate(llm, prompts, max_tokens, cache_salt=None, lora=None):
 
 class StepLog:
     """Per scheduler step: which requests ran and which waited for a kvwarden load
-    (``WAITING_FOR_REMOTE_KVS``), by their index in the generate's prompts. With
+    (``WAITING_FOR_REMOTE_KVS``), by vLLM's request ids. With
     ``release`` set, SIGCONTs that pid once ``release_after`` steps have run while a
     load waited (the load was held by a SIGSTOPped server)."""
 
@@ -176,7 +189,6 @@ class StepLog:
         from vllm.v1.request import RequestStatus
 
         self.waiting_status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        self.scheduler = scheduler
         self.steps = []
         self.release = None
         self.release_after = 0

@@ -7,14 +7,13 @@ engine that runs the same prompts, grouped the same way, without the connector.
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 from typing import Callable, Dict, Iterator, List
 
 import pytest
-from conftest import RealServer, find_binary
+from conftest import RealServer
 from engine import Engine
-from engine_child import BLOCK_SIZE, write_model
+from engine_child import BLOCK_SIZE
 
 from kvwarden import Worker, prefix
 
@@ -50,17 +49,6 @@ def wait_until(condition: Callable[[], bool], what: str, timeout: float = 60.0) 
 
 
 @pytest.fixture(scope="module")
-def module_tmp() -> Iterator[str]:
-    with tempfile.TemporaryDirectory(prefix="kvw-vllm-") as path:
-        yield path
-
-
-@pytest.fixture(scope="module")
-def model(module_tmp: str) -> str:
-    return write_model(os.path.join(module_tmp, "model"))
-
-
-@pytest.fixture(scope="module")
 def baseline(model: str, module_tmp: str) -> Dict[str, List[List[int]]]:
     """The greedy tokens of every prompt group, from an engine without the connector."""
     engine = Engine(model, os.path.join(module_tmp, "baseline.log"))
@@ -71,22 +59,6 @@ def baseline(model: str, module_tmp: str) -> Dict[str, List[List[int]]]:
         }
     finally:
         engine.close()
-
-
-@pytest.fixture(scope="module")
-def module_server(module_tmp: str) -> Iterator[RealServer]:
-    real = RealServer(
-        find_binary() or pytest.fail("no kvwarden binary: set KVWARDEN_BIN"),
-        os.path.join(module_tmp, "kv.sock"),
-        os.path.join(module_tmp, "server.log"),
-        reap_timeout_seconds=60.0,
-        registration_grace_seconds=120.0,
-    )
-    real.start()
-    try:
-        yield real
-    finally:
-        real.stop()
 
 
 @pytest.fixture(scope="module")

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from typing import Dict, Iterator, List
 
 import pytest
-from conftest import RealServer, find_binary
+from conftest import RealServer
 from engine import Engine
-from engine_child import BLOCK_SIZE, MODEL_CONFIG, write_model
+from engine_child import BLOCK_SIZE, MODEL_CONFIG
 from test_engine import A, B, tokens, wait_until
 
 #: A request that decodes for a while next to one whose load is held.
@@ -36,17 +35,6 @@ SETTINGS = {
 
 
 @pytest.fixture(scope="module")
-def module_tmp() -> Iterator[str]:
-    with tempfile.TemporaryDirectory(prefix="kvw-serve-") as path:
-        yield path
-
-
-@pytest.fixture(scope="module")
-def model(module_tmp: str) -> str:
-    return write_model(os.path.join(module_tmp, "model"))
-
-
-@pytest.fixture(scope="module")
 def baseline(model: str, module_tmp: str) -> Dict[str, List[List[int]]]:
     engine = Engine(model, os.path.join(module_tmp, "baseline.log"))
     try:
@@ -56,22 +44,6 @@ def baseline(model: str, module_tmp: str) -> Dict[str, List[List[int]]]:
         }
     finally:
         engine.close()
-
-
-@pytest.fixture(scope="module")
-def module_server(module_tmp: str) -> Iterator[RealServer]:
-    real = RealServer(
-        find_binary() or pytest.fail("no kvwarden binary: set KVWARDEN_BIN"),
-        os.path.join(module_tmp, "kv.sock"),
-        os.path.join(module_tmp, "server.log"),
-        reap_timeout_seconds=60.0,
-        registration_grace_seconds=120.0,
-    )
-    real.start()
-    try:
-        yield real
-    finally:
-        real.stop()
 
 
 @pytest.fixture(scope="module")

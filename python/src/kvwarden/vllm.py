@@ -505,7 +505,7 @@ class KvwardenConnector(KVConnectorBase_V1):
     def _load(self, moves: BlockMoves) -> None:
         """On the load lane: the blocks into vLLM's, then the request is reported."""
         started = time.perf_counter()
-        loaded = self._guarded("load", moves) if self._usable() else 0
+        loaded = self._guarded_load(moves) if self._usable() else 0
         self.counters.add("load_seconds", time.perf_counter() - started)
         self._load_ended(moves, loaded)
 
@@ -631,17 +631,16 @@ class KvwardenConnector(KVConnectorBase_V1):
         self._saving -= sending
         return sending or None, recving or None
 
-    def _guarded(self, what: str, moves: BlockMoves) -> int:
+    def _guarded_load(self, moves: BlockMoves) -> int:
         """``self._route.load``; never raises into vLLM: any error (a server of another
         configuration, a bug) counts as nothing moved, and pauses transfers."""
         if self._route is None:
             return 0
         try:
-            return getattr(self._route, what)(moves)
+            return self._route.load(moves)
         except Exception:
             log.exception(
-                "kvwarden: %s of request %s failed; vLLM computes without it for %g s",
-                what,
+                "kvwarden: load of request %s failed; vLLM computes without it for %g s",
                 moves.req_id,
                 self._backoff.retry_after_seconds,
             )
