@@ -271,8 +271,14 @@ def check_async(sock: str, device: int) -> int:
         return 1
     nbytes = MOVED * route.block_bytes()
     print(f"gpu_kv async_ok layers {len(layers)} blocks {MOVED} bytes {nbytes}")
-    print(f"gpu_kv async_save_GBps {nbytes / saved_s / 1e9:.2f} (4 batches on the save lane, {save_passes} forward passes meanwhile)")
-    print(f"gpu_kv async_load_GBps {nbytes / loaded_s / 1e9:.2f} (1 batch on the load lane, {load_passes} forward passes meanwhile)")
+    print(
+        f"gpu_kv async_save_GBps {nbytes / saved_s / 1e9:.2f} "
+        f"(4 batches on the save lane, {save_passes} forward passes meanwhile)"
+    )
+    print(
+        f"gpu_kv async_load_GBps {nbytes / loaded_s / 1e9:.2f} "
+        f"(1 batch on the load lane, {load_passes} forward passes meanwhile)"
+    )
     return 0
 
 

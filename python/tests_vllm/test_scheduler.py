@@ -325,7 +325,9 @@ def test_a_failed_block_of_a_load_is_recomputed_with_those_after_it_and_saved_ag
     finish(scheduler, out)
 
 
-def test_row_52_a_request_with_saves_keeps_its_blocks_until_the_workers_report_them(model_dir, server):
+def test_row_52_a_request_with_saves_keeps_its_blocks_until_the_workers_report_them(
+    model_dir, server
+):
     scheduler = make_scheduler(model_dir, server.socket_path)
     pool = scheduler.kv_cache_manager.block_pool
     free_before = pool.get_num_free_blocks()
@@ -356,7 +358,8 @@ def test_row_52_a_request_with_saves_keeps_its_blocks_until_the_workers_report_t
 
 
 def salted(request_id: str, salt, **kwargs) -> Request:
-    return Request(request_id, PROMPT, SamplingParams(max_tokens=1), None, cache_salt=salt, **kwargs)
+    params = SamplingParams(max_tokens=1)
+    return Request(request_id, PROMPT, params, None, cache_salt=salt, **kwargs)
 
 
 def matched(scheduler: Scheduler, request: Request) -> int:
@@ -442,7 +445,10 @@ def test_the_connectors_counts_reach_vllms_stats_and_prometheus(model_dir, serve
     registry = prometheus_client.CollectorRegistry()
 
     def in_registry(kind):
-        return type(kind.__name__, (kind,), {"__init__": lambda self, *a, **k: kind.__init__(self, *a, registry=registry, **k)})
+        def init(self, *args, **kwargs):
+            kind.__init__(self, *args, registry=registry, **kwargs)
+
+        return type(kind.__name__, (kind,), {"__init__": init})
 
     prom = KvwardenConnector.build_prom_metrics(
         scheduler.vllm_config if hasattr(scheduler, "vllm_config") else None,

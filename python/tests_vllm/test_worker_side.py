@@ -81,7 +81,8 @@ def test_row_52_a_finished_request_is_reported_once_its_saves_ended_and_only_onc
 
 def test_row_51_a_loads_undelivered_blocks_are_reported_in_the_pass_that_reports_it(rank):
     rank._route = StandInRoute(saves_read_blocks=False, deliver=2)
-    step(rank, KvwardenConnectorMetadata(loads=[BlockMoves("r1", [b"k"] * 5, [10, 11, 12, 13, 14])]))
+    load = BlockMoves("r1", [b"k"] * 5, [10, 11, 12, 13, 14])
+    step(rank, KvwardenConnectorMetadata(loads=[load]))
     lanes_idle(rank)
 
     sending, recving = rank.get_finished(set())
