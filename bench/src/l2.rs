@@ -37,12 +37,19 @@ pub struct L2Args {
     /// kill Redis processes).
     #[arg(long, value_name = "redis://HOST:PORT[,HOST:PORT...]")]
     l2: Option<String>,
-    /// Chunks per client in each throughput phase (L2), and chunks timed for L1.
-    #[arg(long, default_value_t = 32, value_name = "N")]
+    /// Chunks in each throughput phase (L2), split among its clients (the batch phase
+    /// reads half as many), and chunks timed for L1.
+    #[arg(long, default_value_t = 512, value_name = "N")]
     chunks: u64,
-    /// Clients in the throughput phases.
+    /// Clients of the second set of throughput phases (the first has 1).
     #[arg(long, default_value_t = 4, value_name = "N")]
     clients: usize,
+    /// Rounds of the throughput phases; each figure is their median.
+    #[arg(long, default_value_t = 3, value_name = "N")]
+    rounds: usize,
+    /// Items of each `retrieve_batch` (and GETs of each pipeline) of the batch phase.
+    #[arg(long, default_value_t = 64, value_name = "N")]
+    batch: u64,
     /// How long every Redis node stays SIGSTOPped (L3).
     #[arg(long, default_value_t = 10.0, value_name = "SECONDS")]
     stop_seconds: f64,
@@ -103,8 +110,10 @@ fn print_value_check_cost(smoke: bool) {
 pub fn run(args: &L2Args) -> Result<(), BenchError> {
     let mut args = args.clone();
     if args.smoke {
-        args.chunks = args.chunks.min(2);
+        args.chunks = args.chunks.min(4);
         args.clients = args.clients.min(2);
+        args.rounds = 1;
+        args.batch = args.batch.min(2);
         args.stop_seconds = args.stop_seconds.min(1.0);
     }
     if args.cluster_node_timeout_ms < 100 {
@@ -113,10 +122,17 @@ pub fn run(args: &L2Args) -> Result<(), BenchError> {
             args.cluster_node_timeout_ms
         )));
     }
-    if args.chunks == 0 || args.clients == 0 {
+    if args.chunks == 0 || args.clients == 0 || args.rounds == 0 || args.batch == 0 {
         return Err(BenchError::Failed(format!(
-            "invalid --chunks {} / --clients {}: use at least 1 of each",
-            args.chunks, args.clients
+            "invalid --chunks {} / --clients {} / --rounds {} / --batch {}: use at least 1 of each",
+            args.chunks, args.clients, args.rounds, args.batch
+        )));
+    }
+    if args.batch > kvwarden_core::protocol::MAX_BATCH_ITEMS as u64 {
+        return Err(BenchError::Failed(format!(
+            "invalid --batch {}: a retrieve_batch holds at most {} items",
+            args.batch,
+            kvwarden_core::protocol::MAX_BATCH_ITEMS
         )));
     }
     let stop = super::positive_seconds("--stop-seconds", args.stop_seconds)?;
@@ -143,7 +159,7 @@ pub fn run(args: &L2Args) -> Result<(), BenchError> {
     // allocated at start, so it is no larger than that.
     // The largest burst of writes is a throughput phase or L1's batch (at least 8); a
     // few more slots hold the clients' reservations and L3/L4's chunks.
-    let phase = (args.clients as u64 * args.chunks).max(args.chunks.max(8));
+    let phase = args.chunks.max(8);
     let l1_slots = phase * WRITE_BEHIND_SLOTS_SHARE as u64 + 2 * args.clients as u64 + 16;
     let l1_bytes = (l1_slots * SLOT).to_string();
     let queue_bytes = (phase * (SLOT + HEADER_BYTES as u64))
@@ -201,11 +217,11 @@ pub fn run(args: &L2Args) -> Result<(), BenchError> {
     }
 
     // ---- L1: cross-node latency, 2 MiB.
-    let writer = Worker::new(&a.socket, SLOT)?;
-    let reader = Worker::new(&b.socket, SLOT)?;
+    let writer = Worker::new(&a.socket, SLOT, 1)?;
+    let reader = Worker::new(&b.socket, SLOT, 1)?;
     let mut a_control = RawConnection::connect(&a.socket)?;
     let mut b_control = RawConnection::connect(&b.socket)?;
-    let batch = keys.fresh(args.chunks.max(8));
+    let batch = keys.fresh(args.chunks.clamp(8, 128));
     for key in &batch {
         writer.store(key, SLOT)?;
     }
@@ -266,112 +282,32 @@ pub fn run(args: &L2Args) -> Result<(), BenchError> {
         "target <= 2",
     );
 
-    // ---- L2: throughput, 256 KiB and 2 MiB, `clients` clients.
+    // ---- L2: throughput, 256 KiB and 2 MiB, 1 and `clients` clients, median of rounds.
+    let phases = Phases {
+        a: &a,
+        b: &b,
+        seeds: &seeds,
+        namespace: &namespace,
+        header_bytes,
+        chunks: args.chunks,
+        batch: args.batch,
+    };
+    let mut client_counts = vec![1, args.clients];
+    client_counts.dedup();
     for chunk in [256 << 10, SLOT] {
-        let per_client: Vec<Vec<Vec<u8>>> =
-            (0..args.clients).map(|_| keys.fresh(args.chunks)).collect();
-        let total = (args.clients as u64) * args.chunks;
-        let before = l2_ops(&mut a_control)?;
-        let started = Instant::now();
-        in_clients(&per_client, |keys| {
-            let worker = Worker::new(&a.socket, chunk)?;
-            for key in keys {
-                worker.store(key, chunk)?;
+        for &clients in &client_counts {
+            let mut rounds = Vec::new();
+            for round in 0..args.rounds {
+                progress(&format!(
+                    "L2 {} KiB, {clients} client(s): round {} of {}",
+                    chunk >> 10,
+                    round + 1,
+                    args.rounds
+                ));
+                rounds.push(phases.round(&mut keys, &mut a_control, &redis, chunk, clients)?);
             }
-            Ok(())
-        })?;
-        wait_l2_ops(&mut a_control, before + total)?;
-        let write_behind = rate(total * chunk, started.elapsed());
-        let drops = l2_field(&mut a_control, "write_drops")?;
-        let missed = std::sync::atomic::AtomicU64::new(0);
-        let started = Instant::now();
-        in_clients(&per_client, |keys| {
-            let worker = Worker::new(&b.socket, chunk)?;
-            for key in keys {
-                // A read past --l2-timeout-ms is a miss by design: counted, not fatal.
-                if worker.retrieve(key)? != Some(chunk) {
-                    missed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                }
-            }
-            Ok(())
-        })?;
-        let missed = missed.into_inner();
-        let read_through = rate((total - missed) * chunk, started.elapsed());
-        let value = vec![7u8; chunk as usize + header_bytes];
-        let set_keys: Vec<Vec<Vec<u8>>> = per_client
-            .iter()
-            .map(|keys| {
-                keys.iter()
-                    .map(|key| {
-                        let mut name = namespace.redis_key(&own_tenant_key(key));
-                        name.extend_from_slice(b":baseline");
-                        name
-                    })
-                    .collect()
-            })
-            .collect();
-        let started = Instant::now();
-        in_clients(&set_keys, |names| {
-            let redis = Redis::connect(&seeds)?;
-            for name in names {
-                redis.set(name, &value)?;
-            }
-            Ok(())
-        })?;
-        let set = rate(total * chunk, started.elapsed());
-        let started = Instant::now();
-        in_clients(&set_keys, |names| {
-            let redis = Redis::connect(&seeds)?;
-            for name in names {
-                redis.get(name)?;
-            }
-            Ok(())
-        })?;
-        let get = rate(total * chunk, started.elapsed());
-        let size = format!("{} KiB", chunk >> 10);
-        let how = format!(
-            "{} clients x {} chunks of {size}",
-            args.clients, args.chunks
-        );
-        figure(
-            "L2",
-            &format!("write_behind_{}k", chunk >> 10),
-            format!("{write_behind:.1}"),
-            "MiB/s",
-            &format!("{how}, until L2 held them ({drops} dropped so far)"),
-        );
-        figure(
-            "L2",
-            &format!("redis_set_{}k", chunk >> 10),
-            format!("{set:.1}"),
-            "MiB/s",
-            &format!("{how}, cluster SET, same run"),
-        );
-        figure(
-            "L2",
-            &format!("read_through_{}k", chunk >> 10),
-            format!("{read_through:.1}"),
-            "MiB/s",
-            &format!("{how}, first retrieve through node B, {missed} missed (timed out)"),
-        );
-        figure(
-            "L2",
-            &format!("redis_get_{}k", chunk >> 10),
-            format!("{get:.1}"),
-            "MiB/s",
-            &format!("{how}, cluster GET, same run"),
-        );
-        figure(
-            "L2",
-            &format!("ratio_{}k", chunk >> 10),
-            format!(
-                "{:.2}/{:.2}",
-                write_behind / set.max(1e-9),
-                read_through / get.max(1e-9)
-            ),
-            "x",
-            "write-behind/SET and read-through/GET; target >= 0.7 each",
-        );
+            print_rounds(&rounds, chunk, clients, args.chunks, args.batch);
+        }
     }
 
     let Some(cluster) = cluster.as_mut() else {
@@ -590,6 +526,260 @@ pub fn run(args: &L2Args) -> Result<(), BenchError> {
     Ok(())
 }
 
+/// One round of the L2 throughput phases, MiB/s each.
+#[derive(Clone, Copy, Debug, Default)]
+struct Round {
+    write_behind: f64,
+    set: f64,
+    read_through: f64,
+    get: f64,
+    batch_read_through: f64,
+    batch_get: f64,
+    /// Retrieves through B that missed (a read past --l2-timeout-ms is a miss by design).
+    missed: u64,
+    /// Writes through A that failed, timed out or were dropped.
+    failed: u64,
+}
+
+/// What every round shares: the two servers, the cluster, the sizes.
+struct Phases<'a> {
+    a: &'a super::process::ServerProcess,
+    b: &'a super::process::ServerProcess,
+    seeds: &'a [String],
+    namespace: &'a Namespace,
+    header_bytes: usize,
+    /// Chunks per phase, split among the clients.
+    chunks: u64,
+    /// Items per `retrieve_batch` (and GETs per pipeline).
+    batch: u64,
+}
+
+impl Phases<'_> {
+    /// Write-behind through A against SET, read-through through B against GET, then
+    /// `retrieve_batch` through B against pipelined GETs; every key deleted after.
+    fn round(
+        &self,
+        keys: &mut Keys,
+        a_control: &mut RawConnection,
+        redis: &Redis,
+        chunk: u64,
+        clients: usize,
+    ) -> Result<Round, BenchError> {
+        let per_client = (self.chunks / clients as u64).max(1);
+        let total = per_client * clients as u64;
+        let singles: Vec<Vec<Vec<u8>>> = (0..clients).map(|_| keys.fresh(per_client)).collect();
+        let batch = self.batch.min(per_client).max(1);
+        let batches_per_client = (per_client / 2 / batch).max(1);
+        let batched: Vec<Vec<Vec<u8>>> = (0..clients)
+            .map(|_| keys.fresh(batches_per_client * batch))
+            .collect();
+        let batched_total = batches_per_client * batch * clients as u64;
+        let failed_before = failed_ops(a_control)?;
+
+        // Write-behind: stores through A until L2 holds them.
+        let before = l2_ops(a_control)?;
+        let started = Instant::now();
+        in_clients(&singles, |keys| {
+            let worker = Worker::new(&self.a.socket, chunk, 1)?;
+            keys.iter().try_for_each(|key| worker.store(key, chunk))
+        })?;
+        wait_l2_ops(a_control, before + total)?;
+        let write_behind = rate(total * chunk, started.elapsed());
+        // The batch phase's chunks, stored untimed.
+        let before = l2_ops(a_control)?;
+        in_clients(&batched, |keys| {
+            let worker = Worker::new(&self.a.socket, chunk, 1)?;
+            keys.iter().try_for_each(|key| worker.store(key, chunk))
+        })?;
+        wait_l2_ops(a_control, before + batched_total)?;
+        let failed = failed_ops(a_control)? - failed_before;
+
+        let missed = std::sync::atomic::AtomicU64::new(0);
+        let started = Instant::now();
+        in_clients(&singles, |keys| {
+            let worker = Worker::new(&self.b.socket, chunk, 1)?;
+            for key in keys {
+                if worker.retrieve(key)? != Some(chunk) {
+                    missed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+            Ok(())
+        })?;
+        let missed_singles = missed.load(std::sync::atomic::Ordering::Relaxed);
+        let read_through = rate((total - missed_singles) * chunk, started.elapsed());
+        let started = Instant::now();
+        in_clients(&batched, |keys| {
+            let worker = Worker::new(&self.b.socket, chunk, batch)?;
+            for group in keys.chunks(batch as usize) {
+                let answers = worker.retrieve_batch(group)?;
+                let hits = answers
+                    .iter()
+                    .filter(|moved| **moved == Some(chunk))
+                    .count();
+                missed.fetch_add(
+                    (group.len() - hits) as u64,
+                    std::sync::atomic::Ordering::Relaxed,
+                );
+            }
+            Ok(())
+        })?;
+        let missed_batched = missed.load(std::sync::atomic::Ordering::Relaxed) - missed_singles;
+        let batch_read_through = rate((batched_total - missed_batched) * chunk, started.elapsed());
+
+        let value = vec![7u8; chunk as usize + self.header_bytes];
+        let baseline = |keys: &Vec<Vec<Vec<u8>>>| -> Vec<Vec<Vec<u8>>> {
+            keys.iter()
+                .map(|keys| {
+                    keys.iter()
+                        .map(|key| {
+                            let mut name = self.namespace.redis_key(&own_tenant_key(key));
+                            name.extend_from_slice(b":baseline");
+                            name
+                        })
+                        .collect()
+                })
+                .collect()
+        };
+        let (set_names, batch_names) = (baseline(&singles), baseline(&batched));
+        let started = Instant::now();
+        in_clients(&set_names, |names| {
+            let redis = Redis::connect(self.seeds)?;
+            names.iter().try_for_each(|name| redis.set(name, &value))
+        })?;
+        let set = rate(total * chunk, started.elapsed());
+        in_clients(&batch_names, |names| {
+            let redis = Redis::connect(self.seeds)?;
+            names.iter().try_for_each(|name| redis.set(name, &value))
+        })?;
+        let started = Instant::now();
+        in_clients(&set_names, |names| {
+            let redis = Redis::connect(self.seeds)?;
+            names.iter().try_for_each(|name| redis.get(name).map(drop))
+        })?;
+        let get = rate(total * chunk, started.elapsed());
+        let started = Instant::now();
+        in_clients(&batch_names, |names| {
+            let redis = Redis::connect(self.seeds)?;
+            names
+                .chunks(batch as usize)
+                .try_for_each(|group| redis.get_pipelined(group))
+        })?;
+        let batch_get = rate(batched_total * chunk, started.elapsed());
+
+        // Nothing of this round stays in Redis: the next one starts as empty.
+        let mut names: Vec<Vec<u8>> = set_names.into_iter().chain(batch_names).flatten().collect();
+        names.extend(
+            singles
+                .iter()
+                .chain(&batched)
+                .flatten()
+                .map(|key| self.namespace.redis_key(&own_tenant_key(key))),
+        );
+        redis.del(&names)?;
+        Ok(Round {
+            write_behind,
+            set,
+            read_through,
+            get,
+            batch_read_through,
+            batch_get,
+            missed: missed.into_inner(),
+            failed,
+        })
+    }
+}
+
+/// One figure of a round.
+type Pick = fn(&Round) -> f64;
+
+/// The median of `values` (the upper one of an even count).
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// Prints the median of each figure of `rounds`, and each ratio's median with every
+/// round's ratio.
+fn print_rounds(rounds: &[Round], chunk: u64, clients: usize, chunks: u64, batch: u64) {
+    let tag = format!("{}k_c{clients}", chunk >> 10);
+    let how = format!(
+        "{clients} client(s), {chunks} chunks of {} KiB a phase, median of {} rounds",
+        chunk >> 10,
+        rounds.len()
+    );
+    let missed: u64 = rounds.iter().map(|round| round.missed).sum();
+    let failed: u64 = rounds.iter().map(|round| round.failed).sum();
+    let of = |pick: fn(&Round) -> f64| median(rounds.iter().map(pick).collect());
+    let lines: [(&str, Pick, String); 6] = [
+        (
+            "write_behind",
+            |r| r.write_behind,
+            format!("{how}, stores through A until L2 held them ({failed} failed or dropped)"),
+        ),
+        (
+            "redis_set",
+            |r| r.set,
+            format!("{how}, cluster SET, same run"),
+        ),
+        (
+            "read_through",
+            |r| r.read_through,
+            format!("{how}, first retrieves through B (hits only: {missed} missed in all rounds)"),
+        ),
+        (
+            "redis_get",
+            |r| r.get,
+            format!("{how}, cluster GET, same run"),
+        ),
+        (
+            "batch_read_through",
+            |r| r.batch_read_through,
+            format!("{how}, retrieve_batch of {batch} L1 misses through B"),
+        ),
+        (
+            "redis_batch_get",
+            |r| r.batch_get,
+            format!("{how}, pipelines of {batch} cluster GETs, same run"),
+        ),
+    ];
+    for (name, pick, note) in &lines {
+        figure(
+            "L2",
+            &format!("{name}_{tag}"),
+            format!("{:.1}", of(*pick)),
+            "MiB/s",
+            note,
+        );
+    }
+    let ratios: [(&str, Pick, &str); 3] = [
+        (
+            "ratio_write_behind",
+            |r| r.write_behind / r.set.max(1e-9),
+            "write-behind / SET",
+        ),
+        (
+            "ratio_read_through",
+            |r| r.read_through / r.get.max(1e-9),
+            "read-through / GET",
+        ),
+        (
+            "ratio_batch",
+            |r| r.batch_read_through / r.batch_get.max(1e-9),
+            "retrieve_batch / pipelined GETs",
+        ),
+    ];
+    for (name, pick, what) in ratios {
+        let each: Vec<String> = rounds.iter().map(|r| format!("{:.2}", pick(r))).collect();
+        figure(
+            "L2",
+            &format!("{name}_{tag}"),
+            format!("{:.2}", of(pick)),
+            "x",
+            &format!("{what}, median of rounds {}; target >= 0.9", each.join(" ")),
+        );
+    }
+}
+
 /// MiB/s.
 fn rate(bytes: u64, elapsed: Duration) -> f64 {
     bytes as f64 / (1u64 << 20) as f64 / elapsed.as_secs_f64().max(1e-9)
@@ -689,7 +879,8 @@ impl Keys {
     }
 }
 
-/// A registered server-driven worker with one buffer of two chunks (source, target).
+/// A registered server-driven worker with one buffer: a source chunk, then `targets`
+/// target chunks.
 struct Worker {
     connection: std::cell::RefCell<RawConnection>,
     instance: u64,
@@ -699,14 +890,15 @@ struct Worker {
 }
 
 impl Worker {
-    fn new(socket: &std::path::Path, chunk: u64) -> Result<Worker, BenchError> {
-        let memfd = create("kvwarden-bench-l2", 2 * chunk)
+    fn new(socket: &std::path::Path, chunk: u64, targets: u64) -> Result<Worker, BenchError> {
+        let bytes = (1 + targets) * chunk;
+        let memfd = create("kvwarden-bench-l2", bytes)
             .map_err(BenchError::io("creating a worker's memfd"))?;
-        let mapping = SharedMapping::map(&memfd, 2 * chunk as usize)
+        let mapping = SharedMapping::map(&memfd, bytes as usize)
             .map_err(BenchError::io("mapping a worker's memfd"))?;
         let instance = instance_ids(1)[0];
         let mut connection = RawConnection::connect(socket)?;
-        connection.register(instance, vec![memfd_spec(0, 2 * chunk)], &[memfd.as_fd()])?;
+        connection.register(instance, vec![memfd_spec(0, bytes)], &[memfd.as_fd()])?;
         Ok(Worker {
             connection: std::cell::RefCell::new(connection),
             instance,
@@ -738,7 +930,7 @@ impl Worker {
         Ok(())
     }
 
-    /// Retrieves `key`, a chunk of this worker's size, into the target half: bytes
+    /// Retrieves `key`, a chunk of this worker's size, into the first target: bytes
     /// moved, or None on a miss.
     fn retrieve(&self, key: &[u8]) -> Result<Option<u64>, BenchError> {
         let moved = self.connection.borrow_mut().call(
@@ -752,6 +944,36 @@ impl Worker {
             ],
         )?;
         Ok(moved.as_u64())
+    }
+
+    /// Retrieves `keys` in one `retrieve_batch`, each into a target of its own: bytes
+    /// moved for each, or None on a miss.
+    fn retrieve_batch(&self, keys: &[Vec<u8>]) -> Result<Vec<Option<u64>>, BenchError> {
+        let items = keys
+            .iter()
+            .enumerate()
+            .map(|(i, key)| {
+                Value::Array(vec![
+                    Value::Binary(key.clone()),
+                    0u64.into(),
+                    ((1 + i as u64) * self.chunk).into(),
+                    self.chunk.into(),
+                ])
+            })
+            .collect();
+        let answers = self.connection.borrow_mut().call(
+            "retrieve_batch",
+            vec![self.instance.into(), Value::Array(items)],
+        )?;
+        match answers {
+            Value::Array(answers) if answers.len() == keys.len() => {
+                Ok(answers.iter().map(Value::as_u64).collect())
+            }
+            other => Err(BenchError::Failed(format!(
+                "retrieve_batch of {} keys answered {other}",
+                keys.len()
+            ))),
+        }
     }
 
     fn read_back(&self, nbytes: u64) -> Vec<u8> {
@@ -781,6 +1003,32 @@ impl Redis {
             .arg(name)
             .query(&mut *self.0.borrow_mut())
             .map_err(|error| BenchError::Failed(format!("GET: {error}")))
+    }
+
+    /// GETs of every name in one pipeline (redis-rs splits it by node).
+    fn get_pipelined(&self, names: &[Vec<u8>]) -> Result<(), BenchError> {
+        let mut pipe = redis::cluster::cluster_pipe();
+        for name in names {
+            pipe.cmd("GET").arg(name);
+        }
+        let values: Vec<Option<Vec<u8>>> = pipe
+            .query(&mut self.0.borrow_mut())
+            .map_err(|error| BenchError::Failed(format!("pipelined GET: {error}")))?;
+        std::hint::black_box(values);
+        Ok(())
+    }
+
+    /// Deletes every name.
+    fn del(&self, names: &[Vec<u8>]) -> Result<(), BenchError> {
+        for group in names.chunks(256) {
+            let mut pipe = redis::cluster::cluster_pipe();
+            for name in group {
+                pipe.cmd("DEL").arg(name).ignore();
+            }
+            pipe.exec(&mut self.0.borrow_mut())
+                .map_err(|error| BenchError::Failed(format!("DEL: {error}")))?;
+        }
+        Ok(())
     }
 
     fn set(&self, name: &[u8], value: &[u8]) -> Result<(), BenchError> {

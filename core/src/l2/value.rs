@@ -326,21 +326,31 @@ impl ValueFormat {
     }
 
     /// The payload of `value` read under chunk key `key` of `namespace` (at most
-    /// [`ValueFormat::read_limit_bytes`] + 1 bytes of it), once every check passed.
-    ///
-    /// Checks in order: the read bound ([`DecodeError::Oversized`]), long enough for
-    /// the magic, magic, version (another kind of server: [`DecodeError::Authenticated`]
-    /// or [`DecodeError::Unauthenticated`]), long enough for the header, a payload of at
-    /// most a slot ([`DecodeError::Oversized`]), payload length, then the checksum or
-    /// the MAC (compared in constant time). Never panics and never
-    /// allocates.
+    /// [`ValueFormat::read_limit_bytes`] + 1 bytes of it), once every check passed:
+    /// [`ValueFormat::check_head`] then [`ValueFormat::check_payload`]. Never panics and
+    /// never allocates.
     pub fn decode<'v>(
         &self,
         namespace: &Namespace,
         key: &[u8],
         value: &'v [u8],
     ) -> Result<&'v [u8], DecodeError> {
-        let len_bytes = value.len() as u64;
+        let (head, payload) = value.split_at(value.len().min(self.header_bytes()));
+        self.check_head(head, value.len() as u64)?;
+        self.check_payload(namespace, key, head, payload)?;
+        Ok(payload)
+    }
+
+    /// The checks that need only a value's first [`ValueFormat::header_bytes`] bytes
+    /// (`head`, fewer when the value is shorter) and its length `len_bytes`: what a
+    /// reader asks before it receives the payload, so that it knows where the payload
+    /// may go. Returns the payload's length, at most the largest payload.
+    ///
+    /// Checks in order: the read bound ([`DecodeError::Oversized`]), long enough for
+    /// the magic, magic, version (another kind of server: [`DecodeError::Authenticated`]
+    /// or [`DecodeError::Unauthenticated`]), long enough for the header, a payload of at
+    /// most a slot ([`DecodeError::Oversized`]), then the payload length.
+    pub fn check_head(&self, head: &[u8], len_bytes: u64) -> Result<u64, DecodeError> {
         let limit_bytes = self.read_limit_bytes();
         if len_bytes > limit_bytes {
             return Err(DecodeError::Oversized {
@@ -349,20 +359,18 @@ impl ValueFormat {
             });
         }
         let header_bytes = self.header_bytes();
-        let Some(magic) = value.first_chunk::<4>() else {
-            return Err(DecodeError::Truncated {
-                len_bytes,
-                need_bytes: header_bytes as u64,
-            });
+        let truncated = DecodeError::Truncated {
+            len_bytes,
+            need_bytes: header_bytes as u64,
+        };
+        let Some(magic) = head.first_chunk::<4>() else {
+            return Err(truncated);
         };
         if *magic != MAGIC {
             return Err(DecodeError::BadMagic { found: *magic });
         }
-        let Some(fixed) = value.first_chunk::<16>() else {
-            return Err(DecodeError::Truncated {
-                len_bytes,
-                need_bytes: header_bytes as u64,
-            });
+        let Some(fixed) = head.first_chunk::<16>() else {
+            return Err(truncated);
         };
         let version = u32::from_le_bytes(le_field(fixed, 4));
         match (version, &self.secret) {
@@ -371,15 +379,11 @@ impl ValueFormat {
             (FORMAT_VERSION, Some(_)) => return Err(DecodeError::Unauthenticated),
             (found, _) => return Err(DecodeError::OtherVersion { found }),
         }
-        let (Some(header), Some(payload)) = (value.get(..header_bytes), value.get(header_bytes..))
-        else {
-            return Err(DecodeError::Truncated {
-                len_bytes,
-                need_bytes: header_bytes as u64,
-            });
-        };
+        if head.len() < header_bytes || len_bytes < header_bytes as u64 {
+            return Err(truncated);
+        }
         let declared_bytes = u64::from_le_bytes(le_field(fixed, 8));
-        let actual_bytes = payload.len() as u64;
+        let actual_bytes = len_bytes - header_bytes as u64;
         if actual_bytes > self.max_payload_bytes {
             return Err(DecodeError::Oversized {
                 limit_bytes: self.max_payload_bytes.saturating_add(header_bytes as u64),
@@ -398,6 +402,27 @@ impl ValueFormat {
                 actual_bytes,
             });
         }
+        Ok(actual_bytes)
+    }
+
+    /// The check of the payload against the header `head` that
+    /// [`ValueFormat::check_head`] accepted: the checksum, or the MAC over the key
+    /// (compared in constant time).
+    pub fn check_payload(
+        &self,
+        namespace: &Namespace,
+        key: &[u8],
+        head: &[u8],
+        payload: &[u8],
+    ) -> Result<(), DecodeError> {
+        let header_bytes = self.header_bytes();
+        let (Some(fixed), Some(header)) = (head.first_chunk::<16>(), head.get(..header_bytes))
+        else {
+            return Err(DecodeError::Truncated {
+                len_bytes: (head.len() + payload.len()) as u64,
+                need_bytes: header_bytes as u64,
+            });
+        };
         match &self.secret {
             None => {
                 let stored = u64::from_le_bytes(le_field(header, 16));
@@ -414,7 +439,7 @@ impl ValueFormat {
                 }
             }
         }
-        Ok(payload)
+        Ok(())
     }
 }
 

@@ -19,9 +19,11 @@
 //! `--l2-tls-ca-file` (or the system's roots) and its name; there is no insecure mode.
 
 use super::config::L2Config;
+use super::direct::{Addr, Direct, Link};
 use redis::cluster::{ClusterClient, ClusterConnection};
 use redis::io::tcp::TcpSettings;
 use redis::{ConnectionInfo, ConnectionLike, IntoConnectionInfo, RedisError, RedisResult};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
@@ -38,7 +40,7 @@ const USER_TIMEOUT_FLOOR: Duration = Duration::from_secs(5);
 
 /// How long sent data may stay unacknowledged before the kernel drops the connection:
 /// 4 × the L2 timeout, at least [`USER_TIMEOUT_FLOOR`].
-fn user_timeout(timeout: Duration) -> Duration {
+pub(super) fn user_timeout(timeout: Duration) -> Duration {
     timeout.saturating_mul(4).max(USER_TIMEOUT_FLOOR)
 }
 
@@ -62,8 +64,8 @@ pub enum Mode {
 
 /// A connection to the L2 store.
 pub(super) enum Conn {
-    Cluster(Box<ClusterConnection>),
-    Single(redis::Connection),
+    Cluster(Box<ClusterConnection>, Addr),
+    Single(redis::Connection, Addr),
 }
 
 impl Conn {
@@ -101,7 +103,7 @@ impl Conn {
                 .arg("INFO")
                 .query::<String>(&mut connection)
             {
-                Ok(_) => return Conn::connect_cluster(config, timeout),
+                Ok(_) => return Conn::connect_cluster(config, timeout, seed_addr(seed)?),
                 Err(error) if is_server_refusal(&error) => {
                     if seeds.len() > 1 && !PLAIN_WITH_SEEDS_WARNED.swap(true, Ordering::Relaxed) {
                         tracing::warn!(
@@ -109,7 +111,7 @@ impl Conn {
                             "L2: the seed is a plain Redis, not a cluster node; only it is used, the other seeds are ignored"
                         );
                     }
-                    return Ok(Conn::Single(connection));
+                    return Ok(Conn::Single(connection, seed_addr(seed)?));
                 }
                 Err(error) => last_error = Some(error),
             }
@@ -118,7 +120,7 @@ impl Conn {
             .unwrap_or_else(|| RedisError::from((redis::ErrorKind::Client, "no L2 seed"))))
     }
 
-    fn connect_cluster(config: &L2Config, timeout: Duration) -> RedisResult<Conn> {
+    fn connect_cluster(config: &L2Config, timeout: Duration, seed: Addr) -> RedisResult<Conn> {
         let mut builder = ClusterClient::builder(config.seeds.clone())
             .connection_timeout(timeout)
             .response_timeout(timeout)
@@ -137,15 +139,38 @@ impl Conn {
         }
         let connection = builder.build()?.get_connection()?;
         connection.set_write_timeout(Some(timeout))?;
-        Ok(Conn::Cluster(Box::new(connection)))
+        Ok(Conn::Cluster(Box::new(connection), seed))
+    }
+
+    /// The data path's map of this store: the seed of a plain Redis, or the cluster's
+    /// masters by hash slot (`CLUSTER SLOTS`, asked anew each call).
+    pub(super) fn direct(&mut self, link: &Arc<Link>) -> RedisResult<Direct> {
+        match self {
+            Conn::Single(_, seed) => Ok(Direct::single(Arc::clone(link), seed.clone())),
+            Conn::Cluster(connection, seed) => {
+                let slots = cluster_slots(connection)?;
+                Direct::cluster(Arc::clone(link), &slots, seed).map_err(map_error)
+            }
+        }
+    }
+
+    /// Reads the cluster's slot map anew into `direct` (after a redirection).
+    pub(super) fn refresh(&mut self, direct: &mut Direct) -> RedisResult<()> {
+        match self {
+            Conn::Single(..) => Ok(()),
+            Conn::Cluster(connection, seed) => {
+                let slots = cluster_slots(connection)?;
+                direct.set_map(&slots, seed).map_err(map_error)
+            }
+        }
     }
 
     /// What this store is, in words: "a Redis Cluster of N masters" (from `CLUSTER
     /// NODES`) or "a single Redis node".
     pub(super) fn describe(&mut self) -> String {
         match self {
-            Conn::Single(_) => "a single Redis node (not a cluster)".to_string(),
-            Conn::Cluster(connection) => {
+            Conn::Single(..) => "a single Redis node (not a cluster)".to_string(),
+            Conn::Cluster(connection, _) => {
                 let nodes: RedisResult<String> = redis::cmd("CLUSTER")
                     .arg("NODES")
                     .query(connection.as_mut());
@@ -166,15 +191,15 @@ impl Conn {
     /// Which kind of store this is.
     pub(super) fn mode(&self) -> Mode {
         match self {
-            Conn::Cluster(_) => Mode::Cluster,
-            Conn::Single(_) => Mode::Single,
+            Conn::Cluster(..) => Mode::Cluster,
+            Conn::Single(..) => Mode::Single,
         }
     }
 
     fn like(&mut self) -> &mut dyn ConnectionLike {
         match self {
-            Conn::Cluster(connection) => connection.as_mut(),
-            Conn::Single(connection) => connection,
+            Conn::Cluster(connection, _) => connection.as_mut(),
+            Conn::Single(connection, _) => connection,
         }
     }
 
@@ -217,14 +242,14 @@ impl Conn {
     /// `EXISTS` of each name, pipelined (split by node in a cluster): one answer each.
     pub(super) fn exists_each(&mut self, names: &[Vec<u8>]) -> RedisResult<Vec<bool>> {
         match self {
-            Conn::Cluster(connection) => {
+            Conn::Cluster(connection, _) => {
                 let mut pipe = redis::cluster::cluster_pipe();
                 for name in names {
                     pipe.cmd("EXISTS").arg(name);
                 }
                 pipe.query(connection.as_mut())
             }
-            Conn::Single(connection) => {
+            Conn::Single(connection, _) => {
                 let mut pipe = redis::pipe();
                 for name in names {
                     pipe.cmd("EXISTS").arg(name);
@@ -232,6 +257,26 @@ impl Conn {
                 pipe.query(connection)
             }
         }
+    }
+}
+
+fn cluster_slots(connection: &mut ClusterConnection) -> RedisResult<redis::Value> {
+    redis::cmd("CLUSTER").arg("SLOTS").query(connection)
+}
+
+fn map_error(message: String) -> RedisError {
+    RedisError::from((redis::ErrorKind::Client, "L2 cluster map", message))
+}
+
+/// The host and port of `seed`.
+fn seed_addr(seed: &str) -> RedisResult<Addr> {
+    match seed.into_connection_info()?.addr() {
+        redis::ConnectionAddr::Tcp(host, port)
+        | redis::ConnectionAddr::TcpTls { host, port, .. } => Ok(Addr {
+            host: host.clone(),
+            port: *port,
+        }),
+        other => Err(map_error(format!("a seed that is not TCP: {other:?}"))),
     }
 }
 

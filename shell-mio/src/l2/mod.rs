@@ -22,6 +22,8 @@
 mod config;
 mod connection;
 mod deadline;
+mod direct;
+mod worker;
 
 pub use config::{L2Auth, L2Config, L2ConfigError, L2Tls, MAX_THREADS, redact_seed};
 pub use connection::Mode;
@@ -120,6 +122,9 @@ pub enum L2SpawnError {
     /// The configuration was refused.
     #[error(transparent)]
     Config(#[from] L2ConfigError),
+    /// The TLS files were refused by the TLS client.
+    #[error("L2 TLS: {0}")]
+    Tls(String),
     /// A thread could not be started.
     #[error(
         "starting an L2 thread failed: {0}; raise the process's thread limit or lower --l2-threads"
@@ -128,18 +133,35 @@ pub enum L2SpawnError {
 }
 
 /// A read waiting for its answer, shared by the L2 thread that serves it and the
-/// deadline thread; whichever answers first wins, the other does nothing.
+/// deadline thread; whichever claims it first answers it, the other does nothing.
 struct PendingRead {
     token: u64,
     request: ReadRequest,
+    /// When the deadline thread answers it, if no L2 thread did; an L2 thread receiving
+    /// its payload gives up then too.
+    deadline: Instant,
+    /// Claimed: answered, or being received and placed by the one thread that will
+    /// answer it.
     answered: AtomicBool,
-    /// Where a hit's payload goes ([`L2Client::get_into`]); called only by whoever
-    /// claimed the answer, before it is reported.
-    place: Mutex<Option<Place>>,
+    /// Where a hit's payload goes ([`L2Client::get_into`]); taken only by whoever
+    /// claimed the read.
+    landing: Mutex<Option<Box<dyn Landing>>>,
 }
 
-/// Places a hit's payload; false when it could not (too large, say).
-type Place = Box<dyn FnOnce(&[u8]) -> bool + Send>;
+/// Where the payload of a hit of [`L2Client::get_into`] lands: an L2 thread receives it
+/// from the socket straight into [`Landing::room`], checks it there, then tells
+/// [`Landing::landed`]. Both are called only by the thread that claimed the read, before
+/// its answer is reported, and never once it was answered otherwise (timed out, or
+/// given up with [`L2Read::cancel`]).
+pub trait Landing: Send {
+    /// The memory a payload of `nbytes` is received into, this read's alone until it is
+    /// answered; None when it cannot hold it (the read is then answered `Absent`). What
+    /// it holds after a read that was not answered `Hit` is garbage.
+    fn room(&mut self, nbytes: usize) -> Option<&mut [u8]>;
+    /// The `nbytes` in the room passed every check (the checksum or the MAC): pass them
+    /// on. Called once, and only then.
+    fn landed(&mut self, nbytes: usize);
+}
 
 enum ReadRequest {
     Get(Vec<u8>),
@@ -188,6 +210,11 @@ struct Shared {
     mode: Mutex<Option<Mode>>,
     /// Why the latest connection attempt failed (cleared by one that succeeds).
     last_error: Mutex<Option<String>>,
+    /// How the data path connects (TLS, credentials).
+    link: Arc<direct::Link>,
+    /// The waker was woken and the loop has not drained since: completions that arrive
+    /// meanwhile need no wake of their own.
+    woken: AtomicBool,
 }
 
 /// The L2 client: a handle on the L2 threads.
@@ -206,6 +233,7 @@ impl L2Client {
         let waker = waker.into();
         config.validate()?;
         config::install_crypto_provider();
+        let link = Arc::new(direct::Link::new(&config).map_err(L2SpawnError::Tls)?);
         let threads = config.threads;
         let shared = Arc::new(Shared {
             work: Mutex::new(Work {
@@ -225,6 +253,8 @@ impl L2Client {
             corrupt_hasher: RandomState::new(),
             mode: Mutex::new(None),
             last_error: Mutex::new(None),
+            link,
+            woken: AtomicBool::new(false),
         });
         let client = L2Client {
             shared: Arc::clone(&shared),
@@ -285,22 +315,18 @@ impl L2Client {
         self.shared.submit_read(token, ReadRequest::Get(key), None);
     }
 
-    /// Reads `key` and, on a hit, hands its payload to `place` on the L2 thread before
-    /// the answer is reported (as [`L2Completion::Read`] with `placed`; a hit that
-    /// `place` refuses is reported `Absent`). `place` is never called once the read
-    /// was answered otherwise (timed out, or given up with [`L2Read::cancel`]), so a
-    /// caller may write into memory it keeps for this read until the answer comes.
-    pub fn get_into(
-        &self,
-        token: u64,
-        key: Vec<u8>,
-        place: impl FnOnce(&[u8]) -> bool + Send + 'static,
-    ) -> L2Read {
+    /// Reads `key` and, on a hit, receives its payload into `landing` on the L2 thread
+    /// before the answer is reported (as [`L2Completion::Read`] with `placed`; a hit
+    /// that `landing` has no room for is reported `Absent`). `landing` is never touched
+    /// once the read was answered otherwise (timed out, or given up with
+    /// [`L2Read::cancel`]), so a caller may receive into memory it keeps for this read
+    /// until the answer comes.
+    pub fn get_into(&self, token: u64, key: Vec<u8>, landing: impl Landing + 'static) -> L2Read {
         L2Read {
             shared: Arc::clone(&self.shared),
             pending: self
                 .shared
-                .submit_read(token, ReadRequest::Get(key), Some(Box::new(place))),
+                .submit_read(token, ReadRequest::Get(key), Some(Box::new(landing))),
         }
     }
 
@@ -313,6 +339,8 @@ impl L2Client {
 
     /// Takes every result that arrived since the last call.
     pub fn drain(&self) -> VecDeque<L2Completion> {
+        // Cleared first: a result that arrives after the take below wakes the loop again.
+        self.shared.woken.store(false, Ordering::Release);
         std::mem::take(
             &mut *self
                 .shared
@@ -442,12 +470,6 @@ impl L2Read {
     }
 }
 
-/// What an L2 thread takes next.
-enum Job {
-    Read(Arc<PendingRead>),
-    Write(WriteTask, u64),
-}
-
 impl Shared {
     fn lock_work(&self) -> std::sync::MutexGuard<'_, Work> {
         self.work.lock().unwrap_or_else(|e| e.into_inner())
@@ -461,13 +483,15 @@ impl Shared {
         &self,
         token: u64,
         request: ReadRequest,
-        place: Option<Place>,
+        landing: Option<Box<dyn Landing>>,
     ) -> Arc<PendingRead> {
+        let deadline = Instant::now() + self.config.timeout;
         let pending = Arc::new(PendingRead {
             token,
             request,
+            deadline,
             answered: AtomicBool::new(false),
-            place: Mutex::new(place),
+            landing: Mutex::new(landing),
         });
         let mut work = self.lock_work();
         if work.shutdown || work.reads.len() >= READS_WAITING_MAX {
@@ -477,92 +501,75 @@ impl Shared {
         }
         work.reads.push_back(Arc::clone(&pending));
         drop(work);
-        self.deadlines
-            .add(Instant::now() + self.config.timeout, Arc::clone(&pending));
+        self.deadlines.add(deadline, Arc::clone(&pending));
         self.work_ready.notify_one();
         pending
     }
 
-    /// Answers `pending` unless it was answered already; counts and reports the answer.
-    fn answer(&self, pending: &PendingRead, outcome: Answer) -> bool {
-        if pending.answered.swap(true, Ordering::AcqRel) {
-            return false;
-        }
-        let completion = match (&pending.request, outcome) {
-            (ReadRequest::Get(key), Answer::Read(outcome, value)) => {
-                let place = pending
-                    .place
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .take();
-                let (outcome, payload, placed) = match (outcome, value, place) {
-                    (ReadOutcome::Hit, Some(value), Some(place)) => {
-                        let payload = value
-                            .get(self.config.format.header_bytes()..)
-                            .unwrap_or_default();
-                        if place(payload) {
-                            (ReadOutcome::Hit, None, Some(payload.len() as u64))
-                        } else {
-                            (ReadOutcome::Absent, None, None)
-                        }
-                    }
-                    (outcome, value, _) => (
-                        outcome,
-                        value.map(|mut value| {
-                            value.drain(..self.config.format.header_bytes().min(value.len()));
-                            value
-                        }),
-                        None,
-                    ),
-                };
-                self.lock_counters().record_read(outcome);
-                L2Completion::Read {
-                    token: pending.token,
-                    key: key.clone(),
-                    outcome,
-                    payload,
-                    placed,
-                }
-            }
-            (ReadRequest::Exists(_), Answer::Prefix(outcome)) => {
-                self.lock_counters()
-                    .record_failed_probe(outcome.op_result());
-                L2Completion::Prefix {
-                    token: pending.token,
-                    outcome,
-                }
-            }
-            // An answer of the other kind is a bug here; answering a miss is safe.
-            (ReadRequest::Get(key), Answer::Prefix(_)) => {
-                self.lock_counters().record_read(ReadOutcome::Failed);
-                L2Completion::Read {
-                    token: pending.token,
-                    key: key.clone(),
-                    outcome: ReadOutcome::Failed,
-                    payload: None,
-                    placed: None,
-                }
-            }
-            (ReadRequest::Exists(_), Answer::Read(..)) => {
-                self.lock_counters().record_failed_probe(OpResult::Failed);
-                L2Completion::Prefix {
-                    token: pending.token,
-                    outcome: PrefixOutcome::Failed,
-                }
-            }
-        };
-        self.complete(completion);
-        true
+    /// Claims `pending`: true for the one caller that answers it.
+    fn claim(&self, pending: &PendingRead) -> bool {
+        !pending.answered.swap(true, Ordering::AcqRel)
     }
 
-    /// Answers `pending` `TimedOut` unless it was answered already: true when this
+    /// Answers the `Get` `pending`, which the caller claimed; counts it.
+    fn report_read(
+        &self,
+        pending: &PendingRead,
+        outcome: ReadOutcome,
+        payload: Option<Vec<u8>>,
+        placed: Option<u64>,
+    ) {
+        let key = match &pending.request {
+            ReadRequest::Get(key) => key.clone(),
+            ReadRequest::Exists(_) => Vec::new(),
+        };
+        self.lock_counters().record_read(outcome);
+        self.complete(L2Completion::Read {
+            token: pending.token,
+            key,
+            outcome,
+            payload,
+            placed,
+        });
+    }
+
+    /// Answers the existence check `pending`, which the caller claimed; counts it.
+    fn report_prefix(&self, pending: &PendingRead, outcome: PrefixOutcome) {
+        self.lock_counters()
+            .record_failed_probe(outcome.op_result());
+        self.complete(L2Completion::Prefix {
+            token: pending.token,
+            outcome,
+        });
+    }
+
+    /// Claims and answers `pending` without a payload, unless it was claimed already.
+    fn settle(&self, pending: &PendingRead, outcome: ReadOutcome) {
+        if self.claim(pending) {
+            match pending.request {
+                ReadRequest::Get(_) => self.report_read(pending, outcome, None, None),
+                ReadRequest::Exists(_) => self.report_prefix(
+                    pending,
+                    match outcome.op_result() {
+                        OpResult::TimedOut => PrefixOutcome::TimedOut,
+                        _ => PrefixOutcome::Failed,
+                    },
+                ),
+            }
+        }
+    }
+
+    /// Answers `pending` `TimedOut` unless it was claimed already: true when this
     /// answered it.
     fn time_out(&self, pending: &PendingRead) -> bool {
-        let answer = match pending.request {
-            ReadRequest::Get(_) => Answer::Read(ReadOutcome::TimedOut, None),
-            ReadRequest::Exists(_) => Answer::Prefix(PrefixOutcome::TimedOut),
-        };
-        self.answer(pending, answer)
+        if !self.claim(pending) {
+            return false;
+        }
+        match pending.request {
+            ReadRequest::Get(_) => self.report_read(pending, ReadOutcome::TimedOut, None, None),
+            ReadRequest::Exists(_) => self.report_prefix(pending, PrefixOutcome::TimedOut),
+        }
+        true
     }
 
     fn complete(&self, completion: L2Completion) {
@@ -573,220 +580,25 @@ impl Shared {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push_back(completion);
+        if self.woken.swap(true, Ordering::AcqRel) {
+            return; // the loop has not drained since its last wake: it takes this too
+        }
         if let Err(error) = self.waker.wake() {
             tracing::error!(%error, "waking the event loop for an L2 result failed");
         }
     }
 
-    /// An L2 thread: reads first (a caller waits for them), then writes.
-    fn serve(&self) {
-        let mut conn: Option<Conn> = None;
-        loop {
-            let job = {
-                let mut work = self.lock_work();
-                loop {
-                    if work.shutdown {
-                        return;
-                    }
-                    if let Some(pending) = work.reads.pop_front() {
-                        break Job::Read(pending);
-                    }
-                    if let Some((task, bytes)) = work.writes.pop() {
-                        work.writes_in_flight += 1;
-                        break Job::Write(task, bytes);
-                    }
-                    work = self
-                        .work_ready
-                        .wait(work)
-                        .unwrap_or_else(|e| e.into_inner());
-                }
-            };
-            match job {
-                Job::Read(pending) => {
-                    // Timed out while waiting for a thread: Redis is not asked at all.
-                    if pending.answered.load(Ordering::Acquire) {
-                        continue;
-                    }
-                    let answer = self.read(&mut conn, &pending.request);
-                    self.answer(&pending, answer);
-                }
-                Job::Write(task, bytes) => {
-                    let token = task.token;
-                    let (key, outcome) = self.write(&mut conn, task);
-                    {
-                        // Counted under the work lock, so that `finish_writes` counts
-                        // each write once: ended (here) or dropped (there).
-                        let mut work = self.lock_work();
-                        work.writes.complete(bytes);
-                        work.writes_in_flight = work.writes_in_flight.saturating_sub(1);
-                        self.lock_counters().record_write(outcome);
-                    }
-                    self.write_ended.notify_all();
-                    self.complete(L2Completion::Written {
-                        token,
-                        key,
-                        outcome,
-                    });
-                }
-            }
+    /// Logs a corrupt value once per key (true the first time).
+    fn first_corrupt(&self, key: &[u8]) -> bool {
+        let mut logged = self
+            .corrupt_logged
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if logged.len() >= CORRUPT_KEYS_LOGGED_MAX {
+            logged.clear();
         }
+        logged.insert(self.corrupt_hasher.hash_one(key))
     }
-
-    /// The thread's connection, made when missing.
-    fn connection<'a>(&self, conn: &'a mut Option<Conn>) -> redis::RedisResult<&'a mut Conn> {
-        if conn.is_none() {
-            let fresh = match Conn::connect(&self.config, self.config.timeout) {
-                Ok(fresh) => fresh,
-                Err(error) => {
-                    *self.last_error.lock().unwrap_or_else(|e| e.into_inner()) =
-                        Some(describe_error(&error));
-                    return Err(error);
-                }
-            };
-            *self.last_error.lock().unwrap_or_else(|e| e.into_inner()) = None;
-            let mut mode = self.mode.lock().unwrap_or_else(|e| e.into_inner());
-            if mode.is_none() {
-                tracing::info!(mode = ?fresh.mode(), seeds = ?self.config.seeds, "L2 connected");
-            }
-            *mode = Some(fresh.mode());
-            *conn = Some(fresh);
-        }
-        conn.as_mut()
-            .ok_or_else(|| redis::RedisError::from((redis::ErrorKind::Client, "no connection")))
-    }
-
-    fn read(&self, conn: &mut Option<Conn>, request: &ReadRequest) -> Answer {
-        match request {
-            ReadRequest::Get(key) => self.get(conn, key),
-            ReadRequest::Exists(keys) if keys.is_empty() => {
-                Answer::Prefix(PrefixOutcome::Present(0))
-            }
-            ReadRequest::Exists(keys) => {
-                let names: Vec<Vec<u8>> = keys
-                    .iter()
-                    .map(|key| self.config.namespace.redis_key(key))
-                    .collect();
-                let result = self
-                    .connection(conn)
-                    .and_then(|connection| connection.exists_each(&names));
-                match result {
-                    Ok(present) => Answer::Prefix(PrefixOutcome::Present(
-                        present.iter().take_while(|present| **present).count(),
-                    )),
-                    Err(error) => {
-                        *conn = None;
-                        tracing::debug!(%error, "L2 existence check failed");
-                        Answer::Prefix(if error.is_timeout() {
-                            PrefixOutcome::TimedOut
-                        } else {
-                            PrefixOutcome::Failed
-                        })
-                    }
-                }
-            }
-        }
-    }
-
-    fn get(&self, conn: &mut Option<Conn>, key: &[u8]) -> Answer {
-        let name = self.config.namespace.redis_key(key);
-        let result = self
-            .connection(conn)
-            .and_then(|connection| connection.get(&name, self.config.format.read_limit_bytes()));
-        match result {
-            Ok(None) => Answer::Read(ReadOutcome::Absent, None),
-            Ok(Some(value)) => match self
-                .config
-                .format
-                .decode(&self.config.namespace, key, &value)
-            {
-                // The payload stays where it is, after the header: no copy to move it.
-                Ok(_) => Answer::Read(ReadOutcome::Hit, Some(value)),
-                Err(error) => {
-                    self.discard_corrupt(conn, key, &name, &error.to_string());
-                    Answer::Read(ReadOutcome::Corrupt, None)
-                }
-            },
-            Err(error) if connection::is_wrong_type(&error) => {
-                self.discard_corrupt(conn, key, &name, &error.to_string());
-                Answer::Read(ReadOutcome::Corrupt, None)
-            }
-            Err(error) => {
-                *conn = None;
-                tracing::debug!(%error, "L2 read failed");
-                Answer::Read(
-                    if error.is_timeout() {
-                        ReadOutcome::TimedOut
-                    } else {
-                        ReadOutcome::Failed
-                    },
-                    None,
-                )
-            }
-        }
-    }
-
-    /// Logs a corrupt value once per key and deletes it. Deleting may race with another
-    /// node writing a good value under the same key; losing that value costs one miss.
-    fn discard_corrupt(&self, conn: &mut Option<Conn>, key: &[u8], name: &[u8], why: &str) {
-        let first_time = {
-            let mut logged = self
-                .corrupt_logged
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
-            if logged.len() >= CORRUPT_KEYS_LOGGED_MAX {
-                logged.clear();
-            }
-            logged.insert(self.corrupt_hasher.hash_one(key))
-        };
-        if first_time {
-            tracing::warn!(
-                key = %String::from_utf8_lossy(name),
-                reason = why,
-                "L2 value is corrupt: answered as a miss and deleted"
-            );
-        }
-        let deleted = self
-            .connection(conn)
-            .and_then(|connection| connection.del(name));
-        if let Err(error) = deleted {
-            *conn = None;
-            tracing::debug!(%error, "deleting a corrupt L2 value failed; it stays a miss");
-        }
-    }
-
-    fn write(&self, conn: &mut Option<Conn>, task: WriteTask) -> (Vec<u8>, WriteOutcome) {
-        let name = self.config.namespace.redis_key(&task.key);
-        let payload = (*task.payload).as_ref();
-        let header = self
-            .config
-            .format
-            .header(&self.config.namespace, &task.key, payload);
-        let result = self.connection(conn).and_then(|connection| {
-            connection.set(&name, header.as_ref(), payload, self.config.ttl)
-        });
-        // The caller's bytes (perhaps an L1 slot kept from eviction) are free from here.
-        drop(task.payload);
-        let outcome = match result {
-            Ok(()) => WriteOutcome::Written,
-            Err(error) => {
-                *conn = None;
-                tracing::debug!(%error, "L2 write failed");
-                if error.is_timeout() {
-                    WriteOutcome::TimedOut
-                } else {
-                    WriteOutcome::Failed
-                }
-            }
-        };
-        (task.key, outcome)
-    }
-}
-
-/// An answer from an L2 thread or the deadline thread.
-enum Answer {
-    /// How a read ended, with a hit's whole value (its header, then the payload).
-    Read(ReadOutcome, Option<Vec<u8>>),
-    Prefix(PrefixOutcome),
 }
 
 #[cfg(test)]

@@ -51,6 +51,33 @@ fn spawn(config: L2Config) -> (mio::Poll, L2Client) {
     (poll, client)
 }
 
+/// A landing that records whether it was touched at all.
+struct Recorder {
+    touched: Arc<AtomicBool>,
+    room: Vec<u8>,
+}
+
+impl Recorder {
+    fn new(touched: Arc<AtomicBool>) -> Recorder {
+        Recorder {
+            touched,
+            room: Vec::new(),
+        }
+    }
+}
+
+impl Landing for Recorder {
+    fn room(&mut self, nbytes: usize) -> Option<&mut [u8]> {
+        self.touched.store(true, Ordering::SeqCst);
+        self.room = vec![0; nbytes];
+        Some(&mut self.room)
+    }
+
+    fn landed(&mut self, _nbytes: usize) {
+        self.touched.store(true, Ordering::SeqCst);
+    }
+}
+
 /// A loopback port with nothing listening.
 fn closed_port() -> u16 {
     let listener = TcpListener::bind("127.0.0.1:0").expect("a port");
@@ -174,7 +201,9 @@ fn reads_past_the_waiting_limit_are_answered_at_once_as_timed_out() {
     // A timeout no test outlasts: only the limit can answer these.
     let (mut poll, client) = spawn(config(seed, 600_000, 0));
     let over = 10;
-    for token in 0..(READS_WAITING_MAX + 2 + over) as u64 {
+    // Each of the 2 threads holds at most one batch (stuck connecting); the rest wait.
+    let held = 2 * worker::READ_BATCH_MAX;
+    for token in 0..(READS_WAITING_MAX + held + over) as u64 {
         client.get(token, vec![1]);
     }
     let completions = wait_for_completions(&mut poll, &client, over);
@@ -197,10 +226,7 @@ fn a_read_given_up_is_answered_timed_out_at_once_once_and_never_placed() {
     let (mut poll, client) = spawn(config(seed, 600_000, 1 << 20));
     let placed = Arc::new(AtomicBool::new(false));
     let placed_by_read = Arc::clone(&placed);
-    let read = client.get_into(5, b"chunk".to_vec(), move |_| {
-        placed_by_read.store(true, Ordering::SeqCst);
-        true
-    });
+    let read = client.get_into(5, b"chunk".to_vec(), Recorder::new(placed_by_read));
     assert!(read.cancel(), "the first cancel answers it");
     assert!(
         !read.cancel(),
@@ -221,4 +247,197 @@ fn a_read_given_up_is_answered_timed_out_at_once_once_and_never_placed() {
     };
     assert!(!placed.load(Ordering::SeqCst), "never placed");
     assert_eq!(client.counters().timeouts, 1);
+}
+
+/// How the fake store answers a `GETRANGE` of a key.
+#[derive(Clone)]
+enum Answer {
+    /// The whole value.
+    Value(Vec<u8>),
+    /// The reply line and the first `n` bytes of the value, then nothing (a store
+    /// stopped mid-reply).
+    Stall(Vec<u8>, usize),
+}
+
+/// A plain Redis stand-in on loopback: answers `CLUSTER` as a Redis without cluster
+/// support does, `GETRANGE` from `answers` (an empty string for other keys), and `+OK`
+/// to everything else. Each connection on a thread of its own.
+fn fake_store(answers: std::collections::HashMap<Vec<u8>, Answer>) -> String {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let listener = TcpListener::bind("127.0.0.1:0").expect("a port");
+    let seed = format!("redis://{}", listener.local_addr().expect("its address"));
+    let answers = Arc::new(answers);
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(stream) = stream else { return };
+            let answers = Arc::clone(&answers);
+            std::thread::spawn(move || {
+                let mut writer = stream.try_clone().expect("a second handle");
+                let mut reader = BufReader::new(stream);
+                let mut line = String::new();
+                loop {
+                    line.clear();
+                    if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                        return;
+                    }
+                    let count: usize = line.trim_start_matches('*').trim().parse().unwrap_or(0);
+                    let mut args = Vec::new();
+                    for _ in 0..count {
+                        line.clear();
+                        reader.read_line(&mut line).expect("a length");
+                        let len: usize = line
+                            .trim_start_matches('$')
+                            .trim()
+                            .parse()
+                            .expect("a number");
+                        let mut arg = vec![0; len + 2];
+                        reader.read_exact(&mut arg).expect("an argument");
+                        arg.truncate(len);
+                        args.push(arg);
+                    }
+                    let reply = match args.first().map(Vec::as_slice) {
+                        Some(b"CLUSTER") => {
+                            b"-ERR This instance has cluster support disabled\r\n".to_vec()
+                        }
+                        Some(b"GETRANGE") => match answers.get(&args[1]) {
+                            Some(Answer::Value(value)) => {
+                                let mut reply = format!("${}\r\n", value.len()).into_bytes();
+                                reply.extend_from_slice(value);
+                                reply.extend_from_slice(b"\r\n");
+                                reply
+                            }
+                            Some(Answer::Stall(value, n)) => {
+                                let mut reply = format!("${}\r\n", value.len()).into_bytes();
+                                reply.extend_from_slice(&value[..*n]);
+                                let _ = writer.write_all(&reply);
+                                std::thread::sleep(Duration::from_secs(3600));
+                                return;
+                            }
+                            None => b"$0\r\n\r\n".to_vec(),
+                        },
+                        _ => b"+OK\r\n".to_vec(),
+                    };
+                    if writer.write_all(&reply).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    seed
+}
+
+/// A landing that keeps what landed.
+struct Keeper {
+    room: Vec<u8>,
+    landed: Landed,
+    touched: Arc<AtomicBool>,
+}
+
+impl Landing for Keeper {
+    fn room(&mut self, nbytes: usize) -> Option<&mut [u8]> {
+        self.touched.store(true, Ordering::SeqCst);
+        self.room = vec![0; nbytes];
+        Some(&mut self.room)
+    }
+
+    fn landed(&mut self, nbytes: usize) {
+        *self.landed.lock().expect("the lock") = Some(self.room[..nbytes].to_vec());
+    }
+}
+
+/// What a [`Keeper`] landed.
+type Landed = Arc<Mutex<Option<Vec<u8>>>>;
+
+fn keeper() -> (Keeper, Landed, Arc<AtomicBool>) {
+    let landed = Arc::new(Mutex::new(None));
+    let touched = Arc::new(AtomicBool::new(false));
+    let keeper = Keeper {
+        room: Vec::new(),
+        landed: Arc::clone(&landed),
+        touched: Arc::clone(&touched),
+    };
+    (keeper, landed, touched)
+}
+
+#[test]
+fn only_a_whole_checked_value_lands_a_torn_or_stalled_one_never_does() {
+    let namespace = kvwarden_core::l2::Namespace::default();
+    let format = kvwarden_core::l2::ValueFormat::new(None, 1 << 20);
+    let payload: Vec<u8> = (0..300_000u32).map(|i| (i * 7) as u8).collect();
+    let good = format.encode(&namespace, b"good", &payload);
+    let mut torn = format.encode(&namespace, b"torn", &payload);
+    let last = torn.len() - 1;
+    torn[last] ^= 1; // the checksum no longer matches
+    let stalled = format.encode(&namespace, b"stalled", &payload);
+    let answers = [
+        (namespace.redis_key(b"good"), Answer::Value(good)),
+        (namespace.redis_key(b"torn"), Answer::Value(torn)),
+        (
+            namespace.redis_key(b"stalled"),
+            Answer::Stall(stalled, 100_000),
+        ),
+    ]
+    .into_iter()
+    .collect();
+    let seed = fake_store(answers);
+    let (mut poll, client) = spawn(config(seed, 300, 1 << 20));
+
+    // The control: a whole value with its checksum lands, byte for byte.
+    let (landing, landed, _) = keeper();
+    let _read = client.get_into(1, b"good".to_vec(), landing);
+    let got = wait_for_completions(&mut poll, &client, 1);
+    assert!(
+        matches!(&got[..], [L2Completion::Read { token: 1, outcome: ReadOutcome::Hit, placed: Some(n), .. }] if *n == payload.len() as u64),
+        "{got:?}"
+    );
+    assert_eq!(
+        landed.lock().expect("the lock").as_deref(),
+        Some(&payload[..])
+    );
+
+    // A flipped payload byte: received, checked, refused: a corrupt miss, never landed.
+    let (landing, landed, touched) = keeper();
+    let _read = client.get_into(2, b"torn".to_vec(), landing);
+    let got = wait_for_completions(&mut poll, &client, 1);
+    assert!(
+        matches!(
+            &got[..],
+            [L2Completion::Read {
+                token: 2,
+                outcome: ReadOutcome::Corrupt,
+                placed: None,
+                ..
+            }]
+        ),
+        "{got:?}"
+    );
+    assert!(
+        touched.load(Ordering::SeqCst),
+        "it was received into the room"
+    );
+    assert_eq!(*landed.lock().expect("the lock"), None, "but never landed");
+
+    // A store that stops a third of the way into the payload: timed out, never landed.
+    let (landing, landed, _) = keeper();
+    let _read = client.get_into(3, b"stalled".to_vec(), landing);
+    let got = wait_for_completions(&mut poll, &client, 1);
+    assert!(
+        matches!(
+            &got[..],
+            [L2Completion::Read {
+                token: 3,
+                outcome: ReadOutcome::TimedOut,
+                placed: None,
+                ..
+            }]
+        ),
+        "{got:?}"
+    );
+    assert_eq!(*landed.lock().expect("the lock"), None, "never landed");
+    let counters = client.counters();
+    assert_eq!(
+        (counters.hits, counters.corrupt, counters.timeouts),
+        (1, 1, 1)
+    );
 }

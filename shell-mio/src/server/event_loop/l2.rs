@@ -8,6 +8,49 @@ use kvwarden_core::node::l1::SlotId;
 use kvwarden_core::node::l2::{L2Delivery, L2Fetched, L2Presence, L2ReadId, L2WriteId};
 use std::sync::atomic::{AtomicBool, Ordering};
 
+/// Where an L2 hit lands: the slot the node reserved for it, then (with a target) the
+/// worker's buffer.
+struct SlotLanding {
+    pool: Arc<crate::memfd::SharedMapping>,
+    offset: u64,
+    slot_bytes: u64,
+    /// The worker's buffer: its context, buffer index, offset and the length asked for.
+    target: Option<(Arc<Context>, usize, u64, u64)>,
+    delivered: Arc<AtomicBool>,
+}
+
+impl crate::l2::Landing for SlotLanding {
+    fn room(&mut self, nbytes: usize) -> Option<&mut [u8]> {
+        if nbytes as u64 > self.slot_bytes {
+            return None; // written by a server with larger slots
+        }
+        let ptr = self.pool.range_ptr(self.offset, nbytes as u64)?;
+        // SAFETY: `range_ptr` checked that the range lies inside the pool, which `self`
+        // keeps mapped; the node reserved this slot for this read alone and keeps it so
+        // until `L2Got`, which the client reports only after it stopped using the room.
+        // Nothing in this process reads or writes a reserved slot meanwhile (an
+        // engine-driven worker that maps the pool and writes into it anyway writes into
+        // a slot that is not yet published: its bytes are never served unchecked).
+        Some(unsafe { std::slice::from_raw_parts_mut(ptr, nbytes) })
+    }
+
+    fn landed(&mut self, nbytes: usize) {
+        let nbytes = nbytes as u64;
+        // Delivered only at exactly the length the worker asked for: a value of another
+        // length is not its chunk (the node answers it as a miss).
+        if let Some((context, buffer, at, wanted)) = &self.target
+            && *wanted == nbytes
+            && let Some(buffer) = context.buffers.get(*buffer)
+            && at
+                .checked_add(nbytes)
+                .is_some_and(|end| end <= buffer.len())
+            && buffer.copy_from_l1(&self.pool, self.offset, *at, nbytes)
+        {
+            self.delivered.store(true, Ordering::Release);
+        }
+    }
+}
+
 /// An L2 read out with the client: the slot reserved for it, whether its `place`
 /// delivered into the worker's buffer too, and the handle that gives it up.
 pub(super) struct PendingL2Read {
@@ -58,39 +101,25 @@ impl Server {
             });
             return;
         };
-        // The L2 thread writes a hit straight into the reserved slot (the node keeps it
-        // reserved until `L2Got`, even past the deadline, and the client never places
-        // a read it already answered or gave up), then copies it on into the worker's
-        // buffer when it has the length asked for and fits there (the node counts the read as a copy on the
-        // context, so the buffer stays mapped): the loop and the pool copy nothing.
-        let pool = Arc::clone(self.l1.mapping());
-        let offset = self.l1.offset(slot);
-        let slot_bytes = self.l1.slot_bytes();
+        // The L2 thread receives a hit straight into the reserved slot (the node keeps
+        // it reserved until `L2Got`, even past the deadline, and the client never
+        // touches a landing of a read it already answered or gave up), then copies it
+        // on into the worker's buffer when it has the length asked for and fits there
+        // (the node counts the read as a copy on the context, so the buffer stays
+        // mapped): the loop and the pool copy nothing.
         let target = deliver.and_then(|deliver| {
             let context = Arc::clone(self.contexts.get(&deliver.context)?);
             Some((context, deliver.buffer, deliver.offset, deliver.nbytes))
         });
         let delivered = Arc::new(AtomicBool::new(false));
-        let delivered_by_place = Arc::clone(&delivered);
-        let handle = client.get_into(read.0, key, move |payload| {
-            let nbytes = payload.len() as u64;
-            if nbytes > slot_bytes || !pool.write(offset, payload) {
-                return false;
-            }
-            // Delivered only at exactly the length the worker asked for: a value of
-            // another length is not its chunk (the node answers it as a miss).
-            if let Some((context, buffer, at, wanted)) = target
-                && wanted == nbytes
-                && let Some(buffer) = context.buffers.get(buffer)
-                && at
-                    .checked_add(nbytes)
-                    .is_some_and(|end| end <= buffer.len())
-                && buffer.copy_from_l1(&pool, offset, at, nbytes)
-            {
-                delivered_by_place.store(true, Ordering::Release);
-            }
-            true
-        });
+        let landing = SlotLanding {
+            pool: Arc::clone(self.l1.mapping()),
+            offset: self.l1.offset(slot),
+            slot_bytes: self.l1.slot_bytes(),
+            target,
+            delivered: Arc::clone(&delivered),
+        };
+        let handle = client.get_into(read.0, key, landing);
         self.l2_reads.insert(
             read.0,
             PendingL2Read {

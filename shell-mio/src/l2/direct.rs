@@ -1,0 +1,589 @@
+//! The data path to Redis: one connection per node, speaking RESP itself, so that a
+//! value's bytes go from the socket straight to where they belong (a reserved L1 slot)
+//! and a slot's bytes from the pool straight to the socket, with no intermediate
+//! buffer of the value's size. redis-rs keeps the rest: finding out what the seeds are,
+//! the cluster's slot map (`CLUSTER SLOTS`), existence checks, deletes, and every
+//! command that is redirected (`MOVED`, `ASK`): then the caller retries through it and
+//! asks for a fresh map ([`Direct::mark_stale`]).
+//!
+//! Commands to one node are pipelined: a thread sends every `GETRANGE` (or `SET`) of a
+//! batch that goes to a node in one write, then reads the replies in order.
+//!
+//! Each connection presents the configured credentials (`AUTH`), is TLS (rustls, the
+//! server's certificate verified against `--l2-tls-ca-file` or the system's roots)
+//! exactly when the seeds are `rediss://`, is `TCP_NODELAY`, and every connect, send and
+//! receive gives up after the L2 timeout (a payload's receive: at the read's deadline).
+
+use super::config::L2Config;
+use std::io::{self, IoSlice, Read, Write};
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Redis Cluster's hash slots.
+const SLOTS: u16 = 16_384;
+
+/// Bytes read from a socket at a time for replies other than a payload (and for the
+/// first bytes of a payload that arrive with its reply line).
+const READ_BUFFER_BYTES: usize = 64 << 10;
+
+/// The hash slot of `name`: CRC16 (XMODEM) of its hash tag (`{…}`) or of all of it.
+pub(super) fn hash_slot(name: &[u8]) -> u16 {
+    let tagged = name
+        .iter()
+        .position(|&b| b == b'{')
+        .and_then(|open| {
+            let rest = &name[open + 1..];
+            let close = rest.iter().position(|&b| b == b'}')?;
+            (close > 0).then(|| &rest[..close])
+        })
+        .unwrap_or(name);
+    crc16::State::<crc16::XMODEM>::calculate(tagged) % SLOTS
+}
+
+/// How a connection is made: TLS or not, and the credentials.
+pub(super) struct Link {
+    tls: Option<Arc<rustls::ClientConfig>>,
+    username: Option<String>,
+    password: Option<String>,
+    timeout: Duration,
+}
+
+impl Link {
+    /// The link of `config`; an error names what in the TLS files rustls refused.
+    pub(super) fn new(config: &L2Config) -> Result<Link, String> {
+        let tls = if config.uses_tls() {
+            Some(Arc::new(tls_config(config)?))
+        } else {
+            None
+        };
+        Ok(Link {
+            tls,
+            username: config.auth.username.clone(),
+            password: config.auth.password.clone(),
+            timeout: config.timeout,
+        })
+    }
+}
+
+fn tls_config(config: &L2Config) -> Result<rustls::ClientConfig, String> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let mut roots = rustls::RootCertStore::empty();
+    match config.tls.as_ref().and_then(|tls| tls.ca_pem.as_ref()) {
+        Some(pem) => {
+            for cert in CertificateDer::pem_slice_iter(pem) {
+                let cert = cert.map_err(|error| format!("--l2-tls-ca-file: {error}"))?;
+                roots
+                    .add(cert)
+                    .map_err(|error| format!("--l2-tls-ca-file: {error}"))?;
+            }
+        }
+        None => {
+            for cert in rustls_native_certs::load_native_certs().certs {
+                // A system root rustls cannot use is skipped, as redis-rs does.
+                let _ = roots.add(cert);
+            }
+        }
+    }
+    let builder = rustls::ClientConfig::builder().with_root_certificates(roots);
+    match config.tls.as_ref().and_then(|tls| tls.client_pem.as_ref()) {
+        Some((chain, key)) => {
+            let chain = CertificateDer::pem_slice_iter(chain)
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|error| format!("--l2-tls-cert-file: {error}"))?;
+            let key = PrivateKeyDer::from_pem_slice(key)
+                .map_err(|error| format!("--l2-tls-key-file: {error}"))?;
+            builder
+                .with_client_auth_cert(chain, key)
+                .map_err(|error| format!("--l2-tls-cert-file with --l2-tls-key-file: {error}"))
+        }
+        None => Ok(builder.with_no_client_auth()),
+    }
+}
+
+/// A node's address as the cluster (or the seed) names it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct Addr {
+    pub(super) host: String,
+    pub(super) port: u16,
+}
+
+/// A socket, plain or TLS.
+enum Stream {
+    Plain(TcpStream),
+    Tls(Box<rustls::StreamOwned<rustls::ClientConnection, TcpStream>>),
+}
+
+impl Stream {
+    fn tcp(&self) -> &TcpStream {
+        match self {
+            Stream::Plain(tcp) => tcp,
+            Stream::Tls(tls) => &tls.sock,
+        }
+    }
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Stream::Plain(tcp) => tcp.read(buf),
+            Stream::Tls(tls) => tls.read(buf),
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Stream::Plain(tcp) => tcp.write(buf),
+            Stream::Tls(tls) => tls.write(buf),
+        }
+    }
+
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        match self {
+            Stream::Plain(tcp) => tcp.write_vectored(bufs),
+            Stream::Tls(tls) => tls.write_vectored(bufs),
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        match self {
+            Stream::Plain(tcp) => tcp.flush(),
+            Stream::Tls(tls) => tls.flush(),
+        }
+    }
+}
+
+/// The start of a reply.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Head {
+    /// A bulk string of this many bytes (which follow, then CRLF); None: nil.
+    Bulk(Option<usize>),
+    /// `+…`.
+    Simple(String),
+    /// `-…`.
+    Error(String),
+    /// `:…`.
+    Integer(i64),
+    /// Anything else (an array, a RESP3 type): never asked for here.
+    Other(u8),
+}
+
+impl Head {
+    /// A redirection (`MOVED`, `ASK`): retry through redis-rs.
+    pub(super) fn is_redirect(&self) -> bool {
+        matches!(self, Head::Error(message) if message.starts_with("MOVED ") || message.starts_with("ASK "))
+    }
+}
+
+/// The reply is not RESP as Redis writes it.
+fn protocol_error(what: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, format!("L2 reply: {what}"))
+}
+
+/// One connection to one Redis node.
+pub(super) struct NodeConn {
+    stream: Stream,
+    buffer: Box<[u8]>,
+    start: usize,
+    end: usize,
+    timeout: Duration,
+    /// The socket's read timeout now (lowered towards a read's deadline).
+    read_timeout: Duration,
+}
+
+impl NodeConn {
+    /// Connects to `addr` and authenticates, each step bounded by the link's timeout.
+    pub(super) fn connect(addr: &Addr, link: &Link) -> io::Result<NodeConn> {
+        let timeout = link.timeout;
+        let target: SocketAddr = (addr.host.as_str(), addr.port)
+            .to_socket_addrs()?
+            .next()
+            .ok_or_else(|| io::Error::other(format!("{}: no address", addr.host)))?;
+        let tcp = TcpStream::connect_timeout(&target, timeout)?;
+        tcp.set_nodelay(true)?;
+        tcp.set_read_timeout(Some(timeout))?;
+        tcp.set_write_timeout(Some(timeout))?;
+        #[cfg(target_os = "linux")]
+        {
+            let user = super::connection::user_timeout(timeout);
+            rustix::net::sockopt::set_tcp_user_timeout(
+                &tcp,
+                u32::try_from(user.as_millis()).unwrap_or(u32::MAX),
+            )?;
+        }
+        let stream = match &link.tls {
+            None => Stream::Plain(tcp),
+            Some(tls) => {
+                let name = rustls::pki_types::ServerName::try_from(addr.host.clone())
+                    .map_err(|error| io::Error::other(format!("{}: {error}", addr.host)))?;
+                let connection = rustls::ClientConnection::new(Arc::clone(tls), name)
+                    .map_err(io::Error::other)?;
+                Stream::Tls(Box::new(rustls::StreamOwned::new(connection, tcp)))
+            }
+        };
+        let mut conn = NodeConn {
+            stream,
+            buffer: vec![0; READ_BUFFER_BYTES].into_boxed_slice(),
+            start: 0,
+            end: 0,
+            timeout,
+            read_timeout: timeout,
+        };
+        if let Some(password) = &link.password {
+            let mut command = Vec::new();
+            match &link.username {
+                Some(user) => encode(
+                    &mut command,
+                    &[b"AUTH", user.as_bytes(), password.as_bytes()],
+                ),
+                None => encode(&mut command, &[b"AUTH", password.as_bytes()]),
+            }
+            conn.send(&mut [IoSlice::new(&command)])?;
+            match conn.head()? {
+                Head::Simple(_) => {}
+                Head::Error(message) => {
+                    return Err(io::Error::new(io::ErrorKind::PermissionDenied, message));
+                }
+                other => return Err(protocol_error(&format!("AUTH answered {other:?}"))),
+            }
+        }
+        Ok(conn)
+    }
+
+    /// Writes all of `slices`.
+    pub(super) fn send(&mut self, mut slices: &mut [IoSlice<'_>]) -> io::Result<()> {
+        IoSlice::advance_slices(&mut slices, 0);
+        while !slices.is_empty() {
+            let written = self.stream.write_vectored(slices)?;
+            if written == 0 {
+                return Err(io::ErrorKind::WriteZero.into());
+            }
+            IoSlice::advance_slices(&mut slices, written);
+        }
+        self.stream.flush()
+    }
+
+    fn fill(&mut self) -> io::Result<()> {
+        if self.start == self.end {
+            self.start = 0;
+            self.end = 0;
+        } else if self.end == self.buffer.len() {
+            self.buffer.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        let read = self.stream.read(&mut self.buffer[self.end..])?;
+        if read == 0 {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        self.end += read;
+        Ok(())
+    }
+
+    /// The next line (without its CRLF).
+    fn line(&mut self) -> io::Result<Vec<u8>> {
+        loop {
+            let held = &self.buffer[self.start..self.end];
+            if let Some(at) = held.windows(2).position(|pair| pair == b"\r\n") {
+                let line = held[..at].to_vec();
+                self.start += at + 2;
+                return Ok(line);
+            }
+            if self.end - self.start == self.buffer.len() {
+                return Err(protocol_error("a reply line longer than the read buffer"));
+            }
+            self.fill()?;
+        }
+    }
+
+    /// Reads the start of the next reply.
+    pub(super) fn head(&mut self) -> io::Result<Head> {
+        let line = self.line()?;
+        let (&kind, rest) = line
+            .split_first()
+            .ok_or_else(|| protocol_error("an empty line"))?;
+        let text = || String::from_utf8_lossy(rest).into_owned();
+        let number = || -> io::Result<i64> {
+            std::str::from_utf8(rest)
+                .ok()
+                .and_then(|text| text.parse().ok())
+                .ok_or_else(|| protocol_error("a length or integer that is not a number"))
+        };
+        Ok(match kind {
+            b'$' => match number()? {
+                -1 => Head::Bulk(None),
+                len => Head::Bulk(Some(
+                    usize::try_from(len).map_err(|_| protocol_error("a negative length"))?,
+                )),
+            },
+            b'+' => Head::Simple(text()),
+            b'-' => Head::Error(text()),
+            b':' => Head::Integer(number()?),
+            other => Head::Other(other),
+        })
+    }
+
+    /// Reads exactly `out.len()` bytes of a bulk string into `out`: what the read buffer
+    /// holds first, the rest straight from the socket. With `deadline`, gives up
+    /// (`TimedOut`) once it passes, each receive bounded by the time left.
+    pub(super) fn read_exact_into(
+        &mut self,
+        out: &mut [u8],
+        deadline: Option<Instant>,
+    ) -> io::Result<()> {
+        let buffered = (self.end - self.start).min(out.len());
+        out[..buffered].copy_from_slice(&self.buffer[self.start..self.start + buffered]);
+        self.start += buffered;
+        let mut filled = buffered;
+        let result = (|| {
+            while filled < out.len() {
+                if let Some(deadline) = deadline {
+                    self.bound_receive(deadline)?;
+                }
+                let read = self.stream.read(&mut out[filled..])?;
+                if read == 0 {
+                    return Err(io::ErrorKind::UnexpectedEof.into());
+                }
+                filled += read;
+            }
+            Ok(())
+        })();
+        if self.read_timeout != self.timeout {
+            self.read_timeout = self.timeout;
+            self.stream.tcp().set_read_timeout(Some(self.timeout))?;
+        }
+        result
+    }
+
+    /// Lowers the socket's read timeout towards `deadline` (halving steps, so that a
+    /// payload arriving at speed costs no system call); `TimedOut` once it passed.
+    fn bound_receive(&mut self, deadline: Instant) -> io::Result<()> {
+        let left = deadline
+            .checked_duration_since(Instant::now())
+            .filter(|left| !left.is_zero())
+            .ok_or(io::ErrorKind::TimedOut)?;
+        if left < self.read_timeout / 2 {
+            self.read_timeout = left;
+            self.stream.tcp().set_read_timeout(Some(left))?;
+        }
+        Ok(())
+    }
+
+    /// Skips `nbytes` of a bulk string.
+    pub(super) fn skip(&mut self, mut nbytes: usize) -> io::Result<()> {
+        while nbytes > 0 {
+            if self.start == self.end {
+                self.fill()?;
+            }
+            let taken = (self.end - self.start).min(nbytes);
+            self.start += taken;
+            nbytes -= taken;
+        }
+        Ok(())
+    }
+
+    /// The CRLF after a bulk string.
+    pub(super) fn crlf(&mut self) -> io::Result<()> {
+        let mut crlf = [0u8; 2];
+        self.read_exact_into(&mut crlf, None)?;
+        if &crlf == b"\r\n" {
+            Ok(())
+        } else {
+            Err(protocol_error("a bulk string not followed by CRLF"))
+        }
+    }
+}
+
+/// Appends the RESP array of `args` to `out`.
+pub(super) fn encode(out: &mut Vec<u8>, args: &[&[u8]]) {
+    encode_start(out, args.len(), args);
+}
+
+/// Appends the start of a RESP array of `count` arguments, of which `args` are the
+/// first; the caller sends the rest (each as `$LEN\r\n…\r\n`).
+pub(super) fn encode_start(out: &mut Vec<u8>, count: usize, args: &[&[u8]]) {
+    out.push(b'*');
+    out.extend_from_slice(count.to_string().as_bytes());
+    out.extend_from_slice(b"\r\n");
+    encode_args(out, args);
+}
+
+/// Appends each of `args` as a bulk string (arguments after an array's start).
+pub(super) fn encode_args(out: &mut Vec<u8>, args: &[&[u8]]) {
+    for arg in args {
+        encode_bulk_start(out, arg.len());
+        out.extend_from_slice(arg);
+        out.extend_from_slice(b"\r\n");
+    }
+}
+
+/// Appends `$LEN\r\n`.
+pub(super) fn encode_bulk_start(out: &mut Vec<u8>, len: usize) {
+    out.push(b'$');
+    out.extend_from_slice(len.to_string().as_bytes());
+    out.extend_from_slice(b"\r\n");
+}
+
+/// Where each hash slot's master is, as `CLUSTER SLOTS` said (or the one node of a
+/// plain Redis), with this thread's connection to each.
+pub(super) struct Direct {
+    link: Arc<Link>,
+    nodes: Vec<(Addr, Option<NodeConn>)>,
+    /// The node of each hash slot (an index into `nodes`); empty: one node, every slot.
+    owner: Vec<u16>,
+    stale: bool,
+}
+
+impl Direct {
+    /// One plain Redis at `addr`.
+    pub(super) fn single(link: Arc<Link>, addr: Addr) -> Direct {
+        Direct {
+            link,
+            nodes: vec![(addr, None)],
+            owner: Vec::new(),
+            stale: false,
+        }
+    }
+
+    /// A cluster, from the reply to `CLUSTER SLOTS`; `seed` stands for a node whose
+    /// address the reply leaves empty (the node that answered).
+    pub(super) fn cluster(
+        link: Arc<Link>,
+        slots: &redis::Value,
+        seed: &Addr,
+    ) -> Result<Direct, String> {
+        let mut direct = Direct {
+            link,
+            nodes: Vec::new(),
+            owner: vec![u16::MAX; usize::from(SLOTS)],
+            stale: false,
+        };
+        direct.set_map(slots, seed)?;
+        Ok(direct)
+    }
+
+    /// Replaces the slot map (keeping the connections to nodes still in it).
+    pub(super) fn set_map(&mut self, slots: &redis::Value, seed: &Addr) -> Result<(), String> {
+        use redis::Value;
+        let Value::Array(ranges) = slots else {
+            return Err(format!("CLUSTER SLOTS answered {slots:?}"));
+        };
+        let mut owner = vec![u16::MAX; usize::from(SLOTS)];
+        let mut nodes: Vec<(Addr, Option<NodeConn>)> = Vec::new();
+        for range in ranges {
+            let Value::Array(fields) = range else {
+                return Err(format!("a CLUSTER SLOTS range is {range:?}"));
+            };
+            let (Some(Value::Int(first)), Some(Value::Int(last)), Some(Value::Array(master))) =
+                (fields.first(), fields.get(1), fields.get(2))
+            else {
+                return Err(format!("a CLUSTER SLOTS range is {fields:?}"));
+            };
+            let host = match master.first() {
+                Some(Value::BulkString(host)) => String::from_utf8_lossy(host).into_owned(),
+                Some(Value::SimpleString(host)) => host.clone(),
+                _ => String::new(),
+            };
+            let Some(Value::Int(port)) = master.get(1) else {
+                return Err(format!("a CLUSTER SLOTS master is {master:?}"));
+            };
+            let addr = Addr {
+                host: if host.is_empty() || host == "?" {
+                    seed.host.clone()
+                } else {
+                    host
+                },
+                port: u16::try_from(*port).map_err(|_| format!("a port of {port}"))?,
+            };
+            let index = match nodes.iter().position(|(known, _)| *known == addr) {
+                Some(index) => index,
+                None => {
+                    let kept = self
+                        .nodes
+                        .iter_mut()
+                        .find(|(known, _)| *known == addr)
+                        .and_then(|(_, conn)| conn.take());
+                    nodes.push((addr, kept));
+                    nodes.len() - 1
+                }
+            };
+            let (first, last) = (
+                usize::try_from(*first).unwrap_or(usize::MAX),
+                usize::try_from(*last).unwrap_or(0),
+            );
+            for slot in owner.iter_mut().take(last.saturating_add(1)).skip(first) {
+                *slot = u16::try_from(index).unwrap_or(u16::MAX);
+            }
+        }
+        self.nodes = nodes;
+        self.owner = owner;
+        self.stale = false;
+        Ok(())
+    }
+
+    /// Whether a redirection said the map is out of date.
+    pub(super) fn stale(&self) -> bool {
+        self.stale
+    }
+
+    /// Asks for a fresh map before the next batch (after a redirection).
+    pub(super) fn mark_stale(&mut self) {
+        self.stale = true;
+    }
+
+    /// The node that serves `name`: None when no master serves its slot (the map
+    /// has a hole: the cluster is failing over).
+    pub(super) fn node_of(&self, name: &[u8]) -> Option<usize> {
+        if self.owner.is_empty() {
+            return Some(0);
+        }
+        let index = *self.owner.get(usize::from(hash_slot(name)))?;
+        (usize::from(index) < self.nodes.len()).then_some(usize::from(index))
+    }
+
+    /// The connection to node `index`, made when missing.
+    pub(super) fn conn(&mut self, index: usize) -> io::Result<&mut NodeConn> {
+        let (addr, conn) = self
+            .nodes
+            .get_mut(index)
+            .ok_or_else(|| io::Error::other("no such L2 node"))?;
+        if conn.is_none() {
+            *conn = Some(NodeConn::connect(addr, &self.link)?);
+        }
+        conn.as_mut()
+            .ok_or_else(|| io::Error::other("no connection"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hash_slots_are_redis_clusters() {
+        // The values of the Redis Cluster specification's examples.
+        assert_eq!(hash_slot(b"123456789"), 0x31c3 % SLOTS);
+        assert_eq!(hash_slot(b"foo"), 12_182);
+        assert_eq!(hash_slot(b"{user1000}.following"), hash_slot(b"user1000"));
+        assert_eq!(hash_slot(b"foo{}{bar}"), hash_slot(b"foo{}{bar}"));
+        assert_ne!(
+            hash_slot(b"foo{}{bar}"),
+            hash_slot(b"bar"),
+            "an empty tag is no tag"
+        );
+        assert_eq!(hash_slot(b"foo{{bar}}zap"), hash_slot(b"{bar"));
+    }
+
+    #[test]
+    fn commands_are_resp_arrays_of_bulk_strings() {
+        let mut out = Vec::new();
+        encode(&mut out, &[b"GETRANGE", b"k", b"0", b"10"]);
+        assert_eq!(
+            out,
+            b"*4\r\n$8\r\nGETRANGE\r\n$1\r\nk\r\n$1\r\n0\r\n$2\r\n10\r\n".to_vec()
+        );
+    }
+}

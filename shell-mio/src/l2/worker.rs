@@ -1,0 +1,708 @@
+//! An L2 thread: takes reads (first: a caller waits for them) or writes from the queue
+//! in batches, sends each batch's commands to a node as one pipeline over the data
+//! path ([`super::direct`]), and answers each as its reply arrives. A hit's payload is
+//! received straight into its [`Landing`] (or an owned buffer), checked there, and only
+//! then passed on; a value that fails a check is a counted miss, logged once per key and
+//! deleted.
+//!
+//! After any connection error the thread drops its connections; the next batch
+//! connects afresh and reads the slot map anew, which is how it learns of a failover.
+//! A redirected command (`MOVED`, `ASK`) is retried through redis-rs, which follows the
+//! redirection, and the map is read anew before the next batch.
+
+use super::connection::{self, Conn};
+use super::direct::{self, Direct, Head, NodeConn};
+use super::{Landing, PendingRead, PrefixOutcome, ReadRequest, Shared, WriteTask, describe_error};
+use kvwarden_core::l2::{MAC_HEADER_BYTES, ReadOutcome, WriteOutcome};
+use std::io::{self, IoSlice};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+/// Reads one thread takes at once: pipelined per node, so at most this many replies
+/// are in flight on a thread's connections.
+pub(super) const READ_BATCH_MAX: usize = 64;
+
+/// The most bytes the replies to one thread's batch of reads may hold (each counted as
+/// the largest value): a batch is received in order, so a large one would hold its last
+/// reads past their deadline; the rest of the queue goes to the other threads.
+const READ_BATCH_BYTES: u64 = 8 << 20;
+
+/// Writes one thread takes at once, and the most bytes they may hold together (at least
+/// one write is taken, however large): a pipeline's last reply waits for every value
+/// before it to be sent and stored.
+pub(super) const WRITE_BATCH_MAX: usize = 64;
+const WRITE_BATCH_BYTES: u64 = 8 << 20;
+
+/// A thread's connections: redis-rs's (topology, existence checks, deletes,
+/// redirections) and the data path's.
+struct Session {
+    conn: Conn,
+    direct: Direct,
+}
+
+/// What a thread takes next.
+enum Job {
+    Reads(Vec<Arc<PendingRead>>),
+    Writes(Vec<(WriteTask, u64)>),
+}
+
+/// How one reply of a pipeline ended for the connection.
+enum Next {
+    /// The connection is ready for the next reply.
+    Ready,
+    /// Redirected: retry through redis-rs.
+    Redirected,
+}
+
+/// A read's payload destination.
+enum Room {
+    Landing(Box<dyn Landing>),
+    Owned,
+}
+
+impl Shared {
+    /// The thread's loop, until shutdown.
+    pub(super) fn serve(&self) {
+        let mut session: Option<Session> = None;
+        while let Some(job) = self.next_job() {
+            match job {
+                Job::Reads(reads) => self.serve_reads(&mut session, reads),
+                Job::Writes(writes) => self.serve_writes(&mut session, writes),
+            }
+        }
+    }
+
+    fn next_job(&self) -> Option<Job> {
+        let mut work = self.lock_work();
+        loop {
+            if work.shutdown {
+                return None;
+            }
+            if !work.reads.is_empty() {
+                let take = work.reads.len().min(self.read_batch());
+                return Some(Job::Reads(work.reads.drain(..take).collect()));
+            }
+            let mut writes = Vec::new();
+            let mut bytes = 0u64;
+            while writes.len() < WRITE_BATCH_MAX && (writes.is_empty() || bytes < WRITE_BATCH_BYTES)
+            {
+                let Some((task, size)) = work.writes.pop() else {
+                    break;
+                };
+                bytes = bytes.saturating_add(size);
+                work.writes_in_flight += 1;
+                writes.push((task, size));
+            }
+            if !writes.is_empty() {
+                return Some(Job::Writes(writes));
+            }
+            work = self
+                .work_ready
+                .wait(work)
+                .unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// How many reads a thread takes at once.
+    fn read_batch(&self) -> usize {
+        let each = self.config.format.read_limit_bytes().max(1);
+        usize::try_from(READ_BATCH_BYTES / each)
+            .unwrap_or(usize::MAX)
+            .clamp(1, READ_BATCH_MAX)
+    }
+
+    /// The thread's session, made when missing (and its map read anew when stale).
+    fn session<'a>(&self, session: &'a mut Option<Session>) -> Option<&'a mut Session> {
+        if session.as_ref().is_some_and(|s| s.direct.stale()) {
+            let refreshed = session
+                .as_mut()
+                .map(|s| s.conn.refresh(&mut s.direct))
+                .unwrap_or(Ok(()));
+            if let Err(error) = refreshed {
+                tracing::debug!(%error, "reading the L2 slot map failed");
+                *session = None;
+            }
+        }
+        if session.is_none() {
+            let made = Conn::connect(&self.config, self.config.timeout)
+                .and_then(|mut conn| Ok((conn.direct(&self.link)?, conn)));
+            let (direct, conn) = match made {
+                Ok(made) => made,
+                Err(error) => {
+                    *self.last_error.lock().unwrap_or_else(|e| e.into_inner()) =
+                        Some(describe_error(&error));
+                    tracing::debug!(%error, "L2 connection failed");
+                    return None;
+                }
+            };
+            *self.last_error.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            let mut mode = self.mode.lock().unwrap_or_else(|e| e.into_inner());
+            if mode.is_none() {
+                tracing::info!(mode = ?conn.mode(), seeds = ?self.config.seeds, "L2 connected");
+            }
+            *mode = Some(conn.mode());
+            *session = Some(Session { conn, direct });
+        }
+        session.as_mut()
+    }
+
+    // ---------------------------------------------------------------- reads
+
+    fn serve_reads(&self, session: &mut Option<Session>, reads: Vec<Arc<PendingRead>>) {
+        // Timed out while waiting for a thread: Redis is not asked at all.
+        let reads: Vec<_> = reads
+            .into_iter()
+            .filter(|pending| !pending.answered.load(Ordering::Acquire))
+            .collect();
+        let (gets, checks): (Vec<_>, Vec<_>) = reads
+            .into_iter()
+            .partition(|pending| matches!(pending.request, ReadRequest::Get(_)));
+        if !gets.is_empty() {
+            self.serve_gets(session, gets);
+        }
+        for pending in checks {
+            self.serve_exists(session, &pending);
+        }
+    }
+
+    fn serve_exists(&self, session: &mut Option<Session>, pending: &PendingRead) {
+        let ReadRequest::Exists(keys) = &pending.request else {
+            return;
+        };
+        if keys.is_empty() {
+            if self.claim(pending) {
+                self.report_prefix(pending, PrefixOutcome::Present(0));
+            }
+            return;
+        }
+        let names: Vec<Vec<u8>> = keys
+            .iter()
+            .map(|key| self.config.namespace.redis_key(key))
+            .collect();
+        let Some(live) = self.session(session) else {
+            self.settle(pending, ReadOutcome::Failed);
+            return;
+        };
+        let outcome = match live.conn.exists_each(&names) {
+            Ok(present) => {
+                PrefixOutcome::Present(present.iter().take_while(|present| **present).count())
+            }
+            Err(error) => {
+                *session = None;
+                tracing::debug!(%error, "L2 existence check failed");
+                if error.is_timeout() {
+                    PrefixOutcome::TimedOut
+                } else {
+                    PrefixOutcome::Failed
+                }
+            }
+        };
+        if self.claim(pending) {
+            self.report_prefix(pending, outcome);
+        }
+    }
+
+    /// Every `GETRANGE` of `gets` pipelined to its node, the replies received in order.
+    fn serve_gets(&self, session: &mut Option<Session>, gets: Vec<Arc<PendingRead>>) {
+        let Some(live) = self.session(session) else {
+            for pending in &gets {
+                self.settle(pending, ReadOutcome::Failed);
+            }
+            return;
+        };
+        let limit = self.config.format.read_limit_bytes().to_string();
+        let named = gets.into_iter().filter_map(|pending| {
+            let ReadRequest::Get(key) = &pending.request else {
+                return None;
+            };
+            let name = self.config.namespace.redis_key(key);
+            Some((pending, name))
+        });
+        let (groups, mut redirected) = by_node(&live.direct, named, |(_, name)| name);
+        let mut failed: Option<io::Error> = None;
+        let mut sent = Vec::new();
+        for (node, group) in groups {
+            let mut command = Vec::new();
+            for (_, name) in &group {
+                direct::encode(&mut command, &[b"GETRANGE", name, b"0", limit.as_bytes()]);
+            }
+            let result = live
+                .direct
+                .conn(node)
+                .and_then(|conn| conn.send(&mut [IoSlice::new(&command)]));
+            match result {
+                Ok(()) => sent.push((node, group)),
+                Err(error) => {
+                    self.fail_reads(group.iter().map(|(pending, _)| &**pending), &error);
+                    failed = Some(error);
+                }
+            }
+        }
+        let mut corrupt = Vec::new();
+        for (node, group) in sent {
+            let mut replies = group.into_iter();
+            while let Some((pending, name)) = replies.next() {
+                let received = live
+                    .direct
+                    .conn(node)
+                    .and_then(|conn| self.receive_get(conn, &pending, &name, &mut corrupt));
+                match received {
+                    Ok(Next::Ready) => {}
+                    Ok(Next::Redirected) => redirected.push((pending, name)),
+                    Err(error) => {
+                        let rest: Vec<_> = replies.by_ref().collect();
+                        self.fail_reads(
+                            std::iter::once(&*pending).chain(rest.iter().map(|(p, _)| &**p)),
+                            &error,
+                        );
+                        failed = Some(error);
+                    }
+                }
+            }
+        }
+        if let Some(error) = failed {
+            tracing::debug!(%error, "L2 read failed");
+            *session = None;
+        }
+        if !redirected.is_empty() {
+            if let Some(live) = session.as_mut() {
+                live.direct.mark_stale();
+            }
+            for (pending, name) in redirected {
+                self.get_through_redis(session, &pending, &name, &mut corrupt);
+            }
+        }
+        for (key, name, why) in corrupt {
+            self.discard_corrupt(session, &key, &name, &why);
+        }
+    }
+
+    /// Answers `Failed` (or `TimedOut`, for a timeout) every read not answered yet.
+    fn fail_reads<'a>(&self, reads: impl Iterator<Item = &'a PendingRead>, error: &io::Error) {
+        let outcome = if is_timeout(error) {
+            ReadOutcome::TimedOut
+        } else {
+            ReadOutcome::Failed
+        };
+        for pending in reads {
+            self.settle(pending, outcome);
+        }
+    }
+
+    /// Receives one `GETRANGE` reply for `pending`; an `Err` leaves the connection
+    /// unusable (and `pending` answered when it was claimed).
+    fn receive_get(
+        &self,
+        conn: &mut NodeConn,
+        pending: &PendingRead,
+        name: &[u8],
+        corrupt: &mut Vec<(Vec<u8>, Vec<u8>, String)>,
+    ) -> io::Result<Next> {
+        let key = match &pending.request {
+            ReadRequest::Get(key) => key.as_slice(),
+            ReadRequest::Exists(_) => &[],
+        };
+        let len = match conn.head()? {
+            Head::Bulk(None | Some(0)) => {
+                // No such key (GETRANGE answers an empty string; no value is empty).
+                self.settle(pending, ReadOutcome::Absent);
+                return Ok(Next::Ready);
+            }
+            Head::Bulk(Some(len)) => len,
+            head if head.is_redirect() => return Ok(Next::Redirected),
+            Head::Error(message) if message.starts_with("WRONGTYPE") => {
+                self.settle(pending, ReadOutcome::Corrupt);
+                corrupt.push((key.to_vec(), name.to_vec(), message));
+                return Ok(Next::Ready);
+            }
+            head => {
+                tracing::debug!(?head, "L2 read refused");
+                self.settle(pending, ReadOutcome::Failed);
+                return Ok(Next::Ready);
+            }
+        };
+        let format = &self.config.format;
+        let mut head = [0u8; MAC_HEADER_BYTES];
+        let head = &mut head[..len.min(format.header_bytes())];
+        conn.read_exact_into(head, None)?;
+        let rest = len - head.len();
+        let payload_bytes = match format.check_head(head, len as u64) {
+            Ok(payload_bytes) => payload_bytes as usize,
+            Err(error) => {
+                conn.skip(rest)?;
+                conn.crlf()?;
+                self.settle(pending, ReadOutcome::Corrupt);
+                corrupt.push((key.to_vec(), name.to_vec(), error.to_string()));
+                return Ok(Next::Ready);
+            }
+        };
+        if !self.claim(pending) {
+            // Answered by its deadline or given up: the payload goes nowhere.
+            conn.skip(rest)?;
+            conn.crlf()?;
+            return Ok(Next::Ready);
+        }
+        let taken = pending
+            .landing
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        let mut room = match taken {
+            Some(landing) => Room::Landing(landing),
+            None => Room::Owned,
+        };
+        let mut owned = Vec::new();
+        let into: Option<&mut [u8]> = match &mut room {
+            Room::Landing(landing) => landing.room(payload_bytes),
+            Room::Owned => {
+                owned = vec![0; payload_bytes];
+                Some(&mut owned[..])
+            }
+        };
+        let Some(into) = into else {
+            conn.skip(rest)?;
+            conn.crlf()?;
+            self.report_read(pending, ReadOutcome::Absent, None, None);
+            return Ok(Next::Ready);
+        };
+        let received = conn
+            .read_exact_into(into, Some(pending.deadline))
+            .and_then(|()| conn.crlf());
+        if let Err(error) = received {
+            let outcome = if is_timeout(&error) {
+                ReadOutcome::TimedOut
+            } else {
+                ReadOutcome::Failed
+            };
+            self.report_read(pending, outcome, None, None);
+            return Err(error);
+        }
+        let checked = format.check_payload(&self.config.namespace, key, head, into);
+        if let Err(error) = checked {
+            self.report_read(pending, ReadOutcome::Corrupt, None, None);
+            corrupt.push((key.to_vec(), name.to_vec(), error.to_string()));
+            return Ok(Next::Ready);
+        }
+        match room {
+            Room::Landing(mut landing) => {
+                landing.landed(payload_bytes);
+                self.report_read(pending, ReadOutcome::Hit, None, Some(payload_bytes as u64));
+            }
+            Room::Owned => self.report_read(pending, ReadOutcome::Hit, Some(owned), None),
+        }
+        Ok(Next::Ready)
+    }
+
+    /// A read the data path could not serve (redirected, or its slot had no master in
+    /// the map): through redis-rs, which follows redirections.
+    fn get_through_redis(
+        &self,
+        session: &mut Option<Session>,
+        pending: &PendingRead,
+        name: &[u8],
+        corrupt: &mut Vec<(Vec<u8>, Vec<u8>, String)>,
+    ) {
+        let ReadRequest::Get(key) = &pending.request else {
+            return;
+        };
+        if pending.answered.load(Ordering::Acquire) {
+            return;
+        }
+        let Some(live) = self.session(session) else {
+            self.settle(pending, ReadOutcome::Failed);
+            return;
+        };
+        let value = match live.conn.get(name, self.config.format.read_limit_bytes()) {
+            Ok(None) => return self.settle(pending, ReadOutcome::Absent),
+            Ok(Some(value)) => value,
+            Err(error) if connection::is_wrong_type(&error) => {
+                self.settle(pending, ReadOutcome::Corrupt);
+                corrupt.push((key.clone(), name.to_vec(), error.to_string()));
+                return;
+            }
+            Err(error) => {
+                *session = None;
+                tracing::debug!(%error, "L2 read failed");
+                let outcome = if error.is_timeout() {
+                    ReadOutcome::TimedOut
+                } else {
+                    ReadOutcome::Failed
+                };
+                return self.settle(pending, outcome);
+            }
+        };
+        let payload = match self
+            .config
+            .format
+            .decode(&self.config.namespace, key, &value)
+        {
+            Ok(payload) => payload,
+            Err(error) => {
+                self.settle(pending, ReadOutcome::Corrupt);
+                corrupt.push((key.clone(), name.to_vec(), error.to_string()));
+                return;
+            }
+        };
+        if !self.claim(pending) {
+            return;
+        }
+        let taken = pending
+            .landing
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        match taken {
+            None => self.report_read(pending, ReadOutcome::Hit, Some(payload.to_vec()), None),
+            Some(mut landing) => match landing.room(payload.len()) {
+                Some(room) => {
+                    room.copy_from_slice(payload);
+                    landing.landed(payload.len());
+                    self.report_read(pending, ReadOutcome::Hit, None, Some(payload.len() as u64));
+                }
+                None => self.report_read(pending, ReadOutcome::Absent, None, None),
+            },
+        }
+    }
+
+    /// Logs a corrupt value once per key and deletes it. Deleting may race with another
+    /// node writing a good value under the same key; losing that value costs one miss.
+    fn discard_corrupt(&self, session: &mut Option<Session>, key: &[u8], name: &[u8], why: &str) {
+        if self.first_corrupt(key) {
+            tracing::warn!(
+                key = %String::from_utf8_lossy(name),
+                reason = why,
+                "L2 value is corrupt: answered as a miss and deleted"
+            );
+        }
+        let Some(live) = self.session(session) else {
+            return;
+        };
+        if let Err(error) = live.conn.del(name) {
+            *session = None;
+            tracing::debug!(%error, "deleting a corrupt L2 value failed; it stays a miss");
+        }
+    }
+
+    // ---------------------------------------------------------------- writes
+
+    /// Every `SET` of `writes` pipelined to its node, each value's header and payload
+    /// sent straight from where they are (the payload: the caller's bytes, often an L1
+    /// slot), the replies received in order.
+    fn serve_writes(&self, session: &mut Option<Session>, writes: Vec<(WriteTask, u64)>) {
+        let Some(live) = self.session(session) else {
+            for (task, bytes) in writes {
+                self.write_ended(task, bytes, WriteOutcome::Failed);
+            }
+            return;
+        };
+        let ttl = self.config.ttl.map(|ttl| {
+            u64::try_from(ttl.as_millis())
+                .unwrap_or(u64::MAX)
+                .max(1)
+                .to_string()
+        });
+        let prepared = writes.into_iter().map(|(task, bytes)| {
+            let name = self.config.namespace.redis_key(&task.key);
+            let header = self.config.format.header(
+                &self.config.namespace,
+                &task.key,
+                (*task.payload).as_ref(),
+            );
+            Prepared::new(task, bytes, name, header, ttl.as_deref())
+        });
+        let (groups, mut redirected) = by_node(&live.direct, prepared, |prepared| &prepared.name);
+        let mut failed: Option<io::Error> = None;
+        let mut sent = Vec::new();
+        for (node, group) in groups {
+            let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(group.len() * 4);
+            for prepared in &group {
+                slices.push(IoSlice::new(&prepared.start));
+                slices.push(IoSlice::new(prepared.header.as_ref()));
+                slices.push(IoSlice::new((*prepared.task.payload).as_ref()));
+                slices.push(IoSlice::new(&prepared.end));
+            }
+            let result = live
+                .direct
+                .conn(node)
+                .and_then(|conn| conn.send(&mut slices));
+            drop(slices);
+            match result {
+                Ok(()) => sent.push((node, group)),
+                Err(error) => {
+                    let outcome = write_failure(&error);
+                    for prepared in group {
+                        self.write_ended(prepared.task, prepared.bytes, outcome);
+                    }
+                    failed = Some(error);
+                }
+            }
+        }
+        for (node, group) in sent {
+            let mut replies = group.into_iter();
+            while let Some(prepared) = replies.next() {
+                match live.direct.conn(node).and_then(|conn| conn.head()) {
+                    Ok(Head::Simple(_)) => {
+                        self.write_ended(prepared.task, prepared.bytes, WriteOutcome::Written)
+                    }
+                    Ok(head) if head.is_redirect() => redirected.push(prepared),
+                    Ok(head) => {
+                        tracing::debug!(?head, "L2 write refused");
+                        self.write_ended(prepared.task, prepared.bytes, WriteOutcome::Failed);
+                    }
+                    Err(error) => {
+                        let outcome = write_failure(&error);
+                        self.write_ended(prepared.task, prepared.bytes, outcome);
+                        for rest in replies.by_ref() {
+                            self.write_ended(rest.task, rest.bytes, outcome);
+                        }
+                        failed = Some(error);
+                    }
+                }
+            }
+        }
+        if let Some(error) = failed {
+            tracing::debug!(%error, "L2 write failed");
+            *session = None;
+        }
+        if let Some(live) = session.as_mut()
+            && !redirected.is_empty()
+        {
+            live.direct.mark_stale();
+        }
+        for prepared in redirected {
+            let outcome = self.set_through_redis(session, &prepared);
+            self.write_ended(prepared.task, prepared.bytes, outcome);
+        }
+    }
+
+    fn set_through_redis(
+        &self,
+        session: &mut Option<Session>,
+        prepared: &Prepared,
+    ) -> WriteOutcome {
+        let Some(live) = self.session(session) else {
+            return WriteOutcome::Failed;
+        };
+        let result = live.conn.set(
+            &prepared.name,
+            prepared.header.as_ref(),
+            (*prepared.task.payload).as_ref(),
+            self.config.ttl,
+        );
+        match result {
+            Ok(()) => WriteOutcome::Written,
+            Err(error) => {
+                *session = None;
+                tracing::debug!(%error, "L2 write failed");
+                if error.is_timeout() {
+                    WriteOutcome::TimedOut
+                } else {
+                    WriteOutcome::Failed
+                }
+            }
+        }
+    }
+
+    /// A write ended: its bytes leave the queue's bound and the caller is told.
+    fn write_ended(&self, task: WriteTask, bytes: u64, outcome: WriteOutcome) {
+        let WriteTask {
+            token,
+            key,
+            payload,
+        } = task;
+        // The caller's bytes (perhaps an L1 slot kept from eviction) are free from here.
+        drop(payload);
+        {
+            // Counted under the work lock, so that `finish_writes` counts each write
+            // once: ended (here) or dropped (there).
+            let mut work = self.lock_work();
+            work.writes.complete(bytes);
+            work.writes_in_flight = work.writes_in_flight.saturating_sub(1);
+            self.lock_counters().record_write(outcome);
+        }
+        self.write_ended.notify_all();
+        self.complete(super::L2Completion::Written {
+            token,
+            key,
+            outcome,
+        });
+    }
+}
+
+/// A write with its command around the value: `start` (the array, the name, the value's
+/// length), then the header and the payload, then `end` (CRLF and `PX ms`).
+struct Prepared {
+    task: WriteTask,
+    bytes: u64,
+    name: Vec<u8>,
+    header: kvwarden_core::l2::Header,
+    start: Vec<u8>,
+    end: Vec<u8>,
+}
+
+impl Prepared {
+    fn new(
+        task: WriteTask,
+        bytes: u64,
+        name: Vec<u8>,
+        header: kvwarden_core::l2::Header,
+        ttl_ms: Option<&str>,
+    ) -> Prepared {
+        let value_bytes = header.as_ref().len() + (*task.payload).as_ref().len();
+        let mut start = Vec::with_capacity(64 + name.len());
+        direct::encode_start(
+            &mut start,
+            if ttl_ms.is_some() { 5 } else { 3 },
+            &[b"SET", &name],
+        );
+        direct::encode_bulk_start(&mut start, value_bytes);
+        let mut end = b"\r\n".to_vec();
+        if let Some(ms) = ttl_ms {
+            direct::encode_args(&mut end, &[b"PX", ms.as_bytes()]);
+        }
+        Prepared {
+            task,
+            bytes,
+            name,
+            header,
+            start,
+            end,
+        }
+    }
+}
+
+/// `items` grouped by the node that serves each one's name (in their order within a
+/// node), and those whose slot has no master in the map.
+fn by_node<T>(
+    direct: &Direct,
+    items: impl Iterator<Item = T>,
+    name: impl Fn(&T) -> &[u8],
+) -> (Vec<(usize, Vec<T>)>, Vec<T>) {
+    let mut groups: Vec<(usize, Vec<T>)> = Vec::new();
+    let mut unmapped = Vec::new();
+    for item in items {
+        match direct.node_of(name(&item)) {
+            Some(node) => match groups.iter_mut().find(|(n, _)| *n == node) {
+                Some((_, group)) => group.push(item),
+                None => groups.push((node, vec![item])),
+            },
+            None => unmapped.push(item),
+        }
+    }
+    (groups, unmapped)
+}
+
+fn is_timeout(error: &io::Error) -> bool {
+    matches!(
+        error.kind(),
+        io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock
+    )
+}
+
+fn write_failure(error: &io::Error) -> WriteOutcome {
+    if is_timeout(error) {
+        WriteOutcome::TimedOut
+    } else {
+        WriteOutcome::Failed
+    }
+}
