@@ -415,26 +415,82 @@ impl ValueFormat {
         head: &[u8],
         payload: &[u8],
     ) -> Result<(), DecodeError> {
+        let mut check = self.payload_check(namespace, key, head)?;
+        check.update(payload);
+        check.finish()
+    }
+
+    /// [`ValueFormat::check_payload`] a part at a time, for a reader that checks each
+    /// part of the payload as it arrives (while it is still in the cache).
+    pub fn payload_check(
+        &self,
+        namespace: &Namespace,
+        key: &[u8],
+        head: &[u8],
+    ) -> Result<PayloadCheck, DecodeError> {
         let header_bytes = self.header_bytes();
         let (Some(fixed), Some(header)) = (head.first_chunk::<16>(), head.get(..header_bytes))
         else {
             return Err(DecodeError::Truncated {
-                len_bytes: (head.len() + payload.len()) as u64,
+                len_bytes: head.len() as u64,
                 need_bytes: header_bytes as u64,
             });
         };
-        match &self.secret {
-            None => {
-                let stored = u64::from_le_bytes(le_field(header, 16));
-                let computed = xxh3_64(payload);
+        Ok(match &self.secret {
+            None => PayloadCheck::Checksum {
+                hasher: Box::default(),
+                stored: u64::from_le_bytes(le_field(header, 16)),
+            },
+            Some(secret) => PayloadCheck::Mac {
+                hasher: Box::new(mac_hasher(secret, fixed, namespace, key)),
+                stored: le_field(header, 16),
+            },
+        })
+    }
+}
+
+/// A payload's check under way ([`ValueFormat::payload_check`]): fed the payload in
+/// order, then finished.
+pub enum PayloadCheck {
+    /// The xxh3 checksum of a value without a MAC.
+    Checksum {
+        /// The payload so far.
+        hasher: Box<xxhash_rust::xxh3::Xxh3Default>,
+        /// The checksum in the header.
+        stored: u64,
+    },
+    /// The MAC of a value of a cluster with a secret.
+    Mac {
+        /// The MAC's input so far.
+        hasher: Box<blake3::Hasher>,
+        /// The tag in the header.
+        stored: [u8; MAC_TAG_BYTES],
+    },
+}
+
+impl PayloadCheck {
+    /// The next bytes of the payload.
+    pub fn update(&mut self, bytes: &[u8]) {
+        match self {
+            PayloadCheck::Checksum { hasher, .. } => hasher.update(bytes),
+            PayloadCheck::Mac { hasher, .. } => {
+                hasher.update(bytes);
+            }
+        }
+    }
+
+    /// Whether the whole payload, fed in order, matches the header.
+    pub fn finish(self) -> Result<(), DecodeError> {
+        match self {
+            PayloadCheck::Checksum { hasher, stored } => {
+                let computed = hasher.digest();
                 if stored != computed {
                     return Err(DecodeError::ChecksumMismatch { stored, computed });
                 }
             }
-            Some(secret) => {
-                let stored: [u8; MAC_TAG_BYTES] = le_field(header, 16);
+            PayloadCheck::Mac { hasher, stored } => {
                 // `blake3::Hash` compares in constant time.
-                if blake3::Hash::from_bytes(stored) != mac(secret, fixed, namespace, key, payload) {
+                if blake3::Hash::from_bytes(stored) != hasher.finalize() {
                     return Err(DecodeError::MacMismatch);
                 }
             }
@@ -452,14 +508,26 @@ fn mac(
     key: &[u8],
     payload: &[u8],
 ) -> blake3::Hash {
+    let mut hasher = mac_hasher(secret, fixed, namespace, key);
+    hasher.update(payload);
+    hasher.finalize()
+}
+
+/// The MAC's input up to the payload: the header's fixed part, then the namespace and
+/// the key, each after its length.
+fn mac_hasher(
+    secret: &ClusterSecret,
+    fixed: &[u8; 16],
+    namespace: &Namespace,
+    key: &[u8],
+) -> blake3::Hasher {
     let mut hasher = blake3::Hasher::new_keyed(&secret.key);
     hasher.update(fixed);
     for part in [namespace.as_str().as_bytes(), key] {
         hasher.update(&(part.len() as u64).to_le_bytes());
         hasher.update(part);
     }
-    hasher.update(payload);
-    hasher.finalize()
+    hasher
 }
 
 /// The `N` bytes of `header` at `at`; the callers' offsets are constants inside a header
@@ -482,6 +550,42 @@ mod tests {
 
     fn put_u64(value: &mut [u8], at: usize, field: u64) {
         value[at..at + 8].copy_from_slice(&field.to_le_bytes());
+    }
+
+    proptest! {
+        /// A payload checked in parts, split anywhere (as a reader receives it), is
+        /// judged as when checked whole, with and without a MAC; one flipped bit fails.
+        #[test]
+        fn a_payload_checked_in_parts_is_judged_as_checked_whole(
+            payload in proptest::collection::vec(any::<u8>(), 0..5000),
+            cuts in proptest::collection::vec(any::<usize>(), 0..4),
+            flip in any::<usize>(),
+        ) {
+            let namespace = Namespace::default();
+            let secret = ClusterSecret::from_file_bytes("t", &[9; 32]).ok();
+            for format in [ValueFormat::new(None, 1 << 20), ValueFormat::new(secret, 1 << 20)] {
+                let mut value = format.encode(&namespace, b"key", &payload);
+                for corrupt in [false, true] {
+                    if corrupt {
+                        if payload.is_empty() { continue; }
+                        let at = format.header_bytes() + flip % payload.len();
+                        value[at] ^= 1;
+                    }
+                    let (head, body) = value.split_at(format.header_bytes());
+                    let mut check = format.payload_check(&namespace, b"key", head).unwrap();
+                    let mut cuts: Vec<usize> = cuts.iter().map(|cut| cut % (body.len() + 1)).collect();
+                    cuts.push(0);
+                    cuts.push(body.len());
+                    cuts.sort_unstable();
+                    for pair in cuts.windows(2) {
+                        check.update(&body[pair[0]..pair[1]]);
+                    }
+                    let whole = format.check_payload(&namespace, b"key", head, body);
+                    prop_assert_eq!(check.finish(), whole.clone());
+                    prop_assert_eq!(whole.is_ok(), !corrupt);
+                }
+            }
+        }
     }
 
     #[test]

@@ -327,15 +327,18 @@ impl NodeConn {
     }
 
     /// Reads exactly `out.len()` bytes of a bulk string into `out`: what the read buffer
-    /// holds first, the rest straight from the socket. With `deadline`, gives up
-    /// (`TimedOut`) once it passes, each receive bounded by the time left.
+    /// holds first, the rest straight from the socket, handing each part to `seen` as it
+    /// arrives. With `deadline`, gives up (`TimedOut`) once it passes, each receive
+    /// bounded by the time left.
     pub(super) fn read_exact_into(
         &mut self,
         out: &mut [u8],
         deadline: Option<Instant>,
+        mut seen: impl FnMut(&[u8]),
     ) -> io::Result<()> {
         let buffered = (self.end - self.start).min(out.len());
         out[..buffered].copy_from_slice(&self.buffer[self.start..self.start + buffered]);
+        seen(&out[..buffered]);
         self.start += buffered;
         let mut filled = buffered;
         let result = (|| {
@@ -347,6 +350,7 @@ impl NodeConn {
                 if read == 0 {
                     return Err(io::ErrorKind::UnexpectedEof.into());
                 }
+                seen(&out[filled..filled + read]);
                 filled += read;
             }
             Ok(())
@@ -388,7 +392,7 @@ impl NodeConn {
     /// The CRLF after a bulk string.
     pub(super) fn crlf(&mut self) -> io::Result<()> {
         let mut crlf = [0u8; 2];
-        self.read_exact_into(&mut crlf, None)?;
+        self.read_exact_into(&mut crlf, None, |_| {})?;
         if &crlf == b"\r\n" {
             Ok(())
         } else {
