@@ -6,9 +6,12 @@
 //!
 //! - L1: a 2 MiB chunk stored through A, retrieved through B (read-through from L2),
 //!   checksum verified; p50 against a plain cluster `GET` of the same value.
-//! - L2: write-behind (stores through A until L2 holds them) and read-through (first
-//!   retrieves through B) throughput, 256 KiB and 2 MiB chunks, 4 clients, against
-//!   `SET`/`GET` of the same sizes with 4 clients.
+//! - L2: throughput at 256 KiB and 2 MiB, with 1 client and with `--clients` (4), each
+//!   figure the median of `--rounds` (3) rounds of `--chunks` (512) chunks a phase:
+//!   write-behind (stores through A until L2 holds them) against `SET`, read-through
+//!   (first retrieves through B) against `GET`, and `retrieve_batch` of `--batch` (64) L1
+//!   misses through B against pipelines of as many `GET`s. Every key of a round is
+//!   deleted after it, so each starts against the same cluster.
 //! - L3: every Redis node SIGSTOPped: ping p99, the latency of an L2-only retrieve (a
 //!   miss), L1 still serving, nothing reaped. Needs a cluster started here.
 //! - L4: a master SIGKILLed: how long until every write lands again, writes counted as

@@ -64,7 +64,7 @@ pub enum Mode {
 
 /// A connection to the L2 store.
 pub(super) enum Conn {
-    Cluster(Box<ClusterConnection>, Addr),
+    Cluster(Box<ClusterConnection>),
     Single(redis::Connection, Addr),
 }
 
@@ -76,22 +76,7 @@ impl Conn {
         let seeds = &config.seeds;
         let mut last_error = None;
         for seed in seeds {
-            let probe = seed
-                .as_str()
-                .into_connection_info()
-                .map(|info| with_auth(info, config).set_tcp_settings(tcp_settings(timeout)))
-                .and_then(|info| match &config.tls {
-                    Some(tls) if config.uses_tls() => {
-                        redis::Client::build_with_tls(info, tls.certificates())
-                    }
-                    _ => redis::Client::open(info),
-                })
-                .and_then(|client| client.get_connection_with_timeout(timeout))
-                .and_then(|connection| {
-                    connection.set_read_timeout(Some(timeout))?;
-                    connection.set_write_timeout(Some(timeout))?;
-                    Ok(connection)
-                });
+            let probe = seed_connection(config, seed, timeout);
             let mut connection = match probe {
                 Ok(connection) => connection,
                 Err(error) => {
@@ -103,7 +88,7 @@ impl Conn {
                 .arg("INFO")
                 .query::<String>(&mut connection)
             {
-                Ok(_) => return Conn::connect_cluster(config, timeout, seed_addr(seed)?),
+                Ok(_) => return Conn::connect_cluster(config, timeout),
                 Err(error) if is_server_refusal(&error) => {
                     if seeds.len() > 1 && !PLAIN_WITH_SEEDS_WARNED.swap(true, Ordering::Relaxed) {
                         tracing::warn!(
@@ -120,7 +105,7 @@ impl Conn {
             .unwrap_or_else(|| RedisError::from((redis::ErrorKind::Client, "no L2 seed"))))
     }
 
-    fn connect_cluster(config: &L2Config, timeout: Duration, seed: Addr) -> RedisResult<Conn> {
+    fn connect_cluster(config: &L2Config, timeout: Duration) -> RedisResult<Conn> {
         let mut builder = ClusterClient::builder(config.seeds.clone())
             .connection_timeout(timeout)
             .response_timeout(timeout)
@@ -139,28 +124,29 @@ impl Conn {
         }
         let connection = builder.build()?.get_connection()?;
         connection.set_write_timeout(Some(timeout))?;
-        Ok(Conn::Cluster(Box::new(connection), seed))
+        Ok(Conn::Cluster(Box::new(connection)))
     }
 
     /// The data path's map of this store: the seed of a plain Redis, or the cluster's
-    /// masters by hash slot (`CLUSTER SLOTS`, asked anew each call).
-    pub(super) fn direct(&mut self, link: &Arc<Link>) -> RedisResult<Direct> {
+    /// masters by hash slot (`CLUSTER SLOTS`, from the seeds).
+    pub(super) fn direct(&mut self, link: &Arc<Link>, config: &L2Config) -> RedisResult<Direct> {
         match self {
             Conn::Single(_, seed) => Ok(Direct::single(Arc::clone(link), seed.clone())),
-            Conn::Cluster(connection, seed) => {
-                let slots = cluster_slots(connection)?;
-                Direct::cluster(Arc::clone(link), &slots, seed).map_err(map_error)
+            Conn::Cluster(..) => {
+                let (slots, seed) = slots_from_seeds(config)?;
+                Direct::cluster(Arc::clone(link), &slots, &seed).map_err(map_error)
             }
         }
     }
 
-    /// Reads the cluster's slot map anew into `direct` (after a redirection).
-    pub(super) fn refresh(&mut self, direct: &mut Direct) -> RedisResult<()> {
+    /// Reads the cluster's slot map anew into `direct` (after a redirection or an
+    /// error on the data path), from the seeds.
+    pub(super) fn refresh(&mut self, direct: &mut Direct, config: &L2Config) -> RedisResult<()> {
         match self {
             Conn::Single(..) => Ok(()),
-            Conn::Cluster(connection, seed) => {
-                let slots = cluster_slots(connection)?;
-                direct.set_map(&slots, seed).map_err(map_error)
+            Conn::Cluster(..) => {
+                let (slots, seed) = slots_from_seeds(config)?;
+                direct.set_map(&slots, &seed).map_err(map_error)
             }
         }
     }
@@ -170,7 +156,7 @@ impl Conn {
     pub(super) fn describe(&mut self) -> String {
         match self {
             Conn::Single(..) => "a single Redis node (not a cluster)".to_string(),
-            Conn::Cluster(connection, _) => {
+            Conn::Cluster(connection) => {
                 let nodes: RedisResult<String> = redis::cmd("CLUSTER")
                     .arg("NODES")
                     .query(connection.as_mut());
@@ -198,7 +184,7 @@ impl Conn {
 
     fn like(&mut self) -> &mut dyn ConnectionLike {
         match self {
-            Conn::Cluster(connection, _) => connection.as_mut(),
+            Conn::Cluster(connection) => connection.as_mut(),
             Conn::Single(connection, _) => connection,
         }
     }
@@ -242,7 +228,7 @@ impl Conn {
     /// `EXISTS` of each name, pipelined (split by node in a cluster): one answer each.
     pub(super) fn exists_each(&mut self, names: &[Vec<u8>]) -> RedisResult<Vec<bool>> {
         match self {
-            Conn::Cluster(connection, _) => {
+            Conn::Cluster(connection) => {
                 let mut pipe = redis::cluster::cluster_pipe();
                 for name in names {
                     pipe.cmd("EXISTS").arg(name);
@@ -260,8 +246,42 @@ impl Conn {
     }
 }
 
-fn cluster_slots(connection: &mut ClusterConnection) -> RedisResult<redis::Value> {
-    redis::cmd("CLUSTER").arg("SLOTS").query(connection)
+/// A plain connection to one seed, with the credentials and TLS of `config`.
+fn seed_connection(
+    config: &L2Config,
+    seed: &str,
+    timeout: Duration,
+) -> RedisResult<redis::Connection> {
+    seed.into_connection_info()
+        .map(|info| with_auth(info, config).set_tcp_settings(tcp_settings(timeout)))
+        .and_then(|info| match &config.tls {
+            Some(tls) if config.uses_tls() => {
+                redis::Client::build_with_tls(info, tls.certificates())
+            }
+            _ => redis::Client::open(info),
+        })
+        .and_then(|client| client.get_connection_with_timeout(timeout))
+        .and_then(|connection| {
+            connection.set_read_timeout(Some(timeout))?;
+            connection.set_write_timeout(Some(timeout))?;
+            Ok(connection)
+        })
+}
+
+/// `CLUSTER SLOTS` from the first seed that answers it, on a connection of its own: a
+/// killed or stopped node among the seeds costs a refused connection or one timeout,
+/// and never the cluster connection's state.
+fn slots_from_seeds(config: &L2Config) -> RedisResult<(redis::Value, Addr)> {
+    let mut last_error = None;
+    for seed in &config.seeds {
+        let answered = seed_connection(config, seed, config.timeout)
+            .and_then(|mut connection| redis::cmd("CLUSTER").arg("SLOTS").query(&mut connection));
+        match answered {
+            Ok(slots) => return Ok((slots, seed_addr(seed)?)),
+            Err(error) => last_error = Some(error),
+        }
+    }
+    Err(last_error.unwrap_or_else(|| RedisError::from((redis::ErrorKind::Client, "no L2 seed"))))
 }
 
 fn map_error(message: String) -> RedisError {

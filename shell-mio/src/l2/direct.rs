@@ -452,6 +452,17 @@ impl Direct {
         }
     }
 
+    /// A cluster whose map could not be read: no slot has a node (every command goes
+    /// through redis-rs), and the map is read again before the next batch.
+    pub(super) fn unmapped(link: Arc<Link>) -> Direct {
+        Direct {
+            link,
+            nodes: Vec::new(),
+            owner: vec![u16::MAX; usize::from(SLOTS)],
+            stale: true,
+        }
+    }
+
     /// A cluster, from the reply to `CLUSTER SLOTS`; `seed` stands for a node whose
     /// address the reply leaves empty (the node that answered).
     pub(super) fn cluster(
@@ -546,6 +557,15 @@ impl Direct {
         }
         let index = *self.owner.get(usize::from(hash_slot(name)))?;
         (usize::from(index) < self.nodes.len()).then_some(usize::from(index))
+    }
+
+    /// Drops the connection to node `index` (after an error: it may be mid-reply) and
+    /// asks for a fresh map.
+    pub(super) fn broken(&mut self, index: usize) {
+        if let Some((_, conn)) = self.nodes.get_mut(index) {
+            *conn = None;
+        }
+        self.stale = true;
     }
 
     /// The connection to node `index`, made when missing.

@@ -18,6 +18,12 @@
 //!   is a miss, counted as corrupt, logged once per key, and deleted.
 //! - [`L2Client::finish_writes`] gives the write-behind queue a bounded time at
 //!   shutdown and says what it did not write.
+//!
+//! The threads ([`worker`]) take reads and writes in batches and pipeline them per
+//! node over the data path ([`direct`]): a hit's payload is received from the socket
+//! straight into its [`Landing`] and checked there, a write's bytes sent straight from
+//! the caller's. redis-rs ([`connection`]) finds out what the seeds are and keeps the
+//! slot map, existence checks, deletes and redirected commands.
 
 mod config;
 mod connection;

@@ -5,10 +5,11 @@
 //! then passed on; a value that fails a check is a counted miss, logged once per key and
 //! deleted.
 //!
-//! After any connection error the thread drops its connections; the next batch
-//! connects afresh and reads the slot map anew, which is how it learns of a failover.
-//! A redirected command (`MOVED`, `ASK`) is retried through redis-rs, which follows the
-//! redirection, and the map is read anew before the next batch.
+//! After an error on a node's connection the thread drops that connection and reads
+//! the slot map anew (from the seeds) before its next batch, which is how it learns of
+//! a failover; a write whose pipeline broke, and any redirected command (`MOVED`,
+//! `ASK`), is retried through redis-rs, which follows redirections and refreshes its
+//! own map. An error of redis-rs's connection drops the whole session, as before.
 
 use super::connection::{self, Conn};
 use super::direct::{self, Direct, Head, NodeConn};
@@ -118,21 +119,25 @@ impl Shared {
 
     /// The thread's session, made when missing (and its map read anew when stale).
     fn session<'a>(&self, session: &'a mut Option<Session>) -> Option<&'a mut Session> {
-        if session.as_ref().is_some_and(|s| s.direct.stale()) {
-            let refreshed = session
-                .as_mut()
-                .map(|s| s.conn.refresh(&mut s.direct))
-                .unwrap_or(Ok(()));
-            if let Err(error) = refreshed {
-                tracing::debug!(%error, "reading the L2 slot map failed");
-                *session = None;
-            }
+        if let Some(live) = session.as_mut()
+            && live.direct.stale()
+            && let Err(error) = live.conn.refresh(&mut live.direct, &self.config)
+        {
+            // Stays stale: everything goes through redis-rs until a map is read (during a
+            // failover, say, when the node asked may not answer).
+            tracing::debug!(%error, "reading the L2 slot map failed");
         }
         if session.is_none() {
-            let made = Conn::connect(&self.config, self.config.timeout)
-                .and_then(|mut conn| Ok((conn.direct(&self.link)?, conn)));
-            let (direct, conn) = match made {
-                Ok(made) => made,
+            let (conn, direct) = match Conn::connect(&self.config, self.config.timeout) {
+                Ok(mut conn) => {
+                    let direct = conn
+                        .direct(&self.link, &self.config)
+                        .unwrap_or_else(|error| {
+                            tracing::debug!(%error, "reading the L2 slot map failed");
+                            Direct::unmapped(Arc::clone(&self.link))
+                        });
+                    (conn, direct)
+                }
                 Err(error) => {
                     *self.last_error.lock().unwrap_or_else(|e| e.into_inner()) =
                         Some(describe_error(&error));
@@ -239,6 +244,7 @@ impl Shared {
                 Ok(()) => sent.push((node, group)),
                 Err(error) => {
                     self.fail_reads(group.iter().map(|(pending, _)| &**pending), &error);
+                    live.direct.broken(node);
                     failed = Some(error);
                 }
             }
@@ -260,14 +266,16 @@ impl Shared {
                             std::iter::once(&*pending).chain(rest.iter().map(|(p, _)| &**p)),
                             &error,
                         );
+                        live.direct.broken(node);
                         failed = Some(error);
                     }
                 }
             }
         }
         if let Some(error) = failed {
+            // That node's connection is gone and the map is read anew before the next
+            // batch (a failover moves slots); redis-rs's connection is kept.
             tracing::debug!(%error, "L2 read failed");
-            *session = None;
         }
         if !redirected.is_empty() {
             if let Some(live) = session.as_mut() {
@@ -516,21 +524,28 @@ impl Shared {
                 .max(1)
                 .to_string()
         });
-        let prepared = writes.into_iter().map(|(task, bytes)| {
-            let name = self.config.namespace.redis_key(&task.key);
-            let header = self.config.format.header(
-                &self.config.namespace,
-                &task.key,
-                (*task.payload).as_ref(),
-            );
-            Prepared::new(task, bytes, name, header, ttl.as_deref())
-        });
+        let prepared = writes
+            .into_iter()
+            .enumerate()
+            .map(|(order, (task, bytes))| {
+                let name = self.config.namespace.redis_key(&task.key);
+                let header = self.config.format.header(
+                    &self.config.namespace,
+                    &task.key,
+                    (*task.payload).as_ref(),
+                );
+                Prepared::new(order, task, bytes, name, header, ttl.as_deref())
+            });
         let (groups, mut redirected) = by_node(&live.direct, prepared, |prepared| &prepared.name);
         // Writes whose pipeline broke (a timeout, a connection error): retried once
         // through redis-rs, on a fresh connection, as long as retries succeed.
         let mut retry = Vec::new();
         let mut failed: Option<io::Error> = None;
         let mut sent = Vec::new();
+        // Reported in the order they were queued once all ended, as if written one by
+        // one: the breaker judges failures in a row, and a node's group failing
+        // together is not five failures of L2.
+        let mut ended: Vec<(Prepared, WriteOutcome)> = Vec::new();
         for (node, group) in groups {
             let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(group.len() * 4);
             for prepared in &group {
@@ -548,6 +563,7 @@ impl Shared {
                 Ok(()) => sent.push((node, group)),
                 Err(error) => {
                     retry.extend(group);
+                    live.direct.broken(node);
                     failed = Some(error);
                 }
             }
@@ -556,25 +572,23 @@ impl Shared {
             let mut replies = group.into_iter();
             while let Some(prepared) = replies.next() {
                 match live.direct.conn(node).and_then(|conn| conn.head()) {
-                    Ok(Head::Simple(_)) => {
-                        self.write_ended(prepared.task, prepared.bytes, WriteOutcome::Written)
-                    }
+                    Ok(Head::Simple(_)) => ended.push((prepared, WriteOutcome::Written)),
                     Ok(head) if head.is_redirect() => redirected.push(prepared),
                     Ok(head) => {
                         tracing::debug!(?head, "L2 write refused");
-                        self.write_ended(prepared.task, prepared.bytes, WriteOutcome::Failed);
+                        ended.push((prepared, WriteOutcome::Failed));
                     }
                     Err(error) => {
                         retry.push(prepared);
                         retry.extend(replies.by_ref());
+                        live.direct.broken(node);
                         failed = Some(error);
                     }
                 }
             }
         }
         let broken = failed.map(|error| {
-            tracing::debug!(%error, "L2 write failed; retrying through a fresh connection");
-            *session = None;
+            tracing::debug!(%error, "L2 write failed; retrying through redis-rs");
             write_failure(&error)
         });
         if let Some(live) = session.as_mut()
@@ -584,7 +598,7 @@ impl Shared {
         }
         for prepared in redirected {
             let outcome = self.set_through_redis(session, &prepared);
-            self.write_ended(prepared.task, prepared.bytes, outcome);
+            ended.push((prepared, outcome));
         }
         let mut outcome = WriteOutcome::Written;
         for prepared in retry {
@@ -593,6 +607,10 @@ impl Shared {
             } else {
                 outcome = broken.unwrap_or(outcome); // a retry failed: no more of them
             }
+            ended.push((prepared, outcome));
+        }
+        ended.sort_by_key(|(prepared, _)| prepared.order);
+        for (prepared, outcome) in ended {
             self.write_ended(prepared.task, prepared.bytes, outcome);
         }
     }
@@ -654,6 +672,8 @@ impl Shared {
 /// A write with its command around the value: `start` (the array, the name, the value's
 /// length), then the header and the payload, then `end` (CRLF and `PX ms`).
 struct Prepared {
+    /// Its place in the batch (the queue's order).
+    order: usize,
     task: WriteTask,
     bytes: u64,
     name: Vec<u8>,
@@ -664,6 +684,7 @@ struct Prepared {
 
 impl Prepared {
     fn new(
+        order: usize,
         task: WriteTask,
         bytes: u64,
         name: Vec<u8>,
@@ -683,6 +704,7 @@ impl Prepared {
             direct::encode_args(&mut end, &[b"PX", ms.as_bytes()]);
         }
         Prepared {
+            order,
             task,
             bytes,
             name,
