@@ -257,6 +257,9 @@ enum Answer {
     /// The reply line and the first `n` bytes of the value, then nothing (a store
     /// stopped mid-reply).
     Stall(Vec<u8>, usize),
+    /// A reply line claiming this many bytes, then the value's header, then nothing
+    /// (no Redis answers a bounded `GETRANGE` so).
+    Claim(u64, Vec<u8>),
 }
 
 /// A plain Redis stand-in on loopback: answers `CLUSTER` as a Redis without cluster
@@ -309,6 +312,13 @@ fn fake_store(answers: std::collections::HashMap<Vec<u8>, Answer>) -> String {
                             Some(Answer::Stall(value, n)) => {
                                 let mut reply = format!("${}\r\n", value.len()).into_bytes();
                                 reply.extend_from_slice(&value[..*n]);
+                                let _ = writer.write_all(&reply);
+                                std::thread::sleep(Duration::from_secs(3600));
+                                return;
+                            }
+                            Some(Answer::Claim(len, head)) => {
+                                let mut reply = format!("${len}\r\n").into_bytes();
+                                reply.extend_from_slice(head);
                                 let _ = writer.write_all(&reply);
                                 std::thread::sleep(Duration::from_secs(3600));
                                 return;
@@ -375,7 +385,11 @@ fn only_a_whole_checked_value_lands_a_torn_or_stalled_one_never_does() {
         (namespace.redis_key(b"torn"), Answer::Value(torn)),
         (
             namespace.redis_key(b"stalled"),
-            Answer::Stall(stalled, 100_000),
+            Answer::Stall(stalled.clone(), 100_000),
+        ),
+        (
+            namespace.redis_key(b"huge"),
+            Answer::Claim(1 << 40, stalled[..format.header_bytes()].to_vec()),
         ),
     ]
     .into_iter()
@@ -435,9 +449,47 @@ fn only_a_whole_checked_value_lands_a_torn_or_stalled_one_never_does() {
         "{got:?}"
     );
     assert_eq!(*landed.lock().expect("the lock"), None, "never landed");
+
+    // A reply claiming a terabyte: answered corrupt as soon as its header is judged (not
+    // a timeout after trying to read it), nothing received into the room, and the next
+    // read, on a fresh connection, lands.
+    let (landing, _, touched) = keeper();
+    let _read = client.get_into(4, b"huge".to_vec(), landing);
+    let got = wait_for_completions(&mut poll, &client, 1);
+    assert!(
+        matches!(
+            &got[..],
+            [L2Completion::Read {
+                token: 4,
+                outcome: ReadOutcome::Corrupt,
+                placed: None,
+                ..
+            }]
+        ),
+        "{got:?}"
+    );
+    assert!(!touched.load(Ordering::SeqCst), "no room was asked for");
+    let (landing, landed, _) = keeper();
+    let _read = client.get_into(5, b"good".to_vec(), landing);
+    let got = wait_for_completions(&mut poll, &client, 1);
+    assert!(
+        matches!(
+            &got[..],
+            [L2Completion::Read {
+                token: 5,
+                outcome: ReadOutcome::Hit,
+                ..
+            }]
+        ),
+        "{got:?}"
+    );
+    assert_eq!(
+        landed.lock().expect("the lock").as_deref(),
+        Some(&payload[..])
+    );
     let counters = client.counters();
     assert_eq!(
         (counters.hits, counters.corrupt, counters.timeouts),
-        (1, 1, 1)
+        (2, 2, 1)
     );
 }

@@ -342,10 +342,18 @@ impl Shared {
         let payload_bytes = match format.check_head(head, len as u64) {
             Ok(payload_bytes) => payload_bytes as usize,
             Err(error) => {
-                conn.skip(rest)?;
-                conn.crlf()?;
                 self.settle(pending, ReadOutcome::Corrupt);
                 corrupt.push((key.to_vec(), name.to_vec(), error.to_string()));
+                if len as u64 > format.read_limit_bytes().saturating_add(1) {
+                    // Longer than `GETRANGE` ever answers: not Redis, and not worth
+                    // reading past; the connection goes.
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        format!("an L2 reply of {len} bytes to a GETRANGE bounded lower"),
+                    ));
+                }
+                conn.skip(rest)?;
+                conn.crlf()?;
                 return Ok(Next::Ready);
             }
         };
