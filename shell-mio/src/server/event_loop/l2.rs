@@ -51,7 +51,7 @@ impl crate::l2::Landing for SlotLanding {
     }
 }
 
-/// An L2 read out with the client: the slot reserved for it, whether its `place`
+/// An L2 read out with the client: the slot reserved for it, whether its landing
 /// delivered into the worker's buffer too, and the handle that gives it up.
 pub(super) struct PendingL2Read {
     slot: SlotId,
