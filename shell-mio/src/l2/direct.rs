@@ -376,8 +376,8 @@ impl NodeConn {
         Ok(())
     }
 
-    /// Skips `nbytes` of a bulk string.
-    pub(super) fn skip(&mut self, mut nbytes: usize) -> io::Result<()> {
+    /// Skips the last `nbytes` of a bulk string and its CRLF.
+    pub(super) fn skip_bulk(&mut self, mut nbytes: usize) -> io::Result<()> {
         while nbytes > 0 {
             if self.start == self.end {
                 self.fill()?;
@@ -386,7 +386,7 @@ impl NodeConn {
             self.start += taken;
             nbytes -= taken;
         }
-        Ok(())
+        self.crlf()
     }
 
     /// The CRLF after a bulk string.
@@ -470,12 +470,7 @@ impl Direct {
         slots: &redis::Value,
         seed: &Addr,
     ) -> Result<Direct, String> {
-        let mut direct = Direct {
-            link,
-            nodes: Vec::new(),
-            owner: vec![u16::MAX; usize::from(SLOTS)],
-            stale: false,
-        };
+        let mut direct = Direct::unmapped(link);
         direct.set_map(slots, seed)?;
         Ok(direct)
     }

@@ -292,11 +292,7 @@ impl Shared {
 
     /// Answers `Failed` (or `TimedOut`, for a timeout) every read not answered yet.
     fn fail_reads<'a>(&self, reads: impl Iterator<Item = &'a PendingRead>, error: &io::Error) {
-        let outcome = if is_timeout(error) {
-            ReadOutcome::TimedOut
-        } else {
-            ReadOutcome::Failed
-        };
+        let outcome = read_failure(is_timeout(error));
         for pending in reads {
             self.settle(pending, outcome);
         }
@@ -352,15 +348,13 @@ impl Shared {
                         format!("an L2 reply of {len} bytes to a GETRANGE bounded lower"),
                     ));
                 }
-                conn.skip(rest)?;
-                conn.crlf()?;
+                conn.skip_bulk(rest)?;
                 return Ok(Next::Ready);
             }
         };
         if !self.claim(pending) {
             // Answered by its deadline or given up: the payload goes nowhere.
-            conn.skip(rest)?;
-            conn.crlf()?;
+            conn.skip_bulk(rest)?;
             return Ok(Next::Ready);
         }
         let taken = pending
@@ -381,8 +375,7 @@ impl Shared {
             }
         };
         let Some(into) = into else {
-            conn.skip(rest)?;
-            conn.crlf()?;
+            conn.skip_bulk(rest)?;
             self.report_read(pending, ReadOutcome::Absent, None, None);
             return Ok(Next::Ready);
         };
@@ -390,8 +383,7 @@ impl Shared {
         let mut check = match format.payload_check(&self.config.namespace, key, head) {
             Ok(check) => check,
             Err(error) => {
-                conn.skip(rest)?;
-                conn.crlf()?;
+                conn.skip_bulk(rest)?;
                 self.report_read(pending, ReadOutcome::Corrupt, None, None);
                 corrupt.push((key.to_vec(), name.to_vec(), error.to_string()));
                 return Ok(Next::Ready);
@@ -401,12 +393,7 @@ impl Shared {
             .read_exact_into(into, Some(pending.deadline), |part| check.update(part))
             .and_then(|()| conn.crlf());
         if let Err(error) = received {
-            let outcome = if is_timeout(&error) {
-                ReadOutcome::TimedOut
-            } else {
-                ReadOutcome::Failed
-            };
-            self.report_read(pending, outcome, None, None);
+            self.report_read(pending, read_failure(is_timeout(&error)), None, None);
             return Err(error);
         }
         if let Err(error) = check.finish() {
@@ -454,12 +441,7 @@ impl Shared {
             Err(error) => {
                 *session = None;
                 tracing::debug!(%error, "L2 read failed");
-                let outcome = if error.is_timeout() {
-                    ReadOutcome::TimedOut
-                } else {
-                    ReadOutcome::Failed
-                };
-                return self.settle(pending, outcome);
+                return self.settle(pending, read_failure(error.is_timeout()));
             }
         };
         let payload = match self
@@ -546,7 +528,7 @@ impl Shared {
             });
         let (groups, mut redirected) = by_node(&live.direct, prepared, |prepared| &prepared.name);
         // Writes whose pipeline broke (a timeout, a connection error): retried once
-        // through redis-rs, on a fresh connection, as long as retries succeed.
+        // through redis-rs, as long as retries succeed.
         let mut retry = Vec::new();
         let mut failed: Option<io::Error> = None;
         let mut sent = Vec::new();
@@ -597,7 +579,7 @@ impl Shared {
         }
         let broken = failed.map(|error| {
             tracing::debug!(%error, "L2 write failed; retrying through redis-rs");
-            write_failure(&error)
+            write_failure(is_timeout(&error))
         });
         if let Some(live) = session.as_mut()
             && !redirected.is_empty()
@@ -642,11 +624,7 @@ impl Shared {
             Err(error) => {
                 *session = None;
                 tracing::debug!(%error, "L2 write failed");
-                if error.is_timeout() {
-                    WriteOutcome::TimedOut
-                } else {
-                    WriteOutcome::Failed
-                }
+                write_failure(error.is_timeout())
             }
         }
     }
@@ -744,6 +722,7 @@ fn by_node<T>(
     (groups, unmapped)
 }
 
+/// A socket error that is the timeout running out.
 fn is_timeout(error: &io::Error) -> bool {
     matches!(
         error.kind(),
@@ -751,8 +730,18 @@ fn is_timeout(error: &io::Error) -> bool {
     )
 }
 
-fn write_failure(error: &io::Error) -> WriteOutcome {
-    if is_timeout(error) {
+/// How a read that failed ended: timed out, or failed.
+fn read_failure(timed_out: bool) -> ReadOutcome {
+    if timed_out {
+        ReadOutcome::TimedOut
+    } else {
+        ReadOutcome::Failed
+    }
+}
+
+/// How a write that failed ended: timed out, or failed.
+fn write_failure(timed_out: bool) -> WriteOutcome {
+    if timed_out {
         WriteOutcome::TimedOut
     } else {
         WriteOutcome::Failed
