@@ -556,7 +556,7 @@ mod tests {
         /// A payload checked in parts, split anywhere (as a reader receives it), is
         /// judged as when checked whole, with and without a MAC; one flipped bit fails.
         #[test]
-        fn a_payload_checked_in_parts_is_judged_as_checked_whole(
+        fn row_54_a_payload_checked_in_parts_is_judged_as_checked_whole(
             payload in proptest::collection::vec(any::<u8>(), 0..5000),
             cuts in proptest::collection::vec(any::<usize>(), 0..4),
             flip in any::<usize>(),

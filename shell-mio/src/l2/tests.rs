@@ -371,7 +371,7 @@ fn keeper() -> (Keeper, Landed, Arc<AtomicBool>) {
 }
 
 #[test]
-fn only_a_whole_checked_value_lands_a_torn_or_stalled_one_never_does() {
+fn row_54_only_a_whole_checked_value_lands_a_torn_or_stalled_one_never_does() {
     let namespace = kvwarden_core::l2::Namespace::default();
     let format = kvwarden_core::l2::ValueFormat::new(None, 1 << 20);
     let payload: Vec<u8> = (0..300_000u32).map(|i| (i * 7) as u8).collect();
