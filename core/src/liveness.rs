@@ -511,10 +511,10 @@ impl<C> Liveness<C> {
             return false;
         };
         let proven = word.proven();
-        let (window, window_units) = if proven {
-            (self.reap_timeout_nanos, coarse.timeout_units)
+        let window_units = if proven {
+            coarse.timeout_units
         } else {
-            (self.registration_grace_nanos, coarse.grace_units)
+            coarse.grace_units
         };
         let age = word.age(now_units);
         // Silence < (age + 1) units <= the window.
@@ -522,12 +522,7 @@ impl<C> Liveness<C> {
             return false;
         }
         let last_seen_at_least = (now_units - age) << coarse.shift;
-        let deadline = last_seen_at_least.saturating_add(window);
-        let recheck = if proven {
-            deadline
-        } else {
-            deadline.min(now.saturating_add(self.reap_timeout_nanos))
-        };
+        let recheck = self.recheck_at(now, last_seen_at_least, proven);
         self.expiry.schedule(recheck, slot);
         true
     }
@@ -544,13 +539,8 @@ impl<C> Liveness<C> {
             return RECHECK_COST;
         };
         let proven = seen.proven();
-        let window = if proven {
-            self.reap_timeout_nanos
-        } else {
-            self.registration_grace_nanos
-        };
         let silence = now.saturating_sub(seen.last_seen());
-        if silence > window {
+        if silence > self.window(proven) {
             let cause = FreeCause::Reaped {
                 silence: Duration::from_nanos(silence),
                 proven,
@@ -565,16 +555,32 @@ impl<C> Liveness<C> {
             self.vacant.push(slot);
             return REAP_COST;
         }
-        let deadline = seen.last_seen().saturating_add(window);
-        // An unproven instance may prove itself at any moment, which shortens its window
-        // to the reap timeout: never wait longer than that before looking again.
-        let recheck = if proven {
+        let recheck = self.recheck_at(now, seen.last_seen(), proven);
+        self.expiry.schedule(recheck, slot);
+        RECHECK_COST
+    }
+
+    /// The reap window: the silence after which an instance is reaped, the reap timeout
+    /// once it has proven itself, the registration grace before. The one place the rule
+    /// is written; `recheck` and the coarse fast path both read it.
+    fn window(&self, proven: bool) -> u64 {
+        if proven {
+            self.reap_timeout_nanos
+        } else {
+            self.registration_grace_nanos
+        }
+    }
+
+    /// When to look again at an instance last seen at `last_seen` (or later) that is not
+    /// due yet: at its deadline; for an unproven one no later than a reap timeout from
+    /// `now`, since it may prove itself at any moment, which shortens its window.
+    fn recheck_at(&self, now: u64, last_seen: u64, proven: bool) -> u64 {
+        let deadline = last_seen.saturating_add(self.window(proven));
+        if proven {
             deadline
         } else {
             deadline.min(now.saturating_add(self.reap_timeout_nanos))
-        };
-        self.expiry.schedule(recheck, slot);
-        RECHECK_COST
+        }
     }
 
     /// Removes the instance's entry in `module`: its context (if built) goes out with

@@ -1067,12 +1067,7 @@ impl Node {
             pings_answered_false_total: self.pings_false,
             contexts_built_total: self.contexts_built,
             freed_total: self.freed_total.clone(),
-            frees_in_flight: self.frees.len()
-                + self
-                    .contexts
-                    .values()
-                    .filter(|info| info.deferred.is_some())
-                    .count(),
+            frees_in_flight: self.frees_unfinished(),
             frees_hung_total: self.frees_hung,
             jobs_in_flight: self.jobs_in_flight,
             l1_slots: (

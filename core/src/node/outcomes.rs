@@ -139,6 +139,17 @@ impl Node {
         }
     }
 
+    /// Frees not yet finished: those started (a job in flight) and those deferred until
+    /// their context's copies end. The one count `status` and shutdown's wait both read.
+    pub(super) fn frees_unfinished(&self) -> usize {
+        let deferred = self
+            .contexts
+            .values()
+            .filter(|info| info.deferred.is_some())
+            .count();
+        self.frees.len() + deferred
+    }
+
     /// Ends `copy`'s count on its context: the copy, and the free deferred for it when
     /// it was the last.
     fn end_copy(&mut self, copy: CopyId) -> Option<(Copy, Option<DeferredFree>)> {
@@ -515,12 +526,7 @@ impl Node {
                     self.drain_effects();
                 }
                 Some(Shutdown::Freeing { since }) => {
-                    let deferred = self
-                        .contexts
-                        .values()
-                        .filter(|info| info.deferred.is_some())
-                        .count();
-                    let unfinished = self.frees.len() + deferred;
+                    let unfinished = self.frees_unfinished();
                     if unfinished > 0
                         && now.saturating_duration_since(since) < self.config.free_watchdog
                     {
