@@ -1,0 +1,379 @@
+//! What crosses the node's boundary: [`Input`] (what arrived), [`Output`] (what the
+//! node asks of its shell) and [`Note`] (what it reports for logs and metrics).
+
+use super::*;
+/// Something that arrived: a request, a connection, a completion, a signal.
+#[derive(Debug)]
+pub enum Input {
+    /// A worker connected.
+    Connected {
+        /// The connection.
+        conn: ConnId,
+        /// The peer's uid (`SO_PEERCRED`); None over TCP.
+        uid: Option<u32>,
+        /// How it connected.
+        transport: Transport,
+        /// The peer's process, when the shell could open a pidfd of it.
+        process: Option<(ProcessKey, DeathNotice)>,
+    },
+    /// The peer sent a pidfd of itself (`hello`), which the shell checked: it is now
+    /// the connection's process. Comes before that `hello`'s `Request`.
+    PeerProcess {
+        /// The connection.
+        conn: ConnId,
+        /// The process.
+        process: ProcessKey,
+        /// How its death will be noticed.
+        notice: DeathNotice,
+    },
+    /// A decoded request.
+    Request {
+        /// The connection.
+        conn: ConnId,
+        /// The request's id, echoed in its reply.
+        request_id: u64,
+        /// The op.
+        op: Op,
+        /// How many fds came with the frame (the shell keeps them, keyed by
+        /// `(conn, request_id)`, until `StartBuild` takes them or the turn ends).
+        fds: usize,
+    },
+    /// The connection closed (never a proof of death).
+    Disconnected {
+        /// The connection.
+        conn: ConnId,
+    },
+    /// A build asked by `StartBuild` finished.
+    BuildDone {
+        /// The context.
+        context: ContextId,
+        /// What the node must know of it, or why it failed.
+        result: Result<Built, ProtocolError>,
+    },
+    /// A copy asked by `StartCopy` finished: the bytes copied, or why it failed.
+    CopyDone {
+        /// The copy.
+        copy: CopyId,
+        /// Bytes copied.
+        result: Result<u64, ProtocolError>,
+    },
+    /// Rope tables asked by `StartBlend` are computed (the shell holds them), or could
+    /// not be.
+    BlendDone {
+        /// The computation.
+        blend: BlendId,
+        /// Ok, or why not.
+        result: Result<(), String>,
+    },
+    /// A free asked by `StartFree` returned.
+    FreeDone {
+        /// The free.
+        free: FreeId,
+    },
+    /// The kernel proved that a watched process exited (its pidfd became readable).
+    ProcessExited {
+        /// The process.
+        process: ProcessKey,
+    },
+    /// SIGTERM/SIGINT: answer what is in flight, free everything, stop.
+    Shutdown,
+    /// An `L2Write` ended; its slot may be evicted again. Exactly one per `L2Write`.
+    L2Written {
+        /// The write.
+        write: L2WriteId,
+        /// How it ended.
+        outcome: crate::l2::WriteOutcome,
+    },
+    /// An `L2Get` ended (a hit's bytes are in its slot, and in the buffer when
+    /// `Delivered`). Exactly one per `L2Get`, even after its deadline or an `L2Cancel`.
+    L2Got {
+        /// The read.
+        read: L2ReadId,
+        /// How it ended.
+        fetched: L2Fetched,
+    },
+    /// An `L2Exists` ended. Exactly one per `L2Exists`.
+    L2Existed {
+        /// The check.
+        read: L2ReadId,
+        /// How it ended.
+        presence: L2Presence,
+    },
+}
+
+/// Something the node asks of its shell. Not `#[non_exhaustive]`: a shell matches
+/// every output, so none is ever ignored silently.
+#[derive(Debug, PartialEq)]
+pub enum Output {
+    /// Send a reply.
+    Reply {
+        /// The connection (gone? then nobody to answer).
+        conn: ConnId,
+        /// The request's id.
+        request_id: u64,
+        /// The op answered, for metrics.
+        op: &'static str,
+        /// The value, or the error.
+        result: Result<Value, ProtocolError>,
+        /// Send the L1 pool's memfd with it (`SCM_RIGHTS`; engine-driven registrations).
+        pool_fd: bool,
+    },
+    /// Answer a `status` request with the node's [`NodeStatus`] and the shell's own
+    /// figures.
+    ReplyStatus {
+        /// The connection.
+        conn: ConnId,
+        /// The request's id.
+        request_id: u64,
+    },
+    /// Build a context off the loop, then report `BuildDone`.
+    StartBuild {
+        /// The context's id.
+        context: ContextId,
+        /// Whose fds it uses: the stash of `(conn, request_id)`.
+        conn: ConnId,
+        /// The request that carried them.
+        request_id: u64,
+        /// The instance.
+        instance: InstanceId,
+        /// The module.
+        module: Module,
+        /// The buffers to map (server-driven; empty for engine-driven).
+        buffers: Vec<BufferSpec>,
+        /// The model's name.
+        model_name: String,
+    },
+    /// Copy between a buffer of `context` and L1 `slot`, then report `CopyDone`.
+    StartCopy {
+        /// The copy.
+        copy: CopyId,
+        /// The context whose buffer it uses (never freed before the copy is done).
+        context: ContextId,
+        /// Which way.
+        direction: Direction,
+        /// The buffer's index in the context.
+        buffer: usize,
+        /// Where in the buffer.
+        offset: u64,
+        /// The slot.
+        slot: SlotId,
+        /// Bytes to copy.
+        nbytes: u64,
+    },
+    /// Compute rope tables off the loop and hold them under `blend`, then report
+    /// `BlendDone`.
+    StartBlend {
+        /// The computation.
+        blend: BlendId,
+        /// For whom.
+        instance: InstanceId,
+        /// The parameters.
+        spec: RopeSpec,
+    },
+    /// The tables of `blend` are now the instance's; drop any it held before.
+    KeepBlend {
+        /// The computation.
+        blend: BlendId,
+        /// The instance.
+        instance: InstanceId,
+    },
+    /// Drop the tables of `blend`: nobody wants them.
+    DiscardBlend {
+        /// The computation.
+        blend: BlendId,
+    },
+    /// Drop the instance's tables: its last entry went.
+    DropBlend {
+        /// The instance.
+        instance: InstanceId,
+    },
+    /// Free a context (close its mappings) off the loop, then report `FreeDone`.
+    StartFree {
+        /// The free.
+        free: FreeId,
+        /// The context.
+        context: ContextId,
+        /// Whose.
+        instance: InstanceId,
+        /// Which module.
+        module: Module,
+        /// Why.
+        cause: FreeCause,
+        /// The label for logs and metrics: the cause's, or `shutdown`.
+        label: &'static str,
+    },
+    /// Watch this process's exit, with the pidfd of `conn`'s peer.
+    Watch {
+        /// The process.
+        process: ProcessKey,
+        /// The connection whose pidfd it is.
+        conn: ConnId,
+    },
+    /// Stop watching this process.
+    Unwatch {
+        /// The process.
+        process: ProcessKey,
+    },
+    /// `conn` promised to send no more fds (`hello` with `sends_fds: false`, over the
+    /// Unix socket): read it with plain `read(2)` from here on, cheaper than
+    /// `recvmsg(2)`; the kernel drops any fd sent on it after all. Once per connection,
+    /// before that `hello`'s reply. A shell that goes on with `recvmsg` is correct too.
+    ReadWithoutFds {
+        /// The connection.
+        conn: ConnId,
+    },
+    /// Close this connection (then report `Disconnected`): a TCP peer that did not
+    /// present a token within the limits' `unauthenticated_timeout` of connecting.
+    Disconnect {
+        /// The connection.
+        conn: ConnId,
+        /// Why, for the log.
+        why: &'static str,
+    },
+    /// Write the `nbytes` published at L1 `slot` to L2 under `key` (only with L2 on).
+    /// The slot stays pinned (never evicted or rewritten) until `L2Written`.
+    L2Write {
+        /// The write.
+        write: L2WriteId,
+        /// The chunk's key.
+        key: Vec<u8>,
+        /// The slot holding its bytes.
+        slot: SlotId,
+        /// Bytes to write.
+        nbytes: u64,
+    },
+    /// Read `key` from L2 (only with L2 on); place a hit's payload into the reserved
+    /// `slot` (at most a slot's bytes), then report `L2Got`. With `deliver`, also copy
+    /// the placed payload into that registered buffer when it fits there (report
+    /// [`L2Fetched::Delivered`]), on the same thread, before reporting: a read-through
+    /// then costs no copy hop of its own. The node counts such a read as a copy on its
+    /// context (a free waits for its `L2Got`) and, at its deadline, asks the shell to
+    /// give it up ([`Output::L2Cancel`]) instead of answering the miss itself.
+    L2Get {
+        /// The read.
+        read: L2ReadId,
+        /// The chunk's key.
+        key: Vec<u8>,
+        /// The slot reserved for it.
+        slot: SlotId,
+        /// Where the worker waits for the bytes, for a `retrieve` (or a batch item).
+        deliver: Option<L2Delivery>,
+    },
+    /// Give up the delivering `L2Get` `read`, past its deadline: answer its `L2Got` as
+    /// [`L2Fetched::TimedOut`] at once and never touch the slot or the buffer, unless
+    /// the hit is being placed already; then report that (`Delivered`) when it is. The
+    /// node answers the request only when that `L2Got` comes, so no byte ever lands in
+    /// a buffer after its request was answered.
+    L2Cancel {
+        /// The read.
+        read: L2ReadId,
+    },
+    /// Count how many leading `keys` exist in L2 (pipelined; only with L2 on), then
+    /// report `L2Existed`.
+    L2Exists {
+        /// The check.
+        read: L2ReadId,
+        /// The keys, in order.
+        keys: Vec<Vec<u8>>,
+    },
+    /// Something an operator reads: log it, count it.
+    Note(Note),
+    /// The shutdown is complete: exit.
+    Stopped {
+        /// Contexts freed by the shutdown.
+        contexts_freed: u64,
+        /// Frees still running when the node gave up waiting.
+        frees_unfinished: usize,
+    },
+}
+
+/// What the node reports for logs and metrics.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Note {
+    /// A context was built and is the instance's.
+    ContextBuilt {
+        /// The instance.
+        instance: InstanceId,
+        /// The module.
+        module: Module,
+    },
+    /// A build failed.
+    BuildFailed {
+        /// The instance.
+        instance: InstanceId,
+        /// Why.
+        error: ProtocolError,
+    },
+    /// The node saw no input for `gap`: the server itself was stalled.
+    Stall {
+        /// How long.
+        gap: Duration,
+    },
+    /// The kernel proved that an instance's process exited.
+    ProcessExited {
+        /// The instance.
+        instance: InstanceId,
+        /// Whether it held any entry.
+        held: bool,
+    },
+    /// An UNREGISTER named an instance not registered here.
+    UnregisterUnknown {
+        /// The instance.
+        instance: InstanceId,
+        /// The module.
+        module: Module,
+    },
+    /// An engine-driven context went: unpublished reservations were discarded and
+    /// pins released.
+    EngineReleased {
+        /// The instance.
+        instance: InstanceId,
+        /// Why it went.
+        label: &'static str,
+        /// Reservations discarded unpublished.
+        reservations_discarded: usize,
+        /// Pins released.
+        pins_released: u64,
+    },
+    /// A free has run longer than the watchdog.
+    FreeHung {
+        /// The instance.
+        instance: InstanceId,
+        /// The module.
+        module: Module,
+        /// The watchdog period.
+        watchdog: Duration,
+    },
+    /// A free reported hung finished at last.
+    FreeFinishedLate {
+        /// The instance.
+        instance: InstanceId,
+        /// The module.
+        module: Module,
+        /// How long it ran.
+        after: Duration,
+    },
+    /// An instance now holds rope tables.
+    BlendHeld {
+        /// The instance.
+        instance: InstanceId,
+        /// Bytes.
+        bytes: u64,
+    },
+    /// An instance's rope tables were dropped.
+    BlendDropped {
+        /// The instance.
+        instance: InstanceId,
+        /// Bytes.
+        bytes: u64,
+    },
+    /// A shutdown began.
+    ShutdownStarted,
+    /// The L2 breaker changed state (log the changes to and from `down` once each).
+    L2StateChanged {
+        /// The state before.
+        from: crate::l2::L2State,
+        /// The state now.
+        to: crate::l2::L2State,
+    },
+}

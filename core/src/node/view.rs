@@ -1,0 +1,89 @@
+//! What the node shows of itself: [`NodeStatus`] for the status page and metrics,
+//! [`InstanceView`] per tracked entry, [`TenantStatus`] per tenant.
+
+use super::*;
+/// One tracked entry, for status pages.
+#[derive(Clone, Debug, PartialEq)]
+pub struct InstanceView {
+    /// The instance.
+    pub instance: InstanceId,
+    /// The module.
+    pub module: Module,
+    /// When it was registered.
+    pub registered_at: Instant,
+    /// Its last evidence of life.
+    pub last_seen: Instant,
+    /// Whether it has pinged.
+    pub proven: bool,
+    /// Whether its context is being built.
+    pub building: bool,
+    /// The uid that registered it.
+    pub owner_uid: Option<u32>,
+    /// The tenant it acts for.
+    pub tenant: String,
+    /// The model.
+    pub model_name: String,
+    /// The process watched for it.
+    pub process: Option<ProcessKey>,
+    /// How its death will be noticed.
+    pub death_notice: DeathNotice,
+    /// Bytes of rope tables it holds.
+    pub blend_bytes: u64,
+}
+
+/// The node's figures, for `/status` and metrics.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NodeStatus {
+    /// The liveness registry's counters.
+    pub liveness: Status,
+    /// The liveness resolution.
+    pub resolution: Duration,
+    /// Pings answered.
+    pub pings_total: u64,
+    /// Pings answered `false`.
+    pub pings_answered_false_total: u64,
+    /// Contexts built.
+    pub contexts_built_total: u64,
+    /// Frees started, by label.
+    pub freed_total: BTreeMap<&'static str, u64>,
+    /// Frees running.
+    pub frees_in_flight: usize,
+    /// Frees that exceeded the watchdog.
+    pub frees_hung_total: u64,
+    /// Builds, copies and blends running.
+    pub jobs_in_flight: usize,
+    /// L1 slots: total, used, reserved, pinned.
+    pub l1_slots: (usize, usize, usize, usize),
+    /// Bytes per slot.
+    pub slot_bytes: u64,
+    /// Rope tables: bytes, instances, computations running.
+    pub blend: (u64, usize, usize),
+    /// Processes watched.
+    pub watched_processes: usize,
+    /// Connections open.
+    pub connections: usize,
+    /// Every tracked entry, by instance then module.
+    pub instances: Vec<InstanceView>,
+    /// L2's figures, None without `--l2`.
+    pub l2: Option<L2Status>,
+    /// Requests refused `forbidden` (not the owner, not attached, not authenticated).
+    pub forbidden_total: u64,
+    /// Instance ids bound to a secret now.
+    pub bound_instances: usize,
+    /// Every tenant known, with its L1 use.
+    pub tenants: Vec<TenantStatus>,
+    /// `retrieve`s (and batch items) answered as a miss because the stored value's
+    /// length differs from the destination's.
+    pub retrieve_length_mismatches: u64,
+}
+
+/// One tenant's figures.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TenantStatus {
+    /// Its name, quota setting and rights.
+    pub view: TenantView,
+    /// L1 slots charged to it.
+    pub slots_used: usize,
+    /// Its quota in slots now.
+    pub quota_slots: usize,
+}
