@@ -30,6 +30,7 @@ pub mod l1;
 pub mod l2;
 mod ops;
 mod outcomes;
+mod transfer;
 pub mod trust;
 mod view;
 

@@ -1,0 +1,612 @@
+//! Transfers: stores and retrieves, single and batched, and the engine-driven
+//! prepare/commit pair. The node's L1 slots ([`super::l1`]), the strategies
+//! ([`super::engine`]) and the copies in flight meet here; `ops.rs` dispatches to it.
+
+use super::engine::{CommitStore, PrepareRetrieve, PrepareStore};
+use super::l1::Reservation;
+use super::l2::ReadFor;
+use super::ops::{Answer, Want, bad_args, grant_value, overloaded, too_many_held};
+use super::*;
+use crate::liveness::TransferError;
+use crate::protocol::{ErrorCode, RetrieveItem, StoreItem};
+
+impl Node {
+    /// The context of a transfer (liveness already refreshed by `evidence`).
+    pub(super) fn transfer_context(
+        &mut self,
+        now: Instant,
+        instance: InstanceId,
+        module: Module,
+        op: &str,
+    ) -> Result<ContextId, ProtocolError> {
+        match self.liveness.transfer(now, instance, module) {
+            Ok(&context) => Ok(context),
+            Err(TransferError::NotRegistered) => Err(ProtocolError::new(
+                ErrorCode::NotRegistered,
+                match module {
+                    Module::ServerDriven => format!(
+                        "`{op}`: instance {instance} is not registered here; re-register it \
+                         (register_kv_cache) and retry"
+                    ),
+                    Module::EngineDriven => format!(
+                        "`{op}`: instance {instance} is not registered for engine-driven \
+                         transfers here; re-register it (register_engine_driven) and retry"
+                    ),
+                },
+            )),
+            Err(TransferError::NotReady) => Err(ProtocolError::new(
+                ErrorCode::NotReady,
+                format!("`{op}`: instance {instance} is still being registered; retry shortly"),
+            )),
+        }
+    }
+
+    /// Index of `buffer` in `context`, checked against `[offset, offset + nbytes)`.
+    /// `what` names the request (or the batch item) in the message: "`store`".
+    pub(super) fn checked_buffer(
+        &self,
+        context: ContextId,
+        what: &str,
+        instance: InstanceId,
+        buffer: u64,
+        offset: u64,
+        nbytes: u64,
+    ) -> Result<usize, ProtocolError> {
+        let lens = match self.contexts.get(&context).map(|info| &info.built) {
+            Some(Built::ServerDriven { buffer_lens }) => buffer_lens,
+            _ => {
+                return Err(bad_args(format!(
+                    "{what}: instance {instance} holds no server-driven buffers"
+                )));
+            }
+        };
+        let count = lens.len();
+        let Some(index) = usize::try_from(buffer).ok().filter(|&i| i < count) else {
+            return Err(bad_args(format!(
+                "{what}: buffer index {buffer}, but instance {instance} registered {count} buffers (valid: 0..{count})"
+            )));
+        };
+        let len = lens[index];
+        let fits = offset.checked_add(nbytes).is_some_and(|end| end <= len);
+        if !fits {
+            return Err(bad_args(format!(
+                "{what}: offset {offset} + nbytes {nbytes} runs past the end of buffer {buffer} ({len} bytes)"
+            )));
+        }
+        Ok(index)
+    }
+
+    pub(super) fn has_room(&self, conn: ConnId) -> bool {
+        self.conns
+            .get(&conn)
+            .is_some_and(|connection| connection.in_flight < MAX_IN_FLIGHT_PER_CONNECTION)
+    }
+
+    /// Opens a server-driven transfer (`store`, `retrieve` and their batches) in the one
+    /// order they all keep: the instance's context first (`transfer_context`), then
+    /// `validate` on it (buffer ranges, slot sizes: what it returns comes back with the
+    /// context), then the connection's cap. So a request that names no registered
+    /// instance is told so, and a malformed one is refused as malformed even on a full
+    /// connection; only a well-formed one is told to slow down.
+    pub(super) fn open_transfer<T>(
+        &mut self,
+        now: Instant,
+        conn: ConnId,
+        instance: InstanceId,
+        op: &str,
+        validate: impl FnOnce(&Self, ContextId) -> Result<T, ProtocolError>,
+    ) -> Result<(ContextId, T), ProtocolError> {
+        let context = self.transfer_context(now, instance, Module::ServerDriven, op)?;
+        let checked = validate(self, context)?;
+        if !self.has_room(conn) {
+            return Err(overloaded());
+        }
+        Ok((context, checked))
+    }
+
+    /// Refuses a store of `nbytes` that would not fit one L1 slot. `what` names the
+    /// request (or the batch item) in the message: "`store`".
+    pub(super) fn fits_a_slot(&self, what: &str, nbytes: u64) -> Result<(), ProtocolError> {
+        let slot_bytes = self.l1.slot_bytes();
+        if nbytes > slot_bytes {
+            return Err(bad_args(format!(
+                "{what}: nbytes {nbytes} is larger than an L1 slot ({slot_bytes} bytes, \
+                 --slot-bytes); store chunks of at most one slot"
+            )));
+        }
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn start_copy(
+        &mut self,
+        context: ContextId,
+        direction: Direction,
+        buffer: usize,
+        offset: u64,
+        slot: SlotId,
+        nbytes: u64,
+        purpose: CopyFor,
+    ) {
+        let copy = self.hold_copy(context, slot, purpose);
+        self.outputs.push_back(Output::StartCopy {
+            copy,
+            context,
+            direction,
+            buffer,
+            offset,
+            slot,
+            nbytes,
+        });
+    }
+
+    /// Counts a copy between `context` and `slot` for `purpose`: the context's free
+    /// waits until [`Node::copy_done`] or [`Node::copy_dropped`] ends it.
+    pub(super) fn hold_copy(
+        &mut self,
+        context: ContextId,
+        slot: SlotId,
+        purpose: CopyFor,
+    ) -> CopyId {
+        let copy = CopyId(self.next_id());
+        if let Some(info) = self.contexts.get_mut(&context) {
+            info.copies += 1;
+        }
+        self.copies.insert(
+            copy,
+            Copy {
+                context,
+                slot,
+                purpose,
+            },
+        );
+        copy
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn store(
+        &mut self,
+        now: Instant,
+        to: ReplyTo,
+        instance: InstanceId,
+        key: Vec<u8>,
+        buffer: u64,
+        offset: u64,
+        nbytes: u64,
+    ) -> Answer {
+        let opened = self.open_transfer(now, to.conn, instance, "store", |node, context| {
+            let index =
+                node.checked_buffer(context, "`store`", instance, buffer, offset, nbytes)?;
+            node.fits_a_slot("`store`", nbytes)?;
+            Ok(index)
+        });
+        let (context, index) = match opened {
+            Ok(opened) => opened,
+            Err(error) => return Some(Err(error)),
+        };
+        match self.l1.reserve(&key, self.tenant(to.conn)) {
+            Reservation::AlreadyStored => Some(Ok(true.into())),
+            Reservation::Full => Some(Ok(false.into())),
+            Reservation::Reserved(slot) => {
+                self.start_job(to.conn);
+                self.start_copy(
+                    context,
+                    Direction::ToL1,
+                    index,
+                    offset,
+                    slot,
+                    nbytes,
+                    CopyFor::Store(to),
+                );
+                None
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn retrieve(
+        &mut self,
+        now: Instant,
+        to: ReplyTo,
+        instance: InstanceId,
+        key: Vec<u8>,
+        buffer: u64,
+        offset: u64,
+        nbytes: u64,
+    ) -> Answer {
+        let opened = self.open_transfer(now, to.conn, instance, "retrieve", |node, context| {
+            node.checked_buffer(context, "`retrieve`", instance, buffer, offset, nbytes)
+        });
+        let context = match opened {
+            Ok((context, _)) => context,
+            Err(error) => return Some(Err(error)),
+        };
+        let want = Want {
+            buffer,
+            offset,
+            nbytes,
+        };
+        if self.l1_holds(&key) || !self.l2_enabled() {
+            return self.retrieve_l1(to, instance, context, &key, want);
+        }
+        let waiter = ReadFor::Retrieve {
+            to,
+            instance,
+            context,
+            want,
+        };
+        match self.l2_ask(now, &key, self.tenant(to.conn), waiter) {
+            Ok(()) => {
+                self.start_job(to.conn);
+                None
+            }
+            Err(_) => Some(Ok(Value::Nil)), // a miss
+        }
+    }
+
+    /// Whether `key` is committed in L1.
+    pub(super) fn l1_holds(&self, key: &[u8]) -> bool {
+        self.l1.lookup_prefix(std::slice::from_ref(&key.to_vec())) == 1
+    }
+
+    /// The tenant `conn` acts for (checked by `dispatch` before any op runs).
+    pub(super) fn tenant(&self, conn: ConnId) -> TenantId {
+        self.conns
+            .get(&conn)
+            .and_then(|connection| connection.peer.tenant())
+            .unwrap_or(TenantId(0))
+    }
+
+    /// Pins `key`'s committed slot for a copy of exactly `nbytes` into a worker's
+    /// buffer. A value of another length is a miss (counted): a retrieve never writes
+    /// more, or less, than its destination asked for.
+    pub(super) fn pin_exact(&mut self, key: &[u8], nbytes: u64) -> Option<SlotId> {
+        let (slot, len) = self.l1.pin(key)?;
+        if len != nbytes {
+            self.l1.unpin(slot);
+            self.length_mismatches += 1;
+            return None;
+        }
+        Some(slot)
+    }
+
+    /// The L1 part of `retrieve`: pin a value of the wanted length, copy it out.
+    pub(super) fn retrieve_l1(
+        &mut self,
+        to: ReplyTo,
+        instance: InstanceId,
+        context: ContextId,
+        key: &[u8],
+        want: Want,
+    ) -> Answer {
+        if !self.contexts.contains_key(&context) {
+            return Some(Err(super::l2::gone(instance, "retrieve")));
+        }
+        let index = match self.checked_buffer(
+            context,
+            "`retrieve`",
+            instance,
+            want.buffer,
+            want.offset,
+            want.nbytes,
+        ) {
+            Ok(index) => index,
+            Err(error) => return Some(Err(error)),
+        };
+        let Some(slot) = self.pin_exact(key, want.nbytes) else {
+            return Some(Ok(Value::Nil)); // a miss
+        };
+        self.start_job(to.conn);
+        self.start_copy(
+            context,
+            Direction::FromL1,
+            index,
+            want.offset,
+            slot,
+            want.nbytes,
+            CopyFor::Retrieve(to),
+        );
+        None
+    }
+
+    /// A batch is one transfer (one refresh, one slot of the connection's cap). Every
+    /// item is validated before any slot is reserved, so a bad item refuses the whole
+    /// batch and copies nothing; each item then copies on its own and the reply goes
+    /// out once the last is done.
+    pub(super) fn store_batch(
+        &mut self,
+        now: Instant,
+        to: ReplyTo,
+        instance: InstanceId,
+        items: Vec<StoreItem>,
+    ) -> Answer {
+        let opened = self.open_transfer(now, to.conn, instance, "store_batch", |node, context| {
+            let mut indexes = Vec::with_capacity(items.len());
+            for (position, item) in items.iter().enumerate() {
+                let what = format!("`store_batch` items[{position}]");
+                indexes.push(node.checked_buffer(
+                    context,
+                    &what,
+                    instance,
+                    item.buffer,
+                    item.offset,
+                    item.nbytes,
+                )?);
+                node.fits_a_slot(&what, item.nbytes)?;
+            }
+            Ok(indexes)
+        });
+        let (context, indexes) = match opened {
+            Ok(opened) => opened,
+            Err(error) => return Some(Err(error)),
+        };
+        let mut results = vec![Value::Nil; items.len()];
+        let mut copies = Vec::new();
+        let tenant = self.tenant(to.conn);
+        for (position, (item, index)) in items.into_iter().zip(indexes).enumerate() {
+            results[position] = match self.l1.reserve(&item.key, tenant) {
+                Reservation::AlreadyStored => true.into(),
+                Reservation::Full => false.into(),
+                Reservation::Reserved(slot) => {
+                    copies.push((position, slot, index, item.offset, item.nbytes));
+                    Value::Nil
+                }
+            };
+        }
+        if copies.is_empty() {
+            return Some(Ok(Value::Array(results)));
+        }
+        let batch = self.open_batch(to, results, copies.len());
+        for (item, slot, index, offset, nbytes) in copies {
+            self.start_copy(
+                context,
+                Direction::ToL1,
+                index,
+                offset,
+                slot,
+                nbytes,
+                CopyFor::BatchStore { batch, item },
+            );
+        }
+        None
+    }
+
+    pub(super) fn retrieve_batch(
+        &mut self,
+        now: Instant,
+        to: ReplyTo,
+        instance: InstanceId,
+        items: Vec<RetrieveItem>,
+    ) -> Answer {
+        let what = |position: usize| format!("`retrieve_batch` items[{position}]");
+        let opened =
+            self.open_transfer(now, to.conn, instance, "retrieve_batch", |node, context| {
+                let mut indexes = Vec::with_capacity(items.len());
+                for (position, item) in items.iter().enumerate() {
+                    indexes.push(node.checked_buffer(
+                        context,
+                        &what(position),
+                        instance,
+                        item.buffer,
+                        item.offset,
+                        item.nbytes,
+                    )?);
+                }
+                Ok(indexes)
+            });
+        let (context, indexes) = match opened {
+            Ok(opened) => opened,
+            Err(error) => return Some(Err(error)),
+        };
+        // Every item was checked against its buffer: each pins a value of exactly its
+        // length, or is a miss.
+        let mut copies = Vec::new();
+        let mut misses = Vec::new();
+        for (position, (item, &index)) in items.iter().zip(&indexes).enumerate() {
+            match self.pin_exact(&item.key, item.nbytes) {
+                Some(slot) => copies.push((position, slot, index, item.offset, item.nbytes)),
+                None => misses.push(position),
+            }
+        }
+        let results = vec![Value::Nil; items.len()]; // nil: a miss
+        if !self.l2_enabled() {
+            misses.clear();
+        }
+        if copies.is_empty() && misses.is_empty() {
+            return Some(Ok(Value::Array(results)));
+        }
+        let batch = self.open_batch(to, results, copies.len());
+        let tenant = self.tenant(to.conn);
+        for position in misses {
+            let item = &items[position];
+            if self.l1_holds(&item.key) {
+                continue; // stored with another length: a miss, not an L2 read
+            }
+            let waiter = ReadFor::BatchRetrieve {
+                batch,
+                item: position,
+                instance,
+                context,
+                want: Want {
+                    buffer: item.buffer,
+                    offset: item.offset,
+                    nbytes: item.nbytes,
+                },
+            };
+            if self.l2_ask(now, &item.key, tenant, waiter).is_ok()
+                && let Some(open) = self.batches.get_mut(&batch)
+            {
+                open.pending += 1;
+            }
+        }
+        if self
+            .batches
+            .get(&batch)
+            .is_some_and(|open| open.pending == 0)
+        {
+            // Nothing copies and L2 was not asked: answer now.
+            if let Some(open) = self.batches.remove(&batch) {
+                self.end_job(to.conn);
+                return Some(Ok(Value::Array(open.results)));
+            }
+        }
+        for (item, slot, index, offset, nbytes) in copies {
+            self.start_copy(
+                context,
+                Direction::FromL1,
+                index,
+                offset,
+                slot,
+                nbytes,
+                CopyFor::BatchRetrieve { batch, item },
+            );
+        }
+        None
+    }
+
+    /// Holds a batch until its `pending` copies are done; it counts as one job.
+    pub(super) fn open_batch(&mut self, to: ReplyTo, results: Vec<Value>, pending: usize) -> u64 {
+        let id = self.next_id();
+        self.start_job(to.conn);
+        self.batches.insert(
+            id,
+            Batch {
+                reply: to,
+                results,
+                pending,
+                failed: None,
+            },
+        );
+        id
+    }
+
+    /// Runs `step` on the instance's transfer strategy and the slot table; an op the
+    /// strategy refuses is refused by `step` returning the error.
+    pub(super) fn with_strategy(
+        &mut self,
+        now: Instant,
+        instance: InstanceId,
+        op: &str,
+        step: impl FnOnce(&mut TransferStrategy, &mut SlotTable) -> Result<Value, ProtocolError>,
+    ) -> Result<Value, ProtocolError> {
+        let context = self.transfer_context(now, instance, Module::EngineDriven, op)?;
+        let Some(strategy) = self.strategies.get_mut(&context) else {
+            return Err(ProtocolError::new(
+                ErrorCode::Internal,
+                format!("`{op}`: instance {instance}'s engine-driven entry holds another context"),
+            ));
+        };
+        step(strategy, &mut self.l1)
+    }
+
+    pub(super) fn prepare_store(
+        &mut self,
+        now: Instant,
+        conn: ConnId,
+        instance: InstanceId,
+        key: &[u8],
+    ) -> Result<Value, ProtocolError> {
+        let num_slots = self.l1.num_slots();
+        let tenant = self.tenant(conn);
+        let mut reserved = None;
+        let value =
+            self.with_strategy(
+                now,
+                instance,
+                "prepare_store",
+                |strategy, l1| match strategy.prepare_store(l1, key, tenant) {
+                    PrepareStore::Reserved(grant) => {
+                        reserved = Some(grant.slot);
+                        Ok(grant_value(grant, true))
+                    }
+                    PrepareStore::AlreadyStored => Ok(Value::Nil),
+                    PrepareStore::PoolFull => Err(ProtocolError::new(
+                        ErrorCode::Overloaded,
+                        format!(
+                            "`prepare_store`: every one of the {num_slots} L1 slots is reserved \
+                         or pinned; commit what you prepared and retry later"
+                        ),
+                    )),
+                    PrepareStore::TooManyHeld => Err(too_many_held("prepare_store", instance)),
+                },
+            )?;
+        if let Some(slot) = reserved
+            && self.planted(PlantedBug::WriteUnpublished)
+        {
+            self.l2_write_unpublished(slot, key);
+        }
+        Ok(value)
+    }
+
+    pub(super) fn commit_store(
+        &mut self,
+        now: Instant,
+        instance: InstanceId,
+        key: &[u8],
+        nbytes: u64,
+    ) -> Result<Value, ProtocolError> {
+        let value =
+            self.with_strategy(now, instance, "commit_store", |strategy, l1| match strategy
+                .commit_store(l1, key, nbytes)
+            {
+                CommitStore::Published => Ok(true.into()),
+                CommitStore::NotReserved => Ok(false.into()),
+                CommitStore::TooLarge { nbytes, slot_bytes } => Err(bad_args(format!(
+                    "`commit_store`: nbytes {nbytes} is larger than an L1 slot ({slot_bytes} \
+                     bytes); commit at most one slot (the reservation is kept)"
+                ))),
+            })?;
+        if value == Value::Boolean(true) {
+            // Published: only now may it go to L2 (row 29).
+            if let Some((slot, _)) = self.l1.pin(key) {
+                self.l1.unpin(slot);
+                self.l2_write_behind(now, slot);
+            }
+        }
+        Ok(value)
+    }
+
+    /// `prepare_retrieve`: pins an L1 hit; a miss asks L2 (answered once it ends).
+    pub(super) fn prepare_retrieve(
+        &mut self,
+        now: Instant,
+        to: ReplyTo,
+        instance: InstanceId,
+        key: &[u8],
+    ) -> Answer {
+        let answer = self.prepare_retrieve_l1(now, instance, key);
+        if answer != Ok(Value::Nil) || !self.l2_enabled() || self.l1_holds(key) {
+            return Some(answer);
+        }
+        if !self.has_room(to.conn) {
+            return Some(Err(overloaded()));
+        }
+        let tenant = self.tenant(to.conn);
+        match self.l2_ask(now, key, tenant, ReadFor::PrepareRetrieve { to, instance }) {
+            Ok(()) => {
+                self.start_job(to.conn);
+                None
+            }
+            Err(_) => Some(answer),
+        }
+    }
+
+    /// The L1 part of `prepare_retrieve`.
+    pub(super) fn prepare_retrieve_l1(
+        &mut self,
+        now: Instant,
+        instance: InstanceId,
+        key: &[u8],
+    ) -> Result<Value, ProtocolError> {
+        self.with_strategy(
+            now,
+            instance,
+            "prepare_retrieve",
+            |strategy, l1| match strategy.prepare_retrieve(l1, key) {
+                PrepareRetrieve::Pinned(grant) => Ok(grant_value(grant, false)),
+                PrepareRetrieve::Miss => Ok(Value::Nil),
+                PrepareRetrieve::TooManyHeld => Err(too_many_held("prepare_retrieve", instance)),
+            },
+        )
+    }
+}
