@@ -1,11 +1,16 @@
-//! The deterministic sans-IO core of kvwarden: which workers are alive, and when the
-//! state of a dead one must be freed.
+//! The deterministic sans-IO core of kvwarden: every decision the server makes, from
+//! which workers are alive and when a dead one's state must be freed to who may act on
+//! an instance and whose cache is whose.
 //!
 //! The core never reads a clock, never sleeps, never does I/O and has no randomness on
 //! any path that decides an outcome. Every input carries `now`; every consequence comes
-//! out as an [`Effect`]. The production shell (`kvwarden`) and the simulator
-//! (`kvwarden-sim`) drive the same core.
+//! out as data: an [`Effect`] of the registry, a [`node::Output`] of the node. The
+//! production shell (`kvwarden`) and the simulator (`kvwarden-sim`) drive the same core.
 //!
+//! - [`node::Node`]: the server's request logic as one state machine
+//!   (`handle_input(now, …)`, `handle_timeout`, `poll_timeout`, `poll_output`), composed
+//!   of the components `docs/design.md`'s component map lists: the registry below,
+//!   trust, admission, transfers and L1, completions and frees, blend, the L2 tier.
 //! - [`Liveness`] (module [`liveness`]): the server's registry: two-phase
 //!   registration, pings, transfers, process-exit proofs, expiry without scans, and the
 //!   self-stall guard.
