@@ -12,7 +12,7 @@ use crate::protocol::{ErrorCode, RetrieveItem, StoreItem};
 
 impl Node {
     /// The context of a transfer (liveness already refreshed by `evidence`).
-    pub(super) fn transfer_context(
+    fn transfer_context(
         &mut self,
         now: Instant,
         instance: InstanceId,
@@ -106,7 +106,7 @@ impl Node {
 
     /// Refuses a store of `nbytes` that would not fit one L1 slot. `what` names the
     /// request (or the batch item) in the message: "`store`".
-    pub(super) fn fits_a_slot(&self, what: &str, nbytes: u64) -> Result<(), ProtocolError> {
+    fn fits_a_slot(&self, what: &str, nbytes: u64) -> Result<(), ProtocolError> {
         let slot_bytes = self.l1.slot_bytes();
         if nbytes > slot_bytes {
             return Err(bad_args(format!(
@@ -245,7 +245,7 @@ impl Node {
     }
 
     /// Whether `key` is committed in L1.
-    pub(super) fn l1_holds(&self, key: &[u8]) -> bool {
+    fn l1_holds(&self, key: &[u8]) -> bool {
         self.l1.lookup_prefix(std::slice::from_ref(&key.to_vec())) == 1
     }
 
@@ -465,7 +465,7 @@ impl Node {
     }
 
     /// Holds a batch until its `pending` copies are done; it counts as one job.
-    pub(super) fn open_batch(&mut self, to: ReplyTo, results: Vec<Value>, pending: usize) -> u64 {
+    fn open_batch(&mut self, to: ReplyTo, results: Vec<Value>, pending: usize) -> u64 {
         let id = self.next_id();
         self.start_job(to.conn);
         self.batches.insert(
