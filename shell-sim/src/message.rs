@@ -97,7 +97,7 @@ impl Envelope {
 }
 
 fn op_code(op: &Op) -> u64 {
-    kvwarden_core::protocol::request::OP_NAMES
+    kvwarden_core::protocol::OP_NAMES
         .iter()
         .position(|name| *name == op.name())
         .unwrap_or(99) as u64

@@ -14,7 +14,7 @@
 //! times, and waits (bounded) until both are back at the baseline: a case that leaks one
 //! fd or one mapping per run cannot pass.
 
-use kvwarden_core::protocol::request::OP_NAMES;
+use kvwarden_core::protocol::OP_NAMES;
 use kvwarden_core::protocol::{ErrorCode, ProtocolError, encode_frame};
 use kvwarden_tests::{PATIENCE, RawClient, Server, TempDir, Worker, find_instance, memfd_spec};
 use rmpv::Value;

@@ -20,6 +20,31 @@ use crate::protocol::{ErrorCode, PROTOCOL_VERSION};
 
 pub(super) type Answer = Option<Result<Value, ProtocolError>>;
 
+/// A request that passed [`Node::admit`]: its keys scoped to the connection's tenant.
+struct Admitted {
+    op: Op,
+    transport: Transport,
+    tenant: Option<TenantId>,
+}
+
+/// A transfer's first step is the registry's `transfer`, which refreshes the instance
+/// before any check can refuse it; the other ops can be refused before they reach the
+/// registry, so the dispatcher refreshes them first (and an UNREGISTER of one module is
+/// evidence for the instance's other one).
+fn reaches_the_registry_first(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::Store { .. }
+            | Op::Retrieve { .. }
+            | Op::StoreBatch { .. }
+            | Op::RetrieveBatch { .. }
+            | Op::PrepareStore { .. }
+            | Op::CommitStore { .. }
+            | Op::PrepareRetrieve { .. }
+            | Op::CommitRetrieve { .. }
+    )
+}
+
 pub(super) fn bad_args(message: String) -> ProtocolError {
     ProtocolError::new(ErrorCode::BadArgs, message)
 }
@@ -54,21 +79,43 @@ impl Node {
     }
 
     /// Answers now (`Some`) or once the work it started is done (`None`).
-    fn dispatch(&mut self, now: Instant, to: ReplyTo, mut op: Op, fds: usize) -> Answer {
+    fn dispatch(&mut self, now: Instant, to: ReplyTo, op: Op, fds: usize) -> Answer {
+        let Admitted {
+            op,
+            transport,
+            tenant,
+        } = match self.admit(to, op) {
+            Ok(admitted) => admitted,
+            Err(answer) => return answer,
+        };
+        if let Op::Ping { instance } = op {
+            return self.answer_ping(now, to, instance);
+        }
+        // Refused or not, the owner's request is evidence of life (see the module docs).
+        if let Some(instance) = op.instance()
+            && !reaches_the_registry_first(&op)
+        {
+            self.evidence(now, instance);
+        }
+        self.act(now, to, op, transport, tenant, fds)
+    }
+
+    /// Who is who (trust.rs), before anything else: a TCP peer is nobody until its
+    /// `hello` presents a token; a request naming an instance needs the connection to
+    /// have attached it. A refused request refreshes nothing. `attach` is answered
+    /// here; an admitted request comes back with its keys scoped to its tenant.
+    fn admit(&mut self, to: ReplyTo, mut op: Op) -> Result<Admitted, Answer> {
         if self.shutdown.is_some() {
-            return Some(Err(ProtocolError::new(
+            return Err(Some(Err(ProtocolError::new(
                 ErrorCode::Unavailable,
                 "the server is shutting down; reconnect to its successor and register again",
-            )));
+            ))));
         }
         let trust_any = self.planted(PlantedBug::TrustAnyConnection);
         let Some(connection) = self.conns.get_mut(&to.conn) else {
-            return None; // a request of a connection the shell never announced
+            return Err(None); // a request of a connection the shell never announced
         };
         let transport = connection.transport;
-        // Who is who (trust.rs), before anything else: a TCP peer is nobody until its
-        // `hello` presents a token; a request naming an instance needs the connection
-        // to have attached it. A refused request refreshes nothing.
         let checked = match &op {
             Op::Hello { token, .. } if transport == Transport::Tcp => self
                 .trust
@@ -84,52 +131,48 @@ impl Node {
                     None => Ok(()),
                 }),
         };
-        if let Err(error) = checked {
-            return Some(Err(error));
-        }
-        let tenant = connection.peer.tenant();
+        checked.map_err(|error| Some(Err(error)))?;
         if let Op::Attach { instance, secret } = &op {
-            return Some(
+            return Err(Some(
                 self.trust
                     .attach(&mut connection.peer, *instance, secret)
                     .map(|attached| Value::Map(vec![("outcome".into(), attached.label().into())])),
-            );
+            ));
         }
+        let tenant = connection.peer.tenant();
         if let Some(tenant) = tenant
             && !self.planted(PlantedBug::SharedKeyspace)
         {
             trust::scope_keys(&mut op, self.trust.key_prefix(tenant));
         }
-        if let Op::Ping { instance } = op {
-            let answer: Value = self.ping(now, instance).into();
-            #[cfg(feature = "planted-bugs")]
-            if self.planted(PlantedBug::PingWaitsForL2) && self.l2_enabled() {
-                self.held_pings.push((to, answer));
-                return None;
-            }
-            return Some(Ok(answer));
-        }
-        // Refused or not, the owner's request is evidence of life (see the module docs).
-        // A transfer's first step is the registry's `transfer`, which refreshes the
-        // instance before any check can refuse it; the other ops can be refused before
-        // they reach the registry, and an UNREGISTER of one module is evidence for the
-        // instance's other one.
-        let reaches_the_registry_first = matches!(
+        Ok(Admitted {
             op,
-            Op::Store { .. }
-                | Op::Retrieve { .. }
-                | Op::StoreBatch { .. }
-                | Op::RetrieveBatch { .. }
-                | Op::PrepareStore { .. }
-                | Op::CommitStore { .. }
-                | Op::PrepareRetrieve { .. }
-                | Op::CommitRetrieve { .. }
-        );
-        if let Some(instance) = op.instance()
-            && !reaches_the_registry_first
-        {
-            self.evidence(now, instance);
+            transport,
+            tenant,
+        })
+    }
+
+    fn answer_ping(&mut self, now: Instant, to: ReplyTo, instance: Option<InstanceId>) -> Answer {
+        let answer: Value = self.ping(now, instance).into();
+        #[cfg(feature = "planted-bugs")]
+        if self.planted(PlantedBug::PingWaitsForL2) && self.l2_enabled() {
+            self.held_pings.push((to, answer));
+            return None;
         }
+        let _ = to;
+        Some(Ok(answer))
+    }
+
+    /// One decision per op, on an admitted request.
+    fn act(
+        &mut self,
+        now: Instant,
+        to: ReplyTo,
+        op: Op,
+        transport: Transport,
+        tenant: Option<TenantId>,
+        fds: usize,
+    ) -> Answer {
         match op {
             Op::Ping { .. } | Op::Attach { .. } => None,
             Op::Hello { sends_fds, .. } => Some(Ok(self.hello(to.conn, sends_fds))),
@@ -140,17 +183,7 @@ impl Node {
                 });
                 None
             }
-            Op::Lookup { keys } => {
-                let l1_count = self.l1.lookup_prefix(&keys);
-                // Its L2 remainder runs as a job: counted in the connection's cap, as
-                // every transfer is (failure mode 46).
-                if self.l2.is_some() && (l1_count as usize) < keys.len() && !self.has_room(to.conn)
-                {
-                    return Some(Err(overloaded()));
-                }
-                self.l2_lookup(now, to, &keys, l1_count)
-                    .map(|count| Ok(count.into()))
-            }
+            Op::Lookup { keys } => self.lookup(now, to, &keys),
             Op::RegisterKvCache {
                 instance,
                 buffers,
@@ -161,39 +194,7 @@ impl Node {
                 instance,
                 model_name,
                 world_size: _,
-            } => {
-                if let Some(tenant) = tenant
-                    && !self.trust.engine_driven_allowed(tenant)
-                {
-                    return Some(Err(ProtocolError::new(
-                        ErrorCode::Forbidden,
-                        format!(
-                            "register_engine_driven: tenant {:?} may not register \
-                             engine-driven: such a worker maps the whole L1 pool read-write, \
-                             every tenant's slots included. Use register_kv_cache with \
-                             store/retrieve, or have the operator trust its uids \
-                             (serve --tenant NAME=uid:N,engine-driven)",
-                            self.trust.name(tenant),
-                        ),
-                    )));
-                }
-                if transport != Transport::Unix {
-                    return Some(Err(bad_args(
-                        "register_engine_driven: the L1 pool's memfd travels only over the Unix \
-                         socket (SCM_RIGHTS), and this connection is TCP; connect over the Unix \
-                         socket, or use register_kv_cache with store/retrieve over TCP"
-                            .into(),
-                    )));
-                }
-                self.register(
-                    now,
-                    to,
-                    instance,
-                    Module::EngineDriven,
-                    Vec::new(),
-                    model_name,
-                )
-            }
+            } => self.register_engine_driven(now, to, transport, tenant, instance, model_name),
             Op::UnregisterKvCache { instance } => Some(Ok(self
                 .unregister(now, instance, Module::ServerDriven)
                 .into())),
@@ -233,6 +234,58 @@ impl Node {
             )),
             Op::RegisterBlend { instance, rope } => self.register_blend(to, instance, rope),
         }
+    }
+
+    fn lookup(&mut self, now: Instant, to: ReplyTo, keys: &[Vec<u8>]) -> Answer {
+        let l1_count = self.l1.lookup_prefix(keys);
+        // Its L2 remainder runs as a job: counted in the connection's cap, as every
+        // transfer is (failure mode 46).
+        if self.l2.is_some() && (l1_count as usize) < keys.len() && !self.has_room(to.conn) {
+            return Some(Err(overloaded()));
+        }
+        self.l2_lookup(now, to, keys, l1_count)
+            .map(|count| Ok(count.into()))
+    }
+
+    fn register_engine_driven(
+        &mut self,
+        now: Instant,
+        to: ReplyTo,
+        transport: Transport,
+        tenant: Option<TenantId>,
+        instance: InstanceId,
+        model_name: String,
+    ) -> Answer {
+        if let Some(tenant) = tenant
+            && !self.trust.engine_driven_allowed(tenant)
+        {
+            return Some(Err(ProtocolError::new(
+                ErrorCode::Forbidden,
+                format!(
+                    "register_engine_driven: tenant {:?} may not register engine-driven: such \
+                     a worker maps the whole L1 pool read-write, every tenant's slots \
+                     included. Use register_kv_cache with store/retrieve, or have the \
+                     operator trust its uids (serve --tenant NAME=uid:N,engine-driven)",
+                    self.trust.name(tenant),
+                ),
+            )));
+        }
+        if transport != Transport::Unix {
+            return Some(Err(bad_args(
+                "register_engine_driven: the L1 pool's memfd travels only over the Unix socket \
+                 (SCM_RIGHTS), and this connection is TCP; connect over the Unix socket, or \
+                 use register_kv_cache with store/retrieve over TCP"
+                    .into(),
+            )));
+        }
+        self.register(
+            now,
+            to,
+            instance,
+            Module::EngineDriven,
+            Vec::new(),
+            model_name,
+        )
     }
 
     fn ping(&mut self, now: Instant, instance: Option<InstanceId>) -> bool {

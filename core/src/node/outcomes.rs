@@ -26,39 +26,10 @@ impl Node {
             self.building.remove(&(instance, module));
         }
         let answer = match result {
-            Ok(built) => {
-                self.contexts_built += 1;
-                if matches!(built, Built::EngineDriven) {
-                    self.strategies.insert(context, TransferStrategy::default());
-                }
-                self.contexts.insert(
-                    context,
-                    ContextInfo {
-                        built,
-                        copies: 0,
-                        deferred: None,
-                    },
-                );
-                if self.planted(PlantedBug::DropBuiltContext) {
-                    return;
-                }
-                self.liveness.context_built(now, ticket, context);
-                // A context whose entry went while it was built comes straight back
-                // (`Cancelled`); any other outcome means it is the entry's now.
-                let cancelled = self.drain_effects_seeing(context);
-                if cancelled {
-                    Err(ProtocolError::new(
-                        ErrorCode::NotRegistered,
-                        format!(
-                            "instance {instance} was removed (unregistered, reaped or its \
-                             process exited) while its context was being built; register again"
-                        ),
-                    ))
-                } else {
-                    self.note(Note::ContextBuilt { instance, module });
-                    Ok(())
-                }
-            }
+            Ok(built) => match self.adopt_built(now, ticket, context, built) {
+                Some(answer) => answer,
+                None => return, // planted: the built context is dropped unanswered
+            },
             Err(error) => {
                 self.note(Note::BuildFailed {
                     instance,
@@ -71,25 +42,65 @@ impl Node {
         };
         self.forget_if_gone(instance);
         for waiter in waiters {
-            match &answer {
+            let answer = answer.as_ref().map_err(|error| {
+                ProtocolError::new(
+                    ErrorCode::NotRegistered,
+                    format!(
+                        "instance {instance} is not registered: the registration this one \
+                         joined while it was being built failed ({}); register again",
+                        error.message
+                    ),
+                )
+            });
+            match answer {
                 Ok(()) => self.reply_registered(waiter, module, "refreshed"),
-                Err(error) => {
-                    let error = ProtocolError::new(
-                        ErrorCode::NotRegistered,
-                        format!(
-                            "instance {instance} is not registered: the registration this one \
-                             joined while it was being built failed ({}); register again",
-                            error.message
-                        ),
-                    );
-                    self.reply(waiter, Err(error));
-                }
+                Err(error) => self.reply(waiter, Err(error)),
             }
         }
         match answer {
             Ok(()) => self.reply_registered(reply, module, "created"),
             Err(error) => self.reply(reply, Err(error)),
         }
+    }
+
+    /// A context built: the node keeps it and hands it to the registry. A context whose
+    /// entry went while it was built comes straight back (`Cancelled`) and the
+    /// registration fails; any other outcome means it is the entry's now.
+    fn adopt_built(
+        &mut self,
+        now: Instant,
+        ticket: BuildTicket,
+        context: ContextId,
+        built: Built,
+    ) -> Option<Result<(), ProtocolError>> {
+        let (instance, module) = (ticket.instance(), ticket.module());
+        self.contexts_built += 1;
+        if matches!(built, Built::EngineDriven) {
+            self.strategies.insert(context, TransferStrategy::default());
+        }
+        self.contexts.insert(
+            context,
+            ContextInfo {
+                built,
+                copies: 0,
+                deferred: None,
+            },
+        );
+        if self.planted(PlantedBug::DropBuiltContext) {
+            return None;
+        }
+        self.liveness.context_built(now, ticket, context);
+        if self.drain_effects_seeing(context) {
+            return Some(Err(ProtocolError::new(
+                ErrorCode::NotRegistered,
+                format!(
+                    "instance {instance} was removed (unregistered, reaped or its process \
+                     exited) while its context was being built; register again"
+                ),
+            )));
+        }
+        self.note(Note::ContextBuilt { instance, module });
+        Some(Ok(()))
     }
 
     pub(super) fn copy_done(&mut self, copy: CopyId, result: Result<u64, ProtocolError>) {

@@ -416,29 +416,7 @@ impl Node {
             return Some(Ok(Value::Array(results)));
         }
         let batch = self.open_batch(to, results, copies.len());
-        let tenant = self.tenant(to.conn);
-        for position in misses {
-            let item = &items[position];
-            if self.l1_holds(&item.key) {
-                continue; // stored with another length: a miss, not an L2 read
-            }
-            let waiter = ReadFor::BatchRetrieve {
-                batch,
-                item: position,
-                instance,
-                context,
-                want: Want {
-                    buffer: item.buffer,
-                    offset: item.offset,
-                    nbytes: item.nbytes,
-                },
-            };
-            if self.l2_ask(now, &item.key, tenant, waiter).is_ok()
-                && let Some(open) = self.batches.get_mut(&batch)
-            {
-                open.pending += 1;
-            }
-        }
+        self.ask_l2_for_misses(now, to, batch, instance, context, &items, misses);
         if self
             .batches
             .get(&batch)
@@ -462,6 +440,45 @@ impl Node {
             );
         }
         None
+    }
+
+    /// Asks L2 for each L1 miss of a `retrieve_batch`; each read it starts is one more
+    /// thing the batch waits for. A key L1 holds with another length is a miss, not an
+    /// L2 read.
+    #[allow(clippy::too_many_arguments)]
+    fn ask_l2_for_misses(
+        &mut self,
+        now: Instant,
+        to: ReplyTo,
+        batch: u64,
+        instance: InstanceId,
+        context: ContextId,
+        items: &[RetrieveItem],
+        misses: Vec<usize>,
+    ) {
+        let tenant = self.tenant(to.conn);
+        for position in misses {
+            let item = &items[position];
+            if self.l1_holds(&item.key) {
+                continue;
+            }
+            let waiter = ReadFor::BatchRetrieve {
+                batch,
+                item: position,
+                instance,
+                context,
+                want: Want {
+                    buffer: item.buffer,
+                    offset: item.offset,
+                    nbytes: item.nbytes,
+                },
+            };
+            if self.l2_ask(now, &item.key, tenant, waiter).is_ok()
+                && let Some(open) = self.batches.get_mut(&batch)
+            {
+                open.pending += 1;
+            }
+        }
     }
 
     /// Holds a batch until its `pending` copies are done; it counts as one job.

@@ -3,125 +3,17 @@
 //!
 //! This runs only when the typed decoder ([`super::wire_args`]) refused a body, so it
 //! may build a MessagePack value tree (depth-limited, like the typed decoder). Each op's
-//! arguments are checked in order against its shape; the first mismatch is the answer.
+//! arguments are checked in order against its row of the op table
+//! ([`super::contract`]); the first mismatch is the answer.
 
+use super::contract::{
+    Arg, MAX_BATCH_ITEMS, MAX_DEPTH, MAX_KEY_BYTES, MAX_TEXT_BYTES, OP_NAMES, OpKind,
+    PROTOCOL_VERSION,
+};
+use super::describe::{describe, describe_args, truncate};
 use super::error::{DecodeError, ErrorCode, ProtocolError};
-use super::request::{MAX_BATCH_ITEMS, MAX_KEY_BYTES, MAX_TEXT_BYTES, OP_NAMES};
-use super::{MAX_DEPTH, PROTOCOL_VERSION};
 use crate::InstanceId;
 use rmpv::Value;
-
-/// One argument of an op: what it must be.
-#[derive(Copy, Clone)]
-enum Arg {
-    /// An unsigned integer, named.
-    Uint(&'static str),
-    /// `instance_id`: an unsigned integer no larger than `InstanceId::MAX`.
-    Instance,
-    /// `instance_id` or nil (ping).
-    InstanceOrNil,
-    /// A UTF-8 str, named.
-    Text(&'static str),
-    /// bin (or a str taken as its bytes), named.
-    Bin(&'static str),
-    /// `keys`: an array of bin.
-    Keys,
-    /// `buffers`: an array of buffer maps.
-    Buffers,
-    /// `items` of `store_batch`: an array of `[key: bin, buffer, offset, nbytes]`.
-    StoreItems,
-    /// `items` of `retrieve_batch`: an array of `[key: bin, buffer, offset, nbytes]`.
-    RetrieveItems,
-    /// `rope`: `{rotary_dim: uint, max_positions: uint, base: float}`.
-    Rope,
-    /// `hello`'s optional last argument: `{"pidfd_index": uint, "sends_fds": bool,
-    /// "token": str | bin}` (all optional, other keys ignored).
-    HelloOptions,
-}
-
-/// What op `name` expects, in the words of the op table, and its arguments in order.
-fn shape(name: &str) -> Option<(&'static str, &'static str, &'static [Arg])> {
-    use Arg::*;
-    const KEYED: &str = "[instance_id: uint, key: bin]";
-    Some(match name {
-        "hello" => (
-            "hello",
-            "[protocol: uint, client: str] or [protocol: uint, client: str, options: \
-             {\"pidfd_index\": uint, \"sends_fds\": bool, \"token\": str | bin}]",
-            &[Uint("protocol"), Text("client"), HelloOptions],
-        ),
-        "attach" => (
-            "attach",
-            "[instance_id: uint, secret: bin]",
-            &[Instance, Bin("secret")],
-        ),
-        "ping" => ("ping", "[instance_id: uint | nil]", &[InstanceOrNil]),
-        "register_kv_cache" => (
-            "register_kv_cache",
-            "[instance_id: uint, buffers: [buffer], model_name: str, world_size: uint]",
-            &[Instance, Buffers, Text("model_name"), Uint("world_size")],
-        ),
-        "unregister_kv_cache" => ("unregister_kv_cache", "[instance_id: uint]", &[Instance]),
-        "store" => (
-            "store",
-            "[instance_id: uint, key: bin, buffer: uint, offset: uint, nbytes: uint]",
-            &[
-                Instance,
-                Bin("key"),
-                Uint("buffer"),
-                Uint("offset"),
-                Uint("nbytes"),
-            ],
-        ),
-        "retrieve" => (
-            "retrieve",
-            "[instance_id: uint, key: bin, buffer: uint, offset: uint, nbytes: uint]",
-            &[
-                Instance,
-                Bin("key"),
-                Uint("buffer"),
-                Uint("offset"),
-                Uint("nbytes"),
-            ],
-        ),
-        "store_batch" => (
-            "store_batch",
-            "[instance_id: uint, items: [[key: bin, buffer: uint, offset: uint, nbytes: uint]]]",
-            &[Instance, StoreItems],
-        ),
-        "retrieve_batch" => (
-            "retrieve_batch",
-            "[instance_id: uint, items: [[key: bin, buffer: uint, offset: uint, nbytes: uint]]]",
-            &[Instance, RetrieveItems],
-        ),
-        "lookup" => ("lookup", "[keys: [bin]]", &[Keys]),
-        "register_engine_driven" => (
-            "register_engine_driven",
-            "[instance_id: uint, model_name: str, world_size: uint]",
-            &[Instance, Text("model_name"), Uint("world_size")],
-        ),
-        "unregister_engine_driven" => (
-            "unregister_engine_driven",
-            "[instance_id: uint]",
-            &[Instance],
-        ),
-        "prepare_store" => ("prepare_store", KEYED, &[Instance, Bin("key")]),
-        "prepare_retrieve" => ("prepare_retrieve", KEYED, &[Instance, Bin("key")]),
-        "commit_retrieve" => ("commit_retrieve", KEYED, &[Instance, Bin("key")]),
-        "commit_store" => (
-            "commit_store",
-            "[instance_id: uint, key: bin, nbytes: uint]",
-            &[Instance, Bin("key"), Uint("nbytes")],
-        ),
-        "register_blend" => (
-            "register_blend",
-            "[instance_id: uint, rope: {rotary_dim: uint, max_positions: uint, base: float}]",
-            &[Instance, Rope],
-        ),
-        "status" => ("status", "[]", &[]),
-        _ => return None,
-    })
-}
 
 /// The error for a body the typed decoder refused. `refusal` is what it said, used
 /// only when no check here names a more precise cause.
@@ -131,9 +23,10 @@ pub(super) fn diagnose(body: &[u8], refusal: &str) -> DecodeError {
         Ok((id, op, items)) => DecodeError {
             request_id: Some(id),
             error: check_args(&op, &items).err().unwrap_or_else(|| {
+                let row = OpKind::from_name(&op).map(OpKind::row);
                 let args = Args {
-                    op: shape(&op).map_or("?", |(name, _, _)| name),
-                    expects: shape(&op).map_or("?", |(_, expects, _)| expects),
+                    op: row.map_or("?", |row| row.name),
+                    expects: row.map_or("?", |row| row.expects),
                     items: &items,
                 };
                 args.mismatch(format!(
@@ -211,9 +104,10 @@ fn envelope(body: &[u8]) -> Result<(u64, String, Vec<Value>), DecodeError> {
     Ok((id, op_name.to_owned(), items))
 }
 
-/// Checks each argument of `op` in order; the first mismatch is the error.
+/// Checks each argument of `op` in order against its row of the op table; the first
+/// mismatch is the error.
 fn check_args(op: &str, items: &[Value]) -> Result<(), ProtocolError> {
-    let Some((name, expects, shape)) = shape(op) else {
+    let Some(row) = OpKind::from_name(op).map(OpKind::row) else {
         return Err(ProtocolError::new(
             ErrorCode::UnknownOp,
             format!(
@@ -225,10 +119,11 @@ fn check_args(op: &str, items: &[Value]) -> Result<(), ProtocolError> {
         ));
     };
     let a = Args {
-        op: name,
-        expects,
+        op: row.name,
+        expects: row.expects,
         items,
     };
+    let shape = row.args;
     let optional = shape
         .iter()
         .filter(|arg| matches!(arg, Arg::HelloOptions))
@@ -254,66 +149,11 @@ fn check_args(op: &str, items: &[Value]) -> Result<(), ProtocolError> {
             }
             Arg::Text(name) => a.string(index, name)?,
             Arg::Bin(name) => a.bin(index, name)?,
-            Arg::Keys => {
-                let Value::Array(keys) = &items[index] else {
-                    return Err(a.wrong(index, "keys", "an array of bin"));
-                };
-                if !keys.iter().all(is_key) {
-                    return Err(a.wrong(index, "keys", "an array of bin"));
-                }
-                if keys.len() > MAX_BATCH_ITEMS {
-                    return Err(a.mismatch(format!(
-                        "{} keys; a lookup holds at most {MAX_BATCH_ITEMS}; split it",
-                        keys.len()
-                    )));
-                }
-                for (position, key) in keys.iter().enumerate() {
-                    a.key_length(key, &format!("keys[{position}]"))?;
-                }
-            }
+            Arg::Keys => a.keys(index)?,
             Arg::Buffers => a.buffers(index)?,
-            Arg::StoreItems => a.batch_items(index, &["key", "buffer", "offset", "nbytes"])?,
-            Arg::RetrieveItems => a.batch_items(index, &["key", "buffer", "offset", "nbytes"])?,
-            Arg::HelloOptions => {
-                let map = a.map(index, "options")?;
-                match field(map, "pidfd_index") {
-                    None | Some(Value::Nil) => {}
-                    Some(value) if value.as_u64().is_some() => {}
-                    Some(value) => {
-                        return Err(a.mismatch(format!(
-                            "options.pidfd_index must be an unsigned integer, got {}",
-                            describe(value)
-                        )));
-                    }
-                }
-                match field(map, "sends_fds") {
-                    None | Some(Value::Nil | Value::Boolean(_)) => {}
-                    Some(value) => {
-                        return Err(a.mismatch(format!(
-                            "options.sends_fds must be a boolean, got {}",
-                            describe(value)
-                        )));
-                    }
-                }
-                match field(map, "token") {
-                    None | Some(Value::Nil | Value::String(_) | Value::Binary(_)) => {}
-                    Some(value) => {
-                        return Err(a.mismatch(format!(
-                            "options.token must be a str or bin (the contents of the server's \
-                             --tcp-token-file), got {}",
-                            describe(value)
-                        )));
-                    }
-                }
-            }
-            Arg::Rope => {
-                let map = a.map(index, "rope")?;
-                field_uint(&a, map, "rotary_dim")?;
-                field_uint(&a, map, "max_positions")?;
-                if field(map, "base").and_then(Value::as_f64).is_none() {
-                    return Err(a.wrong(index, "rope.base", "a float"));
-                }
-            }
+            Arg::Items => a.batch_items(index, &["key", "buffer", "offset", "nbytes"])?,
+            Arg::HelloOptions => a.hello_options(index)?,
+            Arg::Rope => a.rope(index)?,
         }
     }
     Ok(())
@@ -461,6 +301,66 @@ impl Args<'_> {
         Ok(())
     }
 
+    fn keys(&self, index: usize) -> Result<(), ProtocolError> {
+        let Some(Value::Array(keys)) = self.items.get(index) else {
+            return Err(self.wrong(index, "keys", "an array of bin"));
+        };
+        if !keys.iter().all(is_key) {
+            return Err(self.wrong(index, "keys", "an array of bin"));
+        }
+        if keys.len() > MAX_BATCH_ITEMS {
+            return Err(self.mismatch(format!(
+                "{} keys; a lookup holds at most {MAX_BATCH_ITEMS}; split it",
+                keys.len()
+            )));
+        }
+        for (position, key) in keys.iter().enumerate() {
+            self.key_length(key, &format!("keys[{position}]"))?;
+        }
+        Ok(())
+    }
+
+    fn hello_options(&self, index: usize) -> Result<(), ProtocolError> {
+        let map = self.map(index, "options")?;
+        match field(map, "pidfd_index") {
+            None | Some(Value::Nil) => {}
+            Some(value) if value.as_u64().is_some() => {}
+            Some(value) => {
+                return Err(self.mismatch(format!(
+                    "options.pidfd_index must be an unsigned integer, got {}",
+                    describe(value)
+                )));
+            }
+        }
+        match field(map, "sends_fds") {
+            None | Some(Value::Nil | Value::Boolean(_)) => {}
+            Some(value) => {
+                return Err(self.mismatch(format!(
+                    "options.sends_fds must be a boolean, got {}",
+                    describe(value)
+                )));
+            }
+        }
+        match field(map, "token") {
+            None | Some(Value::Nil | Value::String(_) | Value::Binary(_)) => Ok(()),
+            Some(value) => Err(self.mismatch(format!(
+                "options.token must be a str or bin (the contents of the server's \
+                 --tcp-token-file), got {}",
+                describe(value)
+            ))),
+        }
+    }
+
+    fn rope(&self, index: usize) -> Result<(), ProtocolError> {
+        let map = self.map(index, "rope")?;
+        field_uint(self, map, "rotary_dim")?;
+        field_uint(self, map, "max_positions")?;
+        if field(map, "base").and_then(Value::as_f64).is_none() {
+            return Err(self.wrong(index, "rope.base", "a float"));
+        }
+        Ok(())
+    }
+
     fn buffers(&self, index: usize) -> Result<(), ProtocolError> {
         let Some(Value::Array(items)) = self.items.get(index) else {
             return Err(self.wrong(index, "buffers", "an array of buffer maps"));
@@ -520,37 +420,4 @@ fn field_uint(args: &Args<'_>, map: &[(Value, Value)], key: &str) -> Result<u64,
 /// Keys travel as bin; a str is accepted too (some MessagePack clients cannot tell).
 fn is_key(value: &Value) -> bool {
     matches!(value, Value::Binary(_) | Value::String(_))
-}
-
-/// Caps names echoed back into messages.
-fn truncate(text: &str) -> &str {
-    match text.char_indices().nth(64) {
-        Some((end, _)) => &text[..end],
-        None => text,
-    }
-}
-
-fn describe_args(items: &[Value]) -> String {
-    let shown: Vec<String> = items.iter().take(8).map(describe).collect();
-    let more = if items.len() > 8 { ", …" } else { "" };
-    format!("[{}{more}] ({} arguments)", shown.join(", "), items.len())
-}
-
-/// A short type description of a value, never its whole content.
-pub(crate) fn describe(value: &Value) -> String {
-    match value {
-        Value::Nil => "nil".into(),
-        Value::Boolean(b) => format!("bool {b}"),
-        Value::Integer(i) => match (i.as_u64(), i.as_i64()) {
-            (Some(u), _) => format!("uint {u}"),
-            (None, Some(n)) => format!("negative int {n}"),
-            _ => "int".into(),
-        },
-        Value::F32(_) | Value::F64(_) => "float".into(),
-        Value::String(s) => format!("str({} bytes)", s.as_bytes().len()),
-        Value::Binary(b) => format!("bin({} bytes)", b.len()),
-        Value::Array(a) => format!("array({} items)", a.len()),
-        Value::Map(m) => format!("map({} entries)", m.len()),
-        Value::Ext(t, _) => format!("ext type {t}"),
-    }
 }

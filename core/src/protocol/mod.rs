@@ -6,23 +6,37 @@
 //! itself bounded by `--max-frame-bytes`. The fuzzer drives [`decode_request`] and
 //! [`frame::parse_header`] directly.
 
+pub mod contract;
+mod describe;
 mod diagnose;
+mod encode;
 pub mod error;
 pub mod frame;
 pub mod reply;
 pub mod request;
+#[cfg(test)]
+mod tests;
 mod wire_args;
 
-pub use error::{DecodeError, ErrorCode, ProtocolError};
-pub use frame::{FrameError, LENGTH_PREFIX_BYTES, encode_frame, parse_header, split_frame};
-pub use reply::{Reply, decode_reply, encode_reply, encode_reply_into, encode_request};
-pub use request::{
-    BufferSpec, MAX_BATCH_ITEMS, Op, Request, RetrieveItem, RopeSpec, StoreItem, decode_request,
+pub use contract::{
+    MAX_BATCH_ITEMS, MAX_DEPTH, MAX_KEY_BYTES, MAX_TEXT_BYTES, OP_COUNT, OP_NAMES, OpKind,
+    PROTOCOL_VERSION,
 };
 
-/// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u64 = 2;
+pub use encode::encode_request;
+pub use error::{DecodeError, ErrorCode, ProtocolError};
+pub use frame::{FrameError, LENGTH_PREFIX_BYTES, encode_frame, parse_header, split_frame};
+pub use reply::{Reply, decode_reply, encode_reply, encode_reply_into};
+pub use request::{BufferSpec, Op, Request, RetrieveItem, RopeSpec, StoreItem};
 
-/// The deepest MessagePack nesting a valid request needs is 5 (request, args, buffers,
-/// buffer map, value); anything much deeper is garbage and must not cost stack.
-pub const MAX_DEPTH: usize = 16;
+/// Decodes one frame body into a request. Never panics.
+///
+/// Every malformed input maps to an error code of the spec: a body that is not a
+/// MessagePack request at all is `bad_frame`; a known op with the wrong arguments is
+/// `bad_args`, naming the op, what it expects and what arrived; an op this server does
+/// not know is `unknown_op`. A valid body goes through the typed serde decoder
+/// (`wire_args`) alone; only a refused one is decoded again, into a value tree, to say
+/// what is wrong with it (`diagnose`).
+pub fn decode_request(body: &[u8]) -> Result<Request, DecodeError> {
+    wire_args::decode(body).map_err(|refusal| diagnose::diagnose(body, &refusal))
+}

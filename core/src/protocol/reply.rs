@@ -1,10 +1,9 @@
-//! Replies `[request_id, ok, value]`, and the client's side: encoding requests and
-//! decoding replies.
+//! Replies `[request_id, ok, value]`: the server encodes them, a client decodes them.
 
-use super::MAX_DEPTH;
-use super::diagnose::describe;
+use super::contract::MAX_DEPTH;
+use super::describe::describe;
 use super::error::{DecodeError, ErrorCode, ProtocolError};
-use super::frame::{LENGTH_PREFIX_BYTES, encode_frame};
+use super::frame::LENGTH_PREFIX_BYTES;
 use rmpv::Value;
 
 /// A decoded reply.
@@ -14,15 +13,6 @@ pub struct Reply {
     pub id: u64,
     /// The value, or the error.
     pub result: Result<Value, ProtocolError>,
-}
-
-fn to_bytes(value: &Value) -> Vec<u8> {
-    let mut body = Vec::new();
-    // Writing into a Vec cannot fail.
-    if rmpv::encode::write_value(&mut body, value).is_err() {
-        body.clear();
-    }
-    encode_frame(&body)
 }
 
 /// A framed reply.
@@ -57,15 +47,6 @@ pub fn encode_reply_into(out: &mut Vec<u8>, id: u64, result: &Result<Value, Prot
     }
     let length = u32::try_from(out.len() - start - LENGTH_PREFIX_BYTES).unwrap_or(u32::MAX);
     out[start..start + LENGTH_PREFIX_BYTES].copy_from_slice(&length.to_be_bytes());
-}
-
-/// A framed request.
-pub fn encode_request(id: u64, op: &str, args: Vec<Value>) -> Vec<u8> {
-    to_bytes(&Value::Array(vec![
-        id.into(),
-        op.into(),
-        Value::Array(args),
-    ]))
 }
 
 /// Decodes a reply body (the client's side). Never panics.

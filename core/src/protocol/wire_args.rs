@@ -14,11 +14,8 @@
 //! counts, and a field the buffer's kind does not use is ignored whatever its type;
 //! the rope base is any number.
 
-use super::MAX_DEPTH;
-use super::request::{
-    BufferSpec, MAX_BATCH_ITEMS, MAX_KEY_BYTES, MAX_TEXT_BYTES, OP_NAMES, Op, Request,
-    RetrieveItem, RopeSpec, StoreItem,
-};
+use super::contract::{MAX_BATCH_ITEMS, MAX_DEPTH, MAX_KEY_BYTES, MAX_TEXT_BYTES, OpKind};
+use super::request::{BufferSpec, Op, Request, RetrieveItem, RopeSpec, StoreItem};
 use crate::InstanceId;
 use serde::Deserialize;
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
@@ -66,7 +63,7 @@ impl<'de> Visitor<'de> for RequestVisitor {
 }
 
 /// An op name this server knows.
-struct OpName(&'static str);
+struct OpName(OpKind);
 
 impl<'de> Deserialize<'de> for OpName {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<OpName, D::Error> {
@@ -77,10 +74,8 @@ impl<'de> Deserialize<'de> for OpName {
                 f.write_str("an op name")
             }
             fn visit_str<E: de::Error>(self, name: &str) -> Result<OpName, E> {
-                OP_NAMES
-                    .iter()
-                    .find(|known| **known == name)
-                    .map(|known| OpName(known))
+                OpKind::from_name(name)
+                    .map(OpName)
                     .ok_or_else(|| E::custom("unknown op"))
             }
         }
@@ -88,94 +83,39 @@ impl<'de> Deserialize<'de> for OpName {
     }
 }
 
-/// The args array of the op named `.0`.
-struct ArgsSeed(&'static str);
+/// The args array of the op `.0`.
+struct ArgsSeed(OpKind);
 
 impl<'de> DeserializeSeed<'de> for ArgsSeed {
     type Value = Op;
 
     fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Op, D::Error> {
         Ok(match self.0 {
-            "hello" => {
-                let HelloArgs {
-                    protocol,
-                    client,
-                    options:
-                        HelloOptions {
-                            pidfd_index,
-                            sends_fds,
-                            token,
-                        },
-                } = d.deserialize_any(HelloVisitor)?;
-                Op::Hello {
-                    protocol,
-                    client,
-                    pidfd_index,
-                    sends_fds,
-                    token,
-                }
-            }
-            "attach" => {
+            OpKind::Hello => hello(d)?,
+            OpKind::Attach => {
                 let (Instance(instance), Key(secret)) = array(d)?;
                 Op::Attach { instance, secret }
             }
-            "ping" => {
+            OpKind::Ping => {
                 let (instance,): (Option<Instance>,) = array(d)?;
                 Op::Ping {
                     instance: instance.map(|Instance(id)| id),
                 }
             }
-            "register_kv_cache" => {
-                let (Instance(instance), Bounded(buffers), Text(model_name), world_size): (
-                    _,
-                    Bounded<WireBuffer>,
-                    _,
-                    _,
-                ) = array(d)?;
-                let buffers = buffers
-                    .into_iter()
-                    .map(WireBuffer::into_spec)
-                    .collect::<Option<Vec<BufferSpec>>>()
-                    .ok_or_else(|| de::Error::custom("a buffer lacks a field its kind needs"))?;
-                Op::RegisterKvCache {
-                    instance,
-                    buffers,
-                    model_name,
-                    world_size,
-                }
-            }
-            "unregister_kv_cache" => {
-                let (Instance(instance),) = array(d)?;
-                Op::UnregisterKvCache { instance }
-            }
-            "store" => {
-                let (Instance(instance), Key(key), buffer, offset, nbytes) = array(d)?;
-                Op::Store {
-                    instance,
-                    key,
-                    buffer,
-                    offset,
-                    nbytes,
-                }
-            }
-            "retrieve" => {
-                let (Instance(instance), Key(key), buffer, offset, nbytes) = array(d)?;
-                Op::Retrieve {
-                    instance,
-                    key,
-                    buffer,
-                    offset,
-                    nbytes,
-                }
-            }
-            "store_batch" => {
+            OpKind::RegisterKvCache => register_kv_cache(d)?,
+            OpKind::UnregisterKvCache => Op::UnregisterKvCache {
+                instance: instance_only(d)?,
+            },
+            OpKind::Store => transfer(d, OpKind::Store)?,
+            OpKind::Retrieve => transfer(d, OpKind::Retrieve)?,
+            OpKind::StoreBatch => {
                 let (Instance(instance), Bounded(items)): (_, Bounded<WireStoreItem>) = array(d)?;
                 Op::StoreBatch {
                     instance,
                     items: batch(items)?.into_iter().map(|item| item.0).collect(),
                 }
             }
-            "retrieve_batch" => {
+            OpKind::RetrieveBatch => {
                 let (Instance(instance), Bounded(items)): (_, Bounded<WireRetrieveItem>) =
                     array(d)?;
                 Op::RetrieveBatch {
@@ -183,13 +123,13 @@ impl<'de> DeserializeSeed<'de> for ArgsSeed {
                     items: batch(items)?.into_iter().map(|item| item.0).collect(),
                 }
             }
-            "lookup" => {
+            OpKind::Lookup => {
                 let (Bounded(keys),): (Bounded<Key>,) = array(d)?;
                 Op::Lookup {
                     keys: batch(keys)?.into_iter().map(|Key(key)| key).collect(),
                 }
             }
-            "register_engine_driven" => {
+            OpKind::RegisterEngineDriven => {
                 let (Instance(instance), Text(model_name), world_size) = array(d)?;
                 Op::RegisterEngineDriven {
                     instance,
@@ -197,23 +137,17 @@ impl<'de> DeserializeSeed<'de> for ArgsSeed {
                     world_size,
                 }
             }
-            "unregister_engine_driven" => {
-                let (Instance(instance),) = array(d)?;
-                Op::UnregisterEngineDriven { instance }
+            OpKind::UnregisterEngineDriven => Op::UnregisterEngineDriven {
+                instance: instance_only(d)?,
+            },
+            OpKind::PrepareStore => keyed(d, |instance, key| Op::PrepareStore { instance, key })?,
+            OpKind::PrepareRetrieve => {
+                keyed(d, |instance, key| Op::PrepareRetrieve { instance, key })?
             }
-            "prepare_store" => {
-                let (Instance(instance), Key(key)) = array(d)?;
-                Op::PrepareStore { instance, key }
+            OpKind::CommitRetrieve => {
+                keyed(d, |instance, key| Op::CommitRetrieve { instance, key })?
             }
-            "prepare_retrieve" => {
-                let (Instance(instance), Key(key)) = array(d)?;
-                Op::PrepareRetrieve { instance, key }
-            }
-            "commit_retrieve" => {
-                let (Instance(instance), Key(key)) = array(d)?;
-                Op::CommitRetrieve { instance, key }
-            }
-            "commit_store" => {
+            OpKind::CommitStore => {
                 let (Instance(instance), Key(key), nbytes) = array(d)?;
                 Op::CommitStore {
                     instance,
@@ -221,17 +155,93 @@ impl<'de> DeserializeSeed<'de> for ArgsSeed {
                     nbytes,
                 }
             }
-            "register_blend" => {
+            OpKind::RegisterBlend => {
                 let (Instance(instance), WireRope(rope)) = array(d)?;
                 Op::RegisterBlend { instance, rope }
             }
-            "status" => {
+            OpKind::Status => {
                 let []: [IgnoredAny; 0] = array(d)?;
                 Op::Status
             }
-            _ => return Err(de::Error::custom("unknown op")),
         })
     }
+}
+
+fn hello<'de, D: Deserializer<'de>>(d: D) -> Result<Op, D::Error> {
+    let HelloArgs {
+        protocol,
+        client,
+        options:
+            HelloOptions {
+                pidfd_index,
+                sends_fds,
+                token,
+            },
+    } = d.deserialize_any(HelloVisitor)?;
+    Ok(Op::Hello {
+        protocol,
+        client,
+        pidfd_index,
+        sends_fds,
+        token,
+    })
+}
+
+fn register_kv_cache<'de, D: Deserializer<'de>>(d: D) -> Result<Op, D::Error> {
+    let (Instance(instance), Bounded(buffers), Text(model_name), world_size): (
+        _,
+        Bounded<WireBuffer>,
+        _,
+        _,
+    ) = array(d)?;
+    let buffers = buffers
+        .into_iter()
+        .map(WireBuffer::into_spec)
+        .collect::<Option<Vec<BufferSpec>>>()
+        .ok_or_else(|| de::Error::custom("a buffer lacks a field its kind needs"))?;
+    Ok(Op::RegisterKvCache {
+        instance,
+        buffers,
+        model_name,
+        world_size,
+    })
+}
+
+/// `[instance_id]`.
+fn instance_only<'de, D: Deserializer<'de>>(d: D) -> Result<InstanceId, D::Error> {
+    let (Instance(instance),) = array(d)?;
+    Ok(instance)
+}
+
+/// `store` or `retrieve`: `[instance_id, key, buffer, offset, nbytes]`.
+fn transfer<'de, D: Deserializer<'de>>(d: D, kind: OpKind) -> Result<Op, D::Error> {
+    let (Instance(instance), Key(key), buffer, offset, nbytes) = array(d)?;
+    Ok(if kind == OpKind::Store {
+        Op::Store {
+            instance,
+            key,
+            buffer,
+            offset,
+            nbytes,
+        }
+    } else {
+        Op::Retrieve {
+            instance,
+            key,
+            buffer,
+            offset,
+            nbytes,
+        }
+    })
+}
+
+/// `prepare_store`, `prepare_retrieve` or `commit_retrieve`: `[instance_id, key]`.
+fn keyed<'de, D: Deserializer<'de>>(
+    d: D,
+    op: impl FnOnce(InstanceId, Vec<u8>) -> Op,
+) -> Result<Op, D::Error> {
+    let (Instance(instance), Key(key)) = array(d)?;
+    Ok(op(instance, key))
 }
 
 /// A tuple or array read from a MessagePack array only. Serde reads tuples with

@@ -1,6 +1,6 @@
 //! Prometheus metrics (`GET /metrics`), exposed with `prometheus-client`.
 
-use kvwarden_core::protocol::request::OP_NAMES;
+use kvwarden_core::protocol::OP_NAMES;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
