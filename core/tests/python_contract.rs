@@ -1,0 +1,115 @@
+//! The Python client speaks the contract the Rust one does: its error-code table is
+//! exactly [`ErrorCode::ALL`], and every op it sends is a row of the op table.
+//!
+//! Read from the Python sources (`python/src/kvwarden/`), so that a code or an op
+//! added on one side only fails here, in `cargo test --workspace`.
+
+use kvwarden_core::protocol::{ErrorCode, OP_NAMES};
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+
+fn python_source(file: &str) -> String {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../python/src/kvwarden")
+        .join(file);
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// The text of the first `"..."` after `start` in `text`.
+fn quoted_after(text: &str, start: usize) -> Option<&str> {
+    let open = start + text[start..].find('"')? + 1;
+    let close = open + text[open..].find('"')?;
+    Some(&text[open..close])
+}
+
+/// `(class name, code)` of each direct subclass of `ServerError` in `errors.py`.
+fn python_server_error_classes(errors: &str) -> Vec<(String, String)> {
+    let mut classes = Vec::new();
+    let mut rest = 0;
+    while let Some(found) = errors[rest..].find("(ServerError):") {
+        let at = rest + found;
+        let line_start = errors[..at].rfind("class ").expect("a class statement");
+        let name = errors[line_start + "class ".len()..at].to_string();
+        let code_at = at + errors[at..].find("code = ").expect("the class sets its code");
+        let code = quoted_after(errors, code_at).expect("a quoted code");
+        classes.push((name, code.to_string()));
+        rest = at + 1;
+    }
+    classes
+}
+
+#[test]
+fn python_error_codes_are_exactly_the_rust_ones() {
+    let errors = python_source("errors.py");
+    let classes = python_server_error_classes(&errors);
+    let python: BTreeSet<&str> = classes.iter().map(|(_, code)| code.as_str()).collect();
+    let rust: BTreeSet<&str> = ErrorCode::ALL.iter().map(|code| code.as_str()).collect();
+    assert_eq!(
+        python, rust,
+        "python/src/kvwarden/errors.py's ServerError subclasses and ErrorCode::ALL differ"
+    );
+    assert_eq!(classes.len(), rust.len(), "two Python classes share a code");
+    // Each class is in the table that turns a reply's code into the class.
+    let table_at = errors.find("_BY_CODE").expect("errors.py's _BY_CODE table");
+    let table = &errors[table_at..table_at + errors[table_at..].find("\n}").unwrap()];
+    for (name, code) in &classes {
+        assert!(
+            table.contains(&format!("        {name},")),
+            "{name} (code {code}) is missing from _BY_CODE"
+        );
+    }
+}
+
+/// The op names the Python sources send: the first argument of each
+/// `_request("op"`, `_transfer("op"`, `call("op"` and `encode_frame(…, "op"`.
+fn python_ops(source: &str) -> BTreeSet<String> {
+    let mut ops = BTreeSet::new();
+    for call in ["_request(", "_transfer(", " call(", "encode_frame(request_id, "] {
+        let mut rest = 0;
+        while let Some(found) = source[rest..].find(call) {
+            let at = rest + found + call.len();
+            let text = source[at..].trim_start();
+            if let Some(literal) = text.strip_prefix('"')
+                && let Some(end) = literal.find('"')
+            {
+                ops.insert(literal[..end].to_string());
+            }
+            rest = at;
+        }
+    }
+    ops
+}
+
+#[test]
+fn every_op_the_python_client_sends_is_in_the_op_table() {
+    let mut sent = BTreeSet::new();
+    for file in ["worker.py", "wire.py", "vllm.py"] {
+        sent.extend(python_ops(&python_source(file)));
+    }
+    // The scan finds the client's ops: the ones every worker sends at least.
+    for op in ["hello", "attach", "ping", "register_kv_cache", "store", "lookup"] {
+        assert!(sent.contains(op), "the scan missed `{op}`; found {sent:?}");
+    }
+    let unknown: Vec<&String> = sent
+        .iter()
+        .filter(|op| !OP_NAMES.contains(&op.as_str()))
+        .collect();
+    assert!(
+        unknown.is_empty(),
+        "the Python client sends ops the server does not know: {unknown:?}"
+    );
+}
+
+#[test]
+fn the_scans_see_a_code_or_an_op_out_of_contract() {
+    // The control: the same scans on a doctored source find what is wrong.
+    let errors = python_source("errors.py").replace("code = \"forbidden\"", "code = \"gone\"");
+    let codes: BTreeSet<String> = python_server_error_classes(&errors)
+        .into_iter()
+        .map(|(_, code)| code)
+        .collect();
+    assert!(codes.contains("gone") && !codes.contains("forbidden"));
+    let ops = python_ops("x = self._request(\"teleport\", [1])\n");
+    assert_eq!(ops, BTreeSet::from(["teleport".to_string()]));
+    assert!(!OP_NAMES.contains(&"teleport"));
+}
