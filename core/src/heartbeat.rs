@@ -5,7 +5,7 @@
 //! is set only after a recovery (re-registering everything under the same id)
 //! succeeded, so a worker never believes in state the server no longer holds.
 
-use crate::config::REAP_TIMEOUT_FLOOR;
+use crate::REAP_TIMEOUT_FLOOR;
 use crate::time::Instant;
 use std::time::Duration;
 

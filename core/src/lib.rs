@@ -68,9 +68,6 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
-mod config;
-mod effect;
-mod expiry;
 mod heartbeat;
 mod id;
 pub mod l2;
@@ -78,17 +75,15 @@ pub mod liveness;
 mod module;
 pub mod node;
 pub mod protocol;
-mod record;
-mod stall;
 mod time;
 
-pub use config::{Config, ConfigError, REAP_TIMEOUT_FLOOR};
-pub use effect::{Effect, FreeCause};
 pub use heartbeat::{
     Heartbeat, HeartbeatAction, HeartbeatConfig, PingReply, reap_timeout_floor_warning,
     reap_timeout_warning,
 };
 pub use id::{InstanceId, InvalidInstanceId};
+pub use liveness::config::{Config, ConfigError, REAP_TIMEOUT_FLOOR};
+pub use liveness::effect::{Effect, FreeCause};
 pub use liveness::{BuildTicket, EntryView, Liveness, Registration, Status, TransferError};
 pub use module::Module;
 pub use time::Instant;

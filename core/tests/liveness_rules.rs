@@ -169,7 +169,7 @@ fn ping_never_inserts_and_answers_false_for_unknown_true_for_none() {
     assert!(!shell.ping(id(13)));
     assert!(shell.liveness.ping(shell.now, None));
     assert!(!shell.tracked(id(13), SD) && !shell.tracked(id(13), ED));
-    assert_eq!(shell.liveness.status().tracked_instances, 0);
+    assert_eq!(shell.liveness.status().tracked_entries, 0);
 }
 
 #[test]
@@ -541,13 +541,13 @@ fn status_counts_entries_reaps_exits_and_stalls() {
     shell.register_built(id(1), ED);
     let _building = shell.register_building(id(2), SD);
     shell.register_built(id(3), SD);
-    assert_eq!(shell.liveness.status().tracked_instances, 4);
+    assert_eq!(shell.liveness.status().tracked_entries, 4);
     shell.liveness.process_exited(shell.now, id(3));
     shell.ping(id(1));
     shell.run_until(at(31.0));
     let status = shell.liveness.status();
     assert_eq!(
-        status.tracked_instances, 1,
+        status.tracked_entries, 1,
         "only the never-pinged building entry is left"
     );
     assert_eq!(status.reaped_total, 2);
@@ -815,7 +815,7 @@ fn a_bucket_split_over_many_turns_reaps_each_instance_whole_never_early_never_la
     for &worker in &alive {
         assert!(shell.tracked(worker, SD) && shell.tracked(worker, ED));
     }
-    assert_eq!(shell.liveness.status().tracked_instances, 2 * alive.len());
+    assert_eq!(shell.liveness.status().tracked_entries, 2 * alive.len());
 }
 
 #[test]

@@ -440,7 +440,7 @@ fn run(config: Config, budget: Option<u32>, ops: Vec<Op>) -> Result<(), TestCase
             }
         }
         let status = liveness.status();
-        prop_assert_eq!(status.tracked_instances, model.entries_len());
+        prop_assert_eq!(status.tracked_entries, model.entries_len());
         prop_assert_eq!(status.reaped_total, model.reaped_total);
         prop_assert_eq!(status.process_exits_total, model.process_exits_total);
         prop_assert_eq!(status.stalls_total, model.stalls_total);
@@ -480,7 +480,7 @@ fn run(config: Config, budget: Option<u32>, ops: Vec<Op>) -> Result<(), TestCase
         }
     }
     prop_assert_eq!(handed, freed, "every context comes back exactly once");
-    prop_assert_eq!(liveness.status().tracked_instances, 0);
+    prop_assert_eq!(liveness.status().tracked_entries, 0);
     Ok(())
 }
 

@@ -30,7 +30,10 @@ fn python_server_error_classes(errors: &str) -> Vec<(String, String)> {
         let at = rest + found;
         let line_start = errors[..at].rfind("class ").expect("a class statement");
         let name = errors[line_start + "class ".len()..at].to_string();
-        let code_at = at + errors[at..].find("code = ").expect("the class sets its code");
+        let code_at = at
+            + errors[at..]
+                .find("code = ")
+                .expect("the class sets its code");
         let code = quoted_after(errors, code_at).expect("a quoted code");
         classes.push((name, code.to_string()));
         rest = at + 1;
@@ -64,7 +67,12 @@ fn python_error_codes_are_exactly_the_rust_ones() {
 /// `_request("op"`, `_transfer("op"`, `call("op"` and `encode_frame(…, "op"`.
 fn python_ops(source: &str) -> BTreeSet<String> {
     let mut ops = BTreeSet::new();
-    for call in ["_request(", "_transfer(", " call(", "encode_frame(request_id, "] {
+    for call in [
+        "_request(",
+        "_transfer(",
+        " call(",
+        "encode_frame(request_id, ",
+    ] {
         let mut rest = 0;
         while let Some(found) = source[rest..].find(call) {
             let at = rest + found + call.len();
@@ -87,7 +95,14 @@ fn every_op_the_python_client_sends_is_in_the_op_table() {
         sent.extend(python_ops(&python_source(file)));
     }
     // The scan finds the client's ops: the ones every worker sends at least.
-    for op in ["hello", "attach", "ping", "register_kv_cache", "store", "lookup"] {
+    for op in [
+        "hello",
+        "attach",
+        "ping",
+        "register_kv_cache",
+        "store",
+        "lookup",
+    ] {
         assert!(sent.contains(op), "the scan missed `{op}`; found {sent:?}");
     }
     let unknown: Vec<&String> = sent

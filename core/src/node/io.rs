@@ -1,7 +1,88 @@
 //! What crosses the node's boundary: [`Input`] (what arrived), [`Output`] (what the
-//! node asks of its shell) and [`Note`] (what it reports for logs and metrics).
+//! node asks of its shell) and [`Note`] (what it reports for logs and metrics), and the
+//! ids and kinds they carry.
 
 use super::*;
+
+/// A connection, named by the shell (its token).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ConnId(pub u64);
+
+/// A process the shell can watch for its exit, named by the shell.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ProcessKey(pub u64);
+
+/// A context the node asked the shell to build; the shell keeps the real one (its
+/// mappings) under this id until the node says `StartFree`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ContextId(pub u64);
+
+/// One copy between a registered buffer and an L1 slot.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct CopyId(pub u64);
+
+/// One free of a context.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct FreeId(pub u64);
+
+/// How a connection reached the server.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Transport {
+    /// The Unix socket: fds travel (`SCM_RIGHTS`), the peer's uid is known.
+    Unix,
+    /// TCP: no fds, no uid.
+    Tcp,
+}
+
+/// How the death of an instance's process will be noticed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DeathNotice {
+    /// A pidfd the worker sent of itself (`hello`'s `pidfd_index`).
+    PidfdFromPeer,
+    /// A pidfd the server opened on the pid `SO_PEERCRED` reported.
+    PidfdByPid,
+    /// No pidfd: only the heartbeat rules (reap timeout, registration grace).
+    TimeoutOnly,
+}
+
+impl DeathNotice {
+    /// Every kind, in the order status and metrics list them.
+    pub const ALL: [DeathNotice; 3] = [
+        DeathNotice::PidfdFromPeer,
+        DeathNotice::PidfdByPid,
+        DeathNotice::TimeoutOnly,
+    ];
+
+    /// The label in `/status` and `/metrics`.
+    pub fn label(self) -> &'static str {
+        match self {
+            DeathNotice::PidfdFromPeer => "pidfd_from_peer",
+            DeathNotice::PidfdByPid => "pidfd_by_pid",
+            DeathNotice::TimeoutOnly => "timeout_only",
+        }
+    }
+}
+
+/// What a finished build gives the node: what it must know of the context.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Built {
+    /// Server-driven buffers, by index: their lengths, for bounds checks.
+    ServerDriven {
+        /// Each registered buffer's length in bytes.
+        buffer_lens: Vec<u64>,
+    },
+    /// An engine-driven context (its strategy lives on the node).
+    EngineDriven,
+}
+
+/// Which way a copy goes.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Direction {
+    /// From a registered buffer into an L1 slot (`store`).
+    ToL1,
+    /// From an L1 slot into a registered buffer (`retrieve`).
+    FromL1,
+}
 /// Something that arrived: a request, a connection, a completion, a signal.
 #[derive(Debug)]
 pub enum Input {

@@ -24,6 +24,7 @@
 
 pub mod admission;
 pub mod blend;
+mod conns;
 pub mod engine;
 mod io;
 pub mod l1;
@@ -34,16 +35,20 @@ mod transfer;
 pub mod trust;
 mod view;
 
-use crate::config::{Config, ConfigError};
-use crate::effect::FreeCause;
+use crate::FreeCause;
 use crate::id::InstanceId;
 use crate::liveness::{BuildTicket, Liveness, Status};
 use crate::module::Module;
 use crate::protocol::{BufferSpec, Op, ProtocolError, RopeSpec};
 use crate::time::Instant;
+use crate::{Config, ConfigError};
 use blend::{BlendBook, BlendId};
+use conns::Conn;
 use engine::TransferStrategy;
-pub use io::{Input, Note, Output};
+pub use io::{
+    Built, ConnId, ContextId, CopyId, DeathNotice, Direction, FreeId, Input, Note, Output,
+    ProcessKey, Transport,
+};
 use l1::{SlotId, SlotTable};
 use l2::{L2Delivery, L2Fetched, L2NodeConfig, L2Presence, L2ReadId, L2Status, L2Tier, L2WriteId};
 use rmpv::Value;
@@ -61,86 +66,6 @@ pub const MAX_IN_FLIGHT_PER_CONNECTION: usize = 64;
 pub const MAX_BUFFERS_PER_REGISTRATION: usize = 1024;
 /// How long a shutdown waits for builds, copies and blends in flight.
 pub const SHUTDOWN_DRAIN: Duration = Duration::from_secs(10);
-
-/// A connection, named by the shell (its token).
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ConnId(pub u64);
-
-/// A process the shell can watch for its exit, named by the shell.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ProcessKey(pub u64);
-
-/// A context the node asked the shell to build; the shell keeps the real one (its
-/// mappings) under this id until the node says `StartFree`.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ContextId(pub u64);
-
-/// One copy between a registered buffer and an L1 slot.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct CopyId(pub u64);
-
-/// One free of a context.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct FreeId(pub u64);
-
-/// How a connection reached the server.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum Transport {
-    /// The Unix socket: fds travel (`SCM_RIGHTS`), the peer's uid is known.
-    Unix,
-    /// TCP: no fds, no uid.
-    Tcp,
-}
-
-/// How the death of an instance's process will be noticed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum DeathNotice {
-    /// A pidfd the worker sent of itself (`hello`'s `pidfd_index`).
-    PidfdFromPeer,
-    /// A pidfd the server opened on the pid `SO_PEERCRED` reported.
-    PidfdByPid,
-    /// No pidfd: only the heartbeat rules (reap timeout, registration grace).
-    TimeoutOnly,
-}
-
-impl DeathNotice {
-    /// Every kind, in the order status and metrics list them.
-    pub const ALL: [DeathNotice; 3] = [
-        DeathNotice::PidfdFromPeer,
-        DeathNotice::PidfdByPid,
-        DeathNotice::TimeoutOnly,
-    ];
-
-    /// The label in `/status` and `/metrics`.
-    pub fn label(self) -> &'static str {
-        match self {
-            DeathNotice::PidfdFromPeer => "pidfd_from_peer",
-            DeathNotice::PidfdByPid => "pidfd_by_pid",
-            DeathNotice::TimeoutOnly => "timeout_only",
-        }
-    }
-}
-
-/// What a finished build gives the node: what it must know of the context.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Built {
-    /// Server-driven buffers, by index: their lengths, for bounds checks.
-    ServerDriven {
-        /// Each registered buffer's length in bytes.
-        buffer_lens: Vec<u64>,
-    },
-    /// An engine-driven context (its strategy lives on the node).
-    EngineDriven,
-}
-
-/// Which way a copy goes.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum Direction {
-    /// From a registered buffer into an L1 slot (`store`).
-    ToL1,
-    /// From an L1 slot into a registered buffer (`retrieve`).
-    FromL1,
-}
 
 /// What the shell's environment offers that the node must know to judge requests.
 #[derive(Clone, Debug)]
@@ -182,22 +107,8 @@ struct ReplyTo {
     op: &'static str,
 }
 
-struct Conn {
-    uid: Option<u32>,
-    /// Who the peer is, which tenant it acts for, what it attached.
-    peer: Peer,
-    transport: Transport,
-    process: Option<(ProcessKey, DeathNotice)>,
-    in_flight: usize,
-    /// Whether fds may still arrive on it: over the Unix socket until a `hello` says
-    /// `sends_fds: false` (then the shell reads it without `SCM_RIGHTS`); never over TCP.
-    sends_fds: bool,
-    /// When a TCP peer must have presented its token ([`admission`]).
-    token_deadline: Option<Instant>,
-}
-
 /// What the node knows of an entry besides liveness.
-struct Record {
+struct EntryDetails {
     owner_uid: Option<u32>,
     tenant: TenantId,
     registered_at: Instant,
@@ -230,7 +141,7 @@ enum CopyFor {
     BatchRetrieve { batch: u64, item: usize },
 }
 
-struct Copy {
+struct CopyInFlight {
     context: ContextId,
     slot: SlotId,
     purpose: CopyFor,
@@ -262,14 +173,14 @@ pub struct Node {
     config: NodeConfig,
     liveness: Liveness<ContextId>,
     conns: HashMap<ConnId, Conn>,
-    records: BTreeMap<(InstanceId, Module), Record>,
+    records: BTreeMap<(InstanceId, Module), EntryDetails>,
     contexts: HashMap<ContextId, ContextInfo>,
     builds: HashMap<ContextId, PendingBuild>,
     /// The build each entry's REGISTERs join while it runs.
     building: HashMap<(InstanceId, Module), ContextId>,
     strategies: HashMap<ContextId, TransferStrategy>,
     l1: SlotTable,
-    copies: HashMap<CopyId, Copy>,
+    copies: HashMap<CopyId, CopyInFlight>,
     batches: HashMap<u64, Batch>,
     blend: BlendBook,
     blends: HashMap<BlendId, (ReplyTo, InstanceId)>,
@@ -439,40 +350,12 @@ impl Node {
                 uid,
                 transport,
                 process,
-            } => {
-                // A shell that reuses a connection id ends the old connection first:
-                // its proofs go with it, so no binding outlives every connection.
-                if self.conns.contains_key(&conn) {
-                    self.disconnected(conn);
-                }
-                let peer = self.trust.connect(uid);
-                self.admission.connected(uid);
-                let token_deadline = match transport {
-                    Transport::Tcp => self.admission.awaiting_token(conn, now),
-                    Transport::Unix => None,
-                };
-                self.conns.insert(
-                    conn,
-                    Conn {
-                        uid,
-                        peer,
-                        transport,
-                        process,
-                        in_flight: 0,
-                        sends_fds: transport == Transport::Unix,
-                        token_deadline,
-                    },
-                );
-            }
+            } => self.connected(now, conn, uid, transport, process),
             Input::PeerProcess {
                 conn,
                 process,
                 notice,
-            } => {
-                if let Some(connection) = self.conns.get_mut(&conn) {
-                    connection.process = Some((process, notice));
-                }
-            }
+            } => self.peer_process(conn, process, notice),
             Input::Request {
                 conn,
                 request_id,
@@ -517,27 +400,6 @@ impl Node {
         self.step_shutdown(now);
     }
 
-    /// Asks the shell to close every TCP connection still unauthenticated at its
-    /// deadline (failure mode 44).
-    fn cut_unauthenticated(&mut self, now: Instant) {
-        for (deadline, conn) in self.admission.take_expired(now) {
-            let Some(connection) = self.conns.get_mut(&conn) else {
-                continue;
-            };
-            if connection.token_deadline != Some(deadline) {
-                continue; // a deadline of an earlier connection of this id
-            }
-            connection.token_deadline = None;
-            if connection.peer.tenant().is_none() {
-                self.outputs.push_back(Output::Disconnect {
-                    conn,
-                    why: "a TCP peer did not present the server's token within \
-                          --frame-timeout-seconds of connecting",
-                });
-            }
-        }
-    }
-
     /// When `handle_timeout` must next be called (None: only after an input).
     pub fn poll_timeout(&self) -> Option<Instant> {
         let mut at = match self.shutdown {
@@ -579,80 +441,6 @@ impl Node {
         self.shutdown.is_some()
     }
 
-    /// The node's figures at `now` (a scan: for status pages, not the request path).
-    pub fn status(&self) -> NodeStatus {
-        let occupancy = self.l1.occupancy();
-        let mut instances = Vec::with_capacity(self.records.len());
-        for (&(instance, module), record) in &self.records {
-            let Some(entry) = self.liveness.entry(instance, module) else {
-                continue;
-            };
-            let watch = self.watch_of.get(&instance).copied();
-            instances.push(InstanceView {
-                instance,
-                module,
-                registered_at: record.registered_at,
-                last_seen: entry.last_seen,
-                proven: entry.proven,
-                building: entry.building,
-                owner_uid: record.owner_uid,
-                tenant: self.trust.name(record.tenant).to_owned(),
-                model_name: record.model_name.clone(),
-                process: watch.map(|(process, _)| process),
-                death_notice: watch.map_or(DeathNotice::TimeoutOnly, |(_, notice)| notice),
-                blend_bytes: self.blend.bytes_of(instance),
-            });
-        }
-        NodeStatus {
-            liveness: self.liveness.status(),
-            resolution: self.liveness.config().resolution,
-            pings_total: self.pings_total,
-            pings_answered_false_total: self.pings_false,
-            contexts_built_total: self.contexts_built,
-            freed_total: self.freed_total.clone(),
-            frees_in_flight: self.frees_unfinished(),
-            frees_hung_total: self.frees_hung,
-            jobs_in_flight: self.jobs_in_flight,
-            l1_slots: (
-                self.l1.num_slots(),
-                self.l1.used_slots(),
-                occupancy.reserved,
-                occupancy.pinned,
-            ),
-            slot_bytes: self.l1.slot_bytes(),
-            blend: (
-                self.blend.held_bytes(),
-                self.blend.instances(),
-                self.blend.pending(),
-            ),
-            watched_processes: self.watched.len(),
-            connections: self.conns.len(),
-            instances,
-            l2: self.l2.as_ref().map(L2Tier::status),
-            forbidden_total: self.trust.forbidden_total(),
-            bound_instances: self.trust.bindings(),
-            tenants: self
-                .trust
-                .tenants()
-                .into_iter()
-                .map(|view| TenantStatus {
-                    slots_used: self.l1.tenant_slots(view.tenant),
-                    quota_slots: self.l1.quota_slots(view.tenant),
-                    view,
-                })
-                .collect(),
-            retrieve_length_mismatches: self.length_mismatches,
-        }
-    }
-
-    /// Requests of `conn` still running (builds, copies, blends): a shell closes a
-    /// connection only once they are answered.
-    pub fn in_flight(&self, conn: ConnId) -> usize {
-        self.conns
-            .get(&conn)
-            .map_or(0, |connection| connection.in_flight)
-    }
-
     /// Read-only view of one entry's liveness (tests, the simulator).
     pub fn entry(&self, instance: InstanceId, module: Module) -> Option<crate::EntryView> {
         self.liveness.entry(instance, module)
@@ -665,7 +453,7 @@ impl Node {
 
     /// Entries tracked.
     pub fn tracked(&self) -> usize {
-        self.liveness.status().tracked_instances
+        self.liveness.status().tracked_entries
     }
 
     /// How many leading keys L1 holds (the `lookup` op), for tests.
@@ -676,26 +464,6 @@ impl Node {
     /// Slots held by reservations and pins, for the simulator's invariants.
     pub fn l1_occupancy(&self) -> l1::Occupancy {
         self.l1.occupancy()
-    }
-
-    /// A connection went: its proofs go with it, and an instance nobody attached any
-    /// more and that holds no entry is unbound.
-    fn disconnected(&mut self, conn: ConnId) {
-        let Some(connection) = self.conns.remove(&conn) else {
-            return;
-        };
-        self.admission.disconnected(connection.uid);
-        if let Some(deadline) = connection.token_deadline {
-            self.admission.forget_deadline(conn, deadline);
-        }
-        for instance in self.trust.disconnect(connection.peer) {
-            let holds_entry = Module::ALL
-                .iter()
-                .any(|&module| self.records.contains_key(&(instance, module)));
-            if !holds_entry {
-                self.trust.release(instance);
-            }
-        }
     }
 
     fn next_id(&mut self) -> u64 {
@@ -715,20 +483,6 @@ impl Node {
             result,
             pool_fd: false,
         });
-    }
-
-    fn start_job(&mut self, conn: ConnId) {
-        self.jobs_in_flight += 1;
-        if let Some(connection) = self.conns.get_mut(&conn) {
-            connection.in_flight += 1;
-        }
-    }
-
-    fn end_job(&mut self, conn: ConnId) {
-        self.jobs_in_flight = self.jobs_in_flight.saturating_sub(1);
-        if let Some(connection) = self.conns.get_mut(&conn) {
-            connection.in_flight = connection.in_flight.saturating_sub(1);
-        }
     }
 }
 

@@ -436,7 +436,7 @@ impl Node {
             Registration::Build(ticket) => {
                 self.records.insert(
                     (instance, module),
-                    Record {
+                    EntryDetails {
                         owner_uid,
                         tenant,
                         registered_at: now,
@@ -554,7 +554,7 @@ impl Node {
             )));
         }
         // One tenant's instances together stay within their share (failure mode 47).
-        let tenant_of = |records: &BTreeMap<(InstanceId, Module), Record>, id: InstanceId| {
+        let tenant_of = |records: &BTreeMap<(InstanceId, Module), EntryDetails>, id: InstanceId| {
             Module::ALL
                 .iter()
                 .find_map(|&module| records.get(&(id, module)).map(|record| record.tenant))

@@ -2,7 +2,7 @@
 //! registry's effects; the free watchdog; the shutdown sequence.
 
 use super::*;
-use crate::effect::Effect;
+use crate::Effect;
 use crate::protocol::ErrorCode;
 
 impl Node {
@@ -105,7 +105,7 @@ impl Node {
 
     pub(super) fn copy_done(&mut self, copy: CopyId, result: Result<u64, ProtocolError>) {
         let Some((
-            Copy {
+            CopyInFlight {
                 context,
                 slot,
                 purpose,
@@ -143,7 +143,7 @@ impl Node {
     /// A copy counted by [`Node::hold_copy`] that never ran (an L2 read that delivered
     /// nothing): its context is free of it, and a free that waited for it starts.
     pub(super) fn copy_dropped(&mut self, copy: CopyId) {
-        if let Some((Copy { context, .. }, Some((instance, module, cause, label)))) =
+        if let Some((CopyInFlight { context, .. }, Some((instance, module, cause, label)))) =
             self.end_copy(copy)
         {
             self.start_free(context, instance, module, cause, label);
@@ -163,7 +163,7 @@ impl Node {
 
     /// Ends `copy`'s count on its context: the copy, and the free deferred for it when
     /// it was the last.
-    fn end_copy(&mut self, copy: CopyId) -> Option<(Copy, Option<DeferredFree>)> {
+    fn end_copy(&mut self, copy: CopyId) -> Option<(CopyInFlight, Option<DeferredFree>)> {
         let ended = self.copies.remove(&copy)?;
         let deferred = match self.contexts.get_mut(&ended.context) {
             Some(info) => {

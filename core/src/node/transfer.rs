@@ -76,12 +76,6 @@ impl Node {
         Ok(index)
     }
 
-    pub(super) fn has_room(&self, conn: ConnId) -> bool {
-        self.conns
-            .get(&conn)
-            .is_some_and(|connection| connection.in_flight < MAX_IN_FLIGHT_PER_CONNECTION)
-    }
-
     /// Opens a server-driven transfer (`store`, `retrieve` and their batches) in the one
     /// order they all keep: the instance's context first (`transfer_context`), then
     /// `validate` on it (buffer ranges, slot sizes: what it returns comes back with the
@@ -154,7 +148,7 @@ impl Node {
         }
         self.copies.insert(
             copy,
-            Copy {
+            CopyInFlight {
                 context,
                 slot,
                 purpose,
@@ -247,14 +241,6 @@ impl Node {
     /// Whether `key` is committed in L1.
     fn l1_holds(&self, key: &[u8]) -> bool {
         self.l1.lookup_prefix(std::slice::from_ref(&key.to_vec())) == 1
-    }
-
-    /// The tenant `conn` acts for (checked by `dispatch` before any op runs).
-    pub(super) fn tenant(&self, conn: ConnId) -> TenantId {
-        self.conns
-            .get(&conn)
-            .and_then(|connection| connection.peer.tenant())
-            .unwrap_or(TenantId(0))
     }
 
     /// Pins `key`'s committed slot for a copy of exactly `nbytes` into a worker's

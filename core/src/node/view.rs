@@ -87,3 +87,71 @@ pub struct TenantStatus {
     /// Its quota in slots now.
     pub quota_slots: usize,
 }
+
+impl Node {
+    /// The node's figures at `now` (a scan: for status pages, not the request path).
+    pub fn status(&self) -> NodeStatus {
+        let occupancy = self.l1.occupancy();
+        let mut instances = Vec::with_capacity(self.records.len());
+        for (&(instance, module), record) in &self.records {
+            let Some(entry) = self.liveness.entry(instance, module) else {
+                continue;
+            };
+            let watch = self.watch_of.get(&instance).copied();
+            instances.push(InstanceView {
+                instance,
+                module,
+                registered_at: record.registered_at,
+                last_seen: entry.last_seen,
+                proven: entry.proven,
+                building: entry.building,
+                owner_uid: record.owner_uid,
+                tenant: self.trust.name(record.tenant).to_owned(),
+                model_name: record.model_name.clone(),
+                process: watch.map(|(process, _)| process),
+                death_notice: watch.map_or(DeathNotice::TimeoutOnly, |(_, notice)| notice),
+                blend_bytes: self.blend.bytes_of(instance),
+            });
+        }
+        NodeStatus {
+            liveness: self.liveness.status(),
+            resolution: self.liveness.config().resolution,
+            pings_total: self.pings_total,
+            pings_answered_false_total: self.pings_false,
+            contexts_built_total: self.contexts_built,
+            freed_total: self.freed_total.clone(),
+            frees_in_flight: self.frees_unfinished(),
+            frees_hung_total: self.frees_hung,
+            jobs_in_flight: self.jobs_in_flight,
+            l1_slots: (
+                self.l1.num_slots(),
+                self.l1.used_slots(),
+                occupancy.reserved,
+                occupancy.pinned,
+            ),
+            slot_bytes: self.l1.slot_bytes(),
+            blend: (
+                self.blend.held_bytes(),
+                self.blend.instances(),
+                self.blend.pending(),
+            ),
+            watched_processes: self.watched.len(),
+            connections: self.conns.len(),
+            instances,
+            l2: self.l2.as_ref().map(L2Tier::status),
+            forbidden_total: self.trust.forbidden_total(),
+            bound_instances: self.trust.bindings(),
+            tenants: self
+                .trust
+                .tenants()
+                .into_iter()
+                .map(|view| TenantStatus {
+                    slots_used: self.l1.tenant_slots(view.tenant),
+                    quota_slots: self.l1.quota_slots(view.tenant),
+                    view,
+                })
+                .collect(),
+            retrieve_length_mismatches: self.length_mismatches,
+        }
+    }
+}

@@ -20,7 +20,7 @@ pub fn peer_of(stream: &mio::net::UnixStream) -> super::connection::Peer {
     let pid = (pid > 0).then_some(pid);
     let process = pidfd.as_ref().and_then(|pidfd| {
         pid.map(|pid| Process {
-            key: pidfs_key(pidfd).unwrap_or(ProcessKey::Pid(pid)),
+            key: pidfs_key(pidfd).unwrap_or(ProcessIdentity::Pid(pid)),
             pid: Some(pid),
         })
     });
@@ -39,7 +39,7 @@ pub use kvwarden_core::node::DeathNotice;
 /// What names a watched process, so that one process gets one watch however its pidfd
 /// was obtained. A pidfd of a process this server cannot see has no usable pid.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum ProcessKey {
+pub enum ProcessIdentity {
     /// The pidfs inode of the process (Linux 6.9+): unique per process, in every
     /// namespace, never reused.
     Pidfs(u64),
@@ -53,7 +53,7 @@ pub enum ProcessKey {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Process {
     /// Its watch key.
-    pub key: ProcessKey,
+    pub key: ProcessIdentity,
     /// Its pid in the server's PID namespace, when visible there.
     pub pid: Option<i32>,
 }
@@ -62,7 +62,7 @@ pub struct Process {
 const PIDFS_MAGIC: i64 = 0x5049_4446;
 
 /// The pidfs inode of `pidfd`, on kernels whose pidfds live on pidfs.
-fn pidfs_key(pidfd: &OwnedFd) -> Option<ProcessKey> {
+fn pidfs_key(pidfd: &OwnedFd) -> Option<ProcessIdentity> {
     let fs = rustix::fs::fstatfs(pidfd).ok()?;
     #[allow(clippy::useless_conversion, clippy::unnecessary_cast)] // f_type's width varies
     if i64::from(fs.f_type as i64) != PIDFS_MAGIC {
@@ -70,7 +70,7 @@ fn pidfs_key(pidfd: &OwnedFd) -> Option<ProcessKey> {
     }
     let stat = rustix::fs::fstat(pidfd).ok()?;
     #[allow(clippy::useless_conversion, clippy::unnecessary_cast)]
-    Some(ProcessKey::Pidfs(stat.st_ino as u64))
+    Some(ProcessIdentity::Pidfs(stat.st_ino as u64))
 }
 
 /// The `Pid:` line of `/proc/self/fdinfo/<fd>`: the process a pidfd names, in the PID
@@ -144,8 +144,8 @@ pub fn check_peer_pidfd(
     // A `Pid:` of an invisible peer is not used as a key: it may come from a /proc of
     // another PID namespace than SO_PEERCRED's, where the same number is someone else.
     let key = pidfs_key(pidfd)
-        .or(peer.pid.map(ProcessKey::Pid))
-        .unwrap_or(ProcessKey::Connection(connection.0));
+        .or(peer.pid.map(ProcessIdentity::Pid))
+        .unwrap_or(ProcessIdentity::Connection(connection.0));
     Ok(Process { key, pid: peer.pid })
 }
 
@@ -187,8 +187,8 @@ struct Known {
 /// once no connection is its and it is not watched.
 #[derive(Default)]
 pub struct Processes {
-    keys: HashMap<ProcessKey, node::ProcessKey>,
-    known: HashMap<node::ProcessKey, (ProcessKey, Known)>,
+    keys: HashMap<ProcessIdentity, node::ProcessKey>,
+    known: HashMap<node::ProcessKey, (ProcessIdentity, Known)>,
     by_token: HashMap<mio::Token, node::ProcessKey>,
     next: u64,
 }
@@ -350,7 +350,7 @@ mod tests {
         assert_eq!(process.pid, Some(own_pid));
         assert_ne!(
             process.key,
-            ProcessKey::Connection(7),
+            ProcessIdentity::Connection(7),
             "a visible process has a key"
         );
         let other = Sleeper::start();
@@ -374,7 +374,7 @@ mod tests {
             process.pid, None,
             "its pid is not shown: it is not the peer's view"
         );
-        let expected = pidfs_key(&other.pidfd()).unwrap_or(ProcessKey::Connection(9));
+        let expected = pidfs_key(&other.pidfd()).unwrap_or(ProcessIdentity::Connection(9));
         assert_eq!(process.key, expected);
         // Still only pidfds.
         let memfd = crate::memfd::create("not-a-pidfd", 16).unwrap();
@@ -387,7 +387,7 @@ mod tests {
         let mut processes = Processes::default();
         let peer = visible_peer();
         let by_pid = Process {
-            key: pidfs_key(&own_pidfd()).unwrap_or(ProcessKey::Pid(peer.pid.unwrap())),
+            key: pidfs_key(&own_pidfd()).unwrap_or(ProcessIdentity::Pid(peer.pid.unwrap())),
             pid: peer.pid,
         };
         let from_peer = check_peer_pidfd(&peer, &own_pidfd(), 0, mio::Token(3)).unwrap();
@@ -414,7 +414,7 @@ mod tests {
         // is forgotten.
         let other = Sleeper::start();
         let invisible = Process {
-            key: ProcessKey::Connection(55),
+            key: ProcessIdentity::Connection(55),
             pid: None,
         };
         let c = processes.hold(invisible);

@@ -131,7 +131,7 @@ impl Server {
         let as_i64 = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
         self.metrics
             .tracked_instances
-            .set(as_i64(status.tracked_instances as u64));
+            .set(as_i64(status.tracked_entries as u64));
         Metrics::mirror(&self.metrics.reaps, status.reaped_total);
         Metrics::mirror(&self.metrics.process_exits, status.process_exits_total);
         Metrics::mirror(&self.metrics.stalls, status.stalls_total);
@@ -228,7 +228,7 @@ impl Server {
                 reap_timeout_seconds: status.reap_timeout.as_secs_f64(),
                 registration_grace_seconds: status.registration_grace.as_secs_f64(),
                 resolution_seconds: node.resolution.as_secs_f64(),
-                tracked_instances: status.tracked_instances,
+                tracked_instances: status.tracked_entries,
                 reaped_total: status.reaped_total,
                 process_exits_total: status.process_exits_total,
                 stalls_total: status.stalls_total,

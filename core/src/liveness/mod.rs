@@ -9,18 +9,24 @@
 //! pinged, for every entry it holds or registers later. Its window is the reap timeout
 //! when proven, the registration grace when not; when its silence strictly exceeds the
 //! window every entry of the instance is reaped in the same turn. Silence is measured
-//! on the stall-corrected clock (see `core/src/stall.rs`), so a paused server reaps
-//! nobody. The per-instance record lives in `core/src/record.rs`, the deadlines in
-//! `core/src/expiry.rs`.
+//! on the stall-corrected clock (see `stall.rs`), so a paused server reaps
+//! nobody. The per-instance record lives in `record.rs`, the deadlines in
+//! `expiry.rs`.
 
-use crate::config::{Config, ConfigError, REAP_TIMEOUT_FLOOR};
-use crate::effect::{Effect, FreeCause};
-use crate::expiry::{ExpiryWheel, Slot};
+pub(crate) mod config;
+pub(crate) mod effect;
+mod expiry;
+mod record;
+mod stall;
+
 use crate::id::InstanceId;
 use crate::module::Module;
-use crate::record::{ModuleEntry, Recent, Record, Seen, Serial};
-use crate::stall::StallClock;
 use crate::time::{Instant, nanos_saturating};
+use config::{Config, ConfigError, REAP_TIMEOUT_FLOOR};
+use effect::{Effect, FreeCause};
+use expiry::{ExpiryWheel, Slot};
+use record::{ModuleEntry, Recent, Record, Seen, Serial};
+use stall::StallClock;
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
@@ -85,7 +91,7 @@ pub struct Status {
     /// The registration grace in force.
     pub registration_grace: Duration,
     /// Entries summed over modules (building included).
-    pub tracked_instances: usize,
+    pub tracked_entries: usize,
     /// Entries reaped since start (an instance reaped whole counts each of its entries).
     pub reaped_total: u64,
     /// Instances whose process exit was proven while they held entries.
@@ -418,7 +424,7 @@ impl<C> Liveness<C> {
             enabled: self.config.reaping_enabled(),
             reap_timeout: self.config.reap_timeout,
             registration_grace: self.config.registration_grace,
-            tracked_instances: self.entries_len,
+            tracked_entries: self.entries_len,
             reaped_total: self.reaped_total,
             process_exits_total: self.process_exits_total,
             stalls_total: self.clock.stalls_total(),

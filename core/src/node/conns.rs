@@ -1,0 +1,140 @@
+//! Connections: each one's peer (who it is, what it attached: [`super::trust`]), its
+//! transport, the process behind it, the jobs it has running (at most
+//! [`MAX_IN_FLIGHT_PER_CONNECTION`]) and, over TCP, the deadline for its token.
+
+use super::*;
+
+pub(super) struct Conn {
+    pub(super) uid: Option<u32>,
+    /// Who the peer is, which tenant it acts for, what it attached.
+    pub(super) peer: Peer,
+    pub(super) transport: Transport,
+    pub(super) process: Option<(ProcessKey, DeathNotice)>,
+    pub(super) in_flight: usize,
+    /// Whether fds may still arrive on it: over the Unix socket until a `hello` says
+    /// `sends_fds: false` (then the shell reads it without `SCM_RIGHTS`); never over TCP.
+    pub(super) sends_fds: bool,
+    /// When a TCP peer must have presented its token ([`admission`]).
+    pub(super) token_deadline: Option<Instant>,
+}
+
+impl Node {
+    /// A connection the shell accepted (after [`Node::admits`]).
+    pub(super) fn connected(
+        &mut self,
+        now: Instant,
+        conn: ConnId,
+        uid: Option<u32>,
+        transport: Transport,
+        process: Option<(ProcessKey, DeathNotice)>,
+    ) {
+        // A shell that reuses a connection id ends the old connection first:
+        // its proofs go with it, so no binding outlives every connection.
+        if self.conns.contains_key(&conn) {
+            self.disconnected(conn);
+        }
+        let peer = self.trust.connect(uid);
+        self.admission.connected(uid);
+        let token_deadline = match transport {
+            Transport::Tcp => self.admission.awaiting_token(conn, now),
+            Transport::Unix => None,
+        };
+        self.conns.insert(
+            conn,
+            Conn {
+                uid,
+                peer,
+                transport,
+                process,
+                in_flight: 0,
+                sends_fds: transport == Transport::Unix,
+                token_deadline,
+            },
+        );
+    }
+
+    /// The shell found the process behind `conn` (after its `hello`).
+    pub(super) fn peer_process(&mut self, conn: ConnId, process: ProcessKey, notice: DeathNotice) {
+        if let Some(connection) = self.conns.get_mut(&conn) {
+            connection.process = Some((process, notice));
+        }
+    }
+
+    /// A connection went: its proofs go with it, and an instance nobody attached any
+    /// more and that holds no entry is unbound.
+    pub(super) fn disconnected(&mut self, conn: ConnId) {
+        let Some(connection) = self.conns.remove(&conn) else {
+            return;
+        };
+        self.admission.disconnected(connection.uid);
+        if let Some(deadline) = connection.token_deadline {
+            self.admission.forget_deadline(conn, deadline);
+        }
+        for instance in self.trust.disconnect(connection.peer) {
+            let holds_entry = Module::ALL
+                .iter()
+                .any(|&module| self.records.contains_key(&(instance, module)));
+            if !holds_entry {
+                self.trust.release(instance);
+            }
+        }
+    }
+
+    /// Asks the shell to close every TCP connection still unauthenticated at its
+    /// deadline (failure mode 44).
+    pub(super) fn cut_unauthenticated(&mut self, now: Instant) {
+        for (deadline, conn) in self.admission.take_expired(now) {
+            let Some(connection) = self.conns.get_mut(&conn) else {
+                continue;
+            };
+            if connection.token_deadline != Some(deadline) {
+                continue; // a deadline of an earlier connection of this id
+            }
+            connection.token_deadline = None;
+            if connection.peer.tenant().is_none() {
+                self.outputs.push_back(Output::Disconnect {
+                    conn,
+                    why: "a TCP peer did not present the server's token within \
+                          --frame-timeout-seconds of connecting",
+                });
+            }
+        }
+    }
+
+    /// Requests of `conn` still running (builds, copies, blends): a shell closes a
+    /// connection only once they are answered.
+    pub fn in_flight(&self, conn: ConnId) -> usize {
+        self.conns
+            .get(&conn)
+            .map_or(0, |connection| connection.in_flight)
+    }
+
+    /// Whether `conn` may start one more job.
+    pub(super) fn has_room(&self, conn: ConnId) -> bool {
+        self.conns
+            .get(&conn)
+            .is_some_and(|connection| connection.in_flight < MAX_IN_FLIGHT_PER_CONNECTION)
+    }
+
+    /// The tenant `conn` acts for (checked by `dispatch` before any op runs).
+    pub(super) fn tenant(&self, conn: ConnId) -> TenantId {
+        self.conns
+            .get(&conn)
+            .and_then(|connection| connection.peer.tenant())
+            .unwrap_or(TenantId(0))
+    }
+
+    pub(super) fn start_job(&mut self, conn: ConnId) {
+        self.jobs_in_flight += 1;
+        if let Some(connection) = self.conns.get_mut(&conn) {
+            connection.in_flight += 1;
+        }
+    }
+
+    pub(super) fn end_job(&mut self, conn: ConnId) {
+        self.jobs_in_flight = self.jobs_in_flight.saturating_sub(1);
+        if let Some(connection) = self.conns.get_mut(&conn) {
+            connection.in_flight = connection.in_flight.saturating_sub(1);
+        }
+    }
+}
