@@ -31,7 +31,9 @@ pub struct L2Config {
     /// Expiry of written values (`SET … PX`); `None`: no expiry, the cluster's
     /// `maxmemory-policy` evicts.
     pub ttl: Option<Duration>,
-    /// The bound of the write-behind queue, header bytes included (0: writes are dropped).
+    /// The bound of the write-behind queue, header bytes included (0: writes are
+    /// dropped): the node's (`L2NodeConfig::write_queue_bytes`), which submits to the
+    /// client only the writes within it.
     pub write_queue_bytes: u64,
     /// L2 threads (1 to [`MAX_THREADS`]), each with its own connection.
     pub threads: usize,

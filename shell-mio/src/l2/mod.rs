@@ -5,9 +5,10 @@
 //! What to write, when to ask, and what the breaker says are the sans-IO side's
 //! decisions ([`kvwarden_core::l2`]); this client only does what it is asked:
 //!
-//! - [`L2Client::submit_write`] queues a write in the byte-bounded write-behind queue,
-//!   or drops it (counted) when the queue is full. Only published data may be submitted
-//!   (`failure-modes.md` row 29); the caller checks that.
+//! - [`L2Client::submit_write`] queues a write; it is dropped (counted) only once the
+//!   client shuts down. The byte bound of the write-behind queue is the node's, which
+//!   submits only the writes it admitted (`failure-modes.md` row 27). Only published
+//!   data may be submitted (row 29); the caller checks that.
 //! - [`L2Client::get`] and [`L2Client::exists_prefix`] are answered later, through
 //!   [`L2Client::drain`], always within the timeout (plus at most
 //!   [`deadline::WAKE_SLACK`]): a deadline thread answers `TimedOut` for whatever the L2
@@ -244,7 +245,10 @@ impl L2Client {
         let shared = Arc::new(Shared {
             work: Mutex::new(Work {
                 reads: VecDeque::new(),
-                writes: WriteQueue::new(config.write_queue_bytes),
+                // The node bounds the write-behind queue (`L2NodeConfig::
+                // write_queue_bytes`, failure-modes row 27) and hands this client only
+                // the writes it admitted: queued here whatever their bytes.
+                writes: WriteQueue::new(u64::MAX),
                 writes_in_flight: 0,
                 shutdown: false,
             }),
@@ -283,8 +287,8 @@ impl L2Client {
         Ok(client)
     }
 
-    /// Queues `payload` to be written under `key`, or drops it (counted) when the queue
-    /// is full; never blocks. The answer comes as [`L2Completion::Written`] with
+    /// Queues `payload` to be written under `key` (dropped, counted, only after
+    /// [`L2Client::finish_writes`]); never blocks. The node bounds what it submits. The answer comes as [`L2Completion::Written`] with
     /// `token`. `payload` is held until the write ends, and an L2 thread sends its
     /// bytes straight after the value's header (no copy of them is made first): pass
     /// owned bytes, or a view of an L1 slot the caller keeps from eviction until then.

@@ -150,8 +150,11 @@ fn store_that_never_answers_is_a_timed_out_miss_and_the_caller_never_waits() {
     drop(silent);
 }
 
+/// The write-behind bound is the node's (`row_27_a_full_write_queue_drops_and_counts_
+/// and_never_blocks` in core/tests/node_l2.rs): the client queues every write the node
+/// admitted, never dropping one the node counts as queued, and never blocks.
 #[test]
-fn full_write_queue_drops_and_counts_without_blocking() {
+fn the_client_queues_every_write_it_is_given_the_bound_is_the_nodes() {
     let silent = TcpListener::bind("127.0.0.1:0").expect("a port");
     let seed = format!("redis://{}", silent.local_addr().expect("its address"));
     let per_write = 100 + kvwarden_core::l2::HEADER_BYTES as u64;
@@ -159,10 +162,14 @@ fn full_write_queue_drops_and_counts_without_blocking() {
     let outcomes: Vec<Push> = (0..10u8)
         .map(|i| client.submit_write(0, vec![i], vec![i; 100]))
         .collect();
-    assert_eq!(outcomes.iter().filter(|p| **p == Push::Queued).count(), 3);
+    assert_eq!(outcomes, vec![Push::Queued; 10]);
     let counters = client.counters();
-    assert_eq!(counters.write_drops, 7);
-    assert_eq!(counters.queue_bytes, 3 * per_write);
+    assert_eq!(counters.write_drops, 0);
+    assert_eq!(counters.queue_bytes, 10 * per_write);
+    // Once the client shuts down it takes nothing more, and says so.
+    let finished = client.finish_writes(std::time::Duration::ZERO);
+    assert_eq!(finished.dropped, 10);
+    assert_eq!(client.submit_write(0, vec![11], vec![0; 100]), Push::Dropped);
     drop(silent);
 }
 

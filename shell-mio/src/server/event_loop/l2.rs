@@ -79,8 +79,8 @@ impl Server {
         };
         let push = client.submit_write(write.0, key, bytes);
         if push == Push::Dropped {
-            // The node bounds its queue to the client's, so only a client shutting down
-            // drops here.
+            // The node is the write queue's bound; the client drops only once it is
+            // shutting down.
             self.inputs.push_back(failed);
         }
     }
