@@ -4,6 +4,7 @@
 
 mod support;
 
+use kvwarden_core::node::{BlendChange, Job, PeerAction};
 use kvwarden_core::node::{Built, ConnId, Direction, Input, Note, Output, ProcessKey};
 use kvwarden_core::protocol::{BufferSpec, ErrorCode, Op, ProtocolError, RopeSpec};
 use kvwarden_core::{FreeCause, Module};
@@ -105,7 +106,7 @@ fn decision_2_shutdown_stops_once_the_frees_return_and_gives_up_after_the_drain(
         .out
         .iter()
         .filter_map(|o| match o {
-            Output::StartFree { free, label, .. } => Some((*free, *label)),
+            Output::Job(Job::Free { free, label, .. }) => Some((*free, *label)),
             _ => None,
         })
         .collect();
@@ -259,7 +260,7 @@ fn decision_6_rope_tables_of_an_instance_freed_while_computing_are_discarded() {
     assert_eq!(h.refuse(blend(&too_big)), ErrorCode::BadArgs);
     let request = h.send(blend(&rope));
     let started = h.out.iter().find_map(|o| match o {
-        Output::StartBlend { blend, .. } => Some(*blend),
+        Output::Job(Job::Blend { blend, .. }) => Some(*blend),
         _ => None,
     });
     let started = started.expect("a computation starts");
@@ -269,8 +270,15 @@ fn decision_6_rope_tables_of_an_instance_freed_while_computing_are_discarded() {
         result: Ok(()),
     });
     assert_eq!(h.error(request), ErrorCode::NotRegistered);
-    assert!(h.out.contains(&Output::DiscardBlend { blend: started }));
-    assert!(!h.out.iter().any(|o| matches!(o, Output::KeepBlend { .. })));
+    assert!(
+        h.out
+            .contains(&Output::Blend(BlendChange::Discard { blend: started }))
+    );
+    assert!(
+        !h.out
+            .iter()
+            .any(|o| matches!(o, Output::Blend(BlendChange::Keep { .. })))
+    );
 }
 
 // 7. Owners, per-connection caps, and which refusals count as evidence of life.
@@ -422,20 +430,20 @@ fn decision_11_the_newest_registrants_process_is_the_proof_of_exit() {
     let mut h = Harness::new(None);
     let worker = id(1);
     h.registered(worker);
-    assert!(h.out.contains(&Output::Watch {
+    assert!(h.out.contains(&Output::Peer(PeerAction::Watch {
         process: ProcessKey(1),
         conn: ConnId(1)
-    }));
+    })));
     h.connect(ConnId(2), Some(OWNER), Some(ProcessKey(2)));
     let again = h.send_on(ConnId(2), register(worker), 1);
     assert_eq!(outcome(&h.answer(again)), "refreshed");
-    assert!(h.out.contains(&Output::Unwatch {
+    assert!(h.out.contains(&Output::Peer(PeerAction::Unwatch {
         process: ProcessKey(1)
-    }));
-    assert!(h.out.contains(&Output::Watch {
+    })));
+    assert!(h.out.contains(&Output::Peer(PeerAction::Watch {
         process: ProcessKey(2),
         conn: ConnId(2)
-    }));
+    })));
     h.input(Input::ProcessExited {
         process: ProcessKey(1),
     });
@@ -458,9 +466,9 @@ fn decision_11_an_instance_holding_nothing_is_no_longer_watched() {
     h.registered(worker);
     h.out.clear();
     h.ask(Op::UnregisterKvCache { instance: worker });
-    assert!(h.out.contains(&Output::Unwatch {
+    assert!(h.out.contains(&Output::Peer(PeerAction::Unwatch {
         process: ProcessKey(1)
-    }));
+    })));
     assert_eq!(h.node.status().watched_processes, 0);
 }
 
@@ -505,7 +513,7 @@ fn hello(sends_fds: bool) -> Op {
 fn a_hello_without_fds_has_the_connection_read_plainly_for_good() {
     let reads_without_fds = |h: &mut Harness| {
         h.take(|output| match output {
-            Output::ReadWithoutFds { conn } => Some(*conn),
+            Output::Peer(PeerAction::ReadWithoutFds { conn }) => Some(*conn),
             _ => None,
         })
     };
@@ -567,7 +575,7 @@ fn a_tcp_hello_without_fds_asks_the_shell_for_nothing() {
     assert!(
         !h.out
             .iter()
-            .any(|output| matches!(output, Output::ReadWithoutFds { .. })),
+            .any(|output| matches!(output, Output::Peer(PeerAction::ReadWithoutFds { .. }))),
         "TCP is read plainly anyway"
     );
 }

@@ -6,6 +6,7 @@ mod support;
 use kvwarden_core::node::admission::{Admission, ConnectionLimits, Refused};
 use kvwarden_core::node::blend::{MAX_TABLE_BYTES, MAX_TENANT_BYTES, MAX_TOTAL_BYTES};
 use kvwarden_core::node::{ConnId, Input, MAX_IN_FLIGHT_PER_CONNECTION, Output, Transport};
+use kvwarden_core::node::{Job, PeerAction};
 use kvwarden_core::protocol::{ErrorCode, Op, RopeSpec};
 use support::harness::{Harness, OWNER, TCP_TOKEN, register};
 use support::{at, id};
@@ -49,7 +50,7 @@ fn blend(h: &mut Harness, conn: ConnId, instance: kvwarden_core::InstanceId) -> 
         0,
     );
     let started = h.take(|output| match output {
-        Output::StartBlend { blend, .. } => Some(*blend),
+        Output::Job(Job::Blend { blend, .. }) => Some(*blend),
         _ => None,
     });
     if let [started] = started[..] {
@@ -166,7 +167,7 @@ fn hello(token: Option<&[u8]>) -> Op {
 
 fn disconnects(h: &mut Harness) -> Vec<ConnId> {
     h.take(|output| match output {
-        Output::Disconnect { conn, .. } => Some(*conn),
+        Output::Peer(PeerAction::Disconnect { conn, .. }) => Some(*conn),
         _ => None,
     })
 }

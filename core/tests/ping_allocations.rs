@@ -2,6 +2,7 @@
 //! decision, draining its output and encoding the reply into a reused buffer. A count,
 //! not a timing: stable on any machine.
 
+use kvwarden_core::node::Job;
 use kvwarden_core::node::{Built, ConnId, Input, Node, NodeConfig, Output, Transport};
 use kvwarden_core::protocol::{BufferSpec, Op, decode_request, encode_reply_into};
 use kvwarden_core::{Config, InstanceId, Instant};
@@ -144,7 +145,7 @@ fn a_ping_through_the_core_allocates_nothing_on_a_warm_connection() {
     );
     let mut context = None;
     while let Some(output) = node.poll_output() {
-        if let Output::StartBuild { context: c, .. } = output {
+        if let Output::Job(Job::Build { context: c, .. }) = output {
             context = Some(c);
         }
     }

@@ -11,6 +11,7 @@
 //! comes; each L2 write and read is asked once.
 #![no_main]
 
+use kvwarden_core::node::{Job, BlendChange, PeerAction, L2Request};
 use arbitrary::Arbitrary;
 use kvwarden_core::l2::{L2HealthConfig, WriteOutcome};
 use kvwarden_core::node::l2::{L2Fetched, L2NodeConfig, L2Presence, L2ReadId, L2WriteId};
@@ -191,9 +192,9 @@ impl Ledger {
                 // nothing new starts.
                 let starts = matches!(
                     output,
-                    Output::StartBuild { .. }
-                        | Output::StartCopy { .. }
-                        | Output::StartBlend { .. }
+                    Output::Job(Job::Build { .. })
+                        | Output::Job(Job::Copy { .. })
+                        | Output::Job(Job::Blend { .. })
                 );
                 assert!(!starts, "{output:?} after Stopped");
             }
@@ -207,13 +208,13 @@ impl Ledger {
                         "request {request_id} answered twice"
                     );
                 }
-                Output::StartBuild { context, .. } => self.builds.push(context),
-                Output::StartCopy { copy, context, .. } => {
+                Output::Job(Job::Build { context, .. }) => self.builds.push(context),
+                Output::Job(Job::Copy { copy, context, .. }) => {
                     assert!(self.built.contains(&context) && !self.freed.contains(&context));
                     self.copies.insert(copy, context);
                 }
-                Output::StartBlend { blend, .. } => self.blends.push(blend),
-                Output::StartFree { free, context, .. } => {
+                Output::Job(Job::Blend { blend, .. }) => self.blends.push(blend),
+                Output::Job(Job::Free { free, context, .. }) => {
                     assert!(
                         self.built.contains(&context),
                         "free of a context never built"
@@ -233,7 +234,7 @@ impl Ledger {
                     self.frees.push(free);
                 }
                 Output::Stopped { .. } => self.stopped = true,
-                Output::L2Write { write, .. } => {
+                Output::L2(L2Request::Write { write, .. }) => {
                     assert!(self.l2, "an L2 write from a node without L2");
                     assert!(
                         self.l2_named.insert(write.0),
@@ -241,7 +242,7 @@ impl Ledger {
                     );
                     self.l2_writes.push(write);
                 }
-                Output::L2Get { read, deliver, .. } => {
+                Output::L2(L2Request::Get { read, deliver, .. }) => {
                     assert!(self.l2, "an L2 read from a node without L2");
                     assert!(self.l2_named.insert(read.0), "L2 read {read:?} asked twice");
                     if let Some(deliver) = deliver {
@@ -254,14 +255,14 @@ impl Ledger {
                     }
                     self.l2_gets.push(read);
                 }
-                Output::L2Cancel { read } => {
+                Output::L2(L2Request::Cancel { read }) => {
                     assert!(
                         self.deliveries.contains_key(&read),
                         "gave up {read:?}, not a delivering read out"
                     );
                     assert!(self.cancelled.insert(read), "gave up {read:?} twice");
                 }
-                Output::L2Exists { read, .. } => {
+                Output::L2(L2Request::Exists { read, .. }) => {
                     assert!(self.l2, "an L2 lookup from a node without L2");
                     assert!(
                         self.l2_named.insert(read.0),
@@ -269,13 +270,13 @@ impl Ledger {
                     );
                     self.l2_exists.push(read);
                 }
-                Output::KeepBlend { .. }
-                | Output::DiscardBlend { .. }
-                | Output::DropBlend { .. }
-                | Output::Watch { .. }
-                | Output::Unwatch { .. }
-                | Output::ReadWithoutFds { .. }
-                | Output::Disconnect { .. }
+                Output::Blend(BlendChange::Keep { .. })
+                | Output::Blend(BlendChange::Discard { .. })
+                | Output::Blend(BlendChange::Drop { .. })
+                | Output::Peer(PeerAction::Watch { .. })
+                | Output::Peer(PeerAction::Unwatch { .. })
+                | Output::Peer(PeerAction::ReadWithoutFds { .. })
+                | Output::Peer(PeerAction::Disconnect { .. })
                 | Output::Note(_) => {}
             }
         }

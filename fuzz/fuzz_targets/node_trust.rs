@@ -20,6 +20,7 @@
 //! `KVWARDEN_FUZZ_PLANT=trust_any_connection`, it finds the planted bug in seconds.
 #![no_main]
 
+use kvwarden_core::node::Job;
 use arbitrary::Arbitrary;
 use kvwarden_core::node::trust::{TenantSpec, TrustConfig};
 use kvwarden_core::node::{
@@ -533,8 +534,8 @@ fuzz_target!(|steps: Vec<Step>| {
                 {
                     reply = Some(result);
                 }
-                Output::StartBuild { context, .. } => model.builds.push(context),
-                Output::StartCopy { copy, .. } => model.copies.push(copy),
+                Output::Job(Job::Build { context, .. }) => model.builds.push(context),
+                Output::Job(Job::Copy { copy, .. }) => model.copies.push(copy),
                 _ => {}
             }
         }

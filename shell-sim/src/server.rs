@@ -29,6 +29,7 @@ use crate::message::{Channel, Envelope, HANDSHAKE_ID, Payload, ReplyEnvelope};
 use crate::oracle::Key;
 use crate::time::{Nanos, duration, instant, nanos_of};
 use kvwarden_core::node::l2::{L2Fetched, L2Presence};
+use kvwarden_core::node::{BlendChange, Job, L2Request, PeerAction};
 use kvwarden_core::node::{
     Built, ConnId, ContextId, CopyId, DeathNotice, Direction, FreeId, Input as NodeInput, Node,
     NodeConfig, Note, Output, ProcessKey, SHUTDOWN_DRAIN, Transport,
@@ -37,6 +38,16 @@ use kvwarden_core::protocol::{BufferSpec, ErrorCode, Op, ProtocolError};
 use kvwarden_core::{Config, FreeCause, InstanceId, Module, TransferError};
 use rmpv::Value;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+/// What one node call's outputs did, for the checks that follow them.
+#[derive(Default)]
+struct Step {
+    freed: Vec<(Key, FreeCause)>,
+    /// Watched processes already known to have exited: their exit is applied next.
+    exits: Vec<InstanceId>,
+    exit_noted: bool,
+    engine_freed: bool,
+}
 
 /// A hash map with a fixed seed: lookups only, never iterated into the trace.
 type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::FixedState>;
@@ -856,10 +867,7 @@ impl Server {
         if self.spec.l2.enabled {
             self.l2_replies(&outputs, checker);
         }
-        let mut freed: Vec<(Key, FreeCause)> = Vec::new();
-        let mut exits = Vec::new();
-        let mut exit_noted = false;
-        let mut engine_freed = false;
+        let mut step = Step::default();
         for output in outputs.drain(..) {
             match output {
                 Output::Reply {
@@ -873,223 +881,20 @@ impl Server {
                     let value = Value::Map(vec![("tracked".into(), tracked.into())]);
                     self.reply(conn, request_id, Ok(value), checker, out);
                 }
-                Output::StartBuild {
-                    context,
-                    instance,
-                    module,
-                    buffers,
-                    ..
-                } => {
-                    let lens = buffers
-                        .iter()
-                        .map(|buffer| match buffer {
-                            BufferSpec::Memfd { nbytes, .. }
-                            | BufferSpec::CudaIpc { nbytes, .. } => *nbytes,
-                        })
-                        .collect();
-                    self.builds.insert(context, ((instance, module), lens));
-                    out.builds.push(context.0);
-                }
-                Output::StartCopy {
-                    copy,
-                    context,
-                    direction,
-                    offset,
-                    ..
-                } => {
-                    if direction == Direction::ToL1
-                        && let Call::Request {
-                            publish: (keys, false),
-                            ..
-                        } = &call
-                        && let Some(key) = keys.get((offset / crate::worker::STORE_BYTES) as usize)
-                    {
-                        self.store_copies.insert(copy.0, key.clone());
-                    }
-                    if let Some(&id) = self.ledger.get(&context) {
-                        self.copies.insert(copy, id);
-                        checker.copy_started(id);
-                    }
-                    out.copies.push(copy.0);
-                }
-                Output::StartBlend { blend, .. } => out.blends.push(blend.0),
-                Output::KeepBlend { instance, .. } => {
-                    self.blend.insert(instance);
-                    checker.touch_instance(instance);
-                }
-                Output::DiscardBlend { .. } => {}
-                Output::DropBlend { instance } => {
-                    self.blend.remove(&instance);
-                }
-                Output::StartFree {
-                    free,
-                    context,
-                    instance,
-                    module,
-                    cause,
-                    ..
-                } => {
-                    let Some(&id) = self.ledger.get(&context) else {
-                        checker.fail(
-                            crate::violation::Class::Safety,
-                            "double_free",
-                            format!("the node freed context {context:?}, which it never built"),
-                        );
-                        continue;
-                    };
-                    checker.free_requested((instance, module), id, cause);
-                    if matches!(call, Call::CopyDone) {
-                        self.stats.frees_deferred += 1;
-                    }
-                    if module == Module::EngineDriven {
-                        engine_freed = true;
-                        if let Some(keys) = self.reserved.remove(&instance) {
-                            self.reserved_total -= keys.len();
-                        }
-                    }
-                    self.frees.insert(free, id);
-                    self.free_runs
-                        .insert(free, ((instance, module), now, self.paused_total));
-                    out.free_jobs.push(free.0);
-                    out.frees.push(FreeRecord {
-                        instance,
-                        module,
-                        cause,
-                        context: id,
-                    });
-                    freed.push(((instance, module), cause));
-                }
-                Output::Watch { process, .. } => {
-                    self.watched.insert(process);
-                    let instance = InstanceId::new(process.0).expect("a process key is an id");
-                    if self.exited_same_host.contains(&instance) {
-                        // The pidfd of a peer that already exited is readable at once.
-                        exits.push(instance);
-                    }
-                }
-                Output::Unwatch { process } => {
-                    self.watched.remove(&process);
-                }
-                // Simulated connections carry no fds: how they are read is the same.
-                Output::ReadWithoutFds { .. } => {}
-                // The simulated node has no deadline to authenticate (unbounded limits).
-                Output::Disconnect { .. } => {}
-                Output::Note(note) => match note {
-                    Note::Stall { gap } => {
-                        self.stats.stalls += 1;
-                        checker.stall_reported(nanos_of(gap));
-                    }
-                    Note::ProcessExited { instance, held } => {
-                        // A process may hold instances besides the one it started as
-                        // (ids it claimed): any of them noted is the exit applied.
-                        exit_noted |= matches!(call, Call::Exit(_));
-                        checker.process_exited(now, instance, held);
-                    }
-                    Note::EngineReleased {
-                        reservations_discarded,
-                        pins_released,
-                        ..
-                    } => {
-                        self.stats.reservations_discarded +=
-                            reservations_discarded as u64 + pins_released;
-                    }
-                    Note::FreeHung {
-                        instance,
-                        module,
-                        watchdog,
-                    } => {
-                        self.stats.frees_hung += 1;
-                        let watchdog = nanos_of(watchdog);
-                        let longest = self
-                            .free_runs
-                            .values()
-                            .filter(|(key, _, _)| *key == (instance, module))
-                            .map(|&(_, start, paused)| {
-                                (now - start).saturating_sub(self.paused_total - paused)
-                            })
-                            .max();
-                        if longest.is_none_or(|ran| ran < watchdog) {
-                            checker.fail(
-                                crate::violation::Class::Liveness,
-                                "free_reported_hung_early",
-                                format!(
-                                    "the node reported a free of instance {instance} ({}) hung \
-                                     after its watchdog of {:.3}s, but it has run {:.3}s: the \
-                                     server's own pause counted as the free's time",
-                                    module.label(),
-                                    crate::time::as_seconds(watchdog),
-                                    crate::time::as_seconds(longest.unwrap_or(0))
-                                ),
-                            );
-                        }
-                    }
-                    Note::L2StateChanged { .. } => self.stats.l2_state_changes += 1,
-                    _ => {}
-                },
+                Output::Job(job) => self.on_job(now, job, &call, checker, out, &mut step),
+                Output::Blend(change) => self.on_blend(change, checker),
+                Output::Peer(action) => self.on_peer(action, &mut step),
+                Output::L2(request) => self.on_l2(request, &call, checker, out),
+                Output::Note(note) => self.on_note(now, note, &call, checker, &mut step),
                 Output::Stopped { .. } => {
                     self.state = ServerState::Stopped;
                     checker.stopped();
-                }
-                Output::L2Write {
-                    write, key, nbytes, ..
-                } if self.spec.l2.enabled => {
-                    let good = checker.l2_write(&key);
-                    self.l2_holding += 1;
-                    out.l2_jobs.push(L2Job::Write {
-                        write,
-                        key,
-                        nbytes,
-                        good,
-                    });
-                }
-                Output::L2Get {
-                    read, key, deliver, ..
-                } if self.spec.l2.enabled => {
-                    // A delivering read may write into the worker's buffer until
-                    // answered: a copy on its context, as far as a free is concerned.
-                    if let Some(deliver) = deliver
-                        && let Some(&id) = self.ledger.get(&deliver.context)
-                    {
-                        self.l2_delivering.insert(read.0, id);
-                        checker.copy_started(id);
-                    }
-                    if let Call::Request {
-                        conn,
-                        request_id,
-                        reads: true,
-                        ..
-                    } = &call
-                    {
-                        self.l2_reads.insert(read.0, (conn.0, *request_id));
-                    }
-                    self.l2_holding += 1;
-                    out.l2_jobs.push(L2Job::Get { read, key });
-                }
-                Output::L2Exists { read, keys } if self.spec.l2.enabled => {
-                    out.l2_jobs.push(L2Job::Exists { read, keys });
-                }
-                Output::L2Cancel { read } if self.spec.l2.enabled => {
-                    // Redis has not answered (its answer is still on the agenda): the
-                    // client's cancel wins and answers `TimedOut` at once.
-                    if self.l2_cancelled.insert(read.0) {
-                        out.l2_jobs.push(L2Job::Cancelled { read });
-                    }
-                }
-                Output::L2Write { .. }
-                | Output::L2Get { .. }
-                | Output::L2Exists { .. }
-                | Output::L2Cancel { .. } => {
-                    checker.fail(
-                        crate::violation::Class::Internal,
-                        "l2_without_l2",
-                        format!("the node, configured without L2, asked for L2: {output:?}"),
-                    );
                 }
             }
         }
         self.outputs = outputs;
         if let Call::Exit(instance) = call
-            && !exit_noted
+            && !step.exit_noted
         {
             checker.fail(
                 crate::violation::Class::Liveness,
@@ -1100,10 +905,10 @@ impl Server {
                 ),
             );
         }
-        let reaped = self.reconcile(reaped_before, &freed, checker);
+        let reaped = self.reconcile(reaped_before, &step.freed, checker);
         out.reaped += reaped;
         let (l1_held, l1_explained) = match self.node.as_ref() {
-            Some(node) if engine_freed => {
+            Some(node) if step.engine_freed => {
                 let occupancy = node.l1_occupancy();
                 (
                     occupancy.reserved + occupancy.pinned,
@@ -1120,12 +925,264 @@ impl Server {
         if self.bug == Some(InjectedBug::Panic) && reaped > 0 {
             panic!("injected bug: the simulated shell panics on its first reap");
         }
-        for instance in exits {
+        for instance in step.exits {
             if self.watched.contains(&ProcessKey(instance.get())) {
                 let input = NodeInput::ProcessExited {
                     process: ProcessKey(instance.get()),
                 };
                 self.call(now, Some(input), Call::Exit(instance), checker, out);
+            }
+        }
+    }
+
+    /// A job the node started: the simulated pool runs it later (its input comes
+    /// through the agenda); the checker learns what it holds meanwhile.
+    fn on_job(
+        &mut self,
+        now: Nanos,
+        job: Job,
+        call: &Call,
+        checker: &mut Checker,
+        out: &mut ServerOut,
+        step: &mut Step,
+    ) {
+        match job {
+            Job::Build {
+                context,
+                instance,
+                module,
+                buffers,
+                ..
+            } => {
+                let lens = buffers
+                    .iter()
+                    .map(|buffer| match buffer {
+                        BufferSpec::Memfd { nbytes, .. } | BufferSpec::CudaIpc { nbytes, .. } => {
+                            *nbytes
+                        }
+                    })
+                    .collect();
+                self.builds.insert(context, ((instance, module), lens));
+                out.builds.push(context.0);
+            }
+            Job::Copy {
+                copy,
+                context,
+                direction,
+                offset,
+                ..
+            } => {
+                if direction == Direction::ToL1
+                    && let Call::Request {
+                        publish: (keys, false),
+                        ..
+                    } = call
+                    && let Some(key) = keys.get((offset / crate::worker::STORE_BYTES) as usize)
+                {
+                    self.store_copies.insert(copy.0, key.clone());
+                }
+                if let Some(&id) = self.ledger.get(&context) {
+                    self.copies.insert(copy, id);
+                    checker.copy_started(id);
+                }
+                out.copies.push(copy.0);
+            }
+            Job::Blend { blend, .. } => out.blends.push(blend.0),
+            Job::Free {
+                free,
+                context,
+                instance,
+                module,
+                cause,
+                ..
+            } => {
+                let Some(&id) = self.ledger.get(&context) else {
+                    checker.fail(
+                        crate::violation::Class::Safety,
+                        "double_free",
+                        format!("the node freed context {context:?}, which it never built"),
+                    );
+                    return;
+                };
+                checker.free_requested((instance, module), id, cause);
+                if matches!(call, Call::CopyDone) {
+                    self.stats.frees_deferred += 1;
+                }
+                if module == Module::EngineDriven {
+                    step.engine_freed = true;
+                    if let Some(keys) = self.reserved.remove(&instance) {
+                        self.reserved_total -= keys.len();
+                    }
+                }
+                self.frees.insert(free, id);
+                self.free_runs
+                    .insert(free, ((instance, module), now, self.paused_total));
+                out.free_jobs.push(free.0);
+                out.frees.push(FreeRecord {
+                    instance,
+                    module,
+                    cause,
+                    context: id,
+                });
+                step.freed.push(((instance, module), cause));
+            }
+        }
+    }
+
+    fn on_blend(&mut self, change: BlendChange, checker: &mut Checker) {
+        match change {
+            BlendChange::Keep { instance, .. } => {
+                self.blend.insert(instance);
+                checker.touch_instance(instance);
+            }
+            BlendChange::Discard { .. } => {}
+            BlendChange::Drop { instance } => {
+                self.blend.remove(&instance);
+            }
+        }
+    }
+
+    fn on_peer(&mut self, action: PeerAction, step: &mut Step) {
+        match action {
+            PeerAction::Watch { process, .. } => {
+                self.watched.insert(process);
+                let instance = InstanceId::new(process.0).expect("a process key is an id");
+                if self.exited_same_host.contains(&instance) {
+                    // The pidfd of a peer that already exited is readable at once.
+                    step.exits.push(instance);
+                }
+            }
+            PeerAction::Unwatch { process } => {
+                self.watched.remove(&process);
+            }
+            // Simulated connections carry no fds: how they are read is the same.
+            PeerAction::ReadWithoutFds { .. } => {}
+            // The simulated node has no deadline to authenticate (unbounded limits).
+            PeerAction::Disconnect { .. } => {}
+        }
+    }
+
+    fn on_note(
+        &mut self,
+        now: Nanos,
+        note: Note,
+        call: &Call,
+        checker: &mut Checker,
+        step: &mut Step,
+    ) {
+        match note {
+            Note::Stall { gap } => {
+                self.stats.stalls += 1;
+                checker.stall_reported(nanos_of(gap));
+            }
+            Note::ProcessExited { instance, held } => {
+                // A process may hold instances besides the one it started as
+                // (ids it claimed): any of them noted is the exit applied.
+                step.exit_noted |= matches!(call, Call::Exit(_));
+                checker.process_exited(now, instance, held);
+            }
+            Note::EngineReleased {
+                reservations_discarded,
+                pins_released,
+                ..
+            } => {
+                self.stats.reservations_discarded += reservations_discarded as u64 + pins_released;
+            }
+            Note::FreeHung {
+                instance,
+                module,
+                watchdog,
+            } => {
+                self.stats.frees_hung += 1;
+                let watchdog = nanos_of(watchdog);
+                let longest = self
+                    .free_runs
+                    .values()
+                    .filter(|(key, _, _)| *key == (instance, module))
+                    .map(|&(_, start, paused)| {
+                        (now - start).saturating_sub(self.paused_total - paused)
+                    })
+                    .max();
+                if longest.is_none_or(|ran| ran < watchdog) {
+                    checker.fail(
+                        crate::violation::Class::Liveness,
+                        "free_reported_hung_early",
+                        format!(
+                            "the node reported a free of instance {instance} ({}) hung \
+                             after its watchdog of {:.3}s, but it has run {:.3}s: the \
+                             server's own pause counted as the free's time",
+                            module.label(),
+                            crate::time::as_seconds(watchdog),
+                            crate::time::as_seconds(longest.unwrap_or(0))
+                        ),
+                    );
+                }
+            }
+            Note::L2StateChanged { .. } => self.stats.l2_state_changes += 1,
+            _ => {}
+        }
+    }
+
+    fn on_l2(
+        &mut self,
+        request: L2Request,
+        call: &Call,
+        checker: &mut Checker,
+        out: &mut ServerOut,
+    ) {
+        if !self.spec.l2.enabled {
+            checker.fail(
+                crate::violation::Class::Internal,
+                "l2_without_l2",
+                format!("the node, configured without L2, asked for L2: {request:?}"),
+            );
+            return;
+        }
+        match request {
+            L2Request::Write {
+                write, key, nbytes, ..
+            } => {
+                let good = checker.l2_write(&key);
+                self.l2_holding += 1;
+                out.l2_jobs.push(L2Job::Write {
+                    write,
+                    key,
+                    nbytes,
+                    good,
+                });
+            }
+            L2Request::Get {
+                read, key, deliver, ..
+            } => {
+                // A delivering read may write into the worker's buffer until
+                // answered: a copy on its context, as far as a free is concerned.
+                if let Some(deliver) = deliver
+                    && let Some(&id) = self.ledger.get(&deliver.context)
+                {
+                    self.l2_delivering.insert(read.0, id);
+                    checker.copy_started(id);
+                }
+                if let Call::Request {
+                    conn,
+                    request_id,
+                    reads: true,
+                    ..
+                } = call
+                {
+                    self.l2_reads.insert(read.0, (conn.0, *request_id));
+                }
+                self.l2_holding += 1;
+                out.l2_jobs.push(L2Job::Get { read, key });
+            }
+            L2Request::Exists { read, keys } => {
+                out.l2_jobs.push(L2Job::Exists { read, keys });
+            }
+            L2Request::Cancel { read } => {
+                // Redis has not answered (its answer is still on the agenda): the
+                // client's cancel wins and answers `TimedOut` at once.
+                if self.l2_cancelled.insert(read.0) {
+                    out.l2_jobs.push(L2Job::Cancelled { read });
+                }
             }
         }
     }
@@ -1246,12 +1303,12 @@ impl Server {
                     Asked::Register(module) => {
                         let key = (instance, *module);
                         let build = outputs.iter().find_map(|output| match output {
-                            Output::StartBuild {
+                            Output::Job(Job::Build {
                                 context,
                                 instance: i,
                                 module: m,
                                 ..
-                            } if (*i, *m) == key => Some(context.0),
+                            }) if (*i, *m) == key => Some(context.0),
                             _ => None,
                         });
                         match (build, code) {
@@ -1294,7 +1351,9 @@ impl Server {
                 if let Some((key, mut result)) = transfer {
                     if let Ok(context) = &mut result {
                         *context = outputs.iter().find_map(|output| match output {
-                            Output::StartCopy { context, .. } => self.ledger.get(context).copied(),
+                            Output::Job(Job::Copy { context, .. }) => {
+                                self.ledger.get(context).copied()
+                            }
                             _ => None,
                         });
                     }

@@ -92,11 +92,11 @@ impl Node {
             }
             connection.token_deadline = None;
             if connection.peer.tenant().is_none() {
-                self.outputs.push_back(Output::Disconnect {
+                self.outputs.push_back(Output::Peer(PeerAction::Disconnect {
                     conn,
                     why: "a TCP peer did not present the server's token within \
                           --frame-timeout-seconds of connecting",
-                });
+                }));
             }
         }
     }

@@ -182,8 +182,10 @@ pub enum Input {
     },
 }
 
-/// Something the node asks of its shell. Not `#[non_exhaustive]`: a shell matches
-/// every output, so none is ever ignored silently.
+/// Something the node asks of its shell, in groups: replies, jobs to run off the loop,
+/// blend tables to keep or drop, actions on peers (watches, how to read, closes), L2
+/// I/O, notes, and the end. Not `#[non_exhaustive]`: a shell matches every output, so
+/// none is ever ignored silently.
 #[derive(Debug, PartialEq)]
 pub enum Output {
     /// Send a reply.
@@ -207,8 +209,30 @@ pub enum Output {
         /// The request's id.
         request_id: u64,
     },
+    /// Work to run off the loop; each reports back with its input.
+    Job(Job),
+    /// The shell's hold on computed rope tables.
+    Blend(BlendChange),
+    /// Something to do with a peer's connection or process.
+    Peer(PeerAction),
+    /// L2 I/O (only with L2 on).
+    L2(L2Request),
+    /// Something an operator reads: log it, count it.
+    Note(Note),
+    /// The shutdown is complete: exit.
+    Stopped {
+        /// Contexts freed by the shutdown.
+        contexts_freed: u64,
+        /// Frees still running when the node gave up waiting.
+        frees_unfinished: usize,
+    },
+}
+
+/// Work to run off the loop ([`Output::Job`]).
+#[derive(Debug, PartialEq)]
+pub enum Job {
     /// Build a context off the loop, then report `BuildDone`.
-    StartBuild {
+    Build {
         /// The context's id.
         context: ContextId,
         /// Whose fds it uses: the stash of `(conn, request_id)`.
@@ -225,7 +249,7 @@ pub enum Output {
         model_name: String,
     },
     /// Copy between a buffer of `context` and L1 `slot`, then report `CopyDone`.
-    StartCopy {
+    Copy {
         /// The copy.
         copy: CopyId,
         /// The context whose buffer it uses (never freed before the copy is done).
@@ -243,7 +267,7 @@ pub enum Output {
     },
     /// Compute rope tables off the loop and hold them under `blend`, then report
     /// `BlendDone`.
-    StartBlend {
+    Blend {
         /// The computation.
         blend: BlendId,
         /// For whom.
@@ -251,25 +275,8 @@ pub enum Output {
         /// The parameters.
         spec: RopeSpec,
     },
-    /// The tables of `blend` are now the instance's; drop any it held before.
-    KeepBlend {
-        /// The computation.
-        blend: BlendId,
-        /// The instance.
-        instance: InstanceId,
-    },
-    /// Drop the tables of `blend`: nobody wants them.
-    DiscardBlend {
-        /// The computation.
-        blend: BlendId,
-    },
-    /// Drop the instance's tables: its last entry went.
-    DropBlend {
-        /// The instance.
-        instance: InstanceId,
-    },
     /// Free a context (close its mappings) off the loop, then report `FreeDone`.
-    StartFree {
+    Free {
         /// The free.
         free: FreeId,
         /// The context.
@@ -283,6 +290,33 @@ pub enum Output {
         /// The label for logs and metrics: the cause's, or `shutdown`.
         label: &'static str,
     },
+}
+
+/// The shell's hold on computed rope tables ([`Output::Blend`]).
+#[derive(Debug, PartialEq)]
+pub enum BlendChange {
+    /// The tables of `blend` are now the instance's; drop any it held before.
+    Keep {
+        /// The computation.
+        blend: BlendId,
+        /// The instance.
+        instance: InstanceId,
+    },
+    /// Drop the tables of `blend`: nobody wants them.
+    Discard {
+        /// The computation.
+        blend: BlendId,
+    },
+    /// Drop the instance's tables: its last entry went.
+    Drop {
+        /// The instance.
+        instance: InstanceId,
+    },
+}
+
+/// Something to do with a peer's connection or process ([`Output::Peer`]).
+#[derive(Debug, PartialEq)]
+pub enum PeerAction {
     /// Watch this process's exit, with the pidfd of `conn`'s peer.
     Watch {
         /// The process.
@@ -311,9 +345,14 @@ pub enum Output {
         /// Why, for the log.
         why: &'static str,
     },
+}
+
+/// L2 I/O ([`Output::L2`], only with L2 on).
+#[derive(Debug, PartialEq)]
+pub enum L2Request {
     /// Write the `nbytes` published at L1 `slot` to L2 under `key` (only with L2 on).
     /// The slot stays pinned (never evicted or rewritten) until `L2Written`.
-    L2Write {
+    Write {
         /// The write.
         write: L2WriteId,
         /// The chunk's key.
@@ -329,8 +368,8 @@ pub enum Output {
     /// [`L2Fetched::Delivered`]), on the same thread, before reporting: a read-through
     /// then costs no copy hop of its own. The node counts such a read as a copy on its
     /// context (a free waits for its `L2Got`) and, at its deadline, asks the shell to
-    /// give it up ([`Output::L2Cancel`]) instead of answering the miss itself.
-    L2Get {
+    /// give it up ([`L2Request::Cancel`]) instead of answering the miss itself.
+    Get {
         /// The read.
         read: L2ReadId,
         /// The chunk's key.
@@ -345,26 +384,17 @@ pub enum Output {
     /// the hit is being placed already; then report that (`Delivered`) when it is. The
     /// node answers the request only when that `L2Got` comes, so no byte ever lands in
     /// a buffer after its request was answered.
-    L2Cancel {
+    Cancel {
         /// The read.
         read: L2ReadId,
     },
     /// Count how many leading `keys` exist in L2 (pipelined; only with L2 on), then
     /// report `L2Existed`.
-    L2Exists {
+    Exists {
         /// The check.
         read: L2ReadId,
         /// The keys, in order.
         keys: Vec<Vec<u8>>,
-    },
-    /// Something an operator reads: log it, count it.
-    Note(Note),
-    /// The shutdown is complete: exit.
-    Stopped {
-        /// Contexts freed by the shutdown.
-        contexts_freed: u64,
-        /// Frees still running when the node gave up waiting.
-        frees_unfinished: usize,
     },
 }
 

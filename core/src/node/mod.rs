@@ -46,8 +46,8 @@ use blend::{BlendBook, BlendId};
 use conns::Conn;
 use engine::TransferStrategy;
 pub use io::{
-    Built, ConnId, ContextId, CopyId, DeathNotice, Direction, FreeId, Input, Note, Output,
-    ProcessKey, Transport,
+    BlendChange, Built, ConnId, ContextId, CopyId, DeathNotice, Direction, FreeId, Input, Job,
+    L2Request, Note, Output, PeerAction, ProcessKey, Transport,
 };
 use l1::{SlotId, SlotTable};
 use l2::{L2Delivery, L2Fetched, L2NodeConfig, L2Presence, L2ReadId, L2Status, L2Tier, L2WriteId};
@@ -554,7 +554,7 @@ mod tests {
                 fds: 0,
             },
         );
-        let Some(Output::StartBuild { context, .. }) = node.poll_output() else {
+        let Some(Output::Job(Job::Build { context, .. })) = node.poll_output() else {
             panic!("a REGISTER starts a build");
         };
         assert_eq!(node.in_flight(conn), 1);

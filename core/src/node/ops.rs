@@ -326,7 +326,8 @@ impl Node {
             .tenant()
             .map_or(Value::Nil, |tenant| self.trust.name(tenant).into());
         if promised_now {
-            self.outputs.push_back(Output::ReadWithoutFds { conn });
+            self.outputs
+                .push_back(Output::Peer(PeerAction::ReadWithoutFds { conn }));
         }
         let status = self.liveness.status();
         Value::Map(vec![
@@ -454,7 +455,7 @@ impl Node {
                 );
                 self.building.insert((instance, module), context);
                 self.start_job(to.conn);
-                self.outputs.push_back(Output::StartBuild {
+                self.outputs.push_back(Output::Job(Job::Build {
                     context,
                     conn: to.conn,
                     request_id: to.request_id,
@@ -462,7 +463,7 @@ impl Node {
                     module,
                     buffers,
                     model_name,
-                });
+                }));
                 None
             }
         }
@@ -587,11 +588,11 @@ impl Node {
         self.blend.begin(id, instance, rope.clone(), bytes);
         self.blends.insert(id, (to, instance));
         self.start_job(to.conn);
-        self.outputs.push_back(Output::StartBlend {
+        self.outputs.push_back(Output::Job(Job::Blend {
             blend: id,
             instance,
             spec: rope,
-        });
+        }));
         None
     }
 }

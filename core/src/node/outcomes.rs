@@ -249,20 +249,22 @@ impl Node {
             }
             Ok(()) => match self.blend.finish(id, instance) {
                 blend::Finished::Installed => {
-                    self.outputs.push_back(Output::KeepBlend {
+                    self.outputs.push_back(Output::Blend(BlendChange::Keep {
                         blend: id,
                         instance,
-                    });
+                    }));
                     let bytes = self.blend.bytes_of(instance);
                     self.note(Note::BlendHeld { instance, bytes });
                     Ok(true.into())
                 }
                 blend::Finished::Superseded => {
-                    self.outputs.push_back(Output::DiscardBlend { blend: id });
+                    self.outputs
+                        .push_back(Output::Blend(BlendChange::Discard { blend: id }));
                     Ok(true.into())
                 }
                 blend::Finished::Freed => {
-                    self.outputs.push_back(Output::DiscardBlend { blend: id });
+                    self.outputs
+                        .push_back(Output::Blend(BlendChange::Discard { blend: id }));
                     Err(ProtocolError::new(
                         ErrorCode::NotRegistered,
                         format!(
@@ -291,7 +293,8 @@ impl Node {
 
     pub(super) fn process_exited(&mut self, now: Instant, process: ProcessKey) {
         let instances = self.watched.remove(&process).unwrap_or_default();
-        self.outputs.push_back(Output::Unwatch { process });
+        self.outputs
+            .push_back(Output::Peer(PeerAction::Unwatch { process }));
         for instance in instances {
             self.watch_of.remove(&instance);
             if self.planted(PlantedBug::IgnoreProcessExit) {
@@ -318,7 +321,8 @@ impl Node {
         }
         let instances = self.watched.entry(process).or_default();
         if instances.is_empty() {
-            self.outputs.push_back(Output::Watch { process, conn });
+            self.outputs
+                .push_back(Output::Peer(PeerAction::Watch { process, conn }));
         }
         instances.insert(instance);
         self.watch_of.insert(instance, (process, notice));
@@ -332,7 +336,8 @@ impl Node {
             instances.remove(&instance);
             if instances.is_empty() {
                 self.watched.remove(&process);
-                self.outputs.push_back(Output::Unwatch { process });
+                self.outputs
+                    .push_back(Output::Peer(PeerAction::Unwatch { process }));
             }
         }
     }
@@ -378,7 +383,8 @@ impl Node {
                         continue;
                     }
                     if let Some(bytes) = self.blend.drop_instance(instance) {
-                        self.outputs.push_back(Output::DropBlend { instance });
+                        self.outputs
+                            .push_back(Output::Blend(BlendChange::Drop { instance }));
                         self.note(Note::BlendDropped { instance, bytes });
                     }
                     self.forget_if_gone(instance);
@@ -484,14 +490,14 @@ impl Node {
                     reported: false,
                 },
             );
-            self.outputs.push_back(Output::StartFree {
+            self.outputs.push_back(Output::Job(Job::Free {
                 free,
                 context,
                 instance,
                 module,
                 cause,
                 label,
-            });
+            }));
         }
     }
 
@@ -639,7 +645,7 @@ mod tests {
         let context = drain(&mut node)
             .into_iter()
             .find_map(|output| match output {
-                Output::StartBuild { context, .. } => Some(context),
+                Output::Job(Job::Build { context, .. }) => Some(context),
                 _ => None,
             })
             .expect("a build");
@@ -660,7 +666,7 @@ mod tests {
         assert!(
             outputs
                 .iter()
-                .any(|output| matches!(output, Output::StartFree { .. })),
+                .any(|output| matches!(output, Output::Job(Job::Free { .. }))),
             "{outputs:?}"
         );
         // Paused from 1.2 s to 31.2 s: the first turn after it credits the stall.

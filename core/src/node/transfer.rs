@@ -123,7 +123,7 @@ impl Node {
         purpose: CopyFor,
     ) {
         let copy = self.hold_copy(context, slot, purpose);
-        self.outputs.push_back(Output::StartCopy {
+        self.outputs.push_back(Output::Job(Job::Copy {
             copy,
             context,
             direction,
@@ -131,7 +131,7 @@ impl Node {
             offset,
             slot,
             nbytes,
-        });
+        }));
     }
 
     /// Counts a copy between `context` and `slot` for `purpose`: the context's free

@@ -10,6 +10,7 @@ use kvwarden_core::node::{
     Built, ConnId, ContextId, CopyId, DeathNotice, Direction, Input, Node, NodeConfig, Note,
     Output, ProcessKey, Transport,
 };
+use kvwarden_core::node::{Job, L2Request};
 use kvwarden_core::protocol::{BufferSpec, ErrorCode, Op, ProtocolError};
 use kvwarden_core::{Config, FreeCause, InstanceId, Instant};
 use rmpv::Value;
@@ -249,31 +250,31 @@ impl Harness {
 
     pub fn builds(&mut self) -> Vec<ContextId> {
         self.take(|output| match output {
-            Output::StartBuild { context, .. } => Some(*context),
+            Output::Job(Job::Build { context, .. }) => Some(*context),
             _ => None,
         })
     }
 
     pub fn frees(&mut self) -> Vec<(ContextId, FreeCause, &'static str)> {
         self.take(|output| match output {
-            Output::StartFree {
+            Output::Job(Job::Free {
                 context,
                 cause,
                 label,
                 ..
-            } => Some((*context, *cause, *label)),
+            }) => Some((*context, *cause, *label)),
             _ => None,
         })
     }
 
     pub fn copies(&mut self) -> Vec<(CopyId, Direction, u64)> {
         self.take(|output| match output {
-            Output::StartCopy {
+            Output::Job(Job::Copy {
                 copy,
                 direction,
                 nbytes,
                 ..
-            } => Some((*copy, *direction, *nbytes)),
+            }) => Some((*copy, *direction, *nbytes)),
             _ => None,
         })
     }
@@ -287,28 +288,28 @@ impl Harness {
 
     pub fn l2_writes(&mut self) -> Vec<(L2WriteId, Vec<u8>, SlotId, u64)> {
         self.take(|output| match output {
-            Output::L2Write {
+            Output::L2(L2Request::Write {
                 write,
                 key,
                 slot,
                 nbytes,
-            } => Some((*write, worker_key(key), *slot, *nbytes)),
+            }) => Some((*write, worker_key(key), *slot, *nbytes)),
             _ => None,
         })
     }
 
     pub fn l2_gets(&mut self) -> Vec<(L2ReadId, Vec<u8>, SlotId)> {
         self.take(|output| match output {
-            Output::L2Get {
+            Output::L2(L2Request::Get {
                 read, key, slot, ..
-            } => Some((*read, worker_key(key), *slot)),
+            }) => Some((*read, worker_key(key), *slot)),
             _ => None,
         })
     }
 
     pub fn l2_exists(&mut self) -> Vec<(L2ReadId, Vec<Vec<u8>>)> {
         self.take(|output| match output {
-            Output::L2Exists { read, keys } => {
+            Output::L2(L2Request::Exists { read, keys }) => {
                 // The breaker's probe key is the node's own, in no tenant.
                 let unscoped = |key: &Vec<u8>| match key.as_slice() {
                     kvwarden_core::node::l2::PROBE_KEY => key.clone(),
@@ -327,7 +328,9 @@ impl Harness {
             .filter(|output| {
                 matches!(
                     output,
-                    Output::L2Write { .. } | Output::L2Get { .. } | Output::L2Exists { .. }
+                    Output::L2(L2Request::Write { .. })
+                        | Output::L2(L2Request::Get { .. })
+                        | Output::L2(L2Request::Exists { .. })
                 )
             })
             .count()
@@ -345,7 +348,7 @@ impl Harness {
     /// taken out.
     pub fn l2_gets_delivering(&mut self) -> Vec<(L2ReadId, Option<L2Delivery>)> {
         self.take(|output| match output {
-            Output::L2Get { read, deliver, .. } => Some((*read, *deliver)),
+            Output::L2(L2Request::Get { read, deliver, .. }) => Some((*read, *deliver)),
             _ => None,
         })
     }
@@ -353,7 +356,7 @@ impl Harness {
     /// The L2 reads given up (`L2Cancel`) since the last look, taken out.
     pub fn l2_cancels(&mut self) -> Vec<L2ReadId> {
         self.take(|output| match output {
-            Output::L2Cancel { read } => Some(*read),
+            Output::L2(L2Request::Cancel { read }) => Some(*read),
             _ => None,
         })
     }

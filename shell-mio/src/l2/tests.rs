@@ -169,7 +169,10 @@ fn the_client_queues_every_write_it_is_given_the_bound_is_the_nodes() {
     // Once the client shuts down it takes nothing more, and says so.
     let finished = client.finish_writes(std::time::Duration::ZERO);
     assert_eq!(finished.dropped, 10);
-    assert_eq!(client.submit_write(0, vec![11], vec![0; 100]), Push::Dropped);
+    assert_eq!(
+        client.submit_write(0, vec![11], vec![0; 100]),
+        Push::Dropped
+    );
     drop(silent);
 }
 

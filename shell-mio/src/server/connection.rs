@@ -151,7 +151,7 @@ pub struct Connection {
     /// kernel unread, and the read that dropped it ends early, so the frames behind it
     /// wait for the connection's next bytes: only a peer that broke its word waits.
     ///
-    /// [`ReadWithoutFds`]: kvwarden_core::node::Output::ReadWithoutFds
+    /// [`ReadWithoutFds`]: kvwarden_core::node::PeerAction::ReadWithoutFds
     pub reads_fds: bool,
     /// When the frame now arriving began: its first byte was read (or, for the first
     /// frame, the connection was accepted). None while no partial frame is buffered.

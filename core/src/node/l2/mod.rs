@@ -3,17 +3,17 @@
 //!
 //! - **Write-behind** of published data only (`failure-modes.md` row 29): a
 //!   server-driven `store` whose copy completed, or an engine-driven `commit_store`.
-//!   The slot is pinned while the shell writes it ([`Output::L2Write`]) and unpinned on
+//!   The slot is pinned while the shell writes it ([`L2Request::Write`]) and unpinned on
 //!   [`Input::L2Written`]: the shell reads the bytes straight from the L1 mapping on an
 //!   L2 thread, so nothing is copied on the event loop and no second buffer is held;
 //!   the pins are bounded by the write queue's bytes and by [`WRITE_BEHIND_SLOTS_SHARE`]
 //!   of L1's slots, so that a slow L2 never leaves a store without a slot (row 27). A
 //!   write past either bound, or one that the breaker skips, is dropped and counted.
 //! - **Read-through**: a `retrieve`, a `retrieve_batch` item or a `prepare_retrieve`
-//!   that misses L1 reserves an L1 slot for the key and asks L2 ([`Output::L2Get`]);
+//!   that misses L1 reserves an L1 slot for the key and asks L2 ([`L2Request::Get`]);
 //!   the shell places a hit's bytes into that slot and reports [`Input::L2Got`]. The
 //!   slot is published (promoted) and the request served from L1 as usual. `lookup`
-//!   counts the L1 prefix, then asks L2 for the rest ([`Output::L2Exists`]).
+//!   counts the L1 prefix, then asks L2 for the rest ([`L2Request::Exists`]).
 //! - **Delivery**: the `L2Get` of a `retrieve` (or a `retrieve_batch` item) also names
 //!   the worker's buffer; the shell copies a hit there on the L2 thread that placed it
 //!   ([`L2Fetched::Delivered`]), and the request is answered as its copy would have
@@ -23,7 +23,7 @@
 //!   as before.
 //! - **Bounded waits**: each read has a deadline `--l2-timeout-ms` after it was asked;
 //!   past it the request is answered as a miss. A delivering read is first given up
-//!   with the shell ([`Output::L2Cancel`]), which answers at once unless the hit is
+//!   with the shell ([`L2Request::Cancel`]), which answers at once unless the hit is
 //!   being placed; the request is answered with that answer, so no byte lands in a
 //!   buffer whose request was answered `nil`. The reserved slot stays reserved until
 //!   the shell's late answer comes (so no one else's bytes land in it), then it is
@@ -73,7 +73,7 @@ pub struct L2ReadId(pub u64);
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct L2WriteId(pub u64);
 
-/// Where an [`Output::L2Get`] delivers a hit besides its slot: the buffer a `retrieve`
+/// Where an [`L2Request::Get`] delivers a hit besides its slot: the buffer a `retrieve`
 /// (or a `retrieve_batch` item) names, at `offset`. The shell copies the placed payload
 /// there only when it fits in the buffer from `offset`; the node checked the rest.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -91,7 +91,7 @@ pub struct L2Delivery {
     pub nbytes: u64,
 }
 
-/// How an [`Output::L2Get`] ended, as the shell reports it in [`Input::L2Got`].
+/// How an [`L2Request::Get`] ended, as the shell reports it in [`Input::L2Got`].
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum L2Fetched {
     /// A whole, checked value: its `nbytes` payload bytes are in the reserved slot.
@@ -128,7 +128,7 @@ impl L2Fetched {
     }
 }
 
-/// How an [`Output::L2Exists`] ended, as the shell reports it in [`Input::L2Existed`].
+/// How an [`L2Request::Exists`] ended, as the shell reports it in [`Input::L2Existed`].
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum L2Presence {
     /// Redis answered: this many leading keys exist.
@@ -198,7 +198,7 @@ struct PendingRead {
     /// buffer (a delivering `L2Get` only).
     delivery: Option<CopyId>,
     /// `L2Cancel` was sent: the read is past its deadline and the node waits for the
-    /// shell's `L2Got` (prompt, see [`Output::L2Cancel`]) before answering.
+    /// shell's `L2Got` (prompt, see [`L2Request::Cancel`]) before answering.
     cancelled: bool,
     /// Taken when the read is answered (by its result or its deadline).
     waiter: Option<ReadFor>,
@@ -304,7 +304,7 @@ impl Node {
     }
 
     /// Queues the write of `nbytes` of `key` from `slot` and hands it to the shell at
-    /// once (`Output::L2Write`); its bytes, header included, stay counted in the queue
+    /// once (`L2Request::Write`); its bytes, header included, stay counted in the queue
     /// until `L2Written`. False, and nothing sent, when L2 is off or the queue is full:
     /// what to do then (count a drop, unpin) is the caller's.
     fn l2_send_write(&mut self, slot: SlotId, key: Vec<u8>, nbytes: u64) -> bool {
@@ -320,12 +320,12 @@ impl Node {
         if let Some(tier) = self.l2.as_mut() {
             tier.writes.insert(write, (slot, bytes));
         }
-        self.outputs.push_back(Output::L2Write {
+        self.outputs.push_back(Output::L2(L2Request::Write {
             write,
             key,
             slot,
             nbytes,
-        });
+        }));
         true
     }
 
@@ -351,10 +351,10 @@ impl Node {
             return;
         }
         self.l2_send_read(now, Vec::new(), None, None, ReadFor::Probe, |read| {
-            Output::L2Exists {
+            Output::L2(L2Request::Exists {
                 read,
                 keys: vec![PROBE_KEY.to_vec()],
-            }
+            })
         });
     }
 }

@@ -35,12 +35,12 @@ impl Node {
         let deliver = self.l2_delivery(&waiter, slot);
         let delivery = deliver.map(|deliver| deliver.copy);
         self.l2_send_read(now, key.to_vec(), Some(slot), delivery, waiter, |read| {
-            Output::L2Get {
+            Output::L2(L2Request::Get {
                 read,
                 key: key.to_vec(),
                 slot,
                 deliver,
-            }
+            })
         });
         Ok(())
     }
@@ -114,10 +114,10 @@ impl Node {
         self.start_job(to.conn);
         let waiter = ReadFor::Lookup { to, l1_count };
         self.l2_send_read(now, Vec::new(), None, None, waiter, |read| {
-            Output::L2Exists {
+            Output::L2(L2Request::Exists {
                 read,
                 keys: rest.to_vec(),
-            }
+            })
         });
         None
     }
@@ -281,7 +281,8 @@ impl Node {
             tier.reads.remove(&id);
         }
         for read in cancels {
-            self.outputs.push_back(Output::L2Cancel { read });
+            self.outputs
+                .push_back(Output::L2(L2Request::Cancel { read }));
         }
         for (waiter, key) in expired {
             if let Some(tier) = self.l2.as_mut() {

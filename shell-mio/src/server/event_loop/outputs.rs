@@ -5,7 +5,9 @@ use super::connections::token_of;
 use super::*;
 use crate::server::context::{self, BuildRequest};
 use crate::server::fault;
-use kvwarden_core::node::{Built, Direction, Note};
+use kvwarden_core::node::l1::SlotId;
+use kvwarden_core::node::{BlendChange, Job, L2Request, PeerAction};
+use kvwarden_core::node::{Built, CopyId, Direction, Note, ProcessKey};
 use kvwarden_core::protocol::BufferSpec;
 use kvwarden_core::{FreeCause, Module};
 
@@ -47,7 +49,29 @@ impl Server {
                 let status = self.status().to_msgpack();
                 self.reply(token_of(conn), request_id, "status", Ok(status));
             }
-            Output::StartBuild {
+            Output::Job(job) => self.start(job),
+            Output::Blend(change) => self.change_blend(change),
+            Output::Peer(action) => self.act_on_peer(action),
+            Output::L2(request) => self.l2_request(request),
+            Output::Note(note) => self.note(note),
+            Output::Stopped {
+                contexts_freed,
+                frees_unfinished,
+            } => {
+                tracing::info!(
+                    contexts_freed,
+                    frees_unfinished,
+                    "shutdown complete: freed {contexts_freed} contexts"
+                );
+                self.stopped = true;
+            }
+        }
+    }
+
+    /// Starts a job off the loop; it reports back through `Done`.
+    fn start(&mut self, job: Job) {
+        match job {
+            Job::Build {
                 context,
                 conn,
                 request_id,
@@ -62,7 +86,7 @@ impl Server {
                     .unwrap_or_default();
                 self.start_build(context, module, buffers, fds, model_name);
             }
-            Output::StartCopy {
+            Job::Copy {
                 copy,
                 context,
                 direction,
@@ -70,47 +94,8 @@ impl Server {
                 offset,
                 slot,
                 nbytes,
-            } => {
-                let Some(context) = self.contexts.get(&context).cloned() else {
-                    self.inputs.push_back(Input::CopyDone {
-                        copy,
-                        result: Err(internal(format!(
-                            "a copy named context {context:?}, which the server does not hold"
-                        ))),
-                    });
-                    return;
-                };
-                let pool = Arc::clone(self.l1.mapping());
-                let slot_offset = self.l1.offset(slot);
-                self.pool.submit(
-                    move || {
-                        let copied = context
-                            .buffers
-                            .get(buffer)
-                            .is_some_and(|b| match direction {
-                                Direction::ToL1 => b.copy_to_l1(offset, &pool, slot_offset, nbytes),
-                                Direction::FromL1 => {
-                                    b.copy_from_l1(&pool, slot_offset, offset, nbytes)
-                                }
-                            });
-                        let result = if copied {
-                            Ok(nbytes)
-                        } else {
-                            Err(internal(
-                                "a copy between a registered buffer and L1 went out of bounds \
-                                 after validation"
-                                    .into(),
-                            ))
-                        };
-                        Done::Copied { copy, result }
-                    },
-                    move |panic| Done::Copied {
-                        copy,
-                        result: Err(internal(format!("the copy failed: {panic}"))),
-                    },
-                );
-            }
-            Output::StartBlend {
+            } => self.start_copy(copy, context, direction, buffer, offset, slot, nbytes),
+            Job::Blend {
                 blend,
                 instance: _,
                 spec,
@@ -124,24 +109,7 @@ impl Server {
                     result: Err(format!("computing the rope tables failed: {panic}")),
                 },
             ),
-            Output::KeepBlend { blend, instance } => {
-                if let Some(tables) = self.blends_computed.remove(&blend)
-                    && let Some(old) = self.blend_tables.insert(instance, tables)
-                {
-                    self.drop_off_loop(old);
-                }
-            }
-            Output::DiscardBlend { blend } => {
-                if let Some(tables) = self.blends_computed.remove(&blend) {
-                    self.drop_off_loop(tables);
-                }
-            }
-            Output::DropBlend { instance } => {
-                if let Some(tables) = self.blend_tables.remove(&instance) {
-                    self.drop_off_loop(tables);
-                }
-            }
-            Output::StartFree {
+            Job::Free {
                 free,
                 context,
                 instance,
@@ -149,65 +117,132 @@ impl Server {
                 cause,
                 label,
             } => self.start_free(free, context, instance, module, cause, label),
-            Output::Watch { process, conn } => {
-                let token = token_of(conn);
-                let Some(pidfd) = self
-                    .connections
-                    .get(&token)
-                    .and_then(|connection| connection.peer.pidfd.as_ref())
-                else {
-                    return;
-                };
-                let next_token = &mut self.next_token;
-                let watched = self
-                    .processes
-                    .watch(self.poll.registry(), process, pidfd, || {
-                        let token = Token(*next_token);
-                        *next_token += 1;
-                        token
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn start_copy(
+        &mut self,
+        copy: CopyId,
+        context: ContextId,
+        direction: Direction,
+        buffer: usize,
+        offset: u64,
+        slot: SlotId,
+        nbytes: u64,
+    ) {
+        let Some(context) = self.contexts.get(&context).cloned() else {
+            self.inputs.push_back(Input::CopyDone {
+                copy,
+                result: Err(internal(format!(
+                    "a copy named context {context:?}, which the server does not hold"
+                ))),
+            });
+            return;
+        };
+        let pool = Arc::clone(self.l1.mapping());
+        let slot_offset = self.l1.offset(slot);
+        self.pool.submit(
+            move || {
+                let copied = context
+                    .buffers
+                    .get(buffer)
+                    .is_some_and(|b| match direction {
+                        Direction::ToL1 => b.copy_to_l1(offset, &pool, slot_offset, nbytes),
+                        Direction::FromL1 => b.copy_from_l1(&pool, slot_offset, offset, nbytes),
                     });
-                if let Err(error) = watched {
-                    let pid = self.processes.pid_of(process);
-                    tracing::warn!(pid = %shown_pid(pid), %error, "watching a pidfd failed; its instances are left to the heartbeat rules");
-                }
+                let result = if copied {
+                    Ok(nbytes)
+                } else {
+                    Err(internal(
+                        "a copy between a registered buffer and L1 went out of bounds after \
+                         validation"
+                            .into(),
+                    ))
+                };
+                Done::Copied { copy, result }
+            },
+            move |panic| Done::Copied {
+                copy,
+                result: Err(internal(format!("the copy failed: {panic}"))),
+            },
+        );
+    }
+
+    /// Keeps, discards or drops computed rope tables (dropped off the loop).
+    fn change_blend(&mut self, change: BlendChange) {
+        let old = match change {
+            BlendChange::Keep { blend, instance } => self
+                .blends_computed
+                .remove(&blend)
+                .and_then(|tables| self.blend_tables.insert(instance, tables)),
+            BlendChange::Discard { blend } => self.blends_computed.remove(&blend),
+            BlendChange::Drop { instance } => self.blend_tables.remove(&instance),
+        };
+        if let Some(tables) = old {
+            self.drop_off_loop(tables);
+        }
+    }
+
+    /// Watches or unwatches a process, reads a connection without fds, or closes it.
+    fn act_on_peer(&mut self, action: PeerAction) {
+        match action {
+            PeerAction::Watch { process, conn } => self.watch(process, conn),
+            PeerAction::Unwatch { process } => {
+                self.processes.unwatch(self.poll.registry(), process)
             }
-            Output::Unwatch { process } => self.processes.unwatch(self.poll.registry(), process),
-            Output::ReadWithoutFds { conn } => {
+            PeerAction::ReadWithoutFds { conn } => {
                 if let Some(connection) = self.connections.get_mut(&token_of(conn)) {
                     connection.reads_fds = false;
                 }
             }
-            Output::Disconnect { conn, why } => {
+            PeerAction::Disconnect { conn, why } => {
                 tracing::warn!(token = conn.0, "closing a connection: {why}");
                 self.cut("tcp", "unauthenticated");
                 self.close(token_of(conn), why);
             }
-            Output::Note(note) => self.note(note),
-            Output::L2Write {
+        }
+    }
+
+    fn watch(&mut self, process: ProcessKey, conn: ConnId) {
+        let token = token_of(conn);
+        let Some(pidfd) = self
+            .connections
+            .get(&token)
+            .and_then(|connection| connection.peer.pidfd.as_ref())
+        else {
+            return;
+        };
+        let next_token = &mut self.next_token;
+        let watched = self
+            .processes
+            .watch(self.poll.registry(), process, pidfd, || {
+                let token = Token(*next_token);
+                *next_token += 1;
+                token
+            });
+        if let Err(error) = watched {
+            let pid = self.processes.pid_of(process);
+            tracing::warn!(pid = %shown_pid(pid), %error, "watching a pidfd failed; its instances are left to the heartbeat rules");
+        }
+    }
+
+    fn l2_request(&mut self, request: L2Request) {
+        match request {
+            L2Request::Write {
                 write,
                 key,
                 slot,
                 nbytes,
             } => self.l2_write(write, key, slot, nbytes),
-            Output::L2Get {
+            L2Request::Get {
                 read,
                 key,
                 slot,
                 deliver,
             } => self.l2_get(read, key, slot, deliver),
-            Output::L2Cancel { read } => self.l2_cancel(read),
-            Output::L2Exists { read, keys } => self.l2_exists(read, keys),
-            Output::Stopped {
-                contexts_freed,
-                frees_unfinished,
-            } => {
-                tracing::info!(
-                    contexts_freed,
-                    frees_unfinished,
-                    "shutdown complete: freed {contexts_freed} contexts"
-                );
-                self.stopped = true;
-            }
+            L2Request::Cancel { read } => self.l2_cancel(read),
+            L2Request::Exists { read, keys } => self.l2_exists(read, keys),
         }
     }
 
