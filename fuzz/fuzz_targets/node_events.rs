@@ -178,7 +178,7 @@ struct Ledger {
     l2_gets: Vec<L2ReadId>,
     /// Delivering L2 reads not answered yet → the context whose buffer they may write.
     deliveries: BTreeMap<L2ReadId, ContextId>,
-    /// Reads given up (`L2Cancel`).
+    /// Reads given up (`L2Request::Cancel`).
     cancelled: std::collections::BTreeSet<L2ReadId>,
     l2_exists: Vec<L2ReadId>,
     l2_named: BTreeSet<u64>,

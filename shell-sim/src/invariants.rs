@@ -3,7 +3,7 @@
 //! The simulated shell (`crate::server`) drives the real node and reports here what it
 //! learned from the node's outputs and replies: ping answers, REGISTERs that started a
 //! build (or refreshed), transfer answers, UNREGISTER answers, process exits, stalls,
-//! `StartFree` (a context given back) and `FreeDone` (released), copies started and
+//! `Job::Free` (a context given back) and `FreeDone` (released), copies started and
 //! done, reaps (the registry's counter and the entries gone). The checker compares that
 //! against the reference model ([`crate::oracle`]) and keeps the context ledger.
 //! Invariants:
@@ -22,7 +22,7 @@
 //! | `pin_of_freed_instance` | safety | a pin or reservation owned by a freed context |
 //! | `free_during_copy` | safety | a free started while a copy still uses the context |
 //! | `ping_waited_for_l2` | safety | a ping not answered in the node call it was handed in (row 27: nothing a ping needs waits for L2 or anything else) |
-//! | `l2_unpublished` | safety | an `L2Write` of a key never published: no store's copy into L1 completed and no `commit_store` was answered `true` for it (row 29: an engine-driven reservation never committed, a copy cut short) |
+//! | `l2_unpublished` | safety | an `L2Request::Write` of a key never published: no store's copy into L1 completed and no `commit_store` was answered `true` for it (row 29: an engine-driven reservation never committed, a copy cut short) |
 //! | `non_owner_served` | safety | a request the trust rules refuse (its connection never attached the instance it names with its secret, a TCP peer without the token, a wrong-secret `attach`, an untrusted tenant's engine-driven REGISTER) answered other than `forbidden`, or changing the instance it names; or a read answered with a chunk its tenant never stored (rows 30–33; see [`trust`]) |
 //! | `l2_corrupt_served` | safety | a `retrieve` or `prepare_retrieve` answered with data after the simulated L2 answered its read `Corrupt` (row 28; the read's L1 slot was reserved, so no good copy was in L1) |
 //! | `context_leaked` | liveness | an entry gone, its context neither freed nor waiting for a copy |
@@ -506,7 +506,7 @@ impl Checker {
 
     // ----- effects -----
 
-    /// `StartFree` for context `context` of `key` with `cause`: the node gave it back
+    /// `Job::Free` for context `context` of `key` with `cause`: the node gave it back
     /// and asked for its free. Reaps are judged when they happen ([`Checker::reaped`]).
     pub fn free_requested(&mut self, key: Key, context: u64, cause: FreeCause) {
         let copies = self.contexts.get(context as usize).map_or(0, |r| r.copies);

@@ -59,7 +59,7 @@ impl L2Spec {
 /// One operation the node asked of L2.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum L2Job {
-    /// `L2Write`.
+    /// `L2Request::Write`.
     Write {
         /// The node's id.
         write: L2WriteId,
@@ -70,20 +70,20 @@ pub enum L2Job {
         /// Whether the bytes written are published data (the checker said so).
         good: bool,
     },
-    /// `L2Get`.
+    /// `L2Request::Get`.
     Get {
         /// The node's id.
         read: L2ReadId,
         /// The key.
         key: Vec<u8>,
     },
-    /// The answer an `L2Cancel` gets at once when Redis has not answered yet:
+    /// The answer an `L2Request::Cancel` gets at once when Redis has not answered yet:
     /// `TimedOut`, with no delay.
     Cancelled {
         /// The node's id.
         read: L2ReadId,
     },
-    /// `L2Exists`.
+    /// `L2Request::Exists`.
     Exists {
         /// The node's id.
         read: L2ReadId,

@@ -306,7 +306,7 @@ pub struct Server {
     /// Delivering L2 reads (a `retrieve`'s) → the context they count as a copy on
     /// (its ledger id), until answered.
     l2_delivering: BTreeMap<u64, u64>,
-    /// L2 reads the node gave up (`L2Cancel`) and that were answered then: their own
+    /// L2 reads the node gave up (`L2Request::Cancel`) and that were answered then: their own
     /// answer, when it comes, is dropped, as the production client never places a read
     /// it answered.
     l2_cancelled: BTreeSet<u64>,

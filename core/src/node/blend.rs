@@ -1,6 +1,6 @@
 //! CacheBlend bookkeeping: which instance holds rope tables of which parameters, the
 //! computations still wanted, and the limits. The tables themselves (big `f32` arrays)
-//! live in the shell, which computes them when the node says `StartBlend` and keeps,
+//! live in the shell, which computes them when the node says `Job::Blend` and keeps,
 //! discards or drops them when it says so.
 
 use crate::id::InstanceId;

@@ -13,7 +13,7 @@ pub struct ConnId(pub u64);
 pub struct ProcessKey(pub u64);
 
 /// A context the node asked the shell to build; the shell keeps the real one (its
-/// mappings) under this id until the node says `StartFree`.
+/// mappings) under this id until the node says `Job::Free`.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ContextId(pub u64);
 
@@ -116,7 +116,7 @@ pub enum Input {
         /// The op.
         op: Op,
         /// How many fds came with the frame (the shell keeps them, keyed by
-        /// `(conn, request_id)`, until `StartBuild` takes them or the turn ends).
+        /// `(conn, request_id)`, until `Job::Build` takes them or the turn ends).
         fds: usize,
     },
     /// The connection closed (never a proof of death).
@@ -124,21 +124,21 @@ pub enum Input {
         /// The connection.
         conn: ConnId,
     },
-    /// A build asked by `StartBuild` finished.
+    /// A build asked by `Job::Build` finished.
     BuildDone {
         /// The context.
         context: ContextId,
         /// What the node must know of it, or why it failed.
         result: Result<Built, ProtocolError>,
     },
-    /// A copy asked by `StartCopy` finished: the bytes copied, or why it failed.
+    /// A copy asked by `Job::Copy` finished: the bytes copied, or why it failed.
     CopyDone {
         /// The copy.
         copy: CopyId,
         /// Bytes copied.
         result: Result<u64, ProtocolError>,
     },
-    /// Rope tables asked by `StartBlend` are computed (the shell holds them), or could
+    /// Rope tables asked by `Job::Blend` are computed (the shell holds them), or could
     /// not be.
     BlendDone {
         /// The computation.
@@ -146,7 +146,7 @@ pub enum Input {
         /// Ok, or why not.
         result: Result<(), String>,
     },
-    /// A free asked by `StartFree` returned.
+    /// A free asked by `Job::Free` returned.
     FreeDone {
         /// The free.
         free: FreeId,
@@ -158,22 +158,22 @@ pub enum Input {
     },
     /// SIGTERM/SIGINT: answer what is in flight, free everything, stop.
     Shutdown,
-    /// An `L2Write` ended; its slot may be evicted again. Exactly one per `L2Write`.
+    /// An `L2Request::Write` ended; its slot may be evicted again. Exactly one per `L2Request::Write`.
     L2Written {
         /// The write.
         write: L2WriteId,
         /// How it ended.
         outcome: crate::l2::WriteOutcome,
     },
-    /// An `L2Get` ended (a hit's bytes are in its slot, and in the buffer when
-    /// `Delivered`). Exactly one per `L2Get`, even after its deadline or an `L2Cancel`.
+    /// An `L2Request::Get` ended (a hit's bytes are in its slot, and in the buffer when
+    /// `Delivered`). Exactly one per `L2Request::Get`, even after its deadline or an `L2Request::Cancel`.
     L2Got {
         /// The read.
         read: L2ReadId,
         /// How it ended.
         fetched: L2Fetched,
     },
-    /// An `L2Exists` ended. Exactly one per `L2Exists`.
+    /// An `L2Request::Exists` ended. Exactly one per `L2Request::Exists`.
     L2Existed {
         /// The check.
         read: L2ReadId,
@@ -379,7 +379,7 @@ pub enum L2Request {
         /// Where the worker waits for the bytes, for a `retrieve` (or a batch item).
         deliver: Option<L2Delivery>,
     },
-    /// Give up the delivering `L2Get` `read`, past its deadline: answer its `L2Got` as
+    /// Give up the delivering `L2Request::Get` `read`, past its deadline: answer its `L2Got` as
     /// [`L2Fetched::TimedOut`] at once and never touch the slot or the buffer, unless
     /// the hit is being placed already; then report that (`Delivered`) when it is. The
     /// node answers the request only when that `L2Got` comes, so no byte ever lands in

@@ -353,7 +353,7 @@ impl Harness {
         })
     }
 
-    /// The L2 reads given up (`L2Cancel`) since the last look, taken out.
+    /// The L2 reads given up (`L2Request::Cancel`) since the last look, taken out.
     pub fn l2_cancels(&mut self) -> Vec<L2ReadId> {
         self.take(|output| match output {
             Output::L2(L2Request::Cancel { read }) => Some(*read),

@@ -2,7 +2,7 @@
 //! off the event loop.
 //!
 //! The shell keeps each context under the node's `ContextId` until the node says
-//! `StartFree`; the node never frees a context while a copy uses it.
+//! `Job::Free`; the node never frees a context while a copy uses it.
 
 use crate::cuda::{Gpu, IPC_HANDLE_BYTES, IpcMapping};
 use crate::memfd::{self, SharedMapping};

@@ -14,7 +14,7 @@
 //!   the shell places a hit's bytes into that slot and reports [`Input::L2Got`]. The
 //!   slot is published (promoted) and the request served from L1 as usual. `lookup`
 //!   counts the L1 prefix, then asks L2 for the rest ([`L2Request::Exists`]).
-//! - **Delivery**: the `L2Get` of a `retrieve` (or a `retrieve_batch` item) also names
+//! - **Delivery**: the `L2Request::Get` of a `retrieve` (or a `retrieve_batch` item) also names
 //!   the worker's buffer; the shell copies a hit there on the L2 thread that placed it
 //!   ([`L2Fetched::Delivered`]), and the request is answered as its copy would have
 //!   been. No hop through the event loop and the context pool in between. While it
@@ -99,7 +99,7 @@ pub enum L2Fetched {
         /// Payload bytes placed in the slot (at most a slot).
         nbytes: u64,
     },
-    /// A hit placed in the reserved slot and copied into the `L2Get`'s `deliver`
+    /// A hit placed in the reserved slot and copied into the `L2Request::Get`'s `deliver`
     /// buffer as well.
     Delivered {
         /// Payload bytes placed in the slot and the buffer.
@@ -192,12 +192,12 @@ pub(super) enum ReadFor {
 struct PendingRead {
     deadline: Instant,
     key: Vec<u8>,
-    /// The slot reserved for a hit (`L2Get` only).
+    /// The slot reserved for a hit (`L2Request::Get` only).
     slot: Option<SlotId>,
     /// The copy counted on the waiter's context while the shell may deliver into its
-    /// buffer (a delivering `L2Get` only).
+    /// buffer (a delivering `L2Request::Get` only).
     delivery: Option<CopyId>,
-    /// `L2Cancel` was sent: the read is past its deadline and the node waits for the
+    /// `L2Request::Cancel` was sent: the read is past its deadline and the node waits for the
     /// shell's `L2Got` (prompt, see [`L2Request::Cancel`]) before answering.
     cancelled: bool,
     /// Taken when the read is answered (by its result or its deadline).

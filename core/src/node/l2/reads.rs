@@ -7,7 +7,7 @@ use super::*;
 
 impl Node {
     /// Asks L2 for `key` after an L1 miss: reserves a slot for the hit and sends
-    /// `L2Get`. Gives `waiter` back when L2 is not asked (off, breaker open, no slot,
+    /// `L2Request::Get`. Gives `waiter` back when L2 is not asked (off, breaker open, no slot,
     /// or the key is being stored or read already): the request is then a miss.
     pub(in crate::node) fn l2_ask(
         &mut self,
@@ -124,7 +124,7 @@ impl Node {
 
     /// Sends the L2 read `ask(read)` under a new id and waits for it until the L2
     /// timeout from `now`: `waiter` is resumed when it ends or its deadline passes.
-    /// `key` and `slot` are an `L2Get`'s (the slot reserved for a hit, and the copy
+    /// `key` and `slot` are an `L2Request::Get`'s (the slot reserved for a hit, and the copy
     /// counted for a delivery); an existence check has none.
     pub(super) fn l2_send_read(
         &mut self,

@@ -161,9 +161,9 @@ pub struct Server {
     l1: L1,
     gpu: GpuState,
     /// The fds of the request being handed to the node, by (connection, request id):
-    /// `StartBuild` takes them; the rest are closed once its outputs are carried out.
+    /// `Job::Build` takes them; the rest are closed once its outputs are carried out.
     fd_stash: HashMap<(ConnId, u64), Vec<OwnedFd>>,
-    /// Built server-driven contexts, until the node says `StartFree`.
+    /// Built server-driven contexts, until the node says `Job::Free`.
     contexts: HashMap<ContextId, Arc<Context>>,
     /// Rope tables computed and not yet kept or discarded by the node.
     blends_computed: HashMap<BlendId, RopeTables>,

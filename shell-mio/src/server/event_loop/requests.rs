@@ -68,7 +68,7 @@ impl Server {
                 fds: count,
             },
         );
-        // What `StartBuild` did not take is closed now.
+        // What `Job::Build` did not take is closed now.
         self.fd_stash.clear();
         if ping {
             self.metrics
