@@ -34,6 +34,7 @@ mod outcomes;
 mod transfer;
 pub mod trust;
 mod view;
+mod watches;
 
 use crate::FreeCause;
 use crate::id::InstanceId;
@@ -55,6 +56,7 @@ use rmpv::Value;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use trust::{Peer, TenantId, TenantView, Trust, TrustConfig};
 pub use view::{InstanceView, NodeStatus, TenantStatus};
+use watches::Watches;
 
 /// The node's maps are keyed by ids it or the shell hands out: a fast hash suffices.
 type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
@@ -185,9 +187,8 @@ pub struct Node {
     blend: BlendBook,
     blends: HashMap<BlendId, (ReplyTo, InstanceId)>,
     frees: BTreeMap<FreeId, FreeWatch>,
-    /// process → the instances it registered; instance → its process.
-    watched: HashMap<ProcessKey, BTreeSet<InstanceId>>,
-    watch_of: HashMap<InstanceId, (ProcessKey, DeathNotice)>,
+    /// Which process proves each instance's exit.
+    watches: Watches,
     jobs_in_flight: usize,
     shutdown: Option<Shutdown>,
     freed_at_shutdown: u64,
@@ -291,8 +292,7 @@ impl Node {
             blend: BlendBook::default(),
             blends: HashMap::default(),
             frees: BTreeMap::new(),
-            watched: HashMap::default(),
-            watch_of: HashMap::default(),
+            watches: Watches::default(),
             jobs_in_flight: 0,
             shutdown: None,
             freed_at_shutdown: 0,

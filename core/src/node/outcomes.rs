@@ -292,11 +292,10 @@ impl Node {
     }
 
     pub(super) fn process_exited(&mut self, now: Instant, process: ProcessKey) {
-        let instances = self.watched.remove(&process).unwrap_or_default();
+        let instances = self.watches.exited(process);
         self.outputs
             .push_back(Output::Peer(PeerAction::Unwatch { process }));
         for instance in instances {
-            self.watch_of.remove(&instance);
             if self.planted(PlantedBug::IgnoreProcessExit) {
                 continue;
             }
@@ -312,33 +311,21 @@ impl Node {
         let Some((process, notice)) = self.conns.get(&conn).and_then(|c| c.process) else {
             return;
         };
-        if let Some(&(previous, _)) = self.watch_of.get(&instance) {
-            if previous == process {
-                self.watch_of.insert(instance, (process, notice));
-                return;
-            }
-            self.unwatch(instance);
+        let change = self.watches.watch(instance, process, notice);
+        if let Some(process) = change.stop {
+            self.outputs
+                .push_back(Output::Peer(PeerAction::Unwatch { process }));
         }
-        let instances = self.watched.entry(process).or_default();
-        if instances.is_empty() {
+        if change.start {
             self.outputs
                 .push_back(Output::Peer(PeerAction::Watch { process, conn }));
         }
-        instances.insert(instance);
-        self.watch_of.insert(instance, (process, notice));
     }
 
     fn unwatch(&mut self, instance: InstanceId) {
-        let Some((process, _)) = self.watch_of.remove(&instance) else {
-            return;
-        };
-        if let Some(instances) = self.watched.get_mut(&process) {
-            instances.remove(&instance);
-            if instances.is_empty() {
-                self.watched.remove(&process);
-                self.outputs
-                    .push_back(Output::Peer(PeerAction::Unwatch { process }));
-            }
+        if let Some(process) = self.watches.unwatch(instance) {
+            self.outputs
+                .push_back(Output::Peer(PeerAction::Unwatch { process }));
         }
     }
 

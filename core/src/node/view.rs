@@ -97,7 +97,7 @@ impl Node {
             let Some(entry) = self.liveness.entry(instance, module) else {
                 continue;
             };
-            let watch = self.watch_of.get(&instance).copied();
+            let watch = self.watches.of(instance);
             instances.push(InstanceView {
                 instance,
                 module,
@@ -135,7 +135,7 @@ impl Node {
                 self.blend.instances(),
                 self.blend.pending(),
             ),
-            watched_processes: self.watched.len(),
+            watched_processes: self.watches.processes(),
             connections: self.conns.len(),
             instances,
             l2: self.l2.as_ref().map(L2Tier::status),
