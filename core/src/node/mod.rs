@@ -26,6 +26,7 @@ pub mod admission;
 pub mod blend;
 mod conns;
 pub mod engine;
+mod frees;
 mod io;
 pub mod l1;
 pub mod l2;
@@ -46,6 +47,7 @@ use crate::{Config, ConfigError};
 use blend::{BlendBook, BlendId};
 use conns::Conn;
 use engine::TransferStrategy;
+use frees::Frees;
 pub use io::{
     BlendChange, Built, ConnId, ContextId, CopyId, DeathNotice, Direction, FreeId, Input, Job,
     L2Request, Note, Output, PeerAction, ProcessKey, Transport,
@@ -156,13 +158,6 @@ struct Batch {
     failed: Option<ProtocolError>,
 }
 
-struct FreeWatch {
-    instance: InstanceId,
-    module: Module,
-    started: Instant,
-    reported: bool,
-}
-
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 enum Shutdown {
     Draining { since: Instant },
@@ -186,7 +181,8 @@ pub struct Node {
     batches: HashMap<u64, Batch>,
     blend: BlendBook,
     blends: HashMap<BlendId, (ReplyTo, InstanceId)>,
-    frees: BTreeMap<FreeId, FreeWatch>,
+    /// Frees the shell runs, their watchdog, the counts of frees started.
+    frees: Frees,
     /// Which process proves each instance's exit.
     watches: Watches,
     jobs_in_flight: usize,
@@ -199,8 +195,6 @@ pub struct Node {
     pings_total: u64,
     pings_false: u64,
     contexts_built: u64,
-    freed_total: BTreeMap<&'static str, u64>,
-    frees_hung: u64,
     l2: Option<L2Tier>,
     trust: Trust,
     admission: admission::Admission,
@@ -291,7 +285,7 @@ impl Node {
             batches: HashMap::default(),
             blend: BlendBook::default(),
             blends: HashMap::default(),
-            frees: BTreeMap::new(),
+            frees: Frees::default(),
             watches: Watches::default(),
             jobs_in_flight: 0,
             shutdown: None,
@@ -302,8 +296,6 @@ impl Node {
             pings_total: 0,
             pings_false: 0,
             contexts_built: 0,
-            freed_total: BTreeMap::new(),
-            frees_hung: 0,
             #[cfg(feature = "planted-bugs")]
             bug: None,
             #[cfg(feature = "planted-bugs")]
@@ -414,8 +406,8 @@ impl Node {
         if let Some(reap) = self.liveness.poll_timeout() {
             earliest(reap);
         }
-        for free in self.frees.values().filter(|free| !free.reported) {
-            earliest(free.started + self.config.free_watchdog);
+        if let Some(free) = self.frees.next_deadline(self.config.free_watchdog) {
+            earliest(free);
         }
         if let Some(l2) = self.l2.as_ref().and_then(L2Tier::poll_timeout) {
             earliest(l2);

@@ -158,7 +158,7 @@ impl Node {
             .values()
             .filter(|info| info.deferred.is_some())
             .count();
-        self.frees.len() + deferred
+        self.frees.running() + deferred
     }
 
     /// Ends `copy`'s count on its context: the copy, and the free deferred for it when
@@ -280,14 +280,8 @@ impl Node {
     }
 
     pub(super) fn free_done(&mut self, now: Instant, free: FreeId) {
-        if let Some(watch) = self.frees.remove(&free)
-            && watch.reported
-        {
-            self.note(Note::FreeFinishedLate {
-                instance: watch.instance,
-                module: watch.module,
-                after: now.saturating_duration_since(watch.started),
-            });
+        if let Some(late) = self.frees.done(free, now) {
+            self.note(late);
         }
     }
 
@@ -393,11 +387,7 @@ impl Node {
     fn credit_stall(&mut self, gap: Duration) {
         let now = self.last_now;
         let before_gap = |since: Instant| now.saturating_duration_since(since) >= gap;
-        for watch in self.frees.values_mut() {
-            if before_gap(watch.started) {
-                watch.started = watch.started + gap;
-            }
-        }
+        self.frees.credit_stall(now, gap);
         self.shutdown = match self.shutdown {
             Some(Shutdown::Draining { since }) if before_gap(since) => {
                 Some(Shutdown::Draining { since: since + gap })
@@ -453,7 +443,7 @@ impl Node {
         label: &'static str,
     ) {
         self.contexts.remove(&context);
-        *self.freed_total.entry(label).or_default() += 1;
+        self.frees.count(label);
         if self.shutdown.is_some() {
             self.freed_at_shutdown += 1;
         }
@@ -468,15 +458,7 @@ impl Node {
         };
         for _ in 0..sends {
             let free = FreeId(self.next_id());
-            self.frees.insert(
-                free,
-                FreeWatch {
-                    instance,
-                    module,
-                    started: self.last_now,
-                    reported: false,
-                },
-            );
+            self.frees.started(free, instance, module, self.last_now);
             self.outputs.push_back(Output::Job(Job::Free {
                 free,
                 context,
@@ -489,21 +471,8 @@ impl Node {
     }
 
     pub(super) fn check_free_watchdog(&mut self, now: Instant) {
-        let watchdog = self.config.free_watchdog;
-        let mut hung = Vec::new();
-        for watch in self.frees.values_mut() {
-            if !watch.reported && now.saturating_duration_since(watch.started) >= watchdog {
-                watch.reported = true;
-                hung.push((watch.instance, watch.module));
-            }
-        }
-        for (instance, module) in hung {
-            self.frees_hung += 1;
-            self.note(Note::FreeHung {
-                instance,
-                module,
-                watchdog,
-            });
+        for hung in self.frees.newly_hung(now, self.config.free_watchdog) {
+            self.note(hung);
         }
     }
 

@@ -119,9 +119,9 @@ impl Node {
             pings_total: self.pings_total,
             pings_answered_false_total: self.pings_false,
             contexts_built_total: self.contexts_built,
-            freed_total: self.freed_total.clone(),
+            freed_total: self.frees.started_by_label().clone(),
             frees_in_flight: self.frees_unfinished(),
-            frees_hung_total: self.frees_hung,
+            frees_hung_total: self.frees.hung_total(),
             jobs_in_flight: self.jobs_in_flight,
             l1_slots: (
                 self.l1.num_slots(),
