@@ -579,3 +579,52 @@ fn a_tcp_hello_without_fds_asks_the_shell_for_nothing() {
         "TCP is read plainly anyway"
     );
 }
+
+// The rules of a peer's pidfd that need no kernel are the node's (`Node::hello_pidfd`):
+// over the Unix socket only, once per connection, among the fds its frame carried. The
+// control: the same index on a Unix connection whose frame carries the fd is adopted.
+#[test]
+fn a_hello_pidfd_is_taken_once_over_unix_from_the_fds_its_frame_carried() {
+    let mut h = Harness::new(None);
+    let unix = ConnId(1);
+    assert_eq!(h.node.hello_pidfd(unix, 1, 2), Ok(Some(1)), "the control");
+    let error = h.node.hello_pidfd(unix, 2, 2).unwrap_err();
+    assert_eq!(error.code, ErrorCode::BadArgs);
+    assert!(error.message.contains("it carried 2"), "{}", error.message);
+    h.input(Input::PeerProcess {
+        conn: unix,
+        process: ProcessKey(7),
+        notice: kvwarden_core::node::DeathNotice::PidfdFromPeer,
+    });
+    let again = h.node.hello_pidfd(unix, 0, 1).unwrap_err();
+    assert!(
+        again.message.contains("once per connection"),
+        "{}",
+        again.message
+    );
+    // A pidfd found by pid is no pidfd the peer sent: it may still send its own.
+    let other = ConnId(3);
+    h.input(Input::Connected {
+        conn: other,
+        uid: Some(OWNER),
+        transport: kvwarden_core::node::Transport::Unix,
+        process: Some((ProcessKey(8), kvwarden_core::node::DeathNotice::PidfdByPid)),
+    });
+    assert_eq!(h.node.hello_pidfd(other, 0, 1), Ok(Some(0)));
+    let tcp = ConnId(2);
+    h.input(Input::Connected {
+        conn: tcp,
+        uid: None,
+        transport: kvwarden_core::node::Transport::Tcp,
+        process: None,
+    });
+    let error = h.node.hello_pidfd(tcp, 0, 1).unwrap_err();
+    assert!(
+        error.message.contains("this connection is TCP"),
+        "{}",
+        error.message
+    );
+    // Shutting down: nothing is adopted (the hello itself is refused `unavailable`).
+    h.input(Input::Shutdown);
+    assert_eq!(h.node.hello_pidfd(ConnId(3), 0, 1), Ok(None));
+}

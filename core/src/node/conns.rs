@@ -3,6 +3,7 @@
 //! [`MAX_IN_FLIGHT_PER_CONNECTION`]) and, over TCP, the deadline for its token.
 
 use super::*;
+use crate::protocol::ErrorCode;
 
 pub(super) struct Conn {
     pub(super) uid: Option<u32>,
@@ -107,6 +108,50 @@ impl Node {
         self.conns
             .get(&conn)
             .map_or(0, |connection| connection.in_flight)
+    }
+
+    /// Where the pidfd a `hello` of `conn` names (`pidfd_index` = `index`, in a frame
+    /// that carried `carried` fds) sits among them: the rules of a peer's proof of exit
+    /// that need no kernel. A pidfd travels only over the Unix socket, once per
+    /// connection, with the frame that names it. The shell then checks the fd (a pidfd,
+    /// of the peer's own process) and reports it as `Input::PeerProcess`. None: nothing
+    /// to adopt (the server is shutting down and refuses the `hello` anyway, or the
+    /// connection is unknown).
+    pub fn hello_pidfd(
+        &self,
+        conn: ConnId,
+        index: u64,
+        carried: usize,
+    ) -> Result<Option<usize>, ProtocolError> {
+        let bad_args = |message: String| ProtocolError::new(ErrorCode::BadArgs, message);
+        let Some(connection) = self.conns.get(&conn).filter(|_| self.shutdown.is_none()) else {
+            return Ok(None);
+        };
+        if connection.transport != Transport::Unix {
+            return Err(bad_args(format!(
+                "`hello`: pidfd_index {index}, but a pidfd travels only over the Unix socket \
+                 (SCM_RIGHTS) and this connection is TCP; leave pidfd_index out over TCP"
+            )));
+        }
+        if matches!(connection.process, Some((_, DeathNotice::PidfdFromPeer))) {
+            return Err(bad_args(format!(
+                "`hello`: pidfd_index {index}, but this connection already sent its pidfd; \
+                 send it once per connection"
+            )));
+        }
+        let Some(position) = usize::try_from(index).ok().filter(|&i| i < carried) else {
+            let fix = if connection.sends_fds {
+                "send the pidfd as SCM_RIGHTS with the frame's first byte"
+            } else {
+                "this connection said `sends_fds: false` in an earlier `hello`, so the \
+                 kernel dropped it; send the pidfd in the first `hello`"
+            };
+            return Err(bad_args(format!(
+                "`hello`: pidfd_index {index} names an fd this frame did not carry (it \
+                 carried {carried}); {fix}"
+            )));
+        };
+        Ok(Some(position))
     }
 
     /// Whether `conn` may start one more job.

@@ -1,6 +1,7 @@
 //! Requests: decoded here, judged by the node. Only what needs the shell's hands stays
-//! here: decode errors, and the pidfd a `hello` carries (checked, then adopted as the
-//! connection's process before the node sees the `hello`).
+//! here: decode errors, and the pidfd a `hello` carries (where it may be is the node's
+//! rule; the shell checks the fd with the kernel, then adopts it as the connection's
+//! process before the node sees the `hello`).
 
 use super::connections::conn_id;
 use super::*;
@@ -35,9 +36,7 @@ impl Server {
         } = request.op
         {
             tracing::debug!(protocol, client = %client, ?pidfd_index, sends_fds, "hello");
-            if let Some(index) = pidfd_index
-                && !self.node.is_shutting_down()
-            {
+            if let Some(index) = pidfd_index {
                 match self.adopt_peer_pidfd(token, index, std::mem::take(&mut fds)) {
                     Ok(Some((process, notice))) => self.input(Input::PeerProcess {
                         conn,
@@ -79,6 +78,8 @@ impl Server {
 
     /// Takes the pidfd the peer sent of itself with `hello` (fd `index` of the frame)
     /// as this connection's proof of death, once it checks out: its key for the node.
+    /// Where the pidfd may be, and whether it may come at all, is the node's rule
+    /// (`Node::hello_pidfd`); what the fd is, the kernel's (`peer::check_peer_pidfd`).
     fn adopt_peer_pidfd(
         &mut self,
         token: Token,
@@ -86,33 +87,11 @@ impl Server {
         mut fds: Vec<OwnedFd>,
     ) -> Result<Option<(kvwarden_core::node::ProcessKey, peer::DeathNotice)>, ProtocolError> {
         let bad_args = |message: String| ProtocolError::new(ErrorCode::BadArgs, message);
-        let Some(connection) = self.connections.get_mut(&token) else {
+        let Some(position) = self.node.hello_pidfd(conn_id(token), index, fds.len())? else {
             return Ok(None);
         };
-        if !matches!(connection.stream, Stream::Unix(_)) {
-            return Err(bad_args(format!(
-                "`hello`: pidfd_index {index}, but a pidfd travels only over the Unix socket \
-                 (SCM_RIGHTS) and this connection is TCP; leave pidfd_index out over TCP"
-            )));
-        }
-        if connection.peer.pidfd_from_peer {
-            return Err(bad_args(format!(
-                "`hello`: pidfd_index {index}, but this connection already sent its pidfd; \
-                 send it once per connection"
-            )));
-        }
-        let carried = fds.len();
-        let Some(position) = usize::try_from(index).ok().filter(|&i| i < carried) else {
-            let fix = if connection.reads_fds {
-                "send the pidfd as SCM_RIGHTS with the frame's first byte"
-            } else {
-                "this connection said `sends_fds: false` in an earlier `hello`, so the \
-                 kernel dropped it; send the pidfd in the first `hello`"
-            };
-            return Err(bad_args(format!(
-                "`hello`: pidfd_index {index} names an fd this frame did not carry (it \
-                 carried {carried}); {fix}"
-            )));
+        let Some(connection) = self.connections.get_mut(&token) else {
+            return Ok(None);
         };
         let pidfd = fds.swap_remove(position);
         let process =
