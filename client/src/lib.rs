@@ -14,7 +14,10 @@
 //!
 //! Recovery (after a ping answered `false`, a ping that failed and then succeeded, or a
 //! transfer answered `not_registered`) re-registers the same instance id and the same
-//! buffers before health is set again. [`Client::shutdown`] stops the heartbeat and
+//! buffers before health is set again. It always runs on the heartbeat thread, by the
+//! core's one rule ([`kvwarden_core::Heartbeat::on_not_registered`], which the Python
+//! client follows too); a transfer answered `not_registered` waits for it (at most
+//! the request timeout) and is then sent once more. [`Client::shutdown`] stops the heartbeat and
 //! waits for a cycle still running, then unregisters, then closes, so no ghost
 //! registration is ever re-created and no ping ever follows this worker's own
 //! unregister.
@@ -279,6 +282,8 @@ struct Shared {
     registration: Mutex<Option<Registration>>,
     heartbeat: Mutex<Heartbeat>,
     wake: Condvar,
+    /// Signalled when a recovery ends (under the `heartbeat` lock).
+    recovered: Condvar,
     /// Held by a recovery and by shutdown's unregister, so that they never interleave.
     lifecycle: Mutex<()>,
     next_request_id: AtomicU64,
@@ -501,6 +506,28 @@ impl Shared {
         }
     }
 
+    /// A transfer was answered `not_registered`: the heartbeat's one recovery rule
+    /// (`Heartbeat::on_not_registered`: health clears, the recovery is due at once and
+    /// runs on the heartbeat thread). Waits at most `timeout` for health to come back;
+    /// true when it did.
+    fn recover_through_heartbeat(&self, timeout: Duration) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut heartbeat = lock(&self.heartbeat);
+        heartbeat.on_not_registered(self.now());
+        self.wake.notify_all();
+        while !heartbeat.is_healthy() && !heartbeat.is_stopped() {
+            let Some(left) = deadline.checked_duration_since(std::time::Instant::now()) else {
+                return false;
+            };
+            heartbeat = self
+                .recovered
+                .wait_timeout(heartbeat, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        heartbeat.is_healthy()
+    }
+
     fn heartbeat_loop(self: Arc<Self>) {
         loop {
             let action = {
@@ -538,6 +565,7 @@ impl Shared {
                 let ok = self.recover();
                 let now = self.now();
                 lock(&self.heartbeat).on_recover_done(now, ok);
+                self.recovered.notify_all();
             }
         }
     }
@@ -573,6 +601,7 @@ impl Client {
             registration: Mutex::new(None),
             heartbeat: Mutex::new(heartbeat),
             wake: Condvar::new(),
+            recovered: Condvar::new(),
             lifecycle: Mutex::new(()),
             next_request_id: AtomicU64::new(1),
             recoveries: AtomicU64::new(0),
@@ -682,16 +711,18 @@ impl Client {
         }
     }
 
-    /// A transfer of the op `build` makes for the current instance id: on
-    /// `not_registered`, recover and retry once.
+    /// A transfer of the op `build` makes for the current instance id. On
+    /// `not_registered` the heartbeat recovers at once (the one rule both clients
+    /// follow, `Heartbeat::on_not_registered`); once it has (within the request
+    /// timeout), the transfer is sent once more, else the error is returned.
     fn transfer(&self, op: &str, build: impl Fn(InstanceId) -> Op) -> Result<Value, ClientError> {
         self.start_heartbeat();
         let timeout = self.shared.config.request_timeout;
         let args = |instance| build(instance).args();
         match self.shared.call_as(op, args, &[], timeout) {
             Err(error) if error.code() == Some(ErrorCode::NotRegistered) => {
-                tracing::warn!(instance = %self.shared.instance(), op, "the server does not hold this instance; re-registering");
-                if !self.shared.recover() {
+                tracing::warn!(instance = %self.shared.instance(), op, "the server does not hold this instance; the heartbeat re-registers it now");
+                if !self.shared.recover_through_heartbeat(timeout) {
                     return Err(error);
                 }
                 self.shared.call_as(op, args, &[], timeout)

@@ -4,6 +4,13 @@
 //! next ping is due `interval` after the reply, or after the recovery finished. Health
 //! is set only after a recovery (re-registering everything under the same id)
 //! succeeded, so a worker never believes in state the server no longer holds.
+//!
+//! The one recovery rule both clients (Rust and Python) follow: a ping answered
+//! `false`, a ping answered `true` while unhealthy, and a transfer answered
+//! `not_registered` ([`Heartbeat::on_not_registered`]) all lead to the same recovery,
+//! run by the heartbeat's driver when [`Heartbeat::handle_timeout`] or
+//! [`Heartbeat::on_ping_reply`] says [`HeartbeatAction::Recover`]; the transfer
+//! itself is answered as failed, never retried by the machine.
 
 use crate::REAP_TIMEOUT_FLOOR;
 use crate::time::Instant;
@@ -56,6 +63,10 @@ enum Phase {
     InFlight {
         deadline: Instant,
     },
+    /// A recovery is due at this instant (a transfer was answered `not_registered`).
+    RecoverDue {
+        due: Instant,
+    },
     /// A recovery is running.
     Recovering,
     Stopped,
@@ -103,20 +114,25 @@ impl Heartbeat {
         self.phase == Phase::Stopped
     }
 
-    /// Next ping due, or the in-flight ping's deadline; None when not started,
-    /// stopped, or while a recovery is running.
+    /// Next ping due, the in-flight ping's deadline, or when a recovery is due; None
+    /// when not started, stopped, or while a recovery is running.
     #[must_use]
     pub fn poll_timeout(&self) -> Option<Instant> {
         match self.phase {
-            Phase::Waiting { due } => Some(due),
+            Phase::Waiting { due } | Phase::RecoverDue { due } => Some(due),
             Phase::InFlight { deadline } => Some(deadline),
             Phase::NotStarted | Phase::Recovering | Phase::Stopped => None,
         }
     }
 
-    /// `SendPing` when a ping is due. A ping unanswered for `interval` counts as Failed.
+    /// `SendPing` when a ping is due, `Recover` when a recovery is. A ping unanswered
+    /// for `interval` counts as Failed.
     pub fn handle_timeout(&mut self, now: Instant) -> Option<HeartbeatAction> {
         match self.phase {
+            Phase::RecoverDue { due } if now >= due => {
+                self.phase = Phase::Recovering;
+                Some(HeartbeatAction::Recover)
+            }
             Phase::Waiting { due } if now >= due => {
                 self.phase = Phase::InFlight {
                     deadline: now + self.interval,
@@ -171,6 +187,25 @@ impl Heartbeat {
         self.phase = Phase::Waiting {
             due: now + self.interval,
         };
+    }
+
+    /// A transfer was answered `not_registered`: the server does not hold a
+    /// registration this worker made. Health clears at once and the recovery is due at
+    /// `now` (no ping first: the transfer's answer is the evidence, and a ping would
+    /// only be answered `false`). A ping in flight leads there by its reply (`Known`
+    /// while unhealthy asks for the recovery, as `Unknown` does); a recovery already
+    /// running restores health when it succeeds. Ignored before start and after stop.
+    pub fn on_not_registered(&mut self, now: Instant) {
+        match self.phase {
+            Phase::NotStarted | Phase::Stopped => {}
+            Phase::Waiting { .. } => {
+                self.healthy = false;
+                self.phase = Phase::RecoverDue { due: now };
+            }
+            Phase::InFlight { .. } | Phase::RecoverDue { .. } | Phase::Recovering => {
+                self.healthy = false;
+            }
+        }
     }
 
     /// After stop no action is ever returned and health never changes again.

@@ -196,3 +196,57 @@ fn floor_warning_when_three_intervals_exceed_thirty_seconds() {
     );
     assert!(reap_timeout_floor_warning(Duration::from_millis(10_001)).is_some());
 }
+
+/// The one recovery rule both clients follow: a transfer answered `not_registered`
+/// clears health and makes the recovery due at once, without a ping first; health is
+/// back only once it succeeded.
+#[test]
+fn a_transfer_answered_not_registered_recovers_at_once_without_a_ping() {
+    let mut hb = pinging();
+    assert_eq!(hb.on_ping_reply(at(0.1), PingReply::Known), None);
+    assert_eq!(
+        hb.poll_timeout(),
+        Some(at(10.1)),
+        "the control: next ping in 10 s"
+    );
+    hb.on_not_registered(at(2.0));
+    assert!(!hb.is_healthy());
+    assert_eq!(
+        hb.poll_timeout(),
+        Some(at(2.0)),
+        "due at once, not at the next ping"
+    );
+    assert_eq!(hb.handle_timeout(at(2.0)), Some(HeartbeatAction::Recover));
+    assert_eq!(hb.poll_timeout(), None, "running");
+    hb.on_not_registered(at(2.5)); // another transfer answered meanwhile: one recovery
+    assert_eq!(hb.handle_timeout(at(2.5)), None);
+    hb.on_recover_done(at(3.0), true);
+    assert!(hb.is_healthy());
+    assert_eq!(hb.poll_timeout(), Some(at(13.0)));
+}
+
+#[test]
+fn not_registered_during_a_ping_recovers_through_its_reply_and_is_ignored_when_stopped() {
+    let mut hb = pinging();
+    hb.on_not_registered(at(1.0));
+    assert!(!hb.is_healthy(), "health clears at once");
+    assert_eq!(
+        hb.poll_timeout(),
+        Some(at(10.0)),
+        "the ping in flight keeps its deadline"
+    );
+    assert_eq!(
+        hb.on_ping_reply(at(1.5), PingReply::Known),
+        Some(HeartbeatAction::Recover),
+        "true while unhealthy asks for the recovery"
+    );
+    // Before start and after stop it changes nothing.
+    let mut idle = heartbeat();
+    idle.on_not_registered(at(0.0));
+    assert!(idle.is_healthy() && idle.poll_timeout().is_none());
+    idle.start(at(0.0));
+    idle.stop();
+    idle.on_not_registered(at(1.0));
+    assert!(idle.is_healthy());
+    assert_eq!(idle.handle_timeout(at(1.0)), None);
+}

@@ -146,13 +146,26 @@ def test_not_registered_transfer_leads_to_the_same_recovery() -> None:
     hb = started()
     hb.handle_timeout(0.0)
     hb.on_ping_reply(0.0, PingReply.KNOWN)  # next ping due at INTERVAL
+    assert hb.poll_timeout() == INTERVAL, "the control: the next ping, one interval on"
     hb.on_not_registered(2.0)
     assert not hb.is_healthy()
-    assert hb.poll_timeout() == 2.0, "the ping that leads to recovery is due at once"
-    assert hb.handle_timeout(2.0) is HeartbeatAction.SEND_PING
-    assert hb.on_ping_reply(2.0, PingReply.UNKNOWN) is HeartbeatAction.RECOVER
+    assert hb.poll_timeout() == 2.0, "the recovery is due at once"
+    assert hb.handle_timeout(2.0) is HeartbeatAction.RECOVER, "no ping first"
+    assert hb.is_recovering() and hb.poll_timeout() is None
+    hb.on_not_registered(2.5)  # another transfer answered meanwhile: one recovery
+    assert hb.handle_timeout(2.5) is None
     hb.on_recover_done(3.0, True)
     assert hb.is_healthy()
+    assert hb.poll_timeout() == 3.0 + INTERVAL
+
+
+def test_not_registered_during_a_ping_recovers_through_its_reply() -> None:
+    hb = started()
+    assert hb.handle_timeout(0.0) is HeartbeatAction.SEND_PING
+    hb.on_not_registered(1.0)
+    assert not hb.is_healthy(), "health clears at once"
+    assert hb.poll_timeout() == INTERVAL, "the ping in flight keeps its deadline"
+    assert hb.on_ping_reply(1.5, PingReply.KNOWN) is HeartbeatAction.RECOVER
 
 
 def test_not_registered_is_ignored_before_start_and_after_stop() -> None:

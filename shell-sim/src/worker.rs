@@ -2,7 +2,8 @@
 //!
 //! It registers (a *round*: one REGISTER per module, answered or timed out), pings on
 //! the heartbeat's schedule, recovers when the heartbeat says so, transfers when it has
-//! traffic (re-registering on `not_registered`), and shuts down cleanly on request:
+//! traffic (a `not_registered` answer makes the heartbeat recover at once, the clients'
+//! one rule: `Heartbeat::on_not_registered`), and shuts down cleanly on request:
 //! heartbeat stopped first, in-flight requests drained, then UNREGISTER, then exit.
 //! Faults act on the process: a frozen one holds its replies until it thaws; a dead one
 //! does nothing at all.
@@ -75,7 +76,8 @@ enum Purpose {
     Initial,
     /// The heartbeat asked for a recovery.
     Recover,
-    /// A transfer was answered `not_registered`, or an operator asked for it.
+    /// An operator asked for it (row 15), the worker's id changed (row 31), or a
+    /// worker without a heartbeat was answered `not_registered`.
     Reregister,
 }
 
@@ -445,8 +447,18 @@ impl Worker {
                 }
                 Err(error) if error.code == ErrorCode::NotRegistered => {
                     self.stats.not_registered_replies += 1;
-                    if self.round.is_none() && self.shutdown.is_none() {
-                        self.begin_round(now, Purpose::Reregister, out);
+                    if self.shutdown.is_none() {
+                        if self.heartbeat.is_started() {
+                            // The clients' one recovery rule: health clears and the
+                            // heartbeat's recovery is due at once (`on_wake` runs it).
+                            self.heartbeat.on_not_registered(instant(now));
+                        } else if self.round.is_none() {
+                            // A worker whose heartbeat never runs (`hb_start = Never`, a
+                            // synthetic client: the real ones start it with the first
+                            // transfer) re-registers by itself, so the node still sees
+                            // registrations arrive without any ping.
+                            self.begin_round(now, Purpose::Reregister, out);
+                        }
                     }
                 }
                 _ => {}

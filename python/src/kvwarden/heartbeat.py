@@ -10,13 +10,12 @@ ping is due ``interval`` after the reply, or after the recovery finished. Health
 only after a recovery (re-registering everything under the same id) succeeded, so a
 worker never believes in state the server no longer holds.
 
-One input the core does not have: :meth:`Heartbeat.on_not_registered`, for a transfer
-answered ``not_registered``. The issue asks it to trigger "the same recovery" as a ping
-answered false; it does so by clearing health and making the next ping due at once, so
-the recovery still runs through the one path above: the ping answers false when the
-instance was reaped (the server reaps an instance whole, every module at once:
-failure-modes row 26), or true while unhealthy when only that module is missing (a
-failed build, an UNREGISTER); either reply asks for the recovery.
+The one recovery rule both clients follow (the core's ``on_not_registered``): a ping
+answered false, a ping answered true while unhealthy, and a transfer answered
+``not_registered`` lead to the same recovery, run by the heartbeat thread. A transfer
+answered ``not_registered`` clears health at once and makes the recovery due at once,
+without a ping first (the answer is the evidence; a ping would only be answered false);
+a ping in flight leads there by its reply. The transfer itself reports failure.
 """
 
 from __future__ import annotations
@@ -57,6 +56,7 @@ class _Phase(enum.Enum):
     NOT_STARTED = "not_started"
     WAITING = "waiting"  # the next ping is due at `_at`
     IN_FLIGHT = "in_flight"  # a ping was sent; it counts as failed at `_at`
+    RECOVER_DUE = "recover_due"  # a recovery is due at `_at` (not_registered)
     RECOVERING = "recovering"
     STOPPED = "stopped"
 
@@ -108,14 +108,18 @@ class Heartbeat:
         return self._phase is _Phase.RECOVERING
 
     def poll_timeout(self) -> Optional[float]:
-        """Next ping due, or the in-flight ping's deadline; None when not started,
-        stopped, or while a recovery is running."""
-        if self._phase in (_Phase.WAITING, _Phase.IN_FLIGHT):
+        """Next ping due, the in-flight ping's deadline, or when a recovery is due; None
+        when not started, stopped, or while a recovery is running."""
+        if self._phase in (_Phase.WAITING, _Phase.IN_FLIGHT, _Phase.RECOVER_DUE):
             return self._at
         return None
 
     def handle_timeout(self, now: float) -> Optional[HeartbeatAction]:
-        """``SEND_PING`` when a ping is due. A ping unanswered for ``interval`` is Failed."""
+        """``SEND_PING`` when a ping is due, ``RECOVER`` when a recovery is. A ping
+        unanswered for ``interval`` is Failed."""
+        if self._phase is _Phase.RECOVER_DUE and now >= self._at:
+            self._phase = _Phase.RECOVERING
+            return HeartbeatAction.RECOVER
         if self._phase is _Phase.WAITING and now >= self._at:
             self._phase = _Phase.IN_FLIGHT
             self._at = now + self.interval
@@ -154,15 +158,16 @@ class Heartbeat:
         self._at = now + self.interval
 
     def on_not_registered(self, now: float) -> None:
-        """A transfer was answered ``not_registered``: the same recovery as a ping
-        answered false. Health clears now; a waiting ping becomes due at once, and its
-        ``false`` reply asks for the recovery. In flight or recovering: the running
-        cycle already leads there. Ignored before start and after stop."""
+        """A transfer was answered ``not_registered``: health clears at once and the
+        recovery is due at ``now`` (no ping first). A ping in flight leads there by its
+        reply; a recovery already running restores health when it succeeds. Ignored
+        before start and after stop."""
         if self._phase in (_Phase.NOT_STARTED, _Phase.STOPPED):
             return
         self._healthy = False
         if self._phase is _Phase.WAITING:
-            self._at = min(self._at, now)
+            self._phase = _Phase.RECOVER_DUE
+            self._at = now
 
     def stop(self) -> None:
         """After stop no action is ever returned and health never changes again."""
