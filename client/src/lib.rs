@@ -17,8 +17,8 @@
 //! buffers before health is set again. It always runs on the heartbeat thread, by the
 //! core's one rule ([`kvwarden_core::Heartbeat::on_not_registered`], which the Python
 //! client follows too); a transfer answered `not_registered` waits for it (at most
-//! the request timeout) and is then sent once more. [`Client::shutdown`] stops the heartbeat and
-//! waits for a cycle still running, then unregisters, then closes, so no ghost
+//! the request timeout) and is then sent once more. [`Client::shutdown`] stops the
+//! heartbeat and waits for a cycle still running, then unregisters, then closes, so no ghost
 //! registration is ever re-created and no ping ever follows this worker's own
 //! unregister.
 //!
