@@ -24,6 +24,7 @@
 
 pub mod admission;
 pub mod blend;
+mod builds;
 mod conns;
 pub mod engine;
 mod frees;
@@ -45,6 +46,7 @@ use crate::protocol::{BufferSpec, Op, ProtocolError, RopeSpec};
 use crate::time::Instant;
 use crate::{Config, ConfigError};
 use blend::{BlendBook, BlendId};
+use builds::{Builds, PendingBuild};
 use conns::Conn;
 use engine::TransferStrategy;
 use frees::Frees;
@@ -119,13 +121,6 @@ struct EntryDetails {
     model_name: String,
 }
 
-struct PendingBuild {
-    ticket: BuildTicket,
-    reply: ReplyTo,
-    /// REGISTERs that found this build running: answered with its outcome.
-    waiters: Vec<ReplyTo>,
-}
-
 /// A built context's metadata.
 struct ContextInfo {
     built: Built,
@@ -172,9 +167,8 @@ pub struct Node {
     conns: HashMap<ConnId, Conn>,
     records: BTreeMap<(InstanceId, Module), EntryDetails>,
     contexts: HashMap<ContextId, ContextInfo>,
-    builds: HashMap<ContextId, PendingBuild>,
-    /// The build each entry's REGISTERs join while it runs.
-    building: HashMap<(InstanceId, Module), ContextId>,
+    /// Builds in flight and the REGISTERs waiting for them.
+    builds: Builds,
     strategies: HashMap<ContextId, TransferStrategy>,
     l1: SlotTable,
     copies: HashMap<CopyId, CopyInFlight>,
@@ -278,8 +272,7 @@ impl Node {
             conns: HashMap::default(),
             records: BTreeMap::new(),
             contexts: HashMap::default(),
-            builds: HashMap::default(),
-            building: HashMap::default(),
+            builds: Builds::default(),
             strategies: HashMap::default(),
             copies: HashMap::default(),
             batches: HashMap::default(),

@@ -445,15 +445,7 @@ impl Node {
                     },
                 );
                 let context = ContextId(self.next_id());
-                self.builds.insert(
-                    context,
-                    PendingBuild {
-                        ticket,
-                        reply: to,
-                        waiters: Vec::new(),
-                    },
-                );
-                self.building.insert((instance, module), context);
+                self.builds.start(context, ticket, to);
                 self.start_job(to.conn);
                 self.outputs.push_back(Output::Job(Job::Build {
                     context,
@@ -478,12 +470,8 @@ impl Node {
             .is_some_and(|entry| entry.building);
         if building
             && !self.planted(PlantedBug::RefreshBeforeBuild)
-            && let Some(build) = self
-                .building
-                .get(&(instance, module))
-                .and_then(|context| self.builds.get_mut(context))
+            && self.builds.join(instance, module, to)
         {
-            build.waiters.push(to);
             return;
         }
         self.reply_registered(to, module, "refreshed");

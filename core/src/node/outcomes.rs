@@ -16,15 +16,12 @@ impl Node {
             ticket,
             reply,
             waiters,
-        }) = self.builds.remove(&context)
+        }) = self.builds.finish(context)
         else {
             return; // not a build of this node
         };
         self.end_job(reply.conn);
         let (instance, module) = (ticket.instance(), ticket.module());
-        if self.building.get(&(instance, module)) == Some(&context) {
-            self.building.remove(&(instance, module));
-        }
         let answer = match result {
             Ok(built) => match self.adopt_built(now, ticket, context, built) {
                 Some(answer) => answer,
