@@ -10,13 +10,17 @@
 //! - [`node::Node`]: the server's request logic as one state machine
 //!   (`handle_input(now, …)`, `handle_timeout`, `poll_timeout`, `poll_output`), composed
 //!   of the components `docs/design.md`'s component map lists: the registry below,
-//!   trust, admission, transfers and L1, completions and frees, blend, the L2 tier.
+//!   connections, trust, admission, transfers and L1, builds, completions, frees and
+//!   their watchdog, process watches, blend, the L2 tier. Its outputs come in groups
+//!   (replies, jobs, blend tables, peer actions, L2 requests, notes).
 //! - [`Liveness`] (module [`liveness`]): the server's registry: two-phase
 //!   registration, pings, transfers, process-exit proofs, expiry without scans, and the
 //!   self-stall guard.
-//! - [`Heartbeat`]: the worker's side: when to ping and when to recover.
-//! - [`protocol`]: the wire protocol's pure half (framing, typed requests and replies,
-//!   error codes), shared by the server, the client, the simulator and the fuzz targets.
+//! - [`Heartbeat`]: the worker's side: when to ping and when to recover, the one
+//!   recovery rule both clients (Rust and Python) follow.
+//! - [`protocol`]: the wire protocol's pure half (the op table, framing, typed requests
+//!   and replies, error codes), shared by the server, the client, the simulator and the
+//!   fuzz targets.
 //! - [`l2`]: the second tier's pure half: the L2 value format, key names, the health
 //!   state machine with its circuit breaker, the write-behind queue and the counters.
 //!

@@ -1,13 +1,13 @@
 //! The server's request logic as one sans-IO state machine: the node.
 //!
 //! Both shells drive it unchanged — the mio server with sockets, memfds, CUDA and
-//! pidfds, the simulator with simulated ones. It owns the liveness registry, the
-//! per-context metadata (buffer lengths for bounds checks), the L1 slot table
-//! (reservations, pins, LRU), the engine-driven transfer strategies, the CacheBlend
-//! bookkeeping and its limits, who is who (instance capabilities, TCP tokens, tenants:
-//! [`trust`]), owners, per-connection in-flight counts, REGISTER
-//! replies held while a build runs, frees deferred while copies run, the free
-//! watchdog, the process watches and the shutdown sequence.
+//! pidfds, the simulator with simulated ones. It is composed of components, one file
+//! (or folder) each: the liveness registry, connections (`conns.rs`), who is who
+//! ([`trust`]), [`admission`], requests (`ops.rs`), transfers (`transfer.rs`, the L1
+//! slot table [`l1`], the engine-driven strategies [`engine`]), builds in flight
+//! (`builds.rs`), completions and the shutdown sequence (`outcomes.rs`), frees and
+//! their watchdog (`frees.rs`), process watches (`watches.rs`), [`blend`] and the L2
+//! tier ([`l2`]). `Node` routes each input to them and gathers their outputs.
 //!
 //! Shape (like quinn-proto's `Endpoint` or str0m's `Rtc`): time is passed in on every
 //! call; [`Node::handle_input`] for everything that arrives, [`Node::handle_timeout`]
