@@ -422,12 +422,11 @@ impl Node {
         buffers: Vec<BufferSpec>,
         model_name: String,
     ) -> Answer {
-        let connection = self.conns.get(&to.conn)?;
-        if connection.in_flight >= MAX_IN_FLIGHT_PER_CONNECTION {
+        let owner_uid = self.conns.get(&to.conn)?.uid;
+        if !self.has_room(to.conn) {
             return Some(Err(overloaded()));
         }
-        let owner_uid = connection.uid;
-        let tenant = connection.peer.tenant().unwrap_or(TenantId(0));
+        let tenant = self.tenant(to.conn);
         self.watch(to.conn, instance);
         match self.liveness.register(now, instance, module) {
             Registration::Refreshed => {
