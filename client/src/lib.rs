@@ -41,7 +41,10 @@ pub use units::parse_bytes;
 pub use wire::Endpoint;
 
 pub use kvwarden_core::protocol::MAX_BATCH_ITEMS;
-use kvwarden_core::protocol::{BufferSpec, ErrorCode, Op, ProtocolError, RetrieveItem, StoreItem};
+use kvwarden_core::protocol::{
+    Attached, BufferSpec, ErrorCode, Op, ProtocolError, Registered, ReplyValue, RetrieveItem,
+    StoreItem,
+};
 use kvwarden_core::{
     Heartbeat, HeartbeatAction, HeartbeatConfig, InstanceId, Instant, PingReply,
     reap_timeout_floor_warning, reap_timeout_warning,
@@ -338,7 +341,10 @@ impl Shared {
             }
             .args();
             let id = self.next_request_id.fetch_add(1, Ordering::Relaxed);
-            match wire.call(id, "attach", args, &[], self.config.request_timeout) {
+            match wire
+                .call(id, "attach", args, &[], self.config.request_timeout)
+                .and_then(|value| read::<Attached>("attach", value))
+            {
                 Ok(_) => return Ok(()),
                 Err(error) if error.code() == Some(ErrorCode::Forbidden) => {
                     let fresh = Identity::generate(None);
@@ -409,14 +415,17 @@ impl Shared {
             .args()
         };
         let instance = self.instance();
-        match self.call_as("ping", ping, &[], self.config.heartbeat_interval) {
-            Ok(Value::Boolean(true)) => PingReply::Known,
-            Ok(Value::Boolean(false)) => {
+        let reply = self
+            .call_as("ping", ping, &[], self.config.heartbeat_interval)
+            .map(|value| bool::from_value(&value).ok_or(value));
+        match reply {
+            Ok(Ok(true)) => PingReply::Known,
+            Ok(Ok(false)) => {
                 self.pings_answered_false.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(%instance, "the server does not hold this instance (reaped or restarted); re-registering");
                 PingReply::Unknown
             }
-            Ok(other) => {
+            Ok(Err(other)) => {
                 tracing::error!(%instance, reply = ?other, "ping answered with a non-bool; client and server versions differ?");
                 PingReply::Failed
             }
@@ -467,18 +476,8 @@ impl Shared {
             .args()
         };
         let value = self.call_as("register_kv_cache", args, &fds, self.config.request_timeout)?;
-        let outcome = match &value {
-            Value::Map(map) => map
-                .iter()
-                .find(|(k, _)| k.as_str() == Some("outcome"))
-                .and_then(|(_, v)| v.as_str())
-                .map(str::to_owned),
-            _ => None,
-        };
-        let outcome = outcome.ok_or_else(|| ClientError::Reply {
-            op: "register_kv_cache".into(),
-            detail: format!("expected {{\"outcome\": str}}, got {value}"),
-        })?;
+        let registered: Registered = read("register_kv_cache", value)?;
+        let outcome = registered.outcome.label().to_owned();
         *lock(&self.last_outcome) = Some(outcome.clone());
         Ok(outcome)
     }
@@ -747,10 +746,7 @@ impl Client {
             offset,
             nbytes,
         };
-        match self.transfer("store", op)? {
-            Value::Boolean(stored) => Ok(stored),
-            other => Err(unexpected("store", &other)),
-        }
+        read("store", self.transfer("store", op)?)
     }
 
     /// Copies the L1 value of `key` into `[offset, offset + nbytes)` of buffer
@@ -770,13 +766,7 @@ impl Client {
             offset,
             nbytes,
         };
-        match self.transfer("retrieve", op)? {
-            Value::Nil => Ok(None),
-            other => other
-                .as_u64()
-                .map(Some)
-                .ok_or_else(|| unexpected("retrieve", &other)),
-        }
+        read("retrieve", self.transfer("retrieve", op)?)
     }
 
     /// Stores many blocks in one request: each item is `(key, buffer, offset, nbytes)`
@@ -796,11 +786,11 @@ impl Client {
                 })
                 .collect(),
         };
-        let reply = self.transfer("store_batch", op)?;
-        batch_answers("store_batch", &reply, items.len(), |value| match value {
-            Value::Boolean(stored) => Some(*stored),
-            _ => None,
-        })
+        batch_answers(
+            "store_batch",
+            self.transfer("store_batch", op)?,
+            items.len(),
+        )
     }
 
     /// Retrieves many blocks in one request: each item is `(key, buffer, offset,
@@ -822,11 +812,11 @@ impl Client {
                 })
                 .collect(),
         };
-        let reply = self.transfer("retrieve_batch", op)?;
-        batch_answers("retrieve_batch", &reply, items.len(), |value| match value {
-            Value::Nil => Some(None),
-            other => other.as_u64().map(Some),
-        })
+        batch_answers(
+            "retrieve_batch",
+            self.transfer("retrieve_batch", op)?,
+            items.len(),
+        )
     }
 
     /// How many leading keys L1 holds.
@@ -838,7 +828,7 @@ impl Client {
         let value = self
             .shared
             .call("lookup", args, &[], self.shared.config.request_timeout)?;
-        value.as_u64().ok_or_else(|| unexpected("lookup", &value))
+        read("lookup", value)
     }
 
     /// Any request, raw (for tools and tests).
@@ -886,31 +876,27 @@ impl Drop for Client {
     }
 }
 
-fn unexpected(op: &str, value: &Value) -> ClientError {
-    ClientError::Reply {
+/// `op`'s reply read as the type the protocol's op table says it answers
+/// (`kvwarden_core::protocol::answer`, the types the server's node answers with).
+fn read<T: ReplyValue>(op: &str, value: Value) -> Result<T, ClientError> {
+    T::from_value(&value).ok_or_else(|| ClientError::Reply {
         op: op.to_string(),
         detail: format!("unexpected value {value}"),
-    }
+    })
 }
 
-/// A batch reply: one answer per item sent, each read by `read`.
-fn batch_answers<T>(
+/// A batch reply: one answer per item sent.
+fn batch_answers<T: ReplyValue>(
     op: &str,
-    reply: &Value,
+    reply: Value,
     sent: usize,
-    read: impl Fn(&Value) -> Option<T>,
 ) -> Result<Vec<T>, ClientError> {
-    let Value::Array(answers) = reply else {
-        return Err(unexpected(op, reply));
-    };
+    let answers: Vec<T> = read(op, reply)?;
     if answers.len() != sent {
         return Err(ClientError::Reply {
             op: op.to_string(),
             detail: format!("{} answers for {sent} items", answers.len()),
         });
     }
-    answers
-        .iter()
-        .map(|answer| read(answer).ok_or_else(|| unexpected(op, answer)))
-        .collect()
+    Ok(answers)
 }

@@ -2,7 +2,7 @@
 
 use super::{ClientConfig, ClientError};
 use kvwarden_core::protocol::{
-    LENGTH_PREFIX_BYTES, Op, PROTOCOL_VERSION, decode_reply, encode_request,
+    HelloReply, LENGTH_PREFIX_BYTES, Op, PROTOCOL_VERSION, ReplyValue, decode_reply, encode_request,
 };
 use rmpv::Value;
 use rustix::fd::{AsFd, BorrowedFd};
@@ -130,11 +130,14 @@ impl Wire {
     }
 
     /// Keeps what the `hello` reply says that the client acts on.
+    /// A reply that is not this protocol's `hello` (an older server's) tells nothing.
     fn said_hello(&mut self, hello: &Value) {
-        self.exit_proof = exit_proof(hello);
-        self.reap_timeout = hello_field(hello, "reap_timeout_seconds")
-            .and_then(Value::as_f64)
-            .and_then(|seconds| Duration::try_from_secs_f64(seconds).ok());
+        let Some(hello) = HelloReply::from_value(hello) else {
+            tracing::warn!(reply = %hello, "the server's hello reply lacks fields of this protocol; is it older than this client?");
+            return;
+        };
+        self.exit_proof = Some(hello.exit_proof);
+        self.reap_timeout = Duration::try_from_secs_f64(hello.reap_timeout_seconds).ok();
     }
 
     fn io(&self, source: std::io::Error) -> ClientError {
@@ -232,21 +235,6 @@ fn own_pidfd() -> Option<rustix::fd::OwnedFd> {
             None
         }
     }
-}
-
-fn hello_field<'a>(hello: &'a Value, name: &str) -> Option<&'a Value> {
-    let Value::Map(map) = hello else {
-        return None;
-    };
-    map.iter()
-        .find(|(key, _)| key.as_str() == Some(name))
-        .map(|(_, value)| value)
-}
-
-fn exit_proof(hello: &Value) -> Option<String> {
-    hello_field(hello, "exit_proof")
-        .and_then(Value::as_str)
-        .map(str::to_owned)
 }
 
 /// Refuses a server whose uid is neither root, ours, nor one the config trusts.

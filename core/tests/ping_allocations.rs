@@ -4,7 +4,7 @@
 
 use kvwarden_core::node::Job;
 use kvwarden_core::node::{Built, ConnId, Input, Node, NodeConfig, Output, Transport};
-use kvwarden_core::protocol::{BufferSpec, Op, decode_request, encode_reply_into};
+use kvwarden_core::protocol::{Answer, BufferSpec, Op, decode_request, encode_reply_into};
 use kvwarden_core::{Config, InstanceId, Instant};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
@@ -92,10 +92,9 @@ fn ping(node: &mut Node, now: Instant, body: &[u8], out: &mut Vec<u8>) -> bool {
             request_id, result, ..
         } = output
         {
-            tracked = result
-                .as_ref()
-                .is_ok_and(|value| value.as_bool() == Some(true));
-            encode_reply_into(out, request_id, &result);
+            tracked = result.as_ref() == Ok(&Answer::Flag(true));
+            // What the shell does: the answer's value, encoded.
+            encode_reply_into(out, request_id, &result.map(|answer| answer.to_value()));
         }
     }
     tracked

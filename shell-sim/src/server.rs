@@ -34,7 +34,7 @@ use kvwarden_core::node::{
     Built, ConnId, ContextId, CopyId, DeathNotice, Direction, FreeId, Input as NodeInput, Node,
     NodeConfig, Note, Output, ProcessKey, SHUTDOWN_DRAIN, Transport,
 };
-use kvwarden_core::protocol::{BufferSpec, ErrorCode, Op, ProtocolError};
+use kvwarden_core::protocol::{Answer, BufferSpec, ErrorCode, Op, ProtocolError};
 use kvwarden_core::{Config, FreeCause, InstanceId, Module, TransferError};
 use rmpv::Value;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -875,11 +875,11 @@ impl Server {
                     request_id,
                     result,
                     ..
-                } => self.reply(conn, request_id, result, checker, out),
+                } => self.answer(conn, request_id, result, checker, out),
                 Output::ReplyStatus { conn, request_id } => {
                     let tracked = self.node.as_ref().map_or(0, Node::tracked) as u64;
                     let value = Value::Map(vec![("tracked".into(), tracked.into())]);
-                    self.reply(conn, request_id, Ok(value), checker, out);
+                    self.reply(conn, request_id, Ok(value), out);
                 }
                 Output::Job(job) => self.on_job(now, job, &call, checker, out, &mut step),
                 Output::Blend(change) => self.on_blend(change, checker),
@@ -1256,7 +1256,7 @@ impl Server {
                     publish: (keys, true),
                     ..
                 } = call
-                    && reply == Some(&Ok(Value::Boolean(true)))
+                    && reply == Some(&Ok(Answer::Flag(true)))
                 {
                     // A commit answered `true` published its key (a store's key is
                     // published when its copy completes, never by its answer: `true`
@@ -1284,7 +1284,7 @@ impl Server {
                         );
                         return;
                     }
-                    if let Some(Ok(Value::Boolean(tracked))) = reply {
+                    if let Some(Ok(Answer::Flag(tracked))) = reply {
                         checker.ping(now, instance, *tracked);
                     }
                     return;
@@ -1319,15 +1319,14 @@ impl Server {
                         None
                     }
                     Asked::Unregister(module) => {
-                        if let Some(Ok(Value::Boolean(was))) = reply {
+                        if let Some(Ok(Answer::Flag(was))) = reply {
                             checker.unregister(now, (instance, *module), *was, *exiting);
                         }
                         None
                     }
                     Asked::Transfer(module) => transfer(*module),
                     Asked::Prepare(key) => {
-                        if let Some(Ok(Value::Map(grant))) = reply
-                            && grant.iter().any(|(k, _)| k.as_str() == Some("slot"))
+                        if let Some(Ok(Answer::Reserved(Some(_)))) = reply
                             && self
                                 .reserved
                                 .entry(instance)
@@ -1445,7 +1444,11 @@ impl Server {
             else {
                 continue;
             };
-            let data = matches!(result, Ok(value) if *value != Value::Nil);
+            let miss = matches!(
+                result,
+                Ok(Answer::Length(None) | Answer::Pinned(None) | Answer::Reserved(None))
+            );
+            let data = result.is_ok() && !miss;
             checker.answered((conn.0, *request_id), data);
         }
     }
@@ -1501,11 +1504,13 @@ impl Server {
         reaped
     }
 
-    fn reply(
+    /// The node's answer, judged, then sent as the wire carries it (the shell encodes
+    /// it).
+    fn answer(
         &mut self,
         conn: ConnId,
         request_id: u64,
-        result: Result<Value, ProtocolError>,
+        result: Result<Answer, ProtocolError>,
         checker: &mut Checker,
         out: &mut ServerOut,
     ) {
@@ -1515,6 +1520,17 @@ impl Server {
             // Reads answered: never with a chunk another tenant stored (row 33).
             self.stats.foreign_misses += checker.read_answered(name, &read, &result);
         }
+        let result = result.map(|answer| answer.to_value());
+        self.reply(conn, request_id, result, out);
+    }
+
+    fn reply(
+        &mut self,
+        conn: ConnId,
+        request_id: u64,
+        result: Result<Value, ProtocolError>,
+        out: &mut ServerOut,
+    ) {
         let Some(&(slot, incarnation, tcp)) = self.peers.get(&conn) else {
             return; // the connection is gone: nobody to answer
         };

@@ -634,10 +634,10 @@ mod row_26 {
 mod who_is_who {
     use kvwarden_core::InstanceId;
     use kvwarden_core::protocol::Op;
+    use kvwarden_core::protocol::{Answer, Attached, HelloReply};
     use kvwarden_sim::invariants::{AttachExpect, Checker, Read, Verdict, prefix_of};
     use kvwarden_sim::time::SECOND;
     use kvwarden_sim::violation::Class;
-    use rmpv::Value;
 
     fn checker() -> Checker {
         let mut checker = Checker::new(0, 30 * SECOND, 60 * SECOND, SECOND, 5 * SECOND);
@@ -645,8 +645,24 @@ mod who_is_who {
         checker
     }
 
-    fn outcome(label: &str) -> Result<Value, kvwarden_core::protocol::ProtocolError> {
-        Ok(Value::Map(vec![("outcome".into(), label.into())]))
+    fn outcome(label: &str) -> Result<Answer, kvwarden_core::protocol::ProtocolError> {
+        Ok(Answer::Attached(match label {
+            "claimed" => Attached::Claimed,
+            _ => Attached::Proven,
+        }))
+    }
+
+    fn hello_accepted() -> Result<Answer, kvwarden_core::protocol::ProtocolError> {
+        Ok(Answer::Hello(HelloReply {
+            protocol: 2,
+            server: "sim".into(),
+            boot_id: 1,
+            reap_timeout_seconds: 30.0,
+            registration_grace_seconds: 5.0,
+            exit_proof: "timeout_only".into(),
+            sends_fds: false,
+            tenant: Some("t".into()),
+        }))
     }
 
     #[test]
@@ -735,7 +751,7 @@ mod who_is_who {
             }
         );
         // A node that accepts it lets a stranger in.
-        checker.judge_trust(5, "hello", None, &wrong, Some(&Ok(Value::Nil)));
+        checker.judge_trust(5, "hello", None, &wrong, Some(&hello_accepted()));
         assert_eq!(
             checker.violation.as_ref().map(|v| v.invariant),
             Some("non_owner_served")
@@ -743,7 +759,7 @@ mod who_is_who {
         let mut checker = self::checker();
         checker.connected(5, None);
         let right = checker.verdict(5, &hello(b"0123456789abcdef-token"));
-        checker.judge_trust(5, "hello", None, &right, Some(&Ok(Value::Nil)));
+        checker.judge_trust(5, "hello", None, &right, Some(&hello_accepted()));
         assert_eq!(checker.verdict(5, &Op::Status), Verdict::Allowed);
         assert!(matches!(checker.verdict(5, &ping), Verdict::Refused(_)));
         assert!(checker.violation.is_none());
@@ -763,9 +779,12 @@ mod who_is_who {
             lookup: false,
         };
         // A miss is right, and counted as a poacher kept out.
-        assert_eq!(checker.read_answered("retrieve", &read, &Ok(Value::Nil)), 1);
+        assert_eq!(
+            checker.read_answered("retrieve", &read, &Ok(Answer::Length(None))),
+            1
+        );
         assert!(checker.violation.is_none());
-        checker.read_answered("retrieve", &read, &Ok(Value::from(4096u64)));
+        checker.read_answered("retrieve", &read, &Ok(Answer::Length(Some(4096))));
         let violation = checker
             .violation
             .expect("another tenant's bytes are caught");

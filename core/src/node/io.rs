@@ -195,9 +195,9 @@ pub enum Output {
         /// The request's id.
         request_id: u64,
         /// The op answered, for metrics.
-        op: &'static str,
-        /// The value, or the error.
-        result: Result<Value, ProtocolError>,
+        op: OpKind,
+        /// The answer (its shape is the op's, `OpKind::reply_shape`), or the error.
+        result: Result<Answer, ProtocolError>,
         /// Send the L1 pool's memfd with it (`SCM_RIGHTS`; engine-driven registrations).
         pool_fd: bool,
     },

@@ -42,7 +42,7 @@ use crate::FreeCause;
 use crate::id::InstanceId;
 use crate::liveness::{BuildTicket, Liveness, Status};
 use crate::module::Module;
-use crate::protocol::{BufferSpec, Op, ProtocolError, RopeSpec};
+use crate::protocol::{Answer, BufferSpec, Op, OpKind, ProtocolError, RopeSpec};
 use crate::time::Instant;
 use crate::{Config, ConfigError};
 use blend::{BlendBook, BlendId};
@@ -56,7 +56,6 @@ pub use io::{
 };
 use l1::{SlotId, SlotTable};
 use l2::{L2Delivery, L2Fetched, L2NodeConfig, L2Presence, L2ReadId, L2Status, L2Tier, L2WriteId};
-use rmpv::Value;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use trust::{Peer, TenantId, TenantView, Trust, TrustConfig};
 pub use view::{InstanceView, NodeStatus, TenantStatus};
@@ -110,7 +109,7 @@ pub struct NodeConfig {
 struct ReplyTo {
     conn: ConnId,
     request_id: u64,
-    op: &'static str,
+    op: OpKind,
 }
 
 /// What the node knows of an entry besides liveness.
@@ -148,9 +147,29 @@ struct CopyInFlight {
 
 struct Batch {
     reply: ReplyTo,
-    results: Vec<Value>,
+    /// The reply so far: `Answer::Stored` or `Answer::Lengths`, one answer per item.
+    results: Answer,
     pending: usize,
     failed: Option<ProtocolError>,
+}
+
+impl Batch {
+    /// Item `item` ended: `moved` bytes copied (a store: stored), or None (a miss).
+    fn set(&mut self, item: usize, moved: Option<u64>) {
+        match &mut self.results {
+            Answer::Stored(stored) => {
+                if let Some(answer) = stored.get_mut(item) {
+                    *answer = moved.is_some();
+                }
+            }
+            Answer::Lengths(lengths) => {
+                if let Some(answer) = lengths.get_mut(item) {
+                    *answer = moved;
+                }
+            }
+            _ => {}
+        }
+    }
 }
 
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -197,7 +216,7 @@ pub struct Node {
     bug: Option<PlantedBug>,
     /// Planted bug `PingWaitsForL2` only: ping answers held until `handle_timeout`.
     #[cfg(feature = "planted-bugs")]
-    held_pings: Vec<(ReplyTo, Value)>,
+    held_pings: Vec<(ReplyTo, Answer)>,
 }
 
 /// Bugs planted in the node on purpose, so that the simulator's checker is shown to
@@ -460,13 +479,25 @@ impl Node {
         self.outputs.push_back(Output::Note(note));
     }
 
-    fn reply(&mut self, to: ReplyTo, result: Result<Value, ProtocolError>) {
+    fn reply(&mut self, to: ReplyTo, result: Result<Answer, ProtocolError>) {
+        self.reply_with(to, result, false);
+    }
+
+    /// Every reply leaves here: its shape is the op table's (`OpKind::reply_shape`).
+    fn reply_with(&mut self, to: ReplyTo, result: Result<Answer, ProtocolError>, pool_fd: bool) {
+        debug_assert!(
+            result
+                .as_ref()
+                .map_or(true, |answer| answer.shape() == to.op.reply_shape()),
+            "{} answered {result:?}",
+            to.op.name()
+        );
         self.outputs.push_back(Output::Reply {
             conn: to.conn,
             request_id: to.request_id,
             op: to.op,
             result,
-            pool_fd: false,
+            pool_fd,
         });
     }
 }

@@ -16,9 +16,13 @@ pub(super) struct Want {
     pub(super) nbytes: u64,
 }
 use crate::liveness::Registration;
-use crate::protocol::{ErrorCode, PROTOCOL_VERSION};
+use crate::protocol::{
+    ErrorCode, HelloReply, Outcome, PROTOCOL_VERSION, PinnedSlot, PoolGeometry, Registered,
+    ReservedSlot,
+};
 
-pub(super) type Answer = Option<Result<Value, ProtocolError>>;
+/// A request answered now (`Some`), or once the work it started is done (`None`).
+pub(super) type Immediate = Option<Result<Answer, ProtocolError>>;
 
 /// A request that passed [`Node::admit`]: its keys scoped to the connection's tenant.
 struct Admitted {
@@ -71,7 +75,7 @@ impl Node {
         let to = ReplyTo {
             conn,
             request_id,
-            op: op.name(),
+            op: op.kind(),
         };
         if let Some(answer) = self.dispatch(now, to, op, fds) {
             self.reply(to, answer);
@@ -79,7 +83,7 @@ impl Node {
     }
 
     /// Answers now (`Some`) or once the work it started is done (`None`).
-    fn dispatch(&mut self, now: Instant, to: ReplyTo, op: Op, fds: usize) -> Answer {
+    fn dispatch(&mut self, now: Instant, to: ReplyTo, op: Op, fds: usize) -> Immediate {
         let Admitted {
             op,
             transport,
@@ -104,7 +108,7 @@ impl Node {
     /// `hello` presents a token; a request naming an instance needs the connection to
     /// have attached it. A refused request refreshes nothing. `attach` is answered
     /// here; an admitted request comes back with its keys scoped to its tenant.
-    fn admit(&mut self, to: ReplyTo, mut op: Op) -> Result<Admitted, Answer> {
+    fn admit(&mut self, to: ReplyTo, mut op: Op) -> Result<Admitted, Immediate> {
         if self.shutdown.is_some() {
             return Err(Some(Err(ProtocolError::new(
                 ErrorCode::Unavailable,
@@ -121,13 +125,13 @@ impl Node {
                 .trust
                 .authenticate(&mut connection.peer, token.as_deref()),
             Op::Hello { .. } => Ok(()),
-            Op::Attach { .. } => self.trust.require_identity(&connection.peer, to.op),
+            Op::Attach { .. } => self.trust.require_identity(&connection.peer, to.op.name()),
             _ => self
                 .trust
-                .require_identity(&connection.peer, to.op)
+                .require_identity(&connection.peer, to.op.name())
                 .and_then(|()| match op.instance() {
                     Some(_) if trust_any => Ok(()),
-                    Some(instance) => self.trust.check(&connection.peer, instance, to.op),
+                    Some(instance) => self.trust.check(&connection.peer, instance, to.op.name()),
                     None => Ok(()),
                 }),
         };
@@ -136,7 +140,7 @@ impl Node {
             return Err(Some(
                 self.trust
                     .attach(&mut connection.peer, *instance, secret)
-                    .map(|attached| Value::Map(vec![("outcome".into(), attached.label().into())])),
+                    .map(Answer::Attached),
             ));
         }
         let tenant = connection.peer.tenant();
@@ -152,8 +156,13 @@ impl Node {
         })
     }
 
-    fn answer_ping(&mut self, now: Instant, to: ReplyTo, instance: Option<InstanceId>) -> Answer {
-        let answer: Value = self.ping(now, instance).into();
+    fn answer_ping(
+        &mut self,
+        now: Instant,
+        to: ReplyTo,
+        instance: Option<InstanceId>,
+    ) -> Immediate {
+        let answer = Answer::Flag(self.ping(now, instance));
         #[cfg(feature = "planted-bugs")]
         if self.planted(PlantedBug::PingWaitsForL2) && self.l2_enabled() {
             self.held_pings.push((to, answer));
@@ -172,10 +181,10 @@ impl Node {
         transport: Transport,
         tenant: Option<TenantId>,
         fds: usize,
-    ) -> Answer {
+    ) -> Immediate {
         match op {
             Op::Ping { .. } | Op::Attach { .. } => None,
-            Op::Hello { sends_fds, .. } => Some(Ok(self.hello(to.conn, sends_fds))),
+            Op::Hello { sends_fds, .. } => self.hello(to.conn, sends_fds).map(Ok),
             Op::Status => {
                 self.outputs.push_back(Output::ReplyStatus {
                     conn: to.conn,
@@ -195,12 +204,16 @@ impl Node {
                 model_name,
                 world_size: _,
             } => self.register_engine_driven(now, to, transport, tenant, instance, model_name),
-            Op::UnregisterKvCache { instance } => Some(Ok(self
-                .unregister(now, instance, Module::ServerDriven)
-                .into())),
-            Op::UnregisterEngineDriven { instance } => Some(Ok(self
-                .unregister(now, instance, Module::EngineDriven)
-                .into())),
+            Op::UnregisterKvCache { instance } => Some(Ok(Answer::Flag(self.unregister(
+                now,
+                instance,
+                Module::ServerDriven,
+            )))),
+            Op::UnregisterEngineDriven { instance } => Some(Ok(Answer::Flag(self.unregister(
+                now,
+                instance,
+                Module::EngineDriven,
+            )))),
             Op::Store {
                 instance,
                 key,
@@ -230,13 +243,13 @@ impl Node {
                 now,
                 instance,
                 "commit_retrieve",
-                |strategy, l1| Ok(strategy.commit_retrieve(l1, &key).into()),
+                |strategy, l1| Ok(Answer::Flag(strategy.commit_retrieve(l1, &key))),
             )),
             Op::RegisterBlend { instance, rope } => self.register_blend(to, instance, rope),
         }
     }
 
-    fn lookup(&mut self, now: Instant, to: ReplyTo, keys: &[Vec<u8>]) -> Answer {
+    fn lookup(&mut self, now: Instant, to: ReplyTo, keys: &[Vec<u8>]) -> Immediate {
         let l1_count = self.l1.lookup_prefix(keys);
         // Its L2 remainder runs as a job: counted in the connection's cap, as every
         // transfer is (failure mode 46).
@@ -244,7 +257,7 @@ impl Node {
             return Some(Err(overloaded()));
         }
         self.l2_lookup(now, to, keys, l1_count)
-            .map(|count| Ok(count.into()))
+            .map(|count| Ok(Answer::Count(count)))
     }
 
     fn register_engine_driven(
@@ -255,7 +268,7 @@ impl Node {
         tenant: Option<TenantId>,
         instance: InstanceId,
         model_name: String,
-    ) -> Answer {
+    ) -> Immediate {
         if let Some(tenant) = tenant
             && !self.trust.engine_driven_allowed(tenant)
         {
@@ -311,10 +324,8 @@ impl Node {
     /// `hello`: what the worker needs to know of this server. A `sends_fds: false` holds
     /// for the rest of the connection (a later `hello` cannot take it back: the shell
     /// reads the connection without `SCM_RIGHTS` from here on).
-    fn hello(&mut self, conn: ConnId, sends_fds: bool) -> Value {
-        let Some(connection) = self.conns.get_mut(&conn) else {
-            return Value::Nil; // unreachable: dispatch found it
-        };
+    fn hello(&mut self, conn: ConnId, sends_fds: bool) -> Option<Answer> {
+        let connection = self.conns.get_mut(&conn)?; // admit found it
         let promised_now = connection.sends_fds && !sends_fds;
         connection.sends_fds &= sends_fds;
         let sends_fds = connection.sends_fds;
@@ -324,28 +335,22 @@ impl Node {
         let tenant = connection
             .peer
             .tenant()
-            .map_or(Value::Nil, |tenant| self.trust.name(tenant).into());
+            .map(|tenant| self.trust.name(tenant).to_owned());
         if promised_now {
             self.outputs
                 .push_back(Output::Peer(PeerAction::ReadWithoutFds { conn }));
         }
         let status = self.liveness.status();
-        Value::Map(vec![
-            ("protocol".into(), PROTOCOL_VERSION.into()),
-            ("server".into(), self.config.server_name.as_str().into()),
-            ("boot_id".into(), self.config.boot_id.into()),
-            (
-                "reap_timeout_seconds".into(),
-                Value::F64(status.reap_timeout.as_secs_f64()),
-            ),
-            (
-                "registration_grace_seconds".into(),
-                Value::F64(status.registration_grace.as_secs_f64()),
-            ),
-            ("exit_proof".into(), notice.label().into()),
-            ("sends_fds".into(), sends_fds.into()),
-            ("tenant".into(), tenant),
-        ])
+        Some(Answer::Hello(HelloReply {
+            protocol: PROTOCOL_VERSION,
+            server: self.config.server_name.clone(),
+            boot_id: self.config.boot_id,
+            reap_timeout_seconds: status.reap_timeout.as_secs_f64(),
+            registration_grace_seconds: status.registration_grace.as_secs_f64(),
+            exit_proof: notice.label().to_owned(),
+            sends_fds,
+            tenant,
+        }))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -358,7 +363,7 @@ impl Node {
         buffers: Vec<BufferSpec>,
         model_name: String,
         fds: usize,
-    ) -> Answer {
+    ) -> Immediate {
         if buffers.len() > MAX_BUFFERS_PER_REGISTRATION {
             return Some(Err(bad_args(format!(
                 "register_kv_cache: {} buffers; at most {MAX_BUFFERS_PER_REGISTRATION} per registration",
@@ -421,7 +426,7 @@ impl Node {
         module: Module,
         buffers: Vec<BufferSpec>,
         model_name: String,
-    ) -> Answer {
+    ) -> Immediate {
         let owner_uid = self.conns.get(&to.conn)?.uid;
         if !self.has_room(to.conn) {
             return Some(Err(overloaded()));
@@ -473,28 +478,18 @@ impl Node {
         {
             return;
         }
-        self.reply_registered(to, module, "refreshed");
+        self.reply_registered(to, module, Outcome::Refreshed);
     }
 
     /// The reply to a REGISTER that holds: `{outcome}` (engine-driven: with the pool's
     /// geometry and memfd).
-    pub(super) fn reply_registered(&mut self, to: ReplyTo, module: Module, outcome: &str) {
-        let value = match module {
-            Module::ServerDriven => Value::Map(vec![("outcome".into(), outcome.into())]),
-            Module::EngineDriven => Value::Map(vec![
-                ("outcome".into(), outcome.into()),
-                ("slot_bytes".into(), self.l1.slot_bytes().into()),
-                ("num_slots".into(), (self.l1.num_slots() as u64).into()),
-                ("pool_fd_index".into(), 0u64.into()),
-            ]),
-        };
-        self.outputs.push_back(Output::Reply {
-            conn: to.conn,
-            request_id: to.request_id,
-            op: to.op,
-            result: Ok(value),
-            pool_fd: module == Module::EngineDriven,
+    pub(super) fn reply_registered(&mut self, to: ReplyTo, module: Module, outcome: Outcome) {
+        let pool = (module == Module::EngineDriven).then(|| PoolGeometry {
+            slot_bytes: self.l1.slot_bytes(),
+            num_slots: self.l1.num_slots() as u64,
         });
+        let answer = Answer::Registered(Registered { outcome, pool });
+        self.reply_with(to, Ok(answer), pool.is_some());
     }
 
     fn unregister(&mut self, now: Instant, instance: InstanceId, module: Module) -> bool {
@@ -505,7 +500,7 @@ impl Node {
         was
     }
 
-    fn register_blend(&mut self, to: ReplyTo, instance: InstanceId, rope: RopeSpec) -> Answer {
+    fn register_blend(&mut self, to: ReplyTo, instance: InstanceId, rope: RopeSpec) -> Immediate {
         let bytes = match blend::table_bytes(&rope) {
             Ok(bytes) => bytes,
             Err(message) => return Some(Err(bad_args(format!("`register_blend`: {message}")))),
@@ -524,7 +519,7 @@ impl Node {
             )));
         }
         if self.blend.holds(instance, &rope) {
-            return Some(Ok(true.into()));
+            return Some(Ok(Answer::Flag(true)));
         }
         let committed = self
             .blend
@@ -584,14 +579,21 @@ impl Node {
     }
 }
 
-pub(super) fn grant_value(grant: SlotGrant, with_slot: bool) -> Value {
-    let mut map = Vec::with_capacity(3);
-    if with_slot {
-        map.push(("slot".into(), (grant.slot as u64).into()));
-    }
-    map.push(("offset".into(), grant.offset.into()));
-    map.push(("nbytes".into(), grant.nbytes.into()));
-    Value::Map(map)
+/// `prepare_store`'s answer: the slot reserved.
+pub(super) fn reserved(grant: SlotGrant) -> Answer {
+    Answer::Reserved(Some(ReservedSlot {
+        slot: grant.slot as u64,
+        offset: grant.offset,
+        nbytes: grant.nbytes,
+    }))
+}
+
+/// `prepare_retrieve`'s answer: the slot pinned.
+pub(super) fn pinned(grant: SlotGrant) -> Answer {
+    Answer::Pinned(Some(PinnedSlot {
+        offset: grant.offset,
+        nbytes: grant.nbytes,
+    }))
 }
 
 pub(super) fn too_many_held(op: &str, instance: InstanceId) -> ProtocolError {

@@ -3,7 +3,7 @@
 
 use super::*;
 use crate::Effect;
-use crate::protocol::ErrorCode;
+use crate::protocol::{ErrorCode, Outcome};
 
 impl Node {
     pub(super) fn build_done(
@@ -50,12 +50,12 @@ impl Node {
                 )
             });
             match answer {
-                Ok(()) => self.reply_registered(waiter, module, "refreshed"),
+                Ok(()) => self.reply_registered(waiter, module, Outcome::Refreshed),
                 Err(error) => self.reply(waiter, Err(error)),
             }
         }
         match answer {
-            Ok(()) => self.reply_registered(reply, module, "created"),
+            Ok(()) => self.reply_registered(reply, module, Outcome::Created),
             Err(error) => self.reply(reply, Err(error)),
         }
     }
@@ -115,21 +115,21 @@ impl Node {
         match purpose {
             CopyFor::Store(to) => {
                 self.end_job(to.conn);
-                let answer = self.stored(slot, result);
-                self.reply(to, answer);
+                let stored = self.stored(slot, result);
+                self.reply(to, stored.map(|_| Answer::Flag(true)));
             }
             CopyFor::Retrieve(to) => {
                 self.end_job(to.conn);
                 self.l1.unpin(slot);
-                self.reply(to, result.map(Value::from));
+                self.reply(to, result.map(|nbytes| Answer::Length(Some(nbytes))));
             }
             CopyFor::BatchStore { batch, item } => {
-                let answer = self.stored(slot, result);
-                self.item_done(batch, item, answer);
+                let stored = self.stored(slot, result);
+                self.item_done(batch, item, stored.map(Some));
             }
             CopyFor::BatchRetrieve { batch, item } => {
                 self.l1.unpin(slot);
-                self.item_done(batch, item, result.map(Value::from));
+                self.item_done(batch, item, result.map(Some));
             }
         }
         if let Some((instance, module, cause, label)) = deferred {
@@ -176,18 +176,19 @@ impl Node {
         Some((ended, deferred))
     }
 
-    /// A store's copy finished: publish the slot, or give it back unpublished.
+    /// A store's copy finished: publish the slot (its bytes), or give it back
+    /// unpublished.
     fn stored(
         &mut self,
         slot: SlotId,
         result: Result<u64, ProtocolError>,
-    ) -> Result<Value, ProtocolError> {
+    ) -> Result<u64, ProtocolError> {
         match result {
             Ok(nbytes) => {
                 self.l1.commit(slot, nbytes);
                 // Published (the copy completed): only now may it go to L2 (row 29).
                 self.l2_write_behind(self.last_now, slot);
-                Ok(true.into())
+                Ok(nbytes)
             }
             Err(error) => {
                 self.l1.abort(slot);
@@ -196,16 +197,19 @@ impl Node {
         }
     }
 
-    pub(super) fn item_done(&mut self, id: u64, item: usize, result: Result<Value, ProtocolError>) {
+    /// Item `item` of batch `id` ended: bytes moved, None for a miss, or the error
+    /// that fails the whole batch. The last one answers it.
+    pub(super) fn item_done(
+        &mut self,
+        id: u64,
+        item: usize,
+        result: Result<Option<u64>, ProtocolError>,
+    ) {
         let Some(batch) = self.batches.get_mut(&id) else {
             return;
         };
         match result {
-            Ok(value) => {
-                if let Some(slot) = batch.results.get_mut(item) {
-                    *slot = value;
-                }
-            }
+            Ok(moved) => batch.set(item, moved),
             Err(error) => {
                 batch.failed.get_or_insert(error);
             }
@@ -226,7 +230,7 @@ impl Node {
         self.end_job(reply.conn);
         let answer = match failed {
             Some(error) => Err(error),
-            None => Ok(Value::Array(results)),
+            None => Ok(results),
         };
         self.reply(reply, answer);
     }
@@ -252,12 +256,12 @@ impl Node {
                     }));
                     let bytes = self.blend.bytes_of(instance);
                     self.note(Note::BlendHeld { instance, bytes });
-                    Ok(true.into())
+                    Ok(Answer::Flag(true))
                 }
                 blend::Finished::Superseded => {
                     self.outputs
                         .push_back(Output::Blend(BlendChange::Discard { blend: id }));
-                    Ok(true.into())
+                    Ok(Answer::Flag(true))
                 }
                 blend::Finished::Freed => {
                     self.outputs

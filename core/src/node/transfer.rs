@@ -5,7 +5,7 @@
 use super::engine::{CommitStore, PrepareRetrieve, PrepareStore};
 use super::l1::Reservation;
 use super::l2::ReadFor;
-use super::ops::{Answer, Want, bad_args, grant_value, overloaded, too_many_held};
+use super::ops::{Immediate, Want, bad_args, overloaded, pinned, reserved, too_many_held};
 use super::*;
 use crate::liveness::TransferError;
 use crate::protocol::{ErrorCode, RetrieveItem, StoreItem};
@@ -167,7 +167,7 @@ impl Node {
         buffer: u64,
         offset: u64,
         nbytes: u64,
-    ) -> Answer {
+    ) -> Immediate {
         let opened = self.open_transfer(now, to.conn, instance, "store", |node, context| {
             let index =
                 node.checked_buffer(context, "`store`", instance, buffer, offset, nbytes)?;
@@ -179,8 +179,8 @@ impl Node {
             Err(error) => return Some(Err(error)),
         };
         match self.l1.reserve(&key, self.tenant(to.conn)) {
-            Reservation::AlreadyStored => Some(Ok(true.into())),
-            Reservation::Full => Some(Ok(false.into())),
+            Reservation::AlreadyStored => Some(Ok(Answer::Flag(true))),
+            Reservation::Full => Some(Ok(Answer::Flag(false))),
             Reservation::Reserved(slot) => {
                 self.start_job(to.conn);
                 self.start_copy(
@@ -207,7 +207,7 @@ impl Node {
         buffer: u64,
         offset: u64,
         nbytes: u64,
-    ) -> Answer {
+    ) -> Immediate {
         let opened = self.open_transfer(now, to.conn, instance, "retrieve", |node, context| {
             node.checked_buffer(context, "`retrieve`", instance, buffer, offset, nbytes)
         });
@@ -234,7 +234,7 @@ impl Node {
                 self.start_job(to.conn);
                 None
             }
-            Err(_) => Some(Ok(Value::Nil)), // a miss
+            Err(_) => Some(Ok(Answer::Length(None))), // a miss
         }
     }
 
@@ -264,7 +264,7 @@ impl Node {
         context: ContextId,
         key: &[u8],
         want: Want,
-    ) -> Answer {
+    ) -> Immediate {
         if !self.contexts.contains_key(&context) {
             return Some(Err(super::l2::gone(instance, "retrieve")));
         }
@@ -280,7 +280,7 @@ impl Node {
             Err(error) => return Some(Err(error)),
         };
         let Some(slot) = self.pin_exact(key, want.nbytes) else {
-            return Some(Ok(Value::Nil)); // a miss
+            return Some(Ok(Answer::Length(None))); // a miss
         };
         self.start_job(to.conn);
         self.start_copy(
@@ -305,7 +305,7 @@ impl Node {
         to: ReplyTo,
         instance: InstanceId,
         items: Vec<StoreItem>,
-    ) -> Answer {
+    ) -> Immediate {
         let opened = self.open_transfer(now, to.conn, instance, "store_batch", |node, context| {
             let mut indexes = Vec::with_capacity(items.len());
             for (position, item) in items.iter().enumerate() {
@@ -326,23 +326,24 @@ impl Node {
             Ok(opened) => opened,
             Err(error) => return Some(Err(error)),
         };
-        let mut results = vec![Value::Nil; items.len()];
+        // A reserved item's `false` is a placeholder: its copy ends it (`item_done`).
+        let mut results = vec![false; items.len()];
         let mut copies = Vec::new();
         let tenant = self.tenant(to.conn);
         for (position, (item, index)) in items.into_iter().zip(indexes).enumerate() {
             results[position] = match self.l1.reserve(&item.key, tenant) {
-                Reservation::AlreadyStored => true.into(),
-                Reservation::Full => false.into(),
+                Reservation::AlreadyStored => true,
+                Reservation::Full => false,
                 Reservation::Reserved(slot) => {
                     copies.push((position, slot, index, item.offset, item.nbytes));
-                    Value::Nil
+                    false
                 }
             };
         }
         if copies.is_empty() {
-            return Some(Ok(Value::Array(results)));
+            return Some(Ok(Answer::Stored(results)));
         }
-        let batch = self.open_batch(to, results, copies.len());
+        let batch = self.open_batch(to, Answer::Stored(results), copies.len());
         for (item, slot, index, offset, nbytes) in copies {
             self.start_copy(
                 context,
@@ -363,7 +364,7 @@ impl Node {
         to: ReplyTo,
         instance: InstanceId,
         items: Vec<RetrieveItem>,
-    ) -> Answer {
+    ) -> Immediate {
         let what = |position: usize| format!("`retrieve_batch` items[{position}]");
         let opened =
             self.open_transfer(now, to.conn, instance, "retrieve_batch", |node, context| {
@@ -394,12 +395,12 @@ impl Node {
                 None => misses.push(position),
             }
         }
-        let results = vec![Value::Nil; items.len()]; // nil: a miss
+        let results = Answer::Lengths(vec![None; items.len()]); // None: a miss
         if !self.l2_enabled() {
             misses.clear();
         }
         if copies.is_empty() && misses.is_empty() {
-            return Some(Ok(Value::Array(results)));
+            return Some(Ok(results));
         }
         let batch = self.open_batch(to, results, copies.len());
         self.ask_l2_for_misses(now, to, batch, instance, context, &items, misses);
@@ -411,7 +412,7 @@ impl Node {
             // Nothing copies and L2 was not asked: answer now.
             if let Some(open) = self.batches.remove(&batch) {
                 self.end_job(to.conn);
-                return Some(Ok(Value::Array(open.results)));
+                return Some(Ok(open.results));
             }
         }
         for (item, slot, index, offset, nbytes) in copies {
@@ -468,7 +469,8 @@ impl Node {
     }
 
     /// Holds a batch until its `pending` copies are done; it counts as one job.
-    fn open_batch(&mut self, to: ReplyTo, results: Vec<Value>, pending: usize) -> u64 {
+    /// `results` is the reply so far (`Answer::Stored` or `Answer::Lengths`).
+    fn open_batch(&mut self, to: ReplyTo, results: Answer, pending: usize) -> u64 {
         let id = self.next_id();
         self.start_job(to.conn);
         self.batches.insert(
@@ -490,8 +492,8 @@ impl Node {
         now: Instant,
         instance: InstanceId,
         op: &str,
-        step: impl FnOnce(&mut TransferStrategy, &mut SlotTable) -> Result<Value, ProtocolError>,
-    ) -> Result<Value, ProtocolError> {
+        step: impl FnOnce(&mut TransferStrategy, &mut SlotTable) -> Result<Answer, ProtocolError>,
+    ) -> Result<Answer, ProtocolError> {
         let context = self.transfer_context(now, instance, Module::EngineDriven, op)?;
         let Some(strategy) = self.strategies.get_mut(&context) else {
             return Err(ProtocolError::new(
@@ -508,10 +510,10 @@ impl Node {
         conn: ConnId,
         instance: InstanceId,
         key: &[u8],
-    ) -> Result<Value, ProtocolError> {
+    ) -> Result<Answer, ProtocolError> {
         let num_slots = self.l1.num_slots();
         let tenant = self.tenant(conn);
-        let mut reserved = None;
+        let mut reserved_slot = None;
         let value =
             self.with_strategy(
                 now,
@@ -519,10 +521,10 @@ impl Node {
                 "prepare_store",
                 |strategy, l1| match strategy.prepare_store(l1, key, tenant) {
                     PrepareStore::Reserved(grant) => {
-                        reserved = Some(grant.slot);
-                        Ok(grant_value(grant, true))
+                        reserved_slot = Some(grant.slot);
+                        Ok(reserved(grant))
                     }
-                    PrepareStore::AlreadyStored => Ok(Value::Nil),
+                    PrepareStore::AlreadyStored => Ok(Answer::Reserved(None)),
                     PrepareStore::PoolFull => Err(ProtocolError::new(
                         ErrorCode::Overloaded,
                         format!(
@@ -533,7 +535,7 @@ impl Node {
                     PrepareStore::TooManyHeld => Err(too_many_held("prepare_store", instance)),
                 },
             )?;
-        if let Some(slot) = reserved
+        if let Some(slot) = reserved_slot
             && self.planted(PlantedBug::WriteUnpublished)
         {
             self.l2_write_unpublished(slot, key);
@@ -547,26 +549,26 @@ impl Node {
         instance: InstanceId,
         key: &[u8],
         nbytes: u64,
-    ) -> Result<Value, ProtocolError> {
-        let value =
+    ) -> Result<Answer, ProtocolError> {
+        let answer =
             self.with_strategy(now, instance, "commit_store", |strategy, l1| match strategy
                 .commit_store(l1, key, nbytes)
             {
-                CommitStore::Published => Ok(true.into()),
-                CommitStore::NotReserved => Ok(false.into()),
+                CommitStore::Published => Ok(Answer::Flag(true)),
+                CommitStore::NotReserved => Ok(Answer::Flag(false)),
                 CommitStore::TooLarge { nbytes, slot_bytes } => Err(bad_args(format!(
                     "`commit_store`: nbytes {nbytes} is larger than an L1 slot ({slot_bytes} \
                      bytes); commit at most one slot (the reservation is kept)"
                 ))),
             })?;
-        if value == Value::Boolean(true) {
+        if answer == Answer::Flag(true) {
             // Published: only now may it go to L2 (row 29).
             if let Some((slot, _)) = self.l1.pin(key) {
                 self.l1.unpin(slot);
                 self.l2_write_behind(now, slot);
             }
         }
-        Ok(value)
+        Ok(answer)
     }
 
     /// `prepare_retrieve`: pins an L1 hit; a miss asks L2 (answered once it ends).
@@ -576,9 +578,9 @@ impl Node {
         to: ReplyTo,
         instance: InstanceId,
         key: &[u8],
-    ) -> Answer {
+    ) -> Immediate {
         let answer = self.prepare_retrieve_l1(now, instance, key);
-        if answer != Ok(Value::Nil) || !self.l2_enabled() || self.l1_holds(key) {
+        if answer != Ok(Answer::Pinned(None)) || !self.l2_enabled() || self.l1_holds(key) {
             return Some(answer);
         }
         if !self.has_room(to.conn) {
@@ -600,14 +602,14 @@ impl Node {
         now: Instant,
         instance: InstanceId,
         key: &[u8],
-    ) -> Result<Value, ProtocolError> {
+    ) -> Result<Answer, ProtocolError> {
         self.with_strategy(
             now,
             instance,
             "prepare_retrieve",
             |strategy, l1| match strategy.prepare_retrieve(l1, key) {
-                PrepareRetrieve::Pinned(grant) => Ok(grant_value(grant, false)),
-                PrepareRetrieve::Miss => Ok(Value::Nil),
+                PrepareRetrieve::Pinned(grant) => Ok(pinned(grant)),
+                PrepareRetrieve::Miss => Ok(Answer::Pinned(None)),
                 PrepareRetrieve::TooManyHeld => Err(too_many_held("prepare_retrieve", instance)),
             },
         )

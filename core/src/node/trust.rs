@@ -17,7 +17,7 @@
 //!   tenant's name, so one tenant's chunk is never another's.
 
 use crate::id::InstanceId;
-use crate::protocol::{ErrorCode, Op, ProtocolError};
+use crate::protocol::{Attached, ErrorCode, Op, ProtocolError};
 use std::collections::HashMap;
 
 /// Bytes of an instance secret, at least (128 bits of entropy).
@@ -161,25 +161,6 @@ struct Claim {
     owner: Identity,
     /// Connections that attached it.
     proofs: u32,
-}
-
-/// What `attach` found.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum Attached {
-    /// The id was unbound: now bound to this secret and this peer.
-    Claimed,
-    /// The id was bound to this secret already.
-    Proven,
-}
-
-impl Attached {
-    /// The reply's `outcome`.
-    pub fn label(self) -> &'static str {
-        match self {
-            Attached::Claimed => "claimed",
-            Attached::Proven => "proven",
-        }
-    }
 }
 
 /// One tenant's row for status pages.

@@ -1,12 +1,15 @@
 //! The wire contract: the protocol's version and bounds, and the op table, one row per
-//! op (its wire name, its arguments in the words of `docs/protocol.md`, and the same
-//! arguments as checks), in the order of the op index.
+//! op (its wire name, its arguments in the words of `docs/protocol.md`, the same
+//! arguments as checks, and its reply's shape), in the order of the op index.
 //!
 //! Everything else reads the table: the op index and the metrics labels
 //! ([`OP_NAMES`]), name lookup ([`OpKind::from_name`]) and the diagnosis of a refused
-//! body (`diagnose`). The typed decoder (`wire_args`) and the encoder (`encode`)
+//! body (`diagnose`), and the node's check of every reply it sends ([`OpKind::reply_shape`],
+//! the types in `answer`). The typed decoder (`wire_args`) and the encoder (`encode`)
 //! match on [`OpKind`] exhaustively, so a new op is one new row here and a compile
 //! error in each of them until they handle it.
+
+use super::answer::ReplyShape;
 
 /// The protocol version this build speaks.
 pub const PROTOCOL_VERSION: u64 = 2;
@@ -91,6 +94,8 @@ pub(super) struct OpRow {
     pub(super) expects: &'static str,
     /// Its arguments in order.
     pub(super) args: &'static [Arg],
+    /// The shape of its successful reply.
+    pub(super) reply: ReplyShape,
 }
 
 const KEYED: &str = "[instance_id: uint, key: bin]";
@@ -110,12 +115,14 @@ const fn row(
     name: &'static str,
     expects: &'static str,
     args: &'static [Arg],
+    reply: ReplyShape,
 ) -> OpRow {
     OpRow {
         kind,
         name,
         expects,
         args,
+        reply,
     }
 }
 
@@ -123,6 +130,7 @@ const fn row(
 pub(super) const OPS: [OpRow; OP_COUNT] = {
     use Arg::*;
     use OpKind as K;
+    use ReplyShape as Shape;
     [
         row(
             K::Hello,
@@ -130,83 +138,108 @@ pub(super) const OPS: [OpRow; OP_COUNT] = {
             "[protocol: uint, client: str] or [protocol: uint, client: str, options: \
              {\"pidfd_index\": uint, \"sends_fds\": bool, \"token\": str | bin}]",
             &[Uint("protocol"), Text("client"), HelloOptions],
+            Shape::Hello,
         ),
         row(
             K::Ping,
             "ping",
             "[instance_id: uint | nil]",
             &[InstanceOrNil],
+            Shape::Flag,
         ),
         row(
             K::RegisterKvCache,
             "register_kv_cache",
             "[instance_id: uint, buffers: [buffer], model_name: str, world_size: uint]",
             &[Instance, Buffers, Text("model_name"), Uint("world_size")],
+            Shape::Registered,
         ),
         row(
             K::UnregisterKvCache,
             "unregister_kv_cache",
             "[instance_id: uint]",
             &[Instance],
+            Shape::Flag,
         ),
-        row(K::Store, "store", TRANSFER, TRANSFER_ARGS),
-        row(K::Retrieve, "retrieve", TRANSFER, TRANSFER_ARGS),
-        row(K::StoreBatch, "store_batch", BATCH, &[Instance, Items]),
+        row(K::Store, "store", TRANSFER, TRANSFER_ARGS, Shape::Flag),
+        row(
+            K::Retrieve,
+            "retrieve",
+            TRANSFER,
+            TRANSFER_ARGS,
+            Shape::Length,
+        ),
+        row(
+            K::StoreBatch,
+            "store_batch",
+            BATCH,
+            &[Instance, Items],
+            Shape::Stored,
+        ),
         row(
             K::RetrieveBatch,
             "retrieve_batch",
             BATCH,
             &[Instance, Items],
+            Shape::Lengths,
         ),
-        row(K::Lookup, "lookup", "[keys: [bin]]", &[Keys]),
+        row(K::Lookup, "lookup", "[keys: [bin]]", &[Keys], Shape::Count),
         row(
             K::RegisterEngineDriven,
             "register_engine_driven",
             "[instance_id: uint, model_name: str, world_size: uint]",
             &[Instance, Text("model_name"), Uint("world_size")],
+            Shape::Registered,
         ),
         row(
             K::UnregisterEngineDriven,
             "unregister_engine_driven",
             "[instance_id: uint]",
             &[Instance],
+            Shape::Flag,
         ),
         row(
             K::PrepareStore,
             "prepare_store",
             KEYED,
             &[Instance, Bin("key")],
+            Shape::Reserved,
         ),
         row(
             K::CommitStore,
             "commit_store",
             "[instance_id: uint, key: bin, nbytes: uint]",
             &[Instance, Bin("key"), Uint("nbytes")],
+            Shape::Flag,
         ),
         row(
             K::PrepareRetrieve,
             "prepare_retrieve",
             KEYED,
             &[Instance, Bin("key")],
+            Shape::Pinned,
         ),
         row(
             K::CommitRetrieve,
             "commit_retrieve",
             KEYED,
             &[Instance, Bin("key")],
+            Shape::Flag,
         ),
         row(
             K::RegisterBlend,
             "register_blend",
             "[instance_id: uint, rope: {rotary_dim: uint, max_positions: uint, base: float}]",
             &[Instance, Rope],
+            Shape::Flag,
         ),
-        row(K::Status, "status", "[]", &[]),
+        row(K::Status, "status", "[]", &[], Shape::Status),
         row(
             K::Attach,
             "attach",
             "[instance_id: uint, secret: bin]",
             &[Instance, Bin("secret")],
+            Shape::Attached,
         ),
     ]
 };
@@ -249,6 +282,13 @@ impl OpKind {
     /// The op of a wire name, if this server knows it.
     pub fn from_name(name: &str) -> Option<OpKind> {
         OPS.iter().find(|row| row.name == name).map(|row| row.kind)
+    }
+
+    /// The shape of the op's successful reply (the node checks every reply it sends
+    /// against it).
+    #[inline]
+    pub fn reply_shape(self) -> ReplyShape {
+        OPS[self.index()].reply
     }
 
     pub(super) fn row(self) -> &'static OpRow {

@@ -6,6 +6,7 @@
 //! itself bounded by `--max-frame-bytes`. The fuzzer drives [`decode_request`] and
 //! [`frame::parse_header`] directly.
 
+pub mod answer;
 pub mod contract;
 mod describe;
 mod diagnose;
@@ -18,6 +19,10 @@ pub mod request;
 mod tests;
 mod wire_args;
 
+pub use answer::{
+    Answer, Attached, HelloReply, Outcome, PinnedSlot, PoolGeometry, Registered, ReplyShape,
+    ReplyValue, ReservedSlot,
+};
 pub use contract::{
     MAX_BATCH_ITEMS, MAX_DEPTH, MAX_KEY_BYTES, MAX_TEXT_BYTES, OP_COUNT, OP_NAMES, OpKind,
     PROTOCOL_VERSION,

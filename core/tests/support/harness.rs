@@ -196,13 +196,14 @@ impl Harness {
         self.send_on(ConnId(1), op, 1)
     }
 
-    /// The reply to `request_id`, taken out of the record.
+    /// The reply to `request_id`, taken out of the record, as the wire carries it
+    /// (the shell encodes the node's answer with `Answer::to_value`).
     pub fn reply(&mut self, request_id: u64) -> Option<Result<Value, ProtocolError>> {
         let position = self.out.iter().position(
             |output| matches!(output, Output::Reply { request_id: r, .. } if *r == request_id),
         )?;
         match self.out.remove(position) {
-            Output::Reply { result, .. } => Some(result),
+            Output::Reply { result, .. } => Some(result.map(|answer| answer.to_value())),
             _ => None,
         }
     }

@@ -19,8 +19,7 @@
 use super::Checker;
 use crate::violation::Class;
 use kvwarden_core::InstanceId;
-use kvwarden_core::protocol::Op;
-use rmpv::Value;
+use kvwarden_core::protocol::{Answer, Op};
 use std::collections::BTreeSet;
 
 /// A hash map with a fixed seed: lookups only, never iterated into anything judged.
@@ -295,7 +294,7 @@ impl Checker {
         name: &str,
         named: Option<InstanceId>,
         verdict: &Verdict,
-        reply: Option<&Result<Value, kvwarden_core::protocol::ProtocolError>>,
+        reply: Option<&Result<Answer, kvwarden_core::protocol::ProtocolError>>,
     ) -> bool {
         use kvwarden_core::protocol::ErrorCode;
         let code = reply.and_then(|r| r.as_ref().err()).map(|e| e.code);
@@ -357,11 +356,9 @@ impl Checker {
             } => {
                 let got = match (reply, code) {
                     (_, Some(ErrorCode::Unavailable)) => return false,
-                    (Some(Ok(Value::Map(fields))), None) => fields
-                        .iter()
-                        .find(|(k, _)| k.as_str() == Some("outcome"))
-                        .and_then(|(_, v)| v.as_str())
-                        .map(str::to_owned),
+                    (Some(Ok(Answer::Attached(attached))), None) => {
+                        Some(attached.label().to_owned())
+                    }
                     (_, Some(ErrorCode::Forbidden)) => Some("forbidden".to_string()),
                     (_, Some(ErrorCode::BadArgs)) => Some("bad_args".to_string()),
                     _ => None,
@@ -470,30 +467,36 @@ impl Checker {
         &mut self,
         name: &str,
         read: &Read,
-        result: &Result<Value, kvwarden_core::protocol::ProtocolError>,
+        result: &Result<Answer, kvwarden_core::protocol::ProtocolError>,
     ) -> u64 {
-        let Ok(value) = result else {
+        let Ok(answer) = result else {
             return 0;
         };
         // Which keys the answer says are there.
         let (served, first_miss): (Vec<usize>, Vec<usize>) = if read.lookup {
-            let count = value.as_u64().unwrap_or(0) as usize;
+            let count = match answer {
+                Answer::Count(count) => *count as usize,
+                _ => 0,
+            };
             (
                 (0..count.min(read.keys.len())).collect(),
                 (count..read.keys.len().min(count + 1)).collect(),
             )
         } else {
-            let answers: Vec<&Value> = match value {
-                Value::Array(items) => items.iter().collect(),
-                other => vec![other],
+            // Per key read, whether the answer carries data.
+            let answers: Vec<bool> = match answer {
+                Answer::Lengths(lengths) => lengths.iter().map(Option::is_some).collect(),
+                Answer::Length(length) => vec![length.is_some()],
+                Answer::Pinned(pinned) => vec![pinned.is_some()],
+                other => vec![other.to_value() != rmpv::Value::Nil],
             };
             let mut served = Vec::new();
             let mut missed = Vec::new();
-            for (index, answer) in answers.iter().enumerate().take(read.keys.len()) {
-                if **answer == Value::Nil {
-                    missed.push(index);
-                } else {
+            for (index, data) in answers.iter().enumerate().take(read.keys.len()) {
+                if *data {
                     served.push(index);
+                } else {
+                    missed.push(index);
                 }
             }
             (served, missed)

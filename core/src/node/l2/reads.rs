@@ -244,7 +244,7 @@ impl Node {
                 L2Presence::Present(count) => count,
                 L2Presence::TimedOut | L2Presence::Failed => 0,
             };
-            self.reply(to, Ok(l1_count.saturating_add(present).into()));
+            self.reply(to, Ok(Answer::Count(l1_count.saturating_add(present))));
         }
     }
 
@@ -312,7 +312,7 @@ impl Node {
                 let answer = if hit {
                     self.retrieve_l1(to, instance, context, key, want)
                 } else {
-                    Some(Ok(Value::Nil))
+                    Some(Ok(Answer::Length(None)))
                 };
                 if let Some(answer) = answer {
                     self.reply(to, answer);
@@ -326,7 +326,7 @@ impl Node {
                 want,
             } => {
                 if !hit {
-                    self.item_done(batch, item, Ok(Value::Nil));
+                    self.item_done(batch, item, Ok(None));
                     return;
                 }
                 if !self.contexts.contains_key(&context) {
@@ -349,7 +349,7 @@ impl Node {
                     }
                 };
                 let Some(slot) = self.pin_exact(key, want.nbytes) else {
-                    self.item_done(batch, item, Ok(Value::Nil));
+                    self.item_done(batch, item, Ok(None));
                     return;
                 };
                 self.start_copy(
@@ -367,13 +367,13 @@ impl Node {
                 let answer = if hit {
                     self.prepare_retrieve_l1(now, instance, key)
                 } else {
-                    Ok(Value::Nil)
+                    Ok(Answer::Pinned(None))
                 };
                 self.reply(to, answer);
             }
             ReadFor::Lookup { to, l1_count } => {
                 self.end_job(to.conn);
-                self.reply(to, Ok(l1_count.into()));
+                self.reply(to, Ok(Answer::Count(l1_count)));
             }
             ReadFor::Probe => {}
         }

@@ -39,11 +39,11 @@ impl Server {
                 op,
                 result,
                 pool_fd,
-            } => match result {
+            } => match result.map(|answer| answer.to_value()) {
                 Ok(value) if pool_fd => {
-                    self.reply_with_pool_fd(token_of(conn), request_id, op, value)
+                    self.reply_with_pool_fd(token_of(conn), request_id, op.name(), value)
                 }
-                result => self.reply(token_of(conn), request_id, op, result),
+                result => self.reply(token_of(conn), request_id, op.name(), result),
             },
             Output::ReplyStatus { conn, request_id } => {
                 let status = self.status().to_msgpack();
