@@ -223,19 +223,23 @@ pub enum MemfdCheckError {
     Stat(io::Error),
 }
 
-/// Checks that `fd` is a memfd of at least `claimed` bytes and seals it against
-/// shrinking, so that a mapping of `claimed` bytes can never fault.
+/// Checks that `fd` is a memfd, seals it against shrinking, and only then checks that
+/// it holds at least `claimed` bytes: from the seal on its size can only grow, so a
+/// mapping of `claimed` bytes can never fault. (Checked the other way round, a peer
+/// that shrinks its file between the size check and the seal leaves the server a
+/// mapping past the file's end, and the first copy there is a SIGBUS: row 55.)
+/// A file that was too small stays sealed; it is its sender's, who is told why.
 pub fn check_and_seal(fd: impl AsFd, claimed: u64) -> Result<(), MemfdCheckError> {
     let fd = fd.as_fd();
     let seals = rustix::fs::fcntl_get_seals(fd).map_err(|e| MemfdCheckError::NotMemfd(e.into()))?;
+    if !seals.contains(SealFlags::SHRINK) {
+        rustix::fs::fcntl_add_seals(fd, SealFlags::SHRINK)
+            .map_err(|e| MemfdCheckError::Unsealable(e.into()))?;
+    }
     let stat = rustix::fs::fstat(fd).map_err(|e| MemfdCheckError::Stat(e.into()))?;
     let actual = u64::try_from(stat.st_size).unwrap_or(0);
     if actual < claimed {
         return Err(MemfdCheckError::TooSmall { actual, claimed });
-    }
-    if !seals.contains(SealFlags::SHRINK) {
-        rustix::fs::fcntl_add_seals(fd, SealFlags::SHRINK)
-            .map_err(|e| MemfdCheckError::Unsealable(e.into()))?;
     }
     Ok(())
 }

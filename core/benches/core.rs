@@ -332,6 +332,7 @@ fn c7_node_ping() {
         cuda_devices: Err("none".into()),
         l2: None,
         connections: kvwarden_core::node::admission::ConnectionLimits::unbounded(),
+        mapped: kvwarden_core::node::mapped::MappedLimits::unbounded(),
     };
     let now = Instant::from_nanos(1_000_000_000);
     let mut node = Node::new(config, now).unwrap();

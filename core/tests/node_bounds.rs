@@ -209,3 +209,108 @@ fn row_44_a_tcp_peer_that_never_presents_the_token_is_cut_at_its_deadline() {
         "each once; the authenticated one never"
     );
 }
+
+// ------------------------------------------------------------------ row 57
+
+/// REGISTER `instance` server-driven with one memfd buffer of `nbytes`.
+fn register_bytes(instance: kvwarden_core::InstanceId, nbytes: u64) -> Op {
+    Op::RegisterKvCache {
+        instance,
+        buffers: vec![kvwarden_core::protocol::BufferSpec::Memfd {
+            fd_index: 0,
+            nbytes,
+        }],
+        model_name: "m".into(),
+        world_size: 1,
+    }
+}
+
+/// Row 57: the bytes of peers' memfds the server maps are capped per registration,
+/// per tenant and in all, each cap shown next to its control (the same registration
+/// within it, built); a refused registration leaves no entry and starts no build, and
+/// a freed context gives its bytes back.
+#[test]
+fn row_57_mapped_bytes_are_capped_per_instance_per_tenant_and_in_all() {
+    use kvwarden_core::node::mapped::MappedLimits;
+    const MIB: u64 = 1 << 20;
+    let mut h = Harness::with_mapped(MappedLimits::new(4 * MIB, Some(3 * MIB), Some(2 * MIB)));
+    let neighbour = ConnId(2);
+    h.connect(neighbour, Some(OWNER + 1), None);
+    let created = |h: &mut Harness, conn: ConnId, instance: u64, nbytes: u64| {
+        let request = h.send_on(conn, register_bytes(id(instance), nbytes), 1);
+        let [context] = h.builds()[..] else {
+            panic!("instance {instance}: one build")
+        };
+        h.build(context);
+        let _ = h.answer(request);
+        context
+    };
+    let refused = |h: &mut Harness, conn: ConnId, instance: u64, nbytes: u64| {
+        let request = h.send_on(conn, register_bytes(id(instance), nbytes), 1);
+        assert!(h.builds().is_empty(), "instance {instance}: nothing built");
+        let code = h.error(request);
+        assert!(
+            h.node
+                .status()
+                .instances
+                .iter()
+                .all(|v| v.instance != id(instance)),
+            "instance {instance}: no entry left behind"
+        );
+        code
+    };
+    // Per registration: 2 MiB is built (the control), 2 MiB and a byte never is.
+    let first = created(&mut h, ConnId(1), 1, 2 * MIB);
+    assert_eq!(
+        refused(&mut h, ConnId(1), 2, 2 * MIB + 1),
+        ErrorCode::BadArgs
+    );
+    // Per tenant: 1 MiB more fits the owner's 3 MiB, a byte more does not ...
+    created(&mut h, ConnId(1), 3, MIB);
+    assert_eq!(refused(&mut h, ConnId(1), 4, 1), ErrorCode::Overloaded);
+    // ... while the neighbour's tenant still registers, up to the total of 4 MiB.
+    created(&mut h, neighbour, 5, MIB);
+    assert_eq!(refused(&mut h, neighbour, 6, 1), ErrorCode::Overloaded);
+    let status = h.node.status();
+    assert_eq!(status.mapped_bytes, 4 * MIB);
+    assert_eq!(status.mapped_refused_total, 3);
+    let owner_tenant = status
+        .tenants
+        .iter()
+        .find(|t| t.view.name == format!("uid-{OWNER}"))
+        .expect("the owner's tenant");
+    assert_eq!(owner_tenant.mapped_bytes, 3 * MIB);
+    // Unregistering gives the bytes back: the neighbour's second registration fits now.
+    let request = h.send(Op::UnregisterKvCache { instance: id(1) });
+    assert_eq!(h.answer(request), rmpv::Value::from(true));
+    assert!(h.frees().iter().any(|(context, _, _)| *context == first));
+    assert_eq!(h.node.status().mapped_bytes, 2 * MIB);
+    created(&mut h, neighbour, 6, MIB);
+    assert_eq!(h.node.status().mapped_bytes, 3 * MIB);
+}
+
+/// Row 57: a build that fails gives its bytes back.
+#[test]
+fn row_57_a_failed_build_gives_its_mapped_bytes_back() {
+    use kvwarden_core::node::mapped::MappedLimits;
+    let mut h = Harness::with_mapped(MappedLimits::new(1 << 20, Some(1 << 20), None));
+    let request = h.send(register_bytes(id(1), 1 << 20));
+    let [context] = h.builds()[..] else {
+        panic!("one build")
+    };
+    assert_eq!(
+        h.node.status().mapped_bytes,
+        1 << 20,
+        "counted from the build on"
+    );
+    h.input(Input::BuildDone {
+        context,
+        result: Err(kvwarden_core::protocol::ProtocolError::new(
+            ErrorCode::BadArgs,
+            "not a memfd".to_string(),
+        )),
+    });
+    assert_eq!(h.error(request), ErrorCode::BadArgs);
+    assert_eq!(h.node.status().mapped_bytes, 0);
+    h.registered(id(2));
+}

@@ -69,6 +69,7 @@ fn config() -> NodeConfig {
         shutdown_drain: Duration::from_secs(10),
         cuda_devices: Err("none".into()),
         connections: kvwarden_core::node::admission::ConnectionLimits::unbounded(),
+        mapped: kvwarden_core::node::mapped::MappedLimits::unbounded(),
         l2: None,
     }
 }

@@ -311,6 +311,7 @@ fuzz_target!(|input: (bool, Vec<Step>)| {
         shutdown_drain: Duration::from_millis(500),
         cuda_devices: Err("none".into()),
         connections: kvwarden_core::node::admission::ConnectionLimits::unbounded(),
+        mapped: kvwarden_core::node::mapped::MappedLimits::unbounded(),
         l2: with_l2.then(|| L2NodeConfig {
             timeout: Duration::from_millis(50),
             write_queue_bytes: 3 * 4096,

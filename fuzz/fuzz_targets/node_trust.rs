@@ -356,6 +356,7 @@ fuzz_target!(|steps: Vec<Step>| {
         shutdown_drain: Duration::from_millis(500),
         cuda_devices: Err("none".into()),
         connections: kvwarden_core::node::admission::ConnectionLimits::unbounded(),
+        mapped: kvwarden_core::node::mapped::MappedLimits::unbounded(),
         l2: None,
     };
     #[allow(unused_mut)]

@@ -95,6 +95,7 @@ fn config(socket_path: std::path::PathBuf) -> ServerConfig {
         max_connections_per_uid: None,
         frame_timeout: Duration::from_secs(10),
         allow_hugetlb_buffers: false,
+        mapped: kvwarden_core::node::mapped::MappedLimits::unbounded(),
         free_watchdog: Duration::from_secs(10),
         pool_threads: 1,
         l2: None,

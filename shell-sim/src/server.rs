@@ -393,6 +393,7 @@ impl Server {
             cuda_devices: Err("the simulator has no CUDA".to_string()),
             l2: self.spec.l2.node_config(),
             connections: kvwarden_core::node::admission::ConnectionLimits::unbounded(),
+            mapped: kvwarden_core::node::mapped::MappedLimits::unbounded(),
         };
         #[allow(unused_mut)]
         let mut node = Node::new(config, instant(now)).map_err(|error| error.to_string())?;

@@ -330,9 +330,9 @@ pub enum PeerAction {
         process: ProcessKey,
     },
     /// `conn` promised to send no more fds (`hello` with `sends_fds: false`, over the
-    /// Unix socket): read it with plain `read(2)` from here on, cheaper than
-    /// `recvmsg(2)`; the kernel drops any fd sent on it after all. Once per connection,
-    /// before that `hello`'s reply. A shell that goes on with `recvmsg` is correct too.
+    /// Unix socket): have the kernel refuse fds on it and read it with plain `read(2)`
+    /// from then on, cheaper than `recvmsg(2)`. Once per connection, before that
+    /// `hello`'s reply. A shell that goes on with `recvmsg` is correct too.
     ReadWithoutFds {
         /// The connection.
         conn: ConnId,
@@ -414,6 +414,13 @@ pub enum Note {
         instance: InstanceId,
         /// Why.
         error: ProtocolError,
+    },
+    /// A registration was refused: its memfd buffers pass a cap on mapped bytes.
+    OverMappedCap {
+        /// The instance.
+        instance: InstanceId,
+        /// Which cap, by how much.
+        over: super::mapped::OverCap,
     },
     /// The node saw no input for `gap`: the server itself was stalled.
     Stall {

@@ -31,6 +31,7 @@ mod frees;
 mod io;
 pub mod l1;
 pub mod l2;
+pub mod mapped;
 mod ops;
 mod outcomes;
 mod transfer;
@@ -102,6 +103,8 @@ pub struct NodeConfig {
     pub l2: Option<L2NodeConfig>,
     /// Connections held at once, all together and per uid ([`Node::admits`]).
     pub connections: admission::ConnectionLimits,
+    /// Bytes of peers' memfds the server maps, in all, per tenant, per instance.
+    pub mapped: mapped::MappedLimits,
 }
 
 /// Where a reply goes.
@@ -211,6 +214,8 @@ pub struct Node {
     l2: Option<L2Tier>,
     trust: Trust,
     admission: admission::Admission,
+    /// Bytes of peers' memfds mapped, under their caps.
+    mapped: mapped::Mapped,
     length_mismatches: u64,
     #[cfg(feature = "planted-bugs")]
     bug: Option<PlantedBug>,
@@ -285,6 +290,7 @@ impl Node {
             l2,
             trust,
             admission: admission::Admission::new(config.connections),
+            mapped: mapped::Mapped::new(config.mapped),
             length_mismatches: 0,
             config,
             liveness,
@@ -521,6 +527,7 @@ mod tests {
             cuda_devices: Err("none".into()),
             l2: None,
             connections: crate::node::admission::ConnectionLimits::unbounded(),
+            mapped: crate::node::mapped::MappedLimits::unbounded(),
         };
         Node::new(config, Instant::ZERO).unwrap()
     }

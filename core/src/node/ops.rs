@@ -379,17 +379,19 @@ impl Node {
                              only over the Unix socket (SCM_RIGHTS); this connection is TCP"
                         ))));
                     }
+                    // The promise holds whether or not the kernel could enforce it.
+                    if self.conns.get(&to.conn).is_some_and(|c| !c.sends_fds) {
+                        return Some(Err(bad_args(format!(
+                            "register_kv_cache: buffers[{index}] is a memfd, but this connection \
+                             said `sends_fds: false` in `hello`, so the server takes no fd on it \
+                             (the kernel refuses them); register over a connection that sends fds"
+                        ))));
+                    }
                     if usize::try_from(*fd_index).map_or(true, |i| i >= fds) {
-                        let fix = if self.conns.get(&to.conn).is_some_and(|c| !c.sends_fds) {
-                            "this connection said `sends_fds: false` in `hello`, so the \
-                             server reads it without SCM_RIGHTS and the kernel drops any fd \
-                             sent on it; register over a connection that sends fds"
-                        } else {
-                            "send the memfds as SCM_RIGHTS with the frame's first byte"
-                        };
                         return Some(Err(bad_args(format!(
                             "register_kv_cache: buffers[{index}].fd_index {fd_index} names an fd \
-                             this frame did not carry (it carried {fds}); {fix}"
+                             this frame did not carry (it carried {fds}); send the memfds as \
+                             SCM_RIGHTS with the frame's first byte"
                         ))));
                     }
                 }
@@ -439,6 +441,24 @@ impl Node {
                 None
             }
             Registration::Build(ticket) => {
+                let context = ContextId(self.next_id());
+                let bytes = mapped_bytes(&buffers);
+                if let Err(over) = self.mapped.charge(context, tenant, bytes) {
+                    // Nothing was built: the entry goes as after a failed build.
+                    self.liveness.context_build_failed(now, ticket);
+                    self.drain_effects();
+                    self.forget_if_gone(instance);
+                    self.note(Note::OverMappedCap { instance, over });
+                    let code = if over.may_fit_later() {
+                        ErrorCode::Overloaded
+                    } else {
+                        ErrorCode::BadArgs
+                    };
+                    return Some(Err(ProtocolError::new(
+                        code,
+                        format!("{}: {over}", to.op.name()),
+                    )));
+                }
                 self.records.insert(
                     (instance, module),
                     EntryDetails {
@@ -448,7 +468,6 @@ impl Node {
                         model_name: model_name.clone(),
                     },
                 );
-                let context = ContextId(self.next_id());
                 self.builds.start(context, ticket, to);
                 self.start_job(to.conn);
                 self.outputs.push_back(Output::Job(Job::Build {
@@ -605,4 +624,16 @@ pub(super) fn too_many_held(op: &str, instance: InstanceId) -> ProtocolError {
              what it holds, then retry"
         ),
     )
+}
+
+/// Bytes of peers' files a registration makes the server map: its memfd buffers' sizes
+/// (a CUDA IPC buffer maps device memory its exporter pays for).
+fn mapped_bytes(buffers: &[BufferSpec]) -> u64 {
+    buffers
+        .iter()
+        .map(|spec| match spec {
+            BufferSpec::Memfd { nbytes, .. } => *nbytes,
+            BufferSpec::CudaIpc { .. } => 0,
+        })
+        .fold(0, u64::saturating_add)
 }

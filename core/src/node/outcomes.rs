@@ -28,6 +28,7 @@ impl Node {
                 None => return, // planted: the built context is dropped unanswered
             },
             Err(error) => {
+                self.mapped.release(context);
                 self.note(Note::BuildFailed {
                     instance,
                     error: error.clone(),
@@ -444,6 +445,7 @@ impl Node {
         label: &'static str,
     ) {
         self.contexts.remove(&context);
+        self.mapped.release(context);
         self.frees.count(label);
         if self.shutdown.is_some() {
             self.freed_at_shutdown += 1;
@@ -549,6 +551,7 @@ mod tests {
             cuda_devices: Err("none".into()),
             l2: None,
             connections: crate::node::admission::ConnectionLimits::unbounded(),
+            mapped: crate::node::mapped::MappedLimits::unbounded(),
         };
         Node::new(config, at(0.0)).unwrap()
     }

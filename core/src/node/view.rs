@@ -75,6 +75,12 @@ pub struct NodeStatus {
     /// `retrieve`s (and batch items) answered as a miss because the stored value's
     /// length differs from the destination's.
     pub retrieve_length_mismatches: u64,
+    /// Bytes of peers' memfds mapped now, all registrations together.
+    pub mapped_bytes: u64,
+    /// The caps on them.
+    pub mapped_limits: super::mapped::MappedLimits,
+    /// Registrations refused for a cap on mapped bytes.
+    pub mapped_refused_total: u64,
 }
 
 /// One tenant's figures.
@@ -86,6 +92,8 @@ pub struct TenantStatus {
     pub slots_used: usize,
     /// Its quota in slots now.
     pub quota_slots: usize,
+    /// Bytes of its registrations' memfds the server maps.
+    pub mapped_bytes: u64,
 }
 
 impl Node {
@@ -148,10 +156,14 @@ impl Node {
                 .map(|view| TenantStatus {
                     slots_used: self.l1.tenant_slots(view.tenant),
                     quota_slots: self.l1.quota_slots(view.tenant),
+                    mapped_bytes: self.mapped.of_tenant(view.tenant),
                     view,
                 })
                 .collect(),
             retrieve_length_mismatches: self.length_mismatches,
+            mapped_bytes: self.mapped.total(),
+            mapped_limits: self.mapped.limits(),
+            mapped_refused_total: self.mapped.refused(),
         }
     }
 }

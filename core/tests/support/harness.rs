@@ -75,6 +75,30 @@ impl Harness {
         l2: Option<L2NodeConfig>,
         connections: kvwarden_core::node::admission::ConnectionLimits,
     ) -> Harness {
+        Harness::with_caps(
+            num_slots,
+            l2,
+            connections,
+            kvwarden_core::node::mapped::MappedLimits::unbounded(),
+        )
+    }
+
+    /// As [`Harness::new`] without L2, with these caps on mapped memfd bytes.
+    pub fn with_mapped(mapped: kvwarden_core::node::mapped::MappedLimits) -> Harness {
+        Harness::with_caps(
+            4,
+            None,
+            kvwarden_core::node::admission::ConnectionLimits::unbounded(),
+            mapped,
+        )
+    }
+
+    fn with_caps(
+        num_slots: usize,
+        l2: Option<L2NodeConfig>,
+        connections: kvwarden_core::node::admission::ConnectionLimits,
+        mapped: kvwarden_core::node::mapped::MappedLimits,
+    ) -> Harness {
         let config = NodeConfig {
             liveness: Config {
                 reap_timeout: secs(30.0),
@@ -103,6 +127,7 @@ impl Harness {
             shutdown_drain: secs(10.0),
             cuda_devices: Err("no CUDA in tests".into()),
             connections,
+            mapped,
             l2,
         };
         let mut harness = Harness {

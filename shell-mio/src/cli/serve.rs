@@ -100,6 +100,23 @@ pub struct ServeArgs {
     /// memory, so a worker could exhaust the pool for every other process.
     #[arg(long)]
     allow_hugetlb_buffers: bool,
+    /// The most bytes of workers' memfd buffers the server maps, all registrations
+    /// together. A memfd may be sparse (free for its sender), yet every byte mapped is
+    /// the server's address space, and every page a retrieve writes into a hole is
+    /// charged to the server's memory: this bounds both. Past it a registration is
+    /// refused `overloaded`, naming the flag. CUDA IPC buffers are not counted (their
+    /// exporter pays for them).
+    #[arg(long, default_value = "64G", value_name = "BYTES", value_parser = super::parse_bytes)]
+    max_mapped_bytes: u64,
+    /// The most bytes of memfd buffers one tenant's registrations map (a uid's, or a
+    /// --tenant's) [default: three quarters of --max-mapped-bytes, so a quarter always
+    /// stays for the other tenants].
+    #[arg(long, value_name = "BYTES", value_parser = super::parse_bytes)]
+    max_mapped_bytes_per_tenant: Option<u64>,
+    /// The most bytes of memfd buffers one registration maps; a larger one is refused
+    /// `bad_args` [default: --max-mapped-bytes-per-tenant].
+    #[arg(long, value_name = "BYTES", value_parser = super::parse_bytes)]
+    max_mapped_bytes_per_instance: Option<u64>,
     /// A context free still running after this long is logged and counted
     /// (kvwarden_frees_hung_total); it never blocks pings or other frees.
     #[arg(long, default_value_t = 10.0, value_name = "SECONDS")]
@@ -608,6 +625,11 @@ fn server_config(args: ServeArgs) -> Result<ServerConfig, String> {
         max_connections_per_uid: args.max_connections_per_uid,
         frame_timeout,
         allow_hugetlb_buffers: args.allow_hugetlb_buffers,
+        mapped: kvwarden_core::node::mapped::MappedLimits::new(
+            args.max_mapped_bytes,
+            args.max_mapped_bytes_per_tenant,
+            args.max_mapped_bytes_per_instance,
+        ),
         free_watchdog,
         pool_threads: args.pool_threads,
         l2,
@@ -617,6 +639,13 @@ fn server_config(args: ServeArgs) -> Result<ServerConfig, String> {
 
 /// Runs the server until SIGTERM/SIGINT.
 pub fn run(args: ServeArgs) -> ExitCode {
+    // Before any secret is read (token files, the L2 secret and password): no core dump
+    // of this process, no ptrace or /proc/<pid>/mem by its uid's other processes.
+    if let Err(error) =
+        rustix::process::set_dumpable_behavior(rustix::process::DumpableBehavior::NotDumpable)
+    {
+        tracing::warn!(%error, "PR_SET_DUMPABLE 0 failed: a core dump could carry secrets");
+    }
     let config = faults(&args).and_then(|faults| server_config(args).map(|c| (faults, c)));
     let config = match config {
         Ok(config) => config,

@@ -1,6 +1,7 @@
 //! One worker connection: bounded input and output buffers, `SCM_RIGHTS` fds matched to
 //! the frame whose first byte they arrived with, and the peer's credentials.
 
+use super::closer::PeerFd;
 use crate::protocol::{
     FrameError, LENGTH_PREFIX_BYTES, ProtocolError, encode_reply_into, parse_header,
 };
@@ -14,8 +15,16 @@ use std::collections::VecDeque;
 use std::io::{self, IoSliceMut, Read, Write};
 use std::mem::MaybeUninit;
 
-/// The most fds one `recvmsg` accepts; more are truncated by the kernel (and closed).
-pub const MAX_FDS_PER_READ: usize = 32;
+/// The most fds one `sendmsg` can carry (the kernel's `SCM_MAX_FD`): each `recvmsg` has
+/// room for all of them, because the kernel closes the fds a read has no room for on
+/// the reading thread, and a peer chooses how long that close takes (row 56).
+const RECV_FDS: usize = 253;
+/// fds a connection may hold before the event loop weighs them against its bounds
+/// (fewer need no judging).
+pub const JUDGED_AFTER_FDS: usize = 32;
+/// `SO_PASSRIGHTS` (Linux 6.16, the generic socket-option numbers): off, the kernel
+/// refuses `SCM_RIGHTS` sent to the socket (the sender's `sendmsg` fails with `EPERM`).
+const SO_PASSRIGHTS: libc::c_int = 83;
 /// Bytes read per system call.
 const READ_CHUNK_BYTES: usize = 64 * 1024;
 /// fds one connection may hold that no complete frame has taken yet: the most one frame
@@ -85,7 +94,19 @@ pub struct Frame<T> {
     pub body: T,
     /// fds that arrived with the frame's bytes, in arrival order (no allocation for a
     /// frame without any).
-    pub fds: Vec<OwnedFd>,
+    pub fds: Vec<PeerFd>,
+}
+
+/// How a Unix connection is read (see [`Connection::promise_no_fds`]).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum FdReads {
+    /// With `recvmsg`, taking the fds that come.
+    Recvmsg,
+    /// The kernel refuses fds from now on (`SO_PASSRIGHTS` off); what it queued before
+    /// is read with `recvmsg` until a read finds the queue empty.
+    Draining,
+    /// With plain `read`: no fd can be queued any more.
+    Plain,
 }
 
 /// What a read found.
@@ -125,7 +146,7 @@ pub struct Connection {
     /// with earlier segments (frames sent before, not yet read): the last byte, not
     /// the first, lies in the segment the fds came with, which starts the frame they
     /// belong to.
-    fds: VecDeque<(u64, OwnedFd)>,
+    fds: VecDeque<(u64, PeerFd)>,
     /// Replies are encoded straight into this buffer; `output[output_sent..]` waits to
     /// be sent. Emptied (capacity kept) once all of it is sent, so a ping's reply is
     /// written into memory the connection already holds.
@@ -145,14 +166,13 @@ pub struct Connection {
     /// Whether writable readiness is registered for the socket: only while output
     /// waits on a full socket buffer.
     pub writable_interest: bool,
-    /// Whether reads ask for `SCM_RIGHTS` (`recvmsg`): on a Unix connection until it
-    /// promises to send no more fds (the node's [`ReadWithoutFds`]); from then on it is
-    /// read with plain `read`, as TCP is. An fd sent after the promise is closed by the
-    /// kernel unread, and the read that dropped it ends early, so the frames behind it
-    /// wait for the connection's next bytes: only a peer that broke its word waits.
+    /// How reads go: with `recvmsg` until the peer promises to send no more fds (the
+    /// node's [`ReadWithoutFds`]), then with plain `read` once the kernel refuses fds to
+    /// the socket and every fd queued before that was taken
+    /// ([`Connection::promise_no_fds`]).
     ///
     /// [`ReadWithoutFds`]: kvwarden_core::node::PeerAction::ReadWithoutFds
-    pub reads_fds: bool,
+    fd_reads: FdReads,
     /// When the frame now arriving began: its first byte was read (or, for the first
     /// frame, the connection was accepted). None while no partial frame is buffered.
     frame_started: Option<std::time::Instant>,
@@ -184,10 +204,40 @@ impl Connection {
             max_output_bytes,
             close_after_flush: false,
             writable_interest: false,
-            reads_fds: true,
+            fd_reads: FdReads::Recvmsg,
             frame_started: Some(std::time::Instant::now()),
             counted_memory: 0,
         }
+    }
+
+    /// The peer promised to send no more fds: from now on the kernel refuses them
+    /// (`SO_PASSRIGHTS` off, Linux 6.16) and, once what was queued before is read, the
+    /// connection is read with plain `read`, as TCP is. On an older kernel it stays on
+    /// `recvmsg`: an fd sent anyway then arrives, matches no frame, and is closed off
+    /// the loop as a stray. (A plain `read` over a queued fd would make the kernel close
+    /// it on this thread.) Returns whether the kernel refuses fds now.
+    pub fn promise_no_fds(&mut self) -> bool {
+        let Stream::Unix(stream) = &self.stream else {
+            return false;
+        };
+        if self.fd_reads != FdReads::Recvmsg {
+            return true;
+        }
+        let off: libc::c_int = 0;
+        // SAFETY: a valid socket fd and a c_int option value of the size passed.
+        let refused = unsafe {
+            libc::setsockopt(
+                std::os::fd::AsRawFd::as_raw_fd(stream),
+                libc::SOL_SOCKET,
+                SO_PASSRIGHTS,
+                std::ptr::from_ref(&off).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        } == 0;
+        if refused {
+            self.fd_reads = FdReads::Draining;
+        }
+        refused
     }
 
     /// fds received that no complete frame has taken yet.
@@ -257,10 +307,12 @@ impl Connection {
             let mut ancillary = false;
             let read = match &mut self.stream {
                 Stream::Tcp(stream) => stream.read(&mut chunk[..want]),
-                Stream::Unix(stream) if !self.reads_fds => stream.read(&mut chunk[..want]),
+                Stream::Unix(stream) if self.fd_reads == FdReads::Plain => {
+                    stream.read(&mut chunk[..want])
+                }
                 Stream::Unix(stream) => {
                     let mut space =
-                        [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS_PER_READ))];
+                        [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(RECV_FDS))];
                     let mut control = RecvAncillaryBuffer::new(&mut space);
                     let mut iov = [IoSliceMut::new(&mut chunk[..want])];
                     let result = rustix::net::recvmsg(
@@ -276,11 +328,17 @@ impl Connection {
                                 ancillary = true;
                                 if let RecvAncillaryMessage::ScmRights(fds) = item {
                                     for fd in fds {
-                                        self.fds.push_back((last, fd));
+                                        self.fds.push_back((last, PeerFd::new(fd)));
                                     }
                                 }
                             }
+                            // Draining reads on until a read finds the queue empty.
+                            ancillary |= self.fd_reads == FdReads::Draining;
                             Ok(message.bytes)
+                        }
+                        Err(rustix::io::Errno::AGAIN) if self.fd_reads == FdReads::Draining => {
+                            self.fd_reads = FdReads::Plain;
+                            Err(io::Error::from(rustix::io::Errno::AGAIN))
                         }
                         Err(errno) => Err(io::Error::from(errno)),
                     }
@@ -486,20 +544,26 @@ mod tests {
     use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
 
     fn send(socket: &std::os::unix::net::UnixStream, bytes: &[u8], fds: &[OwnedFd]) {
+        assert_eq!(try_send(socket, bytes, fds), Ok(bytes.len()));
+    }
+
+    fn try_send(
+        socket: &std::os::unix::net::UnixStream,
+        bytes: &[u8],
+        fds: &[OwnedFd],
+    ) -> rustix::io::Result<usize> {
         let borrowed: Vec<_> = fds.iter().map(rustix::fd::AsFd::as_fd).collect();
         let mut space = vec![MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(fds.len()))];
         let mut control = SendAncillaryBuffer::new(&mut space);
         if !borrowed.is_empty() {
             assert!(control.push(SendAncillaryMessage::ScmRights(&borrowed)));
         }
-        let sent = rustix::net::sendmsg(
+        rustix::net::sendmsg(
             socket,
             &[io::IoSlice::new(bytes)],
             &mut control,
             SendFlags::empty(),
         )
-        .unwrap();
-        assert_eq!(sent, bytes.len());
     }
 
     fn connection() -> (Connection, std::os::unix::net::UnixStream) {
@@ -565,36 +629,54 @@ mod tests {
         );
     }
 
-    /// A connection that promised no more fds is read with plain `read`: its bytes
-    /// come through whole, and an fd sent anyway never reaches the server (the kernel
-    /// closes it). The same send on a connection read with `recvmsg` delivers the fd.
+    /// A promise of no more fds makes the kernel refuse them (the sender's `sendmsg`
+    /// fails with `EPERM`) and the connection is read with plain `read` once the queue
+    /// was found empty; an fd queued before the promise is still taken by a `recvmsg`
+    /// (a plain `read` would make the kernel close it on the reading thread) and goes
+    /// with its frame. On a kernel without `SO_PASSRIGHTS` the late fd arrives too.
     #[test]
-    fn a_connection_read_without_fds_gets_every_byte_and_never_an_fd() {
-        for reads_fds in [true, false] {
-            let (mut connection, peer) = connection();
-            connection.reads_fds = reads_fds;
-            let frames: Vec<Vec<u8>> = (0u8..3).map(|n| encode_frame(&[n; 3])).collect();
-            send(&peer, &frames[0], &[]);
-            send(
-                &peer,
-                &frames[1],
-                &[crate::memfd::create("fd", 16).unwrap()],
+    fn a_promise_of_no_fds_makes_the_kernel_refuse_them_and_queued_ones_are_taken() {
+        let (mut connection, peer) = connection();
+        let frames: Vec<Vec<u8>> = (0u8..3).map(|n| encode_frame(&[n; 3])).collect();
+        send(
+            &peer,
+            &frames[0],
+            &[crate::memfd::create("fd", 16).unwrap()],
+        );
+        let refused = connection.promise_no_fds();
+        assert_eq!(connection.fd_reads != FdReads::Recvmsg, refused);
+        let late = [crate::memfd::create("late", 16).unwrap()];
+        let sent = try_send(&peer, &frames[1], &late);
+        if refused {
+            assert_eq!(
+                sent,
+                Err(rustix::io::Errno::PERM),
+                "the kernel refuses the fd"
             );
-            send(&peer, &frames[2], &[]);
-            read_all(&mut connection);
-            for n in 0u8..3 {
-                let frame = connection
-                    .next_frame(1024, <[u8]>::to_vec)
-                    .unwrap()
-                    .expect("a buffered frame");
-                assert_eq!(frame.body, vec![n; 3], "reads_fds {reads_fds}");
-                let expected = usize::from(reads_fds && n == 1);
-                assert_eq!(
-                    frame.fds.len(),
-                    expected,
-                    "reads_fds {reads_fds}, frame {n}"
-                );
-            }
+            send(&peer, &frames[1], &[]);
+        } else {
+            assert_eq!(sent, Ok(frames[1].len()));
+        }
+        send(&peer, &frames[2], &[]);
+        read_all(&mut connection);
+        let expected_mode = if refused {
+            FdReads::Plain
+        } else {
+            FdReads::Recvmsg
+        };
+        assert_eq!(connection.fd_reads, expected_mode);
+        for n in 0u8..3 {
+            let frame = connection
+                .next_frame(1024, <[u8]>::to_vec)
+                .unwrap()
+                .expect("a buffered frame");
+            assert_eq!(frame.body, vec![n; 3]);
+            let expected = match n {
+                0 => 1,
+                1 => usize::from(!refused),
+                _ => 0,
+            };
+            assert_eq!(frame.fds.len(), expected, "frame {n}");
         }
     }
 

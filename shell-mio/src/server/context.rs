@@ -4,10 +4,11 @@
 //! The shell keeps each context under the node's `ContextId` until the node says
 //! `Job::Free`; the node never frees a context while a copy uses it.
 
+use super::closer::PeerFd;
 use crate::cuda::{Gpu, IPC_HANDLE_BYTES, IpcMapping};
 use crate::memfd::{self, SharedMapping};
 use crate::protocol::{BufferSpec, ErrorCode, ProtocolError};
-use rustix::fd::OwnedFd;
+use rustix::fd::AsFd;
 use std::sync::Arc;
 
 /// What the server holds for a server-driven entry: the buffers it registered. (An
@@ -119,7 +120,7 @@ impl RegisteredBuffer {
 #[derive(Debug)]
 pub struct BuildRequest {
     /// The specs, each with its fd when it is a memfd.
-    pub buffers: Vec<(BufferSpec, Option<OwnedFd>)>,
+    pub buffers: Vec<(BufferSpec, Option<PeerFd>)>,
     /// The model name.
     pub model_name: String,
     /// The GPUs, when the request has `cuda_ipc` buffers (checked before the build).
@@ -133,18 +134,26 @@ const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
 
 /// Whether `fd` lives on hugetlbfs (`memfd_create(MFD_HUGETLB)`): its pages come from
 /// the node's huge-page pool, reserved by the server's mapping and charged to it.
-fn on_hugetlbfs(fd: &OwnedFd) -> bool {
+fn on_hugetlbfs(fd: impl AsFd) -> bool {
     #[allow(clippy::useless_conversion, clippy::unnecessary_cast)] // f_type's width varies
     rustix::fs::fstatfs(fd).is_ok_and(|fs| i64::from(fs.f_type as i64) == HUGETLBFS_MAGIC)
 }
 
 /// Builds a server-driven context: checks and seals each memfd, then maps it. Runs on
-/// the context pool, never on the event loop.
+/// the context pool, never on the event loop. What a peer sent is asked first whether
+/// it is a memfd (`F_GET_SEALS`, which no file system is consulted for) and nothing else
+/// is done with an fd of another kind; every fd goes to a closer thread when dropped.
 pub fn build(request: BuildRequest) -> Result<Context, ProtocolError> {
     let mut buffers = Vec::with_capacity(request.buffers.len());
     for (index, (spec, fd)) in request.buffers.into_iter().enumerate() {
         match (spec, fd) {
             (BufferSpec::Memfd { nbytes, .. }, Some(fd)) => {
+                memfd::check_and_seal(&fd, nbytes).map_err(|e| {
+                    ProtocolError::new(
+                        ErrorCode::BadArgs,
+                        format!("register_kv_cache: buffers[{index}]: {e}"),
+                    )
+                })?;
                 if !request.allow_hugetlb && on_hugetlbfs(&fd) {
                     return Err(ProtocolError::new(
                         ErrorCode::BadArgs,
@@ -156,12 +165,6 @@ pub fn build(request: BuildRequest) -> Result<Context, ProtocolError> {
                         ),
                     ));
                 }
-                memfd::check_and_seal(&fd, nbytes).map_err(|e| {
-                    ProtocolError::new(
-                        ErrorCode::BadArgs,
-                        format!("register_kv_cache: buffers[{index}]: {e}"),
-                    )
-                })?;
                 let len = usize::try_from(nbytes).map_err(|_| {
                     ProtocolError::new(
                         ErrorCode::BadArgs,

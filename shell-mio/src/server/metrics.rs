@@ -102,6 +102,12 @@ pub struct Metrics {
     /// Retrieves (and batch items) answered as a miss for a stored value of another
     /// length than the destination's (set at scrape).
     pub retrieve_length_mismatches: Counter,
+    /// Bytes of workers' memfds the server maps (set at scrape).
+    pub mapped_bytes: Gauge,
+    /// Registrations refused for a cap on mapped bytes (set at scrape).
+    pub mapped_refused: Counter,
+    /// fds peers handed over, not closed yet (set at scrape).
+    pub closes_pending: Gauge,
     /// L1 slots charged to each tenant, and its quota, by `tenant` and `state`
     /// (`used`, `quota`; set at scrape).
     pub tenant_slots: Family<Labels2, Gauge>,
@@ -192,6 +198,9 @@ impl Metrics {
             instances_by_death_notice: Family::default(),
             forbidden: Counter::default(),
             retrieve_length_mismatches: Counter::default(),
+            mapped_bytes: Gauge::default(),
+            mapped_refused: Counter::default(),
+            closes_pending: Gauge::default(),
             tenant_slots: Family::default(),
             l2: None,
             registry: Registry::default(),
@@ -300,6 +309,25 @@ impl Metrics {
             "Retrieves answered as a miss because the stored value's length differs from \
              the destination's (nothing was written)",
             metrics.retrieve_length_mismatches.clone(),
+        );
+        registry.register(
+            "mapped_bytes",
+            "Bytes of workers' memfds the server maps, all registrations together (capped \
+             by --max-mapped-bytes; pages a copy writes into a sparse one are charged to \
+             the server)",
+            metrics.mapped_bytes.clone(),
+        );
+        registry.register(
+            "mapped_refused",
+            "Registrations refused because their memfd buffers passed a cap on mapped \
+             bytes (per instance, per tenant, or in all)",
+            metrics.mapped_refused.clone(),
+        );
+        registry.register(
+            "closes_pending",
+            "fds workers handed over that the closer threads have not closed yet (a \
+             steady rise: a peer's files take long to close)",
+            metrics.closes_pending.clone(),
         );
         registry.register(
             "tenant_slots",

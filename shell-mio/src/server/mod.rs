@@ -6,6 +6,7 @@
 //! node outputs ↔ replies, pool jobs and syscalls. Every rule lives in the node.
 
 pub mod blend;
+pub mod closer;
 pub mod connection;
 pub mod context;
 mod event_loop;
@@ -68,6 +69,9 @@ pub struct ServerConfig {
     pub frame_timeout: Duration,
     /// Memfd buffers on hugetlbfs are accepted (`--allow-hugetlb-buffers`).
     pub allow_hugetlb_buffers: bool,
+    /// The caps on workers' memfd bytes mapped (`--max-mapped-bytes`, per tenant, per
+    /// instance).
+    pub mapped: kvwarden_core::node::mapped::MappedLimits,
     /// A free running longer than this is reported.
     pub free_watchdog: Duration,
     /// Threads for builds and copies.

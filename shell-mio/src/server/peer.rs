@@ -4,7 +4,7 @@
 //! when that process exits. A closed connection proves nothing; an exited process does.
 
 use kvwarden_core::node;
-use rustix::fd::{AsRawFd, OwnedFd};
+use rustix::fd::{AsFd, AsRawFd, OwnedFd};
 use std::collections::HashMap;
 
 /// The peer credentials of a Unix-socket connection and a pidfd of its process.
@@ -62,7 +62,8 @@ pub struct Process {
 const PIDFS_MAGIC: i64 = 0x5049_4446;
 
 /// The pidfs inode of `pidfd`, on kernels whose pidfds live on pidfs.
-fn pidfs_key(pidfd: &OwnedFd) -> Option<ProcessIdentity> {
+fn pidfs_key(pidfd: impl AsFd) -> Option<ProcessIdentity> {
+    let pidfd = pidfd.as_fd();
     let fs = rustix::fs::fstatfs(pidfd).ok()?;
     #[allow(clippy::useless_conversion, clippy::unnecessary_cast)] // f_type's width varies
     if i64::from(fs.f_type as i64) != PIDFS_MAGIC {
@@ -76,8 +77,8 @@ fn pidfs_key(pidfd: &OwnedFd) -> Option<ProcessIdentity> {
 /// The `Pid:` line of `/proc/self/fdinfo/<fd>`: the process a pidfd names, in the PID
 /// namespace of this `/proc` (0: not visible there; -1: it has exited). None when the
 /// fd is not a pidfd; Err when `/proc` cannot be read.
-fn pidfd_pid(fd: &OwnedFd) -> std::io::Result<Option<i32>> {
-    let path = format!("/proc/self/fdinfo/{}", fd.as_raw_fd());
+fn pidfd_pid(fd: impl AsFd) -> std::io::Result<Option<i32>> {
+    let path = format!("/proc/self/fdinfo/{}", fd.as_fd().as_raw_fd());
     let text = std::fs::read_to_string(path)?;
     Ok(text
         .lines()
@@ -95,7 +96,7 @@ fn pidfd_pid(fd: &OwnedFd) -> std::io::Result<Option<i32>> {
 /// to its uid.
 pub fn check_peer_pidfd(
     peer: &super::connection::Peer,
-    pidfd: &OwnedFd,
+    pidfd: &impl AsFd,
     index: u64,
     connection: mio::Token,
 ) -> Result<Process, String> {
@@ -374,7 +375,7 @@ mod tests {
             process.pid, None,
             "its pid is not shown: it is not the peer's view"
         );
-        let expected = pidfs_key(&other.pidfd()).unwrap_or(ProcessIdentity::Connection(9));
+        let expected = pidfs_key(other.pidfd()).unwrap_or(ProcessIdentity::Connection(9));
         assert_eq!(process.key, expected);
         // Still only pidfds.
         let memfd = crate::memfd::create("not-a-pidfd", 16).unwrap();
@@ -387,7 +388,7 @@ mod tests {
         let mut processes = Processes::default();
         let peer = visible_peer();
         let by_pid = Process {
-            key: pidfs_key(&own_pidfd()).unwrap_or(ProcessIdentity::Pid(peer.pid.unwrap())),
+            key: pidfs_key(own_pidfd()).unwrap_or(ProcessIdentity::Pid(peer.pid.unwrap())),
             pid: peer.pid,
         };
         let from_peer = check_peer_pidfd(&peer, &own_pidfd(), 0, mio::Token(3)).unwrap();

@@ -30,6 +30,8 @@ pub struct StatusReport {
     pub connections: usize,
     /// File-descriptor and connection limits.
     pub limits: LimitsStatus,
+    /// Bytes of workers' memfds the server maps, and their caps.
+    pub mapped: MappedStatus,
     /// Processes watched for their exit (pidfds).
     pub watched_processes: usize,
     /// Registered instances by how their process's death will be noticed.
@@ -109,6 +111,7 @@ pub struct TenantStatusReport {
     pub name: String,
     pub slots_used: usize,
     pub quota_slots: usize,
+    pub mapped_bytes: u64,
     pub quota_percent: Option<u32>,
     pub engine_driven: bool,
 }
@@ -203,6 +206,19 @@ pub struct LimitsStatus {
     pub open_files_hard: u64,
     pub connection_capacity: usize,
     pub max_connections: usize,
+    /// fds peers handed over that the closer threads have not closed yet.
+    pub closes_pending: usize,
+}
+
+/// The `mapped` section.
+#[derive(Clone, Debug, Serialize)]
+#[allow(missing_docs)] // the keys of docs/protocol.md's status section
+pub struct MappedStatus {
+    pub bytes: u64,
+    pub max_bytes: u64,
+    pub max_bytes_per_tenant: u64,
+    pub max_bytes_per_instance: u64,
+    pub refused_total: u64,
 }
 
 /// Instances by how their death will be noticed (`instances[].death_noticed_by`).
@@ -350,6 +366,14 @@ mod tests {
                 open_files_hard: 4096,
                 connection_capacity: 400,
                 max_connections: 1000,
+                closes_pending: 0,
+            },
+            mapped: MappedStatus {
+                bytes: 1 << 20,
+                max_bytes: 64 << 30,
+                max_bytes_per_tenant: 48 << 30,
+                max_bytes_per_instance: 48 << 30,
+                refused_total: 0,
             },
             watched_processes: 0,
             instances_by_death_notice: DeathNoticeCounts {
@@ -380,6 +404,7 @@ mod tests {
                 name: "uid-1000".into(),
                 slots_used: 0,
                 quota_slots: 8,
+                mapped_bytes: 1 << 20,
                 quota_percent: None,
                 engine_driven: true,
             }],

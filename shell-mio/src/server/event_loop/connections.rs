@@ -1,6 +1,7 @@
 //! Connections: accepting, bounded reads, frames, replies and flushing.
 
 use super::*;
+use crate::server::closer;
 
 impl Server {
     // ---------------------------------------------------------------- connections
@@ -17,6 +18,7 @@ impl Server {
                 "refusing a connection: {refused}"
             );
             self.cut(transport, refused.label());
+            closer::close_stream(stream);
             return;
         }
         let token = self.token();
@@ -30,6 +32,7 @@ impl Server {
             .register(stream.source(), token, interest)
         {
             tracing::warn!(%error, "registering a connection failed");
+            closer::close_stream(stream);
             return;
         }
         let transport = match stream {
@@ -111,6 +114,8 @@ impl Server {
             if let Some(key) = connection.peer.key {
                 self.processes.release(key);
             }
+            // Off the loop: the files still queued in a Unix socket go with it.
+            closer::close_stream(connection.stream);
             self.dirty.remove(&token);
             self.read_again.remove(&token);
             self.input(Input::Disconnected {
@@ -291,7 +296,7 @@ impl Server {
             let read = connection.read();
             let held_fds = connection.held_fds();
             // A read may have brought fds: past a bound, the connection is closed.
-            if read.is_ok() && held_fds > FDS_PER_READ && self.enforce_fd_bounds(token) {
+            if read.is_ok() && held_fds > JUDGED_AFTER_FDS && self.enforce_fd_bounds(token) {
                 return;
             }
             match read {

@@ -9,9 +9,8 @@
 
 use super::ServerConfig;
 use super::blend::RopeTables;
-use super::connection::{
-    Connection, Frame, MAX_FDS_PER_READ as FDS_PER_READ, MAX_HELD_FDS, ReadOutcome, Stream,
-};
+use super::closer::PeerFd;
+use super::connection::{Connection, Frame, JUDGED_AFTER_FDS, MAX_HELD_FDS, ReadOutcome, Stream};
 use super::context::Context;
 use super::gpu::GpuState;
 use super::http::{HttpConnection, Response, Route};
@@ -29,7 +28,7 @@ use kvwarden_core::{InstanceId, Instant};
 use mio::net::{TcpListener, UnixListener};
 use mio::{Events, Interest, Poll, Token};
 use rmpv::Value;
-use rustix::fd::OwnedFd;
+use rustix::fd::AsFd;
 use std::collections::VecDeque;
 
 /// The loop's maps are keyed by tokens and ids it hands out itself: a fast hash
@@ -162,7 +161,7 @@ pub struct Server {
     gpu: GpuState,
     /// The fds of the request being handed to the node, by (connection, request id):
     /// `Job::Build` takes them; the rest are closed once its outputs are carried out.
-    fd_stash: HashMap<(ConnId, u64), Vec<OwnedFd>>,
+    fd_stash: HashMap<(ConnId, u64), Vec<PeerFd>>,
     /// Built server-driven contexts, until the node says `Job::Free`.
     contexts: HashMap<ContextId, Arc<Context>>,
     /// Rope tables computed and not yet kept or discarded by the node.
@@ -323,6 +322,7 @@ impl Server {
                     config.max_connections_per_uid,
                     Some(config.frame_timeout),
                 ),
+                mapped: config.mapped,
             },
             Instant::ZERO,
         )?;

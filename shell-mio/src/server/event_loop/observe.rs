@@ -4,8 +4,8 @@ use super::*;
 use crate::protocol::PROTOCOL_VERSION;
 use crate::server::status::{
     BlendStatus, ContextsStatus, DeathNoticeCounts, FreedTotals, InstanceStatus, L1Status,
-    L2StatusReport, LimitsStatus, LivenessStatus, MAX_LISTED, StatusReport, TenantStatusReport,
-    TrustStatus,
+    L2StatusReport, LimitsStatus, LivenessStatus, MAX_LISTED, MappedStatus, StatusReport,
+    TenantStatusReport, TrustStatus,
 };
 use kvwarden_core::node::NodeStatus;
 
@@ -156,6 +156,11 @@ impl Server {
             metrics.mirror(l2.state.as_str(), &l2.counters);
         }
         Metrics::mirror(&self.metrics.forbidden, node.forbidden_total);
+        self.metrics.mapped_bytes.set(as_i64(node.mapped_bytes));
+        Metrics::mirror(&self.metrics.mapped_refused, node.mapped_refused_total);
+        self.metrics
+            .closes_pending
+            .set(as_i64(crate::server::closer::pending() as u64));
         Metrics::mirror(
             &self.metrics.retrieve_length_mismatches,
             node.retrieve_length_mismatches,
@@ -200,6 +205,7 @@ impl Server {
                 name: tenant.view.name.clone(),
                 slots_used: tenant.slots_used,
                 quota_slots: tenant.quota_slots,
+                mapped_bytes: tenant.mapped_bytes,
                 quota_percent: tenant.view.quota_percent,
                 engine_driven: tenant.view.engine_driven,
             })
@@ -266,6 +272,14 @@ impl Server {
                 open_files_hard: self.fd_limit.hard,
                 connection_capacity: self.fd_limit.connection_capacity(),
                 max_connections: self.config.max_connections,
+                closes_pending: crate::server::closer::pending(),
+            },
+            mapped: MappedStatus {
+                bytes: node.mapped_bytes,
+                max_bytes: node.mapped_limits.total_bytes,
+                max_bytes_per_tenant: node.mapped_limits.per_tenant_bytes,
+                max_bytes_per_instance: node.mapped_limits.per_instance_bytes,
+                refused_total: node.mapped_refused_total,
             },
             watched_processes: node.watched_processes,
             instances_by_death_notice: DeathNoticeCounts {

@@ -192,8 +192,14 @@ impl Server {
                 self.processes.unwatch(self.poll.registry(), process)
             }
             PeerAction::ReadWithoutFds { conn } => {
-                if let Some(connection) = self.connections.get_mut(&token_of(conn)) {
-                    connection.reads_fds = false;
+                if let Some(connection) = self.connections.get_mut(&token_of(conn))
+                    && !connection.promise_no_fds()
+                {
+                    tracing::debug!(
+                        token = conn.0,
+                        "this kernel cannot refuse fds to a socket (SO_PASSRIGHTS, Linux \
+                         6.16): the connection stays on recvmsg"
+                    );
                 }
             }
             PeerAction::Disconnect { conn, why } => {
@@ -251,7 +257,7 @@ impl Server {
         context: ContextId,
         module: Module,
         buffers: Vec<BufferSpec>,
-        fds: Vec<OwnedFd>,
+        fds: Vec<PeerFd>,
         model_name: String,
     ) {
         let delay = self.faults.build_delay();
@@ -350,6 +356,9 @@ impl Server {
             }
             Note::BuildFailed { instance, error } => {
                 tracing::warn!(%instance, %error, "building a context failed");
+            }
+            Note::OverMappedCap { instance, over } => {
+                tracing::warn!(%instance, cap = over.label(), "refusing a registration: {over}");
             }
             Note::Stall { gap } => tracing::warn!(
                 gap_seconds = gap.as_secs_f64(),
@@ -463,8 +472,8 @@ impl Server {
 /// name the same one).
 fn with_fds(
     buffers: Vec<BufferSpec>,
-    fds: Vec<OwnedFd>,
-) -> Result<Vec<(BufferSpec, Option<OwnedFd>)>, ProtocolError> {
+    fds: Vec<PeerFd>,
+) -> Result<Vec<(BufferSpec, Option<PeerFd>)>, ProtocolError> {
     let mut paired = Vec::with_capacity(buffers.len());
     for (index, spec) in buffers.into_iter().enumerate() {
         let fd = match &spec {
@@ -476,11 +485,12 @@ fn with_fds(
                          build without its fd"
                     )));
                 };
-                Some(fd.try_clone().map_err(|e| {
+                let copy = fd.as_fd().try_clone_to_owned().map_err(|e| {
                     internal(format!(
                         "register_kv_cache: duplicating buffers[{index}]'s fd failed: {e}"
                     ))
-                })?)
+                })?;
+                Some(PeerFd::new(copy))
             }
             BufferSpec::CudaIpc { .. } => None,
         };

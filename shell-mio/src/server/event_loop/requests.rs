@@ -84,7 +84,7 @@ impl Server {
         &mut self,
         token: Token,
         index: u64,
-        mut fds: Vec<OwnedFd>,
+        mut fds: Vec<PeerFd>,
     ) -> Result<Option<(kvwarden_core::node::ProcessKey, peer::DeathNotice)>, ProtocolError> {
         let bad_args = |message: String| ProtocolError::new(ErrorCode::BadArgs, message);
         let Some(position) = self.node.hello_pidfd(conn_id(token), index, fds.len())? else {
@@ -97,7 +97,7 @@ impl Server {
         let process =
             peer::check_peer_pidfd(&connection.peer, &pidfd, index, token).map_err(bad_args)?;
         tracing::debug!(token = token.0, pid = ?process.pid, key = ?process.key, "peer sent its pidfd");
-        connection.peer.pidfd = Some(pidfd);
+        connection.peer.pidfd = Some(pidfd.into_checked());
         connection.peer.pidfd_from_peer = true;
         connection.peer.process = Some(process);
         let previous = connection.peer.key.take();
