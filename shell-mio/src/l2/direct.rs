@@ -275,12 +275,68 @@ impl NodeConn {
             self.end -= self.start;
             self.start = 0;
         }
-        let read = self.stream.read(&mut self.buffer[self.end..])?;
+        let deadline = Instant::now() + self.timeout;
+        let end = self.end;
+        let read = self.receive(end, None, Some(deadline))?;
         if read == 0 {
             return Err(io::ErrorKind::UnexpectedEof.into());
         }
         self.end += read;
         Ok(())
+    }
+
+    /// One receive into `out` (or, with `out` None, into the read buffer from `at`),
+    /// given up (`TimedOut`) once `deadline` passes: every wait on the socket is bounded
+    /// by the time left. Over TLS, rustls's own stream would read on until a whole
+    /// record arrived, however long its bytes trickle in (a record of 16 KiB at a byte
+    /// per 40 ms is 11 minutes); here each socket read is one step, checked against the
+    /// deadline before it is made (row 59).
+    fn receive(
+        &mut self,
+        at: usize,
+        out: Option<&mut [u8]>,
+        deadline: Option<Instant>,
+    ) -> io::Result<usize> {
+        let out = match out {
+            Some(out) => out,
+            None => &mut self.buffer[at..],
+        };
+        if let Stream::Plain(tcp) = &mut self.stream {
+            if let Some(deadline) = deadline {
+                bound_receive(tcp, &mut self.read_timeout, deadline)?;
+            }
+            return tcp.read(out);
+        }
+        let Stream::Tls(tls) = &mut self.stream else {
+            unreachable!("a stream is plain or TLS");
+        };
+        loop {
+            match tls.conn.reader().read(out) {
+                Ok(read) => return Ok(read),
+                Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
+                Err(error) => return Err(error),
+            }
+            if let Some(deadline) = deadline {
+                bound_receive(&tls.sock, &mut self.read_timeout, deadline)?;
+            }
+            let arrived = tls.conn.read_tls(&mut tls.sock)?;
+            tls.conn
+                .process_new_packets()
+                .map_err(|error| io::Error::new(io::ErrorKind::InvalidData, error))?;
+            while tls.conn.wants_write() {
+                tls.conn.write_tls(&mut tls.sock)?;
+            }
+            if arrived == 0 {
+                // The peer closed: what rustls decrypted is read above, then the end.
+                return match tls.conn.reader().read(out) {
+                    Ok(read) => Ok(read),
+                    Err(error) if error.kind() == io::ErrorKind::WouldBlock => {
+                        Err(io::ErrorKind::UnexpectedEof.into())
+                    }
+                    Err(error) => Err(error),
+                };
+            }
+        }
     }
 
     /// The next line (without its CRLF).
@@ -343,10 +399,8 @@ impl NodeConn {
         let mut filled = buffered;
         let result = (|| {
             while filled < out.len() {
-                if let Some(deadline) = deadline {
-                    self.bound_receive(deadline)?;
-                }
-                let read = self.stream.read(&mut out[filled..])?;
+                let deadline = deadline.unwrap_or_else(|| Instant::now() + self.timeout);
+                let read = self.receive(0, Some(&mut out[filled..]), Some(deadline))?;
                 if read == 0 {
                     return Err(io::ErrorKind::UnexpectedEof.into());
                 }
@@ -360,20 +414,6 @@ impl NodeConn {
             self.stream.tcp().set_read_timeout(Some(self.timeout))?;
         }
         result
-    }
-
-    /// Lowers the socket's read timeout towards `deadline` (halving steps, so that a
-    /// payload arriving at speed costs no system call); `TimedOut` once it passed.
-    fn bound_receive(&mut self, deadline: Instant) -> io::Result<()> {
-        let left = deadline
-            .checked_duration_since(Instant::now())
-            .filter(|left| !left.is_zero())
-            .ok_or(io::ErrorKind::TimedOut)?;
-        if left < self.read_timeout / 2 {
-            self.read_timeout = left;
-            self.stream.tcp().set_read_timeout(Some(left))?;
-        }
-        Ok(())
     }
 
     /// Skips the last `nbytes` of a bulk string and its CRLF.
@@ -575,6 +615,25 @@ impl Direct {
         conn.as_mut()
             .ok_or_else(|| io::Error::other("no connection"))
     }
+}
+
+/// Lowers `tcp`'s read timeout (now `read_timeout`) towards `deadline`, in halving
+/// steps so that a payload arriving at speed costs no system call; `TimedOut` once the
+/// deadline passed.
+fn bound_receive(
+    tcp: &TcpStream,
+    read_timeout: &mut Duration,
+    deadline: Instant,
+) -> io::Result<()> {
+    let left = deadline
+        .checked_duration_since(Instant::now())
+        .filter(|left| !left.is_zero())
+        .ok_or(io::ErrorKind::TimedOut)?;
+    if left < *read_timeout / 2 {
+        *read_timeout = left;
+        tcp.set_read_timeout(Some(left))?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
