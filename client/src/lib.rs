@@ -22,9 +22,14 @@
 //! registration is ever re-created and no ping ever follows this worker's own
 //! unregister.
 //!
-//! The heartbeat and the engine's transfers share one connection. Its lock is fair
-//! (FIFO hand-off): a ping that falls due during a stream of transfers goes out after
-//! the transfer in progress, instead of waiting until the stream ends.
+//! The heartbeat pings on a connection of its own (attached like the worker's): a
+//! transfer the server holds (a slow L2, a busy pool) never delays a ping, so a healthy
+//! worker never believes itself unhealthy because of its own request (row 61). The
+//! worker's connection carries registrations and transfers; its lock is fair (FIFO
+//! hand-off), so a recovery is never starved by a stream of transfers. The server stops
+//! starting copies into this worker's buffers past the request timeout (`hello`'s
+//! `wait_ms`, row 60), and a timed-out `retrieve` waits a moment more for its answer
+//! (one second): once a call returns, its destination is the worker's again.
 //!
 //! A worker links this crate and the core (protocol, heartbeat), not the server: no
 //! event loop, no metrics, no HTTP, no CUDA driver. The server (`kvwarden`) re-exports
@@ -280,8 +285,11 @@ struct Shared {
     identity: Mutex<Identity>,
     identity_changes: AtomicU64,
     origin: std::time::Instant,
-    /// Fair, so that the heartbeat's ping is never starved by back-to-back transfers.
+    /// Fair, so that a recovery is never starved by back-to-back transfers.
     wire: FairMutex<Option<Wire>>,
+    /// The heartbeat's own connection: a ping never waits for the worker's connection,
+    /// where a transfer may be held by a slow L2 or a busy server (row 61).
+    ping_wire: FairMutex<Option<Wire>>,
     registration: Mutex<Option<Registration>>,
     heartbeat: Mutex<Heartbeat>,
     wake: Condvar,
@@ -366,8 +374,9 @@ impl Shared {
         Err(last.unwrap_or_else(|| ClientError::Local("attach failed".into())))
     }
 
-    /// One request built from the current instance id; a broken or timed-out
-    /// connection is dropped (the next call reconnects, says hello and attaches again).
+    /// One request built from the current instance id, on the worker's connection; a
+    /// broken or timed-out connection is dropped (the next call reconnects, says hello
+    /// and attaches again).
     fn call_as(
         &self,
         op: &str,
@@ -375,7 +384,20 @@ impl Shared {
         fds: &[BorrowedFd<'_>],
         timeout: Duration,
     ) -> Result<Value, ClientError> {
-        let mut wire = self.wire.lock();
+        self.call_on(&self.wire, op, args, fds, timeout)
+    }
+
+    /// [`Shared::call_as`] on `wire`: the worker's connection, or the heartbeat's own
+    /// (its pings never wait behind a transfer the server holds: row 61).
+    fn call_on(
+        &self,
+        wire: &FairMutex<Option<Wire>>,
+        op: &str,
+        args: impl FnOnce(InstanceId) -> Vec<Value>,
+        fds: &[BorrowedFd<'_>],
+        timeout: Duration,
+    ) -> Result<Value, ClientError> {
+        let mut wire = wire.lock();
         if wire.is_none() {
             let fresh = self.connect()?;
             *lock(&self.exit_proof) = fresh.exit_proof.clone();
@@ -416,7 +438,13 @@ impl Shared {
         };
         let instance = self.instance();
         let reply = self
-            .call_as("ping", ping, &[], self.config.heartbeat_interval)
+            .call_on(
+                &self.ping_wire,
+                "ping",
+                ping,
+                &[],
+                self.config.heartbeat_interval,
+            )
             .map(|value| bool::from_value(&value).ok_or(value));
         match reply {
             Ok(Ok(true)) => PingReply::Known,
@@ -597,6 +625,7 @@ impl Client {
             identity_changes: AtomicU64::new(0),
             origin: std::time::Instant::now(),
             wire: FairMutex::new(None),
+            ping_wire: FairMutex::new(None),
             registration: Mutex::new(None),
             heartbeat: Mutex::new(heartbeat),
             wake: Condvar::new(),

@@ -100,6 +100,8 @@ impl Wire {
                     Endpoint::Tcp(_) => config.tcp_token.clone(),
                     Endpoint::Unix(_) => None,
                 },
+                // The server starts no copy into this worker's buffers past it.
+                wait_ms: Some(u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX)),
             }
             .args()
         };
@@ -147,7 +149,13 @@ impl Wire {
         }
     }
 
-    /// Sends one request and waits up to `timeout` for its reply.
+    /// Sends one request and waits up to `timeout` for its reply. A request that writes
+    /// into the worker's memory (`retrieve`, `retrieve_batch`) and times out waits up to
+    /// [`WRITE_DRAIN`] more for its answer before the error is returned: the server
+    /// starts no copy into the destination past the connection's `wait_ms` (the
+    /// request timeout), and its answer comes once a copy already running has ended, so
+    /// the caller may reuse the destination once this returns (the connection is then
+    /// dropped by the caller).
     pub fn call(
         &mut self,
         id: u64,
@@ -159,8 +167,16 @@ impl Wire {
         let frame = encode_request(id, op, args);
         self.send(&frame, fds).map_err(|e| self.io(e))?;
         let timeout = timeout.max(Duration::from_millis(1));
+        let writes_memory = matches!(op, "retrieve" | "retrieve_batch");
         loop {
-            let body = self.receive(timeout).map_err(|e| self.io(e))?;
+            let body = match self.receive(timeout) {
+                Ok(body) => body,
+                Err(error) if writes_memory && is_timeout(&error) => {
+                    self.drain_answer(id);
+                    return Err(self.io(error));
+                }
+                Err(error) => return Err(self.io(error)),
+            };
             let reply = decode_reply(&body).map_err(|e| ClientError::Reply {
                 op: op.to_string(),
                 detail: e.to_string(),
@@ -172,6 +188,20 @@ impl Wire {
                 op: op.to_string(),
                 error,
             });
+        }
+    }
+
+    /// After a timed-out request that writes into the worker's memory: reads replies
+    /// for up to [`WRITE_DRAIN`] until request `id`'s answer came (the destination is
+    /// then free), or the time is up.
+    fn drain_answer(&mut self, id: u64) {
+        let until = std::time::Instant::now() + WRITE_DRAIN;
+        while let Some(left) = until.checked_duration_since(std::time::Instant::now()) {
+            match self.receive(left.max(Duration::from_millis(1))) {
+                Ok(body) if decode_reply(&body).is_ok_and(|reply| reply.id == id) => return,
+                Ok(_) => {}
+                Err(_) => return,
+            }
         }
     }
 
@@ -223,6 +253,17 @@ impl Wire {
         reader.read_exact(&mut body)?;
         Ok(body)
     }
+}
+
+/// How long a timed-out `retrieve` or `retrieve_batch` waits on for its answer, so that
+/// no copy the server started before the deadline still runs into the destination.
+pub const WRITE_DRAIN: Duration = Duration::from_secs(1);
+
+fn is_timeout(error: &std::io::Error) -> bool {
+    matches!(
+        error.kind(),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+    )
 }
 
 /// A pidfd of this process, or None where the kernel has no `pidfd_open` (before 5.3).

@@ -503,6 +503,7 @@ fn hello(sends_fds: bool) -> Op {
         pidfd_index: None,
         sends_fds,
         token: None,
+        wait_ms: None,
     }
 }
 

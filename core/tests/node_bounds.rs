@@ -162,6 +162,7 @@ fn hello(token: Option<&[u8]>) -> Op {
         pidfd_index: None,
         sends_fds: false,
         token: token.map(<[u8]>::to_vec),
+        wait_ms: None,
     }
 }
 

@@ -527,3 +527,63 @@ fn retrieve_batch_serves_l1_items_and_reads_the_rest_through() {
         Value::Array(vec![Value::from(100u64), Value::from(50u64), Value::Nil])
     );
 }
+
+/// Row 60: a read-through that ends after the worker stopped waiting (its `hello`'s
+/// `wait_ms`) starts no copy into its buffer: the chunk stays in L1, the retrieve is
+/// answered as a miss and the copy not started is counted. The control: the same read
+/// ending within the wait is copied, and its delivery carries the worker's deadline.
+#[test]
+fn row_60_a_read_through_that_ends_after_the_worker_stopped_waiting_copies_nothing() {
+    let wait = Duration::from_millis(20);
+    assert!(wait < TIMEOUT, "the worker gives up before L2 does");
+    let mut h = Harness::new(Some(l2_config(1 << 20)));
+    let worker = id(1);
+    h.registered(worker);
+    let hello = h.send_raw(
+        kvwarden_core::node::ConnId(1),
+        Op::Hello {
+            protocol: 2,
+            client: "deadlines".into(),
+            pidfd_index: None,
+            sends_fds: true,
+            token: None,
+            wait_ms: Some(wait.as_millis() as u64),
+        },
+        0,
+    );
+    let _ = h.answer(hello);
+
+    // The control: on time.
+    let asked_at = h.now;
+    let request = h.send(retrieve(worker, b"on-time", 300));
+    let [(read, Some(delivery))] = h.l2_gets_delivering()[..] else {
+        panic!("one delivering L2 read")
+    };
+    assert_eq!(delivery.not_after, Some(asked_at + wait));
+    h.run_for(wait / 2);
+    h.l2_got(read, L2Fetched::Hit { nbytes: 300 });
+    let [(copy, Direction::FromL1, 300)] = h.copies()[..] else {
+        panic!("copied into the worker's buffer")
+    };
+    h.copy_done(copy, Ok(300));
+    assert_eq!(h.answer(request), Value::from(300u64));
+
+    // Past the worker's wait (L2 still within its own timeout).
+    let request = h.send(retrieve(worker, b"late", 300));
+    let [(read, _)] = h.l2_gets_delivering()[..] else {
+        panic!("one L2 read")
+    };
+    h.run_for(wait + Duration::from_millis(10));
+    h.l2_got(read, L2Fetched::Hit { nbytes: 300 });
+    assert!(
+        h.copies().is_empty(),
+        "no copy into the buffer past the deadline"
+    );
+    assert_eq!(h.answer(request), Value::Nil, "a miss");
+    assert_eq!(
+        h.node.l1_lookup(&[node_key(b"late")]),
+        1,
+        "the chunk is in L1"
+    );
+    assert_eq!(h.node.status().copies_past_deadline_total, 1);
+}

@@ -427,7 +427,8 @@ fuzz_target!(|steps: Vec<Step>| {
                     pidfd_index: None,
                     sends_fds: true,
                     token,
-                };
+                    wait_ms: None,
+};
                 request = Some((u64::from(conn % CONNS), op));
                 None
             }

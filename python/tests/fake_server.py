@@ -211,9 +211,27 @@ class FakeServer:
 
     # -- queries for tests -------------------------------------------------------------
 
-    def ops(self, op: str) -> List[Recorded]:
+    def ops(self, op: str, heartbeat: bool = False) -> List[Recorded]:
+        """The requests of ``op``. A ``hello`` or ``attach`` on the heartbeat's own
+        connection (whose ``hello`` says no ``wait_ms``: it writes into nothing) is left
+        out unless ``heartbeat``, so that the tests of the worker's connection count the
+        set-ups they did before pings had a connection of their own."""
         with self.lock:
-            return [r for r in self.requests if r.op == op]
+            pinging = self._heartbeat_conns() if op in ("hello", "attach") else set()
+            return [
+                r for r in self.requests if r.op == op and (heartbeat or r.conn not in pinging)
+            ]
+
+    def _heartbeat_conns(self) -> set:
+        """Connections whose ``hello`` carried no ``wait_ms`` (call under the lock)."""
+        hellos: dict = {}
+        for r in self.requests:
+            if r.op != "hello":
+                continue
+            options = r.args[2] if len(r.args) > 2 and isinstance(r.args[2], dict) else {}
+            worker = "wait_ms" in options or "pidfd_index" in options
+            hellos[r.conn] = hellos.get(r.conn, False) or worker
+        return {conn for conn, worker in hellos.items() if not worker}
 
     def wait_for(self, predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
         """Waits until ``predicate()`` (evaluated under the lock) holds."""
@@ -233,7 +251,7 @@ class FakeServer:
             self.engine_registered.discard(instance)
             self._release_binding(instance)
 
-    def attaches(self, outcome: Optional[str] = None) -> List[Recorded]:
+    def attaches(self, outcome: Optional[str] = None) -> List[Recorded]:  # worker's conns
         """The ``attach`` requests, optionally only those answered ``outcome``
         (``claimed``, ``proven``, or ``forbidden``)."""
         out = []

@@ -228,8 +228,8 @@ def test_real_mixed_version_ping_is_logged_loudly_and_leaves_the_worker_unhealth
     worker = make_worker(server, buffers)
     send = worker._request
 
-    def old_ping(op: str, args: List[Any], fds=(), timeout=None):
-        return send(op, [] if op == "ping" else args, fds, timeout)
+    def old_ping(op: str, args: List[Any], fds=(), timeout=None, conn=None):
+        return send(op, [] if op == "ping" else args, fds, timeout, conn)
 
     monkeypatch.setattr(worker, "_request", old_ping)
     with caplog.at_level(logging.ERROR, logger="kvwarden"):

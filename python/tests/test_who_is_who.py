@@ -57,6 +57,8 @@ def by_connection(fake: FakeServer) -> List[List[Tuple[str, object]]]:
     """Per connection, in order: (op, the instance named or the attach's id)."""
     conns: dict = {}
     for record in fake.requests:
+        if record.conn in fake._heartbeat_conns():
+            continue
         named = record.args[0] if record.op in NAMING_OPS or record.op == "attach" else None
         conns.setdefault(record.conn, []).append((record.op, named))
     return [conns[serial] for serial in sorted(conns)]
@@ -95,11 +97,16 @@ def test_attach_follows_hello_on_every_connection_with_a_32_byte_secret(
     assert [a.conn for a in fake.attaches("proven")] == [fake.ops("store")[0].conn]
     assert fake.attaches()[1].args == [worker.instance_id, secret], "same id, same secret"
     # A restarted server (nothing bound): claimed again, same secret.
+    restarted_at = time.monotonic()
     fake.restart()
     wait_until(lambda: len(fake.ops("register_kv_cache")) == 2, 10, "re-registered")
     wait_until(worker.healthy.is_set, 10, "healthy after the restart")
     third = fake.attaches()[2]
-    assert third.args == [worker.instance_id, secret] and fake.attaches("claimed")[-1] is third
+    assert third.args == [worker.instance_id, secret]
+    # The restarted server bound the id once: claimed by whichever of the worker's
+    # connections attached first (its heartbeat's or its own), proven by the other.
+    since = [a for a in fake.ops("attach", heartbeat=True) if a.at >= restarted_at]
+    assert sorted(_outcome(a) for a in since) == ["claimed", "proven"], since
     assert_attached_before_naming(fake)
     assert worker.identity_changes == 0
     assert fake.contexts_built == 2, "exactly one context after the restart"
@@ -158,7 +165,11 @@ def test_an_id_squatted_across_a_restart_moves_the_worker_and_replays_its_regist
     assert regs[1].nfds == 1, "with its memfd"
     assert [r.args[0] for r in fake.ops("register_blend")] == [old_id, new_id]
     assert fake.registered == {new_id} and fake.contexts_built == 2
-    forbidden, claimed = fake.attaches()[1:]
+    # After the restart the first connection to attach (the worker's or its heartbeat's)
+    # is refused the old id and claims a fresh one on the same connection.
+    everyone = fake.ops("attach", heartbeat=True)
+    forbidden = next(a for a in everyone if _outcome(a) == "forbidden")
+    claimed = next(a for a in everyone if a.at > forbidden.at and a.conn == forbidden.conn)
     assert forbidden.args == [old_id, old_secret] and _outcome(forbidden) == "forbidden"
     assert claimed.args[0] == new_id and claimed.args[1] != old_secret
     assert _outcome(claimed) == "claimed" and claimed.conn == forbidden.conn
@@ -513,7 +524,8 @@ def test_tcp_hello_carries_the_stripped_token_and_no_fd(
     assert worker.ping() is False
     [hello] = tcp_fake.ops("hello")
     assert hello.kind == "tcp" and hello.args[0] == 2
-    assert hello.args[2] == {"token": "s3cret-token"} and hello.nfds == 0, "no pidfd over TCP"
+    assert hello.args[2] == {"token": "s3cret-token", "wait_ms": 30000}
+    assert hello.nfds == 0, "no pidfd over TCP"
     assert isinstance(hello.args[2]["token"], str)
     assert worker.server is not None and worker.server.tenant == "tcp"
     assert [r.op for r in tcp_fake.requests] == ["hello", "attach", "ping"]
@@ -528,7 +540,7 @@ def test_tcp_token_file_from_the_environment(
     monkeypatch.setenv("KVWARDEN_TCP_TOKEN_FILE", _token_file(short_tmp, "s3cret-token"))
     worker = Worker(tcp_address=("127.0.0.1", tcp_fake.tcp_port))
     assert worker.ping() is False
-    assert tcp_fake.ops("hello")[0].args[2] == {"token": "s3cret-token"}
+    assert tcp_fake.ops("hello")[0].args[2] == {"token": "s3cret-token", "wait_ms": 30000}
     worker.shutdown()
 
 
@@ -539,7 +551,7 @@ def test_tcp_without_or_with_a_wrong_token_is_forbidden_naming_the_setting(
     address = f"127.0.0.1:{tcp_fake.tcp_port}"
     with pytest.raises(Forbidden, match="tcp_token_file=PATH.*KVWARDEN_TCP_TOKEN_FILE"):
         Worker(tcp_address=address).ping()
-    assert tcp_fake.ops("hello")[0].args[2:] == [], "no token, no options"
+    assert tcp_fake.ops("hello")[0].args[2:] == [{"wait_ms": 30000}], "no token"
     wrong = _token_file(short_tmp, "not-it")
     with pytest.raises(Forbidden, match=f"token read from '{wrong}'"):
         Worker(tcp_address=address, tcp_token_file=wrong).ping()

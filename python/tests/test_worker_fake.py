@@ -343,7 +343,10 @@ def test_server_restart_reconnects_and_reregisters_same_id_once(
     assert regs[1].conn != regs[0].conn, "on a new connection"
     assert fake.contexts_built == 2 and fake.registered == {worker.instance_id}
     assert len(fake.ops("hello")) == 2
-    assert [a.conn for a in fake.attaches("claimed")] == [regs[0].conn, regs[1].conn]
+    # One claim per server life, by whichever connection of the worker attached first.
+    claimed = (True, {"outcome": "claimed"})
+    claims = [a for a in fake.ops("attach", heartbeat=True) if a.answer == claimed]
+    assert len(claims) == 2
     assert worker.identity_changes == 0, "the restarted server had no binding: claimed again"
     time.sleep(3 * INTERVAL)
     assert len(registers(fake)) == 2
@@ -513,19 +516,25 @@ def test_row_01_hello_carries_a_pidfd_of_this_process_by_default(
     worker = make_worker(fake, buffer)
     hellos = fake.ops("hello")
     assert len(hellos) == 1
-    assert hellos[0].args[2:] == [{"pidfd_index": 0}] and hellos[0].nfds == 1
+    assert hellos[0].args[2:] == [{"pidfd_index": 0, "wait_ms": 2000}]
+    assert hellos[0].nfds == 1
     # The fd is a pidfd, and of this very process.
     assert fake.hello_pidfd_pids == [os.getpid()]
     worker.shutdown()
 
 
-def test_row_02_send_pidfd_false_says_the_two_argument_hello_of_older_clients(
+def test_row_02_send_pidfd_false_sends_no_pidfd_and_only_the_wait(
     fake: FakeServer, buffer: MemfdBuffer
 ) -> None:
-    worker = Worker(fake.path, heartbeat_interval_seconds=INTERVAL, send_pidfd=False)
+    worker = Worker(
+        fake.path,
+        heartbeat_interval_seconds=INTERVAL,
+        send_pidfd=False,
+        request_timeout_seconds=7.5,
+    )
     assert worker.register_kv_cache([buffer], "test-model") == "created"
     hellos = fake.ops("hello")
-    assert [(len(h.args), h.nfds) for h in hellos] == [(2, 0)]
+    assert [(h.args[2:], h.nfds) for h in hellos] == [([{"wait_ms": 7500}], 0)]
     assert fake.hello_pidfd_pids == []
     worker.shutdown()
 
@@ -542,4 +551,41 @@ def test_row_13_a_server_that_refuses_the_pidfd_gets_the_plain_hello_on_the_same
     assert hellos[0].conn == hellos[1].conn
     assert any("refused this worker's pidfd" in r.getMessage() for r in caplog.records)
     assert worker.server is not None and worker.server.exit_proof is None
+    worker.shutdown()
+
+
+def test_row_61_a_retrieve_the_server_holds_never_holds_the_heartbeat(
+    fake: FakeServer, buffer: MemfdBuffer
+) -> None:
+    """The server holds this worker's retrieve for 2 s (a slow L2, a busy pool): the
+    heartbeat pings on a connection of its own, so pings go on being answered (about ten
+    at 0.2 s; at least five) and the worker stays healthy throughout. Before, the ping
+    waited for the worker's connection past its timeout and the worker marked itself
+    unhealthy."""
+    worker = Worker(fake.path, heartbeat_interval_seconds=0.2, request_timeout_seconds=10.0)
+    assert worker.register_kv_cache([buffer], "test-model") == "created"
+    assert worker.store(b"held", nbytes=64)
+    assert fake.wait_for(lambda: len(fake.ops("ping")) >= 1, 5)
+    fake.hook = lambda record: time.sleep(2.0) if record.op == "retrieve" else None
+    before = len(fake.ops("ping"))
+    unhealthy_seen = threading.Event()
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            if not worker.healthy.is_set():
+                unhealthy_seen.set()
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        worker.retrieve(b"held", nbytes=64)
+    finally:
+        done.set()
+        watcher.join()
+        fake.hook = None
+    pinged = len(fake.ops("ping")) - before
+    assert pinged >= 5, f"{pinged} pings answered while the retrieve was held"
+    assert not unhealthy_seen.is_set(), "healthy while its own retrieve was held"
     worker.shutdown()

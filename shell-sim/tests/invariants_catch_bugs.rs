@@ -742,6 +742,7 @@ mod who_is_who {
             pidfd_index: None,
             sends_fds: false,
             token: Some(token.to_vec()),
+            wait_ms: None,
         };
         let wrong = checker.verdict(5, &hello(b"not-the-token-at-all"));
         assert_eq!(

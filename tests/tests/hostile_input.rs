@@ -74,6 +74,10 @@ impl Harness {
             )
             .unwrap();
         reply.result.expect("the harness's own instance registers");
+        // The worker's heartbeat pings on a connection of its own: counted once it has.
+        server.wait_status("the worker's first ping", |status| {
+            status["worker_liveness"]["pings_total"].as_u64() >= Some(1)
+        });
         let quiet_connections = server.status()["connections"].as_u64().unwrap_or(0);
         Harness {
             _dir: dir,

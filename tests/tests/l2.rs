@@ -34,6 +34,7 @@ impl Harness {
             ttl: Some(Duration::from_secs(600)),
             write_queue_bytes: 64 << 20,
             threads: 4,
+            known_nodes: Default::default(),
         };
         let client = L2Client::spawn(config, waker).expect("the L2 client starts");
         Harness {

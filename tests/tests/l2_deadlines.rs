@@ -39,11 +39,12 @@ const UNTOUCHED: u8 = 0xA5;
 /// [`TRICKLED_BYTES`], which follow one every [`TRICKLE_GAP`].
 struct TrickleProxy {
     addr: SocketAddr,
+    scheme: &'static str,
     stop: Arc<AtomicBool>,
 }
 
 impl TrickleProxy {
-    fn start(upstream: SocketAddr, trickle: bool) -> TrickleProxy {
+    fn start(upstream: SocketAddr, scheme: &'static str, trickle: bool) -> TrickleProxy {
         let listener = TcpListener::bind("127.0.0.1:0").expect("a proxy port");
         let addr = listener.local_addr().unwrap();
         let stop = Arc::new(AtomicBool::new(false));
@@ -68,11 +69,11 @@ impl TrickleProxy {
                 std::thread::spawn(move || bursts(server, client, trickle));
             }
         });
-        TrickleProxy { addr, stop }
+        TrickleProxy { addr, scheme, stop }
     }
 
     fn seed(&self) -> String {
-        format!("rediss://{}", self.addr)
+        format!("{}://{}", self.scheme, self.addr)
     }
 }
 
@@ -127,42 +128,43 @@ fn bursts(mut from: TcpStream, mut to: TcpStream, trickle: bool) {
     }
 }
 
-fn tls_redis() -> harness::RedisCluster {
+/// One Redis, over TLS or plain TCP.
+fn redis(tls: bool) -> harness::RedisCluster {
     if let Err(error) = harness::require(&harness::REDIS_PROGRAMS) {
         panic!("{error}. The L2 tests need a real Redis; `.ci/run` installs it by itself");
     }
     harness::RedisCluster::single_secured(Security {
         password: None,
-        tls: Some(false),
+        tls: tls.then_some(false),
     })
     .unwrap_or_else(|error| panic!("starting Redis: {error}"))
 }
 
-fn server(dir: &TempDir, seeds: &str, ca: &str) -> Server {
+/// A server on `seeds`, trusting the CA file `ca` when there is one.
+fn server(dir: &TempDir, seeds: &str, ca: Option<&str>) -> Server {
     let timeout = L2_TIMEOUT.as_millis().to_string();
-    Server::start(
-        dir,
-        &[
-            "--worker-reap-timeout-seconds",
-            "60",
-            "--worker-registration-grace-seconds",
-            "120",
-            "--resolution-seconds",
-            "1",
-            "--l1-bytes",
-            "8M",
-            "--slot-bytes",
-            "1M",
-            "--l2",
-            seeds,
-            "--l2-namespace",
-            "deadlines",
-            "--l2-tls-ca-file",
-            ca,
-            "--l2-timeout-ms",
-            &timeout,
-        ],
-    )
+    let mut flags = vec![
+        "--worker-reap-timeout-seconds",
+        "60",
+        "--worker-registration-grace-seconds",
+        "120",
+        "--resolution-seconds",
+        "1",
+        "--l1-bytes",
+        "8M",
+        "--slot-bytes",
+        "1M",
+        "--l2",
+        seeds,
+        "--l2-namespace",
+        "deadlines",
+        "--l2-timeout-ms",
+        &timeout,
+    ];
+    if let Some(ca) = ca {
+        flags.extend(["--l2-tls-ca-file", ca]);
+    }
+    Server::start(dir, &flags)
 }
 
 /// Retrieves `key` into offset 0 of `buffer` (filled with [`UNTOUCHED`] first): the
@@ -187,19 +189,32 @@ fn untouched(buffer: &MemfdBuffer) -> bool {
 /// control, through a proxy that does not trickle: a hit with the chunk's bytes.
 #[test]
 fn row_59_a_tls_reply_that_trickles_is_given_up_at_the_deadline_and_never_lands() {
-    let redis = tls_redis();
-    let files = redis.tls_files().expect("TLS files").clone();
-    let ca = files.ca.to_str().expect("a UTF-8 path").to_string();
+    trickled_reply_is_given_up_at_the_deadline(true);
+}
+
+/// Row 59 over plain TCP: the same.
+#[test]
+fn row_59_a_plain_reply_that_trickles_is_given_up_at_the_deadline_and_never_lands() {
+    trickled_reply_is_given_up_at_the_deadline(false);
+}
+
+fn trickled_reply_is_given_up_at_the_deadline(tls: bool) {
+    let redis = redis(tls);
+    let ca = redis
+        .tls_files()
+        .map(|files| files.ca.to_str().expect("a UTF-8 path").to_string());
+    let scheme = if tls { "rediss" } else { "redis" };
     let upstream: SocketAddr = redis.seeds()[0]
-        .trim_start_matches("rediss://")
-        .parse()
+        .split("://")
+        .nth(1)
+        .and_then(|addr| addr.parse().ok())
         .expect("the seed's address");
     let (dir_w, dir_c, dir_r) = (
         TempDir::new("deadline-w"),
         TempDir::new("deadline-c"),
         TempDir::new("deadline-r"),
     );
-    let writer_server = server(&dir_w, &redis.seeds()[0], &ca);
+    let writer_server = server(&dir_w, &redis.seeds()[0], ca.as_deref());
     let (writer, source) = worker(&writer_server, "deadlines");
     let bytes = chunk(59, CHUNK);
     store(&writer, &source, b"trickled", &bytes);
@@ -214,8 +229,8 @@ fn row_59_a_tls_reply_that_trickles_is_given_up_at_the_deadline_and_never_lands(
     };
 
     // The control: the same read through a proxy that only collects bursts.
-    let straight = TrickleProxy::start(upstream, false);
-    let control_server = server(&dir_c, &straight.seed(), &ca);
+    let straight = TrickleProxy::start(upstream, scheme, false);
+    let control_server = server(&dir_c, &straight.seed(), ca.as_deref());
     let (control, control_buffer) = worker(&control_server, "deadlines");
     warm(&control);
     let (got, _) = retrieve(&control, &control_buffer, b"trickled");
@@ -225,8 +240,8 @@ fn row_59_a_tls_reply_that_trickles_is_given_up_at_the_deadline_and_never_lands(
     assert!(out == bytes, "control: the chunk's bytes in place");
 
     // The attack: the last 100 bytes of each large burst, 40 ms apart.
-    let trickling = TrickleProxy::start(upstream, true);
-    let reader_server = server(&dir_r, &trickling.seed(), &ca);
+    let trickling = TrickleProxy::start(upstream, scheme, true);
+    let reader_server = server(&dir_r, &trickling.seed(), ca.as_deref());
     let (reader, reader_buffer) = worker(&reader_server, "deadlines");
     warm(&reader);
     let (got, took) = retrieve(&reader, &reader_buffer, b"trickled");

@@ -31,7 +31,11 @@ fn helper_process_engine_worker() {
 /// A server on `cluster` under `namespace`; liveness timeouts long enough that a test's
 /// idle moments never reap its workers (only the L2 behaviour is on trial here).
 fn server(dir: &TempDir, cluster: &RedisCluster, namespace: &str) -> Server {
-    let seeds = cluster.seeds().join(",");
+    server_with_seeds(dir, &cluster.seeds().join(","), namespace)
+}
+
+/// [`server`] with `--l2 seeds`.
+fn server_with_seeds(dir: &TempDir, seeds: &str, namespace: &str) -> Server {
     Server::start(
         dir,
         &[
@@ -42,7 +46,7 @@ fn server(dir: &TempDir, cluster: &RedisCluster, namespace: &str) -> Server {
             "--resolution-seconds",
             "1",
             "--l2",
-            &seeds,
+            seeds,
             "--l2-namespace",
             namespace,
             "--l2-timeout-ms",
@@ -403,4 +407,63 @@ fn bad_l2_flags_exit_2_naming_the_flag_and_the_fix() {
     ] {
         assert!(help.contains(flag), "--help explains {flag}: {help}");
     }
+}
+
+/// Row 62: two servers whose only `--l2` seed is a master with a synced replica. The
+/// seed is SIGKILLed; the cluster fails over. L2 comes back through the nodes the
+/// cluster's map named (not only the seeds): every key written again after the
+/// failover, and read through the other server, whose `l2.map_from` then names a node
+/// that is not the seed. Before, both stayed `down` ("connection refused") until the
+/// seed came back. The control: the same chunk read through L2 before the kill.
+#[test]
+fn row_62_l2_outlives_the_loss_of_its_only_seed() {
+    let mut cluster = RedisCluster::start(3, 1);
+    let victim = cluster.masters()[0];
+    let seed = format!("redis://127.0.0.1:{victim}");
+    let (dir_a, dir_b) = (TempDir::new("l2-seed-a"), TempDir::new("l2-seed-b"));
+    let a = server_with_seeds(&dir_a, &seed, "seed");
+    let b = server_with_seeds(&dir_b, &seed, "seed");
+    let (writer, source) = worker(&a, MODEL);
+    let (reader, target) = worker(&b, MODEL);
+    // The control: through the seed.
+    store(&writer, &source, b"before", &chunk(1, CHUNK));
+    wait_written(&a, 1);
+    let read = retrieve(&reader, &target, b"before").expect("a hit through the seed");
+    assert_eq!(checksum(&read), checksum(&chunk(1, CHUNK)));
+    assert_eq!(b.status()["l2"]["map_from"], seed.as_str());
+
+    cluster.kill(victim);
+    let mut next = 100;
+    wait_for(
+        "every key written again after the seed died",
+        PATIENCE,
+        || {
+            let before = l2_counter(&a.status(), "writes");
+            let batch: Vec<u64> = (next..next + 12).collect();
+            next += 12;
+            for &n in &batch {
+                store(
+                    &writer,
+                    &source,
+                    format!("s-{n}").as_bytes(),
+                    &chunk(n, CHUNK),
+                );
+            }
+            std::thread::sleep(Duration::from_millis(300));
+            (l2_counter(&a.status(), "writes") >= before + batch.len() as u64).then_some(())
+        },
+    );
+    for n in next - 12..next {
+        let read = retrieve(&reader, &target, format!("s-{n}").as_bytes())
+            .unwrap_or_else(|| panic!("s-{n} through L2 after the seed died"));
+        assert_eq!(checksum(&read), checksum(&chunk(n, CHUNK)));
+    }
+    let status = b.status();
+    assert_eq!(status["l2"]["state"], "up", "{}", status["l2"]);
+    let map_from = status["l2"]["map_from"].as_str().unwrap_or_default();
+    assert!(
+        !map_from.is_empty() && map_from != seed,
+        "the map came from another node: {}",
+        status["l2"]
+    );
 }

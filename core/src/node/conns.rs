@@ -17,6 +17,9 @@ pub(super) struct Conn {
     pub(super) sends_fds: bool,
     /// When a TCP peer must have presented its token ([`admission`]).
     pub(super) token_deadline: Option<Instant>,
+    /// How long its client waits for a reply (`hello`'s `wait_ms`): the deadline of
+    /// each request that writes into the worker's memory.
+    pub(super) wait: Option<Duration>,
 }
 
 impl Node {
@@ -50,6 +53,7 @@ impl Node {
                 in_flight: 0,
                 sends_fds: transport == Transport::Unix,
                 token_deadline,
+                wait: None,
             },
         );
     }

@@ -264,6 +264,10 @@ pub enum Job {
         slot: SlotId,
         /// Bytes to copy.
         nbytes: u64,
+        /// A copy into a worker's buffer starts no later than this (its worker stops
+        /// waiting then: `hello`'s `wait_ms`); past it the shell reports the copy done
+        /// with an error and copies nothing (row 60). None: no bound.
+        not_after: Option<Instant>,
     },
     /// Compute rope tables off the loop and hold them under `blend`, then report
     /// `BlendDone`.

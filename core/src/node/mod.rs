@@ -113,6 +113,10 @@ struct ReplyTo {
     conn: ConnId,
     request_id: u64,
     op: OpKind,
+    /// For a request that writes into the worker's memory (`retrieve`,
+    /// `retrieve_batch`) on a connection whose `hello` said `wait_ms`: when its worker
+    /// stops waiting. No copy into the worker's buffer starts past it (row 60).
+    deadline: Option<Instant>,
 }
 
 /// What the node knows of an entry besides liveness.
@@ -217,6 +221,8 @@ pub struct Node {
     /// Bytes of peers' memfds mapped, under their caps.
     mapped: mapped::Mapped,
     length_mismatches: u64,
+    /// Copies into a worker's buffer not started: its worker had stopped waiting.
+    past_deadline: u64,
     #[cfg(feature = "planted-bugs")]
     bug: Option<PlantedBug>,
     /// Planted bug `PingWaitsForL2` only: ping answers held until `handle_timeout`.
@@ -292,6 +298,7 @@ impl Node {
             admission: admission::Admission::new(config.connections),
             mapped: mapped::Mapped::new(config.mapped),
             length_mismatches: 0,
+            past_deadline: 0,
             config,
             liveness,
             conns: HashMap::default(),

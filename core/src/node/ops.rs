@@ -72,10 +72,20 @@ impl Node {
         op: Op,
         fds: usize,
     ) {
+        let kind = op.kind();
+        let deadline = match kind {
+            OpKind::Retrieve | OpKind::RetrieveBatch => self
+                .conns
+                .get(&conn)
+                .and_then(|connection| connection.wait)
+                .map(|wait| now + wait),
+            _ => None,
+        };
         let to = ReplyTo {
             conn,
             request_id,
-            op: op.kind(),
+            op: kind,
+            deadline,
         };
         if let Some(answer) = self.dispatch(now, to, op, fds) {
             self.reply(to, answer);
@@ -184,7 +194,9 @@ impl Node {
     ) -> Immediate {
         match op {
             Op::Ping { .. } | Op::Attach { .. } => None,
-            Op::Hello { sends_fds, .. } => self.hello(to.conn, sends_fds).map(Ok),
+            Op::Hello {
+                sends_fds, wait_ms, ..
+            } => self.hello(to.conn, sends_fds, wait_ms).map(Ok),
             Op::Status => {
                 self.outputs.push_back(Output::ReplyStatus {
                     conn: to.conn,
@@ -324,8 +336,11 @@ impl Node {
     /// `hello`: what the worker needs to know of this server. A `sends_fds: false` holds
     /// for the rest of the connection (a later `hello` cannot take it back: the shell
     /// reads the connection without `SCM_RIGHTS` from here on).
-    fn hello(&mut self, conn: ConnId, sends_fds: bool) -> Option<Answer> {
+    fn hello(&mut self, conn: ConnId, sends_fds: bool, wait_ms: Option<u64>) -> Option<Answer> {
         let connection = self.conns.get_mut(&conn)?; // admit found it
+        if let Some(wait) = wait_ms {
+            connection.wait = Some(Duration::from_millis(wait));
+        }
         let promised_now = connection.sends_fds && !sends_fds;
         connection.sends_fds &= sends_fds;
         let sends_fds = connection.sends_fds;

@@ -122,6 +122,10 @@ impl Node {
             CopyFor::Retrieve(to) => {
                 self.end_job(to.conn);
                 self.l1.unpin(slot);
+                // A copy the shell did not start by its deadline: counted, as the node's.
+                if result.is_err() {
+                    self.past(to.deadline);
+                }
                 self.reply(to, result.map(|nbytes| Answer::Length(Some(nbytes))));
             }
             CopyFor::BatchStore { batch, item } => {

@@ -122,6 +122,7 @@ impl Node {
         nbytes: u64,
         purpose: CopyFor,
     ) {
+        let not_after = self.deadline_of(&purpose);
         let copy = self.hold_copy(context, slot, purpose);
         self.outputs.push_back(Output::Job(Job::Copy {
             copy,
@@ -131,6 +132,7 @@ impl Node {
             offset,
             slot,
             nbytes,
+            not_after,
         }));
     }
 
@@ -279,6 +281,9 @@ impl Node {
             Ok(index) => index,
             Err(error) => return Some(Err(error)),
         };
+        if self.past(to.deadline) {
+            return Some(Ok(Answer::Length(None))); // its worker stopped waiting
+        }
         let Some(slot) = self.pin_exact(key, want.nbytes) else {
             return Some(Ok(Answer::Length(None))); // a miss
         };
@@ -613,5 +618,28 @@ impl Node {
                 PrepareRetrieve::TooManyHeld => Err(too_many_held("prepare_retrieve", instance)),
             },
         )
+    }
+}
+
+impl Node {
+    /// The deadline of a copy for `purpose`: its request's ([`ReplyTo::deadline`]) when
+    /// it copies into a worker's buffer, else None.
+    pub(super) fn deadline_of(&self, purpose: &CopyFor) -> Option<Instant> {
+        match purpose {
+            CopyFor::Retrieve(to) => to.deadline,
+            CopyFor::BatchRetrieve { batch, .. } => self
+                .batches
+                .get(batch)
+                .and_then(|batch| batch.reply.deadline),
+            CopyFor::Store(_) | CopyFor::BatchStore { .. } => None,
+        }
+    }
+
+    /// Whether `deadline` (a request's) has passed: then no copy into its worker's
+    /// buffer starts (row 60: the worker may have reused it). Counted.
+    pub(super) fn past(&mut self, deadline: Option<Instant>) -> bool {
+        let past = deadline.is_some_and(|deadline| self.last_now > deadline);
+        self.past_deadline += u64::from(past);
+        past
     }
 }

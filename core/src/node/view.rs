@@ -81,6 +81,9 @@ pub struct NodeStatus {
     pub mapped_limits: super::mapped::MappedLimits,
     /// Registrations refused for a cap on mapped bytes.
     pub mapped_refused_total: u64,
+    /// Copies into a worker's buffer not started because its worker had stopped
+    /// waiting (`hello`'s `wait_ms`; row 60).
+    pub copies_past_deadline_total: u64,
 }
 
 /// One tenant's figures.
@@ -164,6 +167,7 @@ impl Node {
             mapped_bytes: self.mapped.total(),
             mapped_limits: self.mapped.limits(),
             mapped_refused_total: self.mapped.refused(),
+            copies_past_deadline_total: self.past_deadline,
         }
     }
 }

@@ -136,7 +136,8 @@ pub(super) const OPS: [OpRow; OP_COUNT] = {
             K::Hello,
             "hello",
             "[protocol: uint, client: str] or [protocol: uint, client: str, options: \
-             {\"pidfd_index\": uint, \"sends_fds\": bool, \"token\": str | bin}]",
+             {\"pidfd_index\": uint, \"sends_fds\": bool, \"token\": str | bin, \
+             \"wait_ms\": uint}]",
             &[Uint("protocol"), Text("client"), HelloOptions],
             Shape::Hello,
         ),

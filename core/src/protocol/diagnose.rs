@@ -342,10 +342,21 @@ impl Args<'_> {
             }
         }
         match field(map, "token") {
-            None | Some(Value::Nil | Value::String(_) | Value::Binary(_)) => Ok(()),
+            None | Some(Value::Nil | Value::String(_) | Value::Binary(_)) => {}
+            Some(value) => {
+                return Err(self.mismatch(format!(
+                    "options.token must be a str or bin (the contents of the server's \
+                     --tcp-token-file), got {}",
+                    describe(value)
+                )));
+            }
+        }
+        match field(map, "wait_ms") {
+            None | Some(Value::Nil) => Ok(()),
+            Some(value) if value.as_u64().is_some() => Ok(()),
             Some(value) => Err(self.mismatch(format!(
-                "options.token must be a str or bin (the contents of the server's \
-                 --tcp-token-file), got {}",
+                "options.wait_ms must be an unsigned integer (how long the client waits for a \
+                 reply, in milliseconds), got {}",
                 describe(value)
             ))),
         }

@@ -147,6 +147,7 @@ fn hello_args(op: &Op) -> Vec<Value> {
         pidfd_index,
         sends_fds,
         token,
+        wait_ms,
     } = op
     else {
         return Vec::new();
@@ -161,6 +162,9 @@ fn hello_args(op: &Op) -> Vec<Value> {
     }
     if let Some(token) = token {
         options.push(("token".into(), Value::Binary(token.clone())));
+    }
+    if let Some(wait) = wait_ms {
+        options.push(("wait_ms".into(), Value::from(*wait)));
     }
     if !options.is_empty() {
         args.push(Value::Map(options));

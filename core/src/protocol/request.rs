@@ -91,6 +91,10 @@ pub enum Op {
         /// The TCP token (`{"token": str | bin}`): required over TCP, ignored over the
         /// Unix socket.
         token: Option<Vec<u8>>,
+        /// How long the client waits for a reply on this connection, in milliseconds
+        /// (`{"wait_ms": uint}`): past it the server starts no copy into the worker's
+        /// memory for a request of this connection (failure mode 60). None: no bound.
+        wait_ms: Option<u64>,
     },
     /// Proves (or claims) an instance for this connection with the worker's secret.
     Attach {

@@ -174,6 +174,7 @@ fn every_op_encodes_to_a_frame_that_decodes_back_to_it() {
             pidfd_index: None,
             sends_fds: true,
             token: None,
+            wait_ms: None,
         },
         Op::Hello {
             protocol: PROTOCOL_VERSION,
@@ -181,6 +182,7 @@ fn every_op_encodes_to_a_frame_that_decodes_back_to_it() {
             pidfd_index: Some(0),
             sends_fds: true,
             token: None,
+            wait_ms: None,
         },
         Op::Hello {
             protocol: PROTOCOL_VERSION,
@@ -188,6 +190,7 @@ fn every_op_encodes_to_a_frame_that_decodes_back_to_it() {
             pidfd_index: None,
             sends_fds: false,
             token: None,
+            wait_ms: None,
         },
         Op::Hello {
             protocol: PROTOCOL_VERSION,
@@ -195,6 +198,7 @@ fn every_op_encodes_to_a_frame_that_decodes_back_to_it() {
             pidfd_index: Some(1),
             sends_fds: false,
             token: None,
+            wait_ms: None,
         },
         Op::Ping { instance: None },
         Op::Ping {
@@ -242,6 +246,7 @@ fn every_op_encodes_to_a_frame_that_decodes_back_to_it() {
             pidfd_index: None,
             sends_fds: true,
             token: Some(b"t0ken".to_vec()),
+            wait_ms: None,
         },
         Op::StoreBatch {
             instance,
@@ -428,6 +433,7 @@ fn row_24_hello_takes_an_optional_pidfd_index_and_refuses_a_bad_one() {
         pidfd_index,
         sends_fds,
         token: None,
+        wait_ms: None,
     };
     let hello = |pidfd_index| hello_with(pidfd_index, true);
     assert_eq!(decode(vec![1.into(), "c".into()]).unwrap().op, hello(None));

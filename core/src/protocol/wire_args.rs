@@ -176,6 +176,7 @@ fn hello<'de, D: Deserializer<'de>>(d: D) -> Result<Op, D::Error> {
                 pidfd_index,
                 sends_fds,
                 token,
+                wait_ms,
             },
     } = d.deserialize_any(HelloVisitor)?;
     Ok(Op::Hello {
@@ -184,6 +185,7 @@ fn hello<'de, D: Deserializer<'de>>(d: D) -> Result<Op, D::Error> {
         pidfd_index,
         sends_fds,
         token,
+        wait_ms,
     })
 }
 
@@ -338,6 +340,7 @@ struct HelloOptions {
     pidfd_index: Option<u64>,
     sends_fds: bool,
     token: Option<Vec<u8>>,
+    wait_ms: Option<u64>,
 }
 
 impl HelloOptions {
@@ -346,6 +349,7 @@ impl HelloOptions {
         pidfd_index: None,
         sends_fds: true,
         token: None,
+        wait_ms: None,
     };
 }
 
@@ -358,7 +362,7 @@ impl<'de> Deserialize<'de> for HelloOptions {
                 f.write_str("an options map")
             }
             fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<HelloOptions, A::Error> {
-                let mut fields = fields(map, &["pidfd_index", "sends_fds", "token"])?;
+                let mut fields = fields(map, &["pidfd_index", "sends_fds", "token", "wait_ms"])?;
                 let pidfd_index = match take(&mut fields, "pidfd_index") {
                     None | Some(Loose::Nil) => None,
                     Some(Loose::Uint(index)) => Some(index),
@@ -375,10 +379,16 @@ impl<'de> Deserialize<'de> for HelloOptions {
                     Some(Loose::Text(token)) => Some(token.into_bytes()),
                     _ => return Err(de::Error::custom("options.token is not a str or bin")),
                 };
+                let wait_ms = match take(&mut fields, "wait_ms") {
+                    None | Some(Loose::Nil) => None,
+                    Some(Loose::Uint(wait)) => Some(wait),
+                    _ => return Err(de::Error::custom("options.wait_ms is not a uint")),
+                };
                 Ok(HelloOptions {
                     pidfd_index,
                     sends_fds,
                     token,
+                    wait_ms,
                 })
             }
         }

@@ -92,6 +92,14 @@ def encode_frame(request_id: int, op: str, args: Sequence[Any]) -> bytes:
     return LENGTH_PREFIX.pack(len(body)) + body
 
 
+#: Ops that write into the worker's own memory: after one timed out, the client waits
+#: (up to :data:`WRITE_DRAIN_SECONDS`) for its answer before the destination is used
+#: again (failure mode 60).
+WRITES_WORKER_MEMORY = frozenset({"retrieve", "retrieve_batch"})
+#: See :data:`WRITES_WORKER_MEMORY`.
+WRITE_DRAIN_SECONDS = 1.0
+
+
 class FifoLock:
     """A lock granted in request order, with a timeout on acquire.
 
@@ -294,6 +302,7 @@ class Connection:
         tcp_token_file: Optional[str] = None,
         trusted_server_uids: Optional[Iterable[int]] = None,
         on_attach: Optional[Callable[[Call], None]] = None,
+        wait_seconds: Optional[float] = None,
     ) -> None:
         if tcp_address is not None and socket_path is not None:
             raise ValueError(
@@ -310,6 +319,10 @@ class Connection:
             self.endpoint = str(socket_path)
         self.client_name = client_name
         self.send_pidfd = send_pidfd
+        #: How long this worker waits for a reply (its request timeout), told to the
+        #: server in ``hello`` (``wait_ms``): past it the server starts no copy into
+        #: this worker's buffers.
+        self.wait_seconds = wait_seconds
         self._on_connect = on_connect
         self._on_attach = on_attach
         self.trusted_server_uids, self._trust_source = resolve_trusted_server_uids(
@@ -372,7 +385,12 @@ class Connection:
             payload = args() if callable(args) else args
             request_id = self._take_id()
             self._send(sock, encode_frame(request_id, op, payload), fds, deadline, op)
-            reply = self._read_reply(sock, request_id, deadline, op)
+            try:
+                reply = self._read_reply(sock, request_id, deadline, op)
+            except RequestTimeout:
+                if op in WRITES_WORKER_MEMORY:
+                    self._drain_answer(sock, request_id, op)
+                raise
         finally:
             self._lock.release()
         if not reply.ok:
@@ -445,6 +463,8 @@ class Connection:
         try:
             reply = None
             options: Dict[str, Any] = {}
+            if self.wait_seconds is not None:
+                options["wait_ms"] = max(int(self.wait_seconds * 1000), 1)
             if self.tcp_address is not None and self._token_file is not None:
                 # Read on every connect: a rotated file is picked up by the next one.
                 options["token"] = read_token_file(self._token_file, self._token_source)
@@ -466,6 +486,10 @@ class Connection:
                     )
                     reply = None
             if reply is None:
+                # After a refused pidfd: the hello a server from before the pidfd knows
+                # (such a server also predates `wait_ms`; the token stays for TCP).
+                if pidfd is not None:
+                    options.pop("wait_ms", None)
                 reply = self._hello(sock, [options] if options else [], [], deadline)
         except KvwardenError:
             self._drop("hello failed")
@@ -603,6 +627,25 @@ class Connection:
         args = [PROTOCOL_VERSION, self.client_name, *options]
         self._send(sock, encode_frame(request_id, "hello", args), fds, deadline, "hello")
         return self._read_reply(sock, request_id, deadline, "hello")
+
+    def _drain_answer(self, sock: socket.socket, request_id: int, op: str) -> None:
+        """After a timed-out request that writes into the worker's memory: waits up to
+        :data:`WRITE_DRAIN_SECONDS` more for its answer. The server starts no copy into
+        the destination past this connection's ``wait_ms``, and answers once a copy
+        already running has ended: once the answer came (or the connection is gone),
+        the destination is the worker's again. Without it, the connection is dropped,
+        which ends it too."""
+        try:
+            reply = self._read_reply(
+                sock, request_id, time.monotonic() + WRITE_DRAIN_SECONDS, op
+            )
+        except RequestTimeout:
+            self._drop(f"`{op}` timed out and its answer did not come")
+            return
+        except KvwardenError:
+            return
+        for fd in reply.fds:
+            _close_quietly(fd)
 
     def _drop(self, why: str) -> None:
         if self._sock is not None:

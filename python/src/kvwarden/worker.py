@@ -199,6 +199,19 @@ class Worker:
             tcp_token_file=tcp_token_file,
             trusted_server_uids=trusted_server_uids,
             on_attach=self._attach,
+            wait_seconds=self.request_timeout,
+        )
+        # The heartbeat's own connection (attached like the worker's; no pidfd, no
+        # fds): a ping never waits behind a transfer the server holds, e.g. a retrieve
+        # reading through a slow L2 (failure mode 61).
+        self._ping_conn = Connection(
+            self.socket_path,
+            client_name or f"kvwarden-python/{__version__}",
+            send_pidfd=False,
+            tcp_address=tcp_address,
+            tcp_token_file=tcp_token_file,
+            trusted_server_uids=trusted_server_uids,
+            on_attach=self._attach,
         )
         #: Where the server is: the socket path, or ``tcp:HOST:PORT``.
         self.endpoint = self._conn.endpoint
@@ -573,6 +586,7 @@ class Worker:
                 self._pool.close()
                 self._pool = None
         self._conn.close()
+        self._ping_conn.close()
         log.info("kvwarden worker %d shut down", self.instance_id)
 
     def __enter__(self) -> "Worker":
@@ -595,14 +609,17 @@ class Worker:
         args: Args,
         fds: Sequence[int] = (),
         timeout: Optional[float] = None,
+        conn: Optional[Connection] = None,
     ) -> Tuple[Any, List[int]]:
-        """One round trip. A ``forbidden`` that says to attach (the server does not
-        count this connection as attached) is answered by attaching again on this
-        connection and retrying once; any other ``forbidden`` is raised."""
+        """One round trip (on the worker's connection, or ``conn``). A ``forbidden``
+        that says to attach (the server does not count this connection as attached) is
+        answered by attaching again on this connection and retrying once; any other
+        ``forbidden`` is raised."""
         self._check_process(op)
         limit = self.request_timeout if timeout is None else timeout
+        conn = self._conn if conn is None else conn
         try:
-            return self._conn.request(op, args, limit, fds)
+            return conn.request(op, args, limit, fds)
         except Forbidden as error:
             # Not one the attach itself got (that one has been dealt with already).
             if "attach" not in error.message or getattr(error, "during_attach", False):
@@ -614,8 +631,8 @@ class Worker:
                 self.instance_id,
                 error.message,
             )
-        self._conn.reattach(limit)
-        return self._conn.request(op, args, limit, fds)
+        conn.reattach(limit)
+        return conn.request(op, args, limit, fds)
 
     def _attach(self, call: Call) -> None:
         """The ``on_attach`` hook: ``attach [instance_id, secret]`` on a new connection,
@@ -856,7 +873,9 @@ class Worker:
 
     def _send_ping(self) -> PingReply:
         try:
-            value, fds = self._request("ping", self._named(), timeout=self.interval)
+            value, fds = self._request(
+                "ping", self._named(), timeout=self.interval, conn=self._ping_conn
+            )
         except BadArgs as error:
             # A server of another protocol version: loud, and the worker stays unhealthy.
             log.error(

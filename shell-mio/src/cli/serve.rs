@@ -373,6 +373,7 @@ fn l2_config(args: &ServeArgs) -> Result<Option<L2Config>, String> {
         ttl: (args.l2_ttl_seconds > 0).then(|| Duration::from_secs(args.l2_ttl_seconds)),
         write_queue_bytes: args.l2_write_queue_bytes,
         threads: args.l2_threads,
+        known_nodes: Default::default(),
     };
     config.validate().map_err(|e| e.to_string())?;
     Ok(Some(config))

@@ -37,6 +37,53 @@ pub struct L2Config {
     pub write_queue_bytes: u64,
     /// L2 threads (1 to [`MAX_THREADS`]), each with its own connection.
     pub threads: usize,
+    /// Every node the cluster's latest slot map named, learned at run time and shared
+    /// by every clone of this config: after the first map, connections and maps are
+    /// asked of these too, not only of the seeds, so that L2 outlives its seed (row 62).
+    pub known_nodes: KnownNodes,
+}
+
+/// The nodes of the cluster as its latest slot map named them (masters and replicas),
+/// and the node that answered that map. Shared by every thread of one L2 client.
+#[derive(Clone, Debug, Default)]
+pub struct KnownNodes(std::sync::Arc<std::sync::Mutex<Learned>>);
+
+#[derive(Debug, Default)]
+struct Learned {
+    /// `redis[s]://HOST:PORT`, in the map's order.
+    nodes: Vec<String>,
+    /// The node whose `CLUSTER SLOTS` the data path uses now.
+    map_from: Option<String>,
+}
+
+impl KnownNodes {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Learned> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Where to ask, in order: the seeds, then every other node the latest map named.
+    pub fn candidates(&self, seeds: &[String]) -> Vec<String> {
+        let learned = self.lock();
+        let mut out = seeds.to_vec();
+        for node in &learned.nodes {
+            if !out.contains(node) {
+                out.push(node.clone());
+            }
+        }
+        out
+    }
+
+    /// The cluster's nodes, as the map `from` named them.
+    pub fn learn(&self, nodes: Vec<String>, from: String) {
+        let mut learned = self.lock();
+        learned.nodes = nodes;
+        learned.map_from = Some(from);
+    }
+
+    /// The node whose slot map is in use, once one was read.
+    pub fn map_from(&self) -> Option<String> {
+        self.lock().map_from.clone()
+    }
 }
 
 /// The credentials of every L2 connection; the password is never printed (`Debug` says
@@ -422,6 +469,7 @@ mod tests {
             ttl: None,
             write_queue_bytes: 1 << 20,
             threads: 2,
+            known_nodes: Default::default(),
         }
     }
 

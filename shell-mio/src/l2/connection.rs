@@ -75,7 +75,7 @@ impl Conn {
     pub(super) fn connect(config: &L2Config, timeout: Duration) -> RedisResult<Conn> {
         let seeds = &config.seeds;
         let mut last_error = None;
-        for seed in seeds {
+        for seed in &config.known_nodes.candidates(seeds) {
             let probe = seed_connection(config, seed, timeout);
             let mut connection = match probe {
                 Ok(connection) => connection,
@@ -106,7 +106,9 @@ impl Conn {
     }
 
     fn connect_cluster(config: &L2Config, timeout: Duration) -> RedisResult<Conn> {
-        let mut builder = ClusterClient::builder(config.seeds.clone())
+        // Every node the latest map named, not only the seeds: a cluster that lost its
+        // seed in a failover is still reached (row 62).
+        let mut builder = ClusterClient::builder(config.known_nodes.candidates(&config.seeds))
             .connection_timeout(timeout)
             .response_timeout(timeout)
             .retries(CLUSTER_RETRIES)
@@ -268,16 +270,26 @@ fn seed_connection(
         })
 }
 
-/// `CLUSTER SLOTS` from the first seed that answers it, on a connection of its own: a
-/// killed or stopped node among the seeds costs a refused connection or one timeout,
-/// and never the cluster connection's state.
+/// `CLUSTER SLOTS` from the first seed (then the first node of the latest map) that
+/// answers it, on a connection of its own: a killed or stopped node among them costs a
+/// refused connection or one timeout, and never the cluster connection's state. Every
+/// node the answer names is remembered for the next time (row 62).
 fn slots_from_seeds(config: &L2Config) -> RedisResult<(redis::Value, Addr)> {
     let mut last_error = None;
-    for seed in &config.seeds {
+    for seed in &config.known_nodes.candidates(&config.seeds) {
         let answered = seed_connection(config, seed, config.timeout)
             .and_then(|mut connection| redis::cmd("CLUSTER").arg("SLOTS").query(&mut connection));
         match answered {
-            Ok(slots) => return Ok((slots, seed_addr(seed)?)),
+            Ok(slots) => {
+                let from = seed_addr(seed)?;
+                let scheme = if config.uses_tls() { "rediss" } else { "redis" };
+                let nodes = super::direct::cluster_nodes(&slots, &from)
+                    .into_iter()
+                    .map(|addr| addr.url(scheme))
+                    .collect();
+                config.known_nodes.learn(nodes, seed.clone());
+                return Ok((slots, from));
+            }
             Err(error) => last_error = Some(error),
         }
     }

@@ -109,6 +109,60 @@ pub(super) struct Addr {
     pub(super) port: u16,
 }
 
+impl Addr {
+    /// As a seed URL of `scheme` (`redis` or `rediss`).
+    pub(super) fn url(&self, scheme: &str) -> String {
+        if self.host.contains(':') {
+            format!("{scheme}://[{}]:{}", self.host, self.port)
+        } else {
+            format!("{scheme}://{}:{}", self.host, self.port)
+        }
+    }
+}
+
+/// Every node a `CLUSTER SLOTS` answer names (masters and replicas, each once, in its
+/// order); a node without a host is `seed`'s host, as Redis means it.
+pub(super) fn cluster_nodes(slots: &redis::Value, seed: &Addr) -> Vec<Addr> {
+    use redis::Value;
+    let mut nodes: Vec<Addr> = Vec::new();
+    let Value::Array(ranges) = slots else {
+        return nodes;
+    };
+    for range in ranges {
+        let Value::Array(fields) = range else {
+            continue;
+        };
+        for node in fields.iter().skip(2) {
+            let Value::Array(node) = node else {
+                continue;
+            };
+            let host = match node.first() {
+                Some(Value::BulkString(host)) => String::from_utf8_lossy(host).into_owned(),
+                Some(Value::SimpleString(host)) => host.clone(),
+                _ => String::new(),
+            };
+            let Some(Ok(port)) = node.get(1).map(|port| match port {
+                Value::Int(port) => u16::try_from(*port),
+                _ => u16::try_from(-1i64),
+            }) else {
+                continue;
+            };
+            let addr = Addr {
+                host: if host.is_empty() || host == "?" {
+                    seed.host.clone()
+                } else {
+                    host
+                },
+                port,
+            };
+            if !nodes.contains(&addr) {
+                nodes.push(addr);
+            }
+        }
+    }
+    nodes
+}
+
 /// A socket, plain or TLS.
 enum Stream {
     Plain(TcpStream),

@@ -32,7 +32,7 @@ mod deadline;
 mod direct;
 mod worker;
 
-pub use config::{L2Auth, L2Config, L2ConfigError, L2Tls, MAX_THREADS, redact_seed};
+pub use config::{KnownNodes, L2Auth, L2Config, L2ConfigError, L2Tls, MAX_THREADS, redact_seed};
 pub use connection::Mode;
 
 use connection::Conn;
@@ -372,6 +372,16 @@ impl L2Client {
     /// connected.
     pub fn mode(&self) -> Option<Mode> {
         *self.shared.mode.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The node whose `CLUSTER SLOTS` the data path uses now (a seed, or after the
+    /// first map any node it named); None before the first map, or for a plain Redis.
+    pub fn map_from(&self) -> Option<String> {
+        self.shared
+            .config
+            .known_nodes
+            .map_from()
+            .map(|node| redact_seed(&node))
     }
 
     /// Why the latest connection attempt failed; None once one succeeded.

@@ -19,6 +19,7 @@ fn config(seed: String, timeout_ms: u64, write_queue_bytes: u64) -> L2Config {
         ttl: None,
         write_queue_bytes,
         threads: 2,
+        known_nodes: Default::default(),
     }
 }
 

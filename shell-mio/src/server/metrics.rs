@@ -108,6 +108,9 @@ pub struct Metrics {
     pub mapped_refused: Counter,
     /// fds peers handed over, not closed yet (set at scrape).
     pub closes_pending: Gauge,
+    /// Copies into a worker's buffer not started: its worker had stopped waiting (set
+    /// at scrape).
+    pub copies_past_deadline: Counter,
     /// L1 slots charged to each tenant, and its quota, by `tenant` and `state`
     /// (`used`, `quota`; set at scrape).
     pub tenant_slots: Family<Labels2, Gauge>,
@@ -201,6 +204,7 @@ impl Metrics {
             mapped_bytes: Gauge::default(),
             mapped_refused: Counter::default(),
             closes_pending: Gauge::default(),
+            copies_past_deadline: Counter::default(),
             tenant_slots: Family::default(),
             l2: None,
             registry: Registry::default(),
@@ -328,6 +332,12 @@ impl Metrics {
             "fds workers handed over that the closer threads have not closed yet (a \
              steady rise: a peer's files take long to close)",
             metrics.closes_pending.clone(),
+        );
+        registry.register(
+            "copies_past_deadline",
+            "Copies into a worker's buffer never started because its worker had stopped \
+             waiting (its hello's wait_ms passed): the chunk stays in L1, the buffer untouched",
+            metrics.copies_past_deadline.clone(),
         );
         registry.register(
             "tenant_slots",

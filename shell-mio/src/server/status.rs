@@ -32,6 +32,8 @@ pub struct StatusReport {
     pub limits: LimitsStatus,
     /// Bytes of workers' memfds the server maps, and their caps.
     pub mapped: MappedStatus,
+    /// Transfers into workers' memory.
+    pub transfers: TransfersStatus,
     /// Processes watched for their exit (pidfds).
     pub watched_processes: usize,
     /// Registered instances by how their process's death will be noticed.
@@ -79,6 +81,9 @@ pub struct L2StatusReport {
     pub reason: Option<String>,
     /// The seeds of `--l2`.
     pub nodes: Vec<String>,
+    /// The node whose slot map the data path uses now: a seed, or (after the first map)
+    /// any node the cluster named; null before the first map and for a plain Redis.
+    pub map_from: Option<String>,
     /// `cluster` or `single` once connected, else null.
     pub mode: Option<&'static str>,
     /// Whether L2 is reached over TLS (`rediss://`).
@@ -208,6 +213,13 @@ pub struct LimitsStatus {
     pub max_connections: usize,
     /// fds peers handed over that the closer threads have not closed yet.
     pub closes_pending: usize,
+}
+
+/// The `transfers` section.
+#[derive(Clone, Debug, Serialize)]
+#[allow(missing_docs)] // the keys of docs/protocol.md's status section
+pub struct TransfersStatus {
+    pub copies_past_deadline_total: u64,
 }
 
 /// The `mapped` section.
@@ -374,6 +386,9 @@ mod tests {
                 max_bytes_per_tenant: 48 << 30,
                 max_bytes_per_instance: 48 << 30,
                 refused_total: 0,
+            },
+            transfers: TransfersStatus {
+                copies_past_deadline_total: 0,
             },
             watched_processes: 0,
             instances_by_death_notice: DeathNoticeCounts {

@@ -410,6 +410,7 @@ impl World {
             pidfd_index: None,
             sends_fds: false,
             token,
+            wait_ms: None,
         }];
         let mut keys = Vec::new();
         for worker in self.workers.iter().flatten() {

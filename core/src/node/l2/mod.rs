@@ -89,6 +89,9 @@ pub struct L2Delivery {
     /// The length the worker asked for: deliver only a value of exactly this length
     /// (any other is not the worker's chunk, and must not touch its buffer).
     pub nbytes: u64,
+    /// Deliver no later than this (the worker stops waiting then); past it the hit
+    /// stays in L1 only (row 60). None: no bound.
+    pub not_after: Option<Instant>,
 }
 
 /// How an [`L2Request::Get`] ended, as the shell reports it in [`Input::L2Got`].

@@ -83,12 +83,14 @@ impl Node {
                 want.nbytes,
             )
             .ok()?;
+        let not_after = self.deadline_of(&purpose);
         Some(L2Delivery {
             copy: self.hold_copy(context, slot, purpose),
             context,
             buffer: index,
             offset: want.offset,
             nbytes: want.nbytes,
+            not_after,
         })
     }
 
@@ -348,6 +350,11 @@ impl Node {
                         return;
                     }
                 };
+                let deadline = self.batches.get(&batch).and_then(|b| b.reply.deadline);
+                if self.past(deadline) {
+                    self.item_done(batch, item, Ok(None)); // its worker stopped waiting
+                    return;
+                }
                 let Some(slot) = self.pin_exact(key, want.nbytes) else {
                     self.item_done(batch, item, Ok(None));
                     return;

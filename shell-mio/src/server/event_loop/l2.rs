@@ -16,6 +16,8 @@ struct SlotLanding {
     slot_bytes: u64,
     /// The worker's buffer: its context, buffer index, offset and the length asked for.
     target: Option<(Arc<Context>, usize, u64, u64)>,
+    /// Deliver no later than this: the worker stops waiting then.
+    not_after: Option<std::time::Instant>,
     delivered: Arc<AtomicBool>,
 }
 
@@ -38,7 +40,12 @@ impl crate::l2::Landing for SlotLanding {
         let nbytes = nbytes as u64;
         // Delivered only at exactly the length the worker asked for: a value of another
         // length is not its chunk (the node answers it as a miss).
+        // Past the worker's deadline the hit stays in L1 only (row 60).
+        let on_time = self
+            .not_after
+            .is_none_or(|at| std::time::Instant::now() <= at);
         if let Some((context, buffer, at, wanted)) = &self.target
+            && on_time
             && *wanted == nbytes
             && let Some(buffer) = context.buffers.get(*buffer)
             && at
@@ -107,6 +114,9 @@ impl Server {
         // on into the worker's buffer when it has the length asked for and fits there
         // (the node counts the read as a copy on the context, so the buffer stays
         // mapped): the loop and the pool copy nothing.
+        let not_after = deliver
+            .and_then(|deliver| deliver.not_after)
+            .map(|at| self.clock_of(at));
         let target = deliver.and_then(|deliver| {
             let context = Arc::clone(self.contexts.get(&deliver.context)?);
             Some((context, deliver.buffer, deliver.offset, deliver.nbytes))
@@ -117,6 +127,7 @@ impl Server {
             offset: self.l1.offset(slot),
             slot_bytes: self.l1.slot_bytes(),
             target,
+            not_after,
             delivered: Arc::clone(&delivered),
         };
         let handle = client.get_into(read.0, key, landing);

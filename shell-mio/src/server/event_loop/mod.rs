@@ -524,6 +524,11 @@ impl Server {
         self.instant_of(std::time::Instant::now())
     }
 
+    /// The clock reading of a node's time (the inverse of [`Server::instant_of`]).
+    fn clock_of(&self, at: Instant) -> std::time::Instant {
+        self.clock_origin + Duration::from_nanos(at.as_nanos())
+    }
+
     /// The node's time of a clock reading.
     fn instant_of(&self, at: std::time::Instant) -> Instant {
         let nanos = at.saturating_duration_since(self.clock_origin).as_nanos();

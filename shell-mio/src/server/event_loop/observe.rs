@@ -5,7 +5,7 @@ use crate::protocol::PROTOCOL_VERSION;
 use crate::server::status::{
     BlendStatus, ContextsStatus, DeathNoticeCounts, FreedTotals, InstanceStatus, L1Status,
     L2StatusReport, LimitsStatus, LivenessStatus, MAX_LISTED, MappedStatus, StatusReport,
-    TenantStatusReport, TrustStatus,
+    TenantStatusReport, TransfersStatus, TrustStatus,
 };
 use kvwarden_core::node::NodeStatus;
 
@@ -158,6 +158,10 @@ impl Server {
         Metrics::mirror(&self.metrics.forbidden, node.forbidden_total);
         self.metrics.mapped_bytes.set(as_i64(node.mapped_bytes));
         Metrics::mirror(&self.metrics.mapped_refused, node.mapped_refused_total);
+        Metrics::mirror(
+            &self.metrics.copies_past_deadline,
+            node.copies_past_deadline_total,
+        );
         self.metrics
             .closes_pending
             .set(as_i64(crate::server::closer::pending() as u64));
@@ -281,6 +285,9 @@ impl Server {
                 max_bytes_per_instance: node.mapped_limits.per_instance_bytes,
                 refused_total: node.mapped_refused_total,
             },
+            transfers: TransfersStatus {
+                copies_past_deadline_total: node.copies_past_deadline_total,
+            },
             watched_processes: node.watched_processes,
             instances_by_death_notice: DeathNoticeCounts {
                 pidfd_from_peer: count_of(peer::DeathNotice::PidfdFromPeer),
@@ -315,6 +322,7 @@ impl Server {
                         .as_ref()
                         .map(|config| config.seeds.clone())
                         .unwrap_or_default(),
+                    map_from: client.and_then(|client| client.map_from()),
                     mode: self.l2.as_ref().and_then(|client| client.mode()).map(
                         |mode| match mode {
                             crate::l2::Mode::Cluster => "cluster",

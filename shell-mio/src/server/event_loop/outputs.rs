@@ -94,7 +94,17 @@ impl Server {
                 offset,
                 slot,
                 nbytes,
-            } => self.start_copy(copy, context, direction, buffer, offset, slot, nbytes),
+                not_after,
+            } => {
+                let not_after = not_after.map(|at| self.clock_of(at));
+                let at = CopyAt {
+                    buffer,
+                    offset,
+                    slot,
+                    nbytes,
+                };
+                self.start_copy(copy, context, direction, at, not_after)
+            }
             Job::Blend {
                 blend,
                 instance: _,
@@ -126,11 +136,15 @@ impl Server {
         copy: CopyId,
         context: ContextId,
         direction: Direction,
-        buffer: usize,
-        offset: u64,
-        slot: SlotId,
-        nbytes: u64,
+        at: CopyAt,
+        not_after: Option<std::time::Instant>,
     ) {
+        let CopyAt {
+            buffer,
+            offset,
+            slot,
+            nbytes,
+        } = at;
         let Some(context) = self.contexts.get(&context).cloned() else {
             self.inputs.push_back(Input::CopyDone {
                 copy,
@@ -144,6 +158,18 @@ impl Server {
         let slot_offset = self.l1.offset(slot);
         self.pool.submit(
             move || {
+                // Started on a pool thread that may have been busy: past the node's
+                // deadline the worker has stopped waiting, and its buffer may be reused.
+                if not_after.is_some_and(|at| std::time::Instant::now() > at) {
+                    return Done::Copied {
+                        copy,
+                        result: Err(ProtocolError::new(
+                            ErrorCode::Overloaded,
+                            "the copy into the worker's buffer did not start before the worker \
+                             stopped waiting (hello's wait_ms); nothing was written",
+                        )),
+                    };
+                }
                 let copied = context
                     .buffers
                     .get(buffer)
@@ -503,4 +529,12 @@ fn with_fds(
 /// cannot see (another PID namespace).
 fn shown_pid(pid: Option<i32>) -> String {
     pid.map_or_else(|| "unknown".to_string(), |pid| pid.to_string())
+}
+
+/// Where a copy goes: a buffer of the context, an offset in it, an L1 slot, a length.
+struct CopyAt {
+    buffer: usize,
+    offset: u64,
+    slot: SlotId,
+    nbytes: u64,
 }

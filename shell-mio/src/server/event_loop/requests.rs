@@ -33,6 +33,7 @@ impl Server {
             pidfd_index,
             sends_fds,
             token: _,
+            wait_ms: _,
         } = request.op
         {
             tracing::debug!(protocol, client = %client, ?pidfd_index, sends_fds, "hello");
