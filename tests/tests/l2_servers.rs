@@ -31,30 +31,34 @@ fn helper_process_engine_worker() {
 /// A server on `cluster` under `namespace`; liveness timeouts long enough that a test's
 /// idle moments never reap its workers (only the L2 behaviour is on trial here).
 fn server(dir: &TempDir, cluster: &RedisCluster, namespace: &str) -> Server {
-    server_with_seeds(dir, &cluster.seeds().join(","), namespace)
+    server_with(dir, cluster, namespace, &[])
 }
 
-/// [`server`] with `--l2 seeds`.
-fn server_with_seeds(dir: &TempDir, seeds: &str, namespace: &str) -> Server {
-    Server::start(
-        dir,
-        &[
-            "--worker-reap-timeout-seconds",
-            "60",
-            "--worker-registration-grace-seconds",
-            "120",
-            "--resolution-seconds",
-            "1",
-            "--l2",
-            seeds,
-            "--l2-namespace",
-            namespace,
-            "--l2-timeout-ms",
-            "200",
-            "--l2-write-queue-bytes",
-            "16M",
-        ],
-    )
+/// [`server`] with `extra` flags after the others.
+fn server_with(dir: &TempDir, cluster: &RedisCluster, namespace: &str, extra: &[&str]) -> Server {
+    server_with_seeds(dir, &cluster.seeds().join(","), namespace, extra)
+}
+
+/// [`server_with`] on `--l2 seeds`.
+fn server_with_seeds(dir: &TempDir, seeds: &str, namespace: &str, extra: &[&str]) -> Server {
+    let mut args = vec![
+        "--worker-reap-timeout-seconds",
+        "60",
+        "--worker-registration-grace-seconds",
+        "120",
+        "--resolution-seconds",
+        "1",
+        "--l2",
+        seeds,
+        "--l2-namespace",
+        namespace,
+        "--l2-timeout-ms",
+        "200",
+        "--l2-write-queue-bytes",
+        "16M",
+    ];
+    args.extend_from_slice(extra);
+    Server::start(dir, &args)
 }
 
 fn checksum(bytes: &[u8]) -> u64 {
@@ -164,6 +168,69 @@ fn row_27_a_chunk_stored_through_node_a_is_retrieved_through_node_b() {
     let table = String::from_utf8_lossy(&table.stdout);
     assert!(table.contains("L2: up"), "{table}");
     drop((writer, reader));
+}
+
+#[test]
+fn row_58_a_miss_costs_nothing_beyond_itself_hits_after_misses_stay_hits() {
+    // One L2 thread: every read of server B goes over the same connections, so a miss
+    // whose reply was read short would break the read after it (issue 45).
+    let cluster = RedisCluster::start(3, 1);
+    let (dir_a, dir_b) = (TempDir::new("l2-miss-a"), TempDir::new("l2-miss-b"));
+    let a = server(&dir_a, &cluster, "miss");
+    let b = server_with(&dir_b, &cluster, "miss", &["--l2-threads", "1"]);
+    let (writer, source) = worker(&a, MODEL);
+    let held: Vec<Vec<u8>> = (0..12).map(|n| format!("held-{n}").into_bytes()).collect();
+    for (n, key) in held.iter().enumerate() {
+        store(&writer, &source, key, &chunk(n as u64, CHUNK));
+    }
+    wait_written(&a, held.len() as u64);
+
+    let (reader, target) = worker(&b, MODEL);
+    // Single reads: miss, hit, miss, hit, …
+    for (n, key) in held.iter().enumerate().take(4) {
+        let absent = format!("absent-{n}").into_bytes();
+        assert!(retrieve(&reader, &target, &absent).is_none(), "a miss");
+        let read = retrieve(&reader, &target, key).expect("a hit after a miss");
+        assert_eq!(checksum(&read), checksum(&chunk(n as u64, CHUNK)));
+    }
+    // Batched: a miss first, one between, each hit still a hit.
+    let mut items: Vec<(Vec<u8>, Option<u64>)> = vec![(b"absent-b0".to_vec(), None)];
+    items.extend(held[4..8].iter().map(|key| (key.clone(), Some(n_of(key)))));
+    items.push((b"absent-b1".to_vec(), None));
+    items.extend(held[8..].iter().map(|key| (key.clone(), Some(n_of(key)))));
+    let requests: Vec<(&[u8], u64, u64, u64)> = items
+        .iter()
+        .enumerate()
+        .map(|(at, (key, _))| (key.as_slice(), 0, at as u64 * CHUNK, CHUNK))
+        .collect();
+    let answers = reader.retrieve_batch(&requests).expect("retrieve_batch");
+    for (at, ((key, seed), answer)) in items.iter().zip(&answers).enumerate() {
+        let key = String::from_utf8_lossy(key);
+        match seed {
+            None => assert_eq!(*answer, None, "{key}: a miss"),
+            Some(seed) => {
+                assert_eq!(*answer, Some(CHUNK), "{key}: a hit in a batch after a miss");
+                let mut read = vec![0; CHUNK as usize];
+                assert!(target.read(at as u64 * CHUNK, &mut read));
+                assert_eq!(checksum(&read), checksum(&chunk(*seed, CHUNK)), "{key}");
+            }
+        }
+    }
+    let status = b.status();
+    assert_eq!(l2_counter(&status, "hits"), held.len() as u64, "{status}");
+    assert_eq!(l2_counter(&status, "misses"), 6, "{status}");
+    assert_eq!(l2_counter(&status, "errors"), 0, "{status}");
+    assert_eq!(l2_counter(&status, "timeouts"), 0, "{status}");
+    assert_eq!(status["l2"]["state"], "up", "{status}");
+    drop((writer, reader));
+}
+
+/// The seed of chunk `held-N`: N.
+fn n_of(key: &[u8]) -> u64 {
+    String::from_utf8_lossy(key)
+        .trim_start_matches("held-")
+        .parse()
+        .expect("a held key")
 }
 
 #[test]
@@ -421,8 +488,8 @@ fn row_62_l2_outlives_the_loss_of_its_only_seed() {
     let victim = cluster.masters()[0];
     let seed = format!("redis://127.0.0.1:{victim}");
     let (dir_a, dir_b) = (TempDir::new("l2-seed-a"), TempDir::new("l2-seed-b"));
-    let a = server_with_seeds(&dir_a, &seed, "seed");
-    let b = server_with_seeds(&dir_b, &seed, "seed");
+    let a = server_with_seeds(&dir_a, &seed, "seed", &[]);
+    let b = server_with_seeds(&dir_b, &seed, "seed", &[]);
     let (writer, source) = worker(&a, MODEL);
     let (reader, target) = worker(&b, MODEL);
     // The control: through the seed.

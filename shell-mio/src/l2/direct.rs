@@ -164,7 +164,7 @@ pub(super) fn cluster_nodes(slots: &redis::Value, seed: &Addr) -> Vec<Addr> {
 }
 
 /// A socket, plain or TLS.
-enum Stream {
+pub(super) enum Stream {
     Plain(TcpStream),
     Tls(Box<rustls::StreamOwned<rustls::ClientConnection, TcpStream>>),
 }
@@ -225,11 +225,9 @@ pub(super) enum Head {
     Other(u8),
 }
 
-impl Head {
-    /// A redirection (`MOVED`, `ASK`): retry through redis-rs.
-    pub(super) fn is_redirect(&self) -> bool {
-        matches!(self, Head::Error(message) if message.starts_with("MOVED ") || message.starts_with("ASK "))
-    }
+/// An error reply that is a redirection (`MOVED`, `ASK`): retry through redis-rs.
+pub(super) fn is_redirect(message: &str) -> bool {
+    message.starts_with("MOVED ") || message.starts_with("ASK ")
 }
 
 /// The reply is not RESP as Redis writes it.
@@ -237,9 +235,129 @@ fn protocol_error(what: &str) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, format!("L2 reply: {what}"))
 }
 
+/// A reply of a shape the command never has: the rest of it is not read, so the
+/// connection goes (the caller drops it), never misreading the replies after it.
+fn unexpected(command: &str, head: &Head) -> io::Error {
+    protocol_error(&format!(
+        "{command} answered {head:?}, a reply of a shape it never has; the connection is dropped"
+    ))
+}
+
+/// What a `GETRANGE` answered, its reply consumed whole but for a value's bytes.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum GetReply {
+    /// No such key: nil, or an empty string (no value is empty), its CRLF consumed.
+    Absent,
+    /// A value of this many bytes (at least 1, at most the limit asked plus one)
+    /// follows, then CRLF: the caller reads them or skips them ([`NodeConn::skip_bulk`]).
+    Value(usize),
+    /// An error reply (a redirection, `WRONGTYPE`, a refusal), consumed whole.
+    Error(String),
+}
+
+/// What a `SET` answered, its reply consumed whole.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum SetReply {
+    /// `+OK`.
+    Stored,
+    /// An error reply (a redirection, a refusal).
+    Error(String),
+}
+
+/// A socket a [`NodeConn`] reads replies from: the real one, or (in tests and the
+/// `l2_replies` fuzz target) bytes arriving in parts.
+pub(super) trait Socket: Read + Write {
+    /// Bounds each receive from now on.
+    fn set_read_timeout(&self, timeout: Duration) -> io::Result<()>;
+
+    /// One receive into `out`, given up (`TimedOut`) once `deadline` passes: every wait
+    /// on the socket is bounded by the time left (row 59). `read_timeout` is the
+    /// socket's read timeout now, lowered towards the deadline.
+    fn receive(
+        &mut self,
+        out: &mut [u8],
+        deadline: Instant,
+        read_timeout: &mut Duration,
+    ) -> io::Result<usize> {
+        if let Some(lowered) = lowered_timeout(read_timeout, deadline)? {
+            self.set_read_timeout(lowered)?;
+        }
+        self.read(out)
+    }
+}
+
+impl Socket for Stream {
+    fn set_read_timeout(&self, timeout: Duration) -> io::Result<()> {
+        self.tcp().set_read_timeout(Some(timeout))
+    }
+
+    /// Over TLS, rustls's own stream would read on until a whole record arrived,
+    /// however long its bytes trickle in (a record of 16 KiB at a byte per 40 ms is 11
+    /// minutes): here each socket read is one step, checked against the deadline
+    /// before it is made, and the records are fed to rustls read by read.
+    fn receive(
+        &mut self,
+        out: &mut [u8],
+        deadline: Instant,
+        read_timeout: &mut Duration,
+    ) -> io::Result<usize> {
+        let tls = match self {
+            Stream::Plain(tcp) => {
+                if let Some(lowered) = lowered_timeout(read_timeout, deadline)? {
+                    tcp.set_read_timeout(Some(lowered))?;
+                }
+                return tcp.read(out);
+            }
+            Stream::Tls(tls) => tls,
+        };
+        loop {
+            match tls.conn.reader().read(out) {
+                Ok(read) => return Ok(read),
+                Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
+                Err(error) => return Err(error),
+            }
+            if let Some(lowered) = lowered_timeout(read_timeout, deadline)? {
+                tls.sock.set_read_timeout(Some(lowered))?;
+            }
+            let arrived = tls.conn.read_tls(&mut tls.sock)?;
+            tls.conn
+                .process_new_packets()
+                .map_err(|error| io::Error::new(io::ErrorKind::InvalidData, error))?;
+            while tls.conn.wants_write() {
+                tls.conn.write_tls(&mut tls.sock)?;
+            }
+            if arrived == 0 {
+                // The peer closed: what rustls decrypted is read above, then the end.
+                return match tls.conn.reader().read(out) {
+                    Ok(read) => Ok(read),
+                    Err(error) if error.kind() == io::ErrorKind::WouldBlock => {
+                        Err(io::ErrorKind::UnexpectedEof.into())
+                    }
+                    Err(error) => Err(error),
+                };
+            }
+        }
+    }
+}
+
+/// The read timeout a socket needs now (`Some`) on the way to `deadline`, lowered in
+/// halving steps so that a payload arriving at speed costs no system call (`None`:
+/// `read_timeout` still fits); `TimedOut` once the deadline passed.
+fn lowered_timeout(read_timeout: &mut Duration, deadline: Instant) -> io::Result<Option<Duration>> {
+    let left = deadline
+        .checked_duration_since(Instant::now())
+        .filter(|left| !left.is_zero())
+        .ok_or(io::ErrorKind::TimedOut)?;
+    if left < *read_timeout / 2 {
+        *read_timeout = left;
+        return Ok(Some(left));
+    }
+    Ok(None)
+}
+
 /// One connection to one Redis node.
-pub(super) struct NodeConn {
-    stream: Stream,
+pub(super) struct NodeConn<S: Socket = Stream> {
+    stream: S,
     buffer: Box<[u8]>,
     start: usize,
     end: usize,
@@ -278,14 +396,7 @@ impl NodeConn {
                 Stream::Tls(Box::new(rustls::StreamOwned::new(connection, tcp)))
             }
         };
-        let mut conn = NodeConn {
-            stream,
-            buffer: vec![0; READ_BUFFER_BYTES].into_boxed_slice(),
-            start: 0,
-            end: 0,
-            timeout,
-            read_timeout: timeout,
-        };
+        let mut conn = NodeConn::over(stream, timeout);
         if let Some(password) = &link.password {
             let mut command = Vec::new();
             match &link.username {
@@ -305,6 +416,52 @@ impl NodeConn {
             }
         }
         Ok(conn)
+    }
+}
+
+impl<S: Socket> NodeConn<S> {
+    /// Replies read from `stream`, each receive bounded by `timeout`.
+    pub(super) fn over(stream: S, timeout: Duration) -> NodeConn<S> {
+        NodeConn {
+            stream,
+            buffer: vec![0; READ_BUFFER_BYTES].into_boxed_slice(),
+            start: 0,
+            end: 0,
+            timeout,
+            read_timeout: timeout,
+        }
+    }
+
+    /// Reads the reply to a `GETRANGE name 0 limit_bytes`: the whole reply but for a
+    /// value's bytes. A reply of another shape, or a value longer than the command ever
+    /// answers, is an error after which the connection must go.
+    pub(super) fn get_reply(&mut self, limit_bytes: u64) -> io::Result<GetReply> {
+        match self.head()? {
+            Head::Bulk(None) => Ok(GetReply::Absent),
+            Head::Bulk(Some(0)) => {
+                self.crlf()?;
+                Ok(GetReply::Absent)
+            }
+            Head::Bulk(Some(len)) if len as u64 > limit_bytes.saturating_add(1) => {
+                Err(protocol_error(&format!(
+                    "a value of {len} bytes to a GETRANGE of at most {} bytes",
+                    limit_bytes.saturating_add(1)
+                )))
+            }
+            Head::Bulk(Some(len)) => Ok(GetReply::Value(len)),
+            Head::Error(message) => Ok(GetReply::Error(message)),
+            head => Err(unexpected("GETRANGE", &head)),
+        }
+    }
+
+    /// Reads the reply to a `SET`, whole. A reply of another shape is an error after
+    /// which the connection must go.
+    pub(super) fn set_reply(&mut self) -> io::Result<SetReply> {
+        match self.head()? {
+            Head::Simple(_) => Ok(SetReply::Stored),
+            Head::Error(message) => Ok(SetReply::Error(message)),
+            head => Err(unexpected("SET", &head)),
+        }
     }
 
     /// Writes all of `slices`.
@@ -329,68 +486,18 @@ impl NodeConn {
             self.end -= self.start;
             self.start = 0;
         }
+        // A reply line must come within the timeout, however it trickles in.
         let deadline = Instant::now() + self.timeout;
-        let end = self.end;
-        let read = self.receive(end, None, Some(deadline))?;
+        let read = self.stream.receive(
+            &mut self.buffer[self.end..],
+            deadline,
+            &mut self.read_timeout,
+        )?;
         if read == 0 {
             return Err(io::ErrorKind::UnexpectedEof.into());
         }
         self.end += read;
         Ok(())
-    }
-
-    /// One receive into `out` (or, with `out` None, into the read buffer from `at`),
-    /// given up (`TimedOut`) once `deadline` passes: every wait on the socket is bounded
-    /// by the time left. Over TLS, rustls's own stream would read on until a whole
-    /// record arrived, however long its bytes trickle in (a record of 16 KiB at a byte
-    /// per 40 ms is 11 minutes); here each socket read is one step, checked against the
-    /// deadline before it is made (row 59).
-    fn receive(
-        &mut self,
-        at: usize,
-        out: Option<&mut [u8]>,
-        deadline: Option<Instant>,
-    ) -> io::Result<usize> {
-        let out = match out {
-            Some(out) => out,
-            None => &mut self.buffer[at..],
-        };
-        if let Stream::Plain(tcp) = &mut self.stream {
-            if let Some(deadline) = deadline {
-                bound_receive(tcp, &mut self.read_timeout, deadline)?;
-            }
-            return tcp.read(out);
-        }
-        let Stream::Tls(tls) = &mut self.stream else {
-            unreachable!("a stream is plain or TLS");
-        };
-        loop {
-            match tls.conn.reader().read(out) {
-                Ok(read) => return Ok(read),
-                Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
-                Err(error) => return Err(error),
-            }
-            if let Some(deadline) = deadline {
-                bound_receive(&tls.sock, &mut self.read_timeout, deadline)?;
-            }
-            let arrived = tls.conn.read_tls(&mut tls.sock)?;
-            tls.conn
-                .process_new_packets()
-                .map_err(|error| io::Error::new(io::ErrorKind::InvalidData, error))?;
-            while tls.conn.wants_write() {
-                tls.conn.write_tls(&mut tls.sock)?;
-            }
-            if arrived == 0 {
-                // The peer closed: what rustls decrypted is read above, then the end.
-                return match tls.conn.reader().read(out) {
-                    Ok(read) => Ok(read),
-                    Err(error) if error.kind() == io::ErrorKind::WouldBlock => {
-                        Err(io::ErrorKind::UnexpectedEof.into())
-                    }
-                    Err(error) => Err(error),
-                };
-            }
-        }
     }
 
     /// The next line (without its CRLF).
@@ -409,7 +516,8 @@ impl NodeConn {
         }
     }
 
-    /// Reads the start of the next reply.
+    /// Reads the start of the next reply (the whole of it but for a bulk string's bytes
+    /// and CRLF, or an array's elements).
     pub(super) fn head(&mut self) -> io::Result<Head> {
         let line = self.line()?;
         let (&kind, rest) = line
@@ -454,7 +562,9 @@ impl NodeConn {
         let result = (|| {
             while filled < out.len() {
                 let deadline = deadline.unwrap_or_else(|| Instant::now() + self.timeout);
-                let read = self.receive(0, Some(&mut out[filled..]), Some(deadline))?;
+                let read =
+                    self.stream
+                        .receive(&mut out[filled..], deadline, &mut self.read_timeout)?;
                 if read == 0 {
                     return Err(io::ErrorKind::UnexpectedEof.into());
                 }
@@ -465,7 +575,7 @@ impl NodeConn {
         })();
         if self.read_timeout != self.timeout {
             self.read_timeout = self.timeout;
-            self.stream.tcp().set_read_timeout(Some(self.timeout))?;
+            self.stream.set_read_timeout(self.timeout)?;
         }
         result
     }
@@ -671,28 +781,174 @@ impl Direct {
     }
 }
 
-/// Lowers `tcp`'s read timeout (now `read_timeout`) towards `deadline`, in halving
-/// steps so that a payload arriving at speed costs no system call; `TimedOut` once the
-/// deadline passed.
-fn bound_receive(
-    tcp: &TcpStream,
-    read_timeout: &mut Duration,
-    deadline: Instant,
-) -> io::Result<()> {
-    let left = deadline
-        .checked_duration_since(Instant::now())
-        .filter(|left| !left.is_zero())
-        .ok_or(io::ErrorKind::TimedOut)?;
-    if left < *read_timeout / 2 {
-        *read_timeout = left;
-        tcp.set_read_timeout(Some(left))?;
+/// Bytes a node sent, arriving in parts (one per receive; none left: the node closed):
+/// what the reader's tests and the `l2_replies` fuzz target feed it.
+pub(super) struct Parts(std::collections::VecDeque<Vec<u8>>);
+
+impl Read for Parts {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let Some(mut part) = self.0.pop_front() else {
+            return Ok(0);
+        };
+        let taken = part.len().min(buf.len());
+        buf[..taken].copy_from_slice(&part[..taken]);
+        if taken < part.len() {
+            self.0.push_front(part.split_off(taken));
+        }
+        Ok(taken)
     }
-    Ok(())
+}
+
+impl Write for Parts {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Socket for Parts {
+    fn set_read_timeout(&self, _timeout: Duration) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A command whose reply the reader is asked to read ([`read_replies`]).
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Asked {
+    Get,
+    Set,
+}
+
+/// What the reader made of one reply ([`read_replies`]).
+#[doc(hidden)]
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ReplyRead {
+    Absent,
+    Value(Vec<u8>),
+    Stored,
+    Error(String),
+}
+
+/// For the `l2_replies` fuzz target and the reader's tests only: the replies to `asked`
+/// (each `GETRANGE` of at most `limit_bytes + 1` bytes), received in `parts`, read as an
+/// L2 thread reads them (a value: its first bytes, then the rest against a deadline,
+/// then CRLF), up to and including the first error, after which the thread drops the
+/// connection and reads nothing more from it.
+#[doc(hidden)]
+pub fn read_replies(
+    parts: Vec<Vec<u8>>,
+    asked: &[Asked],
+    limit_bytes: u64,
+) -> Vec<Result<ReplyRead, String>> {
+    /// The most bytes of a value read before the rest (an L2 value's header).
+    const FIRST_BYTES: usize = 24;
+    let mut conn = NodeConn::over(Parts(parts.into()), Duration::from_secs(60));
+    let deadline = Instant::now() + Duration::from_secs(3600);
+    let mut read = Vec::new();
+    for asked in asked {
+        let reply = match asked {
+            Asked::Get => conn.get_reply(limit_bytes).and_then(|reply| match reply {
+                GetReply::Absent => Ok(ReplyRead::Absent),
+                GetReply::Error(message) => Ok(ReplyRead::Error(message)),
+                GetReply::Value(len) => {
+                    let mut value = vec![0; len];
+                    let (first, rest) = value.split_at_mut(len.min(FIRST_BYTES));
+                    conn.read_exact_into(first, None, |_| {})?;
+                    conn.read_exact_into(rest, Some(deadline), |_| {})?;
+                    conn.crlf()?;
+                    Ok(ReplyRead::Value(value))
+                }
+            }),
+            Asked::Set => conn.set_reply().map(|reply| match reply {
+                SetReply::Stored => ReplyRead::Stored,
+                SetReply::Error(message) => ReplyRead::Error(message),
+            }),
+        };
+        let failed = reply.is_err();
+        read.push(reply.map_err(|error| error.to_string()));
+        if failed {
+            break;
+        }
+    }
+    read
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `bytes` read as the replies to `asked`, each byte arriving on its own.
+    fn read_bytewise(bytes: &[u8], asked: &[Asked]) -> Vec<Result<ReplyRead, String>> {
+        let parts = bytes.iter().map(|&byte| vec![byte]).collect();
+        read_replies(parts, asked, 1 << 20)
+    }
+
+    #[test]
+    fn a_miss_is_consumed_whole_and_the_hit_after_it_is_read_as_itself() {
+        // GETRANGE of a missing key answers an empty string (`$0`); nil too, for a GET.
+        let bytes = b"$0\r\n\r\n$5\r\nhello\r\n$-1\r\n$0\r\n\r\n$2\r\nhi\r\n";
+        for read in [
+            read_replies(vec![bytes.to_vec()], &[Asked::Get; 5], 1 << 20),
+            read_bytewise(bytes, &[Asked::Get; 5]),
+        ] {
+            assert_eq!(
+                read,
+                vec![
+                    Ok(ReplyRead::Absent),
+                    Ok(ReplyRead::Value(b"hello".to_vec())),
+                    Ok(ReplyRead::Absent),
+                    Ok(ReplyRead::Absent),
+                    Ok(ReplyRead::Value(b"hi".to_vec())),
+                ]
+            );
+        }
+    }
+
+    #[test]
+    fn error_replies_are_consumed_whole_and_answered_as_errors() {
+        let bytes = b"-MOVED 3999 127.0.0.1:6381\r\n$1\r\nx\r\n-OOM no\r\n+OK\r\n";
+        assert_eq!(
+            read_bytewise(bytes, &[Asked::Get, Asked::Get, Asked::Set, Asked::Set]),
+            vec![
+                Ok(ReplyRead::Error("MOVED 3999 127.0.0.1:6381".into())),
+                Ok(ReplyRead::Value(b"x".to_vec())),
+                Ok(ReplyRead::Error("OOM no".into())),
+                Ok(ReplyRead::Stored),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_reply_of_a_shape_the_command_never_has_ends_the_reading() {
+        // An array, an integer, a simple string to a GETRANGE; a bulk string to a SET;
+        // a value longer than asked: each an error, and nothing after it is read.
+        for (bytes, asked) in [
+            (&b"*1\r\n$1\r\nx\r\n$1\r\ny\r\n"[..], Asked::Get),
+            (b":1\r\n$1\r\ny\r\n", Asked::Get),
+            (b"+OK\r\n$1\r\ny\r\n", Asked::Get),
+            (b"$1\r\nx\r\n+OK\r\n", Asked::Set),
+            (b"$3\r\nabc\r\n$1\r\ny\r\n", Asked::Get),
+            (b"$1\r\nxy\r\n$1\r\ny\r\n", Asked::Get),
+            (b"\r\n$1\r\ny\r\n", Asked::Get),
+        ] {
+            let read = read_replies(vec![bytes.to_vec()], &[asked, Asked::Get], 1);
+            assert_eq!(
+                read.len(),
+                1,
+                "{:?}: {read:?}",
+                String::from_utf8_lossy(bytes)
+            );
+            assert!(
+                read[0].is_err(),
+                "{:?}: {read:?}",
+                String::from_utf8_lossy(bytes)
+            );
+        }
+    }
 
     #[test]
     fn hash_slots_are_redis_clusters() {

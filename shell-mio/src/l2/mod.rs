@@ -34,6 +34,8 @@ mod worker;
 
 pub use config::{KnownNodes, L2Auth, L2Config, L2ConfigError, L2Tls, MAX_THREADS, redact_seed};
 pub use connection::Mode;
+#[doc(hidden)]
+pub use direct::{Asked, ReplyRead, read_replies};
 
 use connection::Conn;
 use deadline::Deadlines;

@@ -12,7 +12,7 @@
 //! own map. An error of redis-rs's connection drops the whole session, as before.
 
 use super::connection::{self, Conn};
-use super::direct::{self, Direct, Head, NodeConn};
+use super::direct::{self, Direct, GetReply, NodeConn, SetReply};
 use super::{Landing, PendingRead, PrefixOutcome, ReadRequest, Shared, WriteTask, describe_error};
 use kvwarden_core::l2::{MAC_HEADER_BYTES, ReadOutcome, WriteOutcome};
 use std::io::{self, IoSlice};
@@ -311,26 +311,29 @@ impl Shared {
             ReadRequest::Get(key) => key.as_slice(),
             ReadRequest::Exists(_) => &[],
         };
-        let len = match conn.head()? {
-            Head::Bulk(None | Some(0)) => {
-                // No such key (GETRANGE answers an empty string; no value is empty).
+        let format = &self.config.format;
+        // Every reply is consumed whole here or by the reads below; one of a shape
+        // GETRANGE never has is an `Err`, and the connection goes.
+        let len = match conn.get_reply(format.read_limit_bytes())? {
+            GetReply::Absent => {
                 self.settle(pending, ReadOutcome::Absent);
                 return Ok(Next::Ready);
             }
-            Head::Bulk(Some(len)) => len,
-            head if head.is_redirect() => return Ok(Next::Redirected),
-            Head::Error(message) if message.starts_with("WRONGTYPE") => {
+            GetReply::Value(len) => len,
+            GetReply::Error(message) if direct::is_redirect(&message) => {
+                return Ok(Next::Redirected);
+            }
+            GetReply::Error(message) if message.starts_with("WRONGTYPE") => {
                 self.settle(pending, ReadOutcome::Corrupt);
                 corrupt.push((key.to_vec(), name.to_vec(), message));
                 return Ok(Next::Ready);
             }
-            head => {
-                tracing::debug!(?head, "L2 read refused");
+            GetReply::Error(message) => {
+                tracing::debug!(%message, "L2 read refused");
                 self.settle(pending, ReadOutcome::Failed);
                 return Ok(Next::Ready);
             }
         };
-        let format = &self.config.format;
         let mut head = [0u8; MAC_HEADER_BYTES];
         let head = &mut head[..len.min(format.header_bytes())];
         conn.read_exact_into(head, None, |_| {})?;
@@ -340,14 +343,6 @@ impl Shared {
             Err(error) => {
                 self.settle(pending, ReadOutcome::Corrupt);
                 corrupt.push((key.to_vec(), name.to_vec(), error.to_string()));
-                if len as u64 > format.read_limit_bytes().saturating_add(1) {
-                    // Longer than `GETRANGE` ever answers: not Redis, and not worth
-                    // reading past; the connection goes.
-                    return Err(io::Error::new(
-                        io::ErrorKind::InvalidData,
-                        format!("an L2 reply of {len} bytes to a GETRANGE bounded lower"),
-                    ));
-                }
                 conn.skip_bulk(rest)?;
                 return Ok(Next::Ready);
             }
@@ -561,11 +556,13 @@ impl Shared {
         for (node, group) in sent {
             let mut replies = group.into_iter();
             while let Some(prepared) = replies.next() {
-                match live.direct.conn(node).and_then(|conn| conn.head()) {
-                    Ok(Head::Simple(_)) => ended.push((prepared, WriteOutcome::Written)),
-                    Ok(head) if head.is_redirect() => redirected.push(prepared),
-                    Ok(head) => {
-                        tracing::debug!(?head, "L2 write refused");
+                match live.direct.conn(node).and_then(|conn| conn.set_reply()) {
+                    Ok(SetReply::Stored) => ended.push((prepared, WriteOutcome::Written)),
+                    Ok(SetReply::Error(message)) if direct::is_redirect(&message) => {
+                        redirected.push(prepared);
+                    }
+                    Ok(SetReply::Error(message)) => {
+                        tracing::debug!(%message, "L2 write refused");
                         ended.push((prepared, WriteOutcome::Failed));
                     }
                     Err(error) => {
