@@ -587,3 +587,56 @@ fn row_60_a_read_through_that_ends_after_the_worker_stopped_waiting_copies_nothi
     );
     assert_eq!(h.node.status().copies_past_deadline_total, 1);
 }
+
+/// A `retrieve_batch` naming one key twice, held only in L2 (first read through, then
+/// with its hit delivered straight into the first item's buffer), answers both items,
+/// as the same batch answers both from L1; L2 is asked once.
+#[test]
+fn row_58_a_key_twice_in_a_batch_is_served_twice_from_l2_as_from_l1() {
+    for delivered in [false, true] {
+        let mut h = Harness::new(Some(l2_config(1 << 20)));
+        let worker = id(1);
+        h.registered(worker);
+        h.stored(worker, b"local");
+        let item = |key: &[u8], offset| RetrieveItem {
+            key: key.to_vec(),
+            buffer: 0,
+            offset,
+            nbytes: 100,
+        };
+        let from_l1 = h.send(Op::RetrieveBatch {
+            instance: worker,
+            items: vec![item(b"local", 0), item(b"local", 8192)],
+        });
+        for (copy, _, nbytes) in h.copies() {
+            h.copy_done(copy, Ok(nbytes));
+        }
+        let both = Value::Array(vec![Value::from(100u64), Value::from(100u64)]);
+        assert_eq!(h.answer(from_l1), both, "from L1");
+
+        let from_l2 = h.send(Op::RetrieveBatch {
+            instance: worker,
+            items: vec![item(b"remote", 0), item(b"remote", 8192)],
+        });
+        let gets = h.l2_gets_delivering();
+        assert_eq!(gets.len(), 1, "one L2 read for the key");
+        assert!(
+            gets[0].1.is_some(),
+            "the read may deliver into the first item"
+        );
+        let fetched = if delivered {
+            L2Fetched::Delivered { nbytes: 100 }
+        } else {
+            L2Fetched::Hit { nbytes: 100 }
+        };
+        h.l2_got(gets[0].0, fetched);
+        // Each copy from L1 (the first item's, unless delivered; then the second's).
+        for _ in 0..2 {
+            for (copy, direction, nbytes) in h.copies() {
+                assert_eq!(direction, Direction::FromL1);
+                h.copy_done(copy, Ok(nbytes));
+            }
+        }
+        assert_eq!(h.answer(from_l2), both, "from L2, delivered: {delivered}");
+    }
+}

@@ -158,6 +158,17 @@ struct Batch {
     results: Answer,
     pending: usize,
     failed: Option<ProtocolError>,
+    /// Items of a `retrieve_batch` naming a key an earlier item's L2 read is fetching:
+    /// each is served as that read ends (from L1 after a hit, a miss otherwise), as
+    /// the same key twice in L1 is (each counted in `pending`).
+    followers: Vec<Follower>,
+}
+
+/// A `retrieve_batch` item waiting for item `of`'s L2 read of the same key.
+struct Follower {
+    of: usize,
+    waiter: l2::ReadFor,
+    key: Vec<u8>,
 }
 
 impl Batch {

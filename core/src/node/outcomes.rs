@@ -213,6 +213,28 @@ impl Node {
         let Some(batch) = self.batches.get_mut(&id) else {
             return;
         };
+        // Items naming the same key, waiting for this one's L2 read: served now, from
+        // L1 when this one was (the read's hit is committed there), else a miss.
+        let (followers, rest) = std::mem::take(&mut batch.followers)
+            .into_iter()
+            .partition::<Vec<_>, _>(|follower| follower.of == item);
+        batch.followers = rest;
+        let hit = matches!(result, Ok(Some(_)));
+        for follower in followers {
+            if let l2::ReadFor::BatchRetrieve {
+                batch,
+                item,
+                instance,
+                context,
+                want,
+            } = follower.waiter
+            {
+                self.resume_batch_item(batch, item, instance, context, want, &follower.key, hit);
+            }
+        }
+        let Some(batch) = self.batches.get_mut(&id) else {
+            return;
+        };
         match result {
             Ok(moved) => batch.set(item, moved),
             Err(error) => {

@@ -449,6 +449,8 @@ impl Node {
         misses: Vec<usize>,
     ) {
         let tenant = self.tenant(to.conn);
+        // Items whose key an L2 read of this batch is fetching: the first of each key.
+        let mut asked: Vec<usize> = Vec::new();
         for position in misses {
             let item = &items[position];
             if self.l1_holds(&item.key) {
@@ -465,10 +467,23 @@ impl Node {
                     nbytes: item.nbytes,
                 },
             };
-            if self.l2_ask(now, &item.key, tenant, waiter).is_ok()
+            let first = asked.iter().copied().find(|&at| items[at].key == item.key);
+            if let Some(of) = first {
+                // The same key again: a second read would find the slot reserved and
+                // miss; this item waits for the first item's read instead.
+                if let Some(open) = self.batches.get_mut(&batch) {
+                    open.followers.push(Follower {
+                        of,
+                        waiter,
+                        key: item.key.clone(),
+                    });
+                    open.pending += 1;
+                }
+            } else if self.l2_ask(now, &item.key, tenant, waiter).is_ok()
                 && let Some(open) = self.batches.get_mut(&batch)
             {
                 open.pending += 1;
+                asked.push(position);
             }
         }
     }
@@ -485,6 +500,7 @@ impl Node {
                 results,
                 pending,
                 failed: None,
+                followers: Vec::new(),
             },
         );
         id

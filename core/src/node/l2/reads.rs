@@ -327,47 +327,7 @@ impl Node {
                 context,
                 want,
             } => {
-                if !hit {
-                    self.item_done(batch, item, Ok(None));
-                    return;
-                }
-                if !self.contexts.contains_key(&context) {
-                    self.item_done(batch, item, Err(gone(instance, "retrieve_batch")));
-                    return;
-                }
-                let what = format!("`retrieve_batch` items[{item}]");
-                let index = match self.checked_buffer(
-                    context,
-                    &what,
-                    instance,
-                    want.buffer,
-                    want.offset,
-                    want.nbytes,
-                ) {
-                    Ok(index) => index,
-                    Err(error) => {
-                        self.item_done(batch, item, Err(error));
-                        return;
-                    }
-                };
-                let deadline = self.batches.get(&batch).and_then(|b| b.reply.deadline);
-                if self.past(deadline) {
-                    self.item_done(batch, item, Ok(None)); // its worker stopped waiting
-                    return;
-                }
-                let Some(slot) = self.pin_exact(key, want.nbytes) else {
-                    self.item_done(batch, item, Ok(None));
-                    return;
-                };
-                self.start_copy(
-                    context,
-                    Direction::FromL1,
-                    index,
-                    want.offset,
-                    slot,
-                    want.nbytes,
-                    CopyFor::BatchRetrieve { batch, item },
-                );
+                self.resume_batch_item(batch, item, instance, context, want, key, hit);
             }
             ReadFor::PrepareRetrieve { to, instance } => {
                 self.end_job(to.conn);
@@ -384,5 +344,61 @@ impl Node {
             }
             ReadFor::Probe => {}
         }
+    }
+
+    /// Item `item` of `batch` after its L2 read ended: copied from the slot the hit
+    /// was committed to, or a miss.
+    #[allow(clippy::too_many_arguments)]
+    pub(in crate::node) fn resume_batch_item(
+        &mut self,
+        batch: u64,
+        item: usize,
+        instance: InstanceId,
+        context: ContextId,
+        want: Want,
+        key: &[u8],
+        hit: bool,
+    ) {
+        if !hit {
+            self.item_done(batch, item, Ok(None));
+            return;
+        }
+        if !self.contexts.contains_key(&context) {
+            self.item_done(batch, item, Err(gone(instance, "retrieve_batch")));
+            return;
+        }
+        let what = format!("`retrieve_batch` items[{item}]");
+        let index = match self.checked_buffer(
+            context,
+            &what,
+            instance,
+            want.buffer,
+            want.offset,
+            want.nbytes,
+        ) {
+            Ok(index) => index,
+            Err(error) => {
+                self.item_done(batch, item, Err(error));
+                return;
+            }
+        };
+        let deadline = self.batches.get(&batch).and_then(|b| b.reply.deadline);
+        if self.past(deadline) {
+            self.item_done(batch, item, Ok(None)); // its worker stopped waiting
+            return;
+        }
+        let Some(slot) = self.pin_exact(key, want.nbytes) else {
+            self.item_done(batch, item, Ok(None));
+            return;
+        };
+        self.start_copy(
+            context,
+            Direction::FromL1,
+            index,
+            want.offset,
+            slot,
+            want.nbytes,
+            CopyFor::BatchRetrieve { batch, item },
+        );
     }
 }
