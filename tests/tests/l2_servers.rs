@@ -179,7 +179,7 @@ fn row_58_a_miss_costs_nothing_beyond_itself_hits_after_misses_stay_hits() {
     let a = server(&dir_a, &cluster, "miss");
     let b = server_with(&dir_b, &cluster, "miss", &["--l2-threads", "1"]);
     let (writer, source) = worker(&a, MODEL);
-    let held: Vec<Vec<u8>> = (0..12).map(|n| format!("held-{n}").into_bytes()).collect();
+    let held: Vec<Vec<u8>> = (0..13).map(|n| format!("held-{n}").into_bytes()).collect();
     for (n, key) in held.iter().enumerate() {
         store(&writer, &source, key, &chunk(n as u64, CHUNK));
     }
@@ -197,7 +197,7 @@ fn row_58_a_miss_costs_nothing_beyond_itself_hits_after_misses_stay_hits() {
     let mut items: Vec<(Vec<u8>, Option<u64>)> = vec![(b"absent-b0".to_vec(), None)];
     items.extend(held[4..8].iter().map(|key| (key.clone(), Some(n_of(key)))));
     items.push((b"absent-b1".to_vec(), None));
-    items.extend(held[8..].iter().map(|key| (key.clone(), Some(n_of(key)))));
+    items.extend(held[8..12].iter().map(|key| (key.clone(), Some(n_of(key)))));
     let requests: Vec<(&[u8], u64, u64, u64)> = items
         .iter()
         .enumerate()
@@ -215,6 +215,13 @@ fn row_58_a_miss_costs_nothing_beyond_itself_hits_after_misses_stay_hits() {
                 assert_eq!(checksum(&read), checksum(&chunk(*seed, CHUNK)), "{key}");
             }
         }
+    }
+    // One key twice in a batch, held only in L2: both items filled, as from L1.
+    let twice: Vec<(&[u8], u64, u64, u64)> =
+        vec![(&held[12], 0, 0, CHUNK), (&held[12], 0, CHUNK, CHUNK)];
+    for from in ["L2", "L1"] {
+        let answers = reader.retrieve_batch(&twice).expect("retrieve_batch");
+        assert_eq!(answers, vec![Some(CHUNK); 2], "a key twice, from {from}");
     }
     let status = b.status();
     assert_eq!(l2_counter(&status, "hits"), held.len() as u64, "{status}");
