@@ -10,8 +10,12 @@
 //!   figure the median of `--rounds` (3) rounds of `--chunks` (512) chunks a phase:
 //!   write-behind (stores through A until L2 holds them) against `SET`, read-through
 //!   (first retrieves through B) against `GET`, and `retrieve_batch` of `--batch` (64) L1
-//!   misses through B against pipelines of as many `GET`s. Every key of a round is
-//!   deleted after it, so each starts against the same cluster.
+//!   misses through B against pipelines of as many `GET`s. One read in 4 of the
+//!   read-through and batch phases (and of their `GET` baselines) names a key L2 does
+//!   not hold, as a cache's reads do; each phase's figure counts the bytes of held keys
+//!   served, so a held key that missed counts against it, and `hit_rate_held` says
+//!   which share of held keys was served (target 1.0; `failure-modes.md` row 58). Every
+//!   key of a round is deleted after it, so each starts against the same cluster.
 //! - L3: every Redis node SIGSTOPped: ping p99, the latency of an L2-only retrieve (a
 //!   miss), L1 still serving, nothing reaped. Needs a cluster started here.
 //! - L4: a master SIGKILLed: how long until every write lands again, writes counted as
@@ -307,7 +311,14 @@ pub fn run(args: &L2Args) -> Result<(), BenchError> {
                     round + 1,
                     args.rounds
                 ));
-                rounds.push(phases.round(&mut keys, &mut a_control, &redis, chunk, clients)?);
+                rounds.push(phases.round(
+                    &mut keys,
+                    &mut a_control,
+                    &mut b_control,
+                    &redis,
+                    chunk,
+                    clients,
+                )?);
             }
             print_rounds(&rounds, chunk, clients, args.chunks, args.batch);
         }
@@ -538,8 +549,17 @@ struct Round {
     get: f64,
     batch_read_through: f64,
     batch_get: f64,
-    /// Retrieves through B that missed (a read past --l2-timeout-ms is a miss by design).
+    /// Retrieves through B of keys L2 held (singly and batched).
+    held_reads: u64,
+    /// Of those, the ones that missed (a read past --l2-timeout-ms is a miss by design).
     missed: u64,
+    /// Of those, the ones of `retrieve_batch`es.
+    missed_batched: u64,
+    /// Retrieves through B of keys L2 did not hold that were served (must be 0).
+    absent_served: u64,
+    /// B's L2 `timeouts` and `errors` during the read phases.
+    b_timeouts: u64,
+    b_errors: u64,
     /// Writes through A that failed, timed out or were dropped.
     failed: u64,
 }
@@ -564,6 +584,7 @@ impl Phases<'_> {
         &self,
         keys: &mut Keys,
         a_control: &mut RawConnection,
+        b_control: &mut RawConnection,
         redis: &Redis,
         chunk: u64,
         clients: usize,
@@ -597,53 +618,75 @@ impl Phases<'_> {
         wait_l2_ops(a_control, before + batched_total)?;
         let failed = failed_ops(a_control)? - failed_before;
 
-        let missed = std::sync::atomic::AtomicU64::new(0);
+        // The reads: one in 4 of a key L2 does not hold, first in each 4.
+        let single_reads: Vec<Vec<Read>> = singles.iter().map(|held| mixed(keys, held)).collect();
+        let batched_reads: Vec<Vec<Read>> = batched.iter().map(|held| mixed(keys, held)).collect();
+        let (b_timeouts, b_errors) = (
+            l2_field(b_control, "timeouts")?,
+            l2_field(b_control, "errors")?,
+        );
+        use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+        let (missed, absent_served) = (AtomicU64::new(0), AtomicU64::new(0));
+        let tally = |read: &Read, moved: Option<u64>| {
+            if read.held && moved != Some(chunk) {
+                missed.fetch_add(1, Relaxed);
+            } else if !read.held && moved.is_some() {
+                absent_served.fetch_add(1, Relaxed);
+            }
+        };
         let started = Instant::now();
-        in_clients(&singles, |keys| {
+        in_clients(&single_reads, |reads| {
             let worker = Worker::new(&self.b.socket, chunk, 1)?;
-            for key in keys {
-                if worker.retrieve(key)? != Some(chunk) {
-                    missed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            for read in reads {
+                tally(read, worker.retrieve(&read.key)?);
+            }
+            Ok(())
+        })?;
+        let missed_singles = missed.load(Relaxed);
+        // Bytes of held keys served: a held key that missed counts against the figure.
+        let read_through = rate((total - missed_singles) * chunk, started.elapsed());
+        let started = Instant::now();
+        in_clients(&batched_reads, |reads| {
+            let worker = Worker::new(&self.b.socket, chunk, batch)?;
+            for group in reads.chunks(batch as usize) {
+                let keys: Vec<Vec<u8>> = group.iter().map(|read| read.key.clone()).collect();
+                let answers = worker.retrieve_batch(&keys)?;
+                for (read, moved) in group.iter().zip(answers) {
+                    tally(read, moved);
                 }
             }
             Ok(())
         })?;
-        let missed_singles = missed.load(std::sync::atomic::Ordering::Relaxed);
-        let read_through = rate((total - missed_singles) * chunk, started.elapsed());
-        let started = Instant::now();
-        in_clients(&batched, |keys| {
-            let worker = Worker::new(&self.b.socket, chunk, batch)?;
-            for group in keys.chunks(batch as usize) {
-                let answers = worker.retrieve_batch(group)?;
-                let hits = answers
-                    .iter()
-                    .filter(|moved| **moved == Some(chunk))
-                    .count();
-                missed.fetch_add(
-                    (group.len() - hits) as u64,
-                    std::sync::atomic::Ordering::Relaxed,
-                );
-            }
-            Ok(())
-        })?;
-        let missed_batched = missed.load(std::sync::atomic::Ordering::Relaxed) - missed_singles;
+        let missed_batched = missed.load(Relaxed) - missed_singles;
         let batch_read_through = rate((batched_total - missed_batched) * chunk, started.elapsed());
+        let (b_timeouts, b_errors) = (
+            l2_field(b_control, "timeouts")? - b_timeouts,
+            l2_field(b_control, "errors")? - b_errors,
+        );
 
         let value = vec![7u8; chunk as usize + self.header_bytes];
+        let baseline_name = |key: &[u8]| {
+            let mut name = self.namespace.redis_key(&own_tenant_key(key));
+            name.extend_from_slice(b":baseline");
+            name
+        };
         let baseline = |keys: &Vec<Vec<Vec<u8>>>| -> Vec<Vec<Vec<u8>>> {
             keys.iter()
-                .map(|keys| {
-                    keys.iter()
-                        .map(|key| {
-                            let mut name = self.namespace.redis_key(&own_tenant_key(key));
-                            name.extend_from_slice(b":baseline");
-                            name
-                        })
-                        .collect()
-                })
+                .map(|keys| keys.iter().map(|key| baseline_name(key)).collect())
+                .collect()
+        };
+        // GETs of the same mix: held names, and one in 4 never set.
+        let baseline_reads = |reads: &Vec<Vec<Read>>| -> Vec<Vec<Vec<u8>>> {
+            reads
+                .iter()
+                .map(|reads| reads.iter().map(|read| baseline_name(&read.key)).collect())
                 .collect()
         };
         let (set_names, batch_names) = (baseline(&singles), baseline(&batched));
+        let (get_names, batch_get_names) = (
+            baseline_reads(&single_reads),
+            baseline_reads(&batched_reads),
+        );
         let started = Instant::now();
         in_clients(&set_names, |names| {
             let redis = Redis::connect(self.seeds)?;
@@ -655,13 +698,13 @@ impl Phases<'_> {
             names.iter().try_for_each(|name| redis.set(name, &value))
         })?;
         let started = Instant::now();
-        in_clients(&set_names, |names| {
+        in_clients(&get_names, |names| {
             let redis = Redis::connect(self.seeds)?;
             names.iter().try_for_each(|name| redis.get(name).map(drop))
         })?;
         let get = rate(total * chunk, started.elapsed());
         let started = Instant::now();
-        in_clients(&batch_names, |names| {
+        in_clients(&batch_get_names, |names| {
             let redis = Redis::connect(self.seeds)?;
             names
                 .chunks(batch as usize)
@@ -686,10 +729,36 @@ impl Phases<'_> {
             get,
             batch_read_through,
             batch_get,
+            held_reads: total + batched_total,
             missed: missed.into_inner(),
+            missed_batched,
+            absent_served: absent_served.into_inner(),
+            b_timeouts,
+            b_errors,
             failed,
         })
     }
+}
+
+/// One read of a read phase: a key L2 holds, or one it does not.
+struct Read {
+    key: Vec<u8>,
+    held: bool,
+}
+
+/// The reads of `held`, with a fresh key L2 does not hold before every 3 of them.
+fn mixed(keys: &mut Keys, held: &[Vec<u8>]) -> Vec<Read> {
+    let mut reads = Vec::new();
+    for group in held.chunks(3) {
+        for key in keys.fresh(1) {
+            reads.push(Read { key, held: false });
+        }
+        reads.extend(group.iter().map(|key| Read {
+            key: key.clone(),
+            held: true,
+        }));
+    }
+    reads
 }
 
 /// One figure of a round.
@@ -727,22 +796,24 @@ fn print_rounds(rounds: &[Round], chunk: u64, clients: usize, chunks: u64, batch
         (
             "read_through",
             |r| r.read_through,
-            format!("{how}, first retrieves through B (hits only: {missed} missed in all rounds)"),
+            format!(
+                "{how}, first retrieves through B, 1 in 4 of an absent key; bytes of held keys served"
+            ),
         ),
         (
             "redis_get",
             |r| r.get,
-            format!("{how}, cluster GET, same run"),
+            format!("{how}, cluster GET of the same mix, same run"),
         ),
         (
             "batch_read_through",
             |r| r.batch_read_through,
-            format!("{how}, retrieve_batch of {batch} L1 misses through B"),
+            format!("{how}, retrieve_batch of {batch} L1 misses through B, 1 in 4 absent"),
         ),
         (
             "redis_batch_get",
             |r| r.batch_get,
-            format!("{how}, pipelines of {batch} cluster GETs, same run"),
+            format!("{how}, pipelines of {batch} cluster GETs of the same mix, same run"),
         ),
     ];
     for (name, pick, note) in &lines {
@@ -771,6 +842,23 @@ fn print_rounds(rounds: &[Round], chunk: u64, clients: usize, chunks: u64, batch
             "retrieve_batch / pipelined GETs",
         ),
     ];
+    let held: u64 = rounds.iter().map(|round| round.held_reads).sum();
+    let absent_served: u64 = rounds.iter().map(|round| round.absent_served).sum();
+    let timeouts: u64 = rounds.iter().map(|round| round.b_timeouts).sum();
+    let missed_batched: u64 = rounds.iter().map(|round| round.missed_batched).sum();
+    let errors: u64 = rounds.iter().map(|round| round.b_errors).sum();
+    figure(
+        "L2",
+        &format!("hit_rate_held_{tag}"),
+        format!("{:.3}", (held - missed) as f64 / held.max(1) as f64),
+        "x",
+        &format!(
+            "{} of {held} reads of held keys served in all rounds ({missed} missed, \
+             {missed_batched} of them in batches; B's L2 timeouts {timeouts}, errors \
+             {errors}); absent keys served {absent_served}; target 1.0",
+            held - missed
+        ),
+    );
     for (name, pick, what) in ratios {
         let each: Vec<String> = rounds.iter().map(|r| format!("{:.2}", pick(r))).collect();
         figure(

@@ -211,6 +211,8 @@ fn bench_l2_prints_l1_to_l4_against_a_cluster_it_starts() {
             "L2 ratio_read_through_2048k_c1",
             "L2 ratio_write_behind_256k_c2",
             "L2 ratio_batch_2048k_c2",
+            "L2 hit_rate_held_256k_c1",
+            "L2 hit_rate_held_2048k_c2",
             "L3 ping_p99",
             "L3 reaped",
             "L4 resumed_after_master_kill",
