@@ -253,6 +253,10 @@ pub(super) enum GetReply {
     Value(usize),
     /// An error reply (a redirection, `WRONGTYPE`, a refusal), consumed whole.
     Error(String),
+    /// A value of this many bytes, longer than the command ever answers: not Redis, or
+    /// not a value of ours, and not worth reading past; none of it is read, so the
+    /// connection must go.
+    TooLong(usize),
 }
 
 /// What a `SET` answered, its reply consumed whole.
@@ -433,8 +437,8 @@ impl<S: Socket> NodeConn<S> {
     }
 
     /// Reads the reply to a `GETRANGE name 0 limit_bytes`: the whole reply but for a
-    /// value's bytes. A reply of another shape, or a value longer than the command ever
-    /// answers, is an error after which the connection must go.
+    /// value's bytes. A reply of another shape is an error after which the connection
+    /// must go, as after [`GetReply::TooLong`].
     pub(super) fn get_reply(&mut self, limit_bytes: u64) -> io::Result<GetReply> {
         match self.head()? {
             Head::Bulk(None) => Ok(GetReply::Absent),
@@ -443,10 +447,7 @@ impl<S: Socket> NodeConn<S> {
                 Ok(GetReply::Absent)
             }
             Head::Bulk(Some(len)) if len as u64 > limit_bytes.saturating_add(1) => {
-                Err(protocol_error(&format!(
-                    "a value of {len} bytes to a GETRANGE of at most {} bytes",
-                    limit_bytes.saturating_add(1)
-                )))
+                Ok(GetReply::TooLong(len))
             }
             Head::Bulk(Some(len)) => Ok(GetReply::Value(len)),
             Head::Error(message) => Ok(GetReply::Error(message)),
@@ -854,6 +855,10 @@ pub fn read_replies(
             Asked::Get => conn.get_reply(limit_bytes).and_then(|reply| match reply {
                 GetReply::Absent => Ok(ReplyRead::Absent),
                 GetReply::Error(message) => Ok(ReplyRead::Error(message)),
+                GetReply::TooLong(len) => Err(protocol_error(&format!(
+                    "a value of {len} bytes to a GETRANGE of at most {} bytes",
+                    limit_bytes.saturating_add(1)
+                ))),
                 GetReply::Value(len) => {
                     let mut value = vec![0; len];
                     let (first, rest) = value.split_at_mut(len.min(FIRST_BYTES));

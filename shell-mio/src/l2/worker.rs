@@ -320,6 +320,17 @@ impl Shared {
                 return Ok(Next::Ready);
             }
             GetReply::Value(len) => len,
+            GetReply::TooLong(len) => {
+                // Not a value this server wrote (none is longer than a slot): a corrupt
+                // miss, deleted; its bytes are not read, so the connection goes.
+                let why = format!(
+                    "an L2 reply of {len} bytes to a GETRANGE of at most {} bytes",
+                    format.read_limit_bytes().saturating_add(1)
+                );
+                self.settle(pending, ReadOutcome::Corrupt);
+                corrupt.push((key.to_vec(), name.to_vec(), why.clone()));
+                return Err(io::Error::new(io::ErrorKind::InvalidData, why));
+            }
             GetReply::Error(message) if direct::is_redirect(&message) => {
                 return Ok(Next::Redirected);
             }
