@@ -534,7 +534,7 @@ fuzz_target!(|steps: Vec<Step>| {
                     .as_ref()
                     .is_some_and(|(c, r, _, _)| ConnId(*c) == conn && *r == id) =>
                 {
-                    reply = Some(result);
+                    reply = Some(result.map(|answer| answer.to_value()));
                 }
                 Output::Job(Job::Build { context, .. }) => model.builds.push(context),
                 Output::Job(Job::Copy { copy, .. }) => model.copies.push(copy),
