@@ -259,3 +259,87 @@ fn trickled_reply_is_given_up_at_the_deadline(tls: bool) {
         "the late chunk was written into the buffer"
     );
 }
+
+/// Row 61 with a slow L2: a worker's retrieve held for the L2 timeout (3 s) by a reply
+/// that trickles in goes on pinging on the heartbeat's own connection: at least five of
+/// about fifteen pings (every 200 ms) are answered during the hold, and the worker
+/// stays healthy throughout. The control: the retrieve ends (a timed-out miss).
+#[test]
+fn row_61_a_worker_whose_retrieve_is_held_by_a_slow_l2_goes_on_pinging() {
+    let redis = redis(false);
+    let upstream: SocketAddr = redis.seeds()[0]
+        .split("://")
+        .nth(1)
+        .and_then(|addr| addr.parse().ok())
+        .expect("the seed's address");
+    let (dir_w, dir_r) = (TempDir::new("held-w"), TempDir::new("held-r"));
+    let writer_server = server(&dir_w, &redis.seeds()[0], None);
+    let (writer, source) = worker(&writer_server, "deadlines");
+    store(&writer, &source, b"held", &chunk(61, CHUNK));
+    store(&writer, &source, b"warm", &chunk(62, WARM));
+    wait_written(&writer_server, 2);
+
+    let trickling = TrickleProxy::start(upstream, "redis", true);
+    let reader_server = Server::start(
+        &dir_r,
+        &[
+            "--worker-reap-timeout-seconds",
+            "60",
+            "--worker-registration-grace-seconds",
+            "120",
+            "--l1-bytes",
+            "8M",
+            "--slot-bytes",
+            "1M",
+            "--l2",
+            &trickling.seed(),
+            "--l2-namespace",
+            "deadlines",
+            "--l2-timeout-ms",
+            "3000",
+        ],
+    );
+    let mut config = kvwarden::client::ClientConfig::new(kvwarden::client::Endpoint::Unix(
+        reader_server.socket.clone(),
+    ));
+    config.heartbeat_interval = Duration::from_millis(200);
+    let reader = Arc::new(Client::connect(config).expect("connecting"));
+    let buffer = Arc::new(MemfdBuffer::new(1 << 20).expect("a memfd"));
+    reader
+        .register(vec![Arc::clone(&buffer)], "deadlines", 1)
+        .expect("registering");
+    assert_eq!(
+        reader.retrieve(b"warm", 0, 0, WARM).expect("retrieve"),
+        Some(WARM),
+        "the warm-up read is a hit"
+    );
+    kvwarden_tests::wait_for("healthy", Duration::from_secs(10), || {
+        reader.is_healthy().then_some(())
+    });
+    let pings = || {
+        reader_server.status()["worker_liveness"]["pings_total"]
+            .as_u64()
+            .expect("pings_total")
+    };
+    let before = pings();
+    let held = {
+        let reader = Arc::clone(&reader);
+        std::thread::spawn(move || reader.retrieve(b"held", 0, 0, CHUNK))
+    };
+    let mut unhealthy = 0;
+    while !held.is_finished() {
+        unhealthy += usize::from(!reader.is_healthy());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let pinged = pings() - before;
+    assert_eq!(
+        held.join().expect("the retrieve").expect("answered"),
+        None,
+        "the held read ended as a timed-out miss"
+    );
+    assert!(
+        pinged >= 5,
+        "{pinged} pings answered while the retrieve was held"
+    );
+    assert_eq!(unhealthy, 0, "healthy while its own retrieve was held");
+}
