@@ -28,6 +28,23 @@ fn client(server: &Server, request_timeout: Duration) -> (Client, Arc<MemfdBuffe
     (client, buffer)
 }
 
+/// A server with one pool thread, which every build holds for [`BUILD_DELAY_MS`].
+fn starved_pool_server(dir: &TempDir) -> Server {
+    Server::start(
+        dir,
+        &[
+            "--worker-reap-timeout-seconds",
+            "60",
+            "--worker-registration-grace-seconds",
+            "120",
+            "--pool-threads",
+            "1",
+            "--fault-build-delay-ms",
+            BUILD_DELAY_MS,
+        ],
+    )
+}
+
 /// Registers a fresh worker on another thread: its build holds the pool thread for
 /// [`BUILD_DELAY_MS`].
 fn occupy_the_pool(server: &Server) -> std::thread::JoinHandle<Client> {
@@ -55,19 +72,7 @@ fn occupy_the_pool(server: &Server) -> std::thread::JoinHandle<Client> {
 #[test]
 fn row_60_a_copy_that_would_start_after_the_worker_gave_up_never_does() {
     let dir = TempDir::new("row60-pool");
-    let server = Server::start(
-        &dir,
-        &[
-            "--worker-reap-timeout-seconds",
-            "60",
-            "--worker-registration-grace-seconds",
-            "120",
-            "--pool-threads",
-            "1",
-            "--fault-build-delay-ms",
-            BUILD_DELAY_MS,
-        ],
-    );
+    let server = starved_pool_server(&dir);
     let chunk: Vec<u8> = (0..CHUNK).map(|i| (i % 251) as u8).collect();
     let own: Vec<u8> = vec![0x5A; CHUNK as usize];
 
@@ -155,19 +160,7 @@ fn row_60_a_copy_that_would_start_after_the_worker_gave_up_never_does() {
 #[test]
 fn row_61_a_worker_whose_retrieve_is_held_goes_on_pinging_and_stays_healthy() {
     let dir = TempDir::new("row61-ping");
-    let server = Server::start(
-        &dir,
-        &[
-            "--worker-reap-timeout-seconds",
-            "60",
-            "--worker-registration-grace-seconds",
-            "120",
-            "--pool-threads",
-            "1",
-            "--fault-build-delay-ms",
-            BUILD_DELAY_MS,
-        ],
-    );
+    let server = starved_pool_server(&dir);
     let mut config = ClientConfig::new(Endpoint::Unix(server.socket.clone()));
     config.request_timeout = Duration::from_secs(30);
     config.heartbeat_interval = Duration::from_millis(200);

@@ -258,6 +258,21 @@ impl Node {
         Some(slot)
     }
 
+    /// [`Node::pin_exact`] for a copy into a worker's buffer that may start only by
+    /// `deadline` (its request's): past it, nothing is pinned (row 60). Either way a
+    /// None is answered as a miss.
+    pub(super) fn pin_in_time(
+        &mut self,
+        deadline: Option<Instant>,
+        key: &[u8],
+        nbytes: u64,
+    ) -> Option<SlotId> {
+        if self.past(deadline) {
+            return None; // its worker stopped waiting
+        }
+        self.pin_exact(key, nbytes)
+    }
+
     /// The L1 part of `retrieve`: pin a value of the wanted length, copy it out.
     pub(super) fn retrieve_l1(
         &mut self,
@@ -281,10 +296,7 @@ impl Node {
             Ok(index) => index,
             Err(error) => return Some(Err(error)),
         };
-        if self.past(to.deadline) {
-            return Some(Ok(Answer::Length(None))); // its worker stopped waiting
-        }
-        let Some(slot) = self.pin_exact(key, want.nbytes) else {
+        let Some(slot) = self.pin_in_time(to.deadline, key, want.nbytes) else {
             return Some(Ok(Answer::Length(None))); // a miss
         };
         self.start_job(to.conn);

@@ -383,11 +383,7 @@ impl Node {
             }
         };
         let deadline = self.batches.get(&batch).and_then(|b| b.reply.deadline);
-        if self.past(deadline) {
-            self.item_done(batch, item, Ok(None)); // its worker stopped waiting
-            return;
-        }
-        let Some(slot) = self.pin_exact(key, want.nbytes) else {
+        let Some(slot) = self.pin_in_time(deadline, key, want.nbytes) else {
             self.item_done(batch, item, Ok(None));
             return;
         };
