@@ -19,8 +19,17 @@ metadata of a distribution named ``vllm``.
 Configurations (full sizes; costs measured on the 2-core development VM, server starts
 of about 25 s each included):
 
-- ``no_connector`` and ``kvwarden``: vLLM's prefix cache on, without and with the
-  connector, both servers up at once (one kvwarden server). Each gets 4 rounds of 128
+- ``baseline`` and ``kvwarden``: vLLM's prefix cache on, without and with kvwarden,
+  both servers up at once (one kvwarden server). The baseline runs a connector that
+  does nothing (``baseline_connector.py``): vLLM changes more than the connector when
+  any ``--kv-transfer-config`` is set (on CPU it reserves one more core per rank, which
+  on a 2-core machine leaves none to reserve, so the engine computes on both cores), so
+  a baseline without any connector measured the CPU binding, not kvwarden: 1.75× the
+  throughput with kvwarden while kvwarden served nothing. After both servers start,
+  their effective settings are compared (every start-up line of vLLM's log, the
+  connector's own masked, and each process's thread affinities and OpenMP
+  environment); ``config_diff`` lines name any difference, and then the
+  ``*_with_over_without`` ratios print ``refused`` instead of a number. Each gets 4 rounds of 128
   prompts (16 prefixes of 1024 tokens, 8 prompts each, suffix 64, output 32, 4
   concurrent; round i has prefixes of its own, the same for both servers), alternated
   (a b, b a, a b, b a) so that a drift of the shared machine hits both; the figures
@@ -83,6 +92,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests_vllm"))
 
 import engine_child  # noqa: E402  (the model writer and connector config of the tests)
+
+sys.path.insert(0, HERE)
+import baseline_connector  # noqa: E402  (only its config: vLLM loads it in the servers)
 
 # engine_child switches vLLM's engine into its own process (for the tests' inspection);
 # the servers here run vLLM as deployed: API server and engine core apart.
@@ -200,6 +212,95 @@ def group_rss_bytes(pgid: int) -> int:
         except OSError:
             pass
     return total
+
+
+#: vLLM's log prefix: ``(EngineCore pid=16306) INFO 12-05 11:22:40 [core.py:133] ``.
+VLLM_LOG_PREFIX = re.compile(r"^\((?P<proc>[^ )]+) pid=\d+\) [A-Z]+ [\d-]+ [\d:]+ (?P<rest>.*)$")
+#: What differs between two servers of one run without being a setting: the connector's
+#: own identity (the only thing allowed to differ), ports, process ids, temp names,
+#: durations, free memory. Applied in order to every start-up line of the log.
+SETTINGS_MASKS = [
+    (re.compile(r"KVTransferConfig\(.*\)"), "<connector>"),
+    (re.compile(r"Creating v1 connector with name: \S+"), "Creating v1 connector <connector>"),
+    (re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"), "<uuid>"),
+    (re.compile(r"'port': \d+"), "'port': <port>"),
+    (re.compile(r"127\.0\.0\.1:\d+"), "127.0.0.1:<port>"),
+    (re.compile(r"(pid=|process \[)\d+"), r"\1<pid>"),
+    (re.compile(r"vllm_dist_[0-9a-f]+"), "vllm_dist_<tmp>"),
+    (re.compile(r"took [\d.]+ (s|seconds)\b"), "took <t> s"),
+    (re.compile(r"Available RAM: [\d.]+ GiB"), "Available RAM: <free>"),
+    (re.compile(r"^\[W\d+ [\d:.]+ "), "[W "),
+]
+#: Start-up lines that are not settings: progress bars, and the connector's own lines.
+SETTINGS_SKIP = re.compile(r"(it/s|s/it)\]|kvwarden", re.I)
+#: The environment variables of each process that set its threads.
+THREAD_ENV = re.compile(rb"^(OMP_|KMP_|GOMP_|MKL_|VLLM_CPU_)")
+
+
+def log_settings(path: str, offset: int) -> List[str]:
+    """The start-up lines of one server's log from ``offset`` (up to vLLM's "Starting
+    vLLM server on"), prefixes and volatile values masked, sorted: the processes write
+    them concurrently, so only the multiset is a property of the server."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        lines = f.read().decode(errors="replace").splitlines()
+    settings = []
+    for line in lines:
+        match = VLLM_LOG_PREFIX.match(line)
+        if match:
+            line = f"{match['proc']} {match['rest']}"
+        for pattern, replacement in SETTINGS_MASKS:
+            line = pattern.sub(replacement, line)
+        # Skipped once masked: vLLM's lines naming the connector are kept, masked alike.
+        if not line.strip() or line.startswith("=== ") or SETTINGS_SKIP.search(line):
+            continue
+        settings.append(line.rstrip())
+        if "Starting vLLM server on" in line:
+            break
+    return sorted(settings)
+
+
+def process_settings(pgid: int) -> Dict[str, List[str]]:
+    """Each process of the group by name: the CPUs its threads may run on (the distinct
+    ``Cpus_allowed_list`` of its threads: OpenMP binds each of its threads) and the
+    environment variables that set its threads."""
+    found: Dict[str, List[str]] = {}
+    for pid in group_members(pgid):
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = sorted(
+                    v.decode(errors="replace") for v in f.read().split(b"\0") if THREAD_ENV.match(v)
+                )
+            cpus = set()
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/status") as f:
+                    for line in f:
+                        if line.startswith("Cpus_allowed_list:"):
+                            cpus.add(line.split()[1])
+        except OSError:
+            continue  # gone meanwhile
+        found.setdefault(name, []).append(f"threads on cpus {sorted(cpus)}, env {env}")
+    return {name: sorted(values) for name, values in found.items()}
+
+
+def settings_diff(baseline: dict, kvwarden: dict) -> List[str]:
+    """What the two servers' effective settings differ in, a line each (empty: they
+    differ only in the connector)."""
+    from collections import Counter
+
+    differences = []
+    logs = Counter(baseline["log"]), Counter(kvwarden["log"])
+    for name, only in (("baseline", logs[0] - logs[1]), ("kvwarden", logs[1] - logs[0])):
+        for line in sorted(only.elements()):
+            differences.append(f"log line only in {name}: {line}")
+    processes = baseline["processes"], kvwarden["processes"]
+    for name in sorted(set(processes[0]) | set(processes[1])):
+        a, b = processes[0].get(name), processes[1].get(name)
+        if a != b:
+            differences.append(f"process {name}: baseline {a}, kvwarden {b}")
+    return differences
 
 
 def mem_available_bytes() -> int:
@@ -402,6 +503,14 @@ class VllmServer:
         with urllib.request.urlopen(request, timeout=120) as reply:
             reply.read()
 
+    def effective_settings(self) -> dict:
+        """What this started server runs with, as vLLM's log and the kernel say it
+        (compared between the two sides by ``settings_diff``)."""
+        return {
+            "log": log_settings(self.log_path, self.log_offset),
+            "processes": process_settings(self.process.pid),
+        }
+
     def metrics(self) -> str:
         return http_get(self.base_url + "/metrics")
 
@@ -454,7 +563,11 @@ class Context:
         self.model_dir = os.path.join(log_dir, "model")
         self.live_servers: List[VllmServer] = []
         self.live_kvwardens: List[Kvwarden] = []
-        self.env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        # Every server alike can import the baseline's connector (baseline_connector.py).
+        python_path = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)
+        self.env = dict(
+            os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONPATH=python_path
+        )
         if not args.gpu:
             self.env.update(CUDA_VISIBLE_DEVICES="", VLLM_TARGET_DEVICE="cpu")
         self.scanned: Dict[str, Dict[str, int]] = {}
@@ -678,30 +791,37 @@ def pooled(results: List[dict]) -> dict:
 
 
 def run_serving(ctx: Context) -> tuple:
-    """(a) and (b): the same rounds against a server without the connector and one with
-    it, alternated (a b, b a, ...) so that a drift of the shared machine hits both."""
+    """(a) and (b): the same rounds against the baseline (a connector that does nothing)
+    and a server with kvwarden, alternated (a b, b a, ...) so that a drift of the shared
+    machine hits both. Returns the two pooled results and the differences of their
+    effective settings (none when the comparison is fair)."""
     args = ctx.args
     kvwarden = ctx.kvwarden("kvwarden")
     servers = {
-        "no_connector": VllmServer("no_connector", ctx, None, prefix_caching=True),
+        "baseline": VllmServer(
+            "baseline", ctx, baseline_connector.KV_TRANSFER_CONFIG, prefix_caching=True
+        ),
         "kvwarden": VllmServer("kvwarden", ctx, ctx.connector(kvwarden), prefix_caching=True),
     }
     results: Dict[str, List[dict]] = {name: [] for name in servers}
-    servers["no_connector"].start()
+    servers["baseline"].start()
+    settings = {"baseline": servers["baseline"].effective_settings()}
     # The second server needs about what the first holds, and a margin for the rounds.
-    together = mem_available_bytes() > servers["no_connector"].rss_bytes() + (3 << 30)
+    together = mem_available_bytes() > servers["baseline"].rss_bytes() + (3 << 30)
     if together:
         servers["kvwarden"].start()
+        settings["kvwarden"] = servers["kvwarden"].effective_settings()
     else:
         progress("memory short for both servers at once: their rounds run one after the other")
     for index in range(args.serving_rounds):
         names = list(servers) if index % 2 == 0 else list(reversed(servers))
-        for name in names if together else ["no_connector"]:
+        for name in names if together else ["baseline"]:
             traffic = serving_traffic(args, seed=index)
             results[name].append(run_round(ctx, servers[name], traffic, f"{name}_{index + 1}"))
     if not together:
-        servers["no_connector"].stop()
+        servers["baseline"].stop()
         servers["kvwarden"].start()
+        settings["kvwarden"] = servers["kvwarden"].effective_settings()
         for index in range(args.serving_rounds):
             traffic = serving_traffic(args, seed=index)
             results["kvwarden"].append(
@@ -712,15 +832,19 @@ def run_serving(ctx: Context) -> tuple:
     for server in servers.values():
         server.stop()
     kvwarden.stop()
-    without, with_connector = pooled(results["no_connector"]), pooled(results["kvwarden"])
-    report("no_connector", without)
-    report_log_scan(ctx, "no_connector")
+    without, with_connector = pooled(results["baseline"]), pooled(results["kvwarden"])
+    report("baseline", without)
+    report_log_scan(ctx, "baseline")
     report("kvwarden", with_connector)
     figure("kvwarden_external_hit_tokens", int(parse_counter(metrics_text, *HIT_COUNTER) or 0))
     figure("kvwarden_l1_slots_used", (status.get("l1") or {}).get("slots_used", "n/a"))
     report_log_scan(ctx, "kvwarden")
     print_metric_lines(metrics_text)
-    return without, with_connector
+    differences = settings_diff(settings["baseline"], settings["kvwarden"])
+    figure("config_diff_count", len(differences))
+    for line in differences:
+        figure("config_diff", line)
+    return without, with_connector, differences
 
 
 def run_restart(ctx: Context) -> Optional[float]:
@@ -1116,7 +1240,7 @@ def main() -> None:
 
 def run_configurations(ctx: Context) -> None:
     args = ctx.args
-    without, with_connector = run_serving(ctx)
+    without, with_connector, differences = run_serving(ctx)
     warm_over_cold = run_restart(ctx)
     second_over_first = None
     if args.skip_two_engines:
@@ -1132,18 +1256,16 @@ def run_configurations(ctx: Context) -> None:
     else:
         print("vllm_serving offloading skipped (not asked for: --offloading)")
     figure("ttft_warm_after_restart_over_cold", ratio(warm_over_cold, 1.0))
-    figure(
-        "itl_p99_with_over_without",
-        ratio(with_connector.get("p99_itl_ms"), without.get("p99_itl_ms")),
-    )
-    figure(
-        "throughput_with_over_without",
-        ratio(with_connector.get("output_throughput"), without.get("output_throughput")),
-    )
-    figure(
-        "ttft_p50_with_over_without",
-        ratio(with_connector.get("median_ttft_ms"), without.get("median_ttft_ms")),
-    )
+    for name, field in (
+        ("itl_p99_with_over_without", "p99_itl_ms"),
+        ("throughput_with_over_without", "output_throughput"),
+        ("ttft_p50_with_over_without", "median_ttft_ms"),
+    ):
+        if differences:
+            # The two servers differ in more than kvwarden: a ratio would not measure it.
+            figure(name, f"refused ({len(differences)} config_diff lines)")
+        else:
+            figure(name, ratio(with_connector.get(field), without.get(field)))
     figure("ttft_second_engine_over_first", ratio(second_over_first, 1.0))
 
 
