@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, List, Tuple
 
-from .buffers import CudaIpcBuffer
+from .buffers import CUDA_IPC_HANDLE_BYTES, CudaIpcBuffer
 
 
 def block_dim(tensor: Any, num_blocks: int) -> int:
@@ -57,6 +57,51 @@ def block_regions(tensor: Any, dim: int, block_id: int) -> List[Tuple[int, int]]
     return regions
 
 
+#: The version byte of the handle PyTorch's ``_share_cuda_()`` returns since it stopped
+#: returning a bare ``cudaIpcMemHandle_t`` (torch 2.11 on an H200, driver 580): version,
+#: the segment's type, then the type's payload.
+TORCH_HANDLE_VERSION = 2
+#: The type of a block ``cudaMalloc`` allocated: its payload is the 64-byte
+#: ``cudaIpcMemHandle_t`` of the allocation's base.
+TORCH_HANDLE_CUDA_MALLOC = ord("c")
+#: The type of an expandable segment (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``):
+#: memory from ``cuMemCreate``, which has no CUDA IPC handle.
+TORCH_HANDLE_EXPANDABLE = ord("e")
+
+
+def torch_ipc_handle(shared: bytes, torch_version: str) -> bytes:
+    """The ``cudaIpcMemHandle_t`` in what ``storage._share_cuda_()`` gave as its handle:
+    the bare 64 bytes (older PyTorch), or version 2 of PyTorch's shareable handle of
+    type ``c`` (a ``cudaMalloc`` block; 66 bytes). Anything else is refused with a
+    message that names it, the torch version, and what to change."""
+    shared = bytes(shared)
+    if len(shared) == CUDA_IPC_HANDLE_BYTES:
+        return shared
+    if len(shared) >= 2 and shared[0] == TORCH_HANDLE_VERSION:
+        kind = shared[1]
+        if kind == TORCH_HANDLE_CUDA_MALLOC and len(shared) == 2 + CUDA_IPC_HANDLE_BYTES:
+            return shared[2:]
+        if kind == TORCH_HANDLE_EXPANDABLE:
+            raise ValueError(
+                f"the KV cache is in an expandable segment (torch {torch_version}, "
+                f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): such memory has no "
+                f"CUDA IPC handle. Start the engine without expandable_segments (or with "
+                f"expandable_segments:False) so that its KV cache is cudaMalloc'd"
+            )
+    described = (
+        f"version {shared[0]}, type {chr(shared[1])!r}"
+        if len(shared) >= 2 and 32 <= shared[1] < 127
+        else "an unknown layout"
+    )
+    raise ValueError(
+        f"torch {torch_version} shares this KV cache with a {len(shared)}-byte handle of "
+        f"{described}; kvwarden reads the bare 64-byte cudaIpcMemHandle_t and version "
+        f"{TORCH_HANDLE_VERSION} type 'c' (a cudaMalloc block, 66 bytes). Run the engine "
+        f"with PyTorch's default CUDA caching allocator (no custom memory pool), or a "
+        f"torch version whose handle kvwarden reads"
+    )
+
+
 def cuda_ipc_buffer(tensor: Any) -> CudaIpcBuffer:
     """The whole storage under a CUDA ``tensor`` as a :class:`CudaIpcBuffer`: offsets of
     :func:`block_regions` are offsets in it."""
@@ -67,4 +112,7 @@ def cuda_ipc_buffer(tensor: Any) -> CudaIpcBuffer:
     # base, offset_bytes where this storage starts in it.
     shared = storage._share_cuda_()
     device, handle, size_bytes, offset_bytes = shared[0], shared[1], shared[2], shared[3]
-    return CudaIpcBuffer(bytes(handle), int(device), int(offset_bytes), int(size_bytes))
+    import torch
+
+    handle = torch_ipc_handle(bytes(handle), torch.__version__)
+    return CudaIpcBuffer(handle, int(device), int(offset_bytes), int(size_bytes))
