@@ -799,7 +799,10 @@ def run_serving(ctx: Context) -> tuple:
     kvwarden = ctx.kvwarden("kvwarden")
     servers = {
         "baseline": VllmServer(
-            "baseline", ctx, baseline_connector.KV_TRANSFER_CONFIG, prefix_caching=True
+            "baseline",
+            ctx,
+            baseline_connector.KV_TRANSFER_CONFIG if args.baseline == "noop" else None,
+            prefix_caching=True,
         ),
         "kvwarden": VllmServer("kvwarden", ctx, ctx.connector(kvwarden), prefix_caching=True),
     }
@@ -1117,6 +1120,7 @@ def print_settings(ctx: Context) -> None:
     figure("concurrency", args.concurrency)
     figure("serving_rounds", args.serving_rounds)
     if not args.faults:
+        figure("baseline_connector", args.baseline)
         figure("restart_prefix_len", args.restart_prefix_len)
         figure("restart_suffix_len", args.restart_suffix_len)
         figure("restart_output_len", args.restart_output_len)
@@ -1131,6 +1135,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-two-engines", action="store_true")
     parser.add_argument(
         "--offloading", action="store_true", help="vLLM's OffloadingConnector (GPU)"
+    )
+    parser.add_argument(
+        "--baseline",
+        choices=["noop", "none"],
+        default="noop",
+        help="the baseline server's connector: noop (default) does nothing, so the two "
+        "servers differ only in kvwarden; none runs it without a connector, as before "
+        "issue 46: vLLM then binds its CPU threads differently, config_diff lines name "
+        "how, and the ratios are refused",
     )
     parser.add_argument("--keep-logs", action="store_true")
     parser.add_argument(
