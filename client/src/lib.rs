@@ -40,7 +40,7 @@ mod reply_json;
 mod units;
 mod wire;
 
-pub use reply_json::msgpack_to_json;
+pub use reply_json::{ids_as_strings, msgpack_to_json};
 pub use units::parse_bytes;
 
 pub use wire::Endpoint;

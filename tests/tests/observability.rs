@@ -83,6 +83,55 @@ fn kvwarden_status_prints_a_table_and_json() {
 }
 
 #[test]
+fn status_json_ids_are_the_strings_of_get_status_and_the_log() {
+    let dir = TempDir::new("status-ids");
+    let server = Server::start(&dir, &[]);
+    let worker = Worker::unix(&server, &[]);
+    server.wait_status("proven", |s| {
+        find_instance(s, worker.instance_id).is_some_and(|i| i["proven"] == true)
+    });
+    let socket = server.socket.to_string_lossy().into_owned();
+    let output = std::process::Command::new(kvwarden_bin())
+        .args(["status", "--socket", &socket, "--json"])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let cli: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    let (code, body) = server.http_get("/status");
+    assert_eq!(code, 200);
+    let http: serde_json::Value = serde_json::from_str(&body).unwrap();
+    // Strings, so that jq prints them exactly (a JSON number above 2^53 is rounded).
+    let boot_id = cli["boot_id"]
+        .as_str()
+        .expect("boot_id a string")
+        .to_string();
+    assert_eq!(cli["boot_id"], http["boot_id"]);
+    let logged = format!("boot_id={boot_id} ");
+    assert!(
+        server.log().contains(&logged),
+        "{logged} not in:\n{}",
+        server.log()
+    );
+    let id = worker.instance_id.to_string();
+    for status in [&cli, &http] {
+        assert!(
+            status["instances"]
+                .as_array()
+                .is_some_and(|all| all.iter().any(|i| i["instance_id"] == id.as_str())),
+            "instance {id} as a string: {status:#}"
+        );
+    }
+    // `kvwarden call` prints ids as strings too (`hello` answers the boot id).
+    let output = std::process::Command::new(kvwarden_bin())
+        .args(["call", "--socket", &socket, "hello", "[2, \"test\"]"])
+        .output()
+        .unwrap();
+    let reply: serde_json::Value =
+        serde_json::from_slice(&output.stdout).unwrap_or_else(|e| panic!("{e}: {output:?}"));
+    assert_eq!(reply["value"]["boot_id"], boot_id.as_str(), "{reply}");
+}
+
+#[test]
 fn a_second_server_on_a_live_socket_is_refused() {
     let dir = TempDir::new("live-socket");
     let server = Server::start(&dir, &[]);

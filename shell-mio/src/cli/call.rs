@@ -1,7 +1,7 @@
 //! `kvwarden call`: one raw request, the reply printed as JSON.
 
 use crate::client::{Client, ClientError};
-use crate::server::status::{json_to_msgpack, msgpack_to_json};
+use crate::server::status::{ids_as_strings, json_to_msgpack, msgpack_to_json};
 use std::process::ExitCode;
 
 /// Flags of `kvwarden call`.
@@ -47,7 +47,7 @@ pub fn run(args: CallArgs) -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    let (printed, code) = match client.call(&args.op, request_args) {
+    let (mut printed, code) = match client.call(&args.op, request_args) {
         Ok(value) => (
             serde_json::json!({"ok": true, "value": msgpack_to_json(&value)}),
             ExitCode::SUCCESS,
@@ -63,6 +63,8 @@ pub fn run(args: CallArgs) -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    // Ids (`hello`'s `boot_id`, say) as strings, as `GET /status` shows them.
+    ids_as_strings(&mut printed);
     println!("{printed}");
     code
 }

@@ -1,7 +1,7 @@
 //! `kvwarden status`: the server's status as a readable table, or JSON.
 
 use crate::client::Client;
-use crate::server::status::msgpack_to_json;
+use crate::server::status::{ids_as_strings, msgpack_to_json};
 use serde_json::Value;
 use std::process::ExitCode;
 
@@ -10,7 +10,7 @@ use std::process::ExitCode;
 pub struct StatusArgs {
     #[command(flatten)]
     endpoint: super::EndpointArgs,
-    /// Print the raw status as JSON.
+    /// Print the status as JSON: the map `GET /status` serves (ids as strings).
     #[arg(long)]
     json: bool,
 }
@@ -26,7 +26,12 @@ pub fn run(args: StatusArgs) -> ExitCode {
     };
     let status = Client::connect(config).and_then(|client| client.call("status", Vec::new()));
     let status = match status {
-        Ok(value) => msgpack_to_json(&value),
+        Ok(value) => {
+            // The same map as `GET /status`: ids as strings, which jq cannot round.
+            let mut json = msgpack_to_json(&value);
+            ids_as_strings(&mut json);
+            json
+        }
         Err(error) => {
             eprintln!(
                 "kvwarden status: {error}\nIs the server running? Start it with `kvwarden serve` (or pass --socket PATH)."

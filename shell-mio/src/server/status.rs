@@ -281,17 +281,7 @@ impl StatusReport {
     /// The JSON of `GET /status` (see [`StatusReport::to_json_pretty`]).
     pub fn to_json(&self) -> Json {
         let mut json = serde_json::to_value(self).unwrap_or_default();
-        let stringify = |value: &mut Json| {
-            if let Some(id) = value.as_u64() {
-                *value = Json::String(id.to_string());
-            }
-        };
-        stringify(&mut json["boot_id"]);
-        if let Some(instances) = json["instances"].as_array_mut() {
-            for instance in instances {
-                stringify(&mut instance["instance_id"]);
-            }
-        }
+        kvwarden_client::ids_as_strings(&mut json);
         json
     }
 }
@@ -320,7 +310,7 @@ pub fn json_to_msgpack(json: &Json) -> Value {
     }
 }
 
-pub use kvwarden_client::msgpack_to_json;
+pub use kvwarden_client::{ids_as_strings, msgpack_to_json};
 
 #[cfg(test)]
 mod tests {
@@ -446,8 +436,8 @@ mod tests {
         // The same map, but for the ids: integers in MessagePack, strings in JSON.
         assert_eq!(from_msgpack["boot_id"], 7);
         assert_eq!(from_http["boot_id"], "7");
-        from_msgpack["boot_id"] = "7".into();
-        from_msgpack["instances"][0]["instance_id"] = "42".into();
+        // `kvwarden status --json` prints the MessagePack map with its ids as strings.
+        ids_as_strings(&mut from_msgpack);
         assert_eq!(from_msgpack, from_http);
         assert_eq!(from_http["worker_liveness"]["pings_total"], 3);
         assert_eq!(from_http["gpu"]["available"], false);

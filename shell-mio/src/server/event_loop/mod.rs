@@ -374,6 +374,7 @@ impl Server {
         let status = node.status().liveness;
         tracing::info!(
             socket = %config.socket_path.display(),
+            boot_id = %boot_id,
             reap_timeout_seconds = status.reap_timeout.as_secs_f64(),
             registration_grace_seconds = status.registration_grace.as_secs_f64(),
             resolution_seconds = config.liveness.resolution.as_secs_f64(),
