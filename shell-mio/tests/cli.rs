@@ -70,6 +70,47 @@ fn grace_below_timeout_and_nan_are_refused() {
 }
 
 #[test]
+fn a_negative_value_after_a_space_gets_the_flags_range() {
+    for args in [
+        &["serve", "--worker-reap-timeout-seconds", "-1"][..],
+        &["serve", "--worker-reap-timeout-seconds=-1"][..],
+    ] {
+        let output = kvwarden(args);
+        assert_eq!(output.status.code(), Some(2), "{args:?}");
+        let message = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            message.contains("use 0 to disable reaping, or at least 30.0 s"),
+            "{args:?}: {message}"
+        );
+    }
+    let output = kvwarden(&["demo", "--worker-reap-timeout-seconds", "-1"]);
+    assert_eq!(output.status.code(), Some(2));
+    let message = String::from_utf8_lossy(&output.stderr);
+    assert!(message.contains("use 0.5 to 30 seconds"), "{message}");
+}
+
+#[test]
+fn serve_and_demo_name_the_reap_timeout_alike_and_take_the_old_spelling() {
+    for command in ["serve", "demo"] {
+        let output = kvwarden(&[command, "--help"]);
+        let help = String::from_utf8_lossy(&output.stdout);
+        assert!(help.contains("--worker-reap-timeout-seconds"), "{help}");
+        // The old spelling is a hidden alias: taken, never taught.
+        assert!(!help.contains(" --reap-timeout-seconds"), "{help}");
+    }
+    // Taken by both (a refused value shows the flag was parsed as the reap timeout).
+    let output = kvwarden(&["serve", "--reap-timeout-seconds", "10", "--http", "off"]);
+    let message = String::from_utf8_lossy(&output.stderr);
+    assert!(message.contains("invalid reap timeout 10.0"), "{message}");
+    let output = kvwarden(&["demo", "--reap-timeout-seconds", "99"]);
+    let message = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        message.contains("invalid --worker-reap-timeout-seconds 99"),
+        "{message}"
+    );
+}
+
+#[test]
 fn status_without_a_server_says_how_to_start_one() {
     let output = kvwarden(&["status", "--socket", "/nonexistent/kvwarden.sock"]);
     assert!(!output.status.success());

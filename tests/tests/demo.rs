@@ -17,7 +17,7 @@ fn demo_kills_freezes_and_thaws_and_prints_its_timeline() {
     let mut child = Command::new(kvwarden_bin())
         // A longer timeout than the demo's 3 s: a busy CI machine must not starve the
         // untouched worker's heartbeat for that long.
-        .args(["demo", "--reap-timeout-seconds", "6"])
+        .args(["demo", "--worker-reap-timeout-seconds", "6"])
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

@@ -22,11 +22,18 @@ const PATIENCE: Duration = Duration::from_secs(30);
 
 /// Flags of `kvwarden demo`.
 #[derive(Debug, clap::Args)]
+#[command(allow_negative_numbers = true)]
 pub struct DemoArgs {
     /// The demo server's reap timeout T (a demo setting: production uses 120 s and
-    /// refuses anything under 30 s).
-    #[arg(long, default_value_t = 3.0, value_name = "SECONDS")]
-    reap_timeout_seconds: f64,
+    /// refuses anything under 30 s). The flag `kvwarden serve` takes for it.
+    // `--reap-timeout-seconds` was this flag's name before it took serve's.
+    #[arg(
+        long,
+        alias = "reap-timeout-seconds",
+        default_value_t = 3.0,
+        value_name = "SECONDS"
+    )]
+    worker_reap_timeout_seconds: f64,
 }
 
 /// Runs the demo; exit 0 when everything happened as kvwarden promises.
@@ -38,10 +45,10 @@ pub fn run(args: DemoArgs) -> ExitCode {
             return ExitCode::from(1);
         }
     }
-    let t = args.reap_timeout_seconds;
+    let t = args.worker_reap_timeout_seconds;
     if !(0.5..=30.0).contains(&t) {
         eprintln!(
-            "kvwarden demo: invalid --reap-timeout-seconds {t}: use 0.5 to 30 seconds (the demo \
+            "kvwarden demo: invalid --worker-reap-timeout-seconds {t}: use 0.5 to 30 seconds (the demo \
              waits out one timeout)"
         );
         return ExitCode::from(2);

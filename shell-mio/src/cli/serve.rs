@@ -13,11 +13,20 @@ use std::time::Duration;
 
 /// Flags of `kvwarden serve`.
 #[derive(Debug, clap::Args)]
+// `--worker-reap-timeout-seconds -1` reaches the range check (which names the flag's
+// range) instead of clap's "unexpected argument '-1'".
+#[command(allow_negative_numbers = true)]
 pub struct ServeArgs {
     /// Reap a worker that has pinged once after this many seconds of silence; 0
     /// disables reaping (process-exit proof still frees). At least 30, and at least 3 ×
     /// the workers' heartbeat interval (default 10 s).
-    #[arg(long, default_value_t = 120.0, value_name = "SECONDS")]
+    // `--reap-timeout-seconds` is `kvwarden demo`'s old spelling of it.
+    #[arg(
+        long,
+        alias = "reap-timeout-seconds",
+        default_value_t = 120.0,
+        value_name = "SECONDS"
+    )]
     worker_reap_timeout_seconds: f64,
     /// Reap a worker that registered but never pinged (still warming up) after this
     /// many seconds. Must be at least the reap timeout.

@@ -15,6 +15,8 @@ use std::time::Duration;
 
 /// Flags of `kvwarden worker`.
 #[derive(Debug, clap::Args)]
+// A negative number after a space reaches the flag's own check, not "unexpected argument".
+#[command(allow_negative_numbers = true)]
 pub struct WorkerArgs {
     #[command(flatten)]
     endpoint: super::EndpointArgs,
