@@ -111,10 +111,24 @@ fn serve_and_demo_name_the_reap_timeout_alike_and_take_the_old_spelling() {
 }
 
 #[test]
-fn status_without_a_server_says_how_to_start_one() {
-    let output = kvwarden(&["status", "--socket", "/nonexistent/kvwarden.sock"]);
-    assert!(!output.status.success());
-    assert!(String::from_utf8_lossy(&output.stderr).contains("kvwarden serve"));
+fn status_call_and_worker_without_a_server_say_how_to_start_one() {
+    for args in [
+        &["status"][..],
+        &["call", "ping"][..],
+        &["worker", "--buffer-bytes", "64K"][..],
+    ] {
+        let mut full = args.to_vec();
+        full.extend(["--socket", "/nonexistent/kvwarden.sock"]);
+        let output = kvwarden(&full);
+        assert_eq!(output.status.code(), Some(1), "{args:?}");
+        let message = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            message.contains(
+                "no kvwarden server at unix:/nonexistent/kvwarden.sock (No such file or directory"
+            ) && message.contains("is the server running? Start it with `kvwarden serve`"),
+            "{args:?}: {message}"
+        );
+    }
 }
 
 /// Exit 2 with one line naming the flag, the value and the fix, for each refusal.

@@ -43,7 +43,7 @@ pub fn run(args: CallArgs) -> ExitCode {
     let client = match Client::connect(config) {
         Ok(client) => client,
         Err(error) => {
-            eprintln!("kvwarden call: {error}");
+            eprintln!("kvwarden call: {}", super::connect_error(&error));
             return ExitCode::from(1);
         }
     };

@@ -115,4 +115,25 @@ impl EndpointArgs {
     }
 }
 
+/// What `status`, `call` and `worker` say when their connection fails: where no server
+/// answered and how to start one, when nothing listens there (no socket file, a stale
+/// one, a closed port); the error as it is otherwise.
+fn connect_error(error: &crate::client::ClientError) -> String {
+    use std::io::ErrorKind;
+    match error {
+        crate::client::ClientError::Io { endpoint, source }
+            if matches!(
+                source.kind(),
+                ErrorKind::NotFound | ErrorKind::ConnectionRefused
+            ) =>
+        {
+            format!(
+                "no kvwarden server at {endpoint} ({source}): is the server running? Start \
+                 it with `kvwarden serve`, or pass --socket PATH"
+            )
+        }
+        other => other.to_string(),
+    }
+}
+
 pub use kvwarden_client::parse_bytes;

@@ -33,9 +33,7 @@ pub fn run(args: StatusArgs) -> ExitCode {
             json
         }
         Err(error) => {
-            eprintln!(
-                "kvwarden status: {error}\nIs the server running? Start it with `kvwarden serve` (or pass --socket PATH)."
-            );
+            eprintln!("kvwarden status: {}", super::connect_error(&error));
             return ExitCode::from(1);
         }
     };

@@ -150,7 +150,7 @@ pub fn run(args: WorkerArgs) -> ExitCode {
     let client = match Client::connect(config) {
         Ok(client) => client,
         Err(error) => {
-            eprintln!("kvwarden worker: {error}");
+            eprintln!("kvwarden worker: {}", super::connect_error(&error));
             return ExitCode::from(1);
         }
     };
