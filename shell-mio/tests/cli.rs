@@ -202,9 +202,17 @@ fn call_exits_non_zero_on_an_error_reply_and_http_takes_a_host_name() {
     let socket = socket.to_str().expect("a UTF-8 path");
     let ok = kvwarden(&["call", "--socket", socket, "ping", "[null]"]);
     assert_eq!(ok.status.code(), Some(0));
-    let refused = kvwarden(&["call", "--socket", socket, "ping", "[]"]);
+    // No args at all: the arguments are blamed (the form named), not the versions.
+    let refused = kvwarden(&["call", "--socket", socket, "ping"]);
     assert_eq!(refused.status.code(), Some(3));
-    assert!(String::from_utf8_lossy(&refused.stdout).contains("\"code\":\"bad_args\""));
+    let reply = String::from_utf8_lossy(&refused.stdout);
+    assert!(reply.contains("\"code\":\"bad_args\""), "{reply}");
+    assert!(reply.contains("send the arguments in that form"), "{reply}");
+    let hint = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        hint.contains("`ping` refused its args []: give them as one JSON array"),
+        "{hint}"
+    );
     let mut stream = std::net::TcpStream::connect(&http).expect("connecting to HTTP");
     stream
         .write_all(b"HEAD /healthz HTTP/1.1\r\nHost: x\r\n\r\n")

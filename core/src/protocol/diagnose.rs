@@ -171,9 +171,10 @@ impl Args<'_> {
         ProtocolError::new(
             ErrorCode::BadArgs,
             format!(
-                "bad arguments for `{}`: expects {}, got {}: {detail}; this usually means \
-                 the client and the server speak different versions of the protocol \
-                 (server: protocol {PROTOCOL_VERSION}); upgrade the older side",
+                "bad arguments for `{}`: expects {}, got {}: {detail}; send the arguments \
+                 in that form (a client and a server of different protocol versions \
+                 disagree on it too: this server speaks protocol {PROTOCOL_VERSION}; then \
+                 upgrade the older side)",
                 self.op,
                 self.expects,
                 describe_args(self.items),

@@ -24,7 +24,12 @@ fn ping_with_empty_args_is_bad_args_naming_the_mismatch() {
     assert!(message.contains("`ping`"), "{message}");
     assert!(message.contains("[instance_id: uint | nil]"), "{message}");
     assert!(message.contains("0 arguments"), "{message}");
-    assert!(message.contains("versions"), "{message}");
+    // The arguments are blamed first; a version mismatch is only the less likely cause.
+    assert!(
+        message.contains("send the arguments in that form"),
+        "{message}"
+    );
+    assert!(message.contains("protocol versions"), "{message}");
 }
 
 #[test]

@@ -52,12 +52,24 @@ pub fn run(args: CallArgs) -> ExitCode {
             serde_json::json!({"ok": true, "value": msgpack_to_json(&value)}),
             ExitCode::SUCCESS,
         ),
-        Err(ClientError::Server { error, .. }) => (
-            serde_json::json!({
-                "ok": false, "code": error.code.as_str(), "message": error.message,
-            }),
-            ExitCode::from(3),
-        ),
+        Err(ClientError::Server { error, .. }) => {
+            if error.code.as_str() == "bad_args" {
+                // The CLI said `hello` in this build's protocol already: the arguments
+                // are what is wrong, not the versions.
+                eprintln!(
+                    "kvwarden call: `{}` refused its args {}: give them as one JSON array \
+                     after the op, in the form the message names (e.g. kvwarden call ping \
+                     '[null]')",
+                    args.op, args.args
+                );
+            }
+            (
+                serde_json::json!({
+                    "ok": false, "code": error.code.as_str(), "message": error.message,
+                }),
+                ExitCode::from(3),
+            )
+        }
         Err(error) => {
             eprintln!("kvwarden call: {error}");
             return ExitCode::from(1);
