@@ -1,5 +1,6 @@
 //! What an operator sees: HTTP `/status`, `/metrics`, `/healthz`, `kvwarden status`,
-//! a second server refused on a live socket, and reaping disabled (row 17).
+//! a second server refused where one runs (its socket, its HTTP port), and reaping
+//! disabled (row 17).
 
 use kvwarden_tests::{Server, TempDir, Worker, find_instance, freed, kvwarden_bin};
 use rustix::process::Signal;
@@ -132,7 +133,7 @@ fn status_json_ids_are_the_strings_of_get_status_and_the_log() {
 }
 
 #[test]
-fn a_second_server_on_a_live_socket_is_refused() {
+fn a_second_server_where_one_runs_is_refused_naming_its_socket_and_port() {
     let dir = TempDir::new("live-socket");
     let server = Server::start(&dir, &[]);
     let socket = server.socket.to_string_lossy().into_owned();
@@ -142,7 +143,46 @@ fn a_second_server_on_a_live_socket_is_refused() {
         .unwrap();
     assert!(!output.status.success());
     let message = String::from_utf8_lossy(&output.stderr);
-    assert!(message.contains("already listening"), "{message}");
+    assert!(
+        message.contains(&format!(
+            "a kvwarden server is already running on the socket {socket} ("
+        )),
+        "{message}"
+    );
+    // Its socket and its HTTP port: both named up front, in one message.
+    let http = server
+        .http
+        .expect("the first server's HTTP address")
+        .to_string();
+    let output = std::process::Command::new(kvwarden_bin())
+        .args(["serve", "--socket", &socket, "--http", &http])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(1));
+    let message = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        message.contains(&format!(
+            "a kvwarden server is already running on the socket {socket} and HTTP {http} ("
+        )) && message.contains("another --socket PATH and --http ADDR"),
+        "{message}"
+    );
+    // Its HTTP port alone (another socket): named as a kvwarden server's, not as a bare
+    // "Address already in use".
+    let other = dir.path().join("other.sock");
+    let output = std::process::Command::new(kvwarden_bin())
+        .args(["serve", "--http", &http, "--socket"])
+        .arg(&other)
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(1));
+    let message = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        message.contains(&format!(
+            "a kvwarden server is already running with HTTP on {http}"
+        )),
+        "{message}"
+    );
+    assert!(!other.exists(), "a refused start leaves no socket file");
     // The first server is untouched.
     assert_eq!(server.status()["worker_liveness"]["tracked_instances"], 0);
 }

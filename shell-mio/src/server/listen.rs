@@ -9,14 +9,14 @@ use thiserror::Error;
 /// Why the server could not start listening.
 #[derive(Debug, Error)]
 pub enum ListenError {
-    /// Another server answers on the socket.
-    #[error(
-        "another kvwarden server is already listening on {path}; stop it first, or \
-         start this one with --socket PATH"
-    )]
+    /// A kvwarden server already answers where this one would listen: on its Unix
+    /// socket, at its HTTP address, or both (each place found is named).
+    #[error("{}", already_running(socket, http))]
     AlreadyRunning {
-        /// The socket path.
-        path: PathBuf,
+        /// The socket path, when a server answers on it.
+        socket: Option<PathBuf>,
+        /// The HTTP address, when a kvwarden server's `/status` answers there.
+        http: Option<std::net::SocketAddr>,
     },
     /// Something that is not a socket sits at the path.
     #[error(
@@ -97,6 +97,71 @@ pub enum ListenError {
         /// The error.
         source: io::Error,
     },
+}
+
+fn already_running(socket: &Option<PathBuf>, http: &Option<std::net::SocketAddr>) -> String {
+    let (place, fix) = match (socket, http) {
+        (Some(path), Some(addr)) => (
+            format!("on the socket {} and HTTP {addr}", path.display()),
+            "another --socket PATH and --http ADDR (or --http off)",
+        ),
+        (Some(path), None) => (
+            format!("on the socket {}", path.display()),
+            "another --socket PATH",
+        ),
+        (None, Some(addr)) => (
+            format!("with HTTP on {addr}"),
+            "another --http ADDR (e.g. --http 127.0.0.1:8081, or --http off) and --socket \
+             PATH",
+        ),
+        (None, None) => ("here".to_string(), "another --socket PATH"),
+    };
+    format!(
+        "a kvwarden server is already running {place} (`kvwarden status` shows it); stop \
+         it first, or start this one with {fix}"
+    )
+}
+
+/// Refuses to start where a kvwarden server already runs, naming every place it answers
+/// (its socket, its HTTP address) in one message, before anything is bound: a second
+/// `serve` would otherwise report one conflict at a time. A port held by something
+/// else is left to the bind, which names it.
+pub fn refuse_a_running_server(
+    socket: &Path,
+    http: Option<std::net::SocketAddr>,
+) -> Result<(), ListenError> {
+    let socket_answers = std::fs::symlink_metadata(socket)
+        .is_ok_and(|meta| meta.file_type().is_socket())
+        && std::os::unix::net::UnixStream::connect(socket).is_ok();
+    let http = http.filter(|addr| addr.port() != 0 && http_is_kvwarden(*addr));
+    if socket_answers || http.is_some() {
+        return Err(ListenError::AlreadyRunning {
+            socket: socket_answers.then(|| socket.to_path_buf()),
+            http,
+        });
+    }
+    Ok(())
+}
+
+/// Whether `GET /status` at `addr` answers as a kvwarden server (within half a second).
+fn http_is_kvwarden(addr: std::net::SocketAddr) -> bool {
+    use std::io::{Read, Write};
+    const PATIENCE: std::time::Duration = std::time::Duration::from_millis(500);
+    let Ok(mut stream) = std::net::TcpStream::connect_timeout(&addr, PATIENCE) else {
+        return false;
+    };
+    let _ = stream.set_read_timeout(Some(PATIENCE));
+    let _ = stream.set_write_timeout(Some(PATIENCE));
+    if stream
+        .write_all(b"GET /status HTTP/1.1\r\nHost: kvwarden\r\nConnection: close\r\n\r\n")
+        .is_err()
+    {
+        return false;
+    }
+    // The server's name comes in the first lines of the body: 4 KiB is plenty.
+    let mut head = Vec::with_capacity(4096);
+    let _ = stream.take(4096).read_to_end(&mut head);
+    String::from_utf8_lossy(&head).contains("\"server\": \"kvwarden")
 }
 
 /// What a TCP listener is for; it decides which flag an error names.
@@ -212,7 +277,8 @@ pub fn bind_unix(path: &Path, mode: u32) -> Result<mio::net::UnixListener, Liste
             match std::os::unix::net::UnixStream::connect(path) {
                 Ok(_) => {
                     return Err(ListenError::AlreadyRunning {
-                        path: path.to_path_buf(),
+                        socket: Some(path.to_path_buf()),
+                        http: None,
                     });
                 }
                 Err(_) => {

@@ -214,6 +214,7 @@ impl Server {
     /// Validates the configuration, binds every listener and prints the bound
     /// addresses on stdout (`socket=…`, `tcp=…`, `http=…`, then `ready`).
     pub fn bind(mut config: ServerConfig) -> Result<Server, ServerError> {
+        listen::refuse_a_running_server(&config.socket_path, config.http)?;
         let fd_limit = listen::raise_fd_limit();
         let capacity = fd_limit.connection_capacity();
         if config.max_connections > capacity {
