@@ -53,6 +53,20 @@ fn row_19_server_sigterm_frees_every_context_and_removes_socket() {
     drop(workers);
 }
 
+#[test]
+fn shutdown_with_one_context_says_context_in_the_singular() {
+    let dir = TempDir::new("one-context");
+    let server = Server::start(&dir, &[]);
+    let worker = Worker::unix(&server, &[]);
+    server.wait_status("registered", |s| {
+        s["worker_liveness"]["tracked_instances"] == 1
+    });
+    let (exit, log) = server.terminate();
+    assert!(exit.success(), "exit 0 expected: {exit:?}\n{log}");
+    assert!(log.contains("shutdown complete: freed 1 context "), "{log}");
+    drop(worker);
+}
+
 /// Issue 16 (seen on an H200 in `kvwarden gpu copy`): a worker's first ping, due when
 /// its first transfer started, waited behind back-to-back transfers on the shared
 /// connection until the worker's own shutdown had unregistered it, and was then

@@ -61,7 +61,8 @@ impl Server {
                 tracing::info!(
                     contexts_freed,
                     frees_unfinished,
-                    "shutdown complete: freed {contexts_freed} contexts"
+                    "shutdown complete: freed {contexts_freed} context{}",
+                    if contexts_freed == 1 { "" } else { "s" }
                 );
                 self.stopped = true;
             }
