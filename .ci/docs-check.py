@@ -19,6 +19,9 @@ given) and looks each name up in what a live server showed:
   `--l2` or a GPU has no `l2` / GPU fields: those are allowed absent);
 - a flag of `kvwarden` (a span that starts with `--`, or `kvwarden CMD ... --flag`): in
   some `kvwarden ... --help` text saved under HELP_DIR (one file per command).
+- a path in the repository (a span such as `core/src/node/l2/` or
+  `tests/tests/l2.rs`, under one of its top folders, `:line` or `#anchor` after it
+  allowed): a file or folder under ROOT.
 
 Exits 1 naming every name it could not find, with the file and line.
 """
@@ -35,6 +38,15 @@ TARGET = re.compile(r"\bkvwarden::[a-z0-9_:]+[a-z0-9_]")
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 PATH = re.compile(r"^[a-z_][a-z0-9_]*(\[\])?(\.[a-z_*][a-z0-9_*]*(\[\])?)+$")
 FILE = re.compile(r"\.(md|rs|toml|py|sh|json|ya?ml|txt|service)$")
+# A path in the repository: under one of its top folders, plain path characters only (a
+# pattern with `*`, `<…>` or `{…}` is left alone); a `:line` or `#anchor` after it is not
+# part of the path.
+REPO_PATH = re.compile(
+    r"^(?:\./)?((?:core|shell-mio|shell-sim|client|bench|tests|python|docs|deploy|fuzz|\.ci)"
+    r"/[A-Za-z0-9_./-]*?)/?(?::\d+(?:-\d+)?|#[a-z0-9-]+)?$"
+)
+# Paths the repository makes at run time, never committed.
+MADE_PATHS = ("python/.venv", "python/.pydeps")
 CRATES = {"kvwarden_core", "kvwarden_client", "kvwarden_bench", "kvwarden_sim", "kvwarden_tests"}
 # Flags of other tools that the docs name in a span of their own (vLLM's, Redis's, cargo's,
 # curl's, pip's, promtool's, systemd's, the simulator's). A span that starts with another
@@ -158,6 +170,16 @@ def main():
                         checked += 1
                         if flag not in flags and flag not in FOREIGN_FLAGS:
                             problems.append(f"{where}: `kvwarden` has no flag {flag}")
+                repo_path = REPO_PATH.match(text)
+                # `NN-short-name.toml`: a placeholder in capitals names a pattern, not a path.
+                if (
+                    repo_path
+                    and not repo_path.group(1).startswith(MADE_PATHS)
+                    and not re.search(r"\b[A-Z]{2,}\b", repo_path.group(1))
+                ):
+                    checked += 1
+                    if not os.path.exists(os.path.join(root, repo_path.group(1))):
+                        problems.append(f"{where}: no such path in the repository")
                 if (
                     PATH.match(text)
                     and not FILE.search(text)

@@ -4,7 +4,8 @@
 # in a live server (started here with --l2 on a throwaway redis-server, a worker
 # registered, HTTP on) and its --help texts (.ci/docs-check.py says what counts as
 # which). Then the checker is shown to fail: a scratch doc naming one wrong metric, log
-# target, field, flag and vLLM connector counter must give exactly five problems. About 20 s.
+# target, field, flag, vLLM connector counter and repository path must give exactly six
+# problems. About 20 s.
 #
 #   bash .ci/docs-check.sh          # KVWARDEN_BIN: the binary (default: target/debug)
 set -euo pipefail
@@ -56,14 +57,15 @@ python3 "$root/.ci/docs-check.py" "$root" "$work/metrics.txt" "$work/status.json
 # The checker fails on a wrong name of each kind (and only on those).
 cat >"$work/wrong.md" <<'MD'
 `kvwarden_no_such_metric_total`, `kvwarden::server::event_loop::effects`,
-`worker_liveness.no_such_field`, `--no-such-flag`, `vllm:kvwarden_no_such_total`; and
-right ones: `kvwarden_reaps_total`, `kvwarden::server::event_loop::outputs`,
-`trust.forbidden_total`, `--tcp-token-file`, `vllm:kvwarden_saves_dropped_total`.
+`worker_liveness.no_such_field`, `--no-such-flag`, `vllm:kvwarden_no_such_total`,
+`core/src/node/l2.rs`; and right ones: `kvwarden_reaps_total`,
+`kvwarden::server::event_loop::outputs`, `trust.forbidden_total`, `--tcp-token-file`,
+`vllm:kvwarden_saves_dropped_total`, `core/src/node/l2/`, `tests/tests/l2.rs:10`.
 MD
 if python3 "$root/.ci/docs-check.py" "$root" "$work/metrics.txt" "$work/status.json" \
      "$work/help" "$work/wrong.md" 2>"$work/wrong.err"; then
-  die "the checker passed a doc with five wrong names"
+  die "the checker passed a doc with six wrong names"
 fi
 problems="$(grep -c ': `' "$work/wrong.err" || true)"
-[ "$problems" -eq 5 ] || { cat "$work/wrong.err" >&2; die "expected 5 problems in the wrong doc, got $problems"; }
-echo "docs-check: shown to fail on a wrong metric, log target, status field, flag and vLLM counter (5 of 5)"
+[ "$problems" -eq 6 ] || { cat "$work/wrong.err" >&2; die "expected 6 problems in the wrong doc, got $problems"; }
+echo "docs-check: shown to fail on a wrong metric, log target, status field, flag, vLLM counter and path (6 of 6)"
