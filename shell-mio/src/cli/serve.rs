@@ -184,8 +184,10 @@ pub struct ServeArgs {
     /// same one. ASCII letters, digits, `.`, `_`, `-`, `:`; at most 64 bytes.
     #[arg(long, default_value = "kvwarden", value_name = "NAME", requires = "l2")]
     l2_namespace: String,
-    /// The bound on every L2 wait: a read not answered by then is a miss, and each
-    /// connect, send and receive of an L2 thread gives up after it.
+    /// The bound on every L2 wait: a read is a miss once L2 has answered nothing for
+    /// this long since the read was asked or since its latest answer (so the reads of a
+    /// large batch, answered one after another, are waited for), and each connect, send
+    /// and receive of an L2 thread gives up after it.
     #[arg(long, default_value_t = 50, value_name = "MS", requires = "l2")]
     l2_timeout_ms: u64,
     /// Expiry of values written to L2; 0: none (the cluster's maxmemory policy,

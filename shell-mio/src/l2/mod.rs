@@ -10,9 +10,12 @@
 //!   submits only the writes it admitted (`failure-modes.md` row 27). Only published
 //!   data may be submitted (row 29); the caller checks that.
 //! - [`L2Client::get`] and [`L2Client::exists_prefix`] are answered later, through
-//!   [`L2Client::drain`], always within the timeout (plus at most
-//!   [`deadline::WAKE_SLACK`]): a deadline thread answers `TimedOut` for whatever the L2
-//!   threads have not answered by then.
+//!   [`L2Client::drain`], within the timeout of when an L2 thread starts waiting for
+//!   their answer (plus at most [`deadline::WAKE_SLACK`]): a deadline thread answers
+//!   `TimedOut` for whatever the L2 threads have not answered by then. A read waiting
+//!   for a thread, or behind the replies before it in a thread's pipeline (the items of
+//!   a large batch, say), has no deadline here: how long it may wait is the node's
+//!   rule, which gives it up with [`L2Read::cancel`].
 //! - A value that fails any check of [`kvwarden_core::l2::ValueFormat::decode`] (its
 //!   header, its checksum or MAC, its length against the slot: a read never fetches more
 //!   than a slot plus the header), or a key that holds something other than a string,
@@ -44,7 +47,7 @@ use std::collections::hash_map::RandomState;
 use std::collections::{HashSet, VecDeque};
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Instant;
 
 /// Reads waiting for an L2 thread beyond which a new read is answered `TimedOut` at
@@ -147,8 +150,9 @@ struct PendingRead {
     token: u64,
     request: ReadRequest,
     /// When the deadline thread answers it, if no L2 thread did; an L2 thread receiving
-    /// its payload gives up then too.
-    deadline: Instant,
+    /// its payload gives up then too. Set when an L2 thread starts waiting for its
+    /// answer: the timeout from then ([`Shared::start_read`]).
+    deadline: OnceLock<Instant>,
     /// Claimed: answered, or being received and placed by the one thread that will
     /// answer it.
     answered: AtomicBool,
@@ -507,11 +511,10 @@ impl Shared {
         request: ReadRequest,
         landing: Option<Box<dyn Landing>>,
     ) -> Arc<PendingRead> {
-        let deadline = Instant::now() + self.config.timeout;
         let pending = Arc::new(PendingRead {
             token,
             request,
-            deadline,
+            deadline: OnceLock::new(),
             answered: AtomicBool::new(false),
             landing: Mutex::new(landing),
         });
@@ -523,9 +526,19 @@ impl Shared {
         }
         work.reads.push_back(Arc::clone(&pending));
         drop(work);
-        self.deadlines.add(deadline, Arc::clone(&pending));
         self.work_ready.notify_one();
         pending
+    }
+
+    /// An L2 thread starts waiting for `pending`'s answer (the first reply of a pipeline
+    /// when it was sent, each next one when the one before it is in): it gets its
+    /// deadline, the timeout from now. So a read's deadline bounds how long Redis takes
+    /// to answer it, never the time it waits behind the others of a thread's batch.
+    fn start_read(&self, pending: &Arc<PendingRead>) {
+        let deadline = Instant::now() + self.config.timeout;
+        if pending.deadline.set(deadline).is_ok() {
+            self.deadlines.add(deadline, Arc::clone(pending));
+        }
     }
 
     /// Claims `pending`: true for the one caller that answers it.

@@ -24,9 +24,9 @@ use std::sync::atomic::Ordering;
 pub(super) const READ_BATCH_MAX: usize = 64;
 
 /// The most bytes the replies to one thread's batch of reads may hold (each counted as
-/// the largest value): a batch is received in order, so a large one would hold its last
-/// reads past their deadline (64 reads of 2 MiB did, at a 50 ms timeout); the rest of
-/// the queue goes to the other threads. A thread takes at most its share of the reads
+/// the largest value): a batch is received in order, so its last reads wait for every
+/// reply before them (each read's deadline starts when its turn comes, but the worker
+/// waits all along); the rest of the queue goes to the other threads. A thread takes at most its share of the reads
 /// waiting, so that reads arriving one by one are served by threads in parallel.
 const READ_BATCH_BYTES: u64 = 16 << 20;
 
@@ -159,11 +159,18 @@ impl Shared {
     // ---------------------------------------------------------------- reads
 
     fn serve_reads(&self, session: &mut Option<Session>, reads: Vec<Arc<PendingRead>>) {
-        // Timed out while waiting for a thread: Redis is not asked at all.
+        // Given up while waiting for a thread: Redis is not asked at all.
         let reads: Vec<_> = reads
             .into_iter()
             .filter(|pending| !pending.answered.load(Ordering::Acquire))
             .collect();
+        if session.is_none() {
+            // Connecting waits for L2 on behalf of every read taken: their deadlines
+            // start now (a store that accepts and never answers times them all out).
+            for pending in &reads {
+                self.start_read(pending);
+            }
+        }
         let (gets, checks): (Vec<_>, Vec<_>) = reads
             .into_iter()
             .partition(|pending| matches!(pending.request, ReadRequest::Get(_)));
@@ -171,6 +178,7 @@ impl Shared {
             self.serve_gets(session, gets);
         }
         for pending in checks {
+            self.start_read(&pending);
             self.serve_exists(session, &pending);
         }
     }
@@ -253,6 +261,7 @@ impl Shared {
         for (node, group) in sent {
             let mut replies = group.into_iter();
             while let Some((pending, name)) = replies.next() {
+                self.start_read(&pending);
                 let received = live
                     .direct
                     .conn(node)
@@ -282,6 +291,7 @@ impl Shared {
                 live.direct.mark_stale();
             }
             for (pending, name) in redirected {
+                self.start_read(&pending);
                 self.get_through_redis(session, &pending, &name, &mut corrupt);
             }
         }
@@ -396,7 +406,9 @@ impl Shared {
             }
         };
         let received = conn
-            .read_exact_into(into, Some(pending.deadline), |part| check.update(part))
+            .read_exact_into(into, pending.deadline.get().copied(), |part| {
+                check.update(part)
+            })
             .and_then(|()| conn.crlf());
         if let Err(error) = received {
             self.report_read(pending, read_failure(is_timeout(&error)), None, None);

@@ -21,8 +21,14 @@
 //!   may deliver, the read counts as a copy on the context (a free waits for it,
 //!   decision 9). A hit not delivered (larger than the buffer, say) is copied from L1
 //!   as before.
-//! - **Bounded waits**: each read has a deadline `--l2-timeout-ms` after it was asked;
-//!   past it the request is answered as a miss. A delivering read is first given up
+//! - **Bounded waits**: a read waits while L2 keeps answering: its deadline is
+//!   `--l2-timeout-ms` after it was asked or after L2's latest answer (to any read or
+//!   write of this node), whichever is later. A read queued behind others that L2 is
+//!   answering (the items of a large `retrieve_batch`, say) is served, not given up,
+//!   while an L2 that stops answering has every read past its deadline within the
+//!   timeout of its last answer (the shell bounds each read it sends by the timeout
+//!   too, and the worker's own wait bounds the whole request). Past its deadline the
+//!   request is answered as a miss. A delivering read is first given up
 //!   with the shell ([`L2Request::Cancel`]), which answers at once unless the hit is
 //!   being placed; the request is answered with that answer, so no byte lands in a
 //!   buffer whose request was answered `nil`. The reserved slot stays reserved until
@@ -193,7 +199,9 @@ pub(super) enum ReadFor {
 }
 
 struct PendingRead {
-    deadline: Instant,
+    /// When it was asked: its deadline is the timeout after this or after L2's latest
+    /// answer, whichever is later ([`L2Tier::deadline`]).
+    asked: Instant,
     key: Vec<u8>,
     /// The slot reserved for a hit (`L2Request::Get` only).
     slot: Option<SlotId>,
@@ -218,6 +226,10 @@ pub(super) struct L2Tier {
     /// The most writes out at once: [`WRITE_BEHIND_SLOTS_SHARE`] of L1's slots.
     writes_max: usize,
     reads: BTreeMap<L2ReadId, PendingRead>,
+    /// When L2 last answered an operation of this node (a hit, an absent or corrupt
+    /// value, an existence count, a write stored): it is alive, and reads queued behind
+    /// that answer are waited for.
+    answered_at: Option<Instant>,
 }
 
 impl L2Tier {
@@ -233,6 +245,7 @@ impl L2Tier {
             counters: L2Counters::default(),
             writes: BTreeMap::new(),
             reads: BTreeMap::new(),
+            answered_at: None,
         })
     }
 
@@ -247,13 +260,27 @@ impl L2Tier {
         }
     }
 
+    /// When `read` is given up: the timeout after it was asked or after L2's latest
+    /// answer, whichever is later.
+    fn deadline(&self, read: &PendingRead) -> Instant {
+        let since = self.answered_at.map_or(read.asked, |at| at.max(read.asked));
+        since + self.config.timeout
+    }
+
+    /// L2 answered an operation at `now` (`result`): reads waiting behind it wait on.
+    fn answered(&mut self, now: Instant, result: OpResult) {
+        if result == OpResult::Succeeded {
+            self.answered_at = Some(self.answered_at.map_or(now, |at| at.max(now)));
+        }
+    }
+
     /// The earliest deadline of a read still waited for, or the breaker's probe time.
     pub(super) fn poll_timeout(&self) -> Option<Instant> {
         let reads = self
             .reads
             .values()
             .filter(|read| read.waiter.is_some() && !read.cancelled)
-            .map(|read| read.deadline)
+            .map(|read| self.deadline(read))
             .min();
         match (reads, self.health.poll_timeout()) {
             (Some(a), Some(b)) => Some(a.min(b)),
@@ -341,6 +368,7 @@ impl Node {
         };
         tier.queue.complete(bytes);
         tier.counters.record_write(outcome);
+        tier.answered(now, outcome.op_result());
         self.l1.unpin(slot);
         self.l2_record(now, outcome.op_result());
     }

@@ -124,8 +124,9 @@ impl Node {
         None
     }
 
-    /// Sends the L2 read `ask(read)` under a new id and waits for it until the L2
-    /// timeout from `now`: `waiter` is resumed when it ends or its deadline passes.
+    /// Sends the L2 read `ask(read)` under a new id and waits for it until its deadline
+    /// (the L2 timeout from `now`, or from L2's latest answer if later): `waiter` is
+    /// resumed when it ends or its deadline passes.
     /// `key` and `slot` are an `L2Request::Get`'s (the slot reserved for a hit, and the copy
     /// counted for a delivery); an existence check has none.
     pub(super) fn l2_send_read(
@@ -137,15 +138,15 @@ impl Node {
         waiter: ReadFor,
         ask: impl FnOnce(L2ReadId) -> Output,
     ) {
-        let Some(timeout) = self.l2.as_ref().map(|tier| tier.config.timeout) else {
+        if self.l2.is_none() {
             return;
-        };
+        }
         let read = L2ReadId(self.next_id());
         if let Some(tier) = self.l2.as_mut() {
             tier.reads.insert(
                 read,
                 PendingRead {
-                    deadline: now + timeout,
+                    asked: now,
                     key,
                     slot,
                     delivery,
@@ -166,6 +167,8 @@ impl Node {
         let Some(pending) = tier.reads.remove(&read) else {
             return; // not a read of this node
         };
+        // Late or not, an answer from L2 shows it alive to the reads queued behind it.
+        tier.answered(now, fetched.outcome().op_result());
         let fetched = match fetched {
             L2Fetched::Corrupt if serve_corrupt => L2Fetched::Hit { nbytes: slot_bytes },
             // Delivered where no delivery was asked: only the slot counts.
@@ -235,6 +238,7 @@ impl Node {
         let Some(pending) = tier.reads.remove(&read) else {
             return;
         };
+        tier.answered(now, presence.op_result());
         let Some(waiter) = pending.waiter else {
             return;
         };
@@ -259,10 +263,16 @@ impl Node {
         let mut expired = Vec::new();
         let mut gone = Vec::new();
         let mut cancels = Vec::new();
-        for (&id, read) in tier.reads.iter_mut() {
-            if read.deadline > now {
+        let due: Vec<L2ReadId> = tier
+            .reads
+            .iter()
+            .filter(|(_, read)| tier.deadline(read) <= now)
+            .map(|(&id, _)| id)
+            .collect();
+        for id in due {
+            let Some(read) = tier.reads.get_mut(&id) else {
                 continue;
-            }
+            };
             if read.delivery.is_some() {
                 // The shell may be writing into the worker's buffer: only its answer,
                 // prompt once asked, tells whether it did.
@@ -274,6 +284,12 @@ impl Node {
             }
             if let Some(waiter) = read.waiter.take() {
                 expired.push((waiter, read.key.clone()));
+                if read.slot.is_some() {
+                    // Given up with the shell too: a read no one waits for takes no L2
+                    // thread's time, and its answer (prompt) gives the slot back.
+                    read.cancelled = true;
+                    cancels.push(id);
+                }
             }
             if read.slot.is_none() {
                 gone.push(id); // nothing held: a late answer finds nothing
