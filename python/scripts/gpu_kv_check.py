@@ -11,6 +11,17 @@ stand-in forward pass); then the loaded bytes are compared, and so are the block
 
     KVWARDEN_BIN=target/release/kvwarden python3 python/scripts/gpu_kv_check.py
 
+Last, the figures of the GPU route (``docs/targets.md``), on a Llama-3-8B-shaped cache
+(32 layers of [2, blocks, 16, 8, 128] bf16: 2 MiB blocks) with its own server whose
+``--slot-bytes`` fits one record: G4, the route saving and loading a 2,048-token
+prefix (128 blocks, 256 MiB), in GB/s and over one pinned 8 MiB copy of the same run;
+G5, L1 bytes a stored block takes per byte of it; G6, the p99 time per step the route
+takes on the model runner's thread (staging 16 saves, handing them and a load of 16
+to the lanes) while the lanes move them and a stand-in forward pass runs.
+
+With ``GPU_KV_CHECK_ONLY=async``, only the asynchronous path (``gpu-kv-check.sh`` runs
+it again under ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``).
+
 Needs PyTorch with CUDA and msgpack (not vLLM). Exits 0 when every byte came back,
 1 when some did not, 2 when it cannot run here (no torch, no CUDA, no binary).
 """
@@ -58,19 +69,27 @@ def main() -> int:
     torch.cuda.set_device(device)
     with tempfile.TemporaryDirectory(prefix="kvw-gpu-") as tmp:
         sock = os.path.join(tmp, "kv.sock")
-        server = subprocess.Popen(
-            [binary, "serve", "--socket", sock, "--http", "off", "--l1-bytes", "2G"]
-        )
+        server = start_server(binary, sock, "--l1-bytes", "2G")
         try:
-            while not os.path.exists(sock):
-                if server.poll() is not None:
-                    cannot(f"kvwarden serve exited with {server.returncode}")
-                time.sleep(0.05)
+            if os.environ.get("GPU_KV_CHECK_ONLY") == "async":
+                # Under expandable segments: vLLM's tensors have no CUDA IPC handle, the
+                # route's staging buffers must still register.
+                return check_async(sock, device)
             result = check(sock, device)
-            return result if result else check_async(sock, device)
+            result = result or check_async(sock, device)
         finally:
             server.terminate()
             server.wait(30)
+        return result or figures(binary, tmp, device)
+
+
+def start_server(binary: str, sock: str, *args: str) -> subprocess.Popen:
+    server = subprocess.Popen([binary, "serve", "--socket", sock, "--http", "off", *args])
+    while not os.path.exists(sock):
+        if server.poll() is not None:
+            cannot(f"kvwarden serve exited with {server.returncode}")
+        time.sleep(0.05)
+    return server
 
 
 def check(sock: str, device: int) -> int:
@@ -125,9 +144,7 @@ def check(sock: str, device: int) -> int:
             b = index_of[t.untyped_storage().data_ptr()]
             for block, into in zip(src, dst):
                 for part, (offset, nbytes) in enumerate(block_regions(t, d, into)):
-                    got = worker.retrieve(
-                        f"{li}/{block}/{part}".encode(), b, offset, nbytes=nbytes
-                    )
+                    got = worker.retrieve(f"{li}/{block}/{part}".encode(), b, offset, nbytes=nbytes)
                     if got != nbytes:
                         print(
                             f"FAIL: retrieve of layer {li} block {block} part {part}: "
@@ -202,7 +219,7 @@ def check_async(sock: str, device: int) -> int:
     g = torch.Generator(device=f"cuda:{device}").manual_seed(2)
     try:
         route.register(worker)
-        print(f"async: registered {len(route.buffers)} buffers")
+        print(f"async: registered, {route.parts} L1 slot(s) a block")
         stored: list = []
         last_written = {}  # layer name → what the stand-in forward pass wrote last
 
@@ -279,6 +296,137 @@ def check_async(sock: str, device: int) -> int:
         f"gpu_kv async_load_GBps {nbytes / loaded_s / 1e9:.2f} "
         f"(1 batch on the load lane, {load_passes} forward passes meanwhile)"
     )
+    return 0
+
+
+G_LAYERS, G_BLOCKS, G_PREFIX, G_STEP, G_STEPS = 32, 640, 128, 16, 200
+
+
+def pinned_GBps(device: int) -> "tuple[float, float]":
+    """One stream's pinned 8 MiB copies: (device to host, host to device) GB/s."""
+    size = 8 << 20
+    dev = torch.empty(size, dtype=torch.uint8, device=f"cuda:{device}")
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    rates = []
+    for copy in (lambda: host.copy_(dev, non_blocking=True), lambda: dev.copy_(host, True)):
+        for _ in range(8):
+            copy()
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for _ in range(64):
+            copy()
+        torch.cuda.synchronize()
+        rates.append(64 * size / (time.perf_counter() - started) / 1e9)
+    return rates[0], rates[1]
+
+
+def figures(binary: str, tmp: str, device: int) -> int:
+    from kvwarden import prefix
+
+    layers = []
+    g = torch.Generator(device=f"cuda:{device}").manual_seed(3)
+    for i in range(G_LAYERS):
+        shape = (2, G_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_SIZE)
+        t = torch.randn(shape, generator=g, device=f"cuda:{device}").to(torch.bfloat16)
+        layers.append((f"layer{i}", t, 1))
+    block = G_LAYERS * 2 * BLOCK_SIZE * KV_HEADS * HEAD_SIZE * 2
+    slot = -(-(block + prefix.RECORD_HEADER_BYTES) // 64) * 64
+    sock = os.path.join(tmp, "figures.sock")
+    server = start_server(binary, sock, "--l1-bytes", "4G", "--slot-bytes", str(slot))
+    worker = Worker(sock)
+    host = SimpleNamespace(
+        _rank=0,
+        _layers=layers,
+        _worker=worker,
+        _backoff=_Backoff(),
+        _staging_blocks=2 * G_STEP,
+        _save_queue_blocks=G_PREFIX,
+        _layout=b"\0" * 8,
+        _model_name="gpu-kv-figures",
+    )
+    route = GpuRoute(host)
+    saves, loads = Lane("figures-save"), Lane("figures-load")
+    try:
+        route.register(worker)
+        d2h, h2d = pinned_GBps(device)
+        src = list(range(G_PREFIX))
+        dst = list(range(G_PREFIX, 2 * G_PREFIX))
+        nbytes = G_PREFIX * route.block_bytes()
+        save_s, load_s = [], []
+        for round_ in range(4):  # the first is a warm-up
+            keys = [b"g4/%d/%d" % (round_, b) for b in src]
+            keys = [k.ljust(prefix.KEY_BYTES, b".") for k in keys]
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            job, dropped = route.stage_save(BlockMoves("g4", keys, src))
+            stored = job() if job is not None else 0
+            save_s.append(time.perf_counter() - started)
+            if stored != G_PREFIX or dropped:
+                print(f"FAIL: figures: saved {stored} of {G_PREFIX} blocks ({dropped} dropped)")
+                return 1
+            started = time.perf_counter()
+            loaded = route.load(BlockMoves("g4", keys, dst))
+            load_s.append(time.perf_counter() - started)
+            if loaded != G_PREFIX:
+                print(f"FAIL: figures: loaded {loaded} of {G_PREFIX} blocks")
+                return 1
+        bad = [
+            name
+            for name, t, d in layers
+            if not torch.equal(
+                t.index_select(d, torch.tensor(src, device=t.device)),
+                t.index_select(d, torch.tensor(dst, device=t.device)),
+            )
+        ]
+        if bad:
+            print(f"FAIL: figures: the loaded bytes of {bad[:4]} differ from the saved")
+            return 1
+        save_GBps = nbytes / min(save_s[1:]) / 1e9
+        load_GBps = nbytes / min(load_s[1:]) / 1e9
+        print(f"gpu_kv pinned_8MiB_d2h_GBps {d2h:.2f}")
+        print(f"gpu_kv pinned_8MiB_h2d_GBps {h2d:.2f}")
+        print(f"gpu_kv G4_save_GBps {save_GBps:.2f} (2,048 tokens, {nbytes >> 20} MiB, best of 3)")
+        print(f"gpu_kv G4_load_GBps {load_GBps:.2f}")
+        print(f"gpu_kv G4_save_over_pinned {save_GBps / d2h:.2f} x")
+        print(f"gpu_kv G4_load_over_pinned {load_GBps / h2d:.2f} x")
+        l1 = worker.status()["l1"]
+        used = l1["slots_used"] * l1["slot_bytes"]
+        print(
+            f"gpu_kv G5_l1_use {4 * nbytes / used:.3f} "
+            f"({4 * G_PREFIX} blocks in {l1['slots_used']} slots of {l1['slot_bytes']} bytes)"
+        )
+
+        # G6: the model runner's share of a step, 16 saves and a load of 16 a step.
+        hooks = []
+        a = torch.randn((4096, 4096), device=f"cuda:{device}", dtype=torch.bfloat16)
+        for step in range(G_STEPS):
+            keys = [(b"g6/%d/%d" % (step, b)).ljust(prefix.KEY_BYTES, b".") for b in range(G_STEP)]
+            ids = [(step * G_STEP + b) % G_PREFIX for b in range(G_STEP)]
+            previous = [(b"g4/3/%d" % b).ljust(prefix.KEY_BYTES, b".") for b in ids]
+            started = time.perf_counter()
+            job, _ = route.stage_save(BlockMoves("g6", keys, ids))
+            if job is not None:
+                saves.submit(job)
+            into = [G_PREFIX + 2 * G_STEP + b for b in range(G_STEP)]
+            load = BlockMoves("g6", previous, into)
+            loads.submit(lambda moves=load: route.load(moves))
+            hooks.append(time.perf_counter() - started)
+            for _ in range(20):  # the stand-in forward pass, then its sampling's sync
+                a = torch.tanh(a @ a * 1e-3)
+            torch.cuda.current_stream().synchronize()
+        hooks.sort()
+        p99 = hooks[int(0.99 * (len(hooks) - 1))]
+        print(
+            f"gpu_kv G6_hooks_p99_ms {p99 * 1e3:.3f} "
+            f"(p50 {hooks[len(hooks) // 2] * 1e3:.3f}, {G_STEPS} steps of {G_STEP} saves "
+            f"and {G_STEP} loads)"
+        )
+    finally:
+        saves.stop(60.0)
+        loads.stop(60.0)
+        worker.shutdown()
+        server.terminate()
+        server.wait(30)
     return 0
 
 

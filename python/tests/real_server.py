@@ -40,6 +40,7 @@ class RealServer:
         registration_grace_seconds: float = 4.0,
         resolution_seconds: float = 0.1,
         extra_args: Sequence[str] = (),
+        slot_bytes: str = "1M",
     ) -> None:
         self.binary = binary
         self.socket_path = socket_path
@@ -60,7 +61,7 @@ class RealServer:
             "--l1-bytes",
             "64M",
             "--slot-bytes",
-            "1M",
+            slot_bytes,
             "--allow-short-timeouts",
             *extra_args,
         ]

@@ -84,6 +84,23 @@ def test_a_corrupted_or_foreign_record_is_refused():
     assert "record of" in prefix.record_problem(good[:-1], key, len(payload), LAYOUT)
 
 
+def test_a_header_without_a_crc_checks_key_layout_and_length_only():
+    # A record staged in device memory: the host writes its header from the payload's
+    # length, and checks only the header on load.
+    key = prefix.rank_key(b"k" * prefix.KEY_BYTES, 0)
+    other = prefix.rank_key(b"k" * prefix.KEY_BYTES, 1)
+    header = prefix.pack_header(key, 1024, LAYOUT)
+    assert len(header) == prefix.RECORD_HEADER_BYTES
+    assert prefix.header_problem(header, key, 1024, LAYOUT) is None
+    assert "another key" in prefix.header_problem(header, other, 1024, LAYOUT)
+    assert "payload of" in prefix.header_problem(header, key, 1023, LAYOUT)
+    assert "layout" in prefix.header_problem(header, key, 1024, b"\1" * 8)
+    assert "header of" in prefix.header_problem(header[:-1], key, 1024, LAYOUT)
+    # The whole-record check still wants the CRC: one of 0 is not a payload's.
+    payload = b"\1" * 1024
+    assert "checksum" in prefix.record_problem(header + payload, key, 1024, LAYOUT)
+
+
 def test_extra_keys_change_the_block_they_belong_to_and_every_later_key():
     root = prefix.namespace({"model": "m"})
     tokens = list(range(96))

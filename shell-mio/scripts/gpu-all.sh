@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check as one prepared job, for a GPU host lent for minutes: gpu-check.sh
-# (G1, G1's control, G3, G2) then gpu-kv-check.sh (the vLLM connector's CUDA route),
+# (G1, G1's control, G3, G2) then gpu-kv-check.sh (the vLLM connector's CUDA route, and
+# its figures G4-G6),
 # each under a time limit, then a summary of the figures in their stable form.
 #
 #   KVWARDEN_BIN=path/to/kvwarden shell-mio/scripts/gpu-all.sh
@@ -29,6 +30,7 @@ kv=$?
 
 echo "== summary (log: $log) =="
 grep -E '^G[123] ' "$log" || echo "no G1-G3 figures were printed"
+grep -E '^gpu_kv (G[456]_|pinned_)' "$log" || echo "no G4-G6 figures were printed"
 case $check in
   0) echo "gpu-check passed" ;;
   124|137) echo "gpu-check FAILED: ran past its ${limit} s limit" ;;

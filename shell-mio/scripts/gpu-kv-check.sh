@@ -3,12 +3,13 @@
 # needed): KV tensors laid out like vLLM's GPU KV cache registered as CudaIpcBuffers,
 # blocks stored, zeroed, retrieved elsewhere, bytes compared; then the connector's
 # asynchronous path (its GPU route on save and load lanes while other blocks are being
-# written), bytes compared again (docs/vllm.md).
+# written), bytes compared again; then the route's figures G4-G6 on a Llama-3-8B-shaped
+# cache (docs/targets.md, docs/vllm.md).
 #
 #   KVWARDEN_BIN=path/to/kvwarden shell-mio/scripts/gpu-kv-check.sh
 #
 # Exit 0: every byte came back; 1: some did not; 2: cannot run here (no torch, no
-# CUDA, no binary). Takes seconds.
+# CUDA, no binary). Takes under a minute (1.25 GiB of device memory for the figures).
 #   PYTHON            interpreter with torch (default python3)
 #   GPU_CHECK_DEVICE  device ordinal (default 0)
 set -euo pipefail
@@ -28,3 +29,8 @@ if ! "$python" -c 'import msgpack' 2>/dev/null; then
   export PYTHONPATH="$deps${PYTHONPATH:+:$PYTHONPATH}"
 fi
 timeout 300 "$python" python/scripts/gpu_kv_check.py
+# The route again in an engine with expandable segments (vLLM's KV tensors then have no
+# CUDA IPC handle; the route's own staging buffers must register all the same).
+echo "gpu-kv-check: the asynchronous path under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True GPU_KV_CHECK_ONLY=async \
+  timeout 120 "$python" python/scripts/gpu_kv_check.py

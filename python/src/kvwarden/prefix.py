@@ -132,19 +132,27 @@ def layout_digest(description: str) -> bytes:
     return hashlib.blake2b(description.encode(), digest_size=8).digest()
 
 
-def pack_header(key: bytes, payload: Union[bytes, memoryview], layout: bytes) -> bytes:
-    """The header of a record holding ``payload`` under ``key`` (a ``rank_key``)."""
-    header = _HEADER.pack(_MAGIC, len(payload), zlib.crc32(payload), layout, key)
+def pack_header(key: bytes, payload: Union[bytes, memoryview, int], layout: bytes) -> bytes:
+    """The header of a record holding ``payload`` under ``key`` (a ``rank_key``). Given
+    the payload's length instead of its bytes (a record staged in device memory, which
+    the host does not read), the header carries no CRC-32 (0) and its payload is not
+    checked on load (:func:`header_problem`)."""
+    if isinstance(payload, int):
+        length, crc = payload, 0
+    else:
+        length, crc = len(payload), zlib.crc32(payload)
+    header = _HEADER.pack(_MAGIC, length, crc, layout, key)
     return header.ljust(RECORD_HEADER_BYTES, b"\0")
 
 
-def record_problem(
-    record: Union[bytes, memoryview], key: bytes, payload_bytes: int, layout: bytes
+def header_problem(
+    header: Union[bytes, memoryview], key: bytes, payload_bytes: int, layout: bytes
 ) -> Optional[str]:
-    """Why ``record`` cannot be loaded as ``key``'s block, or None when it can."""
-    if len(record) < RECORD_HEADER_BYTES + payload_bytes:
-        return f"record of {len(record)} bytes, expected {RECORD_HEADER_BYTES + payload_bytes}"
-    magic, length, crc, got_layout, got_key = _HEADER.unpack_from(record, 0)
+    """Why a record with this ``header`` cannot be loaded as ``key``'s block, leaving out
+    its payload's CRC-32 (:func:`record_problem` checks that too), or None."""
+    if len(header) < RECORD_HEADER_BYTES:
+        return f"header of {len(header)} bytes, expected {RECORD_HEADER_BYTES}"
+    magic, length, _, got_layout, got_key = _HEADER.unpack_from(header, 0)
     if magic != _MAGIC:
         return f"bad magic {magic!r}, expected {_MAGIC!r}"
     if got_key != key:
@@ -153,6 +161,19 @@ def record_problem(
         return f"payload of {length} bytes, expected {payload_bytes}"
     if got_layout != layout:
         return "stored by a worker with another tensor layout"
+    return None
+
+
+def record_problem(
+    record: Union[bytes, memoryview], key: bytes, payload_bytes: int, layout: bytes
+) -> Optional[str]:
+    """Why ``record`` cannot be loaded as ``key``'s block, or None when it can."""
+    if len(record) < RECORD_HEADER_BYTES + payload_bytes:
+        return f"record of {len(record)} bytes, expected {RECORD_HEADER_BYTES + payload_bytes}"
+    problem = header_problem(record[:RECORD_HEADER_BYTES], key, payload_bytes, layout)
+    if problem is not None:
+        return problem
+    crc = _HEADER.unpack_from(record, 0)[2]
     payload = memoryview(record)[RECORD_HEADER_BYTES : RECORD_HEADER_BYTES + payload_bytes]
     if zlib.crc32(payload) != crc:
         return "checksum mismatch (corrupted)"

@@ -23,24 +23,27 @@ Nothing waits for kvwarden on the forward path:
   reported by ``get_block_ids_with_load_errors`` in that same step (never later), and
   vLLM recomputes them.
 - **Saves are asynchronous.** After the forward pass, ``wait_for_save`` hands the step's
-  completed prompt blocks to the rank's save lane and returns. On CPU the blocks are
-  first gathered into a staging buffer of ``kvwarden_save_queue_blocks`` rows (the save
+  completed prompt blocks to the rank's save lane and returns. The blocks are first
+  gathered into a staging buffer of ``kvwarden_save_queue_blocks`` rows (the save
   queue; a step's blocks beyond its free rows are dropped and counted, the step never
-  waits). On a GPU the server reads the blocks itself, so a request with saves planned
-  returns ``True`` from ``request_finished``: vLLM keeps its blocks until
-  ``get_finished`` reports its saves done (done on both routes, one rule), and
-  ``handle_preemptions`` waits for a preempted request's saves before its blocks can be
-  reused.
+  waits); on a GPU the gather is queued on the route's own CUDA stream after the
+  forward pass's work, and the forward thread does not wait for it. A request with
+  saves planned returns ``True`` from ``request_finished``: vLLM keeps its blocks until
+  ``get_finished`` reports its saves done (one rule for both routes);
+  ``handle_preemptions`` would wait for a preempted request's saves if a route read
+  vLLM's blocks themselves (``Route.saves_read_blocks``; neither does).
 
-Where the bytes go:
+Where the bytes go (``kvwarden.kv_routes``): the worker gathers each block into one
+record (a header with its key and layout digest, then every layer's bytes of the
+block) in staging buffers registered with the server (one for loads, one for the save
+queue), and the server copies each record between them and L1: one key and one L1
+slot per block when the record fits ``--slot-bytes``.
 
-- CUDA tensors are registered as CUDA IPC buffers and the server copies each block's
-  regions itself (server-driven ``store``/``retrieve``);
-- CPU tensors are ordinary allocations the server cannot map, so the worker gathers
-  blocks into memfd staging buffers registered with the server (one for loads, one for
-  the save queue), and the server copies each block record between them and L1. CPU
-  records carry a header with a CRC-32: a record that fails it is a load error and
-  vLLM recomputes the block.
+- CUDA tensors: the staging buffers are device memory shared over CUDA IPC, and the
+  gather and scatter are torch copies on the route's streams;
+- CPU tensors (ordinary allocations the server cannot map): memfd staging buffers, and
+  each record also carries a CRC-32 of its payload: a record that fails it is a load
+  error and vLLM recomputes the block.
 
 Transfers are batched (``store_batch``/``retrieve_batch``, at most
 :data:`~kvwarden.worker.MAX_BATCH_ITEMS` items a request): a save is two batch requests
@@ -125,10 +128,10 @@ DEFAULTS: Dict[str, Any] = {
     "kvwarden_request_timeout_seconds": 2.0,
     # After a failed lookup or transfer, this long without asking (no hits, no saves).
     "kvwarden_retry_after_seconds": 5.0,
-    # Blocks the CPU load staging buffer holds (a load goes in rounds of this many).
+    # Blocks the load staging buffer holds (a load goes in rounds of half of it).
     "kvwarden_staging_blocks": 64,
-    # Blocks the save queue holds (CPU: rows of the save staging buffer; GPU: blocks
-    # whose save is queued or running); a step's saves beyond it are dropped, counted.
+    # Blocks the save queue holds (rows of the save staging buffer: host memory on CPU,
+    # device memory on a GPU); a step's saves beyond it are dropped, counted.
     "kvwarden_save_queue_blocks": 256,
     # The worker's heartbeat (keep 3 × it within the server's reap timeout).
     "kvwarden_heartbeat_interval_seconds": 10.0,
@@ -593,9 +596,9 @@ class KvwardenConnector(KVConnectorBase_V1):
             self._saves_ended.notify_all()
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        """Before a preempted request's blocks can be reused: where a save reads vLLM's
-        blocks themselves (GPU), wait for that request's saves. CPU saves read the save
-        queue's own copy, so nothing waits there."""
+        """Before a preempted request's blocks can be reused: where a route's saves read
+        vLLM's blocks themselves, wait for that request's saves. The staged routes (CPU
+        and GPU) save the save queue's own copy, so nothing waits there."""
         if not isinstance(kv_connector_metadata, KvwardenConnectorMetadata):
             return
         if self._route is None or not self._route.saves_read_blocks:
