@@ -113,6 +113,30 @@ pub enum ClientError {
         /// The uids trusted besides root and our own.
         trusted: Vec<u32>,
     },
+    /// The process answering on a TCP address could not prove it holds this client's
+    /// token: nothing secret was sent to it.
+    #[error(
+        "refusing to talk to the server at {endpoint}: it could not prove it holds this \
+         client's TCP token ({why}), so it is not the kvwarden server configured with that \
+         token (another process may be listening on that port, or the server has another \
+         token). The token was not sent. Check the address and the token file"
+    )]
+    ServerNotProven {
+        /// The address.
+        endpoint: String,
+        /// What it answered.
+        why: String,
+    },
+    /// Over TCP, no token to prove: the server answers nothing else.
+    #[error(
+        "the server at {endpoint} is reached over TCP, which needs its token: set \
+         ClientConfig::tcp_token (ClientConfig::read_tcp_token_file, or the CLI's \
+         --tcp-token-file) to the contents of the server's --tcp-token-file"
+    )]
+    NoTcpToken {
+        /// The address.
+        endpoint: String,
+    },
 }
 
 impl ClientError {

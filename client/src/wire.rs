@@ -1,8 +1,10 @@
 //! The client's blocking connection: frames out (with fds as `SCM_RIGHTS`), replies in.
 
 use super::{ClientConfig, ClientError};
+use kvwarden_core::protocol::tcp_auth::{Nonce, TcpKey};
 use kvwarden_core::protocol::{
-    HelloReply, LENGTH_PREFIX_BYTES, Op, PROTOCOL_VERSION, ReplyValue, decode_reply, encode_request,
+    Challenge, HelloReply, LENGTH_PREFIX_BYTES, Op, PROTOCOL_VERSION, ReplyValue, decode_reply,
+    encode_request,
 };
 use rmpv::Value;
 use rustix::fd::{AsFd, BorrowedFd};
@@ -89,6 +91,12 @@ impl Wire {
             exit_proof: None,
             reap_timeout: None,
         };
+        // Over TCP: the server proves it holds the token before this client proves it
+        // does; the token itself never travels.
+        let proof = match endpoint {
+            Endpoint::Tcp(_) => Some(wire.auth(config, timeout)?),
+            Endpoint::Unix(_) => None,
+        };
         let hello_args = |pidfd_index| {
             Op::Hello {
                 protocol: PROTOCOL_VERSION,
@@ -96,10 +104,8 @@ impl Wire {
                 pidfd_index,
                 // The worker's buffers (memfds) travel on this connection.
                 sends_fds: true,
-                token: match endpoint {
-                    Endpoint::Tcp(_) => config.tcp_token.clone(),
-                    Endpoint::Unix(_) => None,
-                },
+                token: None,
+                proof: proof.clone(),
                 // The server starts no copy into this worker's buffers past it.
                 wait_ms: Some(u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX)),
             }
@@ -129,6 +135,50 @@ impl Wire {
         let hello = wire.call(0, "hello", hello_args(None), &[], timeout)?;
         wire.said_hello(&hello);
         Ok(wire)
+    }
+
+    /// `auth` over TCP: sends the token's key id and a fresh nonce, checks the server's
+    /// proof, and returns this client's proof for `hello`. A server that cannot prove
+    /// it holds the token gets nothing more.
+    fn auth(&mut self, config: &ClientConfig, timeout: Duration) -> Result<Vec<u8>, ClientError> {
+        let Some(token) = &config.tcp_token else {
+            return Err(ClientError::NoTcpToken {
+                endpoint: self.endpoint.clone(),
+            });
+        };
+        let key = TcpKey::from_token(token);
+        let mut nonce: Nonce = [0; 32];
+        getrandom::fill(&mut nonce)
+            .map_err(|error| ClientError::Local(format!("no randomness for a nonce: {error}")))?;
+        let endpoint = self.endpoint.clone();
+        let not_proven = |why: String| ClientError::ServerNotProven { endpoint, why };
+        let args = Op::Auth {
+            id: key.id(),
+            nonce,
+        }
+        .args();
+        let reply = match self.call(0, "auth", args, &[], timeout) {
+            Ok(reply) => reply,
+            // An older server (protocol 2) does not know `auth`.
+            Err(ClientError::Server { error, .. })
+                if error.code == kvwarden_core::protocol::ErrorCode::UnknownOp =>
+            {
+                return Err(not_proven(format!(
+                    "it does not know `auth` ({}): a server older than protocol \
+                     {PROTOCOL_VERSION} takes the token in `hello`, which this client no \
+                     longer sends; upgrade the server",
+                    error.message
+                )));
+            }
+            Err(other) => return Err(other),
+        };
+        let Some(challenge) = Challenge::from_value(&reply) else {
+            return Err(not_proven(format!("`auth` answered {reply}")));
+        };
+        if !key.check_server(&nonce, &challenge.nonce, &challenge.proof) {
+            return Err(not_proven("its proof is wrong".into()));
+        }
+        Ok(key.client_proof(&nonce, &challenge.nonce).to_vec())
     }
 
     /// Keeps what the `hello` reply says that the client acts on.

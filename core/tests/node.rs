@@ -503,6 +503,7 @@ fn hello(sends_fds: bool) -> Op {
         pidfd_index: None,
         sends_fds,
         token: None,
+        proof: None,
         wait_ms: None,
     }
 }
@@ -560,11 +561,12 @@ fn a_tcp_hello_without_fds_asks_the_shell_for_nothing() {
         transport: kvwarden_core::node::Transport::Tcp,
         process: None,
     });
-    let mut with_token = hello(false);
-    if let Op::Hello { token, .. } = &mut with_token {
-        *token = Some(TCP_TOKEN.to_vec());
+    let mut with_proof = hello(false);
+    let answer = h.tcp_proof(ConnId(2), TCP_TOKEN);
+    if let Op::Hello { proof, .. } = &mut with_proof {
+        *proof = answer;
     }
-    let request = h.send_on(ConnId(2), with_token, 0);
+    let request = h.send_on(ConnId(2), with_proof, 0);
     let Some(Ok(reply)) = h.reply(request) else {
         panic!("answered")
     };

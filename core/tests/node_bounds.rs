@@ -155,13 +155,14 @@ fn row_44_a_uid_stops_at_its_share_of_the_connections() {
     );
 }
 
-fn hello(token: Option<&[u8]>) -> Op {
+fn hello(proof: Option<Vec<u8>>) -> Op {
     Op::Hello {
-        protocol: 2,
+        protocol: kvwarden_core::protocol::PROTOCOL_VERSION,
         client: "test".into(),
         pidfd_index: None,
         sends_fds: false,
-        token: token.map(<[u8]>::to_vec),
+        token: None,
+        proof,
         wait_ms: None,
     }
 }
@@ -193,7 +194,8 @@ fn row_44_a_tcp_peer_that_never_presents_the_token_is_cut_at_its_deadline() {
     let refusal = h.send_raw(refused, hello(None), 0);
     assert_eq!(h.error(refusal), ErrorCode::Forbidden);
     h.run_until(at(9.0));
-    let welcome = h.send_raw(late, hello(Some(TCP_TOKEN)), 0);
+    let proof = h.tcp_proof(late, TCP_TOKEN);
+    let welcome = h.send_raw(late, hello(proof), 0);
     assert!(h.reply(welcome).is_some_and(|reply| reply.is_ok()));
     assert!(disconnects(&mut h).is_empty(), "nobody before the deadline");
     h.run_until(at(10.0));

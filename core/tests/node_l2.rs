@@ -551,6 +551,7 @@ fn row_60_a_read_through_that_ends_after_the_worker_stopped_waiting_copies_nothi
             pidfd_index: None,
             sends_fds: true,
             token: None,
+            proof: None,
             wait_ms: Some(wait.as_millis() as u64),
         },
         0,

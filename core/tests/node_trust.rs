@@ -29,13 +29,14 @@ fn retrieve(instance: kvwarden_core::InstanceId, key: &[u8], nbytes: u64) -> Op 
     }
 }
 
-fn hello(token: Option<&[u8]>) -> Op {
+fn hello(proof: Option<Vec<u8>>, token: Option<&[u8]>) -> Op {
     Op::Hello {
-        protocol: 2,
+        protocol: kvwarden_core::protocol::PROTOCOL_VERSION,
         client: "test".into(),
         pidfd_index: None,
         sends_fds: true,
         token: token.map(<[u8]>::to_vec),
+        proof,
         wait_ms: None,
     }
 }
@@ -193,32 +194,75 @@ fn a_reaped_worker_re_registers_with_one_context_and_its_proof_in_place() {
     assert_eq!(h.answer(pong), Value::from(true));
 }
 
-/// Row 32: a TCP peer is nobody until its `hello` presents the token: before it, and
-/// with no or a wrong token, everything is `forbidden`.
+/// Row 32 (and 65): a TCP peer is nobody until its `hello` proves the token: before
+/// it, with no proof, with another token, with a guessed proof, or with the token itself
+/// in `hello` (protocol 2's way, refused naming the change), everything is `forbidden`.
 #[test]
 fn row_32_a_tcp_peer_without_the_token_is_answered_forbidden_to_everything() {
     let mut h = Harness::new(None);
-    let tcp = ConnId(5);
-    h.input(Input::Connected {
-        conn: tcp,
-        uid: None,
-        transport: Transport::Tcp,
-        process: None,
-    });
+    let tcp = |h: &mut Harness, conn| {
+        h.input(Input::Connected {
+            conn,
+            uid: None,
+            transport: Transport::Tcp,
+            process: None,
+        });
+        conn
+    };
+    let (bare, wrong, guess, old, good) = (
+        tcp(&mut h, ConnId(5)),
+        tcp(&mut h, ConnId(6)),
+        tcp(&mut h, ConnId(7)),
+        tcp(&mut h, ConnId(8)),
+        tcp(&mut h, ConnId(9)),
+    );
     h.auto_attach = false;
-    let status = h.send_on(tcp, Op::Status, 0);
-    assert_eq!(h.error(status), ErrorCode::Forbidden);
     let instance = id(9);
-    let claim = h.send_on(tcp, attach(instance, secret_of(instance)), 0);
-    assert_eq!(h.error(claim), ErrorCode::Forbidden);
-    let bare = h.send_on(tcp, hello(None), 0);
-    assert_eq!(h.error(bare), ErrorCode::Forbidden);
-    let wrong = h.send_on(tcp, hello(Some(b"0123456789abcdef-not-it")), 0);
-    assert_eq!(h.error(wrong), ErrorCode::Forbidden);
-    let lookup = h.send_on(tcp, Op::Lookup { keys: vec![] }, 0);
-    assert_eq!(h.error(lookup), ErrorCode::Forbidden);
-    // Control: the token, then the same requests are served.
-    let good = h.send_on(tcp, hello(Some(TCP_TOKEN)), 0);
+    let refused_everything = |h: &mut Harness, conn| {
+        let status = h.send_on(conn, Op::Status, 0);
+        assert_eq!(h.error(status), ErrorCode::Forbidden);
+        let claim = h.send_on(conn, attach(instance, secret_of(instance)), 0);
+        assert_eq!(h.error(claim), ErrorCode::Forbidden);
+        let lookup = h.send_on(conn, Op::Lookup { keys: vec![] }, 0);
+        assert_eq!(h.error(lookup), ErrorCode::Forbidden);
+    };
+    refused_everything(&mut h, bare);
+    let request = h.send_on(bare, hello(None, None), 0);
+    assert_eq!(h.error(request), ErrorCode::Forbidden);
+    refused_everything(&mut h, bare);
+    // Another token: its key id is none of the server's.
+    assert_eq!(h.tcp_proof(wrong, b"0123456789abcdef-not-it"), None);
+    let request = h.send_on(wrong, hello(Some(vec![0; 32]), None), 0);
+    assert_eq!(h.error(request), ErrorCode::Forbidden);
+    refused_everything(&mut h, wrong);
+    // The right key id, a proof made without the token.
+    let proof = h.tcp_proof(guess, TCP_TOKEN).expect("challenged");
+    let mut guessed = proof.clone();
+    guessed[0] ^= 1;
+    let request = h.send_on(guess, hello(Some(guessed), None), 0);
+    assert_eq!(h.error(request), ErrorCode::Forbidden);
+    refused_everything(&mut h, guess);
+    // The token itself in `hello`, even beside a good proof.
+    let proof_old = h.tcp_proof(old, TCP_TOKEN).expect("challenged");
+    let request = h.send_on(old, hello(Some(proof_old), Some(TCP_TOKEN)), 0);
+    let Some(Err(error)) = h.reply(request) else {
+        panic!("refused")
+    };
+    assert_eq!(error.code, ErrorCode::Forbidden);
+    assert!(
+        error.message.contains("takes no token"),
+        "{}",
+        error.message
+    );
+    refused_everything(&mut h, old);
+    // A proof seen on another connection proves nothing here.
+    h.tcp_proof(good, TCP_TOKEN).expect("challenged");
+    let request = h.send_on(good, hello(Some(proof), None), 0);
+    assert_eq!(h.error(request), ErrorCode::Forbidden);
+    // Control: a fresh connection's proof, then the same requests are served.
+    let tcp = tcp(&mut h, ConnId(10));
+    let proof = h.tcp_proof(tcp, TCP_TOKEN).expect("challenged");
+    let good = h.send_on(tcp, hello(Some(proof), None), 0);
     let reply = h.answer(good);
     let tenant = reply
         .as_map()

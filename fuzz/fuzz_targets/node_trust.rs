@@ -1,5 +1,6 @@
-//! Who is who (protocol 2; failure-mode rows 30–32): arbitrary interleavings of
-//! connections (Unix peers of three uids, TCP peers), `hello` with arbitrary tokens,
+//! Who is who (protocol 3; failure-mode rows 30–32 and 65): arbitrary interleavings of
+//! connections (Unix peers of three uids, TCP peers), `auth` with arbitrary tokens'
+//! key ids, `hello` with proofs made from arbitrary tokens (or the token itself),
 //! `attach` with arbitrary ids and secrets (right, wrong, of any length), requests
 //! naming instances (typed, and raw bytes through the real decoder), builds and copies
 //! completing, disconnects, process exits, shutdown and time.
@@ -9,8 +10,12 @@
 //!   `attach` the node answered `claimed` or `proven`) is answered `forbidden` in the
 //!   call it was handed in (`unavailable` once shutting down), and (when `forbidden`)
 //!   leaves the named instance's entries as they were (not refreshed, not changed);
-//! - a TCP connection that never presented the token gets `forbidden` for everything
-//!   but `hello`; a `hello` is accepted exactly when its token is the server's;
+//! - a TCP connection that never proved the token gets `forbidden` for everything but
+//!   `auth` and `hello`; an `auth` is answered (with a proof that checks under the
+//!   server's token) exactly when it is the connection's first and names the server's
+//!   token; a `hello` is accepted exactly when it carries no token and its proof answers
+//!   the connection's challenge under the server's token (or, with no proof, when the
+//!   connection proved it already);
 //! - an `attach` gets what the binding rule says: `bad_args` for a secret outside
 //!   16..=64 bytes, `forbidden` for an id bound to another secret or another peer,
 //!   `proven` for the same secret and peer, `claimed` for an unbound id (a binding lives
@@ -20,16 +25,17 @@
 //! `KVWARDEN_FUZZ_PLANT=trust_any_connection`, it finds the planted bug in seconds.
 #![no_main]
 
-use kvwarden_core::node::Job;
 use arbitrary::Arbitrary;
+use kvwarden_core::node::Job;
 use kvwarden_core::node::trust::{TenantSpec, TrustConfig};
 use kvwarden_core::node::{
     Built, ConnId, ContextId, CopyId, DeathNotice, Input, Node, NodeConfig, Output, ProcessKey,
     Transport,
 };
+use kvwarden_core::protocol::tcp_auth::{Nonce, TcpKey};
 use kvwarden_core::protocol::{
-    BufferSpec, ErrorCode, Op, PROTOCOL_VERSION, ProtocolError, RetrieveItem, RopeSpec, StoreItem,
-    decode_request,
+    BufferSpec, Challenge, ErrorCode, Op, PROTOCOL_VERSION, ProtocolError, ReplyValue,
+    RetrieveItem, RopeSpec, StoreItem, decode_request,
 };
 use kvwarden_core::{Config, EntryView, InstanceId, Instant, Module};
 use libfuzzer_sys::fuzz_target;
@@ -49,9 +55,15 @@ enum Step {
         process: u8,
     },
     Disconnect(u8),
+    Auth {
+        conn: u8,
+        token: TokenPick,
+    },
     Hello {
         conn: u8,
         token: TokenPick,
+        /// Protocol 2's way: the token itself in `hello`.
+        old: bool,
     },
     Attach {
         conn: u8,
@@ -114,6 +126,20 @@ enum Named {
     Blend,
     Lookup,
     Status,
+}
+
+/// The token a pick names (None: none).
+fn picked(pick: TokenPick) -> Option<Vec<u8>> {
+    match pick {
+        TokenPick::Missing => None,
+        TokenPick::Right => Some(TOKEN.to_vec()),
+        TokenPick::Near => {
+            let mut near = TOKEN.to_vec();
+            near[TOKEN.len() - 1] ^= 1;
+            Some(near)
+        }
+        TokenPick::Other(bytes) => Some(bytes),
+    }
 }
 
 fn instance(raw: u8) -> InstanceId {
@@ -212,6 +238,9 @@ enum Owner {
 struct Conn {
     owner: Option<Owner>,
     attached: BTreeSet<InstanceId>,
+    challenged: bool,
+    /// The answered `auth`'s nonces (client, server), until a `hello`.
+    challenge: Option<(Nonce, Nonce)>,
 }
 
 struct Binding {
@@ -236,6 +265,7 @@ enum Expect {
     /// `forbidden` (or `unavailable`), and the instance untouched.
     Refused(Option<InstanceId>),
     Attach(InstanceId, Vec<u8>, &'static str),
+    Auth(bool, Nonce),
     Hello(bool),
 }
 
@@ -253,12 +283,20 @@ impl Model {
             return Expect::Free;
         };
         let tcp = !matches!(state.owner, Some(Owner::Uid(_)));
-        if let Op::Hello { token, .. } = op {
-            return if tcp {
-                Expect::Hello(token.as_deref() == Some(TOKEN))
-            } else {
-                Expect::Free
+        let key = TcpKey::from_token(TOKEN);
+        if let Op::Auth { id, nonce } = op {
+            return Expect::Auth(tcp && !state.challenged && *id == key.id(), *nonce);
+        }
+        if let Op::Hello { token, proof, .. } = op {
+            if !tcp {
+                return Expect::Free;
+            }
+            let proven = match (proof, state.challenge) {
+                (None, _) => state.owner.is_some(),
+                (Some(proof), Some((client, server))) => key.check_client(&client, &server, proof),
+                (Some(_), None) => false,
             };
+            return Expect::Hello(token.is_none() && proven);
         }
         let Some(owner) = state.owner.clone() else {
             return Expect::Refused(op.instance());
@@ -349,6 +387,7 @@ fuzz_target!(|steps: Vec<Step>| {
                     engine_driven: true,
                 },
             ],
+            nonce_secret: [3; 32],
         },
         boot_id: 1,
         server_name: "fuzz".into(),
@@ -390,6 +429,8 @@ fuzz_target!(|steps: Vec<Step>| {
                         slot.insert(Conn {
                             owner: uid.map(Owner::Uid),
                             attached: BTreeSet::new(),
+                            challenged: false,
+                            challenge: None,
                         });
                         Some(Input::Connected {
                             conn: ConnId(conn),
@@ -410,26 +451,40 @@ fuzz_target!(|steps: Vec<Step>| {
                     Input::Disconnected { conn: ConnId(conn) }
                 })
             }
-            Step::Hello { conn, token } => {
-                let token = match token {
-                    TokenPick::Missing => None,
-                    TokenPick::Right => Some(TOKEN.to_vec()),
-                    TokenPick::Near => {
-                        let mut near = TOKEN.to_vec();
-                        near[TOKEN.len() - 1] ^= 1;
-                        Some(near)
-                    }
-                    TokenPick::Other(bytes) => Some(bytes),
+            Step::Auth { conn, token } => {
+                let token = picked(token).unwrap_or_default();
+                let op = Op::Auth {
+                    id: TcpKey::from_token(&token).id(),
+                    nonce: [conn; 32],
                 };
+                request = Some((u64::from(conn % CONNS), op));
+                None
+            }
+            Step::Hello { conn, token, old } => {
+                let conn = u64::from(conn % CONNS);
+                let token = picked(token);
+                // The proof the picked token makes for this connection's challenge (a
+                // guess where it had none answered).
+                let (client, server) = model
+                    .conns
+                    .get(&conn)
+                    .and_then(|state| state.challenge)
+                    .unwrap_or(([0; 32], [0; 32]));
+                let proof = token.as_deref().map(|token| {
+                    TcpKey::from_token(token)
+                        .client_proof(&client, &server)
+                        .to_vec()
+                });
                 let op = Op::Hello {
                     protocol: PROTOCOL_VERSION,
                     client: "fuzz".into(),
                     pidfd_index: None,
                     sends_fds: true,
-                    token,
+                    token: if old { token } else { None },
+                    proof,
                     wait_ms: None,
-};
-                request = Some((u64::from(conn % CONNS), op));
+                };
+                request = Some((conn, op));
                 None
             }
             Step::Attach {
@@ -595,12 +650,47 @@ fuzz_target!(|steps: Vec<Step>| {
                     model.attached(conn, instance, secret);
                 }
             }
+            Expect::Auth(answered, client) => {
+                let Some(result) = reply else {
+                    panic!("auth not answered at once");
+                };
+                if code(&result) == Some(ErrorCode::Unavailable) && model.shutting_down {
+                    continue;
+                }
+                let Some(state) = model.conns.get_mut(&conn) else {
+                    continue;
+                };
+                let tcp = !matches!(state.owner, Some(Owner::Uid(_)));
+                state.challenged |= tcp;
+                let challenge = result.as_ref().ok().map(|value| {
+                    Challenge::from_value(value).expect("an answered `auth` is a challenge")
+                });
+                assert_eq!(
+                    challenge.is_some(),
+                    answered,
+                    "an auth on connection {conn}: {result:?}"
+                );
+                if let Some(challenge) = challenge {
+                    assert!(
+                        TcpKey::from_token(TOKEN).check_server(
+                            &client,
+                            &challenge.nonce,
+                            &challenge.proof
+                        ),
+                        "the server's proof does not check under its token"
+                    );
+                    state.challenge = Some((client, challenge.nonce));
+                }
+            }
             Expect::Hello(authenticates) => {
                 let Some(result) = reply else {
                     panic!("hello not answered at once");
                 };
                 if code(&result) == Some(ErrorCode::Unavailable) && model.shutting_down {
                     continue;
+                }
+                if let Some(state) = model.conns.get_mut(&conn) {
+                    state.challenge = None; // a `hello` ends the challenge, whatever it says
                 }
                 assert_eq!(
                     result.is_ok(),

@@ -1,27 +1,33 @@
 """An in-process stand-in for the kvwarden server, for rules that need precise control.
 
-It speaks the same framing and fd passing as the real server (protocol 2), keeps a
+It speaks the same framing and fd passing as the real server (protocol 3), keeps a
 small model of its state (which instances are registered, what L1 holds, which secret
 each instance id is bound to and which connection attached which id) and lets a test
 decide how each op is answered: drop pings (timeouts), answer ``bad_args``, block a
 register until the test releases it, forget an instance (a reap), cut every connection
 and forget everything (a restart), bind an id to a squatter's secret, forget a
-connection's attachments. It can also listen on TCP, with a token. Every request is
-recorded with the time it arrived.
+connection's attachments. It can also listen on TCP, with a token it proves it holds
+(or, scripted, an impostor that cannot). Every request is recorded with the time it
+arrived.
 
-The protocol-2 rules it enforces, as the real server does: every op naming an
+The rules it enforces, as the real server does: every op naming an
 instance needs the connection to have ``attach``-ed it (``forbidden`` naming
 ``attach`` otherwise; ``ping [nil]`` needs nothing); ``attach`` of an id bound to
 another secret is ``forbidden``; a binding lives while the instance is registered or
 a connection attached it; ``retrieve`` carries ``nbytes`` and a value of another
-length is a miss that writes nothing; over TCP nothing but a ``hello`` with the right
-token is answered until one came.
+length is a miss that writes nothing; over TCP (protocol 3) nothing but ``auth`` (once
+a connection: ``{"nonce", "proof"}`` for the token of the key id it names, the proof
+computed from the fake's own token) and then a ``hello`` whose ``proof`` answers it is
+answered until that ``hello`` came; a ``hello`` carrying ``token`` is ``forbidden``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import mmap
 import os
+import secrets
 import socket
 import struct
 import threading
@@ -85,8 +91,13 @@ class FakeServer:
 
     def __init__(self, path: str, tcp_token: Optional[str] = None) -> None:
         self.path = path
-        #: The token a TCP hello must carry (None: TCP hellos need none).
+        #: The token a TCP peer must prove it holds (None: TCP hellos need nothing).
         self.tcp_token = tcp_token
+        #: Scripted impostors over TCP: ``"any_id"`` answers ``auth`` whatever the key id
+        #: with the proof of its own token (a server holding another token that does not
+        #: look the id up); ``"wrong_proof"`` answers with random bytes as the proof;
+        #: ``"protocol_2"`` answers ``unknown_op``, as a server before ``auth`` did.
+        self.auth_mode = "normal"
         self.tcp_port: Optional[int] = None
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)
@@ -119,7 +130,9 @@ class FakeServer:
         #: Ops before which the connection's attachments are forgotten (as if it never
         #: attached): the op is answered ``forbidden`` naming attach.
         self.detach_before: Set[str] = set()
-        self._good_hello: Set[int] = set()  # TCP connections that said the right token
+        self._good_hello: Set[int] = set()  # TCP connections that proved the token
+        #: TCP connection -> (client nonce, server nonce) of its `auth`.
+        self._challenges: Dict[int, Tuple[bytes, bytes]] = {}
         self._listener: Optional[socket.socket] = None
         self._tcp_listener: Optional[socket.socket] = None
         self._conns: List[socket.socket] = []
@@ -189,6 +202,7 @@ class FakeServer:
             self.attached.clear()
             self.squatted.clear()
             self._good_hello.clear()
+            self._challenges.clear()
             self.boot_id += 1
             for instance in squat:
                 self.squat(instance)
@@ -218,9 +232,7 @@ class FakeServer:
         set-ups they did before pings had a connection of their own."""
         with self.lock:
             pinging = self._heartbeat_conns() if op in ("hello", "attach") else set()
-            return [
-                r for r in self.requests if r.op == op and (heartbeat or r.conn not in pinging)
-            ]
+            return [r for r in self.requests if r.op == op and (heartbeat or r.conn not in pinging)]
 
     def _heartbeat_conns(self) -> set:
         """Connections whose ``hello`` carried no ``wait_ms`` (call under the lock)."""
@@ -341,15 +353,30 @@ class FakeServer:
     def _checked_answer(
         self, conn: socket.socket, serial: int, kind: str, op: str, args: List[Any], fds: List[int]
     ) -> Optional[Tuple[bool, Any, List[int]]]:
-        """The protocol-2 gates (TCP token, attach), then :meth:`_answer`."""
+        """The gates (TCP authentication, attach), then :meth:`_answer`."""
+        tcp_gate = kind == "tcp" and self.tcp_token is not None
+        if op == "auth":
+            return self._auth(serial, kind, args)
         if op == "hello":
             options = args[2] if len(args) > 2 and isinstance(args[2], dict) else {}
-            if kind == "tcp" and self.tcp_token is not None:
-                if options.get("token") != self.tcp_token:
+            if "token" in options:
+                return _error(
+                    "forbidden",
+                    "`hello` takes no token since protocol 3 (the token never travels): "
+                    "prove it with `auth`, then `hello` with `proof`",
+                )
+            if tcp_gate:
+                with self.lock:
+                    challenge = self._challenges.get(serial)
+                if challenge is None:
                     return _error(
                         "forbidden",
-                        "`hello` over TCP needs the server's token (option `token`)",
+                        "`hello` over TCP needs `auth` first, then the proof in `hello`",
                     )
+                proof = options.get("proof")
+                expected = _tcp_proofs(self.tcp_token.encode(), *challenge)[1]
+                if not isinstance(proof, bytes) or not hmac.compare_digest(proof, expected):
+                    return _error("forbidden", "`hello`: the proof of the token is wrong")
                 with self.lock:
                     self._good_hello.add(serial)
             if kind == "unix":
@@ -361,8 +388,8 @@ class FakeServer:
             if answer is not None and answer[0]:
                 answer[1]["tenant"] = tenant
             return answer
-        if kind == "tcp" and self.tcp_token is not None and serial not in self._good_hello:
-            return _error("forbidden", f"`{op}`: say `hello` with the server's token first")
+        if tcp_gate and serial not in self._good_hello:
+            return _error("forbidden", f"`{op}`: authenticate (`auth`, `hello`) first")
         if op == "attach":
             if op in self.forbid:
                 return _error("forbidden", self.forbid[op])
@@ -381,6 +408,35 @@ class FakeServer:
                         f"send `attach [instance_id, secret]` first",
                     )
         return self._answer(op, args, fds)
+
+    def _auth(self, serial: int, kind: str, args: List[Any]) -> Tuple[bool, Any, List[int]]:
+        """``auth [{"id", "nonce"}]``: TCP only, once a connection."""
+        if self.auth_mode == "protocol_2":
+            return _error("unknown_op", "unknown op `auth`")
+        if kind != "tcp":
+            return _error("bad_args", "`auth` is for TCP connections only")
+        arg = args[0] if len(args) == 1 and isinstance(args[0], dict) else {}
+        key_id, nonce = arg.get("id"), arg.get("nonce")
+        if not (isinstance(key_id, bytes) and len(key_id) == 16) or not (
+            isinstance(nonce, bytes) and len(nonce) == 32
+        ):
+            return _error(
+                "bad_args", f"`auth` expects [{{id: bin 16, nonce: bin 32}}], got {args!r}"
+            )
+        with self.lock:
+            if serial in self._challenges:
+                return _error("forbidden", "`auth`: this connection made its challenge already")
+            if self.tcp_token is None:
+                return _error("forbidden", "`auth`: this server has no token")
+            token = self.tcp_token.encode()
+            if self.auth_mode != "any_id" and key_id != _tcp_key(token)[1]:
+                return _error("forbidden", "`auth`: no token of this server has this key id")
+            server_nonce = secrets.token_bytes(32)
+            self._challenges[serial] = (nonce, server_nonce)
+        proof = _tcp_proofs(token, nonce, server_nonce)[0]
+        if self.auth_mode == "wrong_proof":
+            proof = secrets.token_bytes(32)
+        return True, {"nonce": server_nonce, "proof": proof}, []
 
     def _attach(self, serial: int, args: List[Any]) -> Tuple[bool, Any, List[int]]:
         if len(args) != 2 or not isinstance(args[0], int) or not isinstance(args[1], bytes):
@@ -417,7 +473,7 @@ class FakeServer:
             return (
                 True,
                 {
-                    "protocol": 2,
+                    "protocol": 3,
                     "server": "fake",
                     "boot_id": self.boot_id,
                     "reap_timeout_seconds": self.reap_timeout_seconds,
@@ -595,6 +651,22 @@ class FakeServer:
             return None
         self.memfds[instance][buffer][offset : offset + nbytes] = data
         return nbytes
+
+
+def _tcp_key(token: bytes) -> Tuple[bytes, bytes]:
+    """(key, key id) of a TCP token: the fake's own HMAC code, not the client's."""
+    key = hmac.new(token, b"kvwarden tcp auth key v3", hashlib.sha256).digest()
+    return key, hmac.new(key, b"kvwarden tcp key id", hashlib.sha256).digest()[:16]
+
+
+def _tcp_proofs(token: bytes, client_nonce: bytes, server_nonce: bytes) -> Tuple[bytes, bytes]:
+    """(server proof, client proof) of a TCP token for these nonces."""
+    key, key_id = _tcp_key(token)
+    tail = key_id + client_nonce + server_nonce
+    return (
+        hmac.new(key, b"kvwarden tcp server proof" + tail, hashlib.sha256).digest(),
+        hmac.new(key, b"kvwarden tcp client proof" + tail, hashlib.sha256).digest(),
+    )
 
 
 def _error(code: str, message: str) -> Tuple[bool, Any, List[int]]:

@@ -439,12 +439,12 @@ def test_real_row_01_worker_sends_its_pidfd_and_row_02_send_pidfd_false_falls_ba
 # -- protocol 2: who is who ------------------------------------------------------------
 
 
-def test_real_hello_says_protocol_2_with_the_tenant_and_attach_claims_then_proves(
+def test_real_hello_says_protocol_3_with_the_tenant_and_attach_claims_then_proves(
     start_server, buffers
 ) -> None:
     server = start_server()
     worker = make_worker(server, buffers)
-    assert worker.server is not None and worker.server.protocol == 2
+    assert worker.server is not None and worker.server.protocol == 3
     assert worker.server.tenant == f"uid-{os.getuid()}"
     # The probe connection has not attached the worker's id: forbidden, naming attach.
     with pytest.raises(Forbidden, match="attach"):
@@ -572,7 +572,7 @@ def test_real_tcp_needs_the_token_from_the_file_and_is_a_tenant_of_its_own(
     worker = Worker(tcp_address=f"127.0.0.1:{port}", tcp_token_file=token)
     try:
         assert worker.ping() is False, "attached, not registered"
-        assert worker.server is not None and worker.server.protocol == 2
+        assert worker.server is not None and worker.server.protocol == 3
         assert worker.server.tenant == "tcp" and worker.server_uid is None
         assert worker.lookup([b"tenant-key"]) == 0, "another tenant's key is not ours"
     finally:

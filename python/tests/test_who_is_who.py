@@ -1,7 +1,9 @@
-"""Protocol 2, "who is who", against the fake server: ``attach`` on every connection,
-a squatted id traded for a fresh one (counted, registrations replayed), ``forbidden``
-naming attach answered by attaching again, the server's uid checked before any fd is
-sent, the TCP token, the default socket path and ``hello``'s protocol and tenant.
+"""Who is who, against the fake server: ``attach`` on every connection, a squatted id
+traded for a fresh one (counted, registrations replayed), ``forbidden`` naming attach
+answered by attaching again, the server's uid checked before any fd is sent, TCP's
+mutual challenge on the token (protocol 3: the token never travels, a server that
+cannot prove it holds the token is sent nothing more), the default socket path and
+``hello``'s protocol and tenant.
 
 The fake enforces what the real server does (``fake_server.py``): an op naming an
 instance from a connection that did not attach it is ``forbidden``, so every test
@@ -15,11 +17,12 @@ import os
 import socket
 import struct
 import time
-from typing import Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
+import msgpack
 import pytest
 from conftest import wait_until
-from fake_server import NAMING_OPS, SQUATTER_SECRET, FakeServer
+from fake_server import NAMING_OPS, SQUATTER_SECRET, FakeServer, _tcp_key, _tcp_proofs
 
 from kvwarden import (
     ConnectionLost,
@@ -31,7 +34,7 @@ from kvwarden import (
     Worker,
     default_socket_path,
 )
-from kvwarden.wire import Connection
+from kvwarden.wire import Connection, TcpKey
 from kvwarden.worker import MAX_ATTACH_ATTEMPTS, SECRET_BYTES
 
 INTERVAL = 0.2
@@ -495,77 +498,296 @@ def test_a_server_running_as_uid_65534_gets_no_fd_unless_trusted(
         os.close(report)
 
 
-# -- TCP --------------------------------------------------------------------------
+# -- TCP: both sides prove they hold the token; the token never travels ------------
+
+TOKEN = "s3cret-token"
+
+
+def test_tcp_auth_test_vector() -> None:
+    """The vector the Rust side checks too (core/src/protocol/tcp_auth.rs); the fake's
+    own HMAC code (not the client's) must agree with it."""
+    client_nonce, server_nonce = bytes(range(32)), bytes(range(32, 64))
+    key = TcpKey(b"0123456789abcdef-token")
+    assert key.key.hex() == "dac3034d75cf72240db32dd12705c5bdf4a812f859694d4177771ba4cc819f0d"
+    assert key.id.hex() == "0ab3ce57b13c3c1828e03b38245e6e01"
+    server = "37f1bf291e8dee8e7ce01336bf75bc67ba930bc74f8be6eadc6cd5a5de3a8f97"
+    client = "10ef67157ba29d8daebb01a3f1bbe027bf6d7baefa701b41528db116a84d5fa0"
+    assert key.server_proof(client_nonce, server_nonce).hex() == server
+    assert key.client_proof(client_nonce, server_nonce).hex() == client
+    assert key.check_server(client_nonce, server_nonce, bytes.fromhex(server))
+    assert not key.check_server(client_nonce, server_nonce, bytes.fromhex(client))
+    assert not key.check_server(server_nonce, client_nonce, bytes.fromhex(server))
+    assert "dac3034d" not in repr(key), "the key is never in a repr"
+    fake_key, fake_id = _tcp_key(b"0123456789abcdef-token")
+    assert (fake_key, fake_id) == (key.key, key.id)
+    assert _tcp_proofs(b"0123456789abcdef-token", client_nonce, server_nonce) == (
+        bytes.fromhex(server),
+        bytes.fromhex(client),
+    )
 
 
 @pytest.fixture
 def tcp_fake(short_tmp: str) -> Iterator[FakeServer]:
-    server = FakeServer(os.path.join(short_tmp, "tcp-fake.sock"), tcp_token="s3cret-token")
+    server = FakeServer(os.path.join(short_tmp, "tcp-fake.sock"), tcp_token=TOKEN)
     server.start()
     server.start_tcp()
     yield server
     server.stop()
 
 
-def _token_file(short_tmp: str, content: str) -> str:
-    path = os.path.join(short_tmp, "token")
+def _token_file(short_tmp: str, content: str, name: str = "token") -> str:
+    path = os.path.join(short_tmp, name)
     with open(path, "w") as f:
         f.write(content)
     return path
 
 
-def test_tcp_hello_carries_the_stripped_token_and_no_fd(
+def _assert_token_never_sent(fake: FakeServer, token: str = TOKEN) -> None:
+    """No recorded request carries the token, in its MessagePack bytes or its repr."""
+    assert fake.requests, "the test sent something"
+    for record in fake.requests:
+        packed = msgpack.packb([record.op, record.args], use_bin_type=True)
+        assert token.encode() not in packed, record
+        assert token not in repr(record.args), record
+
+
+def _by_conn(fake: FakeServer) -> Dict[int, List[str]]:
+    ops: Dict[int, List[str]] = {}
+    for record in fake.requests:
+        ops.setdefault(record.conn, []).append(record.op)
+    return ops
+
+
+def test_tcp_authenticates_both_ways_and_the_token_never_travels(
     tcp_fake: FakeServer, short_tmp: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The worker connects, registers and pings over TCP, reconnects and pings again:
+    every connection starts with `auth` (a fresh nonce each) and a `hello` carrying the
+    client proof of those nonces, and no request ever carries the token (read from a
+    file whose surrounding whitespace is stripped)."""
     monkeypatch.delenv("KVWARDEN_TCP_TOKEN_FILE", raising=False)
     calls = _peercred_as(monkeypatch, 4242)  # would be refused, were it checked
-    token = _token_file(short_tmp, "  s3cret-token\n\n")
+    token = _token_file(short_tmp, f"  {TOKEN}\n\n")
     worker = Worker(tcp_address=f"127.0.0.1:{tcp_fake.tcp_port}", tcp_token_file=token)
-    assert worker.ping() is False
-    [hello] = tcp_fake.ops("hello")
-    assert hello.kind == "tcp" and hello.args[0] == 2
-    assert hello.args[2] == {"token": "s3cret-token", "wait_ms": 30000}
-    assert hello.nfds == 0, "no pidfd over TCP"
-    assert isinstance(hello.args[2]["token"], str)
+    assert worker.register_kv_cache([CudaIpcBuffer(b"h" * 64, 0, 0, 1024)], "m") == "created"
+    assert worker.ping() is True
+    assert list(_by_conn(tcp_fake).values()) == [
+        ["auth", "hello", "attach", "register_kv_cache", "ping"]
+    ]
+    worker._conn.drop("test: a broken connection")
+    assert worker.ping() is True
+    assert list(_by_conn(tcp_fake).values())[1] == ["auth", "hello", "attach", "ping"]
+    key = TcpKey(TOKEN.encode())
+    auths, hellos = tcp_fake.ops("auth"), tcp_fake.ops("hello")
+    for auth, hello in zip(auths, hellos):
+        assert auth.kind == hello.kind == "tcp" and auth.conn == hello.conn
+        [arg] = auth.args
+        assert set(arg) == {"id", "nonce"} and arg["id"] == key.id
+        assert isinstance(arg["nonce"], bytes) and len(arg["nonce"]) == 32
+        assert auth.answer is not None and auth.answer[0]
+        server_nonce = auth.answer[1]["nonce"]
+        assert hello.args[:2] == [3, worker._conn.client_name]
+        assert hello.args[2] == {
+            "proof": key.client_proof(arg["nonce"], server_nonce),
+            "wait_ms": 30000,
+        }
+        assert hello.nfds == 0, "no pidfd over TCP"
+    assert auths[0].args[0]["nonce"] != auths[1].args[0]["nonce"], "a fresh nonce each time"
+    assert hellos[0].args[2]["proof"] != hellos[1].args[2]["proof"]
+    _assert_token_never_sent(tcp_fake)
     assert worker.server is not None and worker.server.tenant == "tcp"
-    assert [r.op for r in tcp_fake.requests] == ["hello", "attach", "ping"]
+    assert worker.server.protocol == 3
     assert calls == [], "no SO_PEERCRED check over TCP"
     assert worker.endpoint == f"tcp:127.0.0.1:{tcp_fake.tcp_port}"
     worker.shutdown()
+    _assert_token_never_sent(tcp_fake)
 
 
 def test_tcp_token_file_from_the_environment(
     tcp_fake: FakeServer, short_tmp: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("KVWARDEN_TCP_TOKEN_FILE", _token_file(short_tmp, "s3cret-token"))
+    monkeypatch.setenv("KVWARDEN_TCP_TOKEN_FILE", _token_file(short_tmp, TOKEN))
     worker = Worker(tcp_address=("127.0.0.1", tcp_fake.tcp_port))
     assert worker.ping() is False
-    assert tcp_fake.ops("hello")[0].args[2] == {"token": "s3cret-token", "wait_ms": 30000}
+    assert [r.op for r in tcp_fake.requests] == ["auth", "hello", "attach", "ping"]
+    assert sorted(tcp_fake.ops("hello")[0].args[2]) == ["proof", "wait_ms"]
+    _assert_token_never_sent(tcp_fake)
     worker.shutdown()
 
 
-def test_tcp_without_or_with_a_wrong_token_is_forbidden_naming_the_setting(
+def test_tcp_without_a_token_file_is_forbidden_naming_the_setting(
     tcp_fake: FakeServer, short_tmp: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("KVWARDEN_TCP_TOKEN_FILE", raising=False)
     address = f"127.0.0.1:{tcp_fake.tcp_port}"
+    control = Worker(tcp_address=address, tcp_token_file=_token_file(short_tmp, TOKEN))
+    assert control.ping() is False, "control: with the token file it connects"
+    control.shutdown()
+    tcp_fake.requests.clear()
     with pytest.raises(Forbidden, match="tcp_token_file=PATH.*KVWARDEN_TCP_TOKEN_FILE"):
         Worker(tcp_address=address).ping()
-    assert tcp_fake.ops("hello")[0].args[2:] == [{"wait_ms": 30000}], "no token"
-    wrong = _token_file(short_tmp, "not-it")
-    with pytest.raises(Forbidden, match=f"token read from '{wrong}'"):
-        Worker(tcp_address=address, tcp_token_file=wrong).ping()
-    assert tcp_fake.ops("attach") == [], "nothing past a refused hello"
+    assert [r.op for r in tcp_fake.requests] == ["hello"], "no auth without a token"
+    assert tcp_fake.ops("hello")[0].args[2:] == [{"wait_ms": 30000}], "no token, no proof"
     with pytest.raises(ValueError, match="is empty"):
         Worker(tcp_address=address, tcp_token_file=_token_file(short_tmp, " \n"))
     with pytest.raises(ValueError, match="cannot read the TCP token"):
         Worker(tcp_address=address, tcp_token_file=os.path.join(short_tmp, "absent"))
 
 
+def test_tcp_a_wrong_token_is_refused_at_auth_naming_the_file(
+    tcp_fake: FakeServer, short_tmp: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server holds the right token; the worker's file holds another: the server
+    knows no token of that key id (`forbidden`), and the error names the file."""
+    monkeypatch.delenv("KVWARDEN_TCP_TOKEN_FILE", raising=False)
+    address = f"127.0.0.1:{tcp_fake.tcp_port}"
+    right = Worker(tcp_address=address, tcp_token_file=_token_file(short_tmp, TOKEN))
+    assert right.ping() is False, "control: the right token connects"
+    right.shutdown()
+    tcp_fake.requests.clear()
+    wrong = _token_file(short_tmp, "not-it", name="wrong")
+    with pytest.raises(Forbidden) as caught:
+        Worker(tcp_address=address, tcp_token_file=wrong).ping()
+    message = caught.value.message
+    assert f"token read from '{wrong}' (tcp_token_file) is not one the server accepts" in message
+    assert "auth refused" in message and "key id" in message
+    [auth] = tcp_fake.requests
+    assert auth.op == "auth" and _outcome(auth) == "forbidden"
+    assert auth.args[0]["id"] == TcpKey(b"not-it").id
+    assert b"not-it" not in msgpack.packb(auth.args, use_bin_type=True)
+    _assert_token_never_sent(tcp_fake)
+
+
+@pytest.mark.parametrize("impostor", ["wrong_proof", "another_token"])
+def test_tcp_a_server_that_cannot_prove_the_token_gets_nothing_more(
+    tcp_fake: FakeServer,
+    short_tmp: str,
+    monkeypatch: pytest.MonkeyPatch,
+    impostor: str,
+) -> None:
+    """A listener on the port that answers `auth` but cannot prove it holds the token
+    (a wrong proof; or a server with another token that answers any key id) is refused
+    by the worker: it records `auth` and nothing else, the token least of all, and the
+    error names the token file and says the token was not sent."""
+    monkeypatch.setenv("KVWARDEN_TCP_TOKEN_FILE", _token_file(short_tmp, TOKEN))
+    address = f"127.0.0.1:{tcp_fake.tcp_port}"
+    control = Worker(tcp_address=address)
+    assert control.ping() is False, "control: the server that holds the token is trusted"
+    control.shutdown()
+    if impostor == "wrong_proof":
+        server = tcp_fake
+        server.auth_mode = "wrong_proof"
+        server.requests.clear()
+    else:
+        server = FakeServer(os.path.join(short_tmp, "impostor.sock"), tcp_token="other-token")
+        server.auth_mode = "any_id"
+        server.start()
+        server.start_tcp()
+        address = f"127.0.0.1:{server.tcp_port}"
+    try:
+        worker = Worker(tcp_address=address)
+        with pytest.raises(UntrustedServer) as caught:
+            worker.ping()
+        message = caught.value.message
+        assert "could not prove it holds the token" in message
+        assert "(KVWARDEN_TCP_TOKEN_FILE)" in message
+        assert os.environ["KVWARDEN_TCP_TOKEN_FILE"] in message
+        assert "not the kvwarden server configured with that token" in message
+        assert "another process may be listening" in message
+        assert "token was not sent" in message and f"tcp:{address}" in message
+        assert isinstance(caught.value, ConnectionLost) and caught.value.uid == -1
+        assert not worker._conn.is_connected(), "the connection was dropped"
+        time.sleep(0.2)  # anything sent after `auth` would have arrived by now
+        [auth] = server.requests
+        assert auth.op == "auth" and auth.answer is not None and auth.answer[0]
+        _assert_token_never_sent(server)
+        with pytest.raises(UntrustedServer):
+            worker.ping()  # each connect is refused the same way
+        assert [r.op for r in server.requests] == ["auth", "auth"]
+        worker.shutdown()
+    finally:
+        if server is not tcp_fake:
+            server.stop()
+
+
+def test_tcp_a_malformed_auth_answer_is_a_server_that_did_not_prove(
+    tcp_fake: FakeServer, short_tmp: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    token = _token_file(short_tmp, TOKEN)
+    address = f"127.0.0.1:{tcp_fake.tcp_port}"
+    assert Worker(tcp_address=address, tcp_token_file=token).ping() is False, "control"
+    tcp_fake.requests.clear()
+    monkeypatch.setattr(tcp_fake, "_auth", lambda serial, kind, args: (True, {"nonce": b"n"}, []))
+    with pytest.raises(UntrustedServer, match="could not prove.*`auth` answered"):
+        Worker(tcp_address=address, tcp_token_file=token).ping()
+    assert [r.op for r in tcp_fake.requests] == ["auth"]
+
+
+def test_tcp_a_server_without_auth_is_named_older_than_the_client(
+    tcp_fake: FakeServer, short_tmp: str
+) -> None:
+    token = _token_file(short_tmp, TOKEN)
+    address = f"127.0.0.1:{tcp_fake.tcp_port}"
+    assert Worker(tcp_address=address, tcp_token_file=token).ping() is False, "control"
+    tcp_fake.requests.clear()
+    tcp_fake.auth_mode = "protocol_2"
+    with pytest.raises(UnknownOp, match="older than this client.*upgrade the server"):
+        Worker(tcp_address=address, tcp_token_file=token).ping()
+    assert [r.op for r in tcp_fake.requests] == ["auth"], "no hello, so no token either"
+    _assert_token_never_sent(tcp_fake)
+
+
+def _raw_call(sock: socket.socket, request_id: int, op: str, args: list) -> list:
+    body = msgpack.packb([request_id, op, args], use_bin_type=True)
+    sock.sendall(struct.pack(">I", len(body)) + body)
+    data = b""
+    while len(data) < 4 or len(data) < 4 + struct.unpack(">I", data[:4])[0]:
+        chunk = sock.recv(65536)
+        assert chunk, "the fake closed the connection"
+        data += chunk
+    return msgpack.unpackb(data[4:], raw=False)
+
+
+def test_the_fake_enforces_the_server_side_of_tcp_auth(tcp_fake: FakeServer) -> None:
+    """What makes the tests above meaningful: the fake refuses what the real server
+    refuses (a hello without `auth`, with a token, with a proof from another
+    connection, a second `auth`, any op before the hello)."""
+    key = TcpKey(TOKEN.encode())
+    address = ("127.0.0.1", tcp_fake.tcp_port)
+
+    def handshake(sock: socket.socket) -> Tuple[bytes, bytes]:
+        nonce = bytes(32)
+        ok, value = _raw_call(sock, 1, "auth", [{"id": key.id, "nonce": nonce}])[1:]
+        assert ok and key.check_server(nonce, value["nonce"], value["proof"])
+        return nonce, value["nonce"]
+
+    with socket.create_connection(address) as good:
+        client, server = handshake(good)
+        proof = key.client_proof(client, server)
+        assert _raw_call(good, 2, "auth", [{"id": key.id, "nonce": client}])[1:] == [
+            False,
+            {"code": "forbidden", "message": "`auth`: this connection made its challenge already"},
+        ]
+        assert _raw_call(good, 3, "hello", [3, "raw", {"proof": proof}])[1] is True, "control"
+        assert _raw_call(good, 4, "ping", [None])[1:] == [True, True]
+    with socket.create_connection(address) as replay:
+        handshake(replay)
+        refused = _raw_call(replay, 2, "hello", [3, "raw", {"proof": proof}])
+        assert refused[1] is False and refused[2]["code"] == "forbidden", "a replayed proof"
+    with socket.create_connection(address) as token:
+        refused = _raw_call(token, 1, "hello", [3, "raw", {"token": TOKEN}])
+        assert refused[1] is False and "takes no token" in refused[2]["message"]
+        refused = _raw_call(token, 2, "ping", [None])
+        assert refused[1] is False and refused[2]["code"] == "forbidden"
+    with socket.create_connection(address) as no_auth:
+        refused = _raw_call(no_auth, 1, "hello", [3, "raw", {}])
+        assert refused[1] is False and refused[2]["code"] == "forbidden"
+
+
 def test_tcp_refuses_memfd_buffers_and_both_endpoints(
     tcp_fake: FakeServer, short_tmp: str, buffer: MemfdBuffer
 ) -> None:
-    token = _token_file(short_tmp, "s3cret-token")
+    token = _token_file(short_tmp, TOKEN)
     worker = Worker(tcp_address=f"127.0.0.1:{tcp_fake.tcp_port}", tcp_token_file=token)
     with pytest.raises(ValueError, match="cannot travel over TCP"):
         worker.register_kv_cache([buffer], "m")
@@ -581,14 +803,14 @@ def test_tcp_refuses_memfd_buffers_and_both_endpoints(
 # -- hello, the default socket ------------------------------------------------------
 
 
-def test_hello_says_protocol_2_and_exposes_the_tenant(
+def test_hello_says_protocol_3_and_exposes_the_tenant(
     fake: FakeServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.ERROR, logger="kvwarden"):
         worker = Worker(fake.path)
         worker.status()
-    assert fake.ops("hello")[0].args[0] == 2
-    assert worker.server is not None and worker.server.protocol == 2
+    assert fake.ops("hello")[0].args[0] == 3
+    assert worker.server is not None and worker.server.protocol == 3
     assert worker.server.tenant == f"uid-{os.getuid()}"
     assert not [r for r in caplog.records if "speaks protocol" in r.getMessage()]
     worker.shutdown()

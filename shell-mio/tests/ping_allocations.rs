@@ -146,6 +146,7 @@ fn a_ping_through_the_running_server_allocates_nothing_on_a_warm_connection() {
             pidfd_index: None,
             sends_fds: true,
             token: None,
+            proof: None,
             wait_ms: None,
         },
     }
@@ -218,6 +219,7 @@ fn a_ping_through_the_running_server_allocates_nothing_on_a_warm_connection() {
             pidfd_index: None,
             sends_fds: false,
             token: None,
+            proof: None,
             wait_ms: None,
         },
     }

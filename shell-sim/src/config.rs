@@ -100,9 +100,16 @@ impl ServerSpec {
                     engine_driven: false,
                 })
                 .collect(),
+            nonce_secret: SIM_NONCE_SECRET,
         }
     }
 }
+
+/// The secret of the node's TCP challenge nonces in a run (the production server draws
+/// one at each start). A probe with the right token predicts the server's nonce from it,
+/// as if it had read the `auth` answer before sending its `hello` (a probe's requests
+/// go out at once); a wrong prediction only costs it the connection.
+pub const SIM_NONCE_SECRET: [u8; 32] = [0x5e; 32];
 
 /// The tenant the TCP token's peers act for (the production server names it so too).
 pub const TCP_TENANT: &str = "tcp";

@@ -210,6 +210,7 @@ impl Asked {
                 Asked::Transfer(Module::EngineDriven)
             }
             Op::Hello { .. }
+            | Op::Auth { .. }
             | Op::Attach { .. }
             | Op::Lookup { .. }
             | Op::RegisterBlend { .. }

@@ -61,6 +61,9 @@ pub struct World {
     adversary_serial: u64,
     /// TCP probes so far: each is a connection of its own.
     tcp_probes: u32,
+    /// The server incarnation and how many `auth`s of the right token it has answered
+    /// (its next challenge's count, [`crate::config::SIM_NONCE_SECRET`]).
+    tcp_challenges: (u64, u64),
     /// The newest connection of each process (boot, slot, process, channel) whose
     /// message reached the socket, once any process reconnected (empty until then: every
     /// message is of a first connection).
@@ -125,6 +128,7 @@ impl World {
             seen_ids: BTreeSet::new(),
             adversary_serial: 0,
             tcp_probes: 0,
+            tcp_challenges: (0, 0),
             socket_epochs: HashMap::default(),
             gone: BTreeMap::new(),
             build_failure_rate: cfg.server.build_failure_rate,

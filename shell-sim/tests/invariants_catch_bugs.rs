@@ -726,25 +726,46 @@ mod who_is_who {
     }
 
     #[test]
-    fn a_tcp_peer_is_nobody_until_its_hello_presents_the_token() {
-        let mut checker = checker();
-        checker.connected(5, None);
+    fn a_tcp_peer_is_nobody_until_its_hello_proves_the_token() {
+        use kvwarden_core::protocol::Challenge;
+        use kvwarden_core::protocol::tcp_auth::TcpKey;
+        let key = TcpKey::from_token(b"0123456789abcdef-token");
+        let (client, server) = ([1u8; 32], [2u8; 32]);
         let ping = Op::Ping {
             instance: Some(InstanceId::new(4).unwrap()),
         };
-        assert!(matches!(
-            checker.verdict(5, &Op::Status),
-            Verdict::Refused(_)
-        ));
-        let hello = |token: &[u8]| Op::Hello {
-            protocol: 2,
+        let hello = |token: Option<&[u8]>, proof: Vec<u8>| Op::Hello {
+            protocol: 3,
             client: "t".into(),
             pidfd_index: None,
             sends_fds: false,
-            token: Some(token.to_vec()),
+            token: token.map(<[u8]>::to_vec),
+            proof: Some(proof),
             wait_ms: None,
         };
-        let wrong = checker.verdict(5, &hello(b"not-the-token-at-all"));
+        // `auth` with the token's key id, answered with the server's proof.
+        let challenged = |checker: &mut Checker| {
+            checker.connected(5, None);
+            assert!(matches!(
+                checker.verdict(5, &Op::Status),
+                Verdict::Refused(_)
+            ));
+            let auth = Op::Auth {
+                id: key.id(),
+                nonce: client,
+            };
+            let verdict = checker.verdict(5, &auth);
+            assert!(matches!(verdict, Verdict::Auth { answered: true, .. }));
+            let answer = Ok(Answer::Challenge(Challenge {
+                nonce: server,
+                proof: key.server_proof(&client, &server),
+            }));
+            checker.judge_trust(5, "auth", None, &verdict, Some(&answer));
+            assert!(checker.violation.is_none());
+        };
+        let mut checker = checker();
+        challenged(&mut checker);
+        let wrong = checker.verdict(5, &hello(None, vec![0; 32]));
         assert_eq!(
             wrong,
             Verdict::Hello {
@@ -757,9 +778,27 @@ mod who_is_who {
             checker.violation.as_ref().map(|v| v.invariant),
             Some("non_owner_served")
         );
+        // The right proof with protocol 2's token beside it: refused too.
         let mut checker = self::checker();
-        checker.connected(5, None);
-        let right = checker.verdict(5, &hello(b"0123456789abcdef-token"));
+        challenged(&mut checker);
+        let proof = key.client_proof(&client, &server).to_vec();
+        let old = checker.verdict(5, &hello(Some(b"0123456789abcdef-token"), proof.clone()));
+        assert_eq!(
+            old,
+            Verdict::Hello {
+                authenticates: false
+            }
+        );
+        // The control: the right proof alone.
+        let mut checker = self::checker();
+        challenged(&mut checker);
+        let right = checker.verdict(5, &hello(None, proof));
+        assert_eq!(
+            right,
+            Verdict::Hello {
+                authenticates: true
+            }
+        );
         checker.judge_trust(5, "hello", None, &right, Some(&hello_accepted()));
         assert_eq!(checker.verdict(5, &Op::Status), Verdict::Allowed);
         assert!(matches!(checker.verdict(5, &ping), Verdict::Refused(_)));

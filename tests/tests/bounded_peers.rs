@@ -292,13 +292,32 @@ fn row_44_one_uid_cannot_take_every_connection() {
     alice.finish("uid 1001");
 
     let tcp = server.tcp.expect("TCP on");
-    let hello = |id: u64, token: Option<&str>| {
-        let options = token.map_or_else(Vec::new, |token| vec![("token".into(), token.into())]);
-        encode_request(
+    // A bare `hello` (never authenticated), or an `auth` with the token's key id (the
+    // handshake's first request, answered with a challenge).
+    let hello = |id: u64, token: Option<&str>| match token {
+        None => encode_request(
             id,
             "hello",
-            vec![2u64.into(), "test".into(), Value::Map(options)],
-        )
+            vec![
+                kvwarden_core::protocol::PROTOCOL_VERSION.into(),
+                "test".into(),
+            ],
+        ),
+        Some(token) => encode_request(
+            id,
+            "auth",
+            vec![Value::Map(vec![
+                (
+                    "id".into(),
+                    Value::Binary(
+                        kvwarden_core::protocol::tcp_auth::TcpKey::from_token(token.as_bytes())
+                            .id()
+                            .to_vec(),
+                    ),
+                ),
+                ("nonce".into(), Value::Binary(vec![1; 32])),
+            ])],
+        ),
     };
     // A TCP peer that never presents the token: its refused hello is answered, then it
     // is cut once --frame-timeout-seconds have passed, and its place is free again.
@@ -316,7 +335,7 @@ fn row_44_one_uid_cannot_take_every_connection() {
     );
     assert_eq!(cut_total(&server, "tcp", "unauthenticated"), 1);
 
-    // TCP peers together: 12 connections, each a well-formed hello with the token.
+    // TCP peers together: 12 connections, each a well-formed `auth` with the token's id.
     let mut answered = 0;
     let mut streams = Vec::new();
     for id in 0..12u64 {

@@ -251,8 +251,9 @@ fn msgpack(value: &Value) -> Vec<u8> {
 }
 
 /// The ops of `protocol.md` with their argument counts.
-const OPS: [(&str, usize); 18] = [
+const OPS: [(&str, usize); 19] = [
     ("hello", 2),
+    ("auth", 1),
     ("attach", 2),
     ("ping", 1),
     ("register_kv_cache", 4),

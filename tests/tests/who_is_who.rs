@@ -1,4 +1,4 @@
-//! Who is who (issue 24, protocol 2): failure-mode rows 30–37 end to end, with a real
+//! Who is who (issue 24, protocol 3): failure-mode rows 30–37 and 65 end to end, with a real
 //! `kvwarden serve`, real sockets, real TCP and real processes: an attacker is a
 //! process of its own, forked from the test and, where the row is about another user,
 //! running as another uid (1001, 1002, …: the test runs as root and drops to them with
@@ -17,7 +17,8 @@ mod engine_support;
 use kvwarden::client::{Client, ClientConfig, ClientError, Endpoint, MemfdBuffer};
 use kvwarden::memfd::SharedMapping;
 use kvwarden::server::status::msgpack_to_json;
-use kvwarden_core::protocol::{decode_reply, encode_request};
+use kvwarden_core::protocol::tcp_auth::TcpKey;
+use kvwarden_core::protocol::{PROTOCOL_VERSION, decode_reply, encode_request};
 use kvwarden_tests::{
     PATIENCE, RawClient, Server, TCP_TOKEN, TempDir, built, find_instance, fork_as_uid, freed,
     instance_secret, kvwarden_bin, memfd_spec, run_as_uid, wait_exit, wait_for, write_token_file,
@@ -707,12 +708,52 @@ impl TcpRaw {
         answer_of(reply.result)
     }
 
-    fn hello(&mut self, token: Option<&str>) -> Json {
-        let mut args = vec![2.into(), "row32".into()];
-        if let Some(token) = token {
-            args.push(Value::Map(vec![("token".into(), token.into())]));
+    /// `hello` with these options (none: a bare `hello`).
+    fn hello(&mut self, options: Vec<(Value, Value)>) -> Json {
+        let mut args = vec![PROTOCOL_VERSION.into(), "row32".into()];
+        if !options.is_empty() {
+            args.push(Value::Map(options));
         }
         self.call("hello", args)
+    }
+
+    /// `auth` with `token`'s key id: the answer, and the client's proof when the
+    /// server's proof checks.
+    fn auth(&mut self, token: &[u8]) -> (Json, Option<Vec<u8>>) {
+        let key = TcpKey::from_token(token);
+        let nonce = [7u8; 32];
+        let answer = self.call(
+            "auth",
+            vec![Value::Map(vec![
+                ("id".into(), bin(&key.id())),
+                ("nonce".into(), bin(&nonce)),
+            ])],
+        );
+        let proof = answer["ok"].as_object().map(|challenge| {
+            // Bins come back as hex.
+            let bytes = |name: &str| -> Vec<u8> {
+                let hex = challenge[name].as_str().expect("a bin");
+                (0..hex.len())
+                    .step_by(2)
+                    .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).expect("hex"))
+                    .collect()
+            };
+            let (server, proof) = (bytes("nonce"), bytes("proof"));
+            let server: [u8; 32] = server.try_into().expect("a 32-byte nonce");
+            assert!(
+                key.check_server(&nonce, &server, &proof),
+                "the server proves it holds the token"
+            );
+            key.client_proof(&nonce, &server).to_vec()
+        });
+        (answer, proof)
+    }
+
+    /// The whole handshake with `token`: `auth`, then `hello` with the proof.
+    fn handshake(&mut self, token: &[u8]) -> Json {
+        let (answer, proof) = self.auth(token);
+        let proof = proof.unwrap_or_else(|| panic!("`auth` answered {answer}"));
+        self.hello(vec![("proof".into(), bin(&proof))])
     }
 }
 
@@ -747,9 +788,117 @@ fn tcp_client(address: SocketAddr, token: Option<&[u8]>) -> Result<Client, Clien
     Client::connect(config)
 }
 
-/// Row 32: over TCP a `hello` without the token, or with a wrong one, is `forbidden`,
-/// and so is every request after it on that connection until a `hello` with the right
-/// token (the control, on the same connection and on a fresh one); the Rust client
+/// Row 65: TCP clients hand their token to nobody. Another uid binds a TCP port (the
+/// server's, while it is down) and answers like a server that does not hold the token;
+/// the Rust client connecting there with the token file is refused with a message
+/// naming why, sends nothing after its `auth`, and none of the bytes the impostor
+/// received holds the token or the key made from it. The control: the same client
+/// and token against the real server connect, register and ping.
+#[test]
+fn row_65_a_tcp_client_refuses_a_server_that_cannot_prove_the_token_and_never_sends_it() {
+    let dir = TempDir::new("row65");
+    let server = shared_server(&dir, &["--tcp", "127.0.0.1:0"]);
+    let address = server.tcp.expect("the TCP address");
+    let token =
+        ClientConfig::read_tcp_token_file(&server.tcp_token_file.clone().expect("the token file"))
+            .expect("the token");
+
+    // The control: the real server proves the token; the client is served.
+    let client = tcp_client(address, Some(&token)).expect("the real server admits");
+    assert_eq!(client.register(vec![], "tcp", 1).unwrap(), "created");
+    let own = client.instance_id().get();
+    assert_eq!(
+        client.call("ping", vec![own.into()]).unwrap(),
+        Value::Boolean(true)
+    );
+    client.shutdown().unwrap();
+
+    // The impostor: another uid's listener that answers `auth` with a made-up
+    // challenge and records every byte until the client hangs up.
+    let mut impostor = fork_as_uid(BOB, |parent| {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("binding");
+        parent.send(json!(listener.local_addr().unwrap().port()));
+        let (mut stream, _) = listener.accept().expect("the client");
+        stream.set_read_timeout(Some(PATIENCE)).unwrap();
+        let mut received = Vec::new();
+        let mut answered = false;
+        let mut chunk = [0u8; 4096];
+        loop {
+            match stream.read(&mut chunk) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => received.extend_from_slice(&chunk[..n]),
+            }
+            if !answered && received.len() >= 4 {
+                let length = u32::from_be_bytes(received[..4].try_into().unwrap()) as usize;
+                if received.len() >= 4 + length {
+                    let request: Value =
+                        rmpv::decode::read_value(&mut &received[4..4 + length]).expect("a request");
+                    let id = request
+                        .as_array()
+                        .and_then(|items| items.first())
+                        .and_then(Value::as_u64)
+                        .expect("a request id");
+                    let challenge = Value::Map(vec![
+                        ("nonce".into(), Value::Binary(vec![9; 32])),
+                        ("proof".into(), Value::Binary(vec![6; 32])),
+                    ]);
+                    let frame = kvwarden_core::protocol::encode_reply(id, &Ok(challenge));
+                    stream.write_all(&frame).expect("answering");
+                    answered = true;
+                }
+            }
+        }
+        json!(
+            received
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect::<String>()
+        )
+    });
+    let port = impostor
+        .recv("the impostor's port")
+        .as_u64()
+        .expect("a port") as u16;
+    let refused = tcp_client(SocketAddr::from(([127, 0, 0, 1], port)), Some(&token))
+        .err()
+        .expect("the client refuses the impostor");
+    assert!(
+        matches!(refused, ClientError::ServerNotProven { .. }),
+        "{refused}"
+    );
+    let message = refused.to_string();
+    assert!(
+        message.contains("could not prove it holds") && message.contains("was not sent"),
+        "{message}"
+    );
+    let received = impostor.finish("the impostor");
+    let received = received.as_str().expect("hex");
+    let hex = |bytes: &[u8]| bytes.iter().map(|b| format!("{b:02x}")).collect::<String>();
+    assert!(
+        received.contains(&hex(b"auth")),
+        "the client asked `auth`: {received}"
+    );
+    assert!(
+        !received.contains(&hex(&token)),
+        "the token reached the impostor: {received}"
+    );
+    assert!(
+        !received.contains(&hex(b"hello")),
+        "the client said `hello` to a server that did not prove the token"
+    );
+    // The frame it got is the `auth` alone: one request, nothing after it.
+    let bytes: Vec<u8> = (0..received.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&received[i..i + 2], 16).unwrap())
+        .collect();
+    let length = u32::from_be_bytes(bytes[..4].try_into().unwrap()) as usize;
+    assert_eq!(bytes.len(), 4 + length, "one frame, the `auth`");
+}
+
+/// Row 32: over TCP a `hello` without a proof, an `auth` with another token's key id,
+/// or a `hello` carrying the token itself (protocol 2's way) is `forbidden`, and so is
+/// every request after it on that connection until the handshake with the right token
+/// (the control, on a fresh connection and on one refused before); the Rust client
 /// without or with a wrong token is refused, with the token file it registers and
 /// pings. `--tcp` without `--tcp-token-file` refuses to start, naming the flag.
 #[test]
@@ -761,9 +910,9 @@ fn row_32_a_tcp_peer_without_the_token_is_forbidden_everything() {
     // The control: the right token.
     let victim = 3201;
     let mut good = TcpRaw::connect(address);
-    let hello = good.hello(Some(TCP_TOKEN));
-    assert_eq!(ok(&hello, "hello with the token")["tenant"], "tcp");
-    assert_eq!(hello["ok"]["protocol"], 2);
+    let hello = good.handshake(TCP_TOKEN.as_bytes());
+    assert_eq!(ok(&hello, "hello with the token's proof")["tenant"], "tcp");
+    assert_eq!(hello["ok"]["protocol"], PROTOCOL_VERSION);
     let attached = good.call("attach", vec![victim.into(), bin(&instance_secret(victim))]);
     assert_eq!(ok(&attached, "attach")["outcome"], "claimed");
     let registered = good.call(
@@ -776,42 +925,50 @@ fn row_32_a_tcp_peer_without_the_token_is_forbidden_everything() {
 
     // No token.
     let mut bare = TcpRaw::connect(address);
-    assert_forbidden(&bare.hello(None), "hello without a token", "token");
+    assert_forbidden(&bare.hello(vec![]), "hello without a proof", "`auth`");
     for (what, answer) in unauthenticated_requests(&mut bare, victim) {
         assert_forbidden(&answer, what, "has not authenticated");
     }
-    // A wrong token.
+    // A wrong token: its key id is none of the server's.
     let mut wrong = TcpRaw::connect(address);
+    let (answer, proof) = wrong.auth(b"not-the-token-0123456789abcdef");
+    assert!(proof.is_none());
     assert_forbidden(
-        &wrong.hello(Some("not-the-token-0123456789abcdef")),
-        "hello with a wrong token",
+        &answer,
+        "auth with a wrong token",
         "not one the server accepts",
     );
     for (what, answer) in unauthenticated_requests(&mut wrong, victim) {
         assert_forbidden(&answer, what, "has not authenticated");
     }
+    // The token itself in `hello`, as protocol 2 sent it: refused, naming the change.
+    let mut old = TcpRaw::connect(address);
+    assert_forbidden(
+        &old.hello(vec![("token".into(), TCP_TOKEN.into())]),
+        "hello with the token",
+        "takes no token",
+    );
     let after = server.status();
     assert_eq!(
         forbidden_total(&after),
-        forbidden_total(&before) + 14,
+        forbidden_total(&before) + 15,
         "every refusal counted"
     );
     assert!(
         find_instance(&after, 3202).is_none(),
         "nothing registered: {after:#}"
     );
-    // The same connection, once it presents the right token, is served.
-    let hello = bare.hello(Some(TCP_TOKEN));
-    assert_eq!(ok(&hello, "hello with the token, late")["tenant"], "tcp");
+    // The same connection, once it proves the right token, is served.
+    let hello = bare.handshake(TCP_TOKEN.as_bytes());
+    assert_eq!(ok(&hello, "the handshake, late")["tenant"], "tcp");
     assert_eq!(ok(&bare.call("ping", vec![Value::Nil]), "ping nil"), true);
 
     // The Rust client: without a token, with a wrong one, with the token file.
     let refused = tcp_client(address, None)
         .err()
         .expect("refused without a token");
-    assert_eq!(
-        refused.code(),
-        Some(kvwarden_core::protocol::ErrorCode::Forbidden),
+    assert!(
+        matches!(refused, ClientError::NoTcpToken { .. }),
         "{refused}"
     );
     let refused = tcp_client(address, Some(b"not-the-token-0123456789abcdef"))

@@ -130,10 +130,23 @@ impl Node {
             return Err(None); // a request of a connection the shell never announced
         };
         let transport = connection.transport;
+        if let Op::Auth { id, nonce } = &op {
+            return Err(Some(if transport == Transport::Tcp {
+                self.trust
+                    .challenge(&mut connection.peer, id, nonce)
+                    .map(Answer::Challenge)
+            } else {
+                Err(ProtocolError::new(
+                    ErrorCode::BadArgs,
+                    "`auth` is for TCP connections: over the Unix socket the server knows its \
+                     peer by its uid; say `hello`",
+                ))
+            }));
+        }
         let checked = match &op {
-            Op::Hello { token, .. } if transport == Transport::Tcp => self
+            Op::Hello { proof, token, .. } if transport == Transport::Tcp => self
                 .trust
-                .authenticate(&mut connection.peer, token.as_deref()),
+                .authenticate(&mut connection.peer, proof.as_deref(), token.as_deref()),
             Op::Hello { .. } => Ok(()),
             Op::Attach { .. } => self.trust.require_identity(&connection.peer, to.op.name()),
             _ => self
@@ -193,7 +206,8 @@ impl Node {
         fds: usize,
     ) -> Immediate {
         match op {
-            Op::Ping { .. } | Op::Attach { .. } => None,
+            // Answered when admitted.
+            Op::Ping { .. } | Op::Attach { .. } | Op::Auth { .. } => None,
             Op::Hello {
                 sends_fds, wait_ms, ..
             } => self.hello(to.conn, sends_fds, wait_ms).map(Ok),

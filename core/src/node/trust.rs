@@ -17,7 +17,8 @@
 //!   tenant's name, so one tenant's chunk is never another's.
 
 use crate::id::InstanceId;
-use crate::protocol::{Attached, ErrorCode, Op, ProtocolError};
+use crate::protocol::tcp_auth::{self, Nonce, TcpKey};
+use crate::protocol::{Attached, Challenge, ErrorCode, Op, ProtocolError};
 use std::collections::HashMap;
 
 /// Bytes of an instance secret, at least (128 bits of entropy).
@@ -42,7 +43,8 @@ pub struct TenantSpec {
     pub name: String,
     /// Unix peers of these uids act for it.
     pub uids: Vec<u32>,
-    /// TCP peers presenting one of these tokens act for it (the node keeps digests).
+    /// TCP peers proving they hold one of these tokens act for it (the node keeps
+    /// the keys derived from them, [`TcpKey`]).
     pub tokens: Vec<Vec<u8>>,
     /// Its share of the L1 pool in percent; None: a fair share of the tenants holding
     /// slots.
@@ -57,6 +59,9 @@ pub struct TenantSpec {
 pub struct TrustConfig {
     /// The declared tenants.
     pub tenants: Vec<TenantSpec>,
+    /// The secret the node's TCP challenge nonces are drawn from
+    /// ([`tcp_auth::server_nonce`]): random at each start (the shell's `getrandom`).
+    pub nonce_secret: [u8; 32],
 }
 
 /// Why a [`TrustConfig`] cannot be used.
@@ -112,7 +117,7 @@ pub enum TrustConfigError {
 enum Identity {
     /// A Unix-socket peer (`SO_PEERCRED`).
     Uid(u32),
-    /// A TCP peer that presented a token of this tenant.
+    /// A TCP peer that proved it holds a token of this tenant.
     Token(TenantId),
 }
 
@@ -125,14 +130,27 @@ impl std::fmt::Display for Identity {
     }
 }
 
+/// A TCP peer's `auth`, until its `hello` proves it: which token, and both nonces.
+#[derive(Debug)]
+struct Challenged {
+    /// Index in the node's token keys.
+    key: usize,
+    client: Nonce,
+    server: Nonce,
+}
+
 /// What the node knows of one connection's peer.
 #[derive(Debug, Default)]
 pub struct Peer {
-    /// None: a TCP peer that has not presented a token yet.
+    /// None: a TCP peer that has not proven a token yet.
     identity: Option<Identity>,
     tenant: Option<TenantId>,
     /// The instances it has attached (one for a worker; a small list).
     attached: Vec<InstanceId>,
+    /// Its `auth`, until a `hello` answers it (right or wrong).
+    challenge: Option<Challenged>,
+    /// Whether it made its one `auth`.
+    challenged: bool,
 }
 
 impl Peer {
@@ -180,7 +198,10 @@ pub struct TenantView {
 pub struct Trust {
     tenants: Vec<Tenant>,
     by_uid: HashMap<u32, TenantId>,
-    tokens: Vec<(blake3::Hash, TenantId)>,
+    tokens: Vec<(TcpKey, TenantId)>,
+    nonce_secret: [u8; 32],
+    /// Challenges made: the next server nonce's count.
+    challenges: u64,
     claims: HashMap<InstanceId, Claim>,
     forbidden_total: u64,
 }
@@ -204,6 +225,8 @@ impl Trust {
             tenants: Vec::new(),
             by_uid: HashMap::new(),
             tokens: Vec::new(),
+            nonce_secret: config.nonce_secret,
+            challenges: 0,
             claims: HashMap::new(),
             forbidden_total: 0,
         };
@@ -237,14 +260,14 @@ impl Trust {
                 if token.len() < MIN_SECRET_BYTES {
                     return Err(TrustConfigError::ShortToken(spec.name.clone()));
                 }
-                let digest = blake3::hash(token);
-                if let Some(&(_, first)) = trust.tokens.iter().find(|(d, _)| *d == digest) {
+                let key = TcpKey::from_token(token);
+                if let Some(&(_, first)) = trust.tokens.iter().find(|(k, _)| k.id() == key.id()) {
                     return Err(TrustConfigError::DuplicateToken {
                         first: trust.name(first).to_owned(),
                         second: spec.name.clone(),
                     });
                 }
-                trust.tokens.push((digest, id));
+                trust.tokens.push((key, id));
             }
         }
         if !trust.by_uid.contains_key(&server_uid) {
@@ -279,46 +302,112 @@ impl Trust {
     }
 
     /// A new connection's peer: a Unix peer is its uid (and its tenant) at once; a TCP
-    /// peer is nobody until it presents a token.
+    /// peer is nobody until it proves it holds a token.
     pub fn connect(&mut self, uid: Option<u32>) -> Peer {
         match uid {
             Some(uid) => Peer {
                 identity: Some(Identity::Uid(uid)),
                 tenant: self.tenant_of_uid(uid),
                 attached: Vec::new(),
+                ..Peer::default()
             },
             None => Peer::default(),
         }
     }
 
-    /// `hello` over TCP: the token must be one the operator gave a tenant.
+    /// `auth` over TCP: the challenge for the token of key id `id`, once per
+    /// connection. The answer proves the server holds that token.
+    pub fn challenge(
+        &mut self,
+        peer: &mut Peer,
+        id: &[u8],
+        client: &Nonce,
+    ) -> Result<Challenge, ProtocolError> {
+        if peer.challenged {
+            self.forbidden_total += 1;
+            return Err(forbidden(
+                "`auth`: this connection made its challenge already (one a connection); \
+                 open a new connection to authenticate again"
+                    .into(),
+            ));
+        }
+        peer.challenged = true;
+        let Some(key) = self.tokens.iter().position(|(key, _)| key.id() == id) else {
+            self.forbidden_total += 1;
+            return Err(forbidden(
+                "`auth`: no token of this server has this key id: the client's token is not \
+                 one the server accepts; use the contents of the file its --tcp-token-file \
+                 (or a --tenant's token-file) names"
+                    .into(),
+            ));
+        };
+        let server = tcp_auth::server_nonce(&self.nonce_secret, self.challenges);
+        self.challenges += 1;
+        let proof = self.tokens[key].0.server_proof(client, &server);
+        peer.challenge = Some(Challenged {
+            key,
+            client: *client,
+            server,
+        });
+        Ok(Challenge {
+            nonce: server,
+            proof,
+        })
+    }
+
+    /// `hello` over TCP: its `proof` must answer this connection's `auth`. A
+    /// connection that proved its token already may say `hello` again without one. A
+    /// `token` (what protocol 2 sent) is refused, naming the change.
     pub fn authenticate(
         &mut self,
         peer: &mut Peer,
+        proof: Option<&[u8]>,
         token: Option<&[u8]>,
     ) -> Result<(), ProtocolError> {
-        let found = token.and_then(|token| {
-            let digest = blake3::hash(token);
-            // blake3::Hash compares in constant time.
-            self.tokens
-                .iter()
-                .find(|(known, _)| *known == digest)
-                .map(|&(_, tenant)| tenant)
-        });
-        let Some(tenant) = found else {
+        if token.is_some() {
             self.forbidden_total += 1;
-            return Err(forbidden(match token {
-                None => "`hello` over TCP must carry the server's token: \
-                         options {\"token\": <the contents of the file the server's \
-                         --tcp-token-file names>}; nothing else is answered on this \
-                         connection until it does"
+            return Err(forbidden(format!(
+                "`hello`: this server (protocol {}) takes no token in `hello`: a TCP client \
+                 proves it holds the token without sending it (`auth`, then `hello` with \
+                 options {{\"proof\": ...}}; docs/protocol.md). Upgrade this client to one \
+                 of protocol {} (kvwarden's Rust and Python clients), and treat a token an \
+                 older client has sent across a network others can read as exposed",
+                crate::protocol::PROTOCOL_VERSION,
+                crate::protocol::PROTOCOL_VERSION,
+            )));
+        }
+        let Some(proof) = proof else {
+            if matches!(peer.identity, Some(Identity::Token(_))) {
+                return Ok(());
+            }
+            self.forbidden_total += 1;
+            return Err(forbidden(
+                "`hello` over TCP must answer an `auth`: send `auth` with your token's key id \
+                 and a nonce, check the server's proof, then `hello` with options \
+                 {\"proof\": <your proof>} (docs/protocol.md); nothing else is answered on \
+                 this connection until it does"
                     .into(),
-                Some(_) => "`hello`: this token is not one the server accepts; use the \
-                            contents of the file its --tcp-token-file (or a --tenant's \
-                            token-file) names"
-                    .into(),
-            }));
+            ));
         };
+        let Some(challenge) = peer.challenge.take() else {
+            self.forbidden_total += 1;
+            return Err(forbidden(
+                "`hello`: a proof with no `auth` to answer on this connection; send `auth` \
+                 first (one a connection)"
+                    .into(),
+            ));
+        };
+        let (key, tenant) = &self.tokens[challenge.key];
+        if !key.check_client(&challenge.client, &challenge.server, proof) {
+            self.forbidden_total += 1;
+            return Err(forbidden(
+                "`hello`: the proof does not answer this connection's `auth`: the client \
+                 does not hold the token of the key id it sent; open a new connection with \
+                 the contents of the server's --tcp-token-file"
+                    .into(),
+            ));
+        }
+        let tenant = *tenant;
         if let Some(Identity::Token(already)) = peer.identity
             && already != tenant
         {
@@ -343,9 +432,9 @@ impl Trust {
         self.forbidden_total += 1;
         Err(forbidden(if peer.identity.is_none() {
             format!(
-                "`{op}`: this TCP connection has not authenticated; say `hello` with \
-                 options {{\"token\": ...}} (the contents of the server's --tcp-token-file) \
-                 first"
+                "`{op}`: this TCP connection has not authenticated; send `auth`, then \
+                 `hello` with its proof, keyed by the contents of the server's \
+                 --tcp-token-file (docs/protocol.md), first"
             )
         } else {
             format!(
@@ -537,6 +626,7 @@ pub fn scope_keys(op: &mut Op, prefix: &[u8]) {
         Op::RetrieveBatch { items, .. } => items.iter_mut().for_each(|item| scope(&mut item.key)),
         Op::Lookup { keys } => keys.iter_mut().for_each(scope),
         Op::Hello { .. }
+        | Op::Auth { .. }
         | Op::Attach { .. }
         | Op::Ping { .. }
         | Op::RegisterKvCache { .. }
@@ -624,30 +714,50 @@ mod tests {
         assert!(trust.attach(&mut peer, id(1), &[0u8; 16]).is_ok());
     }
 
-    #[test]
-    fn tcp_peers_need_a_token_and_act_for_its_tenant() {
+    const TOKEN: &[u8] = b"0123456789abcdef-token";
+
+    fn tcp_trust() -> Trust {
         let config = TrustConfig {
             tenants: vec![TenantSpec {
                 name: "team-a".into(),
                 uids: vec![1000, 1001],
-                tokens: vec![b"0123456789abcdef-token".to_vec()],
+                tokens: vec![TOKEN.to_vec()],
                 quota_percent: Some(50),
                 engine_driven: false,
             }],
+            nonce_secret: [7; 32],
         };
-        let mut trust = Trust::new(&config, 0).unwrap();
+        Trust::new(&config, 0).unwrap()
+    }
+
+    /// A client's side of the handshake with `token`: `auth`, the server's proof
+    /// checked, the client's proof for `hello`.
+    fn handshake(
+        trust: &mut Trust,
+        peer: &mut Peer,
+        token: &[u8],
+        client: Nonce,
+    ) -> Result<Vec<u8>, ProtocolError> {
+        let key = TcpKey::from_token(token);
+        let challenge = trust.challenge(peer, &key.id(), &client)?;
+        assert!(
+            key.check_server(&client, &challenge.nonce, &challenge.proof),
+            "the server proves it holds the token"
+        );
+        Ok(key.client_proof(&client, &challenge.nonce).to_vec())
+    }
+
+    #[test]
+    fn tcp_peers_prove_their_token_and_act_for_its_tenant() {
+        let mut trust = tcp_trust();
         let mut tcp = trust.connect(None);
         assert!(trust.require_identity(&tcp, "ping").is_err());
-        assert!(trust.authenticate(&mut tcp, None).is_err());
-        assert!(
-            trust
-                .authenticate(&mut tcp, Some(b"0123456789abcdef-wrong"))
-                .is_err()
-        );
-        trust
-            .authenticate(&mut tcp, Some(b"0123456789abcdef-token"))
-            .unwrap();
+        // The control: the token's proof authenticates.
+        let proof = handshake(&mut trust, &mut tcp, TOKEN, [1; 32]).unwrap();
+        trust.authenticate(&mut tcp, Some(&proof), None).unwrap();
         assert!(trust.require_identity(&tcp, "ping").is_ok());
+        // A later `hello` on the same connection needs no proof.
+        trust.authenticate(&mut tcp, None, None).unwrap();
         let unix = trust.connect(Some(1001));
         assert_eq!(tcp.tenant(), unix.tenant(), "joined into one tenant");
         let alone = trust.connect(Some(1002));
@@ -656,6 +766,73 @@ mod tests {
         let own = trust.connect(Some(0)).tenant().unwrap();
         assert!(trust.engine_driven_allowed(own));
         assert!(!trust.engine_driven_allowed(unix.tenant().unwrap()));
+    }
+
+    #[test]
+    fn no_token_travels_and_no_proof_serves_twice() {
+        let mut trust = tcp_trust();
+        // Protocol 2's token in `hello`, even the right one: refused, naming the change.
+        let mut old = trust.connect(None);
+        let error = trust.authenticate(&mut old, None, Some(TOKEN)).unwrap_err();
+        assert_eq!(error.code, ErrorCode::Forbidden);
+        assert!(
+            error.message.contains("takes no token"),
+            "{}",
+            error.message
+        );
+        assert!(trust.require_identity(&old, "ping").is_err());
+        // No `auth` before `hello`.
+        let mut bare = trust.connect(None);
+        let error = trust.authenticate(&mut bare, None, None).unwrap_err();
+        assert!(
+            error.message.contains("must answer an `auth`"),
+            "{}",
+            error.message
+        );
+        let error = trust
+            .authenticate(&mut bare, Some(&[0; 32]), None)
+            .unwrap_err();
+        assert!(
+            error.message.contains("no `auth` to answer"),
+            "{}",
+            error.message
+        );
+        // Another token's key id: nothing to answer with.
+        let mut wrong = trust.connect(None);
+        let error =
+            handshake(&mut trust, &mut wrong, b"0123456789abcdef-wrong", [2; 32]).unwrap_err();
+        assert!(
+            error.message.contains("no token of this server"),
+            "{}",
+            error.message
+        );
+        // The right key id, a proof made without the token: refused, and the connection
+        // has had its one `auth`.
+        let mut guess = trust.connect(None);
+        handshake(&mut trust, &mut guess, TOKEN, [3; 32]).unwrap();
+        let error = trust
+            .authenticate(&mut guess, Some(&[0; 32]), None)
+            .unwrap_err();
+        assert!(
+            error.message.contains("does not answer"),
+            "{}",
+            error.message
+        );
+        let again = handshake(&mut trust, &mut guess, TOKEN, [3; 32]).unwrap_err();
+        assert!(
+            again.message.contains("made its challenge already"),
+            "{}",
+            again.message
+        );
+        assert!(trust.require_identity(&guess, "ping").is_err());
+        // A proof seen on one connection proves nothing on another (a fresh server nonce).
+        let mut first = trust.connect(None);
+        let proof = handshake(&mut trust, &mut first, TOKEN, [4; 32]).unwrap();
+        trust.authenticate(&mut first, Some(&proof), None).unwrap();
+        let mut replay = trust.connect(None);
+        handshake(&mut trust, &mut replay, TOKEN, [4; 32]).unwrap();
+        assert!(trust.authenticate(&mut replay, Some(&proof), None).is_err());
+        assert!(trust.require_identity(&replay, "ping").is_err());
     }
 
     #[test]
@@ -669,6 +846,7 @@ mod tests {
         };
         let config = TrustConfig {
             tenants: vec![spec("a"), spec("b")],
+            ..TrustConfig::default()
         };
         assert!(matches!(
             Trust::new(&config, 0),

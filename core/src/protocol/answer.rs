@@ -6,6 +6,7 @@
 //! …). Each op's shape is a column of the op table ([`ReplyShape`], checked by the node
 //! on every reply it sends), so a reply's shape is written down once: here.
 
+use super::tcp_auth::{Nonce, Proof};
 use rmpv::Value;
 
 /// The shape of an op's successful reply: the op table's reply column.
@@ -33,6 +34,8 @@ pub enum ReplyShape {
     Pinned,
     /// The `status` map, which the shell completes with its own figures.
     Status,
+    /// `auth`'s `{"nonce": bin, "proof": bin}` ([`Challenge`]).
+    Challenge,
 }
 
 /// A successful reply, typed. See the module docs.
@@ -59,6 +62,8 @@ pub enum Answer {
     Reserved(Option<ReservedSlot>),
     /// `prepare_retrieve`: the slot pinned, None on a miss.
     Pinned(Option<PinnedSlot>),
+    /// `auth`.
+    Challenge(Challenge),
 }
 
 impl Answer {
@@ -75,6 +80,7 @@ impl Answer {
             Answer::Count(_) => ReplyShape::Count,
             Answer::Reserved(_) => ReplyShape::Reserved,
             Answer::Pinned(_) => ReplyShape::Pinned,
+            Answer::Challenge(_) => ReplyShape::Challenge,
         }
     }
 
@@ -91,6 +97,7 @@ impl Answer {
             Answer::Count(count) => count.to_value(),
             Answer::Reserved(reserved) => reserved.to_value(),
             Answer::Pinned(pinned) => pinned.to_value(),
+            Answer::Challenge(challenge) => challenge.to_value(),
         }
     }
 }
@@ -205,6 +212,36 @@ impl ReplyValue for HelloReply {
                 Value::Nil => None,
                 other => Some(other.as_str()?.to_owned()),
             },
+        })
+    }
+}
+
+/// What the server answers `auth` with: its nonce, and its proof that it holds the
+/// token of the key id the client sent ([`tcp_auth`](super::tcp_auth)).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Challenge {
+    /// The server's nonce.
+    pub nonce: Nonce,
+    /// The server's proof.
+    pub proof: Proof,
+}
+
+impl ReplyValue for Challenge {
+    fn to_value(&self) -> Value {
+        Value::Map(vec![
+            ("nonce".into(), Value::Binary(self.nonce.to_vec())),
+            ("proof".into(), Value::Binary(self.proof.to_vec())),
+        ])
+    }
+    fn from_value(value: &Value) -> Option<Challenge> {
+        let map = Fields::of(value)?;
+        let bytes = |key| match map.get(key)? {
+            Value::Binary(bytes) => Some(bytes.as_slice()),
+            _ => None,
+        };
+        Some(Challenge {
+            nonce: bytes("nonce")?.try_into().ok()?,
+            proof: bytes("proof")?.try_into().ok()?,
         })
     }
 }
@@ -430,6 +467,10 @@ mod tests {
                 nbytes: 10,
             })),
             Answer::Pinned(None),
+            Answer::Challenge(Challenge {
+                nonce: [1; 32],
+                proof: [2; 32],
+            }),
         ]
     }
 
@@ -446,6 +487,7 @@ mod tests {
             ReplyShape::Count => Answer::Count(u64::from_value(value)?),
             ReplyShape::Reserved => Answer::Reserved(ReplyValue::from_value(value)?),
             ReplyShape::Pinned => Answer::Pinned(ReplyValue::from_value(value)?),
+            ReplyShape::Challenge => Answer::Challenge(Challenge::from_value(value)?),
             ReplyShape::Status => return None,
         })
     }

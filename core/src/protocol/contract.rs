@@ -12,7 +12,7 @@
 use super::answer::ReplyShape;
 
 /// The protocol version this build speaks.
-pub const PROTOCOL_VERSION: u64 = 2;
+pub const PROTOCOL_VERSION: u64 = 3;
 
 /// The deepest MessagePack nesting a valid request needs is 5 (request, args, buffers,
 /// buffer map, value); anything much deeper is garbage and must not cost stack.
@@ -54,10 +54,11 @@ pub enum OpKind {
     RegisterBlend,
     Status,
     Attach,
+    Auth,
 }
 
 /// How many ops this server knows.
-pub const OP_COUNT: usize = 18;
+pub const OP_COUNT: usize = 19;
 
 /// One argument of an op: what it must be.
 #[derive(Copy, Clone)]
@@ -81,8 +82,11 @@ pub(super) enum Arg {
     /// `rope`: `{rotary_dim: uint, max_positions: uint, base: float}`.
     Rope,
     /// `hello`'s optional last argument: `{"pidfd_index": uint, "sends_fds": bool,
-    /// "token": str | bin}` (all optional, other keys ignored).
+    /// "proof": bin, "wait_ms": uint}` (all optional, other keys ignored; `token`, which
+    /// protocol 2 sent, is read only to refuse it).
     HelloOptions,
+    /// `auth`'s `{"id": bin (16 bytes), "nonce": bin (32 bytes)}`.
+    AuthChallenge,
 }
 
 /// One row of the op table.
@@ -136,7 +140,7 @@ pub(super) const OPS: [OpRow; OP_COUNT] = {
             K::Hello,
             "hello",
             "[protocol: uint, client: str] or [protocol: uint, client: str, options: \
-             {\"pidfd_index\": uint, \"sends_fds\": bool, \"token\": str | bin, \
+             {\"pidfd_index\": uint, \"sends_fds\": bool, \"proof\": bin, \
              \"wait_ms\": uint}]",
             &[Uint("protocol"), Text("client"), HelloOptions],
             Shape::Hello,
@@ -241,6 +245,13 @@ pub(super) const OPS: [OpRow; OP_COUNT] = {
             "[instance_id: uint, secret: bin]",
             &[Instance, Bin("secret")],
             Shape::Attached,
+        ),
+        row(
+            K::Auth,
+            "auth",
+            "[{\"id\": bin (16 bytes), \"nonce\": bin (32 bytes)}]",
+            &[AuthChallenge],
+            Shape::Challenge,
         ),
     ]
 };

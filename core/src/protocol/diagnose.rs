@@ -12,6 +12,7 @@ use super::contract::{
 };
 use super::describe::{describe, describe_args, truncate};
 use super::error::{DecodeError, ErrorCode, ProtocolError};
+use super::tcp_auth::{KEY_ID_BYTES, NONCE_BYTES};
 use crate::InstanceId;
 use rmpv::Value;
 
@@ -153,6 +154,7 @@ fn check_args(op: &str, items: &[Value]) -> Result<(), ProtocolError> {
             Arg::Buffers => a.buffers(index)?,
             Arg::Items => a.batch_items(index, &["key", "buffer", "offset", "nbytes"])?,
             Arg::HelloOptions => a.hello_options(index)?,
+            Arg::AuthChallenge => a.auth_challenge(index)?,
             Arg::Rope => a.rope(index)?,
         }
     }
@@ -352,6 +354,16 @@ impl Args<'_> {
                 )));
             }
         }
+        match field(map, "proof") {
+            None | Some(Value::Nil | Value::Binary(_)) => {}
+            Some(value) => {
+                return Err(self.mismatch(format!(
+                    "options.proof must be a bin (the client's proof for this connection's \
+                     `auth`), got {}",
+                    describe(value)
+                )));
+            }
+        }
         match field(map, "wait_ms") {
             None | Some(Value::Nil) => Ok(()),
             Some(value) if value.as_u64().is_some() => Ok(()),
@@ -361,6 +373,22 @@ impl Args<'_> {
                 describe(value)
             ))),
         }
+    }
+
+    fn auth_challenge(&self, index: usize) -> Result<(), ProtocolError> {
+        let map = self.map(index, "challenge")?;
+        for (key, bytes) in [("id", KEY_ID_BYTES), ("nonce", NONCE_BYTES)] {
+            match field(map, key) {
+                Some(Value::Binary(value)) if value.len() == bytes => {}
+                other => {
+                    return Err(self.mismatch(format!(
+                        "{key} must be a bin of {bytes} bytes, got {}",
+                        other.map_or_else(|| "nothing".to_owned(), describe)
+                    )));
+                }
+            }
+        }
+        Ok(())
     }
 
     fn rope(&self, index: usize) -> Result<(), ProtocolError> {

@@ -68,6 +68,10 @@ impl Op {
         let bin = |bytes: &[u8]| Value::Binary(bytes.to_vec());
         match self {
             Op::Hello { .. } => hello_args(self),
+            Op::Auth { id, nonce } => vec![Value::Map(vec![
+                ("id".into(), bin(id)),
+                ("nonce".into(), bin(nonce)),
+            ])],
             Op::Attach { instance, secret } => vec![id(instance), bin(secret)],
             Op::Ping { instance } => vec![instance.as_ref().map_or(Value::Nil, id)],
             Op::RegisterKvCache {
@@ -147,6 +151,7 @@ fn hello_args(op: &Op) -> Vec<Value> {
         pidfd_index,
         sends_fds,
         token,
+        proof,
         wait_ms,
     } = op
     else {
@@ -162,6 +167,9 @@ fn hello_args(op: &Op) -> Vec<Value> {
     }
     if let Some(token) = token {
         options.push(("token".into(), Value::Binary(token.clone())));
+    }
+    if let Some(proof) = proof {
+        options.push(("proof".into(), Value::Binary(proof.clone())));
     }
     if let Some(wait) = wait_ms {
         options.push(("wait_ms".into(), Value::from(*wait)));

@@ -15,13 +15,14 @@ pub mod error;
 pub mod frame;
 pub mod reply;
 pub mod request;
+pub mod tcp_auth;
 #[cfg(test)]
 mod tests;
 mod wire_args;
 
 pub use answer::{
-    Answer, Attached, HelloReply, Outcome, PinnedSlot, PoolGeometry, Registered, ReplyShape,
-    ReplyValue, ReservedSlot,
+    Answer, Attached, Challenge, HelloReply, Outcome, PinnedSlot, PoolGeometry, Registered,
+    ReplyShape, ReplyValue, ReservedSlot,
 };
 pub use contract::{
     MAX_BATCH_ITEMS, MAX_DEPTH, MAX_KEY_BYTES, MAX_TEXT_BYTES, OP_COUNT, OP_NAMES, OpKind,

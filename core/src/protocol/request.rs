@@ -3,6 +3,7 @@
 //! `encode` writes them.
 
 use super::contract::OpKind;
+use super::tcp_auth::{KeyId, Nonce};
 use crate::InstanceId;
 
 /// A decoded request.
@@ -88,13 +89,21 @@ pub enum Op {
         /// (`{"sends_fds": false}`): the server then reads it with plain `read(2)`,
         /// which is cheaper than `recvmsg(2)`. True when absent.
         sends_fds: bool,
-        /// The TCP token (`{"token": str | bin}`): required over TCP, ignored over the
-        /// Unix socket.
+        /// What protocol 2 sent over TCP (`{"token": str | bin}`): read only to refuse
+        /// it, naming the change (the token no longer travels).
         token: Option<Vec<u8>>,
+        /// Over TCP, the client's proof for this connection's `auth` (`{"proof": bin}`,
+        /// [`tcp_auth`](super::tcp_auth)); ignored over the Unix socket.
+        proof: Option<Vec<u8>>,
         /// How long the client waits for a reply on this connection, in milliseconds
         /// (`{"wait_ms": uint}`): past it the server starts no copy into the worker's
         /// memory for a request of this connection (failure mode 60). None: no bound.
         wait_ms: Option<u64>,
+    },
+    /// Over TCP, opens the challenge: the client's token's key id and its nonce.
+    Auth {
+        id: KeyId,
+        nonce: Nonce,
     },
     /// Proves (or claims) an instance for this connection with the worker's secret.
     Attach {
@@ -192,6 +201,7 @@ impl Op {
             Op::RegisterBlend { .. } => OpKind::RegisterBlend,
             Op::Status => OpKind::Status,
             Op::Attach { .. } => OpKind::Attach,
+            Op::Auth { .. } => OpKind::Auth,
         }
     }
 
@@ -211,7 +221,7 @@ impl Op {
     /// The instance the op names, if any (ownership is checked against it).
     pub fn instance(&self) -> Option<InstanceId> {
         match self {
-            Op::Hello { .. } | Op::Lookup { .. } | Op::Status => None,
+            Op::Hello { .. } | Op::Auth { .. } | Op::Lookup { .. } | Op::Status => None,
             Op::Ping { instance } => *instance,
             Op::Attach { instance, .. }
             | Op::RegisterKvCache { instance, .. }

@@ -179,6 +179,7 @@ fn every_op_encodes_to_a_frame_that_decodes_back_to_it() {
             pidfd_index: None,
             sends_fds: true,
             token: None,
+            proof: None,
             wait_ms: None,
         },
         Op::Hello {
@@ -187,6 +188,7 @@ fn every_op_encodes_to_a_frame_that_decodes_back_to_it() {
             pidfd_index: Some(0),
             sends_fds: true,
             token: None,
+            proof: None,
             wait_ms: None,
         },
         Op::Hello {
@@ -195,6 +197,7 @@ fn every_op_encodes_to_a_frame_that_decodes_back_to_it() {
             pidfd_index: None,
             sends_fds: false,
             token: None,
+            proof: None,
             wait_ms: None,
         },
         Op::Hello {
@@ -203,6 +206,7 @@ fn every_op_encodes_to_a_frame_that_decodes_back_to_it() {
             pidfd_index: Some(1),
             sends_fds: false,
             token: None,
+            proof: None,
             wait_ms: None,
         },
         Op::Ping { instance: None },
@@ -245,12 +249,17 @@ fn every_op_encodes_to_a_frame_that_decodes_back_to_it() {
             instance,
             secret: vec![9; 32],
         },
+        Op::Auth {
+            id: [1; 16],
+            nonce: [2; 32],
+        },
         Op::Hello {
             protocol: PROTOCOL_VERSION,
             client: "w".into(),
             pidfd_index: None,
             sends_fds: true,
             token: Some(b"t0ken".to_vec()),
+            proof: Some(vec![5; 32]),
             wait_ms: None,
         },
         Op::StoreBatch {
@@ -438,6 +447,7 @@ fn row_24_hello_takes_an_optional_pidfd_index_and_refuses_a_bad_one() {
         pidfd_index,
         sends_fds,
         token: None,
+        proof: None,
         wait_ms: None,
     };
     let hello = |pidfd_index| hello_with(pidfd_index, true);

@@ -16,6 +16,7 @@
 
 use super::contract::{MAX_BATCH_ITEMS, MAX_DEPTH, MAX_KEY_BYTES, MAX_TEXT_BYTES, OpKind};
 use super::request::{BufferSpec, Op, Request, RetrieveItem, RopeSpec, StoreItem};
+use super::tcp_auth::{KeyId, Nonce};
 use crate::InstanceId;
 use serde::Deserialize;
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
@@ -92,6 +93,10 @@ impl<'de> DeserializeSeed<'de> for ArgsSeed {
     fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Op, D::Error> {
         Ok(match self.0 {
             OpKind::Hello => hello(d)?,
+            OpKind::Auth => {
+                let (WireAuth { id, nonce },) = array(d)?;
+                Op::Auth { id, nonce }
+            }
             OpKind::Attach => {
                 let (Instance(instance), Key(secret)) = array(d)?;
                 Op::Attach { instance, secret }
@@ -176,6 +181,7 @@ fn hello<'de, D: Deserializer<'de>>(d: D) -> Result<Op, D::Error> {
                 pidfd_index,
                 sends_fds,
                 token,
+                proof,
                 wait_ms,
             },
     } = d.deserialize_any(HelloVisitor)?;
@@ -185,6 +191,7 @@ fn hello<'de, D: Deserializer<'de>>(d: D) -> Result<Op, D::Error> {
         pidfd_index,
         sends_fds,
         token,
+        proof,
         wait_ms,
     })
 }
@@ -340,6 +347,7 @@ struct HelloOptions {
     pidfd_index: Option<u64>,
     sends_fds: bool,
     token: Option<Vec<u8>>,
+    proof: Option<Vec<u8>>,
     wait_ms: Option<u64>,
 }
 
@@ -349,6 +357,7 @@ impl HelloOptions {
         pidfd_index: None,
         sends_fds: true,
         token: None,
+        proof: None,
         wait_ms: None,
     };
 }
@@ -362,7 +371,10 @@ impl<'de> Deserialize<'de> for HelloOptions {
                 f.write_str("an options map")
             }
             fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<HelloOptions, A::Error> {
-                let mut fields = fields(map, &["pidfd_index", "sends_fds", "token", "wait_ms"])?;
+                let mut fields = fields(
+                    map,
+                    &["pidfd_index", "sends_fds", "token", "proof", "wait_ms"],
+                )?;
                 let pidfd_index = match take(&mut fields, "pidfd_index") {
                     None | Some(Loose::Nil) => None,
                     Some(Loose::Uint(index)) => Some(index),
@@ -379,6 +391,11 @@ impl<'de> Deserialize<'de> for HelloOptions {
                     Some(Loose::Text(token)) => Some(token.into_bytes()),
                     _ => return Err(de::Error::custom("options.token is not a str or bin")),
                 };
+                let proof = match take(&mut fields, "proof") {
+                    None | Some(Loose::Nil) => None,
+                    Some(Loose::Bytes(proof)) => Some(proof),
+                    _ => return Err(de::Error::custom("options.proof is not a bin")),
+                };
                 let wait_ms = match take(&mut fields, "wait_ms") {
                     None | Some(Loose::Nil) => None,
                     Some(Loose::Uint(wait)) => Some(wait),
@@ -388,6 +405,7 @@ impl<'de> Deserialize<'de> for HelloOptions {
                     pidfd_index,
                     sends_fds,
                     token,
+                    proof,
                     wait_ms,
                 })
             }
@@ -641,6 +659,40 @@ impl<'de> Deserialize<'de> for WireBuffer {
             }
         }
         deserializer.deserialize_map(BufferVisitor)
+    }
+}
+
+/// `auth`'s map: a 16-byte key id and a 32-byte nonce.
+struct WireAuth {
+    id: KeyId,
+    nonce: Nonce,
+}
+
+impl<'de> Deserialize<'de> for WireAuth {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<WireAuth, D::Error> {
+        struct AuthVisitor;
+        impl<'de> Visitor<'de> for AuthVisitor {
+            type Value = WireAuth;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("an auth map")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<WireAuth, A::Error> {
+                let mut fields = fields(map, &["id", "nonce"])?;
+                let mut bytes = |key| match take(&mut fields, key) {
+                    Some(Loose::Bytes(bytes)) => Some(bytes),
+                    _ => None,
+                };
+                let id = bytes("id").and_then(|id| id.try_into().ok());
+                let nonce = bytes("nonce").and_then(|nonce| nonce.try_into().ok());
+                match (id, nonce) {
+                    (Some(id), Some(nonce)) => Ok(WireAuth { id, nonce }),
+                    _ => Err(de::Error::custom(
+                        "auth's id or nonce is missing or mistyped",
+                    )),
+                }
+            }
+        }
+        deserializer.deserialize_map(AuthVisitor)
     }
 }
 

@@ -120,6 +120,7 @@ impl Harness {
                     quota_percent: None,
                     engine_driven: false,
                 }],
+                nonce_secret: [9; 32],
             },
             boot_id: 7,
             server_name: "kvwarden test".into(),
@@ -253,6 +254,31 @@ impl Harness {
     pub fn ask(&mut self, op: Op) -> Value {
         let request = self.send(op);
         self.answer(request)
+    }
+
+    /// Over TCP connection `conn`, a client's `auth` with `token`: sends it, checks the
+    /// server's proof, and returns the proof its `hello` carries (None: `auth` was
+    /// refused).
+    pub fn tcp_proof(&mut self, conn: ConnId, token: &[u8]) -> Option<Vec<u8>> {
+        use kvwarden_core::protocol::tcp_auth::TcpKey;
+        use kvwarden_core::protocol::{Challenge, ReplyValue};
+        let key = TcpKey::from_token(token);
+        let client = [conn.0 as u8; 32];
+        let request = self.send_raw(
+            conn,
+            Op::Auth {
+                id: key.id(),
+                nonce: client,
+            },
+            0,
+        );
+        let challenge =
+            Challenge::from_value(&self.reply(request)?.ok()?).expect("`auth` answers a challenge");
+        assert!(
+            key.check_server(&client, &challenge.nonce, &challenge.proof),
+            "the server proves it holds the token"
+        );
+        Some(key.client_proof(&client, &challenge.nonce).to_vec())
     }
 
     /// Sends `op` and returns the error it was refused with at once.

@@ -74,7 +74,8 @@ class NotReady(ServerError):
 class Forbidden(ServerError):
     """Not allowed: the connection has not ``attach``-ed the instance (the message
     says to attach first), the instance is bound to another secret or tenant, a TCP
-    ``hello`` without the server's token, or an op this tenant may not use."""
+    ``auth`` for a token the server does not hold or a TCP ``hello`` without a proof
+    of one, or an op this tenant may not use."""
 
     code = "forbidden"
 
@@ -104,9 +105,13 @@ class ConnectionLost(KvwardenError):
 
 
 class UntrustedServer(ConnectionLost):
-    """The process listening on the Unix socket runs as a uid this worker does not
-    trust (not 0, not its own, not in ``trusted_server_uids``): nothing was sent to it,
-    no fd in particular. ``uid`` is the uid found, ``socket_path`` the path."""
+    """The process listening on the endpoint is not the server this worker trusts, and
+    was sent nothing it could use. On the Unix socket: it runs as a uid this worker
+    does not trust (not 0, not its own, not in ``trusted_server_uids``), and nothing
+    was sent to it, no fd in particular; ``uid`` is the uid found. Over TCP: it could
+    not prove it holds the token of ``tcp_token_file`` (answering ``auth``), and was
+    sent nothing after ``auth``, the token least of all (it never travels); ``uid`` is
+    -1. ``socket_path`` is the endpoint (the path, or ``tcp:HOST:PORT``)."""
 
     code = "untrusted_server"
 

@@ -1,5 +1,5 @@
-"""The wire protocol (version 2) over a Unix socket or TCP: framing, fds, request/reply
-matching, and who is who (the server's credentials, the TCP token, ``attach``).
+"""The wire protocol (version 3) over a Unix socket or TCP: framing, fds, request/reply
+matching, and who is who (the server's credentials, the TCP challenge, ``attach``).
 
 A frame is a 4-byte big-endian length and a MessagePack body. Requests are
 ``[request_id, op, args]``; replies ``[request_id, ok, value]``. File descriptors travel
@@ -8,9 +8,12 @@ only).
 
 Every new connection, before anything else: over the Unix socket the server's uid is
 read (``SO_PEERCRED``) and checked against the uids this client trusts, before any byte
-(and so any fd) is sent; then ``hello`` (with this process's pidfd over the Unix socket,
-with the token over TCP); then the ``on_attach`` hook, which sends ``attach`` for the
-instance the worker acts as, before any request that names it.
+(and so any fd) is sent; over TCP the two sides prove to each other that they hold the
+token (``auth``, then a ``hello`` carrying the client's proof; the token itself never
+travels, see :class:`TcpKey`), the server first: one that cannot prove it is sent
+nothing more. Then ``hello`` (with this process's pidfd over the Unix socket); then the
+``on_attach`` hook, which sends ``attach`` for the instance the worker acts as, before
+any request that names it.
 
 Threading: one :class:`Connection` is shared by the engine's thread(s) and the
 heartbeat thread. A FIFO lock serializes whole round trips (send, then read until the
@@ -31,8 +34,11 @@ discarded by request id.
 from __future__ import annotations
 
 import collections
+import hashlib
+import hmac
 import logging
 import os
+import secrets
 import socket
 import struct
 import threading
@@ -64,7 +70,7 @@ from .errors import (
 
 log = logging.getLogger("kvwarden")
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 #: Environment variables read when the constructor argument is not given.
 TRUSTED_SERVER_UIDS_ENV = "KVWARDEN_TRUSTED_SERVER_UIDS"
 TCP_TOKEN_FILE_ENV = "KVWARDEN_TCP_TOKEN_FILE"
@@ -222,13 +228,18 @@ def resolve_trusted_server_uids(
     return parse_trusted_server_uids(env), f"{TRUSTED_SERVER_UIDS_ENV}={env!r}"
 
 
-def read_token_file(path: str, source: str = "tcp_token_file") -> str:
-    """The TCP token: the file's content with surrounding whitespace stripped. Raises
+#: What surrounds a token in its file and is not part of it: ASCII whitespace as the
+#: server reads it (Rust's ``trim_ascii``: no vertical tab).
+TOKEN_WHITESPACE = b" \t\n\x0c\r"
+
+
+def read_token_file(path: str, source: str = "tcp_token_file") -> bytes:
+    """The TCP token: the file's bytes with surrounding ASCII whitespace stripped. Raises
     ValueError naming the file and ``source`` when it cannot be read or is empty."""
     try:
-        with open(path, "r", encoding="utf-8") as f:
-            token = f.read().strip()
-    except (OSError, UnicodeDecodeError) as error:
+        with open(path, "rb") as f:
+            token = f.read().strip(TOKEN_WHITESPACE)
+    except OSError as error:
         raise ValueError(
             f"{source}={path!r}: cannot read the TCP token: {error}; the file must hold "
             f"the token of the server's --tcp-token-file"
@@ -239,6 +250,67 @@ def read_token_file(path: str, source: str = "tcp_token_file") -> str:
             f"the server's --tcp-token-file"
         )
     return token
+
+
+#: Bytes of each side's nonce in ``auth``.
+NONCE_BYTES = 32
+#: Bytes of a key id.
+KEY_ID_BYTES = 16
+#: Bytes of a proof.
+PROOF_BYTES = 32
+
+
+def _mac(key: bytes, message: bytes) -> bytes:
+    return hmac.new(key, message, hashlib.sha256).digest()
+
+
+class TcpKey:
+    """The TCP challenge and response (protocol 3), keyed by the token; the token
+    itself never travels.
+
+    1. The client sends ``auth [{"id": key id, "nonce": its nonce}]``; the key id names
+       the token without revealing it.
+    2. The server answers ``{"nonce": its nonce, "proof": server proof}``; the client
+       checks the proof (in constant time) and sends nothing more to a server that
+       cannot make it: that one does not hold the token.
+    3. The client says ``hello`` with ``{"proof": client proof}``.
+
+    Both proofs cover the key id and both nonces under different labels, so neither
+    stands in for the other, and a proof seen on one connection proves nothing on
+    another. It authenticates; it does not encrypt.
+    """
+
+    KEY_LABEL = b"kvwarden tcp auth key v3"
+    ID_LABEL = b"kvwarden tcp key id"
+    SERVER_LABEL = b"kvwarden tcp server proof"
+    CLIENT_LABEL = b"kvwarden tcp client proof"
+
+    __slots__ = ("_key", "id")
+
+    def __init__(self, token: bytes) -> None:
+        self._key = _mac(bytes(token), self.KEY_LABEL)
+        #: Names the token without revealing it (16 bytes).
+        self.id = _mac(self._key, self.ID_LABEL)[:KEY_ID_BYTES]
+
+    def __repr__(self) -> str:  # the key is as good as the token: never in a log
+        return f"TcpKey(id={self.id.hex()})"
+
+    @property
+    def key(self) -> bytes:
+        """``HMAC-SHA256(token, "kvwarden tcp auth key v3")``: what both sides prove with."""
+        return self._key
+
+    def server_proof(self, client_nonce: bytes, server_nonce: bytes) -> bytes:
+        """What the server answers ``auth`` with."""
+        return _mac(self._key, self.SERVER_LABEL + self.id + client_nonce + server_nonce)
+
+    def client_proof(self, client_nonce: bytes, server_nonce: bytes) -> bytes:
+        """What the client says ``hello`` with."""
+        return _mac(self._key, self.CLIENT_LABEL + self.id + client_nonce + server_nonce)
+
+    def check_server(self, client_nonce: bytes, server_nonce: bytes, proof: bytes) -> bool:
+        """Whether ``proof`` is the server's for these nonces (in constant time)."""
+        return hmac.compare_digest(self.server_proof(client_nonce, server_nonce), proof)
 
 
 def parse_tcp_address(address: Union[str, Tuple[str, int]]) -> Tuple[str, int]:
@@ -287,8 +359,11 @@ class Connection:
     refuses it, hello goes without it.
 
     With ``tcp_address`` (``"host:port"`` or a pair) it connects over TCP instead: no
-    fds, no credential check, and ``hello`` carries the token read from
-    ``tcp_token_file`` (None: ``$KVWARDEN_TCP_TOKEN_FILE``) on every connect.
+    fds, no credential check; on every connect the server proves it holds the token
+    read from ``tcp_token_file`` (None: ``$KVWARDEN_TCP_TOKEN_FILE``), then this client
+    does in its ``hello`` (``auth``, :class:`TcpKey`): the token itself never travels.
+    A server that cannot prove it is sent nothing more and
+    :class:`~kvwarden.errors.UntrustedServer` is raised.
     """
 
     def __init__(
@@ -466,8 +541,8 @@ class Connection:
             if self.wait_seconds is not None:
                 options["wait_ms"] = max(int(self.wait_seconds * 1000), 1)
             if self.tcp_address is not None and self._token_file is not None:
-                # Read on every connect: a rotated file is picked up by the next one.
-                options["token"] = read_token_file(self._token_file, self._token_source)
+                # The server proves it holds the token first; the token never travels.
+                options["proof"] = self._auth(sock, deadline)
             pidfd = own_pidfd() if self.send_pidfd and self.tcp_address is None else None
             if pidfd is not None:
                 try:
@@ -487,11 +562,11 @@ class Connection:
                     reply = None
             if reply is None:
                 # After a refused pidfd: the hello a server from before the pidfd knows
-                # (such a server also predates `wait_ms`; the token stays for TCP).
+                # (such a server also predates `wait_ms`). Never over TCP: no pidfd there.
                 if pidfd is not None:
                     options.pop("wait_ms", None)
                 reply = self._hello(sock, [options] if options else [], [], deadline)
-        except KvwardenError:
+        except BaseException:  # a typed error, or a token file gone unreadable
             self._drop("hello failed")
             raise
         if not reply.ok:
@@ -616,9 +691,69 @@ class Connection:
                 f"{TCP_TOKEN_FILE_ENV}) to a file holding the token of its --tcp-token-file"
             )
         return (
-            f"; the token read from {self._token_file!r} ({self._token_source}) is not the "
-            f"one in the server's --tcp-token-file"
+            f"; the server refused this client's proof of the token read from "
+            f"{self._token_file!r} ({self._token_source}), after it proved it holds that "
+            f"token itself"
         )
+
+    def _auth(self, sock: socket.socket, deadline: float) -> bytes:
+        """``auth`` over TCP: the server proves it holds the token (read from the file
+        on every connect: a rotated file is picked up by the next one) for a fresh
+        nonce of ours; returns this client's proof for ``hello``. A server that cannot
+        prove it gets nothing more: the connection is dropped and
+        :class:`~kvwarden.errors.UntrustedServer` raised. The caller drops the
+        connection on any error raised here."""
+        assert self._token_file is not None
+        key = TcpKey(read_token_file(self._token_file, self._token_source))
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        request_id = self._take_id()
+        args = [{"id": key.id, "nonce": nonce}]
+        self._send(sock, encode_frame(request_id, "auth", args), (), deadline, "auth")
+        reply = self._read_reply(sock, request_id, deadline, "auth")
+        for fd in reply.fds:
+            _close_quietly(fd)
+        if not reply.ok:
+            self._drop("auth refused")
+            code, message = _error_fields(reply.value)
+            raise server_error(code, f"auth refused: {message}{self._auth_hint(code)}")
+        value = reply.value
+        server_nonce = value.get("nonce") if isinstance(value, dict) else None
+        proof = value.get("proof") if isinstance(value, dict) else None
+        if not (
+            isinstance(server_nonce, bytes)
+            and len(server_nonce) == NONCE_BYTES
+            and isinstance(proof, bytes)
+            and len(proof) == PROOF_BYTES
+        ):
+            why = f"`auth` answered {value!r:.200}, not {{nonce: bin 32, proof: bin 32}}"
+        elif not key.check_server(nonce, server_nonce, proof):
+            why = "its proof is wrong"
+        else:
+            return key.client_proof(nonce, server_nonce)
+        self._drop("the server could not prove it holds the token")
+        raise UntrustedServer(
+            f"refusing the server at {self.endpoint}: it could not prove it holds the token "
+            f"read from {self._token_file!r} ({self._token_source}) ({why}), so it is not "
+            f"the kvwarden server configured with that token: another process may be "
+            f"listening on this port. The token was not sent, nor anything after `auth`. "
+            f"Check the address, and that the server's --tcp-token-file holds the same "
+            f"token",
+            socket_path=self.endpoint,
+        )
+
+    def _auth_hint(self, code: str) -> str:
+        if code == "forbidden":
+            return (
+                f"; the token read from {self._token_file!r} ({self._token_source}) is not "
+                f"one the server accepts"
+            )
+        if code == "unknown_op":
+            return (
+                f"; the server is older than this client (protocol {PROTOCOL_VERSION}): "
+                f"protocol 2 takes the token in `hello`, which this client no longer sends "
+                f"(it proves it holds the token with `auth`); upgrade the server"
+            )
+        return ""
 
     def _hello(
         self, sock: socket.socket, options: List[Any], fds: Sequence[int], deadline: float
@@ -636,9 +771,7 @@ class Connection:
         the destination is the worker's again. Without it, the connection is dropped,
         which ends it too."""
         try:
-            reply = self._read_reply(
-                sock, request_id, time.monotonic() + WRITE_DRAIN_SECONDS, op
-            )
+            reply = self._read_reply(sock, request_id, time.monotonic() + WRITE_DRAIN_SECONDS, op)
         except RequestTimeout:
             self._drop(f"`{op}` timed out and its answer did not come")
             return

@@ -4,7 +4,7 @@ One :class:`Worker` per engine process (per GPU rank). Its instance id is drawn 
 fresh UUID, so a restarted process can never bind to a dead one's state on the server,
 together with a 32-byte secret (``secrets.token_bytes``): the worker ``attach``-es the
 pair on every connection before naming the instance, so only the holder of the secret
-can act as that instance (protocol 2). An id another process bound first (a squatter)
+can act as that instance (since protocol 2). An id another process bound first (a squatter)
 is answered ``forbidden``: the worker then draws a fresh id and secret, counts it
 (:attr:`Worker.identity_changes`) and re-registers under the new id.
 
@@ -66,7 +66,7 @@ from .heartbeat import (
     validate_interval,
 )
 from .outage import Outage
-from .wire import Args, Call, Connection, HelloInfo
+from .wire import PROTOCOL_VERSION, Args, Call, Connection, HelloInfo
 
 log = logging.getLogger("kvwarden")
 
@@ -147,9 +147,12 @@ class Worker:
 
     ``tcp_address`` (``"host:port"`` or a pair): talk to the server's ``--tcp``
     listener instead of the Unix socket (no memfd buffers, no engine-driven mode, no
-    process-exit proof). Its ``hello`` carries the token read from ``tcp_token_file``
-    (None: ``$KVWARDEN_TCP_TOKEN_FILE``), whitespace stripped: the content of the
-    server's ``--tcp-token-file``.
+    process-exit proof). ``tcp_token_file`` (None: ``$KVWARDEN_TCP_TOKEN_FILE``) holds
+    the token of the server's ``--tcp-token-file`` (surrounding whitespace stripped);
+    the token itself never travels: on every connect the server proves it holds it
+    (``auth``, a challenge on a fresh nonce), then the worker proves it in its
+    ``hello``. A server that cannot prove it is sent nothing more:
+    :class:`~kvwarden.errors.UntrustedServer`, naming the file.
     """
 
     def __init__(
@@ -664,7 +667,8 @@ class Worker:
                 server = self.server.server if self.server is not None else "?"
                 raise UnknownOp(
                     f"the server {server!r} at {self.endpoint} does not know `attach` "
-                    f"({error.message}): it speaks protocol 1 and this client protocol 2; "
+                    f"({error.message}): it speaks protocol 1 and this client protocol "
+                    f"{PROTOCOL_VERSION}; "
                     f"upgrade the server"
                 ) from error
             outcome = _outcome(value, "attach")

@@ -50,12 +50,15 @@ pub struct ServeArgs {
     socket_mode: u32,
     /// Also listen on TCP (e.g. 127.0.0.1:7070). TCP carries no fds and no proof of
     /// the peer's process: such workers are reaped by timeout only. Needs
-    /// --tcp-token-file: a TCP peer that does not present the token gets `forbidden`.
+    /// --tcp-token-file: a TCP peer that does not prove it holds the token gets
+    /// `forbidden`.
     #[arg(long, value_name = "ADDR", value_parser = parse_tcp)]
     tcp: Option<SocketAddr>,
-    /// The file holding the token every TCP worker presents in `hello` (whitespace
-    /// around it ignored; at least 16 bytes, e.g. `openssl rand -hex 32 > FILE`; keep
-    /// it mode 600). Its workers are tenant `tcp`, unless a --tenant names the file.
+    /// The file holding the token every TCP worker proves it holds (whitespace around
+    /// it ignored; at least 16 bytes, e.g. `openssl rand -hex 32 > FILE`; keep it mode
+    /// 600). The token never crosses the network: server and worker each prove they
+    /// hold it (docs/protocol.md, TCP auth). Its workers are tenant `tcp`, unless a
+    /// --tenant names the file.
     #[arg(long, value_name = "PATH")]
     tcp_token_file: Option<PathBuf>,
     /// A tenant: whose keys are one keyspace in L1 and L2 (by default each uid is a
@@ -559,12 +562,19 @@ fn trust_config(args: &ServeArgs) -> Result<TrustConfig, String> {
     if args.tcp.is_some() && !has_token {
         return Err(
             "--tcp needs --tcp-token-file PATH: TCP has no peer credentials, so every TCP \
-             worker presents a token (make one with `openssl rand -hex 32 > PATH; chmod 600 \
-             PATH`)"
+             worker proves it holds a token (make one with `openssl rand -hex 32 > PATH; \
+             chmod 600 PATH`)"
                 .into(),
         );
     }
-    let config = TrustConfig { tenants };
+    // A new secret for the TCP challenges' nonces at each start.
+    let mut nonce_secret = [0u8; 32];
+    getrandom::fill(&mut nonce_secret)
+        .map_err(|error| format!("no randomness for the TCP challenges' nonces: {error}"))?;
+    let config = TrustConfig {
+        tenants,
+        nonce_secret,
+    };
     kvwarden_core::node::trust::Trust::new(&config, rustix::process::getuid().as_raw())
         .map_err(|e| format!("invalid --tenant: {e}"))?;
     Ok(config)

@@ -1,9 +1,10 @@
 //! Who is who (rows 30–33): the reference model of the node's trust rules, and the
 //! invariant `non_owner_served`.
 //!
-//! Written from the protocol's rules (`docs/protocol.md`, wire protocol 2), not from the
+//! Written from the protocol's rules (`docs/protocol.md`, wire protocol 3), not from the
 //! node's code: a connection's peer is its uid (Unix socket) or nobody until a `hello`
-//! with the TCP token; an instance id is bound to the secret and the peer of the first
+//! whose proof answers the connection's one `auth` under the TCP token (the token itself
+//! never travels; a `hello` carrying one is refused); an instance id is bound to the secret and the peer of the first
 //! `attach` that claimed it, for as long as a connection that attached it is open or
 //! the instance holds an entry; a connection may name an instance only once it attached
 //! it; a tenant's keys are its own (`[len(name)] ++ name ++ key`, `uid-<uid>` by
@@ -19,6 +20,7 @@
 use super::Checker;
 use crate::violation::Class;
 use kvwarden_core::InstanceId;
+use kvwarden_core::protocol::tcp_auth::{Nonce, TcpKey};
 use kvwarden_core::protocol::{Answer, Op};
 use std::collections::BTreeSet;
 
@@ -44,6 +46,10 @@ struct Connection {
     /// Its tenant's key prefix, once it has an owner.
     prefix: Option<Vec<u8>>,
     attached: Vec<InstanceId>,
+    /// Whether it made its one `auth`.
+    challenged: bool,
+    /// Its answered `auth`'s nonces (the client's, the server's), until a `hello`.
+    challenge: Option<(Nonce, Nonce)>,
 }
 
 #[derive(Clone, Debug)]
@@ -97,10 +103,17 @@ pub enum Verdict {
         /// The secret.
         secret: Vec<u8>,
     },
-    /// A TCP `hello`: whether its token authenticates the connection.
+    /// A TCP `hello`: whether its proof authenticates the connection.
     Hello {
         /// It does.
         authenticates: bool,
+    },
+    /// An `auth`: whether it must be answered with a challenge.
+    Auth {
+        /// It must (a TCP connection's first `auth`, with the server's token's key id).
+        answered: bool,
+        /// The client's nonce.
+        client: Nonce,
     },
 }
 
@@ -190,6 +203,8 @@ impl Checker {
                 owner,
                 prefix,
                 attached: Vec::new(),
+                challenged: false,
+                challenge: None,
             },
         );
     }
@@ -235,12 +250,34 @@ impl Checker {
             return Verdict::Allowed; // a connection the node was never told of
         };
         let tcp = !matches!(connection.owner, Some(Owner::Uid(_)));
-        if let Op::Hello { token, .. } = op {
+        let key = self.trust.tcp_token.as_deref().map(TcpKey::from_token);
+        if let Op::Auth { id, nonce } = op {
+            let answered = tcp && !connection.challenged && key.is_some_and(|k| k.id() == *id);
+            return Verdict::Auth {
+                answered,
+                client: *nonce,
+            };
+        }
+        if let Op::Hello { token, proof, .. } = op {
             if !tcp {
                 return Verdict::Allowed;
             }
-            let authenticates = self.trust.tcp_token.is_some() && *token == self.trust.tcp_token;
-            return Verdict::Hello { authenticates };
+            let (owned, challenge) = (connection.owner.is_some(), connection.challenge);
+            let proven = match (proof, challenge, &key) {
+                // A later `hello` of a connection that proved its token already.
+                (None, _, _) => owned,
+                (Some(proof), Some((client, server)), Some(key)) => {
+                    key.check_client(&client, &server, proof)
+                }
+                _ => false,
+            };
+            // Whatever it says, a `hello` ends the connection's challenge.
+            if let Some(connection) = self.trust.connections.get_mut(&conn) {
+                connection.challenge = None;
+            }
+            return Verdict::Hello {
+                authenticates: token.is_none() && proven,
+            };
         }
         let Some(owner) = connection.owner.clone() else {
             return Verdict::Refused("a TCP peer that has not authenticated");
@@ -383,6 +420,47 @@ impl Checker {
                 }
                 if matches!(expect, AttachExpect::Claimed | AttachExpect::Proven) {
                     self.attached(conn, *instance, secret);
+                }
+                false
+            }
+            Verdict::Auth { answered, client } => {
+                let tcp = self
+                    .trust
+                    .connections
+                    .get(&conn)
+                    .is_some_and(|c| !matches!(c.owner, Some(Owner::Uid(_))));
+                if let Some(connection) = self.trust.connections.get_mut(&conn)
+                    && tcp
+                {
+                    connection.challenged = true;
+                }
+                let challenge = match reply {
+                    Some(Ok(Answer::Challenge(challenge))) => Some(*challenge),
+                    _ => None,
+                };
+                if challenge.is_some() != *answered {
+                    self.diverged(format!(
+                        "an `auth` was answered {reply:?}; the reference model expects {}",
+                        if *answered {
+                            "a challenge (a TCP connection's first, with the token's key id)"
+                        } else {
+                            "a refusal"
+                        }
+                    ));
+                    return false;
+                }
+                if let (Some(challenge), Some(token)) = (challenge, &self.trust.tcp_token) {
+                    let key = TcpKey::from_token(token);
+                    if !key.check_server(client, &challenge.nonce, &challenge.proof) {
+                        self.diverged(
+                            "the server's proof in an `auth` answer does not check with its \
+                             own token"
+                                .to_string(),
+                        );
+                    }
+                    if let Some(connection) = self.trust.connections.get_mut(&conn) {
+                        connection.challenge = Some((*client, challenge.nonce));
+                    }
                 }
                 false
             }

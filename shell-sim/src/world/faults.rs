@@ -404,14 +404,41 @@ impl World {
         let incarnation = self.tcp_probes;
         let mut known: Vec<InstanceId> = self.seen_ids.iter().copied().collect();
         known.truncate(MAX_IMPERSONATED);
-        let mut ops = vec![Op::Hello {
+        // `auth` (not with a missing token), then `hello` with the proof: the right
+        // token's proof for the nonce the server's next challenge will carry, a wrong
+        // one's a guess.
+        let mut ops = Vec::new();
+        let mut proof = None;
+        if let Some(token) = &token {
+            use kvwarden_core::protocol::tcp_auth::{TcpKey, server_nonce};
+            let key = TcpKey::from_token(token);
+            let mut client = [0u8; 32];
+            client.copy_from_slice(&self.wrong_secret());
+            ops.push(Op::Auth {
+                id: key.id(),
+                nonce: client,
+            });
+            let boot = self.server.boot;
+            if self.tcp_challenges.0 != boot {
+                self.tcp_challenges = (boot, 0);
+            }
+            if Some(token) == self.cfg.server.tcp_token.as_ref() {
+                let server = server_nonce(&crate::config::SIM_NONCE_SECRET, self.tcp_challenges.1);
+                self.tcp_challenges.1 += 1;
+                proof = Some(key.client_proof(&client, &server).to_vec());
+            } else {
+                proof = Some(self.wrong_secret());
+            }
+        }
+        ops.push(Op::Hello {
             protocol: kvwarden_core::protocol::PROTOCOL_VERSION,
             client: "tcp-probe".to_string(),
             pidfd_index: None,
             sends_fds: false,
-            token,
+            token: None,
+            proof,
             wait_ms: None,
-        }];
+        });
         let mut keys = Vec::new();
         for worker in self.workers.iter().flatten() {
             keys.extend(worker.recent_keys().into_iter().take(1));

@@ -33,6 +33,7 @@ impl Server {
             pidfd_index,
             sends_fds,
             token: _,
+            proof: _,
             wait_ms: _,
         } = request.op
         {
