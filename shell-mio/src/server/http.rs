@@ -163,7 +163,8 @@ pub struct HttpConnection {
     /// A response was queued.
     pub answered: bool,
     /// When it was accepted: a request must be read and answered within the frame
-    /// timeout of this, and a full listener closes the oldest first.
+    /// timeout of this, and a full listener closes the oldest of a kind first
+    /// ([`HttpConnection::pending_rank`]).
     pub accepted: std::time::Instant,
 }
 
@@ -199,6 +200,18 @@ impl HttpConnection {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e),
             }
+        }
+    }
+
+    /// Which a full listener closes first (lowest first): 0 sent nothing, 1 answered
+    /// but its peer does not read the answer, 2 part of a request pending.
+    pub fn pending_rank(&self) -> u8 {
+        if self.answered {
+            1
+        } else if self.input.is_empty() {
+            0
+        } else {
+            2
         }
     }
 

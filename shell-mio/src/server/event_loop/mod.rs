@@ -70,6 +70,8 @@ const FRAMES_PER_TURN: usize = 256;
 const MAX_DEFERRED_TURNS: u32 = 64;
 /// HTTP connections held at once.
 const MAX_HTTP_CONNECTIONS: usize = 64;
+/// At most one "HTTP listener full" WARNING this often (each says how many were closed).
+const HTTP_FULL_LOG_EVERY: Duration = Duration::from_secs(10);
 /// How often connections are checked against the frame timeout (its resolution).
 const SWEEP_EVERY: Duration = Duration::from_millis(500);
 
@@ -147,6 +149,9 @@ pub struct Server {
     signals: mio::net::UnixStream,
     connections: HashMap<Token, Connection>,
     http_connections: HashMap<Token, HttpConnection>,
+    /// Connections a full HTTP listener closed since its last WARNING, and when that was.
+    http_full_unlogged: u64,
+    http_full_logged_at: Option<std::time::Instant>,
     dirty: HashSet<Token>,
     read_again: HashSet<Token>,
     /// Reused lists of tokens taken out of `dirty` and `read_again` each turn, so that
@@ -413,6 +418,8 @@ impl Server {
             signals,
             connections: HashMap::default(),
             http_connections: HashMap::default(),
+            http_full_unlogged: 0,
+            http_full_logged_at: None,
             dirty: HashSet::default(),
             read_again: HashSet::default(),
             flushing: Vec::new(),

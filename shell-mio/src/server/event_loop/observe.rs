@@ -20,21 +20,7 @@ impl Server {
             match listener.accept() {
                 Ok((mut stream, _)) => {
                     if self.http_connections.len() >= MAX_HTTP_CONNECTIONS {
-                        // Full: the oldest goes, never the newcomer, so that idle or
-                        // slow connections cannot keep /healthz from answering (row 42).
-                        let oldest = self
-                            .http_connections
-                            .iter()
-                            .min_by_key(|(_, connection)| connection.accepted)
-                            .map(|(token, _)| *token);
-                        if let Some(oldest) = oldest {
-                            tracing::warn!(
-                                max_http_connections = MAX_HTTP_CONNECTIONS,
-                                "HTTP listener full: closing its oldest connection"
-                            );
-                            self.cut("http", "listener_full");
-                            self.close_http(oldest);
-                        }
+                        self.make_room_for_http();
                     }
                     let token = self.token();
                     let interest = Interest::READABLE | Interest::WRITABLE;
@@ -54,6 +40,48 @@ impl Server {
                     return;
                 }
             }
+        }
+    }
+
+    /// A full HTTP listener and a new connection (rows 42 and 66): first every request
+    /// that has arrived is read and answered (a probe's request waiting in the kernel
+    /// is served, not closed); then, if still full, one connection goes, never the
+    /// newcomer: one that sent nothing before one whose answer its peer does not read,
+    /// before one with part of a request pending, the oldest first within each.
+    /// Counted in `kvwarden_connections_cut_total{transport="http",
+    /// reason="listener_full"}`; the WARNING is at most one per 10 s, with the count.
+    fn make_room_for_http(&mut self) {
+        let tokens: Vec<Token> = self.http_connections.keys().copied().collect();
+        for token in tokens {
+            self.on_http(token);
+        }
+        if self.http_connections.len() < MAX_HTTP_CONNECTIONS {
+            return;
+        }
+        let victim = self
+            .http_connections
+            .iter()
+            .min_by_key(|(_, connection)| (connection.pending_rank(), connection.accepted))
+            .map(|(token, _)| *token);
+        let Some(victim) = victim else {
+            return;
+        };
+        self.cut("http", "listener_full");
+        self.close_http(victim);
+        self.http_full_unlogged += 1;
+        let now = std::time::Instant::now();
+        if self
+            .http_full_logged_at
+            .is_none_or(|at| now.duration_since(at) >= HTTP_FULL_LOG_EVERY)
+        {
+            tracing::warn!(
+                max_http_connections = MAX_HTTP_CONNECTIONS,
+                closed = self.http_full_unlogged,
+                "HTTP listener full: closed connections that had sent no request (or the \
+                 oldest pending) to make room; repeated at most every 10 s"
+            );
+            self.http_full_unlogged = 0;
+            self.http_full_logged_at = Some(now);
         }
     }
 
