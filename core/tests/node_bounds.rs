@@ -3,7 +3,7 @@
 
 mod support;
 
-use kvwarden_core::node::admission::{Admission, ConnectionLimits, Refused};
+use kvwarden_core::node::admission::{Admission, ConnectionLimits, Holder, Refused};
 use kvwarden_core::node::blend::{MAX_TABLE_BYTES, MAX_TENANT_BYTES, MAX_TOTAL_BYTES};
 use kvwarden_core::node::{ConnId, Input, MAX_IN_FLIGHT_PER_CONNECTION, Output, Transport};
 use kvwarden_core::node::{Job, PeerAction};
@@ -142,7 +142,7 @@ fn row_44_a_uid_stops_at_its_share_of_the_connections() {
     let mut admission = Admission::new(ConnectionLimits::new(8, None, None));
     for _ in 0..6 {
         assert_eq!(admission.admits(Some(1001)), Ok(()));
-        admission.connected(Some(1001));
+        admission.connected(Holder::Uid(1001));
     }
     assert!(matches!(
         admission.admits(Some(1001)),
@@ -152,6 +152,54 @@ fn row_44_a_uid_stops_at_its_share_of_the_connections() {
         admission.admits(Some(0)),
         Ok(()),
         "the control: another uid"
+    );
+}
+
+/// Row 67: TCP peers that have not authenticated hold an eighth of the bound together
+/// (5 of 40): a sixth has the oldest closed, never itself, so a flood of them can keep
+/// neither a worker about to prove its token nor any uid out; a peer that proves its
+/// token leaves their share for its tenant's.
+#[test]
+fn row_67_tokenless_tcp_peers_hold_only_their_share() {
+    let limits = ConnectionLimits::new(40, None, None);
+    let mut h = Harness::with_limits(4, None, limits);
+    let tcp = |h: &mut Harness, conn| {
+        assert_eq!(h.node.admits(None), Ok(()));
+        h.input(Input::Connected {
+            conn,
+            uid: None,
+            transport: Transport::Tcp,
+            process: None,
+        });
+    };
+    for conn in 2..7 {
+        tcp(&mut h, ConnId(conn));
+    }
+    assert!(disconnects(&mut h).is_empty(), "within their share");
+    tcp(&mut h, ConnId(7));
+    assert_eq!(
+        disconnects(&mut h),
+        vec![ConnId(2)],
+        "the oldest makes room"
+    );
+    h.input(Input::Disconnected { conn: ConnId(2) });
+    assert_eq!(h.node.admits(Some(1001)), Ok(()), "the control: a uid");
+    // The newest proves the token: it stays, and leaves the strangers' share.
+    let proof = h.tcp_proof(ConnId(7), TCP_TOKEN);
+    let welcome = h.send_raw(ConnId(7), hello(proof), 0);
+    assert!(h.reply(welcome).is_some_and(|reply| reply.is_ok()));
+    tcp(&mut h, ConnId(8));
+    assert!(
+        disconnects(&mut h).is_empty(),
+        "a stranger's place came free"
+    );
+    // One mid-handshake (its `auth` answered) goes after the others.
+    h.tcp_proof(ConnId(3), TCP_TOKEN).expect("challenged");
+    tcp(&mut h, ConnId(9));
+    assert_eq!(
+        disconnects(&mut h),
+        vec![ConnId(4)],
+        "not the one mid-handshake"
     );
 }
 

@@ -323,8 +323,9 @@ fn row_43_fds_sent_inside_frames_that_never_complete_are_bounded_and_workers_are
 
 /// Row 44: one uid cannot take every connection. Uid 1001 opens as many Unix
 /// connections as `--max-connections` allows and is stopped at its share (three
-/// quarters), while root's worker still connects and is served; TCP peers together are
-/// one uid and are stopped the same way.
+/// quarters), while root's worker still connects and is served; TCP peers that have not
+/// authenticated are stopped at an eighth together (row 67), and a TCP tenant at its
+/// share like a uid.
 #[test]
 fn row_44_one_uid_cannot_take_every_connection() {
     let dir = TempDir::new("row44-share");
@@ -417,9 +418,11 @@ fn row_44_one_uid_cannot_take_every_connection() {
     );
     assert_eq!(cut_total(&server, "tcp", "unauthenticated"), 1);
 
-    // TCP peers together: 12 connections, each a well-formed `auth` with the token's id.
+    // Row 67: TCP peers that have not authenticated hold an eighth of the bound
+    // together (1 of 12): each new one has the oldest closed, so all 12 are answered
+    // and 11 are closed for the next.
     let mut answered = 0;
-    let mut streams = Vec::new();
+    let mut strangers = Vec::new();
     for id in 0..12u64 {
         let mut stream = TcpStream::connect(tcp).expect("connecting over TCP");
         stream
@@ -430,12 +433,146 @@ fn row_44_one_uid_cannot_take_every_connection() {
         if stream.read_exact(&mut prefix).is_ok() {
             answered += 1;
         }
-        streams.push(stream);
+        strangers.push(stream);
     }
-    // Root holds 2 now; TCP may take its share of 9, the bound leaves it 10.
-    assert_eq!(answered, 9, "TCP peers together stop at their share");
+    assert_eq!(answered, 12, "each newcomer is answered");
+    wait_for("11 strangers closed for the next", PATIENCE, || {
+        (cut_total(&server, "tcp", "stranger_share") >= 11).then_some(())
+    });
+    drop(strangers);
+    // Peers that prove the token: each leaves the strangers' share for the tenant's.
+    // Root holds 2 now; the tenant may take its share of 9, the bound leaves it 10.
+    let mut workers = Vec::new();
+    for _ in 0..12 {
+        if let Some(stream) = wait_for_handshake(tcp, TCP_TOKEN) {
+            workers.push(stream);
+        }
+    }
+    assert_eq!(workers.len(), 9, "a TCP tenant stops at its share");
     assert!(served(&mut another), "and root is still served");
     assert!(served(&mut root));
+}
+
+/// Row 67 (issue 51, attack 1): a process of another uid holds 30 TCP connections that
+/// never authenticate, reopening each as soon as the server closes it, against
+/// `--max-connections 40`. Before, TCP peers together held three quarters of the bound,
+/// and such a flood left a worker with the right token 0 of 50 hellos. Now strangers
+/// hold an eighth together and each newcomer has the oldest closed (one mid-handshake
+/// last), and TCP connections are accepted one a turn, after the turn's reads: the
+/// worker connects, proves its token and pings, 10 times of 10 (within 3 tries each;
+/// before, 0 of 10). Control: the same 10 without the flood.
+#[test]
+fn row_67_tokenless_tcp_connections_never_lock_out_a_worker_with_the_token() {
+    use kvwarden::client::{Client, ClientConfig, Endpoint};
+    let dir = TempDir::new("row67-tcp-flood");
+    let server = Server::start(&dir, &["--max-connections", "40", "--tcp", "127.0.0.1:0"]);
+    let tcp = server.tcp.expect("TCP on");
+    let token =
+        ClientConfig::read_tcp_token_file(&server.tcp_token_file.clone().expect("the token file"))
+            .expect("the token");
+    // A worker connects, proves the token and pings; as the clients do, it tries a
+    // connection that broke again (at most 3 times here): a worker starved of the CPU
+    // between its connect and its `auth` looks like a stranger for that long.
+    let worker = || {
+        (0..3).any(|_| {
+            let mut config = ClientConfig::new(Endpoint::Tcp(tcp));
+            config.tcp_token = Some(token.clone());
+            let Ok(client) = Client::connect(config) else {
+                return false;
+            };
+            let served = matches!(
+                client.call("ping", vec![Value::Nil]),
+                Ok(Value::Boolean(true))
+            );
+            let _ = client.shutdown();
+            served
+        })
+    };
+    // Control.
+    assert_eq!((0..10).filter(|_| worker()).count(), 10, "the control");
+
+    let stop = dir.path().join("stop");
+    let stop_flag = stop.clone();
+    let mut flooder = fork_as_uid(ALICE, move |parent| {
+        let mut held = std::collections::VecDeque::new();
+        let mut opened = 0u64;
+        let mut said = false;
+        while !stop_flag.exists() {
+            // Keep 30 open: reopen what the server closed.
+            held.retain(|stream: &TcpStream| {
+                let mut byte = [0u8; 1];
+                let _ = stream.set_nonblocking(true);
+                !matches!((&*stream).read(&mut byte), Ok(0))
+            });
+            while held.len() < 30 {
+                match TcpStream::connect(tcp) {
+                    Ok(stream) => {
+                        held.push_back(stream);
+                        opened += 1;
+                    }
+                    Err(_) => break,
+                }
+            }
+            if opened >= 60 && !said {
+                parent.send(json!("flooding"));
+                said = true;
+            }
+        }
+        json!(opened)
+    });
+    assert_eq!(flooder.recv("the flood started"), json!("flooding"));
+    let served = (0..10).filter(|_| worker()).count();
+    std::fs::write(&stop, b"").unwrap();
+    let opened = flooder.finish("the flooder");
+    assert!(opened.as_u64().unwrap_or(0) >= 60, "it flooded: {opened}");
+    assert_eq!(served, 10, "the worker with the token, under the flood");
+    assert!(
+        cut_total(&server, "tcp", "stranger_share") > 0,
+        "strangers made room"
+    );
+}
+
+/// The whole TCP handshake with `token` on a new connection (retried while a
+/// stranger's place is still held by a connection the server has not seen close):
+/// the connection once its `hello` is accepted, None when it is refused.
+fn wait_for_handshake(address: std::net::SocketAddr, token: &str) -> Option<TcpStream> {
+    use kvwarden_core::protocol::tcp_auth::TcpKey;
+    use kvwarden_core::protocol::{Challenge, ReplyValue, decode_reply};
+    let key = TcpKey::from_token(token.as_bytes());
+    let call = |stream: &mut TcpStream, id: u64, op: &str, args: Vec<Value>| {
+        stream.write_all(&encode_request(id, op, args)).ok()?;
+        let mut prefix = [0u8; 4];
+        stream.read_exact(&mut prefix).ok()?;
+        let mut body = vec![0u8; u32::from_be_bytes(prefix) as usize];
+        stream.read_exact(&mut body).ok()?;
+        decode_reply(&body).ok()?.result.ok()
+    };
+    for _ in 0..50 {
+        let mut stream = TcpStream::connect(address).expect("connecting over TCP");
+        stream.set_read_timeout(Some(PATIENCE)).unwrap();
+        let nonce = [3u8; 32];
+        let args = vec![Value::Map(vec![
+            ("id".into(), Value::Binary(key.id().to_vec())),
+            ("nonce".into(), Value::Binary(nonce.to_vec())),
+        ])];
+        let Some(answer) = call(&mut stream, 1, "auth", args) else {
+            std::thread::sleep(Duration::from_millis(20)); // a stranger's place
+            continue;
+        };
+        let challenge = Challenge::from_value(&answer).expect("a challenge");
+        assert!(key.check_server(&nonce, &challenge.nonce, &challenge.proof));
+        let proof = key.client_proof(&nonce, &challenge.nonce).to_vec();
+        let options = Value::Map(vec![("proof".into(), Value::Binary(proof))]);
+        let version = kvwarden_core::protocol::PROTOCOL_VERSION.into();
+        return call(
+            &mut stream,
+            2,
+            "hello",
+            vec![version, "test".into(), options],
+        )
+        .map(|_| stream);
+    }
+    panic!("no stranger's place came free in 50 tries");
 }
 
 // ------------------------------------------------------------------ row 46

@@ -1,7 +1,10 @@
 //! Who may open one more connection: the node-wide bound (`--max-connections`) and each
-//! uid's share of it (`--max-connections-per-uid`), so that one uid — or all TCP peers
-//! together, who have no uid — cannot take every connection and lock the others out
-//! (failure mode 44).
+//! holder's share of it, so that no one holder can take every connection and lock the
+//! others out (failure mode 44). A holder is a uid (Unix peers), a TCP tenant (peers
+//! that proved its token), or all TCP peers that have not authenticated yet together
+//! ("strangers"): a uid and a TCP tenant hold at most `--max-connections-per-uid`,
+//! strangers at most an eighth of the bound, so that tokenless peers cannot take the
+//! places of the workers that hold a token (row 67).
 
 use super::ConnId;
 use crate::Instant;
@@ -14,8 +17,10 @@ use thiserror::Error;
 pub struct ConnectionLimits {
     /// Connections held at once, all peers together.
     pub max: usize,
-    /// Connections one uid holds at once (TCP peers count as one uid).
+    /// Connections one uid, or one TCP tenant, holds at once.
     pub per_uid: usize,
+    /// Connections TCP peers that have not authenticated hold at once, all together.
+    pub per_stranger: usize,
     /// How long a TCP peer may stay connected without presenting a token (None: for
     /// ever). Past it the node asks the shell to close the connection: an unauthenticated
     /// peer that sent one frame and went quiet would otherwise hold one of the TCP
@@ -36,6 +41,7 @@ impl ConnectionLimits {
         ConnectionLimits {
             max,
             per_uid,
+            per_stranger: (max / 8).max(1),
             unauthenticated_timeout,
         }
     }
@@ -45,6 +51,7 @@ impl ConnectionLimits {
         ConnectionLimits {
             max: usize::MAX,
             per_uid: usize::MAX,
+            per_stranger: usize::MAX,
             unauthenticated_timeout: None,
         }
     }
@@ -71,14 +78,55 @@ pub enum Refused {
         /// The share.
         per_uid: usize,
     },
+    /// TCP peers that have not authenticated hold their whole share.
+    #[error(
+        "TCP peers that have not authenticated hold their share already ({per_stranger}, \
+         an eighth of --max-connections); the places of authenticated workers and of \
+         every uid stay theirs"
+    )]
+    StrangerShare {
+        /// The share.
+        per_stranger: usize,
+    },
+    /// A TCP tenant holds its whole share (refused at its `hello`).
+    #[error(
+        "TCP tenant #{tenant} already holds --max-connections-per-uid {per_uid} \
+         connections"
+    )]
+    TenantShare {
+        /// The tenant's index.
+        tenant: u32,
+        /// The share.
+        per_uid: usize,
+    },
+}
+
+/// Who holds a connection's place.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Holder {
+    /// A Unix peer's uid.
+    Uid(u32),
+    /// TCP peers that have not authenticated, all together.
+    Stranger,
+    /// TCP peers that proved this tenant's token.
+    Tenant(u32),
+}
+
+impl Holder {
+    /// A new connection's holder: its uid, or (TCP) a stranger until it authenticates.
+    pub fn of(uid: Option<u32>) -> Holder {
+        uid.map_or(Holder::Stranger, Holder::Uid)
+    }
 }
 
 impl Refused {
-    /// Its name in metrics and logs: `max_connections` or `uid_share`.
+    /// Its name in metrics and logs: `max_connections`, `uid_share` (a TCP tenant's
+    /// too) or `stranger_share`.
     pub fn label(self) -> &'static str {
         match self {
             Refused::Full { .. } => "max_connections",
-            Refused::UidShare { .. } => "uid_share",
+            Refused::UidShare { .. } | Refused::TenantShare { .. } => "uid_share",
+            Refused::StrangerShare { .. } => "stranger_share",
         }
     }
 }
@@ -89,9 +137,13 @@ impl Refused {
 pub struct Admission {
     limits: ConnectionLimits,
     total: usize,
-    by_uid: HashMap<Option<u32>, usize>,
+    by_holder: HashMap<Holder, usize>,
     /// (deadline, connection) of TCP peers connected with a deadline to authenticate.
     token_deadlines: BTreeSet<(Instant, ConnId)>,
+    /// Strangers still connected, oldest first, and those asked to close past their
+    /// share (they still count until they are gone).
+    strangers: std::collections::VecDeque<ConnId>,
+    evicted: BTreeSet<ConnId>,
 }
 
 impl Admission {
@@ -100,8 +152,10 @@ impl Admission {
         Admission {
             limits,
             total: 0,
-            by_uid: HashMap::new(),
+            by_holder: HashMap::new(),
             token_deadlines: BTreeSet::new(),
+            strangers: std::collections::VecDeque::new(),
+            evicted: BTreeSet::new(),
         }
     }
 
@@ -112,7 +166,19 @@ impl Admission {
                 max: self.limits.max,
             });
         }
-        if self.by_uid.get(&uid).copied().unwrap_or(0) >= self.limits.per_uid {
+        let holder = Holder::of(uid);
+        let held = self.held(holder);
+        if holder == Holder::Stranger {
+            // Past their share the oldest stranger makes room ([`Self::stranger_arrived`]);
+            // only strangers already asked to close and not yet gone refuse a newcomer.
+            if self.evicted.len() >= self.limits.per_stranger {
+                return Err(Refused::StrangerShare {
+                    per_stranger: self.limits.per_stranger,
+                });
+            }
+            return Ok(());
+        }
+        if held >= self.limits.per_uid {
             return Err(Refused::UidShare {
                 uid,
                 per_uid: self.limits.per_uid,
@@ -121,21 +187,78 @@ impl Admission {
         Ok(())
     }
 
-    /// A connection of `uid` was opened.
-    pub fn connected(&mut self, uid: Option<u32>) {
-        self.total += 1;
-        *self.by_uid.entry(uid).or_insert(0) += 1;
+    fn held(&self, holder: Holder) -> usize {
+        self.by_holder.get(&holder).copied().unwrap_or(0)
     }
 
-    /// A connection of `uid` closed.
-    pub fn disconnected(&mut self, uid: Option<u32>) {
+    /// A connection of `holder` was opened.
+    pub fn connected(&mut self, holder: Holder) {
+        self.total += 1;
+        *self.by_holder.entry(holder).or_insert(0) += 1;
+    }
+
+    /// A connection of `holder` closed.
+    pub fn disconnected(&mut self, holder: Holder) {
         self.total = self.total.saturating_sub(1);
-        if let Some(count) = self.by_uid.get_mut(&uid) {
+        self.release(holder);
+    }
+
+    fn release(&mut self, holder: Holder) {
+        if let Some(count) = self.by_holder.get_mut(&holder) {
             *count -= 1;
             if *count == 0 {
-                self.by_uid.remove(&uid);
+                self.by_holder.remove(&holder);
             }
         }
+    }
+
+    /// A stranger `conn` connected: when strangers hold more than their share, the one
+    /// to ask the shell to close: the oldest (never `conn`) for which `spare` is true,
+    /// else the oldest.
+    pub fn stranger_arrived(
+        &mut self,
+        conn: ConnId,
+        spare: impl Fn(ConnId) -> bool,
+    ) -> Option<ConnId> {
+        self.strangers.push_back(conn);
+        if self.strangers.len() - self.evicted.len() <= self.limits.per_stranger {
+            return None;
+        }
+        let candidates = || {
+            self.strangers
+                .iter()
+                .copied()
+                .filter(|stranger| !self.evicted.contains(stranger) && *stranger != conn)
+        };
+        let victim = candidates()
+            .find(|&stranger| !spare(stranger))
+            .or_else(|| candidates().next())?;
+        self.evicted.insert(victim);
+        Some(victim)
+    }
+
+    /// A stranger closed, or authenticated.
+    pub fn stranger_left(&mut self, conn: ConnId) {
+        if let Some(position) = self.strangers.iter().position(|&s| s == conn) {
+            self.strangers.remove(position);
+        }
+        self.evicted.remove(&conn);
+    }
+
+    /// A stranger proved `tenant`'s token: its place moves to that tenant's share, or,
+    /// when the tenant holds its whole share already, it stays a stranger (refused).
+    pub fn authenticated(&mut self, conn: ConnId, tenant: u32) -> Result<Holder, Refused> {
+        let holder = Holder::Tenant(tenant);
+        if self.held(holder) >= self.limits.per_uid {
+            return Err(Refused::TenantShare {
+                tenant,
+                per_uid: self.limits.per_uid,
+            });
+        }
+        self.stranger_left(conn);
+        self.release(Holder::Stranger);
+        *self.by_holder.entry(holder).or_insert(0) += 1;
+        Ok(holder)
     }
 
     /// A TCP peer connected at `now`: the deadline by which it must present a token,
@@ -192,28 +315,70 @@ mod tests {
     #[test]
     fn one_uid_stops_at_its_share_and_others_still_connect_up_to_the_bound() {
         let mut admission = Admission::new(ConnectionLimits::new(20, None, None));
-        // TCP peers (no uid) take their 15 ...
+        // A uid takes its 15 ...
         for _ in 0..15 {
-            assert_eq!(admission.admits(None), Ok(()));
-            admission.connected(None);
+            assert_eq!(admission.admits(Some(7)), Ok(()));
+            admission.connected(Holder::Uid(7));
         }
         // ... and no more,
         assert_eq!(
-            admission.admits(None),
+            admission.admits(Some(7)),
             Err(Refused::UidShare {
-                uid: None,
+                uid: Some(7),
                 per_uid: 15
             })
         );
         // while a Unix worker of another uid still connects, up to the bound.
         for _ in 0..5 {
             assert_eq!(admission.admits(Some(1000)), Ok(()));
-            admission.connected(Some(1000));
+            admission.connected(Holder::Uid(1000));
         }
         assert_eq!(admission.admits(Some(1001)), Err(Refused::Full { max: 20 }));
         // A closed connection gives its place back to its uid.
-        admission.disconnected(None);
-        assert_eq!(admission.admits(None), Ok(()));
+        admission.disconnected(Holder::Uid(7));
+        assert_eq!(admission.admits(Some(7)), Ok(()));
         assert_eq!(admission.admits(Some(1001)), Ok(()));
+    }
+
+    /// Row 67: tokenless TCP peers hold an eighth of the bound together: past it the
+    /// oldest makes room for a newcomer (which may be a worker about to authenticate);
+    /// a peer that authenticates moves to its tenant's share.
+    #[test]
+    fn strangers_keep_to_their_share_and_authenticated_peers_leave_it() {
+        let mut admission = Admission::new(ConnectionLimits::new(40, None, None));
+        let arrive = |admission: &mut Admission, conn: u64| {
+            assert_eq!(admission.admits(None), Ok(()));
+            admission.connected(Holder::Stranger);
+            admission.stranger_arrived(ConnId(conn), |_| false)
+        };
+        for conn in 0..5 {
+            assert_eq!(arrive(&mut admission, conn), None);
+        }
+        // The sixth: the oldest goes, never the newcomer; then the next oldest.
+        assert_eq!(arrive(&mut admission, 5), Some(ConnId(0)));
+        assert_eq!(arrive(&mut admission, 6), Some(ConnId(1)));
+        admission.disconnected(Holder::Stranger);
+        admission.stranger_left(ConnId(0));
+        // A Unix uid still connects (the control).
+        assert_eq!(admission.admits(Some(1000)), Ok(()));
+        // One proves a token: it leaves the strangers' share.
+        assert_eq!(admission.authenticated(ConnId(6), 0), Ok(Holder::Tenant(0)));
+        assert_eq!(admission.held(Holder::Tenant(0)), 1);
+        // A tenant at its share stays a stranger.
+        for conn in 10..39 {
+            arrive(&mut admission, conn);
+            assert_eq!(
+                admission.authenticated(ConnId(conn), 0),
+                Ok(Holder::Tenant(0))
+            );
+        }
+        arrive(&mut admission, 39);
+        assert_eq!(
+            admission.authenticated(ConnId(39), 0),
+            Err(Refused::TenantShare {
+                tenant: 0,
+                per_uid: 30
+            })
+        );
     }
 }

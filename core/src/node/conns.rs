@@ -20,6 +20,9 @@ pub(super) struct Conn {
     /// How long its client waits for a reply (`hello`'s `wait_ms`): the deadline of
     /// each request that writes into the worker's memory.
     pub(super) wait: Option<Duration>,
+    /// Whose share of the connections it holds (a TCP peer moves from the strangers'
+    /// to its tenant's when it authenticates).
+    pub(super) holder: admission::Holder,
 }
 
 impl Node {
@@ -38,11 +41,29 @@ impl Node {
             self.disconnected(conn);
         }
         let peer = self.trust.connect(uid);
-        self.admission.connected(uid);
+        let holder = admission::Holder::of(uid);
+        self.admission.connected(holder);
         let token_deadline = match transport {
             Transport::Tcp => self.admission.awaiting_token(conn, now),
             Transport::Unix => None,
         };
+        // Strangers (TCP peers that have not authenticated) hold their share together:
+        // past it the oldest makes room for the newcomer, which may be a worker about to
+        // prove its token (row 67).
+        // Those already answering a challenge (a worker mid-handshake) go last.
+        let conns = &self.conns;
+        let challenged = |c: ConnId| conns.get(&c).is_some_and(|c| c.peer.has_challenge());
+        if holder == admission::Holder::Stranger
+            && let Some(oldest) = self.admission.stranger_arrived(conn, challenged)
+        {
+            self.outputs.push_back(Output::Peer(PeerAction::Disconnect {
+                conn: oldest,
+                why: "a TCP peer that has not authenticated (the oldest, one answering a \
+                      challenge last) makes room for a new one (their share, an eighth of \
+                      --max-connections, is full)",
+                reason: "stranger_share",
+            }));
+        }
         self.conns.insert(
             conn,
             Conn {
@@ -54,6 +75,7 @@ impl Node {
                 sends_fds: transport == Transport::Unix,
                 token_deadline,
                 wait: None,
+                holder,
             },
         );
     }
@@ -71,7 +93,10 @@ impl Node {
         let Some(connection) = self.conns.remove(&conn) else {
             return;
         };
-        self.admission.disconnected(connection.uid);
+        self.admission.disconnected(connection.holder);
+        if connection.holder == admission::Holder::Stranger {
+            self.admission.stranger_left(conn);
+        }
         if let Some(deadline) = connection.token_deadline {
             self.admission.forget_deadline(conn, deadline);
         }
@@ -99,8 +124,9 @@ impl Node {
             if connection.peer.tenant().is_none() {
                 self.outputs.push_back(Output::Peer(PeerAction::Disconnect {
                     conn,
-                    why: "a TCP peer did not present the server's token within \
+                    why: "a TCP peer did not prove it holds the server's token within \
                           --frame-timeout-seconds of connecting",
+                    reason: "unauthenticated",
                 }));
             }
         }

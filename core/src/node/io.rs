@@ -348,6 +348,10 @@ pub enum PeerAction {
         conn: ConnId,
         /// Why, for the log.
         why: &'static str,
+        /// Why, as a metric label: `unauthenticated` (no token proven in time, logged)
+        /// or `stranger_share` (the oldest stranger made room for a new one, counted
+        /// only: a flood would flood the log).
+        reason: &'static str,
     },
 }
 

@@ -159,6 +159,26 @@ impl Node {
                 }),
         };
         checked.map_err(|error| Some(Err(error)))?;
+        // A TCP peer that just proved a token leaves the strangers' share for its
+        // tenant's (row 67), or stays a stranger when that share is full.
+        if transport == Transport::Tcp
+            && connection.holder == admission::Holder::Stranger
+            && let Some(tenant) = connection.peer.tenant()
+        {
+            match self.admission.authenticated(to.conn, tenant.0) {
+                Ok(holder) => connection.holder = holder,
+                Err(refused) => {
+                    self.trust.forget_identity(&mut connection.peer);
+                    return Err(Some(Err(ProtocolError::new(
+                        ErrorCode::Overloaded,
+                        format!(
+                            "`hello`: {refused}; close one of its connections, or raise \
+                             --max-connections-per-uid"
+                        ),
+                    ))));
+                }
+            }
+        }
         if let Op::Attach { instance, secret } = &op {
             return Err(Some(
                 self.trust

@@ -159,6 +159,11 @@ impl Peer {
         self.tenant
     }
 
+    /// Whether it is answering a challenge: its `auth` named a token of the server.
+    pub fn has_challenge(&self) -> bool {
+        self.challenge.is_some()
+    }
+
     /// Whether it has attached `instance`.
     #[inline]
     pub fn has_attached(&self, instance: InstanceId) -> bool {
@@ -421,6 +426,13 @@ impl Trust {
         peer.identity = Some(Identity::Token(tenant));
         peer.tenant = Some(tenant);
         Ok(())
+    }
+
+    /// Takes back what an `authenticate` just gave (its connection had no place in its
+    /// tenant's share): the peer is nobody again, and its challenge is spent.
+    pub fn forget_identity(&mut self, peer: &mut Peer) {
+        peer.identity = None;
+        peer.tenant = None;
     }
 
     /// Refuses every request but `hello` from a peer that has not authenticated.

@@ -29,6 +29,7 @@ pub const CONNECTION_CUTS: &[(&str, &[&str])] = &[
             "frame_timeout",
             "memory_budget",
             "uid_share",
+            "stranger_share",
             "max_connections",
             "unauthenticated",
         ],
@@ -268,7 +269,9 @@ impl Metrics {
              (a frame or HTTP request not whole within --frame-timeout-seconds), fds_held \
              (more fds than one frame may carry), fd_budget (fds held for incomplete frames \
              over the budget), memory_budget (connection buffers over their budget), \
-             uid_share (a uid over --max-connections-per-uid), \
+             uid_share (a uid, or a TCP tenant, over --max-connections-per-uid), \
+             stranger_share (TCP peers that have not authenticated over their eighth of \
+             --max-connections), \
              max_connections (every connection held), unauthenticated (a TCP peer without \
              the token past --frame-timeout-seconds), listener_full (the oldest HTTP \
              connection closed for a new one)",

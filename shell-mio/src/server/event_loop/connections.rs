@@ -58,6 +58,12 @@ impl Server {
             transport,
             process,
         });
+        // A TCP peer's first request (`auth`) is often here already: read it before the
+        // next accept, so that a worker starting its handshake is one the node spares
+        // when strangers flood in behind it (row 67).
+        if transport == Transport::Tcp {
+            self.read_connection(token, false);
+        }
     }
 
     pub(super) fn accept_unix(&mut self) {
@@ -79,25 +85,31 @@ impl Server {
         }
     }
 
+    /// One TCP connection a turn: the next is accepted after this turn's events are
+    /// read, so that a worker's `auth` that has arrived is read (and the worker spared
+    /// as one mid-handshake) before strangers queued behind it are let in (row 67).
     pub(super) fn accept_tcp(&mut self) {
-        loop {
-            let Some(listener) = &self.tcp_listener else {
-                return;
-            };
-            match listener.accept() {
-                Ok((stream, _)) => {
-                    let _ = stream.set_nodelay(true);
-                    self.admit(
-                        Stream::Tcp(stream),
-                        crate::server::connection::Peer::default(),
-                    );
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
-                Err(e) => {
-                    tracing::warn!(error = %e, "accept on the TCP socket failed");
-                    return;
-                }
+        if self.tcp_accepted_this_turn {
+            self.tcp_accept_again = true;
+            return;
+        }
+        self.tcp_accept_again = false;
+        let Some(listener) = &self.tcp_listener else {
+            return;
+        };
+        match listener.accept() {
+            Ok((stream, _)) => {
+                let _ = stream.set_nodelay(true);
+                self.admit(
+                    Stream::Tcp(stream),
+                    crate::server::connection::Peer::default(),
+                );
+                // There may be more: the next turn accepts the next one.
+                self.tcp_accepted_this_turn = true;
+                self.tcp_accept_again = true;
             }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) => tracing::warn!(error = %e, "accept on the TCP socket failed"),
         }
     }
 

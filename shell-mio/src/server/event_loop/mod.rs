@@ -154,6 +154,9 @@ pub struct Server {
     http_full_logged_at: Option<std::time::Instant>,
     dirty: HashSet<Token>,
     read_again: HashSet<Token>,
+    /// The TCP listener may hold connections not accepted yet (one a turn).
+    tcp_accept_again: bool,
+    tcp_accepted_this_turn: bool,
     /// Reused lists of tokens taken out of `dirty` and `read_again` each turn, so that
     /// a turn allocates nothing once they have grown to the number of connections.
     flushing: Vec<Token>,
@@ -422,6 +425,8 @@ impl Server {
             http_full_logged_at: None,
             dirty: HashSet::default(),
             read_again: HashSet::default(),
+            tcp_accept_again: false,
+            tcp_accepted_this_turn: false,
             flushing: Vec::new(),
             reading_again: Vec::new(),
             deferred_turns: 0,
@@ -502,8 +507,13 @@ impl Server {
             // Connections left unread last turn go after this turn's events.
             let mut again = std::mem::take(&mut self.reading_again);
             again.extend(self.read_again.drain());
+            self.tcp_accepted_this_turn = false;
             for event in events.iter() {
                 self.on_event(event);
+            }
+            // After this turn's reads (see `accept_tcp`).
+            if self.tcp_accept_again {
+                self.accept_tcp();
             }
             for token in again.drain(..) {
                 // Read to the end: an earlier event may have said the peer closed.
@@ -545,7 +555,7 @@ impl Server {
     }
 
     fn poll_timeout(&self) -> Duration {
-        if !self.read_again.is_empty() {
+        if !self.read_again.is_empty() || self.tcp_accept_again {
             return Duration::ZERO;
         }
         let now = self.now();

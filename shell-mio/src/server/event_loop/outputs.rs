@@ -229,9 +229,13 @@ impl Server {
                     );
                 }
             }
-            PeerAction::Disconnect { conn, why } => {
-                tracing::warn!(token = conn.0, "closing a connection: {why}");
-                self.cut("tcp", "unauthenticated");
+            PeerAction::Disconnect { conn, why, reason } => {
+                if reason == "unauthenticated" {
+                    tracing::warn!(token = conn.0, "closing a connection: {why}");
+                } else {
+                    tracing::debug!(token = conn.0, "closing a connection: {why}");
+                }
+                self.cut("tcp", reason);
                 self.close(token_of(conn), why);
             }
         }
