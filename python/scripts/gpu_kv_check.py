@@ -181,6 +181,21 @@ class _Backoff:
         self.failures += 1
 
 
+def gpu_route(layers, worker, staging: int, queue: int, model_name: str) -> "GpuRoute":
+    """The connector's GPU route over ``layers``, hosted as the connector hosts it."""
+    host = SimpleNamespace(
+        _rank=0,
+        _layers=layers,
+        _worker=worker,
+        _backoff=_Backoff(),
+        _staging_blocks=staging,
+        _save_queue_blocks=queue,
+        _layout=b"\0" * 8,
+        _model_name=model_name,
+    )
+    return GpuRoute(host)
+
+
 def vllm_layers(device: int, seed: int):
     """(name, tensor, block dim) of KV tensors laid out like vLLM's GPU KV cache."""
     g = torch.Generator(device=f"cuda:{device}").manual_seed(seed)
@@ -199,17 +214,7 @@ def check_async(sock: str, device: int) -> int:
     layers = vllm_layers(device, 1)
     torch.cuda.synchronize()
     worker = Worker(sock)
-    host = SimpleNamespace(
-        _rank=0,
-        _layers=layers,
-        _worker=worker,
-        _backoff=_Backoff(),
-        _staging_blocks=64,
-        _save_queue_blocks=MOVED,
-        _layout=b"\0" * 8,
-        _model_name="gpu-kv-check-async",
-    )
-    route = GpuRoute(host)
+    route = gpu_route(layers, worker, 64, MOVED, "gpu-kv-check-async")
     saves, loads = Lane("gpu-check-save"), Lane("gpu-check-load")
     src = list(range(MOVED))
     dst = list(range(NUM_BLOCKS - MOVED, NUM_BLOCKS))
@@ -334,17 +339,7 @@ def figures(binary: str, tmp: str, device: int) -> int:
     sock = os.path.join(tmp, "figures.sock")
     server = start_server(binary, sock, "--l1-bytes", "4G", "--slot-bytes", str(slot))
     worker = Worker(sock)
-    host = SimpleNamespace(
-        _rank=0,
-        _layers=layers,
-        _worker=worker,
-        _backoff=_Backoff(),
-        _staging_blocks=2 * G_STEP,
-        _save_queue_blocks=G_PREFIX,
-        _layout=b"\0" * 8,
-        _model_name="gpu-kv-figures",
-    )
-    route = GpuRoute(host)
+    route = gpu_route(layers, worker, 2 * G_STEP, G_PREFIX, "gpu-kv-figures")
     saves, loads = Lane("figures-save"), Lane("figures-load")
     try:
         route.register(worker)

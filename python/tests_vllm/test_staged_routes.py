@@ -20,8 +20,8 @@ import torch
 from real_server import RealServer, find_binary
 from test_kv_tensors import LAYOUTS, NUM_BLOCKS
 
-from kvwarden import MemfdBuffer, Worker, prefix
-from kvwarden.kv_routes import BlockMoves, GpuRoute
+from kvwarden import Worker, prefix
+from kvwarden.kv_routes import BlockMoves, CpuRoute, GpuRoute
 from kvwarden.kv_tensors import block_dim
 from kvwarden.lanes import Lane
 from kvwarden.vllm import _Backoff
@@ -47,9 +47,8 @@ class HostGpuRoute(GpuRoute):
         self.ordered: List[Tuple[str, str]] = []  # (stream, thread) ordered after forward
         self.waits: List[Tuple[str, str]] = []  # (stream, thread) that waited for it
 
-    def _buffer(self, rows: int, name: str) -> Tuple[MemfdBuffer, torch.Tensor]:
-        buffer = MemfdBuffer.create(rows * self.stride, f"kvwarden-test-{name}")
-        return buffer, torch.frombuffer(buffer.view, dtype=torch.uint8).view(rows, self.stride)
+    # Staging rows in memfds, as the CPU route makes them.
+    _buffer = CpuRoute._buffer
 
     def _on(self, which: str, after_forward: bool = False) -> Any:
         if after_forward:

@@ -68,13 +68,12 @@ pub enum Refused {
     },
     /// The peer's uid holds its whole share.
     #[error(
-        "{} already holds --max-connections-per-uid {per_uid} connections (a quarter of \
-         --max-connections is kept for the other uids)",
-        uid.map_or_else(|| "TCP (all TCP peers together)".to_string(), |uid| format!("uid {uid}"))
+        "uid {uid} already holds --max-connections-per-uid {per_uid} connections (a quarter \
+         of --max-connections is kept for the other uids)"
     )]
     UidShare {
-        /// The uid; None for TCP.
-        uid: Option<u32>,
+        /// The uid.
+        uid: u32,
         /// The share.
         per_uid: usize,
     },
@@ -166,25 +165,20 @@ impl Admission {
                 max: self.limits.max,
             });
         }
-        let holder = Holder::of(uid);
-        let held = self.held(holder);
-        if holder == Holder::Stranger {
+        match uid {
             // Past their share the oldest stranger makes room ([`Self::stranger_arrived`]);
             // only strangers already asked to close and not yet gone refuse a newcomer.
-            if self.evicted.len() >= self.limits.per_stranger {
-                return Err(Refused::StrangerShare {
-                    per_stranger: self.limits.per_stranger,
-                });
+            None if self.evicted.len() >= self.limits.per_stranger => Err(Refused::StrangerShare {
+                per_stranger: self.limits.per_stranger,
+            }),
+            Some(uid) if self.held(Holder::Uid(uid)) >= self.limits.per_uid => {
+                Err(Refused::UidShare {
+                    uid,
+                    per_uid: self.limits.per_uid,
+                })
             }
-            return Ok(());
+            _ => Ok(()),
         }
-        if held >= self.limits.per_uid {
-            return Err(Refused::UidShare {
-                uid,
-                per_uid: self.limits.per_uid,
-            });
-        }
-        Ok(())
     }
 
     fn held(&self, holder: Holder) -> usize {
@@ -324,7 +318,7 @@ mod tests {
         assert_eq!(
             admission.admits(Some(7)),
             Err(Refused::UidShare {
-                uid: Some(7),
+                uid: 7,
                 per_uid: 15
             })
         );

@@ -53,12 +53,22 @@ impl std::fmt::Debug for TcpKey {
     }
 }
 
-fn mac(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
+/// HMAC-SHA256 under `key` over the concatenation of `parts`, not yet finalized.
+fn hmac(key: &[u8], parts: &[&[u8]]) -> Hmac<Sha256> {
     let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(key).expect("HMAC takes any key");
     for part in parts {
         mac.update(part);
     }
-    mac.finalize().into_bytes().into()
+    mac
+}
+
+fn mac(key: &[u8], parts: &[&[u8]]) -> [u8; 32] {
+    hmac(key, parts).finalize().into_bytes().into()
+}
+
+/// Whether `proof` is the MAC of `parts` under `key`, compared in constant time.
+fn verify(key: &[u8], parts: &[&[u8]], proof: &[u8]) -> bool {
+    hmac(key, parts).verify_slice(proof).is_ok()
 }
 
 impl TcpKey {
@@ -94,14 +104,6 @@ impl TcpKey {
     pub fn check_client(&self, client: &Nonce, server: &Nonce, proof: &[u8]) -> bool {
         verify(&self.key, &[CLIENT_LABEL, &self.id, client, server], proof)
     }
-}
-
-fn verify(key: &[u8], parts: &[&[u8]], proof: &[u8]) -> bool {
-    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(key).expect("HMAC takes any key");
-    for part in parts {
-        mac.update(part);
-    }
-    mac.verify_slice(proof).is_ok()
 }
 
 /// The server's nonce for its `count`-th challenge: a MAC of the count under a secret
