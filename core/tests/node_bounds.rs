@@ -365,3 +365,126 @@ fn row_57_a_failed_build_gives_its_mapped_bytes_back() {
     assert_eq!(h.node.status().mapped_bytes, 0);
     h.registered(id(2));
 }
+
+/// A `retrieve_batch` of `count` items, each the 100 bytes under `key`.
+fn retrieve_batch(instance: kvwarden_core::InstanceId, key: &[u8], count: usize) -> Op {
+    let item = kvwarden_core::protocol::RetrieveItem {
+        key: key.to_vec(),
+        buffer: 0,
+        offset: 0,
+        nbytes: 100,
+    };
+    Op::RetrieveBatch {
+        instance,
+        items: vec![item; count],
+    }
+}
+
+/// The victim's bytes: 64, so that its copies stand out among the flood's 100.
+const VICTIMS: u64 = 64;
+
+/// A `store` or `retrieve` of [`VICTIMS`] bytes under `key`.
+fn victims(instance: kvwarden_core::InstanceId, key: &[u8], store: bool) -> Op {
+    let key = key.to_vec();
+    let (buffer, offset, nbytes) = (0, 0, VICTIMS);
+    if store {
+        Op::Store {
+            instance,
+            key,
+            buffer,
+            offset,
+            nbytes,
+        }
+    } else {
+        Op::Retrieve {
+            instance,
+            key,
+            buffer,
+            offset,
+            nbytes,
+        }
+    }
+}
+
+/// Completes the oldest of `running` and returns the copies handed out since.
+fn complete_oldest(
+    h: &mut Harness,
+    running: &mut Vec<kvwarden_core::node::CopyId>,
+) -> Vec<(kvwarden_core::node::CopyId, u64)> {
+    let copy = running.remove(0);
+    h.copy_done(copy, Ok(100));
+    let handed: Vec<_> = h
+        .copies()
+        .into_iter()
+        .map(|(copy, _, n)| (copy, n))
+        .collect();
+    running.extend(handed.iter().map(|&(copy, _)| copy));
+    handed
+}
+
+/// Row 68: one tenant's thousands of copies wait their turn at the pool. With a pool
+/// window of 2, another tenant's `retrieve` is handed out after at most the two copies
+/// running when it came (the flood's turn comes first, then the victim's), while more
+/// than 2,000 of the flood's copies still wait; before, the node handed every copy to
+/// the pool's one FIFO at once, and the victim's came after all of them. A connection's
+/// in-flight limit counts items: a third batch past two full ones is refused.
+#[test]
+fn row_68_one_tenants_copies_wait_their_turn_and_another_tenant_is_served() {
+    const VICTIM: u32 = 2000;
+    let mut h = Harness::with_pool_window(8, 2);
+    let (flooder, victim) = (id(1), id(2));
+    h.registered(flooder);
+    h.stored(flooder, b"f");
+    h.connect(ConnId(2), Some(VICTIM), None);
+    registered_on(&mut h, ConnId(2), victim);
+    let store = h.send_on(ConnId(2), victims(victim, b"v", true), 0);
+    let [(copy, _, VICTIMS)] = h.copies()[..] else {
+        panic!("the victim's store copies at once")
+    };
+    h.copy_done(copy, Ok(VICTIMS));
+    assert_eq!(h.answer(store), rmpv::Value::from(true));
+
+    // Control: with nothing else running, the victim's retrieve is handed out at once.
+    let control = h.send_on(ConnId(2), victims(victim, b"v", false), 0);
+    let [(copy, _, VICTIMS)] = h.copies()[..] else {
+        panic!("the control's copy is handed out at once")
+    };
+    h.copy_done(copy, Ok(VICTIMS));
+    assert_eq!(h.answer(control), rmpv::Value::from(VICTIMS));
+
+    // The flood: two full batches, the connection's whole item allowance (2,048).
+    let floods = [
+        h.send_on(ConnId(1), retrieve_batch(flooder, b"f", 1024), 0),
+        h.send_on(ConnId(1), retrieve_batch(flooder, b"f", 1024), 0),
+    ];
+    let mut running: Vec<_> = h.copies().into_iter().map(|(copy, ..)| copy).collect();
+    assert_eq!(running.len(), 2, "the window holds the rest back");
+    assert_eq!(h.node.status().pool_waiting, 2048 - 2);
+    // Past the items allowance: refused, naming it (by requests it would have room).
+    let third = h.send_on(ConnId(1), retrieve_batch(flooder, b"f", 1), 0);
+    let refused = h.reply(third).expect("answered").expect_err("refused");
+    assert_eq!(refused.code, ErrorCode::Overloaded);
+    assert!(
+        refused.message.contains("2048 items"),
+        "{}",
+        refused.message
+    );
+
+    // The victim asks while 2,046 copies wait: handed out after two of them end.
+    let asked = h.send_on(ConnId(2), victims(victim, b"v", false), 0);
+    assert!(h.copies().is_empty(), "the window is full");
+    let mut ended_before = 0;
+    let victim_copy = loop {
+        assert!(ended_before < 3, "the victim's copy waits at most its turn");
+        let handed = complete_oldest(&mut h, &mut running);
+        ended_before += 1;
+        if let Some(&(copy, _)) = handed.iter().find(|&&(_, n)| n == VICTIMS) {
+            break copy;
+        }
+    };
+    assert_eq!(ended_before, 2, "the flood's turn, then the victim's");
+    h.copy_done(victim_copy, Ok(VICTIMS));
+    assert_eq!(h.reply(asked), Some(Ok(rmpv::Value::from(VICTIMS))));
+    assert!(h.node.status().pool_waiting > 2000, "the flood still waits");
+    assert!(floods.iter().all(|&flood| h.reply(flood).is_none()));
+}

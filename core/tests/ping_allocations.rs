@@ -70,6 +70,7 @@ fn config() -> NodeConfig {
         cuda_devices: Err("none".into()),
         connections: kvwarden_core::node::admission::ConnectionLimits::unbounded(),
         mapped: kvwarden_core::node::mapped::MappedLimits::unbounded(),
+        pool_window: kvwarden_core::node::jobs::UNBOUNDED,
         l2: None,
     }
 }

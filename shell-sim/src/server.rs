@@ -395,6 +395,10 @@ impl Server {
             l2: self.spec.l2.node_config(),
             connections: kvwarden_core::node::admission::ConnectionLimits::unbounded(),
             mapped: kvwarden_core::node::mapped::MappedLimits::unbounded(),
+            // Every job handed out at once: the checker ties a copy to the request whose
+            // node call handed it out, so copies held back for their tenant's turn
+            // (row 68, proven by core/tests/node_bounds.rs) are not modelled here.
+            pool_window: kvwarden_core::node::jobs::UNBOUNDED,
         };
         #[allow(unused_mut)]
         let mut node = Node::new(config, instant(now)).map_err(|error| error.to_string())?;

@@ -797,3 +797,165 @@ fn row_45_status_off_loopback_leaves_out_uids_and_pids() {
     assert_eq!(entry["watched_pid"], serde_json::Value::Null, "{entry}");
     assert_eq!(entry["instance_id"], "4501", "ids stay: they are public");
 }
+
+// ------------------------------------------------------------------ row 68
+
+/// `[key, buffer 0, offset 0, nbytes]`: a batch item.
+fn batch_item(key: &[u8], nbytes: u64) -> Value {
+    Value::Array(vec![
+        Value::Binary(key.to_vec()),
+        0.into(),
+        0.into(),
+        nbytes.into(),
+    ])
+}
+
+/// Registers `instance` with one memfd of `nbytes` and stores its first `stored` bytes
+/// under `key`; the attached connection stays open.
+fn register_and_store(
+    socket: &Path,
+    instance: u64,
+    nbytes: u64,
+    key: &[u8],
+    stored: u64,
+) -> RawClient {
+    let mut raw = RawClient::connect_attached(socket, instance);
+    let fd = kvwarden::memfd::create("row68", nbytes).expect("a memfd");
+    let args = vec![
+        instance.into(),
+        Value::Array(vec![memfd_spec(0, nbytes)]),
+        "m".into(),
+        1.into(),
+    ];
+    let reply = raw
+        .request_with_fds("register_kv_cache", args, &[fd.as_fd()])
+        .expect("a reply to register");
+    reply.result.expect("registered");
+    let args = vec![
+        instance.into(),
+        Value::Binary(key.to_vec()),
+        0.into(),
+        0.into(),
+        stored.into(),
+    ];
+    let reply = raw.request("store", args).expect("a reply to store");
+    assert_eq!(reply.result.expect("stored"), Value::Boolean(true));
+    raw
+}
+
+/// The pool's counters in `/status`: (waiting, handed out so far).
+fn pool(server: &Server) -> (u64, u64) {
+    let status = server.status();
+    let transfers = &status["transfers"];
+    (
+        transfers["pool_waiting"].as_u64().expect("pool_waiting"),
+        transfers["pool_handed_out_total"]
+            .as_u64()
+            .expect("pool_handed_out_total"),
+    )
+}
+
+/// Row 68: one tenant's copies never starve another's. Uid 1001 keeps 16,384 copies of
+/// 1 MiB queued (8 connections, each two `retrieve_batch`es of 1,024 items: all the
+/// items a connection may have running); uid 1002's `retrieve` is served while thousands
+/// of them still wait: fewer copies were handed to the pool between its request and its
+/// reply than were waiting when it asked. Before, every copy went to the pool's one
+/// FIFO, and the victim's came after all of them (43 s in the issue, against 1 ms).
+#[test]
+fn row_68_one_tenants_copy_flood_never_starves_another_tenants_retrieve() {
+    const BOB: u32 = 1002;
+    const MIB: u64 = 1 << 20;
+    let dir = TempDir::new("row68-copy-flood");
+    let server = Server::start(
+        &dir,
+        &[
+            "--socket-mode",
+            "666",
+            "--pool-threads",
+            "1",
+            "--slot-bytes",
+            "1M",
+            "--l1-bytes",
+            "16M",
+        ],
+    );
+    let socket = server.socket.clone();
+
+    // The victim: a 4 KiB chunk of its own; control first, then one retrieve under
+    // the flood when the parent says so.
+    let victim_socket = socket.clone();
+    let mut victim = fork_as_uid(BOB, move |parent| {
+        let mut raw = register_and_store(&victim_socket, 2, MIB, b"v", 4096);
+        // The bytes it got back, or the error.
+        let mut retrieve = || {
+            let args = vec![
+                2u64.into(),
+                Value::Binary(b"v".to_vec()),
+                0.into(),
+                0.into(),
+                4096u64.into(),
+            ];
+            match raw.request("retrieve", args).expect("a reply").result {
+                Ok(value) => json!(value.as_u64()),
+                Err(error) => json!(error.to_string()),
+            }
+        };
+        parent.send(retrieve());
+        assert_eq!(parent.recv(), json!("go"));
+        parent.send(retrieve());
+        json!("done")
+    });
+    assert_eq!(
+        victim.recv("the victim's control"),
+        json!(4096),
+        "the control"
+    );
+
+    // The flood.
+    let flood_socket = socket.clone();
+    let mut flooder = fork_as_uid(ALICE, move |parent| {
+        let _owner = register_and_store(&flood_socket, 1, MIB, b"f", MIB);
+        let batch = Value::Array(vec![batch_item(b"f", MIB); 1024]);
+        let conns: Vec<RawClient> = (0..8)
+            .map(|_| {
+                let mut raw = RawClient::connect_attached(&flood_socket, 1);
+                for _ in 0..2 {
+                    let (_, frame) = raw.frame("retrieve_batch", vec![1u64.into(), batch.clone()]);
+                    raw.send_bytes(&frame).expect("sent");
+                }
+                raw
+            })
+            .collect();
+        parent.send(json!("flooding"));
+        let _ = parent.recv(); // held until the parent is done
+        json!(conns.len())
+    });
+    assert_eq!(flooder.recv("the flood started"), json!("flooding"));
+    let (waiting, handed_out) = wait_for("the flood queued", PATIENCE, || {
+        let (waiting, handed_out) = pool(&server);
+        (waiting >= 8_000).then_some((waiting, handed_out))
+    });
+
+    victim.send(json!("go"));
+    let attacked = victim.recv("the victim's retrieve under the flood");
+    let (still_waiting, handed_out_after) = pool(&server);
+    victim.finish("the victim");
+    flooder.send(json!("stop"));
+    drop(flooder);
+    assert_eq!(
+        attacked,
+        json!(4096),
+        "the victim's retrieve under the flood"
+    );
+    // Served ahead of the flood's waiting copies, not after them.
+    assert!(
+        handed_out_after - handed_out < waiting,
+        "{} copies handed out between the victim's request and its reply (after it), \
+         {waiting} waiting when it asked",
+        handed_out_after - handed_out
+    );
+    assert!(
+        still_waiting > 0,
+        "the flood still waited after the victim was served"
+    );
+}

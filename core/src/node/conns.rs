@@ -1,6 +1,7 @@
 //! Connections: each one's peer (who it is, what it attached: [`super::trust`]), its
-//! transport, the process behind it, the jobs it has running (at most
-//! [`MAX_IN_FLIGHT_PER_CONNECTION`]) and, over TCP, the deadline for its token.
+//! transport, the process behind it, the requests it has running (at most
+//! [`MAX_IN_FLIGHT_PER_CONNECTION`], and at most [`MAX_ITEMS_IN_FLIGHT_PER_CONNECTION`]
+//! items: a batch counts each of its items) and, over TCP, the deadline for its token.
 
 use super::*;
 use crate::protocol::ErrorCode;
@@ -12,6 +13,8 @@ pub(super) struct Conn {
     pub(super) transport: Transport,
     pub(super) process: Option<(ProcessKey, DeathNotice)>,
     pub(super) in_flight: usize,
+    /// Items of those requests (a batch's items; one for any other request).
+    pub(super) items_in_flight: usize,
     /// Whether fds may still arrive on it: over the Unix socket until a `hello` says
     /// `sends_fds: false` (then the shell reads it without `SCM_RIGHTS`); never over TCP.
     pub(super) sends_fds: bool,
@@ -72,6 +75,7 @@ impl Node {
                 transport,
                 process,
                 in_flight: 0,
+                items_in_flight: 0,
                 sends_fds: transport == Transport::Unix,
                 token_deadline,
                 wait: None,
@@ -184,11 +188,30 @@ impl Node {
         Ok(Some(position))
     }
 
-    /// Whether `conn` may start one more job.
-    pub(super) fn has_room(&self, conn: ConnId) -> bool {
-        self.conns
-            .get(&conn)
-            .is_some_and(|connection| connection.in_flight < MAX_IN_FLIGHT_PER_CONNECTION)
+    /// Whether `conn` may start one more request of `items` items (a batch's length;
+    /// one for any other request): the in-flight limit counts items, so a connection's
+    /// batches cannot queue 64 × 1,024 copies (row 68).
+    pub(super) fn has_room(&self, conn: ConnId, items: usize) -> bool {
+        self.conns.get(&conn).is_some_and(|connection| {
+            connection.in_flight < MAX_IN_FLIGHT_PER_CONNECTION
+                && connection.items_in_flight + items <= MAX_ITEMS_IN_FLIGHT_PER_CONNECTION
+        })
+    }
+
+    /// The refusal of a request [`Node::has_room`] has no room for.
+    pub(super) fn overloaded(&self, conn: ConnId) -> ProtocolError {
+        let (requests, items) = self.conns.get(&conn).map_or((0, 0), |connection| {
+            (connection.in_flight, connection.items_in_flight)
+        });
+        ProtocolError::new(
+            ErrorCode::Overloaded,
+            format!(
+                "this connection already has {requests} requests ({items} items) running; at \
+                 most {MAX_IN_FLIGHT_PER_CONNECTION} requests and \
+                 {MAX_ITEMS_IN_FLIGHT_PER_CONNECTION} items run at once (a batch counts its \
+                 items); wait for replies before sending more"
+            ),
+        )
     }
 
     /// The tenant `conn` acts for (checked by `dispatch` before any op runs).
@@ -199,17 +222,47 @@ impl Node {
             .unwrap_or(TenantId(0))
     }
 
-    pub(super) fn start_job(&mut self, conn: ConnId) {
+    /// A request of `conn` of `items` items starts running (answered later).
+    pub(super) fn start_job(&mut self, conn: ConnId, items: usize) {
         self.jobs_in_flight += 1;
         if let Some(connection) = self.conns.get_mut(&conn) {
             connection.in_flight += 1;
+            connection.items_in_flight += items;
         }
     }
 
-    pub(super) fn end_job(&mut self, conn: ConnId) {
+    /// The request [`Node::start_job`] started is answered.
+    pub(super) fn end_job(&mut self, conn: ConnId, items: usize) {
         self.jobs_in_flight = self.jobs_in_flight.saturating_sub(1);
         if let Some(connection) = self.conns.get_mut(&conn) {
             connection.in_flight = connection.in_flight.saturating_sub(1);
+            connection.items_in_flight = connection.items_in_flight.saturating_sub(items);
+        }
+    }
+
+    /// Hands a copy of `conn`'s tenant to the pool's queue ([`jobs`]): it goes to the
+    /// shell in its tenant's turn.
+    pub(super) fn submit_copy(&mut self, conn: ConnId, job: Job) {
+        let tenant = self.tenant(conn);
+        self.jobs.push(tenant, job);
+        self.hand_out_jobs();
+    }
+
+    /// Hands a build or a blend to the shell at once (it counts in the pool's window).
+    pub(super) fn submit_now(&mut self, job: Job) {
+        let job = self.jobs.now(job);
+        self.outputs.push_back(Output::Job(job));
+    }
+
+    /// A build, copy or blend handed out reported back: the next in turn goes.
+    pub(super) fn job_reported(&mut self) {
+        self.jobs.finished();
+        self.hand_out_jobs();
+    }
+
+    fn hand_out_jobs(&mut self) {
+        while let Some(job) = self.jobs.next() {
+            self.outputs.push_back(Output::Job(job));
         }
     }
 }

@@ -29,6 +29,7 @@ mod conns;
 pub mod engine;
 mod frees;
 mod io;
+pub mod jobs;
 pub mod l1;
 pub mod l2;
 pub mod mapped;
@@ -68,6 +69,10 @@ use std::time::Duration;
 
 /// Requests of one connection that may run (build, copy, blend) at once.
 pub const MAX_IN_FLIGHT_PER_CONNECTION: usize = 64;
+
+/// Items of one connection's running requests (a batch counts each item, any other
+/// request one): two whole batches (row 68).
+pub const MAX_ITEMS_IN_FLIGHT_PER_CONNECTION: usize = 2 * crate::protocol::MAX_BATCH_ITEMS;
 /// Buffers one registration may name.
 pub const MAX_BUFFERS_PER_REGISTRATION: usize = 1024;
 /// How long a shutdown waits for builds, copies and blends in flight.
@@ -105,6 +110,10 @@ pub struct NodeConfig {
     pub connections: admission::ConnectionLimits,
     /// Bytes of peers' memfds the server maps, in all, per tenant, per instance.
     pub mapped: mapped::MappedLimits,
+    /// Builds, copies and blends handed to the shell's pool at once; the rest wait in
+    /// the node, in turns by tenant ([`jobs`]). The server's is twice `--pool-threads`;
+    /// [`jobs::UNBOUNDED`] hands every job out at once.
+    pub pool_window: usize,
 }
 
 /// Where a reply goes.
@@ -154,6 +163,8 @@ struct CopyInFlight {
 
 struct Batch {
     reply: ReplyTo,
+    /// Its items: what it counts in its connection's in-flight limit.
+    items: usize,
     /// The reply so far: `Answer::Stored` or `Answer::Lengths`, one answer per item.
     results: Answer,
     pending: usize,
@@ -217,6 +228,8 @@ pub struct Node {
     /// Which process proves each instance's exit.
     watches: Watches,
     jobs_in_flight: usize,
+    /// Builds, copies and blends waiting for their tenant's turn at the pool.
+    jobs: jobs::JobQueue,
     shutdown: Option<Shutdown>,
     freed_at_shutdown: u64,
     next_id: u64,
@@ -295,6 +308,7 @@ impl Node {
             .map(|l2| L2Tier::new(l2, config.num_slots))
             .transpose()?;
         let trust = Trust::new(&config.trust, config.server_uid)?;
+        let pool_window = config.pool_window;
         let mut l1 = SlotTable::new(config.num_slots, config.slot_bytes);
         for tenant in trust.tenants() {
             let quota = tenant
@@ -324,6 +338,7 @@ impl Node {
             frees: Frees::default(),
             watches: Watches::default(),
             jobs_in_flight: 0,
+            jobs: jobs::JobQueue::new(pool_window),
             shutdown: None,
             freed_at_shutdown: 0,
             next_id: 0,
@@ -391,9 +406,18 @@ impl Node {
                 fds,
             } => self.request(now, conn, request_id, op, fds),
             Input::Disconnected { conn } => self.disconnected(conn),
-            Input::BuildDone { context, result } => self.build_done(now, context, result),
-            Input::CopyDone { copy, result } => self.copy_done(copy, result),
-            Input::BlendDone { blend, result } => self.blend_done(blend, result),
+            Input::BuildDone { context, result } => {
+                self.job_reported();
+                self.build_done(now, context, result)
+            }
+            Input::CopyDone { copy, result } => {
+                self.job_reported();
+                self.copy_done(copy, result)
+            }
+            Input::BlendDone { blend, result } => {
+                self.job_reported();
+                self.blend_done(blend, result)
+            }
             Input::FreeDone { free } => self.free_done(now, free),
             Input::ProcessExited { process } => self.process_exited(now, process),
             Input::Shutdown => {
@@ -546,6 +570,7 @@ mod tests {
             l2: None,
             connections: crate::node::admission::ConnectionLimits::unbounded(),
             mapped: crate::node::mapped::MappedLimits::unbounded(),
+            pool_window: crate::node::jobs::UNBOUNDED,
         };
         Node::new(config, Instant::ZERO).unwrap()
     }

@@ -53,16 +53,6 @@ pub(super) fn bad_args(message: String) -> ProtocolError {
     ProtocolError::new(ErrorCode::BadArgs, message)
 }
 
-pub(super) fn overloaded() -> ProtocolError {
-    ProtocolError::new(
-        ErrorCode::Overloaded,
-        format!(
-            "this connection already has {MAX_IN_FLIGHT_PER_CONNECTION} requests running; wait \
-             for replies before sending more"
-        ),
-    )
-}
-
 impl Node {
     pub(super) fn request(
         &mut self,
@@ -299,8 +289,8 @@ impl Node {
         let l1_count = self.l1.lookup_prefix(keys);
         // Its L2 remainder runs as a job: counted in the connection's cap, as every
         // transfer is (failure mode 46).
-        if self.l2.is_some() && (l1_count as usize) < keys.len() && !self.has_room(to.conn) {
-            return Some(Err(overloaded()));
+        if self.l2.is_some() && (l1_count as usize) < keys.len() && !self.has_room(to.conn, 1) {
+            return Some(Err(self.overloaded(to.conn)));
         }
         self.l2_lookup(now, to, keys, l1_count)
             .map(|count| Ok(Answer::Count(count)))
@@ -479,8 +469,8 @@ impl Node {
         model_name: String,
     ) -> Immediate {
         let owner_uid = self.conns.get(&to.conn)?.uid;
-        if !self.has_room(to.conn) {
-            return Some(Err(overloaded()));
+        if !self.has_room(to.conn, 1) {
+            return Some(Err(self.overloaded(to.conn)));
         }
         let tenant = self.tenant(to.conn);
         self.watch(to.conn, instance);
@@ -518,8 +508,8 @@ impl Node {
                     },
                 );
                 self.builds.start(context, ticket, to);
-                self.start_job(to.conn);
-                self.outputs.push_back(Output::Job(Job::Build {
+                self.start_job(to.conn, 1);
+                self.submit_now(Job::Build {
                     context,
                     conn: to.conn,
                     request_id: to.request_id,
@@ -527,7 +517,7 @@ impl Node {
                     module,
                     buffers,
                     model_name,
-                }));
+                });
                 None
             }
         }
@@ -631,18 +621,18 @@ impl Node {
                 )));
             }
         }
-        if !self.has_room(to.conn) {
-            return Some(Err(overloaded()));
+        if !self.has_room(to.conn, 1) {
+            return Some(Err(self.overloaded(to.conn)));
         }
         let id = BlendId(self.next_id());
         self.blend.begin(id, instance, rope.clone(), bytes);
         self.blends.insert(id, (to, instance));
-        self.start_job(to.conn);
-        self.outputs.push_back(Output::Job(Job::Blend {
+        self.start_job(to.conn, 1);
+        self.submit_now(Job::Blend {
             blend: id,
             instance,
             spec: rope,
-        }));
+        });
         None
     }
 }

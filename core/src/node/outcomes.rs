@@ -20,7 +20,7 @@ impl Node {
         else {
             return; // not a build of this node
         };
-        self.end_job(reply.conn);
+        self.end_job(reply.conn, 1);
         let (instance, module) = (ticket.instance(), ticket.module());
         let answer = match result {
             Ok(built) => match self.adopt_built(now, ticket, context, built) {
@@ -115,12 +115,12 @@ impl Node {
         };
         match purpose {
             CopyFor::Store(to) => {
-                self.end_job(to.conn);
+                self.end_job(to.conn, 1);
                 let stored = self.stored(slot, result);
                 self.reply(to, stored.map(|_| Answer::Flag(true)));
             }
             CopyFor::Retrieve(to) => {
-                self.end_job(to.conn);
+                self.end_job(to.conn, 1);
                 self.l1.unpin(slot);
                 // A copy the shell did not start by its deadline: counted, as the node's.
                 if result.is_err() {
@@ -247,6 +247,7 @@ impl Node {
         }
         let Some(Batch {
             reply,
+            items,
             results,
             failed,
             ..
@@ -254,7 +255,7 @@ impl Node {
         else {
             return;
         };
-        self.end_job(reply.conn);
+        self.end_job(reply.conn, items);
         let answer = match failed {
             Some(error) => Err(error),
             None => Ok(results),
@@ -266,7 +267,7 @@ impl Node {
         let Some((to, instance)) = self.blends.remove(&id) else {
             return;
         };
-        self.end_job(to.conn);
+        self.end_job(to.conn, 1);
         let answer = match result {
             Err(message) => {
                 self.blend.abandon(id, instance);
@@ -578,6 +579,7 @@ mod tests {
             l2: None,
             connections: crate::node::admission::ConnectionLimits::unbounded(),
             mapped: crate::node::mapped::MappedLimits::unbounded(),
+            pool_window: crate::node::jobs::UNBOUNDED,
         };
         Node::new(config, at(0.0)).unwrap()
     }

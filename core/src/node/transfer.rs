@@ -5,7 +5,7 @@
 use super::engine::{CommitStore, PrepareRetrieve, PrepareStore};
 use super::l1::Reservation;
 use super::l2::ReadFor;
-use super::ops::{Immediate, Want, bad_args, overloaded, pinned, reserved, too_many_held};
+use super::ops::{Immediate, Want, bad_args, pinned, reserved, too_many_held};
 use super::*;
 use crate::liveness::TransferError;
 use crate::protocol::{ErrorCode, RetrieveItem, StoreItem};
@@ -88,12 +88,13 @@ impl Node {
         conn: ConnId,
         instance: InstanceId,
         op: &str,
+        items: usize,
         validate: impl FnOnce(&Self, ContextId) -> Result<T, ProtocolError>,
     ) -> Result<(ContextId, T), ProtocolError> {
         let context = self.transfer_context(now, instance, Module::ServerDriven, op)?;
         let checked = validate(self, context)?;
-        if !self.has_room(conn) {
-            return Err(overloaded());
+        if !self.has_room(conn, items) {
+            return Err(self.overloaded(conn));
         }
         Ok((context, checked))
     }
@@ -123,17 +124,21 @@ impl Node {
         purpose: CopyFor,
     ) {
         let not_after = self.deadline_of(&purpose);
+        let conn = self.conn_of(&purpose);
         let copy = self.hold_copy(context, slot, purpose);
-        self.outputs.push_back(Output::Job(Job::Copy {
-            copy,
-            context,
-            direction,
-            buffer,
-            offset,
-            slot,
-            nbytes,
-            not_after,
-        }));
+        self.submit_copy(
+            conn,
+            Job::Copy {
+                copy,
+                context,
+                direction,
+                buffer,
+                offset,
+                slot,
+                nbytes,
+                not_after,
+            },
+        );
     }
 
     /// Counts a copy between `context` and `slot` for `purpose`: the context's free
@@ -170,7 +175,7 @@ impl Node {
         offset: u64,
         nbytes: u64,
     ) -> Immediate {
-        let opened = self.open_transfer(now, to.conn, instance, "store", |node, context| {
+        let opened = self.open_transfer(now, to.conn, instance, "store", 1, |node, context| {
             let index =
                 node.checked_buffer(context, "`store`", instance, buffer, offset, nbytes)?;
             node.fits_a_slot("`store`", nbytes)?;
@@ -184,7 +189,7 @@ impl Node {
             Reservation::AlreadyStored => Some(Ok(Answer::Flag(true))),
             Reservation::Full => Some(Ok(Answer::Flag(false))),
             Reservation::Reserved(slot) => {
-                self.start_job(to.conn);
+                self.start_job(to.conn, 1);
                 self.start_copy(
                     context,
                     Direction::ToL1,
@@ -210,7 +215,7 @@ impl Node {
         offset: u64,
         nbytes: u64,
     ) -> Immediate {
-        let opened = self.open_transfer(now, to.conn, instance, "retrieve", |node, context| {
+        let opened = self.open_transfer(now, to.conn, instance, "retrieve", 1, |node, context| {
             node.checked_buffer(context, "`retrieve`", instance, buffer, offset, nbytes)
         });
         let context = match opened {
@@ -233,7 +238,7 @@ impl Node {
         };
         match self.l2_ask(now, &key, self.tenant(to.conn), waiter) {
             Ok(()) => {
-                self.start_job(to.conn);
+                self.start_job(to.conn, 1);
                 None
             }
             Err(_) => Some(Ok(Answer::Length(None))), // a miss
@@ -299,7 +304,7 @@ impl Node {
         let Some(slot) = self.pin_in_time(to.deadline, key, want.nbytes) else {
             return Some(Ok(Answer::Length(None))); // a miss
         };
-        self.start_job(to.conn);
+        self.start_job(to.conn, 1);
         self.start_copy(
             context,
             Direction::FromL1,
@@ -323,22 +328,30 @@ impl Node {
         instance: InstanceId,
         items: Vec<StoreItem>,
     ) -> Immediate {
-        let opened = self.open_transfer(now, to.conn, instance, "store_batch", |node, context| {
-            let mut indexes = Vec::with_capacity(items.len());
-            for (position, item) in items.iter().enumerate() {
-                let what = format!("`store_batch` items[{position}]");
-                indexes.push(node.checked_buffer(
-                    context,
-                    &what,
-                    instance,
-                    item.buffer,
-                    item.offset,
-                    item.nbytes,
-                )?);
-                node.fits_a_slot(&what, item.nbytes)?;
-            }
-            Ok(indexes)
-        });
+        let count = items.len();
+        let opened = self.open_transfer(
+            now,
+            to.conn,
+            instance,
+            "store_batch",
+            count,
+            |node, context| {
+                let mut indexes = Vec::with_capacity(items.len());
+                for (position, item) in items.iter().enumerate() {
+                    let what = format!("`store_batch` items[{position}]");
+                    indexes.push(node.checked_buffer(
+                        context,
+                        &what,
+                        instance,
+                        item.buffer,
+                        item.offset,
+                        item.nbytes,
+                    )?);
+                    node.fits_a_slot(&what, item.nbytes)?;
+                }
+                Ok(indexes)
+            },
+        );
         let (context, indexes) = match opened {
             Ok(opened) => opened,
             Err(error) => return Some(Err(error)),
@@ -360,7 +373,7 @@ impl Node {
         if copies.is_empty() {
             return Some(Ok(Answer::Stored(results)));
         }
-        let batch = self.open_batch(to, Answer::Stored(results), copies.len());
+        let batch = self.open_batch(to, Answer::Stored(results), count, copies.len());
         for (item, slot, index, offset, nbytes) in copies {
             self.start_copy(
                 context,
@@ -383,8 +396,13 @@ impl Node {
         items: Vec<RetrieveItem>,
     ) -> Immediate {
         let what = |position: usize| format!("`retrieve_batch` items[{position}]");
-        let opened =
-            self.open_transfer(now, to.conn, instance, "retrieve_batch", |node, context| {
+        let opened = self.open_transfer(
+            now,
+            to.conn,
+            instance,
+            "retrieve_batch",
+            items.len(),
+            |node, context| {
                 let mut indexes = Vec::with_capacity(items.len());
                 for (position, item) in items.iter().enumerate() {
                     indexes.push(node.checked_buffer(
@@ -397,7 +415,8 @@ impl Node {
                     )?);
                 }
                 Ok(indexes)
-            });
+            },
+        );
         let (context, indexes) = match opened {
             Ok(opened) => opened,
             Err(error) => return Some(Err(error)),
@@ -419,7 +438,7 @@ impl Node {
         if copies.is_empty() && misses.is_empty() {
             return Some(Ok(results));
         }
-        let batch = self.open_batch(to, results, copies.len());
+        let batch = self.open_batch(to, results, items.len(), copies.len());
         self.ask_l2_for_misses(now, to, batch, instance, context, &items, misses);
         if self
             .batches
@@ -428,7 +447,7 @@ impl Node {
         {
             // Nothing copies and L2 was not asked: answer now.
             if let Some(open) = self.batches.remove(&batch) {
-                self.end_job(to.conn);
+                self.end_job(to.conn, open.items);
                 return Some(Ok(open.results));
             }
         }
@@ -500,15 +519,17 @@ impl Node {
         }
     }
 
-    /// Holds a batch until its `pending` copies are done; it counts as one job.
-    /// `results` is the reply so far (`Answer::Stored` or `Answer::Lengths`).
-    fn open_batch(&mut self, to: ReplyTo, results: Answer, pending: usize) -> u64 {
+    /// Holds a batch until its `pending` copies are done; it counts as one request of
+    /// `items` items. `results` is the reply so far (`Answer::Stored` or
+    /// `Answer::Lengths`).
+    fn open_batch(&mut self, to: ReplyTo, results: Answer, items: usize, pending: usize) -> u64 {
         let id = self.next_id();
-        self.start_job(to.conn);
+        self.start_job(to.conn, items);
         self.batches.insert(
             id,
             Batch {
                 reply: to,
+                items,
                 results,
                 pending,
                 failed: None,
@@ -616,13 +637,13 @@ impl Node {
         if answer != Ok(Answer::Pinned(None)) || !self.l2_enabled() || self.l1_holds(key) {
             return Some(answer);
         }
-        if !self.has_room(to.conn) {
-            return Some(Err(overloaded()));
+        if !self.has_room(to.conn, 1) {
+            return Some(Err(self.overloaded(to.conn)));
         }
         let tenant = self.tenant(to.conn);
         match self.l2_ask(now, key, tenant, ReadFor::PrepareRetrieve { to, instance }) {
             Ok(()) => {
-                self.start_job(to.conn);
+                self.start_job(to.conn, 1);
                 None
             }
             Err(_) => Some(answer),
@@ -650,6 +671,18 @@ impl Node {
 }
 
 impl Node {
+    /// The connection a copy for `purpose` answers: its tenant's turn at the pool is
+    /// the copy's.
+    pub(super) fn conn_of(&self, purpose: &CopyFor) -> ConnId {
+        match purpose {
+            CopyFor::Retrieve(to) | CopyFor::Store(to) => to.conn,
+            CopyFor::BatchRetrieve { batch, .. } | CopyFor::BatchStore { batch, .. } => self
+                .batches
+                .get(batch)
+                .map_or(ConnId(u64::MAX), |batch| batch.reply.conn),
+        }
+    }
+
     /// The deadline of a copy for `purpose`: its request's ([`ReplyTo::deadline`]) when
     /// it copies into a worker's buffer, else None.
     pub(super) fn deadline_of(&self, purpose: &CopyFor) -> Option<Instant> {

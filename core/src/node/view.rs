@@ -50,8 +50,16 @@ pub struct NodeStatus {
     pub frees_in_flight: usize,
     /// Frees that exceeded the watchdog.
     pub frees_hung_total: u64,
-    /// Builds, copies and blends running.
+    /// Requests running (builds, copies, blends, L2 reads, batches).
     pub jobs_in_flight: usize,
+    /// Builds, copies and blends the pool may run at once ([`jobs`](super::jobs)).
+    pub pool_window: usize,
+    /// Builds, copies and blends handed to the pool and not yet reported back.
+    pub pool_running: usize,
+    /// Builds, copies and blends waiting for their tenant's turn at the pool.
+    pub pool_waiting: usize,
+    /// Builds, copies and blends handed to the pool so far.
+    pub pool_handed_out_total: u64,
     /// L1 slots: total, used, reserved, pinned.
     pub l1_slots: (usize, usize, usize, usize),
     /// Bytes per slot.
@@ -134,6 +142,10 @@ impl Node {
             frees_in_flight: self.frees_unfinished(),
             frees_hung_total: self.frees.hung_total(),
             jobs_in_flight: self.jobs_in_flight,
+            pool_window: self.jobs.window(),
+            pool_running: self.jobs.running(),
+            pool_waiting: self.jobs.waiting(),
+            pool_handed_out_total: self.jobs.handed_out(),
             l1_slots: (
                 self.l1.num_slots(),
                 self.l1.used_slots(),

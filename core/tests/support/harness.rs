@@ -80,6 +80,19 @@ impl Harness {
             l2,
             connections,
             kvwarden_core::node::mapped::MappedLimits::unbounded(),
+            kvwarden_core::node::jobs::UNBOUNDED,
+        )
+    }
+
+    /// As [`Harness::with_slots`] without L2, handing at most `window` builds, copies
+    /// and blends to the pool at once (the rest wait their tenant's turn).
+    pub fn with_pool_window(num_slots: usize, window: usize) -> Harness {
+        Harness::with_caps(
+            num_slots,
+            None,
+            kvwarden_core::node::admission::ConnectionLimits::unbounded(),
+            kvwarden_core::node::mapped::MappedLimits::unbounded(),
+            window,
         )
     }
 
@@ -90,6 +103,7 @@ impl Harness {
             None,
             kvwarden_core::node::admission::ConnectionLimits::unbounded(),
             mapped,
+            kvwarden_core::node::jobs::UNBOUNDED,
         )
     }
 
@@ -98,6 +112,7 @@ impl Harness {
         l2: Option<L2NodeConfig>,
         connections: kvwarden_core::node::admission::ConnectionLimits,
         mapped: kvwarden_core::node::mapped::MappedLimits,
+        pool_window: usize,
     ) -> Harness {
         let config = NodeConfig {
             liveness: Config {
@@ -129,6 +144,7 @@ impl Harness {
             cuda_devices: Err("no CUDA in tests".into()),
             connections,
             mapped,
+            pool_window,
             l2,
         };
         let mut harness = Harness {

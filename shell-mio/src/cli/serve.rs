@@ -133,7 +133,9 @@ pub struct ServeArgs {
     /// (kvwarden_frees_hung_total); it never blocks pings or other frees.
     #[arg(long, default_value_t = 10.0, value_name = "SECONDS")]
     free_watchdog_seconds: f64,
-    /// Threads that build contexts and copy data (1 to 256).
+    /// Threads that build contexts and copy data (1 to 256). Twice as many jobs run
+    /// at once; the other copies wait in the server, one queue per tenant, served a
+    /// copy per tenant in turn.
     #[arg(long, default_value_t = 4, value_name = "N")]
     pool_threads: usize,
     /// L2: a Redis Cluster (any of its nodes as seeds) or one plain Redis, shared by

@@ -220,6 +220,10 @@ pub struct LimitsStatus {
 #[allow(missing_docs)] // the keys of docs/protocol.md's status section
 pub struct TransfersStatus {
     pub copies_past_deadline_total: u64,
+    pub pool_window: usize,
+    pub pool_running: usize,
+    pub pool_waiting: usize,
+    pub pool_handed_out_total: u64,
 }
 
 /// The `mapped` section.
@@ -379,6 +383,10 @@ mod tests {
             },
             transfers: TransfersStatus {
                 copies_past_deadline_total: 0,
+                pool_window: 4,
+                pool_running: 0,
+                pool_waiting: 0,
+                pool_handed_out_total: 0,
             },
             watched_processes: 0,
             instances_by_death_notice: DeathNoticeCounts {

@@ -332,6 +332,9 @@ impl Server {
                     Some(config.frame_timeout),
                 ),
                 mapped: config.mapped,
+                // Twice the threads: each finds its next job without a turn of the
+                // loop in between, and a tenant's copy waits for at most that many.
+                pool_window: 2 * config.pool_threads.max(1),
             },
             Instant::ZERO,
         )?;

@@ -315,6 +315,10 @@ impl Server {
             },
             transfers: TransfersStatus {
                 copies_past_deadline_total: node.copies_past_deadline_total,
+                pool_window: node.pool_window,
+                pool_running: node.pool_running,
+                pool_waiting: node.pool_waiting,
+                pool_handed_out_total: node.pool_handed_out_total,
             },
             watched_processes: node.watched_processes,
             instances_by_death_notice: DeathNoticeCounts {
