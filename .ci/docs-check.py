@@ -1,6 +1,6 @@
 """Every name the docs give an operator is one the binary has.
 
-    python3 .ci/docs-check.py ROOT METRICS_TEXT STATUS_JSON HELP_DIR [DOC ...]
+    python3 .ci/docs-check.py ROOT METRICS_TEXT STATUS_JSON HELP_DIR BINARY [DOC ...]
 
 Reads the code spans (`...`) of README.md, docs/*.md and python/README.md (or the DOCs
 given) and looks each name up in what a live server showed:
@@ -21,7 +21,15 @@ given) and looks each name up in what a live server showed:
   some `kvwarden ... --help` text saved under HELP_DIR (one file per command).
 - a path in the repository (a span such as `core/src/node/l2/` or
   `tests/tests/l2.rs`, under one of its top folders, `:line` or `#anchor` after it
-  allowed): a file or folder under ROOT.
+  allowed): a file or folder under ROOT;
+- a quoted log line or message: a line `LEVEL kvwarden::target: message fields`, a span
+  right after a level or a verb of saying (`WARNING `...``, `ERROR (`...`)`, `logs
+  `...``, `says`, `prints`) and a span that starts with `kvwarden: ` (the Python
+  client's and connector's log lines): each run of three or more plain words of the
+  message (split at `…`, `...`, `<…>`, words in capitals (N, PATH) and
+  values: a word with a digit, `/`, `=`, `_` or a quote; `key=value` fields cut off) is
+  in BINARY's strings or in python/src/ (its string literals joined), whole or in two
+  parts of two words or more (a `{}` between them).
 
 Exits 1 naming every name it could not find, with the file and line.
 """
@@ -63,6 +71,56 @@ FOREIGN_FLAGS = {
     "--version", "--json",
 }
 L2_PREFIX = "kvwarden_l2_"
+# A log line as the server prints it (timestamp left out), and a span right after a level.
+LOG_LINE = re.compile(r"^\s*(?:INFO|WARN|ERROR|DEBUG) kvwarden(?:::[a-z0-9_]+)*: (.+)$")
+LEVEL_SPAN = re.compile(r"\b(?:INFO|WARN|WARNING|ERROR|logs?|says|prints)\s+\(?`([^`\n]+)`")
+# Where a message's literal text breaks: a placeholder or a value.
+BREAK = re.compile(r"…|\.\.\.|<[^>]*>|\{[^}]*\}")
+VALUE = re.compile(r"[0-9/=_\"'`]|^[A-Z][A-Z_]+$|^[B-HJ-Z]$|^-")
+FIELDS = re.compile(r"\s[a-z_]+=\S.*$")
+
+
+def message_runs(message):
+    """The runs of three or more plain words of a quoted message, as written: what must
+    be literal text of the binary (or the Python client)."""
+    message = FIELDS.sub("", message)
+    runs = []
+    for piece in BREAK.split(message):
+        words = []
+        for word in piece.split() + ["0"]:  # a value ends the last run
+            if VALUE.search(word.strip(".,;:()[]!?")) or not word.strip(".,;:()[]!?"):
+                if len(words) >= 3:
+                    runs.append(" ".join(words).strip(" .,;:()"))
+                words = []
+            else:
+                words.append(word)
+    return runs
+
+
+def in_corpus(run, corpus):
+    """Whether `run` is in `corpus`, whole or as two parts of two words or more each
+    (the binary keeps a format string's pieces apart)."""
+    if run in corpus:
+        return True
+    words = run.split(" ")
+    return any(
+        " ".join(words[:k]) in corpus and " ".join(words[k:]) in corpus
+        for k in range(2, len(words) - 1)
+    )
+
+
+def load_corpus(root, binary):
+    """The binary's printable strings and python/src/'s text, whitespace collapsed (a
+    Python literal split over lines joined back)."""
+    data = open(binary, "rb").read()
+    parts = [b" ".join(re.findall(rb"[\x20-\x7e]{4,}", data)).decode("ascii")]
+    for folder, _, files in os.walk(os.path.join(root, "python", "src")):
+        for name in files:
+            if name.endswith(".py"):
+                text = open(os.path.join(folder, name)).read()
+                text = re.sub(r"([\"'])\s*\n\s*[rbf]*\1", "", text)
+                parts.append(text)
+    return re.sub(r"\s+", " ", " ".join(parts))
 
 
 def load_metrics(path):
@@ -120,7 +178,8 @@ def lookup(status, path):
 
 
 def main():
-    root, metrics_path, status_path, help_dir, *docs = sys.argv[1:]
+    root, metrics_path, status_path, help_dir, binary, *docs = sys.argv[1:]
+    corpus = load_corpus(root, binary)
     metrics = load_metrics(metrics_path)
     status = json.load(open(status_path))
     helps = "".join(open(os.path.join(help_dir, f)).read() for f in sorted(os.listdir(help_dir)))
@@ -141,6 +200,18 @@ def main():
         if not os.path.exists(path):
             continue
         for number, line in enumerate(open(path), 1):
+            quoted = LEVEL_SPAN.findall(line)
+            quoted += [span for span in SPAN.findall(line) if span.startswith("kvwarden: ")]
+            logged = LOG_LINE.match(line)
+            if logged:
+                quoted.append(logged.group(1))
+            for message in quoted:
+                for run in message_runs(message):
+                    checked += 1
+                    if not in_corpus(run, corpus):
+                        problems.append(
+                            f"{doc}:{number}: `{message}`: \"{run}\" is in no message of the binary"
+                        )
             for span in SPAN.findall(line):
                 where = f"{doc}:{number}: `{span}`"
                 for name in METRIC.findall(span):

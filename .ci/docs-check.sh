@@ -3,9 +3,10 @@
 # flag that README.md, docs/*.md and python/README.md name in a code span is looked up
 # in a live server (started here with --l2 on a throwaway redis-server, a worker
 # registered, HTTP on) and its --help texts (.ci/docs-check.py says what counts as
-# which). Then the checker is shown to fail: a scratch doc naming one wrong metric, log
-# target, field, flag, vLLM connector counter and repository path must give exactly six
-# problems. About 20 s.
+# which), the log lines and messages they quote against the binary's strings. Then the
+# checker is shown to fail: a scratch doc naming one wrong metric, log target, field,
+# flag, vLLM connector counter, repository path and log line must give exactly seven
+# problems. About 25 s.
 #
 #   bash .ci/docs-check.sh          # KVWARDEN_BIN: the binary (default: target/debug)
 set -euo pipefail
@@ -52,20 +53,21 @@ for sub in $(sed -n '/^Commands:/,/^$/s/^  \([a-z0-9-]*\) .*/\1/p' "$work/help/g
   [ "$sub" = help ] || "$bin" gpu "$sub" --help >"$work/help/gpu-$sub"
 done
 
-python3 "$root/.ci/docs-check.py" "$root" "$work/metrics.txt" "$work/status.json" "$work/help"
+python3 "$root/.ci/docs-check.py" "$root" "$work/metrics.txt" "$work/status.json" "$work/help" "$bin"
 
 # The checker fails on a wrong name of each kind (and only on those).
 cat >"$work/wrong.md" <<'MD'
 `kvwarden_no_such_metric_total`, `kvwarden::server::event_loop::effects`,
 `worker_liveness.no_such_field`, `--no-such-flag`, `vllm:kvwarden_no_such_total`,
-`core/src/node/l2.rs`; and right ones: `kvwarden_reaps_total`,
+`core/src/node/l2.rs`, WARNING `the server ate the socket whole`; and right ones:
+`kvwarden_reaps_total`, ERROR `a context free is still running after the watchdog period`,
 `kvwarden::server::event_loop::outputs`, `trust.forbidden_total`, `--tcp-token-file`,
 `vllm:kvwarden_saves_dropped_total`, `core/src/node/l2/`, `tests/tests/l2.rs:10`.
 MD
 if python3 "$root/.ci/docs-check.py" "$root" "$work/metrics.txt" "$work/status.json" \
-     "$work/help" "$work/wrong.md" 2>"$work/wrong.err"; then
-  die "the checker passed a doc with six wrong names"
+     "$work/help" "$bin" "$work/wrong.md" 2>"$work/wrong.err"; then
+  die "the checker passed a doc with seven wrong names"
 fi
 problems="$(grep -c ': `' "$work/wrong.err" || true)"
-[ "$problems" -eq 6 ] || { cat "$work/wrong.err" >&2; die "expected 6 problems in the wrong doc, got $problems"; }
-echo "docs-check: shown to fail on a wrong metric, log target, status field, flag, vLLM counter and path (6 of 6)"
+[ "$problems" -eq 7 ] || { cat "$work/wrong.err" >&2; die "expected 7 problems in the wrong doc, got $problems"; }
+echo "docs-check: shown to fail on a wrong metric, log target, status field, flag, vLLM counter, path and log line (7 of 7)"
