@@ -45,11 +45,16 @@ fn served(raw: &mut RawClient) -> bool {
 
 /// Registers one memfd buffer for `instance` over a fresh, attached connection.
 fn register_memfd(socket: &Path, instance: u64) -> RawClient {
+    register_memfd_of(socket, instance, 64 << 10)
+}
+
+/// [`register_memfd`] with a buffer of `nbytes`.
+fn register_memfd_of(socket: &Path, instance: u64, nbytes: u64) -> RawClient {
     let mut raw = RawClient::connect_attached(socket, instance);
-    let fd = kvwarden::memfd::create("bounded-peers", 64 << 10).expect("a memfd");
+    let fd = kvwarden::memfd::create("bounded-peers", nbytes).expect("a memfd");
     let args = vec![
         instance.into(),
-        Value::Array(vec![memfd_spec(0, 64 << 10)]),
+        Value::Array(vec![memfd_spec(0, nbytes)]),
         "m".into(),
         1.into(),
     ];
@@ -819,18 +824,7 @@ fn register_and_store(
     key: &[u8],
     stored: u64,
 ) -> RawClient {
-    let mut raw = RawClient::connect_attached(socket, instance);
-    let fd = kvwarden::memfd::create("row68", nbytes).expect("a memfd");
-    let args = vec![
-        instance.into(),
-        Value::Array(vec![memfd_spec(0, nbytes)]),
-        "m".into(),
-        1.into(),
-    ];
-    let reply = raw
-        .request_with_fds("register_kv_cache", args, &[fd.as_fd()])
-        .expect("a reply to register");
-    reply.result.expect("registered");
+    let mut raw = register_memfd_of(socket, instance, nbytes);
     let args = vec![
         instance.into(),
         Value::Binary(key.to_vec()),
