@@ -5,6 +5,12 @@
 //! ("strangers"): a uid and a TCP tenant hold at most `--max-connections-per-uid`,
 //! strangers at most an eighth of the bound, so that tokenless peers cannot take the
 //! places of the workers that hold a token (row 67).
+//!
+//! A share is counted against the places left: a uid or a TCP tenant holds at most the
+//! same part (`--max-connections-per-uid` of `--max-connections`, three quarters by
+//! default) of the places the other holders leave, so no one holder takes the last of
+//! them: with 200 places, one uid holding 150 leaves 50, a second uid may take 37 of
+//! those, a third 9 of the last 13.
 
 use super::ConnId;
 use crate::Instant;
@@ -68,13 +74,16 @@ pub enum Refused {
     },
     /// The peer's uid holds its whole share.
     #[error(
-        "uid {uid} already holds --max-connections-per-uid {per_uid} connections (a quarter \
-         of --max-connections is kept for the other uids)"
+        "uid {uid} already holds its share, {share} connections (--max-connections-per-uid \
+         {per_uid}, and that part of the places the other uids leave, so that some always \
+         stay for them)"
     )]
     UidShare {
         /// The uid.
         uid: u32,
-        /// The share.
+        /// Its share now.
+        share: usize,
+        /// `--max-connections-per-uid`.
         per_uid: usize,
     },
     /// TCP peers that have not authenticated hold their whole share.
@@ -89,13 +98,15 @@ pub enum Refused {
     },
     /// A TCP tenant holds its whole share (refused at its `hello`).
     #[error(
-        "TCP tenant #{tenant} already holds --max-connections-per-uid {per_uid} \
-         connections"
+        "TCP tenant #{tenant} already holds its share, {share} connections \
+         (--max-connections-per-uid {per_uid}, and that part of the places the others leave)"
     )]
     TenantShare {
         /// The tenant's index.
         tenant: u32,
-        /// The share.
+        /// Its share now.
+        share: usize,
+        /// `--max-connections-per-uid`.
         per_uid: usize,
     },
 }
@@ -171,9 +182,10 @@ impl Admission {
             None if self.evicted.len() >= self.limits.per_stranger => Err(Refused::StrangerShare {
                 per_stranger: self.limits.per_stranger,
             }),
-            Some(uid) if self.held(Holder::Uid(uid)) >= self.limits.per_uid => {
+            Some(uid) if self.held(Holder::Uid(uid)) >= self.share(Holder::Uid(uid)) => {
                 Err(Refused::UidShare {
                     uid,
+                    share: self.share(Holder::Uid(uid)),
                     per_uid: self.limits.per_uid,
                 })
             }
@@ -183,6 +195,22 @@ impl Admission {
 
     fn held(&self, holder: Holder) -> usize {
         self.by_holder.get(&holder).copied().unwrap_or(0)
+    }
+
+    /// What `holder` (a uid or a TCP tenant) may hold now: `--max-connections-per-uid`,
+    /// and that part of the places the other holders leave (at least one).
+    pub fn share(&self, holder: Holder) -> usize {
+        self.share_with(holder, 0)
+    }
+
+    /// [`Admission::share`] when `coming` places counted already (a stranger's that is
+    /// authenticating) are about to become `holder`'s.
+    fn share_with(&self, holder: Holder, coming: usize) -> usize {
+        let ConnectionLimits { max, per_uid, .. } = self.limits;
+        let others = self.total.saturating_sub(self.held(holder) + coming);
+        let left = max.saturating_sub(others);
+        let of_left = (left as u128 * per_uid as u128 / max as u128) as usize;
+        per_uid.min(of_left.max(1))
     }
 
     /// A connection of `holder` was opened.
@@ -243,9 +271,12 @@ impl Admission {
     /// when the tenant holds its whole share already, it stays a stranger (refused).
     pub fn authenticated(&mut self, conn: ConnId, tenant: u32) -> Result<Holder, Refused> {
         let holder = Holder::Tenant(tenant);
-        if self.held(holder) >= self.limits.per_uid {
+        // Its place is counted already, as a stranger's.
+        let share = self.share_with(holder, 1);
+        if self.held(holder) >= share {
             return Err(Refused::TenantShare {
                 tenant,
+                share,
                 per_uid: self.limits.per_uid,
             });
         }
@@ -306,32 +337,72 @@ mod tests {
         );
     }
 
+    /// Connects `uid` until it is refused; returns how many it got.
+    fn fill(admission: &mut Admission, uid: u32) -> usize {
+        let mut got = 0;
+        while admission.admits(Some(uid)).is_ok() {
+            admission.connected(Holder::Uid(uid));
+            got += 1;
+        }
+        got
+    }
+
     #[test]
     fn one_uid_stops_at_its_share_and_others_still_connect_up_to_the_bound() {
         let mut admission = Admission::new(ConnectionLimits::new(20, None, None));
-        // A uid takes its 15 ...
-        for _ in 0..15 {
-            assert_eq!(admission.admits(Some(7)), Ok(()));
-            admission.connected(Holder::Uid(7));
-        }
-        // ... and no more,
+        // A uid takes its 15 and no more,
+        assert_eq!(fill(&mut admission, 7), 15);
         assert_eq!(
             admission.admits(Some(7)),
             Err(Refused::UidShare {
                 uid: 7,
+                share: 15,
                 per_uid: 15
             })
         );
-        // while a Unix worker of another uid still connects, up to the bound.
-        for _ in 0..5 {
-            assert_eq!(admission.admits(Some(1000)), Ok(()));
-            admission.connected(Holder::Uid(1000));
-        }
-        assert_eq!(admission.admits(Some(1001)), Err(Refused::Full { max: 20 }));
-        // A closed connection gives its place back to its uid.
+        // while the others still connect, up to the bound: each share is counted
+        // against the places left, so no one uid takes the last of them.
+        assert_eq!(
+            fill(&mut admission, 1000),
+            3,
+            "three quarters of the 5 left"
+        );
+        assert_eq!(fill(&mut admission, 1001), 1, "of the 2 left");
+        assert_eq!(fill(&mut admission, 1002), 1, "the last one");
+        assert_eq!(admission.admits(Some(1003)), Err(Refused::Full { max: 20 }));
+        // A place uid 7 gives back is not its own to take again while the others hold
+        // 5: its share is now three quarters of the 15 they leave; another uid's it is.
         admission.disconnected(Holder::Uid(7));
-        assert_eq!(admission.admits(Some(7)), Ok(()));
-        assert_eq!(admission.admits(Some(1001)), Ok(()));
+        assert_eq!(
+            admission.admits(Some(7)),
+            Err(Refused::UidShare {
+                uid: 7,
+                share: 11,
+                per_uid: 15
+            })
+        );
+        assert_eq!(admission.admits(Some(1003)), Ok(()));
+    }
+
+    /// Row 44 and issue 51: two uids cannot hold every place between them (150 + 50 of
+    /// 200 before): the second gets three quarters of what the first leaves.
+    #[test]
+    fn a_share_is_counted_against_the_places_the_others_leave() {
+        let mut admission = Admission::new(ConnectionLimits::new(200, None, None));
+        assert_eq!(fill(&mut admission, 1), 150);
+        assert_eq!(fill(&mut admission, 2), 37);
+        assert_eq!(
+            admission.share(Holder::Uid(3)),
+            9,
+            "three quarters of the last 13"
+        );
+        // An operator's explicit share is its part of the places left likewise.
+        let mut admission = Admission::new(ConnectionLimits::new(100, Some(100), None));
+        assert_eq!(
+            fill(&mut admission, 1),
+            100,
+            "one uid may take all: the operator said so"
+        );
     }
 
     /// Row 67: tokenless TCP peers hold an eighth of the bound together: past it the
@@ -358,19 +429,21 @@ mod tests {
         // One proves a token: it leaves the strangers' share.
         assert_eq!(admission.authenticated(ConnId(6), 0), Ok(Holder::Tenant(0)));
         assert_eq!(admission.held(Holder::Tenant(0)), 1);
-        // A tenant at its share stays a stranger.
-        for conn in 10..39 {
+        // A tenant at its share stays a stranger: its share is three quarters of the
+        // places the others (the strangers, 5 of them) leave, 26 of 35.
+        let mut conn = 10;
+        while {
             arrive(&mut admission, conn);
-            assert_eq!(
-                admission.authenticated(ConnId(conn), 0),
-                Ok(Holder::Tenant(0))
-            );
+            admission.authenticated(ConnId(conn), 0).is_ok()
+        } {
+            conn += 1;
         }
-        arrive(&mut admission, 39);
+        assert_eq!(admission.held(Holder::Tenant(0)), 26);
         assert_eq!(
-            admission.authenticated(ConnId(39), 0),
+            admission.authenticated(ConnId(conn), 0),
             Err(Refused::TenantShare {
                 tenant: 0,
+                share: 26,
                 per_uid: 30
             })
         );

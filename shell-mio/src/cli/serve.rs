@@ -94,10 +94,12 @@ pub struct ServeArgs {
     /// aside (the quarter for fds on their way in frames)].
     #[arg(long, value_name = "N")]
     max_connections: Option<usize>,
-    /// The most connections one uid holds at once; all TCP peers together count as one
-    /// uid. Past it that uid's new connections are refused (kvwarden_connections_cut_total
-    /// {reason="uid_share"}) while other uids still connect [default: three quarters of
-    /// --max-connections].
+    /// The most connections one uid, or one TCP tenant, holds at once, and the part of
+    /// the places the others leave it may take (so no one holder takes the last of
+    /// them); TCP peers that have not authenticated hold an eighth of --max-connections
+    /// together. Past it that uid's new connections are refused
+    /// (kvwarden_connections_cut_total{reason="uid_share"}) while other uids still
+    /// connect [default: three quarters of --max-connections].
     #[arg(long, value_name = "N")]
     max_connections_per_uid: Option<usize>,
     /// A request frame must arrive whole within this of its first byte (the first frame
