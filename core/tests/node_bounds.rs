@@ -488,3 +488,139 @@ fn row_68_one_tenants_copies_wait_their_turn_and_another_tenant_is_served() {
     assert!(h.node.status().pool_waiting > 2000, "the flood still waits");
     assert!(floods.iter().all(|&flood| h.reply(flood).is_none()));
 }
+
+/// The names of the tenants the node tracks.
+fn tenant_names(h: &Harness) -> Vec<String> {
+    h.node
+        .status()
+        .tenants
+        .into_iter()
+        .map(|tenant| tenant.view.name)
+        .collect()
+}
+
+/// Row 69: subordinate uids count as their owner. Uid 1001 owns 200000..265535: 40 of
+/// them connect as one tenant, `uid-1001` (before, 40 tenants, each diluting the
+/// others' fair share of L1), and hold its share of the connections together (15 of
+/// 20); uid 1002, outside the range, still connects (the control), and an operator's
+/// tenant naming a subordinate uid itself keeps it.
+#[test]
+fn row_69_subordinate_uids_count_as_their_owner() {
+    use kvwarden_core::node::trust::{SubuidRange, TenantSpec};
+    let mut h = Harness::adjusted(8, |config| {
+        config.trust.subuids = vec![SubuidRange {
+            owner: 1001,
+            start: 200_000,
+            count: 65_536,
+        }];
+        config.trust.tenants.push(TenantSpec {
+            name: "named".into(),
+            uids: vec![200_007],
+            tokens: vec![],
+            quota_percent: None,
+            engine_driven: false,
+        });
+        config.connections = ConnectionLimits::new(20, None, None);
+    });
+    let before = tenant_names(&h).len();
+    // Control: uid 1002 is a tenant of its own.
+    assert_eq!(h.node.admits(Some(1002)), Ok(()));
+    h.connect(ConnId(2), Some(1002), None);
+    assert!(tenant_names(&h).contains(&"uid-1002".to_string()));
+    // 40 subordinate uids of 1001 (200007 aside: the operator named it).
+    let mut admitted = 0;
+    for (n, uid) in (200_000..200_041).filter(|&uid| uid != 200_007).enumerate() {
+        if h.node.admits(Some(uid)).is_ok() {
+            h.connect(ConnId(100 + n as u64), Some(uid), None);
+            admitted += 1;
+        } else {
+            let refused = h.node.admits(Some(uid)).unwrap_err();
+            assert!(
+                matches!(refused, Refused::UidShare { uid: 1001, .. }),
+                "counted as their owner: {refused}"
+            );
+        }
+    }
+    let names = tenant_names(&h);
+    assert_eq!(
+        names.len(),
+        before + 2,
+        "uid-1002 and uid-1001 only: {names:?}"
+    );
+    assert!(names.contains(&"uid-1001".to_string()));
+    // Root's connection 1 and uid 1002's hold 2: 1001 takes three quarters of the 18
+    // places they leave, 13, not 40.
+    assert_eq!(admitted, 13);
+    // The operator's tenant keeps the subordinate uid it names.
+    assert_eq!(h.node.admits(Some(200_007)), Ok(()));
+    h.connect(ConnId(99), Some(200_007), None);
+    assert_eq!(
+        tenant_names(&h).len(),
+        before + 2,
+        "named is the operator's, known"
+    );
+}
+
+/// Row 70: a tenant made for a uid that holds nothing is forgotten, so uids that came
+/// and went never use up the tenants (before, 65,536 one-time uids left every new uid
+/// `forbidden` until a restart). With a bound of 4 tenants (the server's own and the
+/// TCP tenant among them): uids connect and leave one after another, and a new uid is
+/// still served; one holding a connection, or an L1 chunk, is kept, and its chunk
+/// stays readable.
+#[test]
+fn row_70_tenants_that_hold_nothing_are_forgotten() {
+    let mut h = Harness::adjusted(8, |config| config.trust.max_tenants = Some(4));
+    let lookup = |h: &mut Harness, conn: u64| {
+        let request = h.send_on(ConnId(conn), Op::Lookup { keys: vec![] }, 0);
+        h.reply(request)
+    };
+    // Control: OWNER's worker stores a chunk (its tenant holds a slot).
+    let owner = id(1);
+    h.registered(owner);
+    h.stored(owner, b"kept");
+    // Uids 3000.. come and go, one at a time: each is served, then leaves.
+    for uid in 3000..3020u32 {
+        let conn = 10 + u64::from(uid);
+        h.connect(ConnId(conn), Some(uid), None);
+        assert_eq!(
+            lookup(&mut h, conn),
+            Some(Ok(rmpv::Value::from(0u64))),
+            "uid {uid} is served"
+        );
+        h.input(Input::Disconnected { conn: ConnId(conn) });
+    }
+    assert!(
+        !tenant_names(&h)
+            .iter()
+            .any(|name| name.starts_with("uid-30")),
+        "those that left hold nothing: forgotten"
+    );
+    // One stays connected: kept; the bound (4: OWNER's, the TCP tenant, this one and
+    // one more) then still has room for one new uid at a time.
+    h.connect(ConnId(5000), Some(4000), None);
+    h.connect(ConnId(5001), Some(4001), None);
+    assert_eq!(lookup(&mut h, 5001), Some(Ok(rmpv::Value::from(0u64))));
+    // Full: a fifth uid finds no tenant while every one holds something ...
+    h.connect(ConnId(5002), Some(4002), None);
+    let refused = lookup(&mut h, 5002)
+        .expect("answered")
+        .expect_err("no tenant");
+    assert_eq!(refused.code, ErrorCode::Forbidden);
+    assert!(
+        refused.message.contains("tracks 4 tenants"),
+        "{}",
+        refused.message
+    );
+    h.input(Input::Disconnected { conn: ConnId(5002) });
+    // ... until one lets go; the one still connected is kept, and OWNER's chunk too.
+    h.input(Input::Disconnected { conn: ConnId(5001) });
+    h.connect(ConnId(5003), Some(4003), None);
+    assert_eq!(lookup(&mut h, 5003), Some(Ok(rmpv::Value::from(0u64))));
+    let names = tenant_names(&h);
+    assert!(names.contains(&"uid-4000".to_string()), "{names:?}");
+    assert!(names.contains(&format!("uid-{OWNER}")), "{names:?}");
+    let request = h.send(Op::Lookup {
+        keys: vec![b"kept".to_vec()],
+    });
+    assert_eq!(h.reply(request), Some(Ok(rmpv::Value::from(1u64))));
+}

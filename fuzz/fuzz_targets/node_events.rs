@@ -314,6 +314,8 @@ fuzz_target!(|input: (bool, Vec<Step>)| {
         cuda_devices: Err("none".into()),
         connections: kvwarden_core::node::admission::ConnectionLimits::unbounded(),
         mapped: kvwarden_core::node::mapped::MappedLimits::unbounded(),
+        // A small window: copies wait their tenant's turn in the node (row 68).
+        pool_window: 2,
         l2: with_l2.then(|| L2NodeConfig {
             timeout: Duration::from_millis(50),
             write_queue_bytes: 3 * 4096,

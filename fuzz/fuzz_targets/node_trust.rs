@@ -388,6 +388,12 @@ fuzz_target!(|steps: Vec<Step>| {
                 },
             ],
             nonce_secret: [3; 32],
+            subuids: vec![kvwarden_core::node::trust::SubuidRange {
+                owner: 1,
+                start: 100,
+                count: 10,
+            }],
+            max_tenants: Some(6),
         },
         boot_id: 1,
         server_name: "fuzz".into(),
@@ -396,6 +402,8 @@ fuzz_target!(|steps: Vec<Step>| {
         cuda_devices: Err("none".into()),
         connections: kvwarden_core::node::admission::ConnectionLimits::unbounded(),
         mapped: kvwarden_core::node::mapped::MappedLimits::unbounded(),
+        // A small window: copies wait their tenant's turn in the node (row 68).
+        pool_window: 2,
         l2: None,
     };
     #[allow(unused_mut)]

@@ -101,6 +101,7 @@ impl ServerSpec {
                 })
                 .collect(),
             nonce_secret: SIM_NONCE_SECRET,
+            ..Default::default()
         }
     }
 }

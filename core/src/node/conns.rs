@@ -43,8 +43,13 @@ impl Node {
         if self.conns.contains_key(&conn) {
             self.disconnected(conn);
         }
+        if let Some(uid) = uid
+            && self.trust.needs_room(uid)
+        {
+            self.forget_idle_tenants(); // row 70
+        }
         let peer = self.trust.connect(uid);
-        let holder = admission::Holder::of(uid);
+        let holder = admission::Holder::of(uid.map(|uid| self.trust.counted_uid(uid)));
         self.admission.connected(holder);
         let token_deadline = match transport {
             Transport::Tcp => self.admission.awaiting_token(conn, now),
@@ -104,6 +109,7 @@ impl Node {
         if let Some(deadline) = connection.token_deadline {
             self.admission.forget_deadline(conn, deadline);
         }
+        let tenant = connection.peer.tenant();
         for instance in self.trust.disconnect(connection.peer) {
             let holds_entry = Module::ALL
                 .iter()
@@ -112,6 +118,50 @@ impl Node {
                 self.trust.release(instance);
             }
         }
+        if let Some(tenant) = tenant
+            && self.holds_nothing(tenant, None)
+        {
+            self.trust.forget(tenant); // row 70: its last connection went
+        }
+    }
+
+    /// Forgets every tenant made on the fly for a uid that holds nothing (row 70): a
+    /// uid that comes back gets one anew, so the tenants tracked are those that hold
+    /// something, not every uid that ever connected.
+    fn forget_idle_tenants(&mut self) {
+        let mut busy = std::collections::HashSet::new();
+        busy.extend(self.conns.values().filter_map(|c| c.peer.tenant()));
+        busy.extend(self.records.values().map(|entry| entry.tenant));
+        let idle: Vec<TenantId> = self
+            .trust
+            .made_on_the_fly()
+            .filter(|&tenant| self.holds_nothing(tenant, Some(&busy)))
+            .collect();
+        for tenant in idle {
+            self.trust.forget(tenant);
+        }
+    }
+
+    /// Whether `tenant` holds nothing: no connection, entry, L1 slot (stored, being
+    /// written or pinned), mapped byte or copy waiting its turn. `busy`: the tenants
+    /// of every connection and entry, when a sweep gathered them once.
+    fn holds_nothing(
+        &self,
+        tenant: TenantId,
+        busy: Option<&std::collections::HashSet<TenantId>>,
+    ) -> bool {
+        let cheap = self.trust.made_for_a_uid(tenant)
+            && self.l1.tenant_slots(tenant) == 0
+            && self.mapped.of_tenant(tenant) == 0
+            && !self.jobs.has_waiting(tenant);
+        cheap
+            && match busy {
+                Some(busy) => !busy.contains(&tenant),
+                None => {
+                    !self.conns.values().any(|c| c.peer.tenant() == Some(tenant))
+                        && !self.records.values().any(|entry| entry.tenant == tenant)
+                }
+            }
     }
 
     /// Asks the shell to close every TCP connection still unauthenticated at its

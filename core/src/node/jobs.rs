@@ -89,6 +89,11 @@ impl JobQueue {
         self.running = self.running.saturating_sub(1);
     }
 
+    /// Whether `tenant` has copies waiting for its turn.
+    pub(super) fn has_waiting(&self, tenant: TenantId) -> bool {
+        self.queues.contains_key(&tenant)
+    }
+
     /// Jobs waiting for their turn (not yet handed to the pool).
     pub(super) fn waiting(&self) -> usize {
         self.waiting

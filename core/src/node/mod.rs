@@ -376,7 +376,9 @@ impl Node {
     /// Whether a peer of `uid` (None: TCP) may open one more connection now: the
     /// shell asks before it accepts one into the node ([`admission`]).
     pub fn admits(&self, uid: Option<u32>) -> Result<(), admission::Refused> {
-        self.admission.admits(uid)
+        // A subordinate uid counts as its owner (row 69).
+        self.admission
+            .admits(uid.map(|uid| self.trust.counted_uid(uid)))
     }
 
     /// The configuration.

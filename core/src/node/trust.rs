@@ -27,7 +27,8 @@ pub const MIN_SECRET_BYTES: usize = 16;
 pub const MAX_SECRET_BYTES: usize = 64;
 /// Instances one connection may attach.
 pub const MAX_ATTACHED_PER_CONNECTION: usize = 1024;
-/// Tenants the node tracks (the operator's and one per uid seen).
+/// Tenants the node tracks at once (the operator's and one per uid that holds something):
+/// a tenant made for a uid that holds nothing is forgotten to make room (row 70).
 pub const MAX_TENANTS: usize = 65_536;
 /// Bytes of a tenant name.
 pub const MAX_TENANT_NAME_BYTES: usize = 64;
@@ -35,6 +36,24 @@ pub const MAX_TENANT_NAME_BYTES: usize = 64;
 /// A tenant, by its index in the node's table.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct TenantId(pub u32);
+
+/// A range of subordinate uids (`/etc/subuid`: `owner:start:count`): a peer of a uid in
+/// it counts as `owner` for its tenant and its share of the connections (row 69).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SubuidRange {
+    /// The uid that owns the range.
+    pub owner: u32,
+    /// Its first uid.
+    pub start: u32,
+    /// How many uids.
+    pub count: u32,
+}
+
+impl SubuidRange {
+    fn holds(&self, uid: u32) -> bool {
+        uid >= self.start && u64::from(uid) < u64::from(self.start) + u64::from(self.count)
+    }
+}
 
 /// One tenant the operator declared (`--tenant`).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -62,6 +81,10 @@ pub struct TrustConfig {
     /// The secret the node's TCP challenge nonces are drawn from
     /// ([`tcp_auth::server_nonce`]): random at each start (the shell's `getrandom`).
     pub nonce_secret: [u8; 32],
+    /// Subordinate uid ranges (`--subuid-file`): each uid in one counts as its owner.
+    pub subuids: Vec<SubuidRange>,
+    /// Tenants tracked at once (None: [`MAX_TENANTS`]).
+    pub max_tenants: Option<usize>,
 }
 
 /// Why a [`TrustConfig`] cannot be used.
@@ -177,6 +200,11 @@ struct Tenant {
     prefix: Vec<u8>,
     quota_percent: Option<u32>,
     engine_driven: bool,
+    /// The uid it was made for on the fly (`uid-<uid>`; not the operator's, not the
+    /// server's own): such a tenant is forgotten once it holds nothing.
+    made_for: Option<u32>,
+    /// Forgotten: its id is free for another.
+    gone: bool,
 }
 
 struct Claim {
@@ -203,6 +231,10 @@ pub struct TenantView {
 pub struct Trust {
     tenants: Vec<Tenant>,
     by_uid: HashMap<u32, TenantId>,
+    /// Ids of forgotten tenants, free for new ones.
+    free: Vec<TenantId>,
+    max_tenants: usize,
+    subuids: Vec<SubuidRange>,
     tokens: Vec<(TcpKey, TenantId)>,
     nonce_secret: [u8; 32],
     /// Challenges made: the next server nonce's count.
@@ -229,6 +261,9 @@ impl Trust {
         let mut trust = Trust {
             tenants: Vec::new(),
             by_uid: HashMap::new(),
+            free: Vec::new(),
+            max_tenants: config.max_tenants.unwrap_or(MAX_TENANTS).max(1),
+            subuids: config.subuids.clone(),
             tokens: Vec::new(),
             nonce_secret: config.nonce_secret,
             challenges: 0,
@@ -283,25 +318,93 @@ impl Trust {
     }
 
     fn add_tenant(&mut self, name: String, quota_percent: Option<u32>, engine: bool) -> TenantId {
-        let id = TenantId(self.tenants.len() as u32);
-        self.tenants.push(Tenant {
+        let tenant = Tenant {
             prefix: scoped_key(&name, b""),
             name,
             quota_percent,
             engine_driven: engine,
-        });
-        id
+            made_for: None,
+            gone: false,
+        };
+        if let Some(id) = self.free.pop() {
+            self.tenants[id.0 as usize] = tenant;
+            return id;
+        }
+        self.tenants.push(tenant);
+        TenantId(self.tenants.len() as u32 - 1)
     }
 
-    /// The tenant of a Unix-socket peer of `uid`: the operator's, else its own.
+    /// The uid a peer of `uid` counts as, for its tenant and its share of the
+    /// connections: the owner of a subordinate range it is in (row 69), unless an
+    /// operator's tenant names `uid` itself; else `uid`.
+    pub fn counted_uid(&self, uid: u32) -> u32 {
+        let named = self
+            .by_uid
+            .get(&uid)
+            .is_some_and(|&tenant| self.tenants[tenant.0 as usize].made_for.is_none());
+        if named {
+            return uid;
+        }
+        self.subuids
+            .iter()
+            .find(|range| range.holds(uid))
+            .map_or(uid, |range| range.owner)
+    }
+
+    /// Whether a peer of `uid` would find no tenant: it has none yet and the node
+    /// tracks as many as it may (the node then forgets those that hold nothing).
+    pub fn needs_room(&self, uid: u32) -> bool {
+        !self.by_uid.contains_key(&self.counted_uid(uid)) && self.live_tenants() >= self.max_tenants
+    }
+
+    /// Tenants tracked now.
+    pub fn live_tenants(&self) -> usize {
+        self.tenants.len() - self.free.len()
+    }
+
+    /// Tenants made on the fly for a uid: those the node may forget ([`Trust::forget`]).
+    pub fn made_on_the_fly(&self) -> impl Iterator<Item = TenantId> + '_ {
+        self.tenants
+            .iter()
+            .enumerate()
+            .filter(|(_, tenant)| tenant.made_for.is_some() && !tenant.gone)
+            .map(|(index, _)| TenantId(index as u32))
+    }
+
+    /// Whether `tenant` was made on the fly for a uid (and is not forgotten).
+    pub fn made_for_a_uid(&self, tenant: TenantId) -> bool {
+        self.tenants
+            .get(tenant.0 as usize)
+            .is_some_and(|t| t.made_for.is_some() && !t.gone)
+    }
+
+    /// Forgets `tenant`, made on the fly for a uid, which holds nothing (the node
+    /// checked: no connection, entry, L1 slot, mapped byte or queued copy): its uid
+    /// gets a tenant anew when it comes back, under the same name, so the same keys.
+    pub fn forget(&mut self, tenant: TenantId) {
+        let Some(entry) = self.tenants.get_mut(tenant.0 as usize) else {
+            return;
+        };
+        let Some(uid) = entry.made_for.take() else {
+            return; // the operator's, or the server's own: kept
+        };
+        entry.gone = true;
+        self.by_uid.remove(&uid);
+        self.free.push(tenant);
+    }
+
+    /// The tenant of a Unix-socket peer of `uid`: the operator's, else its own (its
+    /// subordinate range's owner's).
     fn tenant_of_uid(&mut self, uid: u32) -> Option<TenantId> {
+        let uid = self.counted_uid(uid);
         if let Some(&tenant) = self.by_uid.get(&uid) {
             return Some(tenant);
         }
-        if self.tenants.len() >= MAX_TENANTS {
+        if self.live_tenants() >= self.max_tenants {
             return None;
         }
         let tenant = self.add_tenant(format!("uid-{uid}"), None, false);
+        self.tenants[tenant.0 as usize].made_for = Some(uid);
         self.by_uid.insert(uid, tenant);
         Some(tenant)
     }
@@ -450,8 +553,10 @@ impl Trust {
             )
         } else {
             format!(
-                "`{op}`: the server tracks {MAX_TENANTS} tenants already and gave this \
-                 uid none; ask the operator to join uids into tenants (--tenant)"
+                "`{op}`: the server tracks {} tenants already, each holding something, and \
+                 gave this uid none; ask the operator to join uids into tenants (--tenant) or \
+                 to list subordinate uids (--subuid-file)",
+                self.max_tenants
             )
         }))
     }
@@ -589,6 +694,7 @@ impl Trust {
         self.tenants
             .iter()
             .enumerate()
+            .filter(|(_, tenant)| !tenant.gone)
             .map(|(index, tenant)| TenantView {
                 tenant: TenantId(index as u32),
                 name: tenant.name.clone(),
@@ -738,6 +844,7 @@ mod tests {
                 engine_driven: false,
             }],
             nonce_secret: [7; 32],
+            ..TrustConfig::default()
         };
         Trust::new(&config, 0).unwrap()
     }

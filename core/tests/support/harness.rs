@@ -114,7 +114,31 @@ impl Harness {
         mapped: kvwarden_core::node::mapped::MappedLimits,
         pool_window: usize,
     ) -> Harness {
-        let config = NodeConfig {
+        Harness::with_config(num_slots, l2, connections, mapped, pool_window, |_| {})
+    }
+
+    /// As [`Harness::with_slots`] without L2, with `adjust` applied to the node's
+    /// configuration (a small tenant bound, subordinate uid ranges).
+    pub fn adjusted(num_slots: usize, adjust: impl FnOnce(&mut NodeConfig)) -> Harness {
+        Harness::with_config(
+            num_slots,
+            None,
+            kvwarden_core::node::admission::ConnectionLimits::unbounded(),
+            kvwarden_core::node::mapped::MappedLimits::unbounded(),
+            kvwarden_core::node::jobs::UNBOUNDED,
+            adjust,
+        )
+    }
+
+    fn with_config(
+        num_slots: usize,
+        l2: Option<L2NodeConfig>,
+        connections: kvwarden_core::node::admission::ConnectionLimits,
+        mapped: kvwarden_core::node::mapped::MappedLimits,
+        pool_window: usize,
+        adjust: impl FnOnce(&mut NodeConfig),
+    ) -> Harness {
+        let mut config = NodeConfig {
             liveness: Config {
                 reap_timeout: secs(30.0),
                 registration_grace: secs(60.0),
@@ -136,6 +160,7 @@ impl Harness {
                     engine_driven: false,
                 }],
                 nonce_secret: [9; 32],
+                ..Default::default()
             },
             boot_id: 7,
             server_name: "kvwarden test".into(),
@@ -147,6 +172,7 @@ impl Harness {
             pool_window,
             l2,
         };
+        adjust(&mut config);
         let mut harness = Harness {
             node: Node::new(config, Instant::ZERO).unwrap(),
             now: Instant::ZERO,

@@ -5,6 +5,7 @@ mod demo;
 mod gpu;
 mod serve;
 mod status;
+mod subuid;
 mod worker;
 
 use clap::{Parser, Subcommand};

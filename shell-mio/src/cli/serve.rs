@@ -7,7 +7,7 @@ use kvwarden_core::l2::{ClusterSecret, Namespace, ValueFormat};
 use kvwarden_core::node::trust::{TenantSpec, TrustConfig};
 use kvwarden_core::{Config, ConfigError, REAP_TIMEOUT_FLOOR};
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -71,6 +71,13 @@ pub struct ServeArgs {
     /// --tenant team-a=uid:1001,uid:1002,quota:50%
     #[arg(long = "tenant", value_name = "NAME=MEMBERS", value_parser = parse_tenant)]
     tenants: Vec<TenantArg>,
+    /// Subordinate uid ranges, `owner:start:count` a line (user name or uid): a peer
+    /// of a uid in a range counts as its owner, for its tenant (keys, L1 share) and its
+    /// share of the connections, so a user's 65,536 subordinate uids are one tenant,
+    /// not 65,536. A uid a --tenant names stays that tenant's [default: /etc/subuid,
+    /// none if it is missing].
+    #[arg(long, value_name = "PATH")]
+    subuid_file: Option<PathBuf>,
     /// The HTTP listener for /status, /metrics and /healthz, or `off`.
     #[arg(long, default_value = "127.0.0.1:8080", value_name = "ADDR|off", value_parser = parse_http)]
     http: HttpListen,
@@ -575,9 +582,15 @@ fn trust_config(args: &ServeArgs) -> Result<TrustConfig, String> {
     let mut nonce_secret = [0u8; 32];
     getrandom::fill(&mut nonce_secret)
         .map_err(|error| format!("no randomness for the TCP challenges' nonces: {error}"))?;
+    let subuids = match &args.subuid_file {
+        Some(path) => super::subuid::read(path, true)?,
+        None => super::subuid::read(Path::new(super::subuid::DEFAULT_PATH), false)?,
+    };
     let config = TrustConfig {
         tenants,
         nonce_secret,
+        subuids,
+        max_tenants: None,
     };
     kvwarden_core::node::trust::Trust::new(&config, rustix::process::getuid().as_raw())
         .map_err(|e| format!("invalid --tenant: {e}"))?;
