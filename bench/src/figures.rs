@@ -50,6 +50,11 @@ enum Figure {
     /// write-behind and read-through throughput (256 KiB, 2 MiB) against SET/GET; every
     /// Redis node SIGSTOPped; a master SIGKILLed.
     L2(bench::l2::L2Args),
+    /// F1: a victim's latency under each neighbour's flood of issue 51 over the same
+    /// without it: a TCP worker's session under tokenless connections, /healthz under
+    /// silent HTTP connections, a retrieve under another tenant's queued copies (as
+    /// root: the flood runs as uid 1001).
+    Floods(bench::floods::FloodsArgs),
 }
 
 /// Runs one figure; exit 0 when it was measured (whether or not it meets its target).
@@ -65,6 +70,7 @@ pub fn run(args: BenchArgs) -> ExitCode {
         Figure::Memory(args) => bench::memory::run(args),
         Figure::Connections(args) => bench::connections::run(args),
         Figure::L2(args) => bench::l2::run(args),
+        Figure::Floods(args) => bench::floods::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

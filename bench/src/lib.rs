@@ -15,6 +15,7 @@ pub mod batch;
 pub mod connections;
 pub mod copy;
 mod figures;
+pub mod floods;
 pub mod kill;
 pub mod l2;
 pub mod latency;

@@ -220,3 +220,16 @@ fn bench_l2_prints_l1_to_l4_against_a_cluster_it_starts() {
         ],
     );
 }
+
+#[test]
+fn bench_floods_prints_the_victims_latency_under_each_flood() {
+    // The tests run as root: the copy flood (uid 1001) runs too.
+    bench(
+        &["floods", "--probes", "3", "--hold", "10"],
+        &[
+            "F1 tcp_flood_victim_p50_ratio",
+            "F1 http_flood_victim_p50_ratio",
+            "F1 copy_flood_victim_p50_ratio",
+        ],
+    );
+}
