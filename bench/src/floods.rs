@@ -62,8 +62,11 @@ pub fn run(args: &FloodsArgs) -> Result<(), BenchError> {
 }
 
 /// Latencies of `probes` calls of `probe` (each Ok when the victim was served) and how
-/// many failed.
+/// many failed, after a tenth as many (at least 3) not counted: a warm-up.
 fn measure(probes: usize, mut probe: impl FnMut() -> bool) -> (Vec<Duration>, usize) {
+    for _ in 0..(probes / 10).max(3) {
+        probe();
+    }
     let mut times = Vec::with_capacity(probes);
     let mut failed = 0;
     for _ in 0..probes {
