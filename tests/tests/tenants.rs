@@ -207,6 +207,30 @@ fn row_70_uids_that_come_and_go_leave_no_tenant_behind() {
         names.contains(&format!("uid-{BOB}")),
         "a tenant holding a chunk is kept: {names:?}"
     );
+    // Its L1 gauges go with a forgotten tenant: uid 3100's are scraped while it is
+    // connected, and gone once it left.
+    let metrics = |server: &Server| server.http_get("/metrics").1;
+    let passing = socket.clone();
+    let mut lingering = kvwarden_tests::fork_as_uid(3100, move |parent| {
+        let mut raw = RawClient::connect(&passing).expect("connecting");
+        let reply = raw
+            .request("lookup", vec![Value::Array(vec![])])
+            .expect("a reply");
+        parent.send(json!(reply.result.is_ok()));
+        let _ = parent.recv(); // holds its connection until the parent has scraped
+        json!(null)
+    });
+    assert_eq!(lingering.recv("uid 3100 served"), json!(true));
+    assert!(
+        metrics(&server).contains("tenant=\"uid-3100\""),
+        "its gauges while it is here"
+    );
+    lingering.send(json!("go"));
+    lingering.finish("uid 3100");
+    kvwarden_tests::wait_for("uid 3100's gauges gone", kvwarden_tests::PATIENCE, || {
+        (!metrics(&server).contains("tenant=\"uid-3100\"")).then_some(())
+    });
+    assert!(metrics(&server).contains(&format!("tenant=\"uid-{BOB}\"")));
     let keeper = socket.clone();
     let hit = kvwarden_tests::run_as_uid(BOB, "uid 1002 comes back", move || {
         let mut raw = RawClient::connect_attached(&keeper, 7001);

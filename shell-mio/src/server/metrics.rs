@@ -115,6 +115,9 @@ pub struct Metrics {
     /// L1 slots charged to each tenant, and its quota, by `tenant` and `state`
     /// (`used`, `quota`; set at scrape).
     pub tenant_slots: Family<Labels2, Gauge>,
+    /// The tenants `tenant_slots` shows: one the node forgot (made for a uid, it held
+    /// nothing; row 70) loses its gauges at the next scrape.
+    tenants_shown: std::sync::Mutex<std::collections::BTreeSet<String>>,
 }
 
 /// Two labels.
@@ -207,6 +210,7 @@ impl Metrics {
             closes_pending: Gauge::default(),
             copies_past_deadline: Counter::default(),
             tenant_slots: Family::default(),
+            tenants_shown: Default::default(),
             l2: None,
             registry: Registry::default(),
             request_counters: Default::default(),
@@ -480,17 +484,33 @@ impl Metrics {
             .set(count);
     }
 
-    /// Sets one tenant's L1 gauges.
-    pub fn tenant(&self, tenant: &str, used: usize, quota: usize) {
+    /// Sets the L1 gauges of every tenant the node tracks, `(name, used, quota)`, and
+    /// drops those of tenants it no longer tracks (row 70: uids that came and went
+    /// leave no series behind).
+    pub fn tenants<'a>(&self, tenants: impl IntoIterator<Item = (&'a str, usize, usize)>) {
         let as_i64 = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
-        for (state, value) in [("used", used), ("quota", quota)] {
-            self.tenant_slots
-                .get_or_create(&vec![
-                    ("tenant", tenant.to_owned()),
-                    ("state", state.to_owned()),
-                ])
-                .set(as_i64(value));
+        let labels = |tenant: &str, state: &str| {
+            vec![("tenant", tenant.to_owned()), ("state", state.to_owned())]
+        };
+        let mut shown = std::collections::BTreeSet::new();
+        for (tenant, used, quota) in tenants {
+            for (state, value) in [("used", used), ("quota", quota)] {
+                self.tenant_slots
+                    .get_or_create(&labels(tenant, state))
+                    .set(as_i64(value));
+            }
+            shown.insert(tenant.to_owned());
         }
+        let mut before = self
+            .tenants_shown
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for gone in before.difference(&shown) {
+            for state in ["used", "quota"] {
+                self.tenant_slots.remove(&labels(gone, state));
+            }
+        }
+        *before = shown;
     }
 
     /// Sets the L1 gauges.

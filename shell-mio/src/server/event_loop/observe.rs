@@ -197,10 +197,11 @@ impl Server {
             &self.metrics.retrieve_length_mismatches,
             node.retrieve_length_mismatches,
         );
-        for tenant in &node.tenants {
-            self.metrics
-                .tenant(&tenant.view.name, tenant.slots_used, tenant.quota_slots);
-        }
+        self.metrics.tenants(
+            node.tenants
+                .iter()
+                .map(|t| (t.view.name.as_str(), t.slots_used, t.quota_slots)),
+        );
     }
 
     pub(super) fn status(&self) -> StatusReport {
