@@ -201,7 +201,8 @@ struct Tenant {
     quota_percent: Option<u32>,
     engine_driven: bool,
     /// The uid it was made for on the fly (`uid-<uid>`; not the operator's, not the
-    /// server's own): such a tenant is forgotten once it holds nothing.
+    /// server's own): such a tenant is forgotten once it holds nothing, and this is
+    /// None from then on.
     made_for: Option<u32>,
     /// Forgotten: its id is free for another.
     gone: bool,
@@ -367,7 +368,7 @@ impl Trust {
         self.tenants
             .iter()
             .enumerate()
-            .filter(|(_, tenant)| tenant.made_for.is_some() && !tenant.gone)
+            .filter(|(_, tenant)| tenant.made_for.is_some())
             .map(|(index, _)| TenantId(index as u32))
     }
 
@@ -375,7 +376,7 @@ impl Trust {
     pub fn made_for_a_uid(&self, tenant: TenantId) -> bool {
         self.tenants
             .get(tenant.0 as usize)
-            .is_some_and(|t| t.made_for.is_some() && !t.gone)
+            .is_some_and(|t| t.made_for.is_some())
     }
 
     /// Forgets `tenant`, made on the fly for a uid, which holds nothing (the node
