@@ -25,8 +25,16 @@ pids+=($!)
 for _ in $(seq 100); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; sleep 0.1; done
 redis-cli -p "$port" ping >/dev/null || die "redis-server did not start on port $port"
 
+# The server runs on a pool file a first start made (so /status shows l1.adoption).
+head -c 32 /dev/urandom >"$work/l1.secret"
+pool=(--l1-file "$work/l1.pool" --l1-secret-file "$work/l1.secret" --l1-bytes 16M --slot-bytes 64K)
+"$bin" serve --socket "$work/first.sock" --http off "${pool[@]}" >"$work/first.out" 2>&1 &
+first=$!
+for _ in $(seq 200); do grep -qx ready "$work/first.out" 2>/dev/null && break; sleep 0.05; done
+grep -qx ready "$work/first.out" || { cat "$work/first.out" >&2; die "the first server never said ready"; }
+kill -KILL "$first"; wait "$first" 2>/dev/null || true
 "$bin" serve --socket "$work/kvwarden.sock" --http 127.0.0.1:0 --l2 "redis://127.0.0.1:$port" \
-  --l1-bytes 16M --slot-bytes 64K >"$work/serve.out" 2>"$work/serve.log" &
+  "${pool[@]}" >"$work/serve.out" 2>"$work/serve.log" &
 pids+=($!)
 for _ in $(seq 200); do grep -qx ready "$work/serve.out" 2>/dev/null && break; sleep 0.05; done
 grep -qx ready "$work/serve.out" || { cat "$work/serve.log" >&2; die "the server never said ready"; }

@@ -1,5 +1,5 @@
-//! `kvwarden-bench <figure>` (and `kvwarden bench <figure>`): the server figures S1–S7
-//! and R5 of `docs/targets.md`, one a line on stdout; progress on stderr.
+//! `kvwarden-bench <figure>` (and `kvwarden bench <figure>`): the server figures S1–S7,
+//! W1 and R5 of `docs/targets.md`, one a line on stdout; progress on stderr.
 
 use crate as bench;
 use std::process::ExitCode;
@@ -55,6 +55,11 @@ enum Figure {
     /// silent HTTP connections, a retrieve under another tenant's queued copies (as
     /// root: the flood runs as uid 1001).
     Floods(bench::floods::FloodsArgs),
+    /// W1: a server on a pool file (--l1-file) filled by stores, SIGKILLed and started
+    /// again: chunks adopted over stored (target >= 0.99), the time to ready and to the
+    /// pool adopted, the adoption rate over a sequential read of the pool file (target
+    /// >= 0.5 x).
+    Restart(bench::restart::RestartArgs),
 }
 
 /// Runs one figure; exit 0 when it was measured (whether or not it meets its target).
@@ -71,6 +76,7 @@ pub fn run(args: BenchArgs) -> ExitCode {
         Figure::Connections(args) => bench::connections::run(args),
         Figure::L2(args) => bench::l2::run(args),
         Figure::Floods(args) => bench::floods::run(args),
+        Figure::Restart(args) => bench::restart::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -27,6 +27,7 @@ pub mod raw;
 pub mod reap;
 mod redis;
 pub mod redis_cluster;
+pub mod restart;
 pub mod slow_contexts;
 pub mod stats;
 pub mod target;

@@ -79,6 +79,7 @@ pub mod liveness;
 mod module;
 pub mod node;
 pub mod protocol;
+pub mod seal;
 mod time;
 
 pub use heartbeat::{

@@ -17,7 +17,7 @@ use kvwarden_core::l2::{L2HealthConfig, WriteOutcome};
 use kvwarden_core::node::l2::{L2Fetched, L2NodeConfig, L2Presence, L2ReadId, L2WriteId};
 use kvwarden_core::node::{
     Built, ConnId, ContextId, CopyId, DeathNotice, FreeId, Input, Node, NodeConfig, Output,
-    ProcessKey, Transport,
+    ProcessKey, Scanned, Transport,
 };
 use kvwarden_core::protocol::{BufferSpec, ErrorCode, Op, ProtocolError, RopeSpec, decode_request};
 use kvwarden_core::{Config, InstanceId, Instant};
@@ -74,6 +74,13 @@ enum Step {
         which: u8,
         presence: u8,
         count: u8,
+    },
+    /// A pool file's seal written (or not).
+    SealDone(u8),
+    /// A pool file's scan: one finding per slot, from these bytes.
+    ScanDone {
+        which: u8,
+        findings: Vec<u8>,
     },
     Shutdown,
     Step(u16),
@@ -182,6 +189,11 @@ struct Ledger {
     cancelled: std::collections::BTreeSet<L2ReadId>,
     l2_exists: Vec<L2ReadId>,
     l2_named: BTreeSet<u64>,
+    /// Slots being sealed: each at most once at a time (pinned until sealed).
+    seals: Vec<usize>,
+    /// Scans out: (first, count).
+    scans: Vec<(usize, usize)>,
+    persist: u8,
 }
 
 impl Ledger {
@@ -234,6 +246,18 @@ impl Ledger {
                     self.frees.push(free);
                 }
                 Output::Stopped { .. } => self.stopped = true,
+                Output::Job(Job::Seal { slot, .. }) => {
+                    assert!(self.persist > 0, "a seal of an anonymous pool");
+                    assert!(
+                        !self.seals.contains(&slot),
+                        "slot {slot} sealed twice at once: committed again while pinned"
+                    );
+                    self.seals.push(slot);
+                }
+                Output::Job(Job::Scan { first, count }) => {
+                    assert!(self.persist > 1, "a scan of a pool not adopted");
+                    self.scans.push((first, count));
+                }
                 Output::L2(L2Request::Write { write, .. }) => {
                     assert!(self.l2, "an L2 write from a node without L2");
                     assert!(
@@ -293,8 +317,10 @@ fn pick<T: Copy>(list: &mut Vec<T>, which: u8) -> Option<T> {
     Some(list.swap_remove(index))
 }
 
-fuzz_target!(|input: (bool, Vec<Step>)| {
-    let (with_l2, steps) = input;
+fuzz_target!(|input: (bool, u8, Vec<Step>)| {
+    let (with_l2, persist, steps) = input;
+    // 0: an anonymous pool; 1: a pool file whose commits are sealed; 2: one adopted.
+    let persist = persist % 3;
     let config = NodeConfig {
         liveness: Config {
             reap_timeout: Duration::from_millis(300),
@@ -329,8 +355,11 @@ fuzz_target!(|input: (bool, Vec<Step>)| {
     let mut node = Node::new(config, Instant::ZERO).unwrap();
     let mut ledger = Ledger {
         l2: with_l2,
+        persist,
         ..Ledger::default()
     };
+    node.persist_pool(Instant::ZERO, persist > 0, persist > 1);
+    ledger.take(&mut node);
     let mut now = Instant::ZERO;
     let mut request_id = 0u64;
     for step in steps.into_iter().take(512) {
@@ -463,6 +492,29 @@ fuzz_target!(|input: (bool, Vec<Step>)| {
             Step::Exit(process) => Some(Input::ProcessExited {
                 process: ProcessKey(u64::from(process % 4)),
             }),
+            Step::SealDone(which) => {
+                pick(&mut ledger.seals, which).map(|slot| Input::Sealed { slot })
+            }
+            Step::ScanDone { which, findings } => {
+                pick(&mut ledger.scans, which).map(|(first, count)| Input::Scanned {
+                    first,
+                    found: (0..count)
+                        .map(|i| match findings.get(i).copied().unwrap_or(0) % 5 {
+                            0 => Scanned::Blank,
+                            1 | 2 => Scanned::Sealed {
+                                key: kvwarden_core::node::trust::scoped_key(
+                                    ["uid-0", "uid-1", "uid-2", "uid-x"]
+                                        [usize::from(findings.get(i).copied().unwrap_or(0) / 5 % 4)],
+                                    &[b'a' + findings.get(i).copied().unwrap_or(0) % 4],
+                                ),
+                                len: u64::from(findings.get(i).copied().unwrap_or(0)) * 16,
+                            },
+                            3 => Scanned::Unsealed(kvwarden_core::seal::Unsealed::Torn),
+                            _ => Scanned::Unsealed(kvwarden_core::seal::Unsealed::Malformed),
+                        })
+                        .collect(),
+                })
+            }
             Step::Shutdown => Some(Input::Shutdown),
             Step::Step(ms) => {
                 now = now + Duration::from_millis(u64::from(ms % 1000));

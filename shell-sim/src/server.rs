@@ -1032,6 +1032,13 @@ impl Server {
                 });
                 step.freed.push(((instance, module), cause));
             }
+            // The simulated server's pool is anonymous (`persist_pool` is never called):
+            // a seal or a scan means the node persisted a pool nobody asked it to.
+            Job::Seal { slot, .. } | Job::Scan { first: slot, .. } => checker.fail(
+                crate::violation::Class::Safety,
+                "unasked_persistence",
+                format!("the node sealed or scanned slot {slot} of an anonymous pool"),
+            ),
         }
     }
 

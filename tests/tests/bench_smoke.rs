@@ -233,3 +233,24 @@ fn bench_floods_prints_the_victims_latency_under_each_flood() {
         ],
     );
 }
+
+#[test]
+fn bench_restart_prints_what_a_restarted_server_adopts() {
+    let stdout = bench(
+        &["restart", "--smoke"],
+        &[
+            "W1 adopted_over_stored",
+            "W1 seconds_to_ready",
+            "W1 seconds_to_adopted",
+            "W1 adoption_gb_per_s",
+            "W1 sequential_read_gb_per_s",
+            "W1 ratio_adoption_over_read",
+            "W1 adopted_chunks_identical",
+        ],
+    );
+    // Not a speed check: every chunk stored before the SIGKILL is adopted.
+    assert!(
+        stdout.contains("W1 adopted_over_stored 1.0000 x"),
+        "{stdout}"
+    );
+}

@@ -1342,7 +1342,11 @@ fn row_35_an_untrusted_tenant_may_not_register_engine_driven() {
     assert_eq!(root.outcome, "created");
     let own = tenant(&status, &kvwarden_tests::own_tenant()).expect("own tenant");
     assert_eq!(own["engine_driven"], true);
-    assert_eq!(tenant(&status, "uid-1001").unwrap()["engine_driven"], false);
+    // Its tenant is forgotten once its process left, if that was seen before the status
+    // (row 70); while it is tracked, it is not engine-driven.
+    if let Some(untrusted) = tenant(&status, "uid-1001") {
+        assert_eq!(untrusted["engine_driven"], false);
+    }
 
     // Marked engine-driven by the operator: allowed.
     let dir = TempDir::new("row35-trusted");

@@ -294,6 +294,11 @@ impl Node {
     /// shell in its tenant's turn.
     pub(super) fn submit_copy(&mut self, conn: ConnId, job: Job) {
         let tenant = self.tenant(conn);
+        self.submit_for(tenant, job);
+    }
+
+    /// Hands `tenant`'s job to the pool's queue: it goes in its tenant's turn.
+    pub(super) fn submit_for(&mut self, tenant: TenantId, job: Job) {
         self.jobs.push(tenant, job);
         self.hand_out_jobs();
     }

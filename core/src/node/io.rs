@@ -180,6 +180,34 @@ pub enum Input {
         /// How it ended.
         presence: L2Presence,
     },
+    /// A [`Job::Seal`] ended (written, or the value could not be sealed).
+    Sealed {
+        /// The slot, pinned while it was sealed.
+        slot: SlotId,
+    },
+    /// A [`Job::Scan`] ended: one finding per slot, from `first` on.
+    Scanned {
+        /// The first slot scanned.
+        first: SlotId,
+        /// What each slot's seal said.
+        found: Vec<Scanned>,
+    },
+}
+
+/// What a restarted server found in one slot of its pool file (row 71).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Scanned {
+    /// Never sealed: nothing to adopt.
+    Blank,
+    /// Its seal verified: `len` bytes of `key` (a node key).
+    Sealed {
+        /// The node key (the tenant's name, then the worker's key).
+        key: Vec<u8>,
+        /// The value's length.
+        len: u64,
+    },
+    /// Its seal did not verify or was malformed: dropped.
+    Unsealed(crate::seal::Unsealed),
 }
 
 /// Something the node asks of its shell, in groups: replies, jobs to run off the loop,
@@ -293,6 +321,24 @@ pub enum Job {
         cause: FreeCause,
         /// The label for logs and metrics: the cause's, or `shutdown`.
         label: &'static str,
+    },
+    /// Seal the value committed in `slot` (a pool that outlives the process, row 71),
+    /// then report `Sealed`; the slot stays pinned until then.
+    Seal {
+        /// The slot.
+        slot: SlotId,
+        /// The node key it holds.
+        key: Vec<u8>,
+        /// The value's length.
+        len: u64,
+    },
+    /// Check the seals of `count` slots from `first` on (a restarted server adopting
+    /// its pool, row 71), then report `Scanned`.
+    Scan {
+        /// The first slot.
+        first: SlotId,
+        /// How many.
+        count: usize,
     },
 }
 
@@ -435,6 +481,8 @@ pub enum Note {
         /// How long.
         gap: Duration,
     },
+    /// Every slot of a restarted server's pool file was scanned (row 71).
+    PoolAdopted(AdoptionView),
     /// The kernel proved that an instance's process exited.
     ProcessExited {
         /// The instance.

@@ -17,6 +17,9 @@ pub type SlotId = usize;
 #[derive(Debug)]
 enum SlotState {
     Free,
+    /// A restarted server's pool slot whose seal is not checked yet (failure mode 71):
+    /// neither served nor free; a store takes one only when nothing else is left.
+    Unscanned,
     /// A store is copying into the slot.
     Writing {
         key: Vec<u8>,
@@ -75,6 +78,26 @@ pub struct SlotTable {
     lru: BTreeMap<u64, SlotId>,
     tick: u64,
     tenants: Vec<TenantSlots>,
+    /// Slots not scanned yet, for a store to take when nothing else is left (an entry
+    /// may be stale: scanned since).
+    unscanned: Vec<SlotId>,
+    /// Whether committed values are sealed (a pool that outlives the process).
+    sealing: bool,
+    /// Committed values to seal: `(slot, key, len)`, pinned until sealed.
+    to_seal: Vec<(SlotId, Vec<u8>, u64)>,
+    /// Values handed out to be sealed and not sealed yet.
+    sealing_now: usize,
+}
+
+/// The outcome of adopting a slot a restarted server found sealed.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Adoption {
+    /// Committed again, under its tenant, evictable.
+    Adopted,
+    /// The slot was taken by a store before its seal was checked.
+    Taken,
+    /// Another slot holds the same key already.
+    Duplicate,
 }
 
 impl SlotTable {
@@ -88,6 +111,93 @@ impl SlotTable {
             lru: BTreeMap::new(),
             tick: 0,
             tenants: Vec::new(),
+            unscanned: Vec::new(),
+            sealing: false,
+            to_seal: Vec::new(),
+            sealing_now: 0,
+        }
+    }
+
+    /// Makes every slot of an empty table unscanned (a restarted server's pool) until
+    /// its seal is checked ([`SlotTable::adopt`], [`SlotTable::scanned_empty`]).
+    pub fn mark_unscanned(&mut self) {
+        if self.free.len() != self.slots.len() {
+            return;
+        }
+        self.slots
+            .iter_mut()
+            .for_each(|slot| *slot = SlotState::Unscanned);
+        // Taken from the end: the slots the scan reaches last.
+        self.free.clear();
+        self.unscanned = (0..self.slots.len()).collect();
+    }
+
+    /// The tenant charged for `slot`, if it holds a value or a write.
+    pub fn tenant_of(&self, slot: SlotId) -> Option<TenantId> {
+        match self.slots.get(slot)? {
+            SlotState::Writing { tenant, .. } | SlotState::Committed { tenant, .. } => {
+                Some(*tenant)
+            }
+            SlotState::Free | SlotState::Unscanned => None,
+        }
+    }
+
+    /// Seals every value committed from now on ([`SlotTable::take_seals`]).
+    pub fn seal_commits(&mut self) {
+        self.sealing = true;
+    }
+
+    /// The values committed since the last call, each pinned until
+    /// [`SlotTable::unpin`]: `(slot, key, len)`.
+    pub fn take_seals(&mut self) -> Vec<(SlotId, Vec<u8>, u64)> {
+        self.sealing_now += self.to_seal.len();
+        std::mem::take(&mut self.to_seal)
+    }
+
+    /// `slot`'s seal ended (written or not): it is unpinned.
+    pub fn sealed(&mut self, slot: SlotId) {
+        self.sealing_now = self.sealing_now.saturating_sub(1);
+        self.unpin(slot);
+    }
+
+    /// Values committed and not sealed yet.
+    pub fn sealing(&self) -> usize {
+        self.sealing_now + self.to_seal.len()
+    }
+
+    /// Whether `slot` is still unscanned.
+    pub fn is_unscanned(&self, slot: SlotId) -> bool {
+        matches!(self.slots.get(slot), Some(SlotState::Unscanned))
+    }
+
+    /// Adopts unscanned `slot`, found sealed with `len` bytes of `key` of `tenant`.
+    pub fn adopt(&mut self, slot: SlotId, key: Vec<u8>, len: u64, tenant: TenantId) -> Adoption {
+        if !self.is_unscanned(slot) {
+            return Adoption::Taken;
+        }
+        if self.index.contains_key(&key) {
+            self.scanned_empty(slot);
+            return Adoption::Duplicate;
+        }
+        let tick = self.next_tick();
+        self.index.insert(key.clone(), slot);
+        self.slots[slot] = SlotState::Committed {
+            key,
+            len,
+            pins: 0,
+            tick,
+            tenant,
+        };
+        self.tenant_mut(tenant).used += 1;
+        self.lru_add(tick, slot, tenant);
+        Adoption::Adopted
+    }
+
+    /// Unscanned `slot` holds nothing to adopt: it is free.
+    pub fn scanned_empty(&mut self, slot: SlotId) {
+        if self.is_unscanned(slot) {
+            self.slots[slot] = SlotState::Free;
+            self.free.push(slot);
         }
     }
 
@@ -213,7 +323,10 @@ impl SlotTable {
                     }
                     victim
                 }
-                None => return Reservation::Full,
+                None => match self.take_unscanned() {
+                    Some(slot) => slot,
+                    None => return Reservation::Full,
+                },
             },
         };
         self.slots[slot] = SlotState::Writing {
@@ -225,12 +338,36 @@ impl SlotTable {
         Reservation::Reserved(slot)
     }
 
-    /// The copy into a reserved slot finished: publish `len` bytes.
+    /// An unscanned slot for a store, its seal never checked: the pool is full of
+    /// pinned, reserved and unscanned slots only.
+    fn take_unscanned(&mut self) -> Option<SlotId> {
+        while let Some(slot) = self.unscanned.pop() {
+            if self.is_unscanned(slot) {
+                self.slots[slot] = SlotState::Free;
+                return Some(slot);
+            }
+        }
+        None
+    }
+
+    /// The copy into a reserved slot finished: publish `len` bytes (pinned until
+    /// sealed, when values are sealed).
     pub fn commit(&mut self, slot: SlotId, len: u64) {
         let tick = self.next_tick();
         if let Some(state) = self.slots.get_mut(slot)
             && let SlotState::Writing { key, tenant } = std::mem::replace(state, SlotState::Free)
         {
+            if self.sealing {
+                self.to_seal.push((slot, key.clone(), len));
+                *state = SlotState::Committed {
+                    key,
+                    len,
+                    pins: 1,
+                    tick,
+                    tenant,
+                };
+                return;
+            }
             *state = SlotState::Committed {
                 key,
                 len,

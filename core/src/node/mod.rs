@@ -23,6 +23,7 @@
 //! 4. sleep until `poll_timeout`, or the next input.
 
 pub mod admission;
+mod adopt;
 pub mod blend;
 mod builds;
 mod conns;
@@ -47,6 +48,7 @@ use crate::module::Module;
 use crate::protocol::{Answer, BufferSpec, Op, OpKind, ProtocolError, RopeSpec};
 use crate::time::Instant;
 use crate::{Config, ConfigError};
+pub use adopt::AdoptionView;
 use blend::{BlendBook, BlendId};
 use builds::{Builds, PendingBuild};
 use conns::Conn;
@@ -54,7 +56,7 @@ use engine::TransferStrategy;
 use frees::Frees;
 pub use io::{
     BlendChange, Built, ConnId, ContextId, CopyId, DeathNotice, Direction, FreeId, Input, Job,
-    L2Request, Note, Output, PeerAction, ProcessKey, Transport,
+    L2Request, Note, Output, PeerAction, ProcessKey, Scanned, Transport,
 };
 use l1::{SlotId, SlotTable};
 use l2::{L2Delivery, L2Fetched, L2NodeConfig, L2Presence, L2ReadId, L2Status, L2Tier, L2WriteId};
@@ -247,6 +249,8 @@ pub struct Node {
     length_mismatches: u64,
     /// Copies into a worker's buffer not started: its worker had stopped waiting.
     past_deadline: u64,
+    /// A restarted server's adoption of its pool file (row 71).
+    adoption: Option<adopt::Adoption>,
     #[cfg(feature = "planted-bugs")]
     bug: Option<PlantedBug>,
     /// Planted bug `PingWaitsForL2` only: ping answers held until `handle_timeout`.
@@ -324,6 +328,7 @@ impl Node {
             mapped: mapped::Mapped::new(config.mapped),
             length_mismatches: 0,
             past_deadline: 0,
+            adoption: None,
             config,
             liveness,
             conns: HashMap::default(),
@@ -431,8 +436,11 @@ impl Node {
             Input::L2Written { write, outcome } => self.l2_written(now, write, outcome),
             Input::L2Got { read, fetched } => self.l2_got(now, read, fetched),
             Input::L2Existed { read, presence } => self.l2_existed(now, read, presence),
+            Input::Sealed { slot } => self.sealed(slot),
+            Input::Scanned { first, found } => self.scanned(now, first, found),
         }
         self.drain_effects();
+        self.seal_committed();
         self.step_shutdown(now);
     }
 

@@ -513,7 +513,8 @@ impl Node {
             match self.shutdown {
                 None | Some(Shutdown::Stopped) => return,
                 Some(Shutdown::Draining { since }) => {
-                    let drained = self.jobs_in_flight == 0;
+                    // Seals too: an upgrade's restart adopts what was sealed (row 71).
+                    let drained = self.jobs_in_flight == 0 && self.l1.sealing() == 0;
                     if !drained && now.saturating_duration_since(since) < self.config.shutdown_drain
                     {
                         return;

@@ -394,6 +394,28 @@ impl Trust {
         self.free.push(tenant);
     }
 
+    /// The tenant whose keyspace a node key names (`len | name | key`, [`scoped_key`]),
+    /// for a chunk a restarted server adopts (row 71): the operator's tenant of that
+    /// name, else uid N's own for `uid-N` (made now, as when N connects). None when no
+    /// tenant of that name may exist now: the operator dropped it, N now counts as
+    /// another uid's (`--subuid-file`), or the bound on tenants is reached.
+    pub fn tenant_of_key(&mut self, node_key: &[u8]) -> Option<TenantId> {
+        let (&len, rest) = node_key.split_first()?;
+        let name = std::str::from_utf8(rest.get(..usize::from(len))?).ok()?;
+        if let Some(index) = self
+            .tenants
+            .iter()
+            .position(|tenant| !tenant.gone && tenant.name == name)
+        {
+            return Some(TenantId(index as u32));
+        }
+        let uid: u32 = name.strip_prefix("uid-")?.parse().ok()?;
+        if format!("uid-{uid}") != name || self.counted_uid(uid) != uid {
+            return None;
+        }
+        self.tenant_of_uid(uid)
+    }
+
     /// The tenant of a Unix-socket peer of `uid`: the operator's, else its own (its
     /// subordinate range's owner's).
     fn tenant_of_uid(&mut self, uid: u32) -> Option<TenantId> {

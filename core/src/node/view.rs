@@ -64,6 +64,10 @@ pub struct NodeStatus {
     pub l1_slots: (usize, usize, usize, usize),
     /// Bytes per slot.
     pub slot_bytes: u64,
+    /// A restarted server's adoption of its pool file (None: not adopting).
+    pub l1_adoption: Option<super::AdoptionView>,
+    /// Committed values not sealed yet (a pool file's; 0 for an anonymous pool).
+    pub l1_sealing: usize,
     /// Rope tables: bytes, instances, computations running.
     pub blend: (u64, usize, usize),
     /// Processes watched.
@@ -153,6 +157,8 @@ impl Node {
                 occupancy.pinned,
             ),
             slot_bytes: self.l1.slot_bytes(),
+            l1_adoption: self.adoption().cloned(),
+            l1_sealing: self.l1.sealing(),
             blend: (
                 self.blend.held_bytes(),
                 self.blend.instances(),

@@ -92,6 +92,19 @@ pub struct ServeArgs {
     /// first use. Costs --l1-bytes of memory from the start and a moment at start-up.
     #[arg(long)]
     l1_prefault: bool,
+    /// Keep the L1 store in this file, so that a restart (a crash, an upgrade, a
+    /// container restart) finds it again: a path on tmpfs or hugetlbfs, such as
+    /// /dev/shm/kvwarden-l1 or a memory-backed emptyDir. Its index of seals goes beside
+    /// it (PATH.index). Both must be the server's own, mode 0600 (it makes them so).
+    /// With --l1-secret-file, a restarted server serves again every chunk whose seal
+    /// verifies, while it serves; without one it starts empty.
+    #[arg(long, value_name = "PATH")]
+    l1_file: Option<PathBuf>,
+    /// The secret that seals the values of --l1-file (a file of at least 32 bytes, kept
+    /// across restarts: `head -c 32 /dev/urandom > FILE && chmod 600 FILE`). A value
+    /// torn by a crash, or sealed under another secret, is dropped, never served.
+    #[arg(long, value_name = "PATH", requires = "l1_file")]
+    l1_secret_file: Option<PathBuf>,
     /// The largest request frame accepted; bigger ones are answered `too_large` and the
     /// connection is closed.
     #[arg(long, default_value = "1M", value_name = "BYTES", value_parser = super::parse_bytes)]
@@ -648,6 +661,23 @@ fn server_config(args: ServeArgs) -> Result<ServerConfig, String> {
                 args.free_watchdog_seconds
             )
         })?;
+    let l1_secret = match &args.l1_secret_file {
+        Some(path) => {
+            let bytes = std::fs::read(path).map_err(|e| {
+                format!(
+                    "--l1-secret-file {}: cannot read it: {e} (make one with `head -c 32 \
+                     /dev/urandom > FILE && chmod 600 FILE`, and keep it across restarts)",
+                    path.display()
+                )
+            })?;
+            warn_if_world_readable("--l1-secret-file", path);
+            Some(
+                kvwarden_core::seal::SealKey::from_file_bytes(&path.display().to_string(), &bytes)
+                    .map_err(|e| e.to_string())?,
+            )
+        }
+        None => None,
+    };
     Ok(ServerConfig {
         liveness,
         allow_short_timeouts: args.allow_short_timeouts,
@@ -657,6 +687,8 @@ fn server_config(args: ServeArgs) -> Result<ServerConfig, String> {
         http: args.http.0,
         l1_bytes: args.l1_bytes,
         l1_prefault: args.l1_prefault,
+        l1_file: args.l1_file.clone(),
+        l1_secret,
         slot_bytes: args.slot_bytes,
         max_frame_bytes,
         max_connections: args.max_connections.unwrap_or(DEFAULT_MAX_CONNECTIONS),

@@ -1,12 +1,17 @@
-//! The L1 pool's memory: one anonymous memfd of fixed-size slots, mapped once.
+//! The L1 pool's memory: one anonymous memfd of fixed-size slots, mapped once; or,
+//! with `--l1-file`, a file a restart finds again, with an index of seals beside it
+//! (rows 71–73; the format is [`kvwarden_core::seal`]).
 //!
 //! Which key holds which slot (reservations, pins, LRU) is the node's bookkeeping
 //! ([`kvwarden_core::node::l1`]); the bytes are copied here, on the context pool, at
 //! the offsets it names.
 
 use crate::memfd::{self, SharedMapping};
+use kvwarden_core::node::Scanned;
+use kvwarden_core::seal::{self, Geometry, IndexHeader, SEAL_BYTES, SealKey};
 use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
-use rustix::fs::SealFlags;
+use rustix::fs::{Mode, OFlags, SealFlags};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 pub use kvwarden_core::node::l1::SlotId;
@@ -20,6 +25,28 @@ pub struct L1 {
     fd: OwnedFd,
     slot_bytes: u64,
     num_slots: usize,
+    /// The seals of a pool file (`--l1-file` with `--l1-secret-file`).
+    seals: Option<Arc<Seals>>,
+}
+
+/// A pool file's index of seals, mapped, and the key they are made with.
+#[derive(Debug)]
+pub struct Seals {
+    index: SharedMapping,
+    _fd: OwnedFd,
+    key: SealKey,
+    geometry: Geometry,
+}
+
+/// How a pool file was found at start.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PoolStart {
+    /// An anonymous pool: nothing outlives the process.
+    Anonymous,
+    /// Its seals may be checked: the node adopts what verifies.
+    Adopt,
+    /// Started empty, and why (a new file, another geometry, another secret, no secret).
+    Cold(String),
 }
 
 impl L1 {
@@ -43,7 +70,130 @@ impl L1 {
             fd,
             slot_bytes,
             num_slots,
+            seals: None,
         })
+    }
+
+    /// A pool in the file at `path` (on tmpfs or hugetlbfs: it outlives the process,
+    /// not the machine), with its index of seals at `path.index`. With `key`, every
+    /// committed value is sealed, and a pool of this geometry sealed under this key is
+    /// adopted ([`PoolStart::Adopt`]); anything else starts empty and says why. A file
+    /// that is not the server's own, mode 0600, is refused: it could have been edited
+    /// or read by someone else.
+    pub fn open_file(
+        path: &Path,
+        l1_bytes: u64,
+        slot_bytes: u64,
+        prefault: bool,
+        key: Option<SealKey>,
+    ) -> Result<(L1, PoolStart), String> {
+        let num_slots = l1_bytes.checked_div(slot_bytes).unwrap_or(0);
+        let used = num_slots * slot_bytes;
+        let geometry = Geometry {
+            slot_bytes,
+            num_slots,
+        };
+        let index_path = index_path(path);
+        let fd = open_own(path)?;
+        let index_fd = open_own(&index_path)?;
+        let size_of = |fd: &OwnedFd, path: &Path| {
+            rustix::fs::fstat(fd)
+                .map(|stat| stat.st_size as u64)
+                .map_err(|e| format!("--l1-file {}: {e}", path.display()))
+        };
+        let (pool_size, index_size) = (size_of(&fd, path)?, size_of(&index_fd, &index_path)?);
+        let mut head = [0u8; 64];
+        let read = rustix::io::pread(&index_fd, &mut head, 0).unwrap_or(0);
+        let start = match &key {
+            None if pool_size == 0 => PoolStart::Cold("a new pool file".into()),
+            None => PoolStart::Cold(
+                "no --l1-secret-file: there is nothing to authenticate the pool's values \
+                 with, so none is served again"
+                    .into(),
+            ),
+            Some(key) => match seal::check_index_header(&head[..read], geometry, key) {
+                IndexHeader::Matches
+                    if pool_size == used && index_size == geometry.index_bytes() =>
+                {
+                    PoolStart::Adopt
+                }
+                IndexHeader::Matches | IndexHeader::Blank if pool_size == 0 => {
+                    PoolStart::Cold("a new pool file".into())
+                }
+                IndexHeader::Matches | IndexHeader::Blank => PoolStart::Cold(format!(
+                    "{} holds no index of seals for this pool: nothing to verify its \
+                     values with",
+                    index_path.display()
+                )),
+                IndexHeader::OtherGeometry(old) => PoolStart::Cold(format!(
+                    "the pool was made with --slot-bytes {} and {} slots; this server has \
+                     --slot-bytes {slot_bytes} and {num_slots} slots (--l1-bytes), so its \
+                     values are dropped",
+                    old.slot_bytes, old.num_slots
+                )),
+                IndexHeader::OtherSecret => PoolStart::Cold(
+                    "the pool was sealed under another --l1-secret-file: its values are \
+                     dropped"
+                        .into(),
+                ),
+            },
+        };
+        let resize = |fd: &OwnedFd, path: &Path, len: u64| {
+            rustix::fs::ftruncate(fd, 0)
+                .and_then(|()| rustix::fs::ftruncate(fd, len))
+                .map_err(|e| {
+                    format!(
+                        "--l1-file {}: sizing it to {len} bytes: {e}",
+                        path.display()
+                    )
+                })
+        };
+        if start != PoolStart::Adopt {
+            // Emptied whole: nothing of the old pool stays to be read by mistake.
+            resize(&fd, path, used)?;
+            resize(&index_fd, &index_path, geometry.index_bytes())?;
+            if let Some(key) = &key {
+                rustix::io::pwrite(&index_fd, &seal::index_header(geometry, key), 0)
+                    .map_err(|e| format!("--l1-file {}: {e}", index_path.display()))?;
+            }
+        }
+        let map = |fd: &OwnedFd, len: u64, path: &Path| {
+            usize::try_from(len)
+                .map_err(std::io::Error::other)
+                .and_then(|len| SharedMapping::map(fd, len))
+                .map_err(|e| format!("--l1-file {}: mapping {len} bytes: {e}", path.display()))
+        };
+        let mapping = Arc::new(map(&fd, used, path)?);
+        if prefault {
+            mapping
+                .populate()
+                .map_err(|e| format!("--l1-prefault of {}: {e}", path.display()))?;
+        }
+        let seals = match key {
+            Some(key) => Some(Arc::new(Seals {
+                index: map(&index_fd, geometry.index_bytes(), &index_path)?,
+                _fd: index_fd,
+                key,
+                geometry,
+            })),
+            None => None,
+        };
+        let num_slots = usize::try_from(num_slots).map_err(|e| e.to_string())?;
+        Ok((
+            L1 {
+                mapping,
+                fd,
+                slot_bytes,
+                num_slots,
+                seals,
+            },
+            start,
+        ))
+    }
+
+    /// The pool file's seals, None for an anonymous pool or one without a secret.
+    pub fn seals(&self) -> Option<&Arc<Seals>> {
+        self.seals.as_ref()
     }
 
     /// The pool's mapping (copies run against it off the loop).
@@ -69,6 +219,113 @@ impl L1 {
     /// Where `slot` begins in the pool.
     pub fn offset(&self, slot: SlotId) -> u64 {
         slot as u64 * self.slot_bytes
+    }
+}
+
+/// Where a pool file's index of seals lies.
+pub fn index_path(path: &Path) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(".index");
+    PathBuf::from(name)
+}
+
+/// Opens (or makes) `path` for the pool: a regular file of the server's own uid and
+/// mode 0600, else refused with the fix named.
+fn open_own(path: &Path) -> Result<OwnedFd, String> {
+    let fd = rustix::fs::open(
+        path,
+        OFlags::RDWR | OFlags::CREATE | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::from_raw_mode(0o600),
+    )
+    .map_err(|e| {
+        format!(
+            "--l1-file {}: cannot open it: {e} (name a path on a tmpfs or hugetlbfs mount \
+             the server's uid may write, such as /dev/shm/kvwarden-l1)",
+            path.display()
+        )
+    })?;
+    let stat = rustix::fs::fstat(&fd).map_err(|e| format!("--l1-file {}: {e}", path.display()))?;
+    let me = rustix::process::geteuid().as_raw();
+    let mode = stat.st_mode & 0o7777;
+    let regular =
+        rustix::fs::FileType::from_raw_mode(stat.st_mode) == rustix::fs::FileType::RegularFile;
+    if !regular || stat.st_uid != me || mode & 0o077 != 0 {
+        return Err(format!(
+            "--l1-file {}: owned by uid {} with mode {mode:04o}; a pool file must be a \
+             regular file of the server's own uid ({me}) with mode 0600, or anyone else \
+             who can write it could plant values and who can read it could read every \
+             tenant's: remove it (the server makes a new one) or `chown {me} {0} && chmod \
+             600 {0}` if it is the server's own",
+            path.display(),
+            stat.st_uid,
+        ));
+    }
+    if let Ok(fs) = rustix::fs::fstatfs(&fd) {
+        const TMPFS_MAGIC: i64 = 0x0102_1994;
+        const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
+        #[allow(clippy::unnecessary_cast)]
+        let kind = fs.f_type as i64;
+        if kind != TMPFS_MAGIC && kind != HUGETLBFS_MAGIC {
+            tracing::warn!(
+                path = %path.display(),
+                "--l1-file is not on tmpfs or hugetlbfs: the kernel writes the pool back \
+                 to disk as it changes; name a path under /dev/shm or a memory-backed \
+                 emptyDir"
+            );
+        }
+    }
+    Ok(fd)
+}
+
+impl Seals {
+    /// Seals `len` bytes of `key` in `slot` (committed, pinned while this runs); a key
+    /// too long for a seal leaves the slot unsealed (not adopted after a restart).
+    pub fn seal(&self, pool: &Arc<SharedMapping>, slot: usize, key: &[u8], len: u64) -> bool {
+        let slot = slot as u64;
+        let Ok(len_usize) = usize::try_from(len) else {
+            return false;
+        };
+        let Some(payload) = SlotBytes::new(pool, slot * self.geometry.slot_bytes, len_usize) else {
+            return false;
+        };
+        let at = self.geometry.seal_offset(slot);
+        match seal::seal(&self.key, self.geometry, slot, key, payload.as_ref()) {
+            Some(sealed) => self.index.write(at, &sealed),
+            None => {
+                // A blank seal: whatever this slot held before is not adopted.
+                self.index.write(at, &[0u8; SEAL_BYTES]);
+                false
+            }
+        }
+    }
+
+    /// Checks the seals of `count` slots from `first` on. Each value is copied out
+    /// before it is checked: a store may take an unscanned slot and write it meanwhile
+    /// (its finding is then ignored by the node), so the pool is never borrowed here.
+    pub fn scan(&self, pool: &Arc<SharedMapping>, first: usize, count: usize) -> Vec<Scanned> {
+        let mut payload = Vec::new();
+        (first..first + count)
+            .map(|slot| {
+                let slot = slot as u64;
+                let mut head = [0u8; SEAL_BYTES];
+                if !self.index.read(self.geometry.seal_offset(slot), &mut head) {
+                    return Scanned::Blank;
+                }
+                let len = match seal::claimed_len(&head, self.geometry) {
+                    None => return Scanned::Blank,
+                    Some(Err(why)) => return Scanned::Unsealed(why),
+                    Some(Ok(len)) => len as usize,
+                };
+                payload.resize(len, 0);
+                if !pool.read(slot * self.geometry.slot_bytes, &mut payload) {
+                    return Scanned::Unsealed(seal::Unsealed::Malformed);
+                }
+                match seal::open(&self.key, self.geometry, slot, &head, &payload) {
+                    Ok((key, len)) => Scanned::Sealed { key, len },
+                    Err(why) => Scanned::Unsealed(why),
+                }
+            })
+            .collect()
     }
 }
 

@@ -112,6 +112,9 @@ pub struct Metrics {
     /// Copies into a worker's buffer not started: its worker had stopped waiting (set
     /// at scrape).
     pub copies_past_deadline: Counter,
+    /// A restarted server's pool file: values adopted and dropped, by outcome (set at
+    /// scrape).
+    pub l1_adoption: Family<Labels, Counter>,
     /// L1 slots charged to each tenant, and its quota, by `tenant` and `state`
     /// (`used`, `quota`; set at scrape).
     pub tenant_slots: Family<Labels2, Gauge>,
@@ -209,6 +212,7 @@ impl Metrics {
             mapped_refused: Counter::default(),
             closes_pending: Gauge::default(),
             copies_past_deadline: Counter::default(),
+            l1_adoption: Family::default(),
             tenant_slots: Family::default(),
             tenants_shown: Default::default(),
             l2: None,
@@ -345,6 +349,13 @@ impl Metrics {
             "Copies into a worker's buffer never started because its worker had stopped \
              waiting (its hello's wait_ms passed): the chunk stays in L1, the buffer untouched",
             metrics.copies_past_deadline.clone(),
+        );
+        registry.register(
+            "l1_adoption",
+            "Values a restarted server found in its pool file (--l1-file), by outcome: \
+             adopted (served again), torn (the seal did not verify), malformed, tenant (no \
+             tenant of the key's name now), duplicate, taken (a store took the slot first)",
+            metrics.l1_adoption.clone(),
         );
         registry.register(
             "tenant_slots",
@@ -511,6 +522,23 @@ impl Metrics {
             }
         }
         *before = shown;
+    }
+
+    /// Mirrors a pool file's adoption, by outcome.
+    pub fn l1_adoption(&self, view: &kvwarden_core::node::AdoptionView) {
+        for (outcome, value) in [
+            ("adopted", view.adopted),
+            ("torn", view.dropped_torn),
+            ("malformed", view.dropped_malformed),
+            ("tenant", view.dropped_tenant),
+            ("duplicate", view.dropped_duplicate),
+            ("taken", view.dropped_taken),
+        ] {
+            Metrics::mirror(
+                &self.l1_adoption.get_or_create(&label("outcome", outcome)),
+                value,
+            );
+        }
     }
 
     /// Sets the L1 gauges.

@@ -54,6 +54,12 @@ pub struct ServerConfig {
     pub slot_bytes: u64,
     /// Touch every page of the L1 pool at start (`--l1-prefault`).
     pub l1_prefault: bool,
+    /// The pool in this file, found again after a restart (`--l1-file`); None: an
+    /// anonymous memfd.
+    pub l1_file: Option<PathBuf>,
+    /// The key of the pool file's seals (`--l1-secret-file`); without one nothing is
+    /// adopted.
+    pub l1_secret: Option<kvwarden_core::seal::SealKey>,
     /// The largest frame accepted.
     pub max_frame_bytes: usize,
     /// The most worker connections held at once.

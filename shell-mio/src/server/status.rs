@@ -167,6 +167,74 @@ pub struct L1Status {
     pub slots_used: usize,
     pub slots_reserved: usize,
     pub slots_pinned: usize,
+    /// `anonymous` (a memfd), `adopted` (a pool file whose seals were checked) or
+    /// `cold` (a pool file that started empty: `cold_reason` says why).
+    pub pool: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cold_reason: Option<String>,
+    /// Values committed whose seal is not written yet (a pool file's).
+    pub sealing: usize,
+    /// With `pool: adopted`: what the scan found so far.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub adoption: Option<AdoptionStatus>,
+}
+
+/// `l1.adoption`: a restarted server's scan of its pool file (rows 71-73).
+#[derive(Clone, Debug, Serialize)]
+#[allow(missing_docs)]
+pub struct AdoptionStatus {
+    /// `scanning` or `done`.
+    pub state: &'static str,
+    pub slots: usize,
+    pub scanned: usize,
+    pub adopted: u64,
+    pub adopted_bytes: u64,
+    pub dropped: AdoptionDropped,
+    /// From the start to the last slot scanned (so far, while scanning).
+    pub seconds: f64,
+}
+
+/// `l1.adoption.dropped`, by reason.
+#[derive(Clone, Debug, Serialize)]
+#[allow(missing_docs)]
+pub struct AdoptionDropped {
+    pub torn: u64,
+    pub malformed: u64,
+    pub tenant: u64,
+    pub duplicate: u64,
+    pub taken: u64,
+}
+
+impl AdoptionStatus {
+    /// The view's figures; `now` ends `seconds` while scanning.
+    pub fn of(
+        view: &kvwarden_core::node::AdoptionView,
+        now: kvwarden_core::Instant,
+    ) -> AdoptionStatus {
+        AdoptionStatus {
+            state: if view.finished.is_some() {
+                "done"
+            } else {
+                "scanning"
+            },
+            slots: view.slots,
+            scanned: view.scanned,
+            adopted: view.adopted,
+            adopted_bytes: view.adopted_bytes,
+            dropped: AdoptionDropped {
+                torn: view.dropped_torn,
+                malformed: view.dropped_malformed,
+                tenant: view.dropped_tenant,
+                duplicate: view.dropped_duplicate,
+                taken: view.dropped_taken,
+            },
+            seconds: view
+                .finished
+                .unwrap_or(now)
+                .saturating_duration_since(view.started)
+                .as_secs_f64(),
+        }
+    }
 }
 
 /// The `blend` section.
@@ -356,6 +424,10 @@ mod tests {
                 slots_used: 0,
                 slots_reserved: 0,
                 slots_pinned: 0,
+                pool: "anonymous",
+                cold_reason: None,
+                sealing: 0,
+                adoption: None,
             },
             blend: BlendStatus {
                 bytes_total: 0,

@@ -14,7 +14,7 @@ use super::connection::{Connection, Frame, JUDGED_AFTER_FDS, MAX_HELD_FDS, ReadO
 use super::context::Context;
 use super::gpu::GpuState;
 use super::http::{HttpConnection, Response, Route};
-use super::l1::{L1, SlotBytes};
+use super::l1::{L1, PoolStart, SlotBytes};
 use super::listen::{self, ListenError};
 use super::metrics::Metrics;
 use super::peer::{self, Processes};
@@ -102,6 +102,9 @@ pub enum ServerError {
         /// The error.
         source: io::Error,
     },
+    /// The pool file (`--l1-file`) cannot be used; the message names the fix.
+    #[error("{0}")]
+    PoolFile(String),
     /// The event loop failed.
     #[error("event loop: {0}")]
     Io(#[from] io::Error),
@@ -132,6 +135,15 @@ enum Done {
     L2Placed {
         read: kvwarden_core::node::l2::L2ReadId,
         fetched: kvwarden_core::node::l2::L2Fetched,
+    },
+    /// A committed value's seal was written (or could not be).
+    Sealed {
+        slot: usize,
+    },
+    /// Seals of a restarted server's pool checked.
+    Scanned {
+        first: usize,
+        found: Vec<kvwarden_core::node::Scanned>,
     },
     /// Something big was dropped off the loop; nothing to report.
     Discarded,
@@ -200,6 +212,8 @@ pub struct Server {
     fd_transit_budget: usize,
     /// When this loop turn began (after the poll): the clock of frame deadlines.
     turn_started: std::time::Instant,
+    /// How the L1 pool was found at start (`/status l1.pool`).
+    pool_start: PoolStart,
     /// When connections were last checked against the frame timeout.
     last_sweep: std::time::Instant,
     /// The HTTP listener is on loopback: `/status` shows uids and pids.
@@ -271,14 +285,45 @@ impl Server {
         // One waker for the pool and the L2 client: mio allows one per poll.
         let waker = Arc::new(mio::Waker::new(poll.registry(), WAKER)?);
         let pool = Pool::new(config.pool_threads, Arc::clone(&waker))?;
-        let l1 =
-            L1::new(config.l1_bytes, config.slot_bytes, config.l1_prefault).map_err(|source| {
-                ServerError::L1 {
+        let (l1, pool_start) = match &config.l1_file {
+            None => L1::new(config.l1_bytes, config.slot_bytes, config.l1_prefault)
+                .map(|l1| (l1, PoolStart::Anonymous))
+                .map_err(|source| ServerError::L1 {
                     l1_bytes: config.l1_bytes,
                     slot_bytes: config.slot_bytes,
                     source,
-                }
-            })?;
+                })?,
+            Some(path) => L1::open_file(
+                path,
+                config.l1_bytes,
+                config.slot_bytes,
+                config.l1_prefault,
+                config.l1_secret.clone(),
+            )
+            .map_err(ServerError::PoolFile)?,
+        };
+        match (&pool_start, &config.l1_file) {
+            (PoolStart::Cold(why), Some(path)) => tracing::warn!(
+                path = %path.display(),
+                "L1 pool file starts empty: {why}"
+            ),
+            (PoolStart::Adopt, Some(path)) => tracing::info!(
+                path = %path.display(),
+                "L1 pool file found: adopting the values whose seals verify while serving"
+            ),
+            _ => {}
+        }
+        if config.l1_file.is_some()
+            && let Some(tenant) = config.trust.tenants.iter().find(|t| t.engine_driven)
+        {
+            tracing::warn!(
+                tenant = %tenant.name,
+                "--l1-file with an engine-driven --tenant: the pool file it maps cannot be \
+                 sealed against resizing (only a memfd can), so that tenant, trusted with \
+                 every slot already, could also stop the server by shrinking it; keep the \
+                 anonymous pool if you do not trust it that far"
+            );
+        }
 
         let l2 = match &config.l2 {
             Some(l2_config) => Some(crate::l2::L2Client::spawn(l2_config.clone(), waker)?),
@@ -338,6 +383,12 @@ impl Server {
             },
             Instant::ZERO,
         )?;
+        let mut node = node;
+        node.persist_pool(
+            Instant::ZERO,
+            l1.seals().is_some(),
+            pool_start == PoolStart::Adopt,
+        );
 
         let mut tcp_listener = config
             .tcp
@@ -460,6 +511,7 @@ impl Server {
             l2_reads: HashMap::default(),
             fd_transit_budget: fd_limit.transit_budget(),
             turn_started: std::time::Instant::now(),
+            pool_start,
             last_sweep: std::time::Instant::now(),
             http_is_loopback: config.http.is_none_or(|addr| addr.ip().is_loopback()),
             buffered_bytes: 0,
@@ -487,6 +539,8 @@ impl Server {
     /// the socket file removed).
     pub fn run(mut self) -> Result<(), ServerError> {
         let mut events = Events::with_capacity(1024);
+        // What the node asked for before any input (a pool file's scan).
+        self.carry_out();
         // Each turn, below: every readable connection is read (up to its frame budget),
         // its frames handed to the node and the replies encoded into its output
         // buffer; only then is each connection with replies flushed, one send each.

@@ -3,8 +3,8 @@
 use super::*;
 use crate::protocol::PROTOCOL_VERSION;
 use crate::server::status::{
-    BlendStatus, ContextsStatus, DeathNoticeCounts, FreedTotals, InstanceStatus, L1Status,
-    L2StatusReport, LimitsStatus, LivenessStatus, MAX_LISTED, MappedStatus, StatusReport,
+    AdoptionStatus, BlendStatus, ContextsStatus, DeathNoticeCounts, FreedTotals, InstanceStatus,
+    L1Status, L2StatusReport, LimitsStatus, LivenessStatus, MAX_LISTED, MappedStatus, StatusReport,
     TenantStatusReport, TransfersStatus, TrustStatus,
 };
 use kvwarden_core::node::NodeStatus;
@@ -170,6 +170,9 @@ impl Server {
         let (total, used, reserved, pinned) = node.l1_slots;
         self.metrics.l1(used, total);
         self.metrics.l1_held(reserved, pinned);
+        if let Some(adoption) = &node.l1_adoption {
+            self.metrics.l1_adoption(adoption);
+        }
         let (blend_bytes, blend_instances, _) = node.blend;
         self.metrics.blend_bytes.set(as_i64(blend_bytes));
         self.metrics
@@ -292,6 +295,20 @@ impl Server {
                 slots_used,
                 slots_reserved,
                 slots_pinned,
+                pool: match &self.pool_start {
+                    PoolStart::Anonymous => "anonymous",
+                    PoolStart::Adopt => "adopted",
+                    PoolStart::Cold(_) => "cold",
+                },
+                cold_reason: match &self.pool_start {
+                    PoolStart::Cold(why) => Some(why.clone()),
+                    _ => None,
+                },
+                sealing: node.l1_sealing,
+                adoption: node
+                    .l1_adoption
+                    .as_ref()
+                    .map(|view| AdoptionStatus::of(view, self.now())),
             },
             blend: BlendStatus {
                 bytes_total,

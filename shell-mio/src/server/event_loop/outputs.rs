@@ -128,6 +128,41 @@ impl Server {
                 cause,
                 label,
             } => self.start_free(free, context, instance, module, cause, label),
+            Job::Seal { slot, key, len } => {
+                let pool = Arc::clone(self.l1.mapping());
+                let seals = self.l1.seals().cloned();
+                self.pool.submit(
+                    move || {
+                        if let Some(seals) = seals {
+                            seals.seal(&pool, slot, &key, len);
+                        }
+                        Done::Sealed { slot }
+                    },
+                    move |_| Done::Sealed { slot },
+                );
+            }
+            Job::Scan { first, count } => {
+                let pool = Arc::clone(self.l1.mapping());
+                let seals = self.l1.seals().cloned();
+                self.pool.submit(
+                    move || Done::Scanned {
+                        first,
+                        found: match seals {
+                            Some(seals) => seals.scan(&pool, first, count),
+                            None => vec![kvwarden_core::node::Scanned::Blank; count],
+                        },
+                    },
+                    move |_| Done::Scanned {
+                        first,
+                        found: vec![
+                            kvwarden_core::node::Scanned::Unsealed(
+                                kvwarden_core::seal::Unsealed::Malformed
+                            );
+                            count
+                        ],
+                    },
+                );
+            }
         }
     }
 
@@ -391,6 +426,26 @@ impl Server {
             Note::OverMappedCap { instance, over } => {
                 tracing::warn!(%instance, cap = over.label(), "refusing a registration: {over}");
             }
+            Note::PoolAdopted(view) => {
+                let seconds = view
+                    .finished
+                    .unwrap_or(view.started)
+                    .saturating_duration_since(view.started)
+                    .as_secs_f64();
+                tracing::info!(
+                    adopted = view.adopted,
+                    adopted_bytes = view.adopted_bytes,
+                    dropped_torn = view.dropped_torn,
+                    dropped_malformed = view.dropped_malformed,
+                    dropped_tenant = view.dropped_tenant,
+                    dropped_duplicate = view.dropped_duplicate,
+                    dropped_taken = view.dropped_taken,
+                    seconds,
+                    "L1 pool adopted: {} values served again, {} dropped",
+                    view.adopted,
+                    view.dropped()
+                );
+            }
             Note::Stall { gap } => tracing::warn!(
                 gap_seconds = gap.as_secs_f64(),
                 "the server itself was stalled (paused or starved); the gap does not count as any worker's silence"
@@ -479,6 +534,8 @@ impl Server {
                 },
                 Done::Freed { free } => Input::FreeDone { free },
                 Done::L2Placed { read, fetched } => Input::L2Got { read, fetched },
+                Done::Sealed { slot } => Input::Sealed { slot },
+                Done::Scanned { first, found } => Input::Scanned { first, found },
                 Done::Discarded => continue,
             };
             self.input(input);

@@ -1,0 +1,323 @@
+//! A restart keeps the node's cache warm (issue 48, failure modes 71-73): a server on a
+//! pool file (`--l1-file`, `--l1-secret-file`) that is SIGKILLed and started again
+//! serves every chunk it had sealed, byte for byte, and never one that is torn, sealed
+//! under another secret or for another geometry; a pool file that is not the server's
+//! own is refused at start.
+
+use kvwarden::client::{Client, MemfdBuffer};
+use kvwarden_tests::l2_worker::{chunk, store, worker};
+use kvwarden_tests::{Server, TempDir, kvwarden_bin};
+use serde_json::Value as Json;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+const CHUNK: u64 = 64 << 10;
+
+struct Pool {
+    file: PathBuf,
+    secret: PathBuf,
+}
+
+impl Pool {
+    fn new(dir: &TempDir) -> Pool {
+        let secret = dir.path().join("l1.secret");
+        std::fs::write(&secret, [7u8; 32]).unwrap();
+        Pool {
+            file: dir.path().join("l1.pool"),
+            secret,
+        }
+    }
+
+    fn flags(&self) -> Vec<String> {
+        vec![
+            "--l1-file".into(),
+            self.file.display().to_string(),
+            "--l1-secret-file".into(),
+            self.secret.display().to_string(),
+        ]
+    }
+}
+
+fn start(dir: &TempDir, flags: &[String]) -> Server {
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    Server::start(dir, &flags)
+}
+
+fn key(n: u64) -> Vec<u8> {
+    format!("chunk-{n}").into_bytes()
+}
+
+/// Stores chunks `range` and waits until every one is sealed.
+fn store_sealed(
+    server: &Server,
+    client: &Client,
+    buffer: &MemfdBuffer,
+    range: std::ops::Range<u64>,
+) {
+    for n in range {
+        store(client, buffer, &key(n), &chunk(n, CHUNK));
+    }
+    server.wait_status("every stored chunk sealed", |status| {
+        status["l1"]["sealing"].as_u64() == Some(0)
+    });
+}
+
+/// Which of chunks `range` the server serves, each checked byte for byte.
+fn served(client: &Client, buffer: &MemfdBuffer, range: std::ops::Range<u64>) -> Vec<u64> {
+    let mut hits = Vec::new();
+    for n in range {
+        if client.retrieve(&key(n), 0, 0, CHUNK).expect("retrieve") == Some(CHUNK) {
+            let mut got = vec![0u8; CHUNK as usize];
+            assert!(buffer.read(0, &mut got));
+            assert!(
+                got == chunk(n, CHUNK),
+                "chunk {n} was served with other bytes than were stored"
+            );
+            hits.push(n);
+        }
+    }
+    hits
+}
+
+fn kill(server: Server) {
+    let mut server = server;
+    server.child.kill().expect("SIGKILL");
+    server.child.wait().expect("reaped");
+}
+
+fn adoption(status: &Json) -> &Json {
+    &status["l1"]["adoption"]
+}
+
+fn adopted(server: &Server) -> Json {
+    server.wait_status("the pool adopted", |status| {
+        adoption(status)["state"] == "done"
+    })
+}
+
+#[test]
+fn row_71_a_sigkilled_server_restarted_on_its_pool_file_serves_every_sealed_chunk() {
+    let dir = TempDir::new("restart-71");
+    let pool = Pool::new(&dir);
+    let server = start(&dir, &pool.flags());
+    {
+        let (client, buffer) = worker(&server, "m");
+        store_sealed(&server, &client, &buffer, 0..20);
+        assert_eq!(served(&client, &buffer, 0..20).len(), 20);
+    }
+    kill(server);
+
+    // Control: the same restart on an anonymous pool serves none of them.
+    let anonymous_dir = TempDir::new("restart-71-anonymous");
+    {
+        let server = start(&anonymous_dir, &[]);
+        let (client, buffer) = worker(&server, "m");
+        assert_eq!(served(&client, &buffer, 0..20), Vec::<u64>::new());
+    }
+
+    let server = start(&dir, &pool.flags());
+    let status = adopted(&server);
+    assert_eq!(status["l1"]["pool"], "adopted", "{status}");
+    assert_eq!(adoption(&status)["adopted"], 20, "{status}");
+    assert_eq!(adoption(&status)["adopted_bytes"], 20 * CHUNK, "{status}");
+    assert_eq!(adoption(&status)["dropped"]["torn"], 0, "{status}");
+    let (client, buffer) = worker(&server, "m");
+    assert_eq!(served(&client, &buffer, 0..20), (0..20).collect::<Vec<_>>());
+    assert_eq!(
+        served(&client, &buffer, 20..22),
+        Vec::<u64>::new(),
+        "never stored"
+    );
+    assert!(
+        server
+            .log()
+            .contains("L1 pool adopted: 20 values served again, 0 dropped")
+    );
+}
+
+#[test]
+fn row_71_a_server_killed_under_store_traffic_serves_no_torn_chunk() {
+    let dir = TempDir::new("restart-71-traffic");
+    let pool = Pool::new(&dir);
+    let server = start(&dir, &pool.flags());
+    let (client, buffer) = worker(&server, "m");
+    store_sealed(&server, &client, &buffer, 0..8);
+    // Stores keep coming (the pool holds 64 slots: they evict and rewrite slots) while
+    // the server is SIGKILLed.
+    let storing = std::thread::spawn(move || {
+        let mut n = 100;
+        loop {
+            assert!(buffer.write(0, &chunk(n, CHUNK)));
+            if client.store(&key(n), 0, 0, CHUNK).is_err() {
+                return n;
+            }
+            n += 1;
+        }
+    });
+    server.wait_status("the pool full: stores evict and rewrite slots", |status| {
+        status["l1"]["slots_used"].as_u64() == Some(64)
+    });
+    kill(server);
+    let last = storing.join().expect("the storing thread");
+
+    let server = start(&dir, &pool.flags());
+    let status = adopted(&server);
+    eprintln!("stored up to chunk {last}; adoption: {}", adoption(&status));
+    let (client, buffer) = worker(&server, "m");
+    // Every chunk served is byte-identical (checked in `served`); whatever was torn
+    // mid-write was dropped, not served.
+    let hits = served(&client, &buffer, 0..8).len() + served(&client, &buffer, 100..last + 1).len();
+    assert_eq!(
+        hits as u64,
+        adoption(&status)["adopted"].as_u64().unwrap(),
+        "every adopted chunk is served, and only those: {status}"
+    );
+    assert!(hits > 0, "{status}");
+}
+
+#[test]
+fn row_72_a_restart_with_another_geometry_or_secret_starts_cold_and_says_why() {
+    let dir = TempDir::new("restart-72");
+    let pool = Pool::new(&dir);
+    let server = start(&dir, &pool.flags());
+    {
+        let (client, buffer) = worker(&server, "m");
+        store_sealed(&server, &client, &buffer, 0..4);
+    }
+    kill(server);
+
+    // Another secret.
+    let other_secret = dir.path().join("other.secret");
+    std::fs::write(&other_secret, [8u8; 32]).unwrap();
+    let mut flags = pool.flags();
+    flags[3] = other_secret.display().to_string();
+    let server = start(&dir, &flags);
+    let status = server.status();
+    assert_eq!(status["l1"]["pool"], "cold", "{status}");
+    assert!(
+        status["l1"]["cold_reason"]
+            .as_str()
+            .unwrap()
+            .contains("another --l1-secret-file"),
+        "{status}"
+    );
+    {
+        let (client, buffer) = worker(&server, "m");
+        assert_eq!(served(&client, &buffer, 0..4), Vec::<u64>::new());
+        store_sealed(&server, &client, &buffer, 0..4);
+    }
+    kill(server);
+
+    // Control: the same secret again adopts what it sealed.
+    let server = start(&dir, &flags);
+    assert_eq!(adoption(&adopted(&server))["adopted"], 4);
+    kill(server);
+
+    // Another slot size.
+    let mut flags_128k = flags.clone();
+    flags_128k.extend(["--slot-bytes".to_string(), "128K".to_string()]);
+    let server = start(&dir, &flags_128k);
+    let status = server.status();
+    assert_eq!(status["l1"]["pool"], "cold", "{status}");
+    let reason = status["l1"]["cold_reason"].as_str().unwrap();
+    assert!(
+        reason.contains("--slot-bytes 65536 and 64 slots")
+            && reason.contains("--slot-bytes 131072"),
+        "{reason}"
+    );
+    let (client, buffer) = worker(&server, "m");
+    assert_eq!(served(&client, &buffer, 0..4), Vec::<u64>::new());
+}
+
+#[test]
+fn row_72_a_chunk_torn_in_the_pool_file_is_dropped_and_the_rest_adopted() {
+    let dir = TempDir::new("restart-72-torn");
+    let pool = Pool::new(&dir);
+    let server = start(&dir, &pool.flags());
+    {
+        let (client, buffer) = worker(&server, "m");
+        store_sealed(&server, &client, &buffer, 0..6);
+    }
+    kill(server);
+    // One byte of chunk 3 changed where it lies in the pool file (as a crash mid-write
+    // or a stray write would).
+    let mut bytes = std::fs::read(&pool.file).unwrap();
+    let wanted = chunk(3, CHUNK);
+    let at = bytes
+        .windows(64)
+        .position(|window| window == &wanted[..64])
+        .expect("chunk 3 in the pool file");
+    bytes[at + 1000] ^= 0xff;
+    std::fs::write(&pool.file, &bytes).unwrap();
+
+    let server = start(&dir, &pool.flags());
+    let status = adopted(&server);
+    assert_eq!(adoption(&status)["adopted"], 5, "{status}");
+    assert_eq!(adoption(&status)["dropped"]["torn"], 1, "{status}");
+    assert_eq!(
+        server.counter("kvwarden_l1_adoption_total", &[("outcome", "torn")]),
+        1
+    );
+    let (client, buffer) = worker(&server, "m");
+    assert_eq!(served(&client, &buffer, 0..6), vec![0, 1, 2, 4, 5]);
+}
+
+/// Starts `kvwarden serve` on `pool` expecting it to refuse: its stderr.
+fn refused(dir: &TempDir, pool: &Pool) -> String {
+    let output = Command::new(kvwarden_bin())
+        .arg("serve")
+        .arg("--socket")
+        .arg(dir.path().join("refused.sock"))
+        .args(["--http", "off", "--l1-bytes", "4M", "--slot-bytes", "64K"])
+        .args(pool.flags())
+        .stdin(Stdio::null())
+        .output()
+        .expect("kvwarden serve");
+    assert!(
+        !output.status.success(),
+        "the server started on {:?}",
+        pool.file
+    );
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+fn chown(path: &Path, uid: u32) {
+    rustix::fs::chown(path, Some(rustix::fs::Uid::from_raw(uid)), None).expect("chown");
+}
+
+#[test]
+fn row_73_a_pool_file_of_another_uid_or_readable_by_others_is_refused_at_start() {
+    let dir = TempDir::new("restart-73");
+    let pool = Pool::new(&dir);
+    let server = start(&dir, &pool.flags());
+    {
+        let (client, buffer) = worker(&server, "m");
+        store_sealed(&server, &client, &buffer, 0..2);
+    }
+    kill(server);
+    let mode = |path: &Path, mode: u32| {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+    };
+
+    mode(&pool.file, 0o644);
+    let stderr = refused(&dir, &pool);
+    assert!(
+        stderr.contains("with mode 0644") && stderr.contains("chmod 600"),
+        "{stderr}"
+    );
+    mode(&pool.file, 0o600);
+
+    if rustix::process::geteuid().is_root() {
+        chown(&pool.file, 1001);
+        let stderr = refused(&dir, &pool);
+        assert!(stderr.contains("owned by uid 1001"), "{stderr}");
+        chown(&pool.file, 0);
+    } else {
+        eprintln!("not root: the pool file cannot be given to another uid here; the mode case ran");
+    }
+
+    // Control: the server's own file, mode 0600, is adopted.
+    let server = start(&dir, &pool.flags());
+    assert_eq!(adoption(&adopted(&server))["adopted"], 2);
+}
