@@ -91,6 +91,14 @@ pub fn run(args: &RestartArgs) -> Result<(), BenchError> {
     .collect();
 
     let chunks = l1_bytes / slot_bytes;
+    // What sealing costs the stores: the same fill into an anonymous pool first.
+    let anonymous_flags: Vec<String> = flags[4..].to_vec();
+    let anonymous = ServerProcess::start("bench-restart", &anonymous_flags, "warn")?;
+    let fill_started = Instant::now();
+    fill(&anonymous.socket, chunks, slot_bytes)?;
+    let anonymous_fill = fill_started.elapsed();
+    drop(anonymous);
+
     let server = ServerProcess::start("bench-restart", &flags, "warn")?;
     progress(&format!(
         "storing {chunks} chunks of {} KiB ({} MiB) into a pool file under {}",
@@ -98,10 +106,12 @@ pub fn run(args: &RestartArgs) -> Result<(), BenchError> {
         (chunks * slot_bytes) >> 20,
         args.dir.display()
     ));
+    let fill_started = Instant::now();
     let stored = fill(&server.socket, chunks, slot_bytes)?;
     wait_status(&server.socket, "every stored chunk sealed", |status| {
         status["l1"]["sealing"].as_u64() == Some(0)
     })?;
+    let sealed_fill = fill_started.elapsed();
     progress(&format!("{stored} stored and sealed; SIGKILL"));
     drop(server);
 
@@ -177,6 +187,19 @@ pub fn run(args: &RestartArgs) -> Result<(), BenchError> {
         format!("{:.2}", adoption_gbps / read_gbps.max(1e-9)),
         "x",
         "adoption rate over the sequential read; target >= 0.5",
+    );
+    let gbps = |elapsed: Duration| pool_bytes as f64 / 1e9 / elapsed.as_secs_f64().max(1e-9);
+    figure(
+        "W1",
+        "store_sealed_over_anonymous",
+        format!("{:.2}", gbps(sealed_fill) / gbps(anonymous_fill)),
+        "x",
+        &format!(
+            "filling the pool with store_batch of {BATCH}: {:.2} GB/s onto the pool file, every \
+             seal written, against {:.2} GB/s into an anonymous pool, same run",
+            gbps(sealed_fill),
+            gbps(anonymous_fill)
+        ),
     );
     figure(
         "W1",

@@ -245,6 +245,7 @@ fn bench_restart_prints_what_a_restarted_server_adopts() {
             "W1 adoption_gb_per_s",
             "W1 sequential_read_gb_per_s",
             "W1 ratio_adoption_over_read",
+            "W1 store_sealed_over_anonymous",
             "W1 adopted_chunks_identical",
         ],
     );
