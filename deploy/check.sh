@@ -2,7 +2,7 @@
 # Checks every file under deploy/ with the tool that knows its format, and the
 # metrics it names against a live server:
 #
-#   systemd/kvwarden.service     systemd-analyze verify (a copy whose ExecStart is the
+#   systemd/kvwarden.{socket,service}  systemd-analyze verify (a copy whose ExecStart is the
 #                                binary built here; any warning about the unit fails)
 #   kubernetes/*.yaml            kubernetes-validate --strict, offline (bundled schemas);
 #                                the NetworkPolicy selects the DaemonSet's pods, admits
@@ -35,7 +35,7 @@ die() { printf 'deploy/check.sh: %s\n' "$1" >&2; exit 1; }
 
 # Every file here is checked below; a new one must be added to a check.
 say "every file under deploy/ has a check"
-known="check.sh check-metrics.py systemd/kvwarden.service kubernetes/daemonset.yaml
+known="check.sh check-metrics.py systemd/kvwarden.service systemd/kvwarden.socket kubernetes/daemonset.yaml
 kubernetes/networkpolicy.yaml
 prometheus/kvwarden-rules.yml prometheus/kvwarden-rules.test.yml grafana/kvwarden.json"
 while IFS= read -r file; do
@@ -73,20 +73,25 @@ fi
 [ -x "$bin" ] || die "no kvwarden binary at $bin"
 bin="$(cd "$(dirname "$bin")" && pwd)/$(basename "$bin")"
 
-say "systemd: systemd-analyze verify deploy/systemd/kvwarden.service"
+say "systemd: systemd-analyze verify deploy/systemd/kvwarden.socket and kvwarden.service"
 # verify needs ExecStart's binary to exist: check a copy that runs the one built here.
 grep -q '^ExecStart=/usr/local/bin/kvwarden ' "$here/systemd/kvwarden.service" \
   || die "kvwarden.service: ExecStart no longer starts /usr/local/bin/kvwarden; update this check"
 sed "s#^ExecStart=/usr/local/bin/kvwarden #ExecStart=$bin #" \
   "$here/systemd/kvwarden.service" > "$work/kvwarden.service"
+cp "$here/systemd/kvwarden.socket" "$work/kvwarden.socket"
+# The socket unit and the service agree on the path the workers connect to.
+socket_path="$(sed -n 's/^ListenStream=//p' "$here/systemd/kvwarden.socket")"
+grep -q -- "--socket $socket_path " "$here/systemd/kvwarden.service" \
+  || die "kvwarden.socket listens on $socket_path but kvwarden.service's --socket differs"
 verify_log="$work/verify.log"
-systemd-analyze verify "$work/kvwarden.service" >"$verify_log" 2>&1 || {
+systemd-analyze verify "$work/kvwarden.socket" "$work/kvwarden.service" >"$verify_log" 2>&1 || {
   cat "$verify_log" >&2
   die "systemd-analyze verify failed"
 }
 # It only warns about unknown keys and bad values: any line about the unit fails.
-if grep 'kvwarden.service' "$verify_log" >&2; then
-  die "systemd-analyze verify warned about kvwarden.service (above)"
+if grep -E 'kvwarden\.(service|socket)' "$verify_log" >&2; then
+  die "systemd-analyze verify warned about kvwarden.service or kvwarden.socket (above)"
 fi
 echo "ok"
 

@@ -89,6 +89,7 @@ fn config(socket_path: std::path::PathBuf) -> ServerConfig {
         l1_bytes: 1 << 20,
         l1_prefault: false,
         l1_file: None,
+        l1_fdstore: false,
         l1_secret: None,
         slot_bytes: 64 << 10,
         max_frame_bytes: 1 << 20,

@@ -311,6 +311,47 @@ impl Server {
         wrapper: Option<&[&str]>,
         uid: Option<u32>,
     ) -> Server {
+        Server::spawn_with_fds(dir, args, env, wrapper, uid, &[])
+    }
+
+    /// As [`Server::start_with_env`], playing systemd's part of a start: `fds` are
+    /// passed as fds 3, 4, … with `LISTEN_FDS`, their names in `LISTEN_FDNAMES` and
+    /// `LISTEN_PID` the server's own pid (set by `sh` just before it execs the server).
+    pub fn start_with_listen_fds(
+        dir: &TempDir,
+        extra: &[&str],
+        env: &[(&str, &str)],
+        fds: &[(BorrowedFd<'_>, &str)],
+    ) -> Server {
+        let count = fds.len().to_string();
+        let names = fds
+            .iter()
+            .map(|(_, name)| *name)
+            .collect::<Vec<_>>()
+            .join(":");
+        let mut env = env.to_vec();
+        env.extend([
+            ("LISTEN_FDS", count.as_str()),
+            ("LISTEN_FDNAMES", names.as_str()),
+        ]);
+        Server::spawn_with_fds(
+            dir,
+            &merge_flags(SHORT_TIMEOUTS, extra),
+            &env,
+            Some(&["sh", "-c", "LISTEN_PID=$$ exec \"$0\" \"$@\""]),
+            None,
+            fds,
+        )
+    }
+
+    fn spawn_with_fds(
+        dir: &TempDir,
+        args: &[&str],
+        env: &[(&str, &str)],
+        wrapper: Option<&[&str]>,
+        uid: Option<u32>,
+        listen_fds: &[(BorrowedFd<'_>, &str)],
+    ) -> Server {
         let socket = dir.path().join("kvwarden.sock");
         static SERIAL: AtomicU64 = AtomicU64::new(0);
         let stderr_path = dir.path().join(format!(
@@ -343,6 +384,34 @@ impl Server {
             use std::os::unix::process::CommandExt;
             // As root, std also drops the supplementary groups (setgroups(0)).
             command.uid(uid).gid(uid);
+        }
+        assert!(listen_fds.len() <= 16, "at most 16 fds are passed");
+        if !listen_fds.is_empty() {
+            use std::os::fd::AsRawFd;
+            use std::os::unix::process::CommandExt;
+            let raw: Vec<i32> = listen_fds.iter().map(|(fd, _)| fd.as_raw_fd()).collect();
+            // SAFETY: only async-signal-safe calls (fcntl, dup2) between fork and exec.
+            unsafe {
+                command.pre_exec(move || {
+                    // Out of the way first (a source may sit at 3 or 4 itself), then
+                    // into place, without FD_CLOEXEC (dup2 clears it).
+                    // No allocation here (another thread may hold malloc's lock).
+                    let mut high = [0i32; 16];
+                    for (slot, &fd) in high.iter_mut().zip(&raw) {
+                        let moved = libc::fcntl(fd, libc::F_DUPFD, 100);
+                        if moved < 0 {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                        *slot = moved;
+                    }
+                    for (i, &fd) in high[..raw.len()].iter().enumerate() {
+                        if libc::dup2(fd, 3 + i as i32) < 0 {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                    }
+                    Ok(())
+                });
+            }
         }
         let mut child = command
             .arg("serve")

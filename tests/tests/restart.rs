@@ -321,3 +321,151 @@ fn row_73_a_pool_file_of_another_uid_or_readable_by_others_is_refused_at_start()
     let server = start(&dir, &pool.flags());
     assert_eq!(adoption(&adopted(&server))["adopted"], 2);
 }
+
+/// systemd's notification socket, played by the test: what the server sends it.
+struct Systemd {
+    socket: std::os::unix::net::UnixDatagram,
+    path: PathBuf,
+}
+
+impl Systemd {
+    fn new(dir: &TempDir) -> Systemd {
+        let path = dir.path().join("notify.sock");
+        let socket = std::os::unix::net::UnixDatagram::bind(&path).expect("the notify socket");
+        socket
+            .set_read_timeout(Some(std::time::Duration::from_secs(20)))
+            .unwrap();
+        Systemd { socket, path }
+    }
+
+    fn env(&self) -> (&'static str, String) {
+        ("NOTIFY_SOCKET", self.path.display().to_string())
+    }
+
+    /// Receives notifications until `READY=1`: the file-descriptor store's contents by
+    /// name (the last `FDSTORE=1` of each name; `FDSTOREREMOVE=1` empties a name).
+    fn until_ready(&self, store: &mut std::collections::BTreeMap<String, rustix::fd::OwnedFd>) {
+        use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags};
+        use std::io::IoSliceMut;
+        use std::mem::MaybeUninit;
+        loop {
+            let mut bytes = [0u8; 4096];
+            let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
+            let mut control = RecvAncillaryBuffer::new(&mut space);
+            let mut iov = [IoSliceMut::new(&mut bytes)];
+            let received = rustix::net::recvmsg(
+                &self.socket,
+                &mut iov,
+                &mut control,
+                RecvFlags::CMSG_CLOEXEC,
+            )
+            .expect("a notification before the timeout");
+            let mut fds = Vec::new();
+            for message in control.drain() {
+                if let RecvAncillaryMessage::ScmRights(received) = message {
+                    fds.extend(received);
+                }
+            }
+            let text = String::from_utf8_lossy(&bytes[..received.bytes]).into_owned();
+            let lines: Vec<&str> = text.lines().collect();
+            let name = lines
+                .iter()
+                .find_map(|line| line.strip_prefix("FDNAME="))
+                .map(str::to_owned);
+            if lines.contains(&"FDSTOREREMOVE=1") {
+                store.remove(name.as_deref().expect("FDSTOREREMOVE names the fds"));
+            }
+            if lines.contains(&"FDSTORE=1") {
+                let [fd] = <[_; 1]>::try_from(fds).expect("one fd with FDSTORE=1");
+                store.insert(name.expect("FDSTORE names its fd"), fd);
+            }
+            if lines.contains(&"READY=1") {
+                return;
+            }
+        }
+    }
+}
+
+#[test]
+fn row_71_under_systemd_the_pool_is_kept_in_its_file_descriptor_store() {
+    use rustix::fd::AsFd;
+    let dir = TempDir::new("restart-71-systemd");
+    let pool = Pool::new(&dir);
+    let systemd = Systemd::new(&dir);
+    let (name, value) = systemd.env();
+    let flags = [
+        "--l1-fdstore",
+        "--l1-secret-file",
+        pool.secret.to_str().unwrap(),
+    ];
+    let mut store = std::collections::BTreeMap::new();
+    let server = Server::start_with_env(&dir, &flags, &[(name, &value)]);
+    systemd.until_ready(&mut store);
+    assert_eq!(
+        store.keys().collect::<Vec<_>>(),
+        ["kvwarden-l1-index", "kvwarden-l1-pool"],
+        "the pool and its index handed to the store"
+    );
+    assert!(
+        server.status()["l1"]["cold_reason"]
+            .as_str()
+            .unwrap()
+            .contains("nothing in systemd's file-descriptor store yet")
+    );
+    {
+        let (client, buffer) = worker(&server, "m");
+        store_sealed(&server, &client, &buffer, 0..10);
+    }
+    kill(server);
+
+    // Control: a restart that is not handed the store's fds starts cold.
+    let mut empty = std::collections::BTreeMap::new();
+    let server = Server::start_with_env(&dir, &flags, &[(name, &value)]);
+    systemd.until_ready(&mut empty);
+    {
+        let (client, buffer) = worker(&server, "m");
+        assert_eq!(served(&client, &buffer, 0..10), Vec::<u64>::new());
+    }
+    kill(server);
+
+    // systemd's restart: the stored fds come back as LISTEN_FDS (the first run's: the
+    // test's store was not given the control run's), with the unit's socket (socket
+    // activation). A worker that connects before the server is up waits in its backlog.
+    let socket_path = dir.path().join("kvwarden.sock");
+    let _ = std::fs::remove_file(&socket_path);
+    let listener = std::os::unix::net::UnixListener::bind(&socket_path).expect("systemd's socket");
+    let mut early =
+        kvwarden_tests::RawClient::connect(&socket_path).expect("queued in the backlog");
+    let (id, frame) = early.frame("ping", vec![rmpv::Value::Nil]);
+    early.send_bytes(&frame).unwrap();
+    let mut passed: Vec<(rustix::fd::BorrowedFd<'_>, &str)> =
+        vec![(listener.as_fd(), "kvwarden.socket")];
+    passed.extend(store.iter().map(|(name, fd)| (fd.as_fd(), name.as_str())));
+    let server = Server::start_with_listen_fds(&dir, &flags, &[(name, &value)], &passed);
+    let mut again = std::collections::BTreeMap::new();
+    systemd.until_ready(&mut again);
+    assert!(
+        again.is_empty(),
+        "adopted fds stay in the store: nothing stored anew"
+    );
+    let reply = early.read_reply().expect("the early worker is answered");
+    assert_eq!(reply.id, id);
+    assert!(reply.result.is_ok(), "{reply:?}");
+    let status = adopted(&server);
+    assert_eq!(status["l1"]["pool"], "adopted", "{status}");
+    assert_eq!(adoption(&status)["adopted"], 10, "{status}");
+    {
+        let (client, buffer) = worker(&server, "m");
+        assert_eq!(served(&client, &buffer, 0..10), (0..10).collect::<Vec<_>>());
+    }
+    let (exit, log) = server.terminate();
+    assert!(exit.success(), "{log}");
+    assert!(
+        log.contains("listening on the Unix socket systemd passed (socket activation)"),
+        "{log}"
+    );
+    assert!(
+        socket_path.exists(),
+        "systemd's socket file is left where systemd made it"
+    );
+}

@@ -16,6 +16,7 @@ use std::time::Duration;
 // `--worker-reap-timeout-seconds -1` reaches the range check (which names the flag's
 // range) instead of clap's "unexpected argument '-1'".
 #[command(allow_negative_numbers = true)]
+#[command(group(clap::ArgGroup::new("kept_pool").args(["l1_file", "l1_fdstore"])))]
 pub struct ServeArgs {
     /// Reap a worker that has pinged once after this many seconds of silence; 0
     /// disables reaping (process-exit proof still frees). At least 30, and at least 3 ×
@@ -100,10 +101,16 @@ pub struct ServeArgs {
     /// verifies, while it serves; without one it starts empty.
     #[arg(long, value_name = "PATH")]
     l1_file: Option<PathBuf>,
-    /// The secret that seals the values of --l1-file (a file of at least 32 bytes, kept
+    /// Keep the L1 store in systemd's file-descriptor store (a Type=notify unit with
+    /// FileDescriptorStoreMax=, as the shipped one): its memfds go to systemd, which
+    /// hands them back on the next start, after a crash too. With --l1-secret-file, a
+    /// restarted server serves again every chunk whose seal verifies, while it serves.
+    #[arg(long)]
+    l1_fdstore: bool,
+    /// The secret that seals the values of --l1-file or --l1-fdstore (a file of at least 32 bytes, kept
     /// across restarts: `head -c 32 /dev/urandom > FILE && chmod 600 FILE`). A value
     /// torn by a crash, or sealed under another secret, is dropped, never served.
-    #[arg(long, value_name = "PATH", requires = "l1_file")]
+    #[arg(long, value_name = "PATH", requires = "kept_pool")]
     l1_secret_file: Option<PathBuf>,
     /// The largest request frame accepted; bigger ones are answered `too_large` and the
     /// connection is closed.
@@ -688,6 +695,7 @@ fn server_config(args: ServeArgs) -> Result<ServerConfig, String> {
         l1_bytes: args.l1_bytes,
         l1_prefault: args.l1_prefault,
         l1_file: args.l1_file.clone(),
+        l1_fdstore: args.l1_fdstore,
         l1_secret,
         slot_bytes: args.slot_bytes,
         max_frame_bytes,

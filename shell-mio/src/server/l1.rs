@@ -6,6 +6,7 @@
 //! ([`kvwarden_core::node::l1`]); the bytes are copied here, on the context pool, at
 //! the offsets it names.
 
+use super::systemd;
 use crate::memfd::{self, SharedMapping};
 use kvwarden_core::node::Scanned;
 use kvwarden_core::seal::{self, Geometry, IndexHeader, SEAL_BYTES, SealKey};
@@ -111,32 +112,19 @@ impl L1 {
                  with, so none is served again"
                     .into(),
             ),
-            Some(key) => match seal::check_index_header(&head[..read], geometry, key) {
-                IndexHeader::Matches
-                    if pool_size == used && index_size == geometry.index_bytes() =>
-                {
-                    PoolStart::Adopt
-                }
-                IndexHeader::Matches | IndexHeader::Blank if pool_size == 0 => {
-                    PoolStart::Cold("a new pool file".into())
-                }
-                IndexHeader::Matches | IndexHeader::Blank => PoolStart::Cold(format!(
-                    "{} holds no index of seals for this pool: nothing to verify its \
-                     values with",
-                    index_path.display()
-                )),
-                IndexHeader::OtherGeometry(old) => PoolStart::Cold(format!(
-                    "the pool was made with --slot-bytes {} and {} slots; this server has \
-                     --slot-bytes {slot_bytes} and {num_slots} slots (--l1-bytes), so its \
-                     values are dropped",
-                    old.slot_bytes, old.num_slots
-                )),
-                IndexHeader::OtherSecret => PoolStart::Cold(
-                    "the pool was sealed under another --l1-secret-file: its values are \
-                     dropped"
-                        .into(),
-                ),
-            },
+            Some(key) => verdict(
+                seal::check_index_header(&head[..read], geometry, key),
+                geometry,
+                (pool_size, index_size),
+                || "a new pool file".into(),
+                || {
+                    format!(
+                        "{} holds no index of seals for this pool: nothing to verify its \
+                         values with",
+                        index_path.display()
+                    )
+                },
+            ),
         };
         let resize = |fd: &OwnedFd, path: &Path, len: u64| {
             rustix::fs::ftruncate(fd, 0)
@@ -170,12 +158,10 @@ impl L1 {
                 .map_err(|e| format!("--l1-prefault of {}: {e}", path.display()))?;
         }
         let seals = match key {
-            Some(key) => Some(Arc::new(Seals {
-                index: map(&index_fd, geometry.index_bytes(), &index_path)?,
-                _fd: index_fd,
-                key,
-                geometry,
-            })),
+            Some(key) => Some(Arc::new(
+                Seals::map(index_fd, geometry, key)
+                    .map_err(|e| format!("--l1-file {}: {e}", index_path.display()))?,
+            )),
             None => None,
         };
         let num_slots = usize::try_from(num_slots).map_err(|e| e.to_string())?;
@@ -219,6 +205,152 @@ impl L1 {
     /// Where `slot` begins in the pool.
     pub fn offset(&self, slot: SlotId) -> u64 {
         slot as u64 * self.slot_bytes
+    }
+}
+
+/// What a pool and its index found at start allow: [`PoolStart::Adopt`] for this
+/// geometry and secret with both of their sizes, else why it starts cold (`new` when
+/// the pool is empty, `unindexed` when it has no index for it).
+fn verdict(
+    header: IndexHeader,
+    geometry: Geometry,
+    (pool_size, index_size): (u64, u64),
+    new: impl FnOnce() -> String,
+    unindexed: impl FnOnce() -> String,
+) -> PoolStart {
+    let used = geometry.slot_bytes * geometry.num_slots;
+    match header {
+        IndexHeader::Matches if pool_size == used && index_size == geometry.index_bytes() => {
+            PoolStart::Adopt
+        }
+        IndexHeader::Matches | IndexHeader::Blank if pool_size == 0 => PoolStart::Cold(new()),
+        IndexHeader::Matches | IndexHeader::Blank => PoolStart::Cold(unindexed()),
+        IndexHeader::OtherGeometry(old) => PoolStart::Cold(format!(
+            "the pool was made with --slot-bytes {} and {} slots; this server has \
+             --slot-bytes {} and {} slots (--l1-bytes), so its values are dropped",
+            old.slot_bytes, old.num_slots, geometry.slot_bytes, geometry.num_slots
+        )),
+        IndexHeader::OtherSecret => PoolStart::Cold(
+            "the pool was sealed under another --l1-secret-file: its values are dropped".into(),
+        ),
+    }
+}
+
+impl L1 {
+    /// A pool kept in systemd's file-descriptor store (`--l1-fdstore`): the sealed
+    /// memfds of an earlier start when `passed` holds them (`LISTEN_FDNAMES`
+    /// [`systemd::POOL_FD_NAME`] and [`systemd::INDEX_FD_NAME`]) and they are of this
+    /// geometry and sealed under `key`: adopted. Else new memfds, handed to the store
+    /// (replacing the old), and why the pool starts cold. Without `key`, or outside
+    /// systemd, an anonymous pool that is not stored.
+    pub fn open_fdstore(
+        passed: &mut Vec<(OwnedFd, String)>,
+        l1_bytes: u64,
+        slot_bytes: u64,
+        prefault: bool,
+        key: Option<SealKey>,
+    ) -> Result<(L1, PoolStart), String> {
+        let geometry = Geometry {
+            slot_bytes,
+            num_slots: l1_bytes.checked_div(slot_bytes).unwrap_or(0),
+        };
+        let mut take = |name: &str| {
+            let at = passed.iter().position(|(_, passed)| passed == name)?;
+            Some(passed.remove(at).0)
+        };
+        let (old_pool, old_index) = (take(systemd::POOL_FD_NAME), take(systemd::INDEX_FD_NAME));
+        let fresh = || {
+            L1::new(l1_bytes, slot_bytes, prefault)
+                .map_err(|e| format!("creating the L1 pool of {l1_bytes} bytes: {e}"))
+        };
+        let Some(key) = key else {
+            return Ok((
+                fresh()?,
+                PoolStart::Cold(
+                    "--l1-fdstore without --l1-secret-file: there is nothing to authenticate \
+                     the pool's values with, so it is not kept"
+                        .into(),
+                ),
+            ));
+        };
+        if !systemd::supervised() {
+            return Ok((
+                fresh()?,
+                PoolStart::Cold(
+                    "--l1-fdstore, but NOTIFY_SOCKET is not set (not a systemd service of \
+                     Type=notify): the pool is not kept"
+                        .into(),
+                ),
+            ));
+        }
+        let start = match (&old_pool, &old_index) {
+            (Some(pool), Some(index)) => {
+                let size =
+                    |fd: &OwnedFd| rustix::fs::fstat(fd).map_or(0, |stat| stat.st_size as u64);
+                let mut head = [0u8; 64];
+                let read = rustix::io::pread(index, &mut head, 0).unwrap_or(0);
+                verdict(
+                    seal::check_index_header(&head[..read], geometry, &key),
+                    geometry,
+                    (size(pool), size(index)),
+                    || "an empty pool in systemd's file-descriptor store".into(),
+                    || "the pool in systemd's file-descriptor store has no index of seals".into(),
+                )
+            }
+            _ => PoolStart::Cold(
+                "nothing in systemd's file-descriptor store yet (a first start, or the store \
+                 was released: FileDescriptorStoreMax= and FileDescriptorStorePreserve= of \
+                 the unit)"
+                    .into(),
+            ),
+        };
+        if start == PoolStart::Adopt
+            && let (Some(pool), Some(index)) = (old_pool, old_index)
+        {
+            let len = usize::try_from(geometry.slot_bytes * geometry.num_slots)
+                .map_err(|e| e.to_string())?;
+            let mapping = Arc::new(
+                SharedMapping::map(&pool, len)
+                    .map_err(|e| format!("mapping the stored L1 pool: {e}"))?,
+            );
+            if prefault {
+                mapping
+                    .populate()
+                    .map_err(|e| format!("--l1-prefault of the stored pool: {e}"))?;
+            }
+            let seals = Seals::map(index, geometry, key)?;
+            let num_slots = usize::try_from(geometry.num_slots).map_err(|e| e.to_string())?;
+            return Ok((
+                L1 {
+                    mapping,
+                    fd: pool,
+                    slot_bytes,
+                    num_slots,
+                    seals: Some(Arc::new(seals)),
+                },
+                start,
+            ));
+        }
+        let mut l1 = fresh()?;
+        let index = memfd::create("kvwarden-l1-index", geometry.index_bytes())
+            .map_err(|e| format!("creating the L1 index: {e}"))?;
+        rustix::fs::fcntl_add_seals(
+            &index,
+            SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL,
+        )
+        .map_err(|e| format!("sealing the L1 index: {e}"))?;
+        rustix::io::pwrite(&index, &seal::index_header(geometry, &key), 0)
+            .map_err(|e| format!("writing the L1 index: {e}"))?;
+        for (name, fd) in [
+            (systemd::POOL_FD_NAME, l1.fd.as_fd()),
+            (systemd::INDEX_FD_NAME, index.as_fd()),
+        ] {
+            systemd::store(name, fd).map_err(|e| {
+                format!("handing {name} to systemd's file-descriptor store (FDSTORE=1): {e}")
+            })?;
+        }
+        l1.seals = Some(Arc::new(Seals::map(index, geometry, key)?));
+        Ok((l1, start))
     }
 }
 
@@ -278,6 +410,19 @@ fn open_own(path: &Path) -> Result<OwnedFd, String> {
 }
 
 impl Seals {
+    /// The index in `fd` (its header already written), mapped.
+    fn map(fd: OwnedFd, geometry: Geometry, key: SealKey) -> Result<Seals, String> {
+        let len = usize::try_from(geometry.index_bytes()).map_err(|e| e.to_string())?;
+        let index =
+            SharedMapping::map(&fd, len).map_err(|e| format!("mapping the L1 index: {e}"))?;
+        Ok(Seals {
+            index,
+            _fd: fd,
+            key,
+            geometry,
+        })
+    }
+
     /// Seals `len` bytes of `key` in `slot` (committed, pinned while this runs); a key
     /// too long for a seal leaves the slot unsealed (not adopted after a restart).
     pub fn seal(&self, pool: &Arc<SharedMapping>, slot: usize, key: &[u8], len: u64) -> bool {

@@ -19,6 +19,7 @@ pub mod metrics;
 pub mod peer;
 pub mod pool;
 pub mod status;
+pub mod systemd;
 
 pub use event_loop::{Server, ServerError};
 
@@ -57,6 +58,8 @@ pub struct ServerConfig {
     /// The pool in this file, found again after a restart (`--l1-file`); None: an
     /// anonymous memfd.
     pub l1_file: Option<PathBuf>,
+    /// The pool's memfds in systemd's file-descriptor store (`--l1-fdstore`).
+    pub l1_fdstore: bool,
     /// The key of the pool file's seals (`--l1-secret-file`); without one nothing is
     /// adopted.
     pub l1_secret: Option<kvwarden_core::seal::SealKey>,

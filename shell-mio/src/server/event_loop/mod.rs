@@ -214,6 +214,9 @@ pub struct Server {
     turn_started: std::time::Instant,
     /// How the L1 pool was found at start (`/status l1.pool`).
     pool_start: PoolStart,
+    /// Whether this process bound the Unix socket (and removes its file at the end);
+    /// false for systemd's (socket activation).
+    socket_owned: bool,
     /// When connections were last checked against the frame timeout.
     last_sweep: std::time::Instant,
     /// The HTTP listener is on loopback: `/status` shows uids and pids.
@@ -236,7 +239,13 @@ impl Server {
     /// Validates the configuration, binds every listener and prints the bound
     /// addresses on stdout (`socket=…`, `tcp=…`, `http=…`, then `ready`).
     pub fn bind(mut config: ServerConfig) -> Result<Server, ServerError> {
-        listen::refuse_a_running_server(&config.socket_path, config.http)?;
+        // What systemd passed: the Unix socket (socket activation) and the pool's
+        // memfds (--l1-fdstore).
+        let mut passed = super::systemd::passed_fds().map_err(ServerError::PoolFile)?;
+        let activated = super::systemd::take_unix_listener(&mut passed);
+        if activated.is_none() {
+            listen::refuse_a_running_server(&config.socket_path, config.http)?;
+        }
         let fd_limit = listen::raise_fd_limit();
         let capacity = fd_limit.connection_capacity();
         if config.max_connections > capacity {
@@ -286,6 +295,14 @@ impl Server {
         let waker = Arc::new(mio::Waker::new(poll.registry(), WAKER)?);
         let pool = Pool::new(config.pool_threads, Arc::clone(&waker))?;
         let (l1, pool_start) = match &config.l1_file {
+            None if config.l1_fdstore => L1::open_fdstore(
+                &mut passed,
+                config.l1_bytes,
+                config.slot_bytes,
+                config.l1_prefault,
+                config.l1_secret.clone(),
+            )
+            .map_err(ServerError::PoolFile)?,
             None => L1::new(config.l1_bytes, config.slot_bytes, config.l1_prefault)
                 .map(|l1| (l1, PoolStart::Anonymous))
                 .map_err(|source| ServerError::L1 {
@@ -302,16 +319,25 @@ impl Server {
             )
             .map_err(ServerError::PoolFile)?,
         };
-        match (&pool_start, &config.l1_file) {
-            (PoolStart::Cold(why), Some(path)) => tracing::warn!(
-                path = %path.display(),
-                "L1 pool file starts empty: {why}"
+        for (_, name) in passed.drain(..) {
+            tracing::warn!(
+                name,
+                "systemd passed an fd this server does not use; it is closed"
+            );
+        }
+        let kept = match &config.l1_file {
+            Some(path) => path.display().to_string(),
+            None => "systemd's file-descriptor store".to_string(),
+        };
+        match &pool_start {
+            PoolStart::Cold(why) => {
+                tracing::warn!(pool = %kept, "L1 pool starts empty: {why}")
+            }
+            PoolStart::Adopt => tracing::info!(
+                pool = %kept,
+                "L1 pool found: adopting the values whose seals verify while serving"
             ),
-            (PoolStart::Adopt, Some(path)) => tracing::info!(
-                path = %path.display(),
-                "L1 pool file found: adopting the values whose seals verify while serving"
-            ),
-            _ => {}
+            PoolStart::Anonymous => {}
         }
         if config.l1_file.is_some()
             && let Some(tenant) = config.trust.tenants.iter().find(|t| t.engine_driven)
@@ -425,12 +451,28 @@ impl Server {
 
         // The Unix socket last, once nothing else can fail: a failed start never
         // leaves a socket file behind.
-        let mut unix_listener = listen::bind_unix(&config.socket_path, config.socket_mode)?;
+        // Socket activation: systemd's socket, which outlives this process (its file is
+        // systemd's, never removed here).
+        let socket_owned = activated.is_none();
+        let mut unix_listener = match activated {
+            Some(fd) => {
+                let listener = std::os::unix::net::UnixListener::from(fd);
+                listener.set_nonblocking(true)?;
+                tracing::info!(
+                    socket = %config.socket_path.display(),
+                    "listening on the Unix socket systemd passed (socket activation)"
+                );
+                mio::net::UnixListener::from_std(listener)
+            }
+            None => listen::bind_unix(&config.socket_path, config.socket_mode)?,
+        };
         if let Err(error) =
             poll.registry()
                 .register(&mut unix_listener, UNIX_LISTENER, Interest::READABLE)
         {
-            let _ = std::fs::remove_file(&config.socket_path);
+            if socket_owned {
+                let _ = std::fs::remove_file(&config.socket_path);
+            }
             return Err(error.into());
         }
 
@@ -463,6 +505,9 @@ impl Server {
             // stdout may be closed by whoever started us; serving goes on regardless.
             let _ = stdout.write_all(lines.as_bytes());
             let _ = stdout.flush();
+        }
+        if super::systemd::supervised() {
+            super::systemd::ready();
         }
 
         Ok(Server {
@@ -512,6 +557,7 @@ impl Server {
             fd_transit_budget: fd_limit.transit_budget(),
             turn_started: std::time::Instant::now(),
             pool_start,
+            socket_owned,
             last_sweep: std::time::Instant::now(),
             http_is_loopback: config.http.is_none_or(|addr| addr.ip().is_loopback()),
             buffered_bytes: 0,
@@ -554,7 +600,7 @@ impl Server {
                 // or a heartbeat already queued on a socket would count too late.
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => {
-                    if self.unix_listener.is_some() {
+                    if self.unix_listener.is_some() && self.socket_owned {
                         let _ = std::fs::remove_file(&self.config.socket_path);
                     }
                     return Err(e.into());

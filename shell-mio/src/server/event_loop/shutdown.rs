@@ -26,7 +26,9 @@ impl Server {
             let _ = self.poll.registry().deregister(&mut listener);
         }
         self.http_connections.clear();
-        if let Err(error) = std::fs::remove_file(&self.config.socket_path) {
+        if self.socket_owned
+            && let Err(error) = std::fs::remove_file(&self.config.socket_path)
+        {
             tracing::warn!(%error, path = %self.config.socket_path.display(), "removing the socket file failed");
         }
         // The node answers what runs, then frees every entry, then says `Stopped`.
