@@ -42,8 +42,10 @@ of about 25 s each included):
 - ``kvwarden_restart``: the connector; round 1 (cold: a fresh kvwarden) of 16 prompts of
   a 2,000-token prefix each (suffix 32, output 8, one at a time), then the vLLM server
   is stopped and started again (kvwarden keeps running) and round 2 sends the same
-  prompts: ``ttft_warm_after_restart_over_cold`` is round 2's TTFT p50 over round 1's
-  (about 1 min).
+  prompts: ``ttft_warm_after_restart_over_cold`` is round 2's TTFT p50 over round 1's;
+  then kvwarden itself is SIGKILLed and started again on its pool file (``--l1-file``
+  on ``/dev/shm``, ``--l1-secret-file``), the engine restarted too, and round 3 sends
+  them again: ``ttft_warm_after_kvwarden_restart_over_cold`` (issue 48; about 1.5 min).
 - ``two_engines``: two vLLM servers sharing one kvwarden server, both up at once (about
   4 GB of memory each); the restart traffic against engine 1, then the same prompts
   against engine 2 (``ttft_second_engine_over_first``). Skipped when memory is short,
@@ -364,15 +366,19 @@ class Kvwarden:
     """A kvwarden server on a private socket, which can be SIGKILLed and started again
     on the same socket."""
 
-    def __init__(self, binary: str, socket_path: str, log_path: str):
+    def __init__(
+        self, binary: str, socket_path: str, log_path: str, extra: Optional[List[str]] = None
+    ):
         self.binary, self.socket_path, self.log_path = binary, socket_path, log_path
+        self.extra = list(extra or [])
         self.process: Optional[subprocess.Popen] = None
 
     def start(self) -> None:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 [self.binary, "serve", "--socket", self.socket_path, "--http", "off"]
-                + KVWARDEN_ARGS,
+                + KVWARDEN_ARGS
+                + self.extra,
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
@@ -572,12 +578,13 @@ class Context:
             self.env.update(CUDA_VISIBLE_DEVICES="", VLLM_TARGET_DEVICE="cpu")
         self.scanned: Dict[str, Dict[str, int]] = {}
 
-    def kvwarden(self, name: str) -> Kvwarden:
+    def kvwarden(self, name: str, extra: Optional[List[str]] = None) -> Kvwarden:
         directory = tempfile.mkdtemp(prefix=f"kvw-{name[:8]}-", dir="/tmp")
         server = Kvwarden(
             self.binary,
             os.path.join(directory, "kv.sock"),
             os.path.join(self.log_dir, f"kvwarden-{name}.log"),
+            extra,
         )
         self.live_kvwardens.append(server)
         server.start()
@@ -850,11 +857,35 @@ def run_serving(ctx: Context) -> tuple:
     return without, with_connector, differences
 
 
-def run_restart(ctx: Context) -> Optional[float]:
-    kvwarden = ctx.kvwarden("restart")
+def run_restart(ctx: Context) -> tuple:
+    # The pool in a file on tmpfs, sealed: round 3 finds it again after kvwarden's own
+    # SIGKILL and restart (issue 48).
+    pool_dir = tempfile.mkdtemp(
+        prefix="kvw-pool-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
+    )
+    secret = os.path.join(pool_dir, "l1.secret")
+    with open(secret, "wb") as f:
+        f.write(os.urandom(32))
+    os.chmod(secret, 0o600)
+    kvwarden = ctx.kvwarden(
+        "restart", ["--l1-file", os.path.join(pool_dir, "l1.pool"), "--l1-secret-file", secret]
+    )
     traffic = restart_traffic(ctx.args)
     rounds = []
-    for round_index in (1, 2):
+    for round_index in (1, 2, 3):
+        if round_index == 3:
+            # kvwarden itself is SIGKILLed and started again on its pool file, and the
+            # engine restarts too (its own prefix cache gone): only the adopted pool can
+            # make round 3 warm.
+            kvwarden.kill()
+            kvwarden.start()
+            deadline = time.monotonic() + 120
+            while True:
+                adoption = ((kvwarden.status() or {}).get("l1") or {}).get("adoption") or {}
+                if adoption.get("state") == "done" or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+            figure("kvwarden_restart_adopted_chunks", adoption.get("adopted", 0))
         server = VllmServer("kvwarden_restart", ctx, ctx.connector(kvwarden), prefix_caching=True)
         server.start()
         result = run_round(ctx, server, traffic, f"kvwarden_restart_round{round_index}")
@@ -864,8 +895,9 @@ def run_restart(ctx: Context) -> Optional[float]:
         figure(f"kvwarden_restart_round{round_index}_external_hit_tokens", int(hits))
         rounds.append(result)
     kvwarden.stop()
+    shutil.rmtree(pool_dir, ignore_errors=True)
     report_log_scan(ctx, "kvwarden_restart")
-    return _ttft_ratio(rounds[1], rounds[0])
+    return _ttft_ratio(rounds[1], rounds[0]), _ttft_ratio(rounds[2], rounds[0])
 
 
 def _ttft_ratio(second: dict, first: dict) -> Optional[float]:
@@ -1254,7 +1286,7 @@ def main() -> None:
 def run_configurations(ctx: Context) -> None:
     args = ctx.args
     without, with_connector, differences = run_serving(ctx)
-    warm_over_cold = run_restart(ctx)
+    warm_over_cold, warm_after_kvwarden_restart = run_restart(ctx)
     second_over_first = None
     if args.skip_two_engines:
         figure("two_engines_skipped", "--skip-two-engines")
@@ -1269,6 +1301,7 @@ def run_configurations(ctx: Context) -> None:
     else:
         print("vllm_serving offloading skipped (not asked for: --offloading)")
     figure("ttft_warm_after_restart_over_cold", ratio(warm_over_cold, 1.0))
+    figure("ttft_warm_after_kvwarden_restart_over_cold", ratio(warm_after_kvwarden_restart, 1.0))
     for name, field in (
         ("itl_p99_with_over_without", "p99_itl_ms"),
         ("throughput_with_over_without", "output_throughput"),

@@ -469,3 +469,63 @@ fn row_71_under_systemd_the_pool_is_kept_in_its_file_descriptor_store() {
         "systemd's socket file is left where systemd made it"
     );
 }
+
+#[test]
+fn row_71_a_worker_loading_through_the_restart_is_answered_and_warm_again() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    let dir = TempDir::new("restart-71-loads");
+    let pool = Pool::new(&dir);
+    let server = start(&dir, &pool.flags());
+    let (client, buffer) = worker(&server, "m");
+    store_sealed(&server, &client, &buffer, 0..8);
+    // The worker keeps loading chunk after chunk, through the server's SIGKILL and
+    // restart: every call returns (a hit, a miss or an error), none hangs, and a hit is
+    // always the stored bytes.
+    let stop = Arc::new(AtomicBool::new(false));
+    let boot = Arc::new(AtomicU64::new(0));
+    let hits_after = Arc::new(AtomicU64::new(0));
+    let loading = {
+        let (stop, boot, hits_after) = (stop.clone(), boot.clone(), hits_after.clone());
+        std::thread::spawn(move || {
+            let (mut calls, mut errors) = (0u64, 0u64);
+            let mut n = 0u64;
+            while !stop.load(Ordering::SeqCst) {
+                let restarted = boot.load(Ordering::SeqCst) == 1;
+                match client.retrieve(&key(n % 8), 0, 0, CHUNK) {
+                    Ok(Some(len)) => {
+                        assert_eq!(len, CHUNK);
+                        let mut got = vec![0u8; CHUNK as usize];
+                        assert!(buffer.read(0, &mut got));
+                        assert!(
+                            got == chunk(n % 8, CHUNK),
+                            "chunk {} with other bytes",
+                            n % 8
+                        );
+                        if restarted {
+                            hits_after.fetch_add(1, Ordering::SeqCst);
+                        }
+                    }
+                    Ok(None) => {}
+                    Err(_) => errors += 1,
+                }
+                calls += 1;
+                n += 1;
+            }
+            (calls, errors)
+        })
+    };
+    kill(server);
+    let server = start(&dir, &pool.flags());
+    boot.store(1, Ordering::SeqCst);
+    adopted(&server);
+    kvwarden_tests::wait_for(
+        "the same worker's loads hitting again after the restart",
+        std::time::Duration::from_secs(60),
+        || (hits_after.load(Ordering::SeqCst) > 0).then_some(()),
+    );
+    stop.store(true, Ordering::SeqCst);
+    let (calls, errors) = loading.join().expect("the loading thread");
+    eprintln!("{calls} loads through the restart, {errors} failed");
+    assert!(server.status()["l1"]["adoption"]["adopted"] == 8);
+}
