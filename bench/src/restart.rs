@@ -217,20 +217,25 @@ pub fn run(args: &RestartArgs) -> Result<(), BenchError> {
     Ok(())
 }
 
-/// Stores `chunks` chunks in batches of [`BATCH`]; returns how many were stored.
-fn fill(socket: &Path, chunks: u64, slot_bytes: u64) -> Result<u64, BenchError> {
-    let failed = |what: &str| {
-        let what = what.to_string();
-        move |error: kvwarden_client::ClientError| BenchError::Failed(format!("{what}: {error}"))
-    };
+/// A client error of `what`, as the benchmark's.
+fn failed(what: &str) -> impl FnOnce(kvwarden_client::ClientError) -> BenchError + '_ {
+    move |error| BenchError::Failed(format!("{what}: {error}"))
+}
+
+/// A worker of the server at `socket` with one memfd buffer of `bytes` registered.
+fn registered(socket: &Path, bytes: u64) -> Result<(Client, Arc<MemfdBuffer>), BenchError> {
     let client = Client::connect(ClientConfig::new(Endpoint::Unix(socket.to_path_buf())))
         .map_err(failed("connecting"))?;
-    let buffer = Arc::new(
-        MemfdBuffer::new((BATCH * slot_bytes) as usize).map_err(failed("a memfd buffer"))?,
-    );
+    let buffer = Arc::new(MemfdBuffer::new(bytes as usize).map_err(failed("a memfd buffer"))?);
     client
         .register(vec![Arc::clone(&buffer)], "bench-restart", 1)
         .map_err(failed("registering"))?;
+    Ok((client, buffer))
+}
+
+/// Stores `chunks` chunks in batches of [`BATCH`]; returns how many were stored.
+fn fill(socket: &Path, chunks: u64, slot_bytes: u64) -> Result<u64, BenchError> {
+    let (client, buffer) = registered(socket, BATCH * slot_bytes)?;
     let mut stored = 0;
     let mut first = 0;
     while first < chunks {
@@ -253,16 +258,7 @@ fn fill(socket: &Path, chunks: u64, slot_bytes: u64) -> Result<u64, BenchError> 
 
 /// Retrieves up to 64 of the `stored` chunks, spread over them: (checked, identical).
 fn verify(socket: &Path, stored: u64, slot_bytes: u64) -> Result<(u64, u64), BenchError> {
-    let failed = |what: &str| {
-        let what = what.to_string();
-        move |error: kvwarden_client::ClientError| BenchError::Failed(format!("{what}: {error}"))
-    };
-    let client = Client::connect(ClientConfig::new(Endpoint::Unix(socket.to_path_buf())))
-        .map_err(failed("connecting"))?;
-    let buffer = Arc::new(MemfdBuffer::new(slot_bytes as usize).map_err(failed("a memfd buffer"))?);
-    client
-        .register(vec![Arc::clone(&buffer)], "bench-restart", 1)
-        .map_err(failed("registering"))?;
+    let (client, buffer) = registered(socket, slot_bytes)?;
     let step = (stored / 64).max(1);
     let (mut checked, mut identical) = (0, 0);
     let mut got = vec![0u8; slot_bytes as usize];

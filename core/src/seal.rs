@@ -172,14 +172,14 @@ pub enum Unsealed {
     Malformed,
 }
 
-fn tag(key: &SealKey, geometry: Geometry, slot: u64, head: &[u8], payload: &[u8]) -> [u8; 32] {
+fn tag(key: &SealKey, geometry: Geometry, slot: u64, head: &[u8], payload: &[u8]) -> blake3::Hash {
     let mut hasher = blake3::Hasher::new_keyed(&key.mac);
     hasher.update(&geometry.slot_bytes.to_le_bytes());
     hasher.update(&geometry.num_slots.to_le_bytes());
     hasher.update(&slot.to_le_bytes());
     hasher.update(head);
     hasher.update(payload);
-    *hasher.finalize().as_bytes()
+    hasher.finalize()
 }
 
 /// The seal of `slot` holding `payload` under `node_key`, or None when the key is longer
@@ -200,7 +200,7 @@ pub fn seal(
     out[8..16].copy_from_slice(&(payload.len() as u64).to_le_bytes());
     out[KEY_AT..KEY_AT + node_key.len()].copy_from_slice(node_key);
     let tag = tag(key, geometry, slot, &out[..TAG_AT], payload);
-    out[TAG_AT..].copy_from_slice(&tag);
+    out[TAG_AT..].copy_from_slice(tag.as_bytes());
     Some(out)
 }
 
@@ -237,14 +237,11 @@ pub fn open(
         return Err(Unsealed::Malformed);
     }
     let key_len = usize::from(u16::from_le_bytes([seal[4], seal[5]]));
-    let expected = tag(key, geometry, slot, &seal[..TAG_AT], payload);
-    // Not secret-dependent timing that matters here (the tag is not an answer to a
-    // peer), but constant time costs nothing.
-    let mut differ = 0u8;
-    for (a, b) in expected.iter().zip(&seal[TAG_AT..SEAL_BYTES]) {
-        differ |= a ^ b;
-    }
-    if differ != 0 {
+    let found: [u8; TAG_BYTES] = seal[TAG_AT..SEAL_BYTES]
+        .try_into()
+        .unwrap_or([0; TAG_BYTES]);
+    // blake3::Hash compares in constant time.
+    if tag(key, geometry, slot, &seal[..TAG_AT], payload) != blake3::Hash::from_bytes(found) {
         return Err(Unsealed::Torn);
     }
     Ok((seal[KEY_AT..KEY_AT + key_len].to_vec(), len))

@@ -62,6 +62,16 @@ fn store_sealed(
     });
 }
 
+/// Starts a server with `flags`, stores chunks `range` (each sealed) and SIGKILLs it.
+fn fill_and_kill(dir: &TempDir, flags: &[String], range: std::ops::Range<u64>) {
+    let server = start(dir, flags);
+    {
+        let (client, buffer) = worker(&server, "m");
+        store_sealed(&server, &client, &buffer, range);
+    }
+    kill(server);
+}
+
 /// Which of chunks `range` the server serves, each checked byte for byte.
 fn served(client: &Client, buffer: &MemfdBuffer, range: std::ops::Range<u64>) -> Vec<u64> {
     let mut hits = Vec::new();
@@ -179,12 +189,7 @@ fn row_71_a_server_killed_under_store_traffic_serves_no_torn_chunk() {
 fn row_72_a_restart_with_another_geometry_or_secret_starts_cold_and_says_why() {
     let dir = TempDir::new("restart-72");
     let pool = Pool::new(&dir);
-    let server = start(&dir, &pool.flags());
-    {
-        let (client, buffer) = worker(&server, "m");
-        store_sealed(&server, &client, &buffer, 0..4);
-    }
-    kill(server);
+    fill_and_kill(&dir, &pool.flags(), 0..4);
 
     // Another secret.
     let other_secret = dir.path().join("other.secret");
@@ -233,12 +238,7 @@ fn row_72_a_restart_with_another_geometry_or_secret_starts_cold_and_says_why() {
 fn row_72_a_chunk_torn_in_the_pool_file_is_dropped_and_the_rest_adopted() {
     let dir = TempDir::new("restart-72-torn");
     let pool = Pool::new(&dir);
-    let server = start(&dir, &pool.flags());
-    {
-        let (client, buffer) = worker(&server, "m");
-        store_sealed(&server, &client, &buffer, 0..6);
-    }
-    kill(server);
+    fill_and_kill(&dir, &pool.flags(), 0..6);
     // One byte of chunk 3 changed where it lies in the pool file (as a crash mid-write
     // or a stray write would).
     let mut bytes = std::fs::read(&pool.file).unwrap();
@@ -289,12 +289,7 @@ fn chown(path: &Path, uid: u32) {
 fn row_73_a_pool_file_of_another_uid_or_readable_by_others_is_refused_at_start() {
     let dir = TempDir::new("restart-73");
     let pool = Pool::new(&dir);
-    let server = start(&dir, &pool.flags());
-    {
-        let (client, buffer) = worker(&server, "m");
-        store_sealed(&server, &client, &buffer, 0..2);
-    }
-    kill(server);
+    fill_and_kill(&dir, &pool.flags(), 0..2);
     let mode = |path: &Path, mode: u32| {
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
