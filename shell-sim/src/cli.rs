@@ -73,7 +73,7 @@ enum Command {
         /// skip_handle_timeout, double_free, keep_blend_state, keep_pins,
         /// timeout_before_input, ignore_pings, panic, late_wake, wall_clock,
         /// register_after_unregister, refresh_while_building, trust_any_connection,
-        /// shared_keyspace (the node's bugs need --features planted-bugs).
+        /// shared_keyspace, adopt_taken (the node's bugs need --features planted-bugs).
         #[arg(long)]
         inject_bug: Option<String>,
     },
@@ -295,6 +295,10 @@ pub struct SeedOutcome {
     /// replies to requests naming an instance, `forbidden` replies on TCP, reads
     /// answered as a miss for another tenant's key, fresh ids drawn after a squat.
     pub trust: [u64; 5],
+    /// The pool file (rows 71–72): whether the profile ran with one, values adopted,
+    /// reads served from adopted values, values dropped as torn, values lost to a store
+    /// during the scan.
+    pub pool: [u64; 5],
 }
 
 /// Runs one seed (twice when `twice`).
@@ -313,6 +317,7 @@ pub fn run_seed_with(
     cfg.bug = bug;
     let virtual_nanos = cfg.duration;
     let l2_enabled = cfg.server.l2.enabled;
+    let pool_file = cfg.server.pool_file;
     let adversary = cfg.events.iter().any(|e| {
         matches!(
             e.action,
@@ -348,6 +353,13 @@ pub fn run_seed_with(
             stats.l2_hits,
             stats.l2_corrupt,
             stats.l2_failed,
+        ],
+        pool: [
+            u64::from(pool_file),
+            stats.adopted,
+            stats.adopted_served,
+            stats.dropped_torn,
+            stats.dropped_taken,
         ],
         trust: [
             u64::from(adversary),
@@ -394,9 +406,13 @@ pub fn run_swarm(seeds: &[u64], options: &SwarmOptions) -> i32 {
     let mut virtual_nanos = 0u64;
     let mut l2 = [0u64; 5];
     let mut trust = [0u64; 5];
+    let mut pool = [0u64; 5];
     let mut by_invariant: std::collections::BTreeMap<&'static str, u64> = Default::default();
     for outcome in results.into_iter().flatten() {
         for (total, value) in trust.iter_mut().zip(outcome.trust) {
+            *total += value;
+        }
+        for (total, value) in pool.iter_mut().zip(outcome.pool) {
             *total += value;
         }
         events += outcome.events;
@@ -470,6 +486,10 @@ pub fn run_swarm(seeds: &[u64], options: &SwarmOptions) -> i32 {
         println!(
             "stats: adversary_runs={} forbidden={} tcp_forbidden={} foreign_misses={} identity_changes={}",
             trust[0], trust[1], trust[2], trust[3], trust[4]
+        );
+        println!(
+            "stats: pool_file_runs={} adopted={} adopted_served={} dropped_torn={} dropped_taken={}",
+            pool[0], pool[1], pool[2], pool[3], pool[4]
         );
     }
     code

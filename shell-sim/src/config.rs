@@ -61,6 +61,13 @@ pub struct ServerSpec {
     /// The TCP token (`--tcp-token-file`): TCP peers presenting it act for the tenant
     /// [`TCP_TENANT`] (row 32). None: no TCP peer can authenticate.
     pub tcp_token: Option<Vec<u8>>,
+    /// Whether L1 lives in a pool file that outlives the process (`--l1-file` with
+    /// `--l1-secret-file`, row 71): committed values are sealed, and a restarted server
+    /// adopts what the file still holds.
+    pub pool_file: bool,
+    /// How long a scan job of a restarted server's pool takes (its findings are read
+    /// when it starts, reported when it ends).
+    pub scan_duration: Nanos,
 }
 
 impl Default for ServerSpec {
@@ -80,6 +87,8 @@ impl Default for ServerSpec {
             free_watchdog: 10 * SECOND,
             l2: crate::l2::L2Spec::default(),
             tcp_token: None,
+            pool_file: false,
+            scan_duration: MILLISECOND,
         }
     }
 }
@@ -387,11 +396,14 @@ pub enum InjectedBug {
     TrustAnyConnection,
     /// Node: keys are not scoped to the caller's tenant (row 33).
     SharedKeyspace,
+    /// Node: a restarted server adopts a sealed value into a slot a store took before
+    /// its seal was checked (row 71).
+    AdoptTaken,
 }
 
 impl InjectedBug {
     /// Every bug with its scenario-file spelling.
-    pub const ALL: [(InjectedBug, &'static str); 23] = [
+    pub const ALL: [(InjectedBug, &'static str); 24] = [
         (InjectedBug::SkipHandleTimeout, "skip_handle_timeout"),
         (InjectedBug::DoubleFree, "double_free"),
         (InjectedBug::KeepBlendState, "keep_blend_state"),
@@ -418,6 +430,7 @@ impl InjectedBug {
         (InjectedBug::PingWaitsForL2, "ping_waits_for_l2"),
         (InjectedBug::TrustAnyConnection, "trust_any_connection"),
         (InjectedBug::SharedKeyspace, "shared_keyspace"),
+        (InjectedBug::AdoptTaken, "adopt_taken"),
     ];
 
     /// The bug's spelling.
@@ -447,6 +460,7 @@ impl InjectedBug {
             InjectedBug::PingWaitsForL2 => PlantedBug::PingWaitsForL2,
             InjectedBug::TrustAnyConnection => PlantedBug::TrustAnyConnection,
             InjectedBug::SharedKeyspace => PlantedBug::SharedKeyspace,
+            InjectedBug::AdoptTaken => PlantedBug::AdoptTaken,
             InjectedBug::SkipHandleTimeout
             | InjectedBug::TimeoutBeforeInput
             | InjectedBug::Panic

@@ -67,6 +67,13 @@ pub enum Event {
         /// How it ends.
         fate: crate::l2::L2Fate,
     },
+    /// A seal or scan of the pool file ends.
+    PoolDone {
+        /// The server boot that started it.
+        boot: u64,
+        /// The job.
+        job: crate::pool::PoolJob,
+    },
     /// A dead worker's connections close (after what it sent before it died).
     Disconnect {
         /// The server boot the connections were opened to.

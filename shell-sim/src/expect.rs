@@ -63,10 +63,19 @@ pub enum ExpectKind {
     /// At least `min` reads answered as a miss for keys only another tenant stored
     /// (row 33).
     ForeignMisses,
+    /// At least `min` values adopted by restarted servers from the pool file (row 71).
+    Adopted,
+    /// At least `min` reads served from values an earlier server process wrote (row 71).
+    AdoptedServed,
+    /// At least `min` values a restarted server dropped as torn (row 72).
+    DroppedTorn,
+    /// At least `min` values lost to stores that took their slot before its seal was
+    /// checked (row 71).
+    DroppedTaken,
 }
 
 impl ExpectKind {
-    const NAMES: [(ExpectKind, &'static str); 24] = [
+    const NAMES: [(ExpectKind, &'static str); 28] = [
         (ExpectKind::Reaped, "reaped"),
         (ExpectKind::NotReaped, "not_reaped"),
         (ExpectKind::Freed, "freed"),
@@ -91,10 +100,14 @@ impl ExpectKind {
         (ExpectKind::IdentityChanges, "identity_changes"),
         (ExpectKind::TcpForbidden, "tcp_forbidden"),
         (ExpectKind::ForeignMisses, "foreign_misses"),
+        (ExpectKind::Adopted, "adopted"),
+        (ExpectKind::AdoptedServed, "adopted_served"),
+        (ExpectKind::DroppedTorn, "dropped_torn"),
+        (ExpectKind::DroppedTaken, "dropped_taken"),
     ];
 
     /// The accepted spellings, for error messages.
-    pub const HELP: &'static str = "one of reaped, not_reaped, freed, not_freed, contexts, builds, healthy, recovered, bad_args, unregister_false, stalls, reservations_discarded, frees_deferred, converged, forbidden, frees_hung, decode_errors, l2_written, l2_hits, l2_corrupt, l2_failed, identity_changes, tcp_forbidden, foreign_misses";
+    pub const HELP: &'static str = "one of reaped, not_reaped, freed, not_freed, contexts, builds, healthy, recovered, bad_args, unregister_false, stalls, reservations_discarded, frees_deferred, converged, forbidden, frees_hung, decode_errors, l2_written, l2_hits, l2_corrupt, l2_failed, identity_changes, tcp_forbidden, foreign_misses, adopted, adopted_served, dropped_torn, dropped_taken";
 
     /// The kind spelled `name` in a scenario file.
     pub fn parse(name: &str) -> Option<ExpectKind> {
@@ -469,9 +482,17 @@ fn judge_one(
         | ExpectKind::L2Corrupt
         | ExpectKind::L2Failed
         | ExpectKind::TcpForbidden
-        | ExpectKind::ForeignMisses => {
+        | ExpectKind::ForeignMisses
+        | ExpectKind::Adopted
+        | ExpectKind::AdoptedServed
+        | ExpectKind::DroppedTorn
+        | ExpectKind::DroppedTaken => {
             let min = e.min.unwrap_or(1);
             let have = match e.kind {
+                ExpectKind::Adopted => snapshot.server.adopted,
+                ExpectKind::AdoptedServed => snapshot.server.adopted_served,
+                ExpectKind::DroppedTorn => snapshot.server.dropped_torn,
+                ExpectKind::DroppedTaken => snapshot.server.dropped_taken,
                 ExpectKind::TcpForbidden => snapshot.server.tcp_forbidden,
                 ExpectKind::ForeignMisses => snapshot.server.foreign_misses,
                 ExpectKind::L2Written => snapshot.server.l2_written,

@@ -23,6 +23,7 @@
 //! | `free_during_copy` | safety | a free started while a copy still uses the context |
 //! | `ping_waited_for_l2` | safety | a ping not answered in the node call it was handed in (row 27: nothing a ping needs waits for L2 or anything else) |
 //! | `l2_unpublished` | safety | an `L2Request::Write` of a key never published: no store's copy into L1 completed and no `commit_store` was answered `true` for it (row 29: an engine-driven reservation never committed, a copy cut short) |
+//! | `sealed_other_bytes`, `served_torn`, `served_other_value`, `adopted_other_bytes`, `unasked_persistence` | safety | the pool file (rows 71–72), checked by the shell against [`crate::pool`]: a seal over bytes not its key's, a read from a torn slot or one holding another key's value, an adoption over a slot that holds another value, a seal or scan without a pool file |
 //! | `non_owner_served` | safety | a request the trust rules refuse (its connection never attached the instance it names with its secret, a TCP peer without the token, a wrong-secret `attach`, an untrusted tenant's engine-driven REGISTER) answered other than `forbidden`, or changing the instance it names; or a read answered with a chunk its tenant never stored (rows 30–33; see [`trust`]) |
 //! | `l2_corrupt_served` | safety | a `retrieve` or `prepare_retrieve` answered with data after the simulated L2 answered its read `Corrupt` (row 28; the read's L1 slot was reserved, so no good copy was in L1) |
 //! | `context_leaked` | liveness | an entry gone, its context neither freed nor waiting for a copy |
@@ -895,7 +896,7 @@ impl Checker {
     }
 }
 
-/// A key, printed.
-fn hex(key: &[u8]) -> String {
+/// A key as hex, for violation details.
+pub(crate) fn hex(key: &[u8]) -> String {
     key.iter().map(|byte| format!("{byte:02x}")).collect()
 }

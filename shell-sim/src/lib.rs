@@ -11,6 +11,7 @@
 //!   [`swarm`] draws it from a seed.
 //! - [`world`]: the run itself; [`worker`], [`server`] (the shell around the node),
 //!   [`message`], [`network`], [`event`]: its parts.
+//! - [`pool`]: the L1 pool file that outlives a server process (row 71).
 //! - [`invariants`] and [`oracle`]: what must hold, judged against a reference model.
 //! - [`expect`]: a scenario's expectations.
 #![forbid(unsafe_code)]
@@ -25,6 +26,7 @@ pub mod l2;
 pub mod message;
 pub mod network;
 pub mod oracle;
+pub mod pool;
 pub mod rng;
 pub mod scenario;
 pub mod server;

@@ -95,6 +95,8 @@ struct RawServer {
     build_delay_max_seconds: Option<f64>,
     build_failure_rate: Option<f64>,
     copy_seconds: Option<f64>,
+    pool_file: Option<bool>,
+    scan_seconds: Option<f64>,
     exit_notice_seconds: Option<f64>,
     free_seconds: Option<f64>,
     free_hang_rate: Option<f64>,
@@ -392,6 +394,12 @@ impl Reader<'_> {
         }
         if let Some(v) = raw.copy_seconds {
             spec.copy_duration = self.seconds("server.copy_seconds", v)?;
+        }
+        if let Some(v) = raw.pool_file {
+            spec.pool_file = v;
+        }
+        if let Some(v) = raw.scan_seconds {
+            spec.scan_duration = self.seconds("server.scan_seconds", v)?;
         }
         if let Some(v) = raw.exit_notice_seconds {
             spec.exit_notice_delay = self.seconds("server.exit_notice_seconds", v)?;

@@ -27,6 +27,7 @@ use crate::invariants::{Checker, Read, ShellView, Verdict};
 use crate::l2::{L2Fate, L2Job, SimL2};
 use crate::message::{Channel, Envelope, HANDSHAKE_ID, Payload, ReplyEnvelope};
 use crate::oracle::Key;
+use crate::pool::{Holds, PoolFile, PoolJob};
 use crate::time::{Nanos, duration, instant, nanos_of};
 use kvwarden_core::node::l2::{L2Fetched, L2Presence};
 use kvwarden_core::node::{BlendChange, Job, L2Request, PeerAction};
@@ -95,6 +96,8 @@ pub enum Input {
         /// How it ends.
         fate: L2Fate,
     },
+    /// A seal or scan of the pool file ended.
+    PoolDone(PoolJob),
     /// The connections of a dead worker process closed.
     Closed {
         /// The slot.
@@ -136,6 +139,8 @@ pub struct ServerOut {
     pub reaped: u64,
     /// L2 operations issued: the world schedules their answers.
     pub l2_jobs: Vec<L2Job>,
+    /// Seals and scans of the pool file: the world schedules their end.
+    pub pool_jobs: Vec<PoolJob>,
 }
 
 /// Counters a scenario can assert on.
@@ -178,6 +183,14 @@ pub struct ServerStats {
     /// Reads (`retrieve`, batch items, `lookup`) answered as a miss for a key another
     /// tenant stored and the reader's tenant did not (row 33: kept apart).
     pub foreign_misses: u64,
+    /// Values restarted servers adopted from the pool file (row 71).
+    pub adopted: u64,
+    /// Reads served from a value an earlier server process wrote (adopted, row 71).
+    pub adopted_served: u64,
+    /// Values a restarted server dropped as torn (row 72).
+    pub dropped_torn: u64,
+    /// Values lost to a store that took their slot before its seal was checked.
+    pub dropped_taken: u64,
 }
 
 /// What a request asks, as far as the checker must know to read its answer (an op
@@ -311,6 +324,14 @@ pub struct Server {
     /// answer, when it comes, is dropped, as the production client never places a read
     /// it answered.
     l2_cancelled: BTreeSet<u64>,
+    /// The pool file, with `pool_file` (it outlives the process).
+    pool: Option<PoolFile>,
+    /// Copies into L1 in flight → their slot (the pool file's writes).
+    pool_writes: HashMap<u64, usize>,
+    /// Seals handed out and not ended: each pins its slot.
+    sealing: usize,
+    /// L2 reads in flight → the slot a hit is placed in.
+    l2_slots: BTreeMap<u64, usize>,
     /// The pending wake's instant.
     pub wake_at: Option<Nanos>,
     /// The pending wake's generation.
@@ -355,6 +376,10 @@ impl Server {
             l2_holding: 0,
             l2_delivering: BTreeMap::new(),
             l2_cancelled: BTreeSet::new(),
+            pool: None,
+            pool_writes: HashMap::default(),
+            sealing: 0,
+            l2_slots: BTreeMap::new(),
             wake_at: None,
             wake_generation: 0,
             wall_offset: 0,
@@ -400,11 +425,17 @@ impl Server {
             // (row 68, proven by core/tests/node_bounds.rs) are not modelled here.
             pool_window: kvwarden_core::node::jobs::UNBOUNDED,
         };
-        #[allow(unused_mut)]
         let mut node = Node::new(config, instant(now)).map_err(|error| error.to_string())?;
         #[cfg(feature = "planted-bugs")]
         if let Some(planted) = self.bug.and_then(InjectedBug::planted) {
             node.plant(planted);
+        }
+        if self.spec.pool_file {
+            // The first process makes the file (nothing to adopt); a later one finds it
+            // and adopts what its seals still cover.
+            let adopt = self.pool.is_some();
+            self.pool.get_or_insert_with(|| PoolFile::new(NUM_SLOTS));
+            node.persist_pool(instant(now), true, adopt);
         }
         self.node = Some(node);
         self.state = ServerState::Up;
@@ -521,6 +552,10 @@ impl Server {
         self.l2_holding = 0;
         self.l2_delivering.clear();
         self.l2_cancelled.clear();
+        // The pool file stays; the copies writing it stop where they are (torn).
+        self.pool_writes.clear();
+        self.sealing = 0;
+        self.l2_slots.clear();
         self.boot += 1;
         self.wake_at = None;
         self.wake_generation += 1;
@@ -656,6 +691,11 @@ impl Server {
                 if let Some(context) = self.copies.remove(&copy) {
                     checker.copy_done(context);
                 }
+                if let Some(slot) = self.pool_writes.remove(&copy.0)
+                    && let Some(pool) = self.pool.as_mut()
+                {
+                    pool.write_done(slot, self.store_copies.get(&copy.0).cloned());
+                }
                 if let Some(key) = self.store_copies.remove(&copy.0) {
                     // The copy completed: the slot holds the key's published bytes.
                     checker.published(key);
@@ -687,6 +727,7 @@ impl Server {
                     out,
                 );
             }
+            Input::PoolDone(job) => self.pool_done(now, job, checker, out),
             Input::Closed { slot, incarnation } => {
                 for channel in [Channel::Main, Channel::Raw] {
                     if let Some((_, conn)) = self.conns.remove(&(slot, incarnation, channel)) {
@@ -918,7 +959,7 @@ impl Server {
                 let occupancy = node.l1_occupancy();
                 (
                     occupancy.reserved + occupancy.pinned,
-                    self.reserved_total + self.copies.len() + self.l2_holding,
+                    self.reserved_total + self.copies.len() + self.l2_holding + self.sealing,
                 )
             }
             _ => (0, 0),
@@ -976,8 +1017,12 @@ impl Server {
                 context,
                 direction,
                 offset,
+                slot,
                 ..
             } => {
+                if self.pool.is_some() {
+                    self.pool_copy(copy, direction, slot, offset, call, checker);
+                }
                 if direction == Direction::ToL1
                     && let Call::Request {
                         publish: (keys, false),
@@ -1032,13 +1077,153 @@ impl Server {
                 });
                 step.freed.push(((instance, module), cause));
             }
-            // The simulated server's pool is anonymous (`persist_pool` is never called):
-            // a seal or a scan means the node persisted a pool nobody asked it to.
+            Job::Seal { slot, key, len } if self.pool.is_some() => {
+                if let Call::Request {
+                    publish: (keys, true),
+                    ..
+                } = call
+                    && keys.contains(&key)
+                    && let Some(pool) = self.pool.as_mut()
+                {
+                    // An engine-driven commit: the engine wrote the value through its
+                    // mapping before it committed.
+                    pool.write_started(slot, self.boot);
+                    pool.write_done(slot, Some(key.clone()));
+                }
+                self.sealing += 1;
+                out.pool_jobs.push(PoolJob::Seal { slot, key, len });
+            }
+            Job::Scan { first, count } if self.pool.is_some() => {
+                let found = self
+                    .pool
+                    .as_ref()
+                    .map_or_else(Vec::new, |pool| pool.scan(first, count));
+                out.pool_jobs.push(PoolJob::Scan { first, found });
+            }
+            // Without `pool_file` the simulated pool is anonymous (`persist_pool` is never
+            // called): a seal or a scan means the node persisted a pool nobody asked it to.
             Job::Seal { slot, .. } | Job::Scan { first: slot, .. } => checker.fail(
                 crate::violation::Class::Safety,
                 "unasked_persistence",
                 format!("the node sealed or scanned slot {slot} of an anonymous pool"),
             ),
+        }
+    }
+
+    /// A copy on the pool file: one into L1 writes its slot (torn until it ends); one
+    /// out of L1 must read the whole value of the key it is read for.
+    fn pool_copy(
+        &mut self,
+        copy: CopyId,
+        direction: Direction,
+        slot: usize,
+        offset: u64,
+        call: &Call,
+        checker: &mut Checker,
+    ) {
+        let Some(pool) = self.pool.as_mut() else {
+            return;
+        };
+        if direction == Direction::ToL1 {
+            pool.write_started(slot, self.boot);
+            self.pool_writes.insert(copy.0, slot);
+            return;
+        }
+        let wanted = match call {
+            Call::Request {
+                conn, request_id, ..
+            } => self
+                .tenant_reads
+                .get(&(conn.0, *request_id))
+                .and_then(|(_, read)| {
+                    let key = read
+                        .keys
+                        .get((offset / crate::worker::STORE_BYTES) as usize)?;
+                    let mut scoped = read.prefix.clone();
+                    scoped.extend_from_slice(key);
+                    Some(scoped)
+                }),
+            _ => None,
+        };
+        let fault = match (pool.holds(slot), wanted) {
+            (Holds::Torn | Holds::Blank, _) => Some(("served_torn", None)),
+            (Holds::Whole(held), Some(wanted)) if *held != wanted => {
+                Some(("served_other_value", Some((held.clone(), wanted))))
+            }
+            _ => None,
+        };
+        if let Some((invariant, keys)) = fault {
+            let detail = match keys {
+                Some((held, wanted)) => format!(
+                    "the node served key {} from L1 slot {slot}, which holds the value of key \
+                     {} (row 71: a value is served only under its own key)",
+                    crate::invariants::hex(&wanted),
+                    crate::invariants::hex(&held)
+                ),
+                None => format!(
+                    "the node served L1 slot {slot}, whose bytes no write completed \
+                     ({}: row 72, a torn value is never served)",
+                    pool.holds(slot)
+                ),
+            };
+            checker.fail(crate::violation::Class::Safety, invariant, detail);
+        }
+        if pool.written_in(slot) < self.boot {
+            self.stats.adopted_served += 1;
+        }
+    }
+
+    /// A seal or scan of the pool file ends: the seal is written over what the slot
+    /// holds now; the scan's findings (read when it started) go to the node, and every
+    /// slot the node then holds committed must hold that key's value.
+    fn pool_done(&mut self, now: Nanos, job: PoolJob, checker: &mut Checker, out: &mut ServerOut) {
+        let Some(pool) = self.pool.as_mut() else {
+            return;
+        };
+        match job {
+            PoolJob::Seal { slot, key, len } => {
+                self.sealing = self.sealing.saturating_sub(1);
+                if let Some(held) = pool.seal(slot, key.clone(), len) {
+                    checker.fail(
+                        crate::violation::Class::Safety,
+                        "sealed_other_bytes",
+                        format!(
+                            "the node had L1 slot {slot} sealed as key {}, but the slot holds \
+                             {held}: it was not kept until its seal was written (row 71)",
+                            crate::invariants::hex(&key)
+                        ),
+                    );
+                }
+                let input = NodeInput::Sealed { slot };
+                self.call(now, Some(input), Call::Other, checker, out);
+            }
+            PoolJob::Scan { first, found } => {
+                let count = found.len();
+                let input = NodeInput::Scanned { first, found };
+                self.call(now, Some(input), Call::Other, checker, out);
+                let (Some(node), Some(pool)) = (self.node.as_ref(), self.pool.as_ref()) else {
+                    return;
+                };
+                for slot in first..first + count {
+                    let Some(key) = node.l1_committed_key(slot) else {
+                        continue;
+                    };
+                    match pool.holds(slot) {
+                        Holds::Whole(held) if held == key => {}
+                        Holds::Unnamed => {}
+                        held => checker.fail(
+                            crate::violation::Class::Safety,
+                            "adopted_other_bytes",
+                            format!(
+                                "after the scan of L1 slot {slot} the node holds key {} there, but the \
+                                 slot holds {held} (row 71: only a value whose seal still covers its \
+                                 bytes is adopted)",
+                                crate::invariants::hex(key)
+                            ),
+                        ),
+                    }
+                }
+            }
         }
     }
 
@@ -1093,6 +1278,11 @@ impl Server {
                 // (ids it claimed): any of them noted is the exit applied.
                 step.exit_noted |= matches!(call, Call::Exit(_));
                 checker.process_exited(now, instance, held);
+            }
+            Note::PoolAdopted(view) => {
+                self.stats.adopted += view.adopted;
+                self.stats.dropped_torn += view.dropped_torn;
+                self.stats.dropped_taken += view.dropped_taken;
             }
             Note::EngineReleased {
                 reservations_discarded,
@@ -1165,8 +1355,14 @@ impl Server {
                 });
             }
             L2Request::Get {
-                read, key, deliver, ..
+                read,
+                key,
+                deliver,
+                slot,
             } => {
+                if self.pool.is_some() {
+                    self.l2_slots.insert(read.0, slot);
+                }
                 // A delivering read may write into the worker's buffer until
                 // answered: a copy on its context, as far as a free is concerned.
                 if let Some(deliver) = deliver
@@ -1413,6 +1609,17 @@ impl Server {
             }
             L2Job::Get { read, key } => {
                 let mut fetched = self.l2.get(fate, &key);
+                if let Some(slot) = self.l2_slots.remove(&read.0)
+                    && let Some(pool) = self.pool.as_mut()
+                    && !matches!(
+                        fetched,
+                        L2Fetched::Absent | L2Fetched::TimedOut | L2Fetched::Failed
+                    )
+                {
+                    // The payload was placed in the slot, good or not.
+                    pool.write_started(slot, self.boot);
+                    pool.write_done(slot, None);
+                }
                 let asker = self.l2_reads.remove(&read.0);
                 if let Some(id) = self.l2_delivering.remove(&read.0) {
                     checker.copy_done(id);

@@ -49,8 +49,17 @@ pub fn draw(seed: u64) -> SimConfig {
         free_watchdog: 10 * SECOND,
         l2: crate::l2::L2Spec::default(),
         tcp_token: None,
+        pool_file: false,
+        scan_duration: MILLISECOND,
     };
     let mut server = server;
+    // Drawn from a generator of its own, so that every other draw of a seed stays what
+    // it was before pool files were simulated.
+    let mut persistence = Rng::new(seed ^ 0x706f_6f6c_6669_6c65);
+    if persistence.chance(0.3) {
+        server.pool_file = true;
+        server.scan_duration = persistence.between(1, 3000) * MILLISECOND;
+    }
     let count = rng.between(1, 6) as usize;
     let mut workers = Vec::with_capacity(count);
     let mut longest_interval = 0;
@@ -330,6 +339,13 @@ pub fn describe(cfg: &SimConfig) -> String {
         s.free_hang_rate,
         s.tcp_token.is_some(),
     );
+    if s.pool_file {
+        let _ = writeln!(
+            text,
+            "  pool file: sealed, adopted on restart, scan {:.3}s",
+            as_seconds(s.scan_duration)
+        );
+    }
     if s.l2.enabled {
         let _ = writeln!(
             text,

@@ -241,6 +241,7 @@ impl World {
                     | Event::BlendDone { .. }
                     | Event::FreeDone { .. }
                     | Event::L2Done { .. }
+                    | Event::PoolDone { .. }
             )
         {
             // The pool threads of a stopped process are stopped too: the job finishes
@@ -330,6 +331,13 @@ impl World {
                 }
                 self.mix(15);
                 self.server_input(Input::L2Done { job, fate });
+            }
+            Event::PoolDone { boot, job } => {
+                if boot != self.server.boot {
+                    return; // the process that ran it is gone: nothing was written
+                }
+                self.mix(16);
+                self.server_input(Input::PoolDone(job));
             }
             Event::Disconnect {
                 boot,
@@ -751,6 +759,13 @@ impl World {
                 Event::CopyDone { boot, copy },
             );
         }
+        for job in out.pool_jobs {
+            let delay = match job {
+                crate::pool::PoolJob::Seal { .. } => self.cfg.server.copy_duration,
+                crate::pool::PoolJob::Scan { .. } => self.cfg.server.scan_duration,
+            };
+            self.agenda.push(now + delay, Event::PoolDone { boot, job });
+        }
         for blend in out.blends {
             self.agenda
                 .push(now + MILLISECOND, Event::BlendDone { boot, blend });
@@ -868,6 +883,12 @@ impl World {
         }
         self.checker.server_restarted(self.now);
         self.note("server up (empty registry)".to_string());
+        if self.cfg.server.pool_file {
+            // Its first turn hands out the scan of the pool file it adopts.
+            let mut out = ServerOut::default();
+            self.server.wake(self.now, &mut self.checker, &mut out);
+            self.after_server(out);
+        }
         self.schedule_server_wake();
     }
 }

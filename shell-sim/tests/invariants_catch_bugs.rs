@@ -834,3 +834,18 @@ mod who_is_who {
         );
     }
 }
+
+#[test]
+fn a_restarted_node_adopting_a_slot_a_store_took_is_caught() {
+    // Row 71: the store took the unscanned slot and wrote its own value; the scan had
+    // read the old seal intact before. Adopting it would serve the store's bytes under
+    // the old key.
+    let (class, invariant, detail) =
+        violation_with_bug("71-store-during-the-scan.toml", "adopt_taken");
+    assert_eq!(
+        (class, invariant),
+        (Class::Safety, "adopted_other_bytes"),
+        "{detail}"
+    );
+    assert!(detail.contains("the value of key"), "{detail}");
+}

@@ -74,6 +74,8 @@ scenario_tests! {
     row_32_a_tcp_peer_without_the_token_is_forbidden_everything => "32-tcp-peer-without-token.toml",
     row_33_another_tenants_reads_miss_and_its_stores_never_reach_the_victim => "33-other-tenant-keys-apart.toml",
     row_33_tenants_stay_apart_through_l2_read_through => "33-other-tenant-keys-apart-l2.toml",
+    row_71_a_restarted_server_adopts_its_sealed_pool_and_drops_what_was_torn => "71-restart-keeps-the-pool.toml",
+    row_71_a_store_during_the_scan_takes_a_slot_and_its_old_value_is_not_adopted => "71-store-during-the-scan.toml",
 }
 
 #[test]
@@ -96,7 +98,7 @@ fn every_scenario_file_has_a_test_named_for_its_row() {
     for name in &on_disk {
         let row: String = name.chars().take(2).collect();
         assert!(
-            row.parse::<u32>().is_ok_and(|n| (1..=37).contains(&n)),
+            row.parse::<u32>().is_ok_and(|n| (1..=73).contains(&n)),
             "{name} must start with its row number"
         );
     }

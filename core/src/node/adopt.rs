@@ -123,6 +123,10 @@ impl Node {
         let view = &mut adoption.view;
         view.scanned += found.len();
         for (slot, finding) in (first..).zip(found) {
+            #[cfg(feature = "planted-bugs")]
+            if self.planted(PlantedBug::AdoptTaken) && matches!(finding, Scanned::Sealed { .. }) {
+                self.l1.forget_taken(slot);
+            }
             let unscanned = self.l1.is_unscanned(slot);
             match finding {
                 // Nothing was there to lose, taken or not.

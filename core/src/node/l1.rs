@@ -193,6 +193,25 @@ impl SlotTable {
         Adoption::Adopted
     }
 
+    /// The key `slot` holds committed, if any.
+    pub fn committed_key(&self, slot: SlotId) -> Option<&[u8]> {
+        match self.slots.get(slot)? {
+            SlotState::Committed { key, .. } => Some(key),
+            _ => None,
+        }
+    }
+
+    /// The planted bug `AdoptTaken`: `slot`, taken by a store since the scan began, is
+    /// treated as unscanned again (its store's key still names it).
+    #[cfg(feature = "planted-bugs")]
+    pub fn forget_taken(&mut self, slot: SlotId) {
+        if let Some(state @ (SlotState::Writing { .. } | SlotState::Committed { .. })) =
+            self.slots.get_mut(slot)
+        {
+            *state = SlotState::Unscanned;
+        }
+    }
+
     /// Unscanned `slot` holds nothing to adopt: it is free.
     pub fn scanned_empty(&mut self, slot: SlotId) {
         if self.is_unscanned(slot) {

@@ -299,6 +299,10 @@ pub enum PlantedBug {
     /// Keys are not scoped to the caller's tenant: one tenant reads another's chunks
     /// (row 33).
     SharedKeyspace,
+    /// A restarted server adopts a sealed value into a slot a store took before its
+    /// seal was checked (row 71): the slot's bytes are the store's, its key the old
+    /// value's.
+    AdoptTaken,
 }
 
 impl Node {
@@ -521,6 +525,11 @@ impl Node {
     /// How many leading keys L1 holds (the `lookup` op), for tests.
     pub fn l1_lookup(&self, keys: &[Vec<u8>]) -> u64 {
         self.l1.lookup_prefix(keys)
+    }
+
+    /// The node key L1 `slot` holds committed, if any, for the simulator's invariants.
+    pub fn l1_committed_key(&self, slot: SlotId) -> Option<&[u8]> {
+        self.l1.committed_key(slot)
     }
 
     /// Slots held by reservations and pins, for the simulator's invariants.
