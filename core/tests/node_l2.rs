@@ -463,11 +463,22 @@ fn lookup_counts_the_l1_prefix_then_asks_l2_for_the_rest() {
         presence: L2Presence::Present(1),
     });
     assert_eq!(h.answer(request), Value::from(2u64));
-    // No answer within the timeout: the L1 prefix.
+    assert!(h.l2_cancels().is_empty(), "answered: nothing given up");
+    // No answer within the timeout: the L1 prefix, and the check is given up with the
+    // shell too (row 64), so that no L2 thread spends time on it.
     let request = h.send(Op::Lookup { keys });
-    assert_eq!(h.l2_exists().len(), 1);
+    let [(read, _)] = h.l2_exists()[..] else {
+        panic!("one existence check")
+    };
     h.run_for(TIMEOUT);
     assert_eq!(h.answer(request), Value::from(1u64));
+    assert_eq!(h.l2_cancels(), vec![read], "given up in the shell");
+    // Its late answer (the cancel's TimedOut) finds nothing and changes nothing.
+    h.input(Input::L2Existed {
+        read,
+        presence: L2Presence::TimedOut,
+    });
+    assert_eq!(h.reply(request), None, "answered once");
 }
 
 #[test]

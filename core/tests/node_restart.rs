@@ -74,10 +74,43 @@ fn row_71_a_commit_is_sealed_and_stays_put_until_it_is() {
     let status = h.node.status();
     assert_eq!(status.l1_sealing, 1);
     assert_eq!(status.l1_slots.3, 1, "pinned while it is sealed");
-    h.input(Input::Sealed { slot: *slot });
+    h.input(Input::Sealed {
+        slot: *slot,
+        written: true,
+    });
     let status = h.node.status();
     assert_eq!((status.l1_sealing, status.l1_slots.3), (0, 0));
+    assert_eq!(status.l1_unsealed_total, 0);
     assert_eq!(retrieve(&mut h, b"a"), Some(100), "served, sealed or not");
+}
+
+#[test]
+fn row_71_a_value_whose_seal_could_not_be_written_is_counted_and_still_served() {
+    let mut h = Harness::new(None);
+    h.node.persist_pool(h.now, true, false);
+    h.registered(id(1));
+    h.stored(id(1), b"a");
+    h.stored(id(1), b"b");
+    let [(a, ..), (b, ..)] = seals(&mut h)[..] else {
+        panic!("two seals")
+    };
+    h.input(Input::Sealed {
+        slot: a,
+        written: true,
+    });
+    // The shell could not seal it (a key longer than a seal holds).
+    h.input(Input::Sealed {
+        slot: b,
+        written: false,
+    });
+    let status = h.node.status();
+    assert_eq!(status.l1_unsealed_total, 1, "only the one not written");
+    assert_eq!(
+        (status.l1_sealing, status.l1_slots.3),
+        (0, 0),
+        "both unpinned"
+    );
+    assert_eq!(retrieve(&mut h, b"b"), Some(100), "served all the same");
 }
 
 #[test]
@@ -96,7 +129,10 @@ fn row_71_a_shutdown_waits_for_the_seals_of_what_was_committed() {
         h.frees().is_empty(),
         "the drain ended with a seal unwritten"
     );
-    h.input(Input::Sealed { slot });
+    h.input(Input::Sealed {
+        slot,
+        written: true,
+    });
     h.run_for(support::secs(1.0));
     assert!(
         h.frees().iter().any(|&(_, _, label)| label == "shutdown"),
@@ -210,7 +246,10 @@ fn row_71_a_store_during_the_scan_takes_an_unscanned_slot_only_when_nothing_else
         panic!("one seal")
     };
     assert_eq!(first, 0);
-    h.input(Input::Sealed { slot: first });
+    h.input(Input::Sealed {
+        slot: first,
+        written: true,
+    });
     // Slot 0 is evictable now; the next store evicts it rather than take slot 1.
     h.stored(id(1), b"s1");
     let [(second, ..)] = seals(&mut h)[..] else {

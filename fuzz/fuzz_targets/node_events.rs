@@ -283,8 +283,8 @@ impl Ledger {
                     // Any read out may be given up (row 64): a delivering one, or one
                     // for the slot only, so that no L2 thread spends time on it.
                     assert!(
-                        self.l2_gets.contains(&read),
-                        "gave up {read:?}, not an L2 read out"
+                        self.l2_gets.contains(&read) || self.l2_exists.contains(&read),
+                        "gave up {read:?}, not an L2 read or check out"
                     );
                     assert!(self.cancelled.insert(read), "gave up {read:?} twice");
                 }
@@ -493,7 +493,10 @@ fuzz_target!(|input: (bool, u8, Vec<Step>)| {
                 process: ProcessKey(u64::from(process % 4)),
             }),
             Step::SealDone(which) => {
-                pick(&mut ledger.seals, which).map(|slot| Input::Sealed { slot })
+                pick(&mut ledger.seals, which).map(|slot| Input::Sealed {
+                    slot,
+                    written: which % 2 == 0,
+                })
             }
             Step::ScanDone { which, findings } => {
                 pick(&mut ledger.scans, which).map(|(first, count)| Input::Scanned {

@@ -82,6 +82,8 @@ pub enum L2Job {
     Cancelled {
         /// The node's id.
         read: L2ReadId,
+        /// Whether it is an existence check (`L2Request::Exists`), not a read.
+        check: bool,
     },
     /// `L2Request::Exists`.
     Exists {

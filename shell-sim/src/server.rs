@@ -324,6 +324,8 @@ pub struct Server {
     /// answer, when it comes, is dropped, as the production client never places a read
     /// it answered.
     l2_cancelled: BTreeSet<u64>,
+    /// L2 existence checks in flight (a cancel answers them, not a read).
+    l2_checks: BTreeSet<u64>,
     /// The pool file, with `pool_file` (it outlives the process).
     pool: Option<PoolFile>,
     /// Copies into L1 in flight → their slot (the pool file's writes).
@@ -376,6 +378,7 @@ impl Server {
             l2_holding: 0,
             l2_delivering: BTreeMap::new(),
             l2_cancelled: BTreeSet::new(),
+            l2_checks: BTreeSet::new(),
             pool: None,
             pool_writes: HashMap::default(),
             sealing: 0,
@@ -552,6 +555,7 @@ impl Server {
         self.l2_holding = 0;
         self.l2_delivering.clear();
         self.l2_cancelled.clear();
+        self.l2_checks.clear();
         // The pool file stays; the copies writing it stop where they are (torn).
         self.pool_writes.clear();
         self.sealing = 0;
@@ -1194,7 +1198,10 @@ impl Server {
                         ),
                     );
                 }
-                let input = NodeInput::Sealed { slot };
+                let input = NodeInput::Sealed {
+                    slot,
+                    written: true,
+                };
                 self.call(now, Some(input), Call::Other, checker, out);
             }
             PoolJob::Scan { first, found } => {
@@ -1384,13 +1391,15 @@ impl Server {
                 out.l2_jobs.push(L2Job::Get { read, key });
             }
             L2Request::Exists { read, keys } => {
+                self.l2_checks.insert(read.0);
                 out.l2_jobs.push(L2Job::Exists { read, keys });
             }
             L2Request::Cancel { read } => {
                 // Redis has not answered (its answer is still on the agenda): the
                 // client's cancel wins and answers `TimedOut` at once.
                 if self.l2_cancelled.insert(read.0) {
-                    out.l2_jobs.push(L2Job::Cancelled { read });
+                    let check = self.l2_checks.contains(&read.0);
+                    out.l2_jobs.push(L2Job::Cancelled { read, check });
                 }
             }
         }
@@ -1574,12 +1583,16 @@ impl Server {
 
     /// An L2 operation ends: carried out against the store, its answer for the node.
     fn l2_done(&mut self, job: L2Job, fate: L2Fate, checker: &mut Checker) -> Option<NodeInput> {
-        if let L2Job::Get { read, .. } = &job
+        if let L2Job::Get { read, .. } | L2Job::Exists { read, .. } = &job
             && self.l2_cancelled.remove(&read.0)
         {
+            self.l2_checks.remove(&read.0);
             return None; // answered when it was given up
         }
-        if !matches!(job, L2Job::Exists { .. }) {
+        if !matches!(
+            job,
+            L2Job::Exists { .. } | L2Job::Cancelled { check: true, .. }
+        ) {
             self.l2_holding -= 1;
         }
         Some(match job {
@@ -1596,7 +1609,14 @@ impl Server {
                 }
                 NodeInput::L2Written { write, outcome }
             }
-            L2Job::Cancelled { read } => {
+            L2Job::Cancelled { read, check: true } => {
+                self.stats.l2_failed += 1;
+                NodeInput::L2Existed {
+                    read,
+                    presence: L2Presence::TimedOut,
+                }
+            }
+            L2Job::Cancelled { read, .. } => {
                 self.l2_reads.remove(&read.0);
                 if let Some(id) = self.l2_delivering.remove(&read.0) {
                     checker.copy_done(id);
@@ -1642,6 +1662,7 @@ impl Server {
                 NodeInput::L2Got { read, fetched }
             }
             L2Job::Exists { read, keys } => {
+                self.l2_checks.remove(&read.0);
                 let presence = self.l2.exists(fate, &keys);
                 if !matches!(presence, L2Presence::Present(_)) {
                     self.stats.l2_failed += 1;

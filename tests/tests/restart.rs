@@ -524,3 +524,37 @@ fn row_71_a_worker_loading_through_the_restart_is_answered_and_warm_again() {
     eprintln!("{calls} loads through the restart, {errors} failed");
     assert!(server.status()["l1"]["adoption"]["adopted"] == 8);
 }
+
+#[test]
+fn row_71_a_chunk_whose_key_is_too_long_to_seal_is_counted_served_and_not_adopted() {
+    // A node key (the tenant's name, then the worker's key) longer than a seal holds
+    // cannot be sealed: the chunk is served, counted, and after a restart a miss.
+    let dir = TempDir::new("restart-71-long-key");
+    let pool = Pool::new(&dir);
+    let long = vec![b'k'; kvwarden_core::seal::MAX_SEALED_KEY_BYTES];
+    let server = start(&dir, &pool.flags());
+    {
+        let (client, buffer) = worker(&server, "m");
+        store(&client, &buffer, &key(0), &chunk(0, CHUNK));
+        store(&client, &buffer, &long, &chunk(1, CHUNK));
+        let status = server.wait_status("both seals ended", |status| {
+            status["l1"]["sealing"].as_u64() == Some(0)
+        });
+        assert_eq!(status["l1"]["unsealed_total"], 1, "{status}");
+        assert_eq!(client.retrieve(&long, 0, 0, CHUNK).unwrap(), Some(CHUNK));
+        let (_, metrics) = server.http_get("/metrics");
+        assert!(
+            metrics.lines().any(|l| l == "kvwarden_l1_unsealed_total 1"),
+            "{metrics}"
+        );
+    }
+    kill(server);
+
+    let server = start(&dir, &pool.flags());
+    let status = adopted(&server);
+    assert_eq!(adoption(&status)["adopted"], 1, "{status}");
+    let (client, buffer) = worker(&server, "m");
+    // Control: the chunk with a short key is back.
+    assert_eq!(served(&client, &buffer, 0..1), vec![0]);
+    assert_eq!(client.retrieve(&long, 0, 0, CHUNK).unwrap(), None);
+}

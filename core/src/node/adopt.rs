@@ -110,9 +110,9 @@ impl Node {
         }
     }
 
-    pub(super) fn sealed(&mut self, slot: SlotId) {
+    pub(super) fn sealed(&mut self, slot: SlotId, written: bool) {
         self.job_reported();
-        self.l1.sealed(slot);
+        self.l1.sealed(slot, written);
     }
 
     pub(super) fn scanned(&mut self, now: Instant, first: SlotId, found: Vec<Scanned>) {

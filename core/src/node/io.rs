@@ -184,6 +184,9 @@ pub enum Input {
     Sealed {
         /// The slot, pinned while it was sealed.
         slot: SlotId,
+        /// Whether the seal was written. `false`: the value could not be sealed (its key
+        /// is longer than a seal holds); it is served, but not adopted after a restart.
+        written: bool,
     },
     /// A [`Job::Scan`] ended: one finding per slot, from `first` on.
     Scanned {

@@ -87,6 +87,8 @@ pub struct SlotTable {
     to_seal: Vec<(SlotId, Vec<u8>, u64)>,
     /// Values handed out to be sealed and not sealed yet.
     sealing_now: usize,
+    /// Values whose seal could not be written (not adopted after a restart).
+    unsealed_total: u64,
 }
 
 /// The outcome of adopting a slot a restarted server found sealed.
@@ -115,6 +117,7 @@ impl SlotTable {
             sealing: false,
             to_seal: Vec::new(),
             sealing_now: 0,
+            unsealed_total: 0,
         }
     }
 
@@ -154,10 +157,16 @@ impl SlotTable {
         std::mem::take(&mut self.to_seal)
     }
 
-    /// `slot`'s seal ended (written or not): it is unpinned.
-    pub fn sealed(&mut self, slot: SlotId) {
+    /// `slot`'s seal ended, `written` or not: it is unpinned.
+    pub fn sealed(&mut self, slot: SlotId, written: bool) {
         self.sealing_now = self.sealing_now.saturating_sub(1);
+        self.unsealed_total += u64::from(!written);
         self.unpin(slot);
+    }
+
+    /// Values whose seal could not be written so far.
+    pub fn unsealed_total(&self) -> u64 {
+        self.unsealed_total
     }
 
     /// Values committed and not sealed yet.

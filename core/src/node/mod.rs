@@ -440,7 +440,7 @@ impl Node {
             Input::L2Written { write, outcome } => self.l2_written(now, write, outcome),
             Input::L2Got { read, fetched } => self.l2_got(now, read, fetched),
             Input::L2Existed { read, presence } => self.l2_existed(now, read, presence),
-            Input::Sealed { slot } => self.sealed(slot),
+            Input::Sealed { slot, written } => self.sealed(slot, written),
             Input::Scanned { first, found } => self.scanned(now, first, found),
         }
         self.drain_effects();

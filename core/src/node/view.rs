@@ -68,6 +68,9 @@ pub struct NodeStatus {
     pub l1_adoption: Option<super::AdoptionView>,
     /// Committed values not sealed yet (a pool file's; 0 for an anonymous pool).
     pub l1_sealing: usize,
+    /// Committed values whose seal could not be written (a key longer than a seal
+    /// holds): served, but not adopted after a restart.
+    pub l1_unsealed_total: u64,
     /// Rope tables: bytes, instances, computations running.
     pub blend: (u64, usize, usize),
     /// Processes watched.
@@ -159,6 +162,7 @@ impl Node {
             slot_bytes: self.l1.slot_bytes(),
             l1_adoption: self.adoption().cloned(),
             l1_sealing: self.l1.sealing(),
+            l1_unsealed_total: self.l1.unsealed_total(),
             blend: (
                 self.blend.held_bytes(),
                 self.blend.instances(),

@@ -348,9 +348,14 @@ impl L2Client {
 
     /// Counts how many leading `keys` exist in L2 (pipelined); the answer comes through
     /// [`L2Client::drain`] as [`L2Completion::Prefix`] with `token`, within the timeout.
-    pub fn exists_prefix(&self, token: u64, keys: Vec<Vec<u8>>) {
-        self.shared
-            .submit_read(token, ReadRequest::Exists(keys), None);
+    /// The check may be given up with the handle ([`L2Read::cancel`]).
+    pub fn exists_prefix(&self, token: u64, keys: Vec<Vec<u8>>) -> L2Read {
+        L2Read {
+            shared: Arc::clone(&self.shared),
+            pending: self
+                .shared
+                .submit_read(token, ReadRequest::Exists(keys), None),
+        }
     }
 
     /// Takes every result that arrived since the last call.

@@ -115,6 +115,8 @@ pub struct Metrics {
     /// A restarted server's pool file: values adopted and dropped, by outcome (set at
     /// scrape).
     pub l1_adoption: Family<Labels, Counter>,
+    /// Values committed to a pool file whose seal could not be written.
+    pub l1_unsealed: Counter,
     /// L1 slots charged to each tenant, and its quota, by `tenant` and `state`
     /// (`used`, `quota`; set at scrape).
     pub tenant_slots: Family<Labels2, Gauge>,
@@ -213,6 +215,7 @@ impl Metrics {
             closes_pending: Gauge::default(),
             copies_past_deadline: Counter::default(),
             l1_adoption: Family::default(),
+            l1_unsealed: Counter::default(),
             tenant_slots: Family::default(),
             tenants_shown: Default::default(),
             l2: None,
@@ -356,6 +359,13 @@ impl Metrics {
              adopted (served again), torn (the seal did not verify), malformed, tenant (no \
              tenant of the key's name now), duplicate, taken (a store took the slot first)",
             metrics.l1_adoption.clone(),
+        );
+        registry.register(
+            "l1_unsealed",
+            "Values committed to a pool file whose seal could not be written: a key longer \
+             than a seal holds (464 bytes with the tenant's name). Served, but not adopted \
+             after a restart",
+            metrics.l1_unsealed.clone(),
         );
         registry.register(
             "tenant_slots",

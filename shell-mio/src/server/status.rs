@@ -174,6 +174,9 @@ pub struct L1Status {
     pub cold_reason: Option<String>,
     /// Values committed whose seal is not written yet (a pool file's).
     pub sealing: usize,
+    /// Values committed whose seal could not be written (a key longer than a seal
+    /// holds): served, but not adopted after a restart.
+    pub unsealed_total: u64,
     /// With `pool: adopted`: what the scan found so far.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub adoption: Option<AdoptionStatus>,
@@ -427,6 +430,7 @@ mod tests {
                 pool: "anonymous",
                 cold_reason: None,
                 sealing: 0,
+                unsealed_total: 0,
                 adoption: None,
             },
             blend: BlendStatus {

@@ -284,12 +284,11 @@ impl Node {
             }
             if let Some(waiter) = read.waiter.take() {
                 expired.push((waiter, read.key.clone()));
-                if read.slot.is_some() {
-                    // Given up with the shell too: a read no one waits for takes no L2
-                    // thread's time, and its answer (prompt) gives the slot back.
-                    read.cancelled = true;
-                    cancels.push(id);
-                }
+                // Given up with the shell too: a read or existence check no one waits
+                // for takes no L2 thread's time, and a read's answer (prompt) gives its
+                // slot back.
+                read.cancelled = true;
+                cancels.push(id);
             }
             if read.slot.is_none() {
                 gone.push(id); // nothing held: a late answer finds nothing

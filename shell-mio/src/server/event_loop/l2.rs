@@ -146,6 +146,8 @@ impl Server {
     pub(super) fn l2_cancel(&mut self, read: L2ReadId) {
         if let Some(pending) = self.l2_reads.get(&read.0) {
             pending.handle.cancel();
+        } else if let Some(check) = self.l2_checks.get(&read.0) {
+            check.cancel();
         }
     }
 
@@ -158,7 +160,8 @@ impl Server {
             });
             return;
         };
-        client.exists_prefix(read.0, keys);
+        let check = client.exists_prefix(read.0, keys);
+        self.l2_checks.insert(read.0, check);
     }
 
     /// Hands every L2 result that arrived to the node; a hit's payload is first copied
@@ -207,14 +210,17 @@ impl Server {
                     };
                     Input::L2Got { read, fetched }
                 }
-                L2Completion::Prefix { token, outcome } => Input::L2Existed {
-                    read: L2ReadId(token),
-                    presence: match outcome {
-                        PrefixOutcome::Present(count) => L2Presence::Present(count as u64),
-                        PrefixOutcome::TimedOut => L2Presence::TimedOut,
-                        PrefixOutcome::Failed => L2Presence::Failed,
-                    },
-                },
+                L2Completion::Prefix { token, outcome } => {
+                    self.l2_checks.remove(&token);
+                    Input::L2Existed {
+                        read: L2ReadId(token),
+                        presence: match outcome {
+                            PrefixOutcome::Present(count) => L2Presence::Present(count as u64),
+                            PrefixOutcome::TimedOut => L2Presence::TimedOut,
+                            PrefixOutcome::Failed => L2Presence::Failed,
+                        },
+                    }
+                }
                 L2Completion::Written { token, outcome, .. } => Input::L2Written {
                     write: L2WriteId(token),
                     outcome,

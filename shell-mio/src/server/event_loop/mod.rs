@@ -139,6 +139,7 @@ enum Done {
     /// A committed value's seal was written (or could not be).
     Sealed {
         slot: usize,
+        written: bool,
     },
     /// Seals of a restarted server's pool checked.
     Scanned {
@@ -207,6 +208,8 @@ pub struct Server {
     l2_down_logged: bool,
     /// The slot reserved for each L2 read in flight, by its token.
     l2_reads: HashMap<u64, l2::PendingL2Read>,
+    /// Each L2 existence check in flight, by its token, to give it up.
+    l2_checks: HashMap<u64, crate::l2::L2Read>,
     /// fds all connections together may hold for frames not yet complete
     /// ([`listen::FdLimit::transit_budget`]).
     fd_transit_budget: usize,
@@ -554,6 +557,7 @@ impl Server {
             l2,
             l2_down_logged: false,
             l2_reads: HashMap::default(),
+            l2_checks: HashMap::default(),
             fd_transit_budget: fd_limit.transit_budget(),
             turn_started: std::time::Instant::now(),
             pool_start,

@@ -173,6 +173,7 @@ impl Server {
         if let Some(adoption) = &node.l1_adoption {
             self.metrics.l1_adoption(adoption);
         }
+        Metrics::mirror(&self.metrics.l1_unsealed, node.l1_unsealed_total);
         let (blend_bytes, blend_instances, _) = node.blend;
         self.metrics.blend_bytes.set(as_i64(blend_bytes));
         self.metrics
@@ -305,6 +306,7 @@ impl Server {
                     _ => None,
                 },
                 sealing: node.l1_sealing,
+                unsealed_total: node.l1_unsealed_total,
                 adoption: node
                     .l1_adoption
                     .as_ref()

@@ -133,12 +133,13 @@ impl Server {
                 let seals = self.l1.seals().cloned();
                 self.pool.submit(
                     move || {
-                        if let Some(seals) = seals {
-                            seals.seal(&pool, slot, &key, len);
-                        }
-                        Done::Sealed { slot }
+                        let written = seals.is_some_and(|seals| seals.seal(&pool, slot, &key, len));
+                        Done::Sealed { slot, written }
                     },
-                    move |_| Done::Sealed { slot },
+                    move |_| Done::Sealed {
+                        slot,
+                        written: false,
+                    },
                 );
             }
             Job::Scan { first, count } => {
@@ -534,7 +535,7 @@ impl Server {
                 },
                 Done::Freed { free } => Input::FreeDone { free },
                 Done::L2Placed { read, fetched } => Input::L2Got { read, fetched },
-                Done::Sealed { slot } => Input::Sealed { slot },
+                Done::Sealed { slot, written } => Input::Sealed { slot, written },
                 Done::Scanned { first, found } => Input::Scanned { first, found },
                 Done::Discarded => continue,
             };
