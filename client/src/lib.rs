@@ -45,11 +45,11 @@ pub use units::parse_bytes;
 
 pub use wire::Endpoint;
 
-pub use kvwarden_core::protocol::MAX_BATCH_ITEMS;
 use kvwarden_core::protocol::{
     Attached, BufferSpec, ErrorCode, Op, ProtocolError, Registered, ReplyValue, RetrieveItem,
     StoreItem,
 };
+pub use kvwarden_core::protocol::{KvEvent, KvEvents, MAX_BATCH_ITEMS, MAX_KV_EVENTS};
 use kvwarden_core::{
     Heartbeat, HeartbeatAction, HeartbeatConfig, InstanceId, Instant, PingReply,
     reap_timeout_floor_warning, reap_timeout_warning,
@@ -882,6 +882,22 @@ impl Client {
             .shared
             .call("lookup", args, &[], self.shared.config.request_timeout)?;
         read("lookup", value)
+    }
+
+    /// What entered and left L1 in this client's tenant since `cursor` (empty: a new
+    /// reader), at most `max` changes: see `kv_events` in docs/protocol.md. Pass the
+    /// reply's `cursor` to the next call; on `resync`, withdraw everything announced
+    /// before applying the reply's events.
+    pub fn kv_events(&self, cursor: &[u8], max: u64) -> Result<KvEvents, ClientError> {
+        let args = Op::KvEvents {
+            cursor: cursor.to_vec(),
+            max,
+        }
+        .args();
+        let value = self
+            .shared
+            .call("kv_events", args, &[], self.shared.config.request_timeout)?;
+        read("kv_events", value)
     }
 
     /// Any request, raw (for tools and tests).

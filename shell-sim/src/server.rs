@@ -227,7 +227,8 @@ impl Asked {
             | Op::Attach { .. }
             | Op::Lookup { .. }
             | Op::RegisterBlend { .. }
-            | Op::Status => Asked::Other,
+            | Op::Status
+            | Op::KvEvents { .. } => Asked::Other,
         }
     }
 }

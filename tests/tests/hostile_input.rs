@@ -251,7 +251,7 @@ fn msgpack(value: &Value) -> Vec<u8> {
 }
 
 /// The ops of `protocol.md` with their argument counts.
-const OPS: [(&str, usize); 19] = [
+const OPS: [(&str, usize); 20] = [
     ("hello", 2),
     ("auth", 1),
     ("attach", 2),
@@ -271,6 +271,7 @@ const OPS: [(&str, usize); 19] = [
     ("commit_retrieve", 2),
     ("register_blend", 2),
     ("status", 0),
+    ("kv_events", 2),
 ];
 
 // ------------------------------------------------------------------ framing

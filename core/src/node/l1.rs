@@ -89,6 +89,8 @@ pub struct SlotTable {
     sealing_now: usize,
     /// Values whose seal could not be written (not adopted after a restart).
     unsealed_total: u64,
+    /// Keys that entered L1 (true) or left it since the last [`SlotTable::take_changes`].
+    changes: Vec<(Vec<u8>, bool)>,
 }
 
 /// The outcome of adopting a slot a restarted server found sealed.
@@ -118,6 +120,7 @@ impl SlotTable {
             to_seal: Vec::new(),
             sealing_now: 0,
             unsealed_total: 0,
+            changes: Vec::new(),
         }
     }
 
@@ -190,6 +193,7 @@ impl SlotTable {
         }
         let tick = self.next_tick();
         self.index.insert(key.clone(), slot);
+        self.changes.push((key.clone(), true));
         self.slots[slot] = SlotState::Committed {
             key,
             len,
@@ -200,6 +204,33 @@ impl SlotTable {
         self.tenant_mut(tenant).used += 1;
         self.lru_add(tick, slot, tenant);
         Adoption::Adopted
+    }
+
+    /// The keys that entered L1 (true) or left it since the last call, in order.
+    pub fn take_changes(&mut self) -> Vec<(Vec<u8>, bool)> {
+        std::mem::take(&mut self.changes)
+    }
+
+    /// Up to `max` keys under `prefix` committed in slots from `from` on, in slot
+    /// order, and the slot to go on from (None: none left).
+    pub fn committed_from(
+        &self,
+        prefix: &[u8],
+        from: usize,
+        max: usize,
+    ) -> (Vec<Vec<u8>>, Option<usize>) {
+        let mut keys = Vec::new();
+        for (slot, state) in self.slots.iter().enumerate().skip(from) {
+            if let SlotState::Committed { key, .. } = state
+                && key.starts_with(prefix)
+            {
+                if keys.len() == max {
+                    return (keys, Some(slot));
+                }
+                keys.push(key.clone());
+            }
+        }
+        (keys, None)
     }
 
     /// The key `slot` holds committed, if any.
@@ -345,6 +376,7 @@ impl SlotTable {
                     } = std::mem::replace(&mut self.slots[victim], SlotState::Free)
                     {
                         self.index.remove(&key);
+                        self.changes.push((key, false));
                         self.lru_remove(tick, owner);
                         let owner = self.tenant_mut(owner);
                         owner.used = owner.used.saturating_sub(1);
@@ -385,6 +417,7 @@ impl SlotTable {
         if let Some(state) = self.slots.get_mut(slot)
             && let SlotState::Writing { key, tenant } = std::mem::replace(state, SlotState::Free)
         {
+            self.changes.push((key.clone(), true));
             if self.sealing {
                 self.to_seal.push((slot, key.clone(), len));
                 *state = SlotState::Committed {

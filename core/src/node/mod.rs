@@ -28,6 +28,7 @@ pub mod blend;
 mod builds;
 mod conns;
 pub mod engine;
+pub mod events;
 mod frees;
 mod io;
 pub mod jobs;
@@ -251,6 +252,8 @@ pub struct Node {
     past_deadline: u64,
     /// A restarted server's adoption of its pool file (row 71).
     adoption: Option<adopt::Adoption>,
+    /// What entered and left L1, per tenant (`kv_events`).
+    events: events::KvEventLog,
     #[cfg(feature = "planted-bugs")]
     bug: Option<PlantedBug>,
     /// Planted bug `PingWaitsForL2` only: ping answers held until `handle_timeout`.
@@ -333,6 +336,7 @@ impl Node {
             length_mismatches: 0,
             past_deadline: 0,
             adoption: None,
+            events: events::KvEventLog::new(config.boot_id),
             config,
             liveness,
             conns: HashMap::default(),
@@ -445,6 +449,9 @@ impl Node {
         }
         self.drain_effects();
         self.seal_committed();
+        for (key, stored) in self.l1.take_changes() {
+            self.events.record(&key, stored);
+        }
         self.step_shutdown(now);
     }
 

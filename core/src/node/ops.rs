@@ -17,8 +17,8 @@ pub(super) struct Want {
 }
 use crate::liveness::Registration;
 use crate::protocol::{
-    ErrorCode, HelloReply, Outcome, PROTOCOL_VERSION, PinnedSlot, PoolGeometry, Registered,
-    ReservedSlot,
+    ErrorCode, HelloReply, MAX_KV_EVENTS, Outcome, PROTOCOL_VERSION, PinnedSlot, PoolGeometry,
+    Registered, ReservedSlot,
 };
 
 /// A request answered now (`Some`), or once the work it started is done (`None`).
@@ -282,7 +282,22 @@ impl Node {
                 |strategy, l1| Ok(Answer::Flag(strategy.commit_retrieve(l1, &key))),
             )),
             Op::RegisterBlend { instance, rope } => self.register_blend(to, instance, rope),
+            Op::KvEvents { cursor, max } => Some(self.kv_events(tenant, &cursor, max)),
         }
+    }
+
+    /// `kv_events`: the caller's tenant's changes to L1 since `cursor`.
+    fn kv_events(
+        &self,
+        tenant: Option<TenantId>,
+        cursor: &[u8],
+        max: u64,
+    ) -> Result<Answer, ProtocolError> {
+        let prefix = tenant.map_or(&[][..], |tenant| self.trust.key_prefix(tenant));
+        let max = usize::try_from(max).map_or(MAX_KV_EVENTS, |max| max.min(MAX_KV_EVENTS));
+        Ok(Answer::Events(
+            self.events.read(&self.l1, prefix, cursor, max),
+        ))
     }
 
     fn lookup(&mut self, now: Instant, to: ReplyTo, keys: &[Vec<u8>]) -> Immediate {

@@ -775,7 +775,8 @@ pub fn scope_keys(op: &mut Op, prefix: &[u8]) {
         | Op::RegisterEngineDriven { .. }
         | Op::UnregisterEngineDriven { .. }
         | Op::RegisterBlend { .. }
-        | Op::Status => {}
+        | Op::Status
+        | Op::KvEvents { .. } => {}
     }
 }
 

@@ -36,6 +36,8 @@ pub enum ReplyShape {
     Status,
     /// `auth`'s `{"nonce": bin, "proof": bin}` ([`Challenge`]).
     Challenge,
+    /// `kv_events`' `{"cursor", "resync", "events", "more"}` ([`KvEvents`]).
+    Events,
 }
 
 /// A successful reply, typed. See the module docs.
@@ -64,6 +66,8 @@ pub enum Answer {
     Pinned(Option<PinnedSlot>),
     /// `auth`.
     Challenge(Challenge),
+    /// `kv_events`.
+    Events(KvEvents),
 }
 
 impl Answer {
@@ -81,6 +85,7 @@ impl Answer {
             Answer::Reserved(_) => ReplyShape::Reserved,
             Answer::Pinned(_) => ReplyShape::Pinned,
             Answer::Challenge(_) => ReplyShape::Challenge,
+            Answer::Events(_) => ReplyShape::Events,
         }
     }
 
@@ -98,6 +103,7 @@ impl Answer {
             Answer::Reserved(reserved) => reserved.to_value(),
             Answer::Pinned(pinned) => pinned.to_value(),
             Answer::Challenge(challenge) => challenge.to_value(),
+            Answer::Events(events) => events.to_value(),
         }
     }
 }
@@ -401,6 +407,77 @@ impl ReplyValue for PinnedSlot {
     }
 }
 
+/// One change to what L1 holds for a tenant: `stored` (entered, served from now on)
+/// or removed (evicted), with the key as the tenant wrote it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvEvent {
+    /// Entered L1 (true) or left it (false).
+    pub stored: bool,
+    /// The key.
+    pub key: Vec<u8>,
+}
+
+/// `kv_events`: the changes since the cursor asked with, in order. With `resync`, the
+/// reader's view is void (a new server process, or changes it missed): it withdraws
+/// everything it announced, and the events that follow (this reply's first) begin with
+/// every key held now, as `stored`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvEvents {
+    /// The cursor for the next call (opaque).
+    pub cursor: Vec<u8>,
+    /// Whether the reader starts over: withdraw everything, then apply `events`.
+    pub resync: bool,
+    /// The changes, oldest first.
+    pub events: Vec<KvEvent>,
+    /// Whether more are waiting already (call again at once).
+    pub more: bool,
+}
+
+impl ReplyValue for KvEvents {
+    fn to_value(&self) -> Value {
+        let events = self
+            .events
+            .iter()
+            .map(|event| {
+                Value::Array(vec![
+                    Value::Boolean(event.stored),
+                    Value::Binary(event.key.clone()),
+                ])
+            })
+            .collect();
+        Value::Map(vec![
+            ("cursor".into(), Value::Binary(self.cursor.clone())),
+            ("resync".into(), Value::Boolean(self.resync)),
+            ("events".into(), Value::Array(events)),
+            ("more".into(), Value::Boolean(self.more)),
+        ])
+    }
+    fn from_value(value: &Value) -> Option<KvEvents> {
+        let map = Fields::of(value)?;
+        let events = map
+            .get("events")?
+            .as_array()?
+            .iter()
+            .map(|event| match event.as_array()?.as_slice() {
+                [Value::Boolean(stored), Value::Binary(key)] => Some(KvEvent {
+                    stored: *stored,
+                    key: key.clone(),
+                }),
+                _ => None,
+            })
+            .collect::<Option<Vec<_>>>()?;
+        Some(KvEvents {
+            cursor: match map.get("cursor")? {
+                Value::Binary(cursor) => cursor.clone(),
+                _ => return None,
+            },
+            resync: map.get("resync")?.as_bool()?,
+            events,
+            more: map.get("more")?.as_bool()?,
+        })
+    }
+}
+
 /// A reply map's fields by name (other keys are ignored: a newer server may add some).
 struct Fields<'a>(&'a [(Value, Value)]);
 
@@ -471,6 +548,21 @@ mod tests {
                 nonce: [1; 32],
                 proof: [2; 32],
             }),
+            Answer::Events(KvEvents {
+                cursor: vec![7; 32],
+                resync: true,
+                events: vec![
+                    KvEvent {
+                        stored: true,
+                        key: b"a".to_vec(),
+                    },
+                    KvEvent {
+                        stored: false,
+                        key: vec![],
+                    },
+                ],
+                more: false,
+            }),
         ]
     }
 
@@ -488,6 +580,7 @@ mod tests {
             ReplyShape::Reserved => Answer::Reserved(ReplyValue::from_value(value)?),
             ReplyShape::Pinned => Answer::Pinned(ReplyValue::from_value(value)?),
             ReplyShape::Challenge => Answer::Challenge(Challenge::from_value(value)?),
+            ReplyShape::Events => Answer::Events(KvEvents::from_value(value)?),
             ReplyShape::Status => return None,
         })
     }

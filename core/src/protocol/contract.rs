@@ -55,10 +55,14 @@ pub enum OpKind {
     Status,
     Attach,
     Auth,
+    KvEvents,
 }
 
 /// How many ops this server knows.
-pub const OP_COUNT: usize = 19;
+pub const OP_COUNT: usize = 20;
+
+/// At most this many events (or held keys) travel in one `kv_events` reply.
+pub const MAX_KV_EVENTS: usize = 1024;
 
 /// One argument of an op: what it must be.
 #[derive(Copy, Clone)]
@@ -252,6 +256,13 @@ pub(super) const OPS: [OpRow; OP_COUNT] = {
             "[{\"id\": bin (16 bytes), \"nonce\": bin (32 bytes)}]",
             &[AuthChallenge],
             Shape::Challenge,
+        ),
+        row(
+            K::KvEvents,
+            "kv_events",
+            "[cursor: bin, max: uint]",
+            &[Bin("cursor"), Uint("max")],
+            Shape::Events,
         ),
     ]
 };

@@ -139,6 +139,7 @@ impl Op {
                 ]),
             ],
             Op::Status => vec![],
+            Op::KvEvents { cursor, max } => vec![bin(cursor), uint(*max)],
         }
     }
 }

@@ -21,12 +21,12 @@ mod tests;
 mod wire_args;
 
 pub use answer::{
-    Answer, Attached, Challenge, HelloReply, Outcome, PinnedSlot, PoolGeometry, Registered,
-    ReplyShape, ReplyValue, ReservedSlot,
+    Answer, Attached, Challenge, HelloReply, KvEvent, KvEvents, Outcome, PinnedSlot, PoolGeometry,
+    Registered, ReplyShape, ReplyValue, ReservedSlot,
 };
 pub use contract::{
-    MAX_BATCH_ITEMS, MAX_DEPTH, MAX_KEY_BYTES, MAX_TEXT_BYTES, OP_COUNT, OP_NAMES, OpKind,
-    PROTOCOL_VERSION,
+    MAX_BATCH_ITEMS, MAX_DEPTH, MAX_KEY_BYTES, MAX_KV_EVENTS, MAX_TEXT_BYTES, OP_COUNT, OP_NAMES,
+    OpKind, PROTOCOL_VERSION,
 };
 
 pub use encode::encode_request;

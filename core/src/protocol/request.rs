@@ -177,6 +177,12 @@ pub enum Op {
         rope: RopeSpec,
     },
     Status,
+    /// What entered and left L1 in the caller's tenant since `cursor` (empty: from the
+    /// start, a resync), at most `max` changes.
+    KvEvents {
+        cursor: Vec<u8>,
+        max: u64,
+    },
 }
 
 impl Op {
@@ -202,6 +208,7 @@ impl Op {
             Op::Status => OpKind::Status,
             Op::Attach { .. } => OpKind::Attach,
             Op::Auth { .. } => OpKind::Auth,
+            Op::KvEvents { .. } => OpKind::KvEvents,
         }
     }
 
@@ -221,7 +228,11 @@ impl Op {
     /// The instance the op names, if any (ownership is checked against it).
     pub fn instance(&self) -> Option<InstanceId> {
         match self {
-            Op::Hello { .. } | Op::Auth { .. } | Op::Lookup { .. } | Op::Status => None,
+            Op::Hello { .. }
+            | Op::Auth { .. }
+            | Op::Lookup { .. }
+            | Op::Status
+            | Op::KvEvents { .. } => None,
             Op::Ping { instance } => *instance,
             Op::Attach { instance, .. }
             | Op::RegisterKvCache { instance, .. }

@@ -323,6 +323,10 @@ fn every_op_encodes_to_a_frame_that_decodes_back_to_it() {
             },
         },
         Op::Status,
+        Op::KvEvents {
+            cursor: vec![1; 32],
+            max: 64,
+        },
     ];
     assert_eq!(
         ops.len(),

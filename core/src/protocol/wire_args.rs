@@ -168,6 +168,10 @@ impl<'de> DeserializeSeed<'de> for ArgsSeed {
                 let []: [IgnoredAny; 0] = array(d)?;
                 Op::Status
             }
+            OpKind::KvEvents => {
+                let (Key(cursor), max) = array(d)?;
+                Op::KvEvents { cursor, max }
+            }
         })
     }
 }

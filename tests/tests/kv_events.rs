@@ -1,0 +1,206 @@
+//! KV events (issue 42, failure mode 74): `kv_events` tells a reader what entered and
+//! left L1 in its tenant, in order, so that what it announces is what the server can
+//! serve it. Real `kvwarden serve`, the Rust client, and a neighbour of another uid
+//! (forked and setuid: the tests run as root).
+
+use kvwarden::client::{Client, ClientConfig, Endpoint, KvEvents};
+use kvwarden_core::protocol::ReplyValue;
+use kvwarden_tests::l2_worker::{chunk, store, worker};
+use kvwarden_tests::{RawClient, Server, TempDir, fork_as_uid};
+use rmpv::Value;
+use serde_json::json;
+use std::collections::BTreeSet;
+use std::path::Path;
+
+/// A chunk: one slot (`--slot-bytes 64K`; 16 slots in `--l1-bytes 1M`).
+const CHUNK: u64 = 64 << 10;
+const SLOTS: u64 = 16;
+/// The neighbour.
+const NEIGHBOUR: u32 = 1001;
+
+fn start(dir: &TempDir) -> Server {
+    Server::start(
+        dir,
+        &[
+            "--socket-mode",
+            "666",
+            "--l1-bytes",
+            "1M",
+            "--slot-bytes",
+            "64K",
+        ],
+    )
+}
+
+fn key(n: u64) -> Vec<u8> {
+    format!("chunk-{n}").into_bytes()
+}
+
+/// A reader's view: the keys it announces, kept by applying every page.
+#[derive(Default)]
+struct Reader {
+    cursor: Vec<u8>,
+    announced: BTreeSet<Vec<u8>>,
+    resyncs: u64,
+    /// Every change read, in order: (stored, key).
+    changes: Vec<(bool, Vec<u8>)>,
+}
+
+impl Reader {
+    fn apply(&mut self, page: KvEvents) -> bool {
+        if page.resync {
+            self.resyncs += 1;
+            self.announced.clear();
+        }
+        for event in page.events {
+            if event.stored {
+                self.announced.insert(event.key.clone());
+            } else {
+                self.announced.remove(&event.key);
+            }
+            self.changes.push((event.stored, event.key));
+        }
+        self.cursor = page.cursor;
+        page.more
+    }
+
+    /// Reads until caught up.
+    fn catch_up(&mut self, client: &Client) {
+        while self.apply(client.kv_events(&self.cursor, 4).expect("kv_events")) {}
+    }
+}
+
+fn reader_client(server: &Server) -> Client {
+    Client::connect(ClientConfig::new(Endpoint::Unix(server.socket.clone()))).expect("connecting")
+}
+
+#[test]
+fn row_74_a_reader_announces_exactly_what_l1_serves_through_stores_and_evictions() {
+    let dir = TempDir::new("kv-events-74");
+    let server = start(&dir);
+    let (client, buffer) = worker(&server, "m");
+    for n in 0..3 {
+        store(&client, &buffer, &key(n), &chunk(n, CHUNK));
+    }
+    let events = reader_client(&server);
+    let mut reader = Reader::default();
+    reader.catch_up(&events);
+    assert_eq!(reader.resyncs, 1, "a new reader starts with what is held");
+    assert_eq!(reader.announced, (0..3).map(key).collect());
+
+    // Twice the pool more: the oldest are evicted, and each eviction is told.
+    for n in 3..3 + 2 * SLOTS {
+        store(&client, &buffer, &key(n), &chunk(n, CHUNK));
+    }
+    reader.catch_up(&events);
+    assert_eq!(reader.resyncs, 1, "nothing was missed: no resync");
+    assert!(
+        reader.changes.contains(&(false, key(0))),
+        "chunk-0's eviction was told"
+    );
+    // What the reader announces is what the server serves: every announced key is a
+    // hit, byte for byte, and every key never announced or withdrawn is a miss.
+    assert_eq!(reader.announced.len() as u64, SLOTS);
+    for n in 0..3 + 2 * SLOTS {
+        let hit = client.retrieve(&key(n), 0, 0, CHUNK).expect("retrieve") == Some(CHUNK);
+        assert_eq!(hit, reader.announced.contains(&key(n)), "chunk-{n}");
+        if hit {
+            let mut got = vec![0u8; CHUNK as usize];
+            assert!(buffer.read(0, &mut got));
+            assert!(got == chunk(n, CHUNK), "chunk-{n} bytes");
+        }
+    }
+
+    // A cursor of a server process that is gone is a resync, whatever it says.
+    drop(events);
+    drop(client);
+    let mut server = server;
+    server.child.kill().expect("SIGKILL");
+    server.child.wait().expect("reaped");
+    let dir = TempDir::new("kv-events-74-restarted");
+    let server = start(&dir);
+    let events = reader_client(&server);
+    let page = events.kv_events(&reader.cursor, 4).expect("kv_events");
+    assert!(page.resync, "another server process: start over");
+    assert!(page.events.is_empty(), "the new server holds nothing");
+}
+
+/// `raw`'s `kv_events` until caught up, from a new cursor: the keys announced.
+fn announced_by(raw: &mut RawClient) -> BTreeSet<Vec<u8>> {
+    let mut reader = Reader::default();
+    loop {
+        let reply = raw
+            .request(
+                "kv_events",
+                vec![Value::Binary(reader.cursor.clone()), 4.into()],
+            )
+            .expect("a reply")
+            .result
+            .expect("kv_events answered");
+        let page = KvEvents::from_value(&reply).expect("a kv_events reply");
+        if !reader.apply(page) {
+            return reader.announced;
+        }
+    }
+}
+
+/// Stores `chunk-<n>` from a raw connection of its own instance, registered with a
+/// memfd of one chunk.
+fn neighbour_stores(socket: &Path, n: u64) -> RawClient {
+    use rustix::fd::AsFd;
+    let instance = 7400 + n;
+    let mut raw = RawClient::connect(socket).expect("connecting");
+    raw.attach(instance);
+    let fd = kvwarden::memfd::create("kv-events", CHUNK).expect("a memfd");
+    let args = vec![
+        instance.into(),
+        Value::Array(vec![kvwarden_tests::memfd_spec(0, CHUNK)]),
+        "m".into(),
+        1.into(),
+    ];
+    raw.request_with_fds("register_kv_cache", args, &[fd.as_fd()])
+        .expect("a reply")
+        .result
+        .expect("registered");
+    let args = vec![
+        instance.into(),
+        Value::Binary(key(n)),
+        0.into(),
+        0.into(),
+        CHUNK.into(),
+    ];
+    let stored = raw.request("store", args).expect("a reply").result;
+    assert_eq!(stored, Ok(Value::Boolean(true)));
+    raw
+}
+
+#[test]
+fn row_74_a_neighbour_reads_its_own_tenants_events_and_none_of_anothers() {
+    let dir = TempDir::new("kv-events-74-neighbour");
+    let server = start(&dir);
+    let (client, buffer) = worker(&server, "m");
+    for n in 0..3 {
+        store(&client, &buffer, &key(n), &chunk(n, CHUNK));
+    }
+    let socket = server.socket.clone();
+    let mut neighbour = fork_as_uid(NEIGHBOUR, move |parent| {
+        // Control: its own store is announced to it.
+        let mut raw = neighbour_stores(&socket, 100);
+        let announced: Vec<String> = announced_by(&mut raw)
+            .into_iter()
+            .map(|key| String::from_utf8_lossy(&key).into_owned())
+            .collect();
+        parent.send(json!(announced));
+        json!(null)
+    });
+    assert_eq!(
+        neighbour.recv("the neighbour's announced keys"),
+        json!(["chunk-100"]),
+        "its own chunk, and none of root's chunk-0..2 (the same names, another tenant)"
+    );
+    neighbour.finish("the neighbour");
+    // And root's reader sees root's chunks, not the neighbour's.
+    let mut reader = Reader::default();
+    reader.catch_up(&reader_client(&server));
+    assert_eq!(reader.announced, (0..3).map(key).collect());
+}
