@@ -103,8 +103,12 @@ impl Harness {
             .unwrap_or(0)
     }
 
+    /// The server's mappings, less the caches of its threads (see [`caches`]): a
+    /// thread started under load to run a free keeps its stack cached by the C library
+    /// after it ends, and may have made a malloc arena of its own.
     fn mappings(&self) -> usize {
-        self.maps().lines().count()
+        let maps = self.maps();
+        maps.lines().count() - caches(&maps)
     }
 
     fn maps(&self) -> String {
@@ -273,6 +277,65 @@ const OPS: [(&str, usize); 20] = [
     ("status", 0),
     ("kv_events", 2),
 ];
+
+/// Lines of `/proc/<pid>/maps` that are thread caches, not resources a peer can make
+/// the server hold: a thread's stack (an anonymous `rw-p` mapping right after its
+/// one-page `---p` guard) and a malloc arena (an anonymous `rw-p` start and its `---p`
+/// reserve, 64 MiB together from a 64 MiB boundary).
+fn caches(maps: &str) -> usize {
+    const ARENA: u64 = 64 << 20;
+    let parsed: Vec<(u64, u64, &str, bool)> = maps
+        .lines()
+        .filter_map(|line| {
+            let mut fields = line.split_whitespace();
+            let (start, end) = fields.next()?.split_once('-')?;
+            let perms = fields.next()?;
+            let anonymous = fields.nth(2).is_some_and(|inode| inode == "0")
+                && line.split_whitespace().nth(5).is_none();
+            let start = u64::from_str_radix(start, 16).ok()?;
+            let end = u64::from_str_radix(end, 16).ok()?;
+            Some((start, end, perms, anonymous))
+        })
+        .collect();
+    let mut cached = 0;
+    for pair in parsed.windows(2) {
+        let [
+            (start_a, end_a, perms_a, anon_a),
+            (start_b, end_b, perms_b, anon_b),
+        ] = pair
+        else {
+            continue;
+        };
+        if !(*anon_a && *anon_b && end_a == start_b) {
+            continue;
+        }
+        let stack = *perms_a == "---p" && end_a - start_a == 4096 && *perms_b == "rw-p";
+        let arena = *perms_a == "rw-p"
+            && *perms_b == "---p"
+            && start_a % ARENA == 0
+            && end_b - start_a == ARENA;
+        if stack || arena {
+            cached += 2;
+        }
+    }
+    cached
+}
+
+#[test]
+fn thread_caches_are_told_from_other_mappings() {
+    let stack = "7feb951cb000-7feb951cc000 ---p 00000000 00:00 0 \n\
+                 7feb951cc000-7feb953cc000 rw-p 00000000 00:00 0 \n";
+    let arena = "7feb78000000-7feb78021000 rw-p 00000000 00:00 0 \n\
+                 7feb78021000-7feb7c000000 ---p 00000000 00:00 0 \n";
+    let memfd = "7feb95000000-7feb95100000 rw-s 00000000 00:01 1234 /memfd:peer (deleted)\n";
+    let lone = "7feb96000000-7feb96100000 rw-p 00000000 00:00 0 \n";
+    assert_eq!(caches(&format!("{stack}{arena}")), 4);
+    assert_eq!(
+        caches(&format!("{memfd}{lone}")),
+        0,
+        "a peer's memfd, an anonymous map"
+    );
+}
 
 // ------------------------------------------------------------------ framing
 
