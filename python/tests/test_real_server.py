@@ -156,6 +156,25 @@ def test_real_memfd_store_retrieve_lookup_round_trip(start_server, buffers) -> N
     worker.shutdown()
 
 
+def test_real_kv_events_start_with_what_is_held_then_follow_the_stores(
+    start_server, buffers
+) -> None:
+    server = start_server()
+    worker = make_worker(server, buffers)
+    buffers[0].view[0:4] = b"abcd"
+    assert worker.store(b"held-1", nbytes=4) is True
+    page = worker.kv_events()
+    assert page.resync, "a new reader starts over"
+    assert page.events == [(True, b"held-1")]
+    assert not page.more
+    assert worker.store(b"held-2", nbytes=4) is True
+    page = worker.kv_events(page.cursor)
+    assert (page.resync, page.events, page.more) == (False, [(True, b"held-2")], False)
+    # Caught up: nothing new, the same cursor works again.
+    assert worker.kv_events(page.cursor).events == []
+    worker.shutdown()
+
+
 def test_real_store_batch_then_retrieve_batch_moves_every_block(start_server, buffers) -> None:
     server = start_server()
     worker = make_worker(server, buffers)

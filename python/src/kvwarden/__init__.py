@@ -29,7 +29,7 @@ from .errors import (
     UntrustedServer,
 )
 from .heartbeat import Heartbeat, HeartbeatAction, PingReply, reap_timeout_floor_warning
-from .worker import Identity, Worker, default_socket_path, new_instance_id
+from .worker import Identity, KvEvents, Worker, default_socket_path, new_instance_id
 
 __all__ = [
     "BadArgs",
@@ -43,6 +43,7 @@ __all__ = [
     "HeartbeatAction",
     "Identity",
     "Internal",
+    "KvEvents",
     "KvwardenError",
     "MemfdBuffer",
     "NotReady",

@@ -119,6 +119,7 @@ def _adopt_vllm_logging() -> None:
     client.setLevel(source.getEffectiveLevel())
     client.propagate = False
 
+
 #: ``kv_connector_extra_config`` keys and their defaults.
 DEFAULTS: Dict[str, Any] = {
     # The server's Unix socket; None: the server's default (kvwarden.default_socket_path).

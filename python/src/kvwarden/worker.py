@@ -106,6 +106,18 @@ def new_instance_id() -> int:
     return uuid.uuid4().int & INSTANCE_ID_MAX
 
 
+class KvEvents(NamedTuple):
+    """A page of ``kv_events``: what entered (``True``) and left (``False``) L1 in the
+    worker's tenant, in order. With ``resync``, withdraw everything announced before
+    applying ``events`` (they begin with every key held now). Pass ``cursor`` to the
+    next call; call again at once while ``more``."""
+
+    cursor: bytes
+    resync: bool
+    events: List[Tuple[bool, bytes]]
+    more: bool
+
+
 class Identity(NamedTuple):
     """Who a worker is to the server: an instance id and the secret that proves it."""
 
@@ -452,6 +464,19 @@ class Worker:
             return 0
         self.outage.answered()
         return int(value)
+
+    def kv_events(self, cursor: bytes = b"", max_events: int = 1024) -> KvEvents:
+        """What entered and left L1 in this worker's tenant since ``cursor`` (empty: a
+        new reader, which starts with a resync): see ``kv_events`` in docs/protocol.md.
+        Raises on a transient failure: a reader keeps its cursor and asks again."""
+        value, _ = self._request("kv_events", [bytes(cursor), int(max_events)])
+        self.outage.answered()
+        return KvEvents(
+            cursor=bytes(value["cursor"]),
+            resync=bool(value["resync"]),
+            events=[(bool(stored), bytes(key)) for stored, key in value["events"]],
+            more=bool(value["more"]),
+        )
 
     # -- engine-driven transfers ----------------------------------------------------
 
