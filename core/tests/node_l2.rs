@@ -7,7 +7,9 @@ use kvwarden_core::InstanceId;
 use kvwarden_core::l2::{L2HealthConfig, L2State, WriteOutcome};
 use kvwarden_core::node::l2::{L2Fetched, L2NodeConfig, L2Presence, PROBE_KEY};
 use kvwarden_core::node::{Direction, Input, Note, ProcessKey};
-use kvwarden_core::protocol::{ErrorCode, Op, ProtocolError, RetrieveItem};
+use kvwarden_core::protocol::{
+    ErrorCode, KvEvents, KvTier, Op, ProtocolError, ReplyValue, RetrieveItem,
+};
 use rmpv::Value;
 use std::time::Duration;
 use support::harness::{Harness, node_key, ping, store};
@@ -733,4 +735,69 @@ fn row_64_reads_queued_behind_answers_are_waited_for_and_given_up_once_l2_stops(
     assert_eq!(h.l2_cancels(), vec![read]);
     h.l2_got(read, L2Fetched::TimedOut);
     assert_eq!(h.answer(request), Value::Nil);
+}
+
+/// `kv_events` from a new cursor until caught up: (stored, key, tier) in order.
+fn kv_events(h: &mut Harness, cursor: &mut Vec<u8>) -> Vec<(bool, Vec<u8>, KvTier)> {
+    let mut changes = Vec::new();
+    loop {
+        let request = h.send(Op::KvEvents {
+            cursor: cursor.clone(),
+            max: 8,
+        });
+        let page = KvEvents::from_value(&h.answer(request)).expect("a kv_events reply");
+        changes.extend(page.events.into_iter().map(|e| (e.stored, e.key, e.tier)));
+        *cursor = page.cursor;
+        if !page.more {
+            return changes;
+        }
+    }
+}
+
+#[test]
+fn row_74_an_l2_write_and_a_corrupt_value_deleted_are_told_as_l2_changes() {
+    let mut h = Harness::new(Some(l2_config(1 << 20)));
+    let worker = id(1);
+    h.registered(worker);
+    h.stored(worker, b"a");
+    let mut cursor = Vec::new();
+    assert_eq!(
+        kv_events(&mut h, &mut cursor),
+        vec![(true, b"a".to_vec(), KvTier::L1)],
+        "the snapshot: L1's keys"
+    );
+    let [(write, ..)] = h.l2_writes()[..] else {
+        panic!("one L2 write")
+    };
+    h.input(Input::L2Written {
+        write,
+        outcome: WriteOutcome::Written,
+    });
+    assert_eq!(
+        kv_events(&mut h, &mut cursor),
+        vec![(true, b"a".to_vec(), KvTier::L2)],
+        "L2 holds it too"
+    );
+    // Control: a write that failed is not told.
+    h.stored(worker, b"b");
+    let [(write, ..)] = h.l2_writes()[..] else {
+        panic!("one L2 write")
+    };
+    h.input(Input::L2Written {
+        write,
+        outcome: WriteOutcome::Failed,
+    });
+    assert_eq!(
+        kv_events(&mut h, &mut cursor),
+        vec![(true, b"b".to_vec(), KvTier::L1)]
+    );
+    // A read through L2 that finds the value corrupt: the shell deleted it.
+    let request = h.send(retrieve(worker, b"c", 50));
+    let read = h.l2_get();
+    h.l2_got(read, L2Fetched::Corrupt);
+    assert_eq!(h.answer(request), Value::Nil);
+    assert_eq!(
+        kv_events(&mut h, &mut cursor),
+        vec![(false, b"c".to_vec(), KvTier::L2)]
+    );
 }

@@ -14,7 +14,7 @@
 //! converges to what L1 holds.
 
 use super::l1::SlotTable;
-use crate::protocol::answer::{KvEvent, KvEvents};
+use crate::protocol::answer::{KvEvent, KvEvents, KvTier};
 use std::collections::{HashMap, VecDeque};
 
 /// Changes held at most.
@@ -35,6 +35,7 @@ struct Logged {
     /// The length of the tenant's prefix in `key`.
     prefix: usize,
     stored: bool,
+    tier: KvTier,
     /// The node key (the tenant's prefix, then the key).
     key: Vec<u8>,
 }
@@ -123,8 +124,8 @@ impl KvEventLog {
         self.ring.is_empty()
     }
 
-    /// Logs that node key `key` entered L1 (`stored`) or left it.
-    pub fn record(&mut self, key: &[u8], stored: bool) {
+    /// Logs that node key `key` entered `tier` (`stored`) or left it.
+    pub fn record(&mut self, key: &[u8], stored: bool, tier: KvTier) {
         let Some(prefix) = key.first().map(|&len| 1 + usize::from(len)) else {
             return;
         };
@@ -148,6 +149,7 @@ impl KvEventLog {
             seq: sequence.last,
             prefix,
             stored,
+            tier,
             key: key.to_vec(),
         });
         while self.ring.len() > MAX_EVENTS || self.bytes > MAX_BYTES {
@@ -196,6 +198,7 @@ impl KvEventLog {
             .map(|key| KvEvent {
                 stored: true,
                 key: key[prefix.len()..].to_vec(),
+                tier: KvTier::L1,
             })
             .collect();
         let scan = next.map_or(CHANGES, |slot| slot as u64);
@@ -228,6 +231,7 @@ impl KvEventLog {
                     events.push(KvEvent {
                         stored: logged.stored,
                         key: logged.key[logged.prefix..].to_vec(),
+                        tier: logged.tier,
                     });
                 }
             }
@@ -289,7 +293,7 @@ mod tests {
         };
         l1.commit(slot, 1);
         for (key, stored) in l1.take_changes() {
-            log.record(&key, stored);
+            log.record(&key, stored, KvTier::L1);
         }
     }
 
@@ -346,7 +350,7 @@ mod tests {
         // Another tenant's changes push a's out of the log: a resyncs, and its
         // snapshot holds both keys.
         for n in 0..MAX_EVENTS {
-            log.record(&scoped("b", &format!("{n}")), true);
+            log.record(&scoped("b", &format!("{n}")), true, KvTier::L1);
         }
         let (resync, changes) = read_all(&log, &l1, "a", &mut cursor);
         assert!(resync, "a's change was dropped unread");
@@ -366,13 +370,13 @@ mod tests {
         let mut log = KvEventLog::new(1);
         let long = "x".repeat(4000);
         for n in 0..(MAX_BYTES / 4000 + 10) {
-            log.record(&scoped("a", &format!("{n}{long}")), true);
+            log.record(&scoped("a", &format!("{n}{long}")), true, KvTier::L1);
         }
         assert!(log.bytes <= MAX_BYTES, "{} bytes", log.bytes);
         let mut cursor = Vec::new();
         read_all(&log, &l1, "a", &mut cursor);
         for n in 0..=MAX_TENANTS {
-            log.record(&scoped(&format!("t{n}"), "k"), true);
+            log.record(&scoped(&format!("t{n}"), "k"), true, KvTier::L2);
         }
         assert!(log.sequences.len() <= MAX_TENANTS);
         assert!(log.len() <= MAX_EVENTS);

@@ -450,7 +450,8 @@ impl Node {
         self.drain_effects();
         self.seal_committed();
         for (key, stored) in self.l1.take_changes() {
-            self.events.record(&key, stored);
+            self.events
+                .record(&key, stored, crate::protocol::KvTier::L1);
         }
         self.step_shutdown(now);
     }

@@ -407,14 +407,36 @@ impl ReplyValue for PinnedSlot {
     }
 }
 
-/// One change to what L1 holds for a tenant: `stored` (entered, served from now on)
-/// or removed (evicted), with the key as the tenant wrote it.
+/// Where a `kv_events` change happened.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum KvTier {
+    /// The node's L1 pool: `"l1"`.
+    L1,
+    /// The L2 tier (Redis): `"l2"`.
+    L2,
+}
+
+impl KvTier {
+    /// Its wire name.
+    pub fn name(self) -> &'static str {
+        match self {
+            KvTier::L1 => "l1",
+            KvTier::L2 => "l2",
+        }
+    }
+}
+
+/// One change to what a tier holds for a tenant: `stored` (entered, served from now on)
+/// or removed (evicted from L1; found corrupt and deleted in L2), with the key as the
+/// tenant wrote it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KvEvent {
-    /// Entered L1 (true) or left it (false).
+    /// Entered the tier (true) or left it (false).
     pub stored: bool,
     /// The key.
     pub key: Vec<u8>,
+    /// Which tier.
+    pub tier: KvTier,
 }
 
 /// `kv_events`: the changes since the cursor asked with, in order. With `resync`, the
@@ -442,6 +464,7 @@ impl ReplyValue for KvEvents {
                 Value::Array(vec![
                     Value::Boolean(event.stored),
                     Value::Binary(event.key.clone()),
+                    event.tier.name().into(),
                 ])
             })
             .collect();
@@ -459,9 +482,14 @@ impl ReplyValue for KvEvents {
             .as_array()?
             .iter()
             .map(|event| match event.as_array()?.as_slice() {
-                [Value::Boolean(stored), Value::Binary(key)] => Some(KvEvent {
+                [Value::Boolean(stored), Value::Binary(key), tier] => Some(KvEvent {
                     stored: *stored,
                     key: key.clone(),
+                    tier: match tier.as_str()? {
+                        "l1" => KvTier::L1,
+                        "l2" => KvTier::L2,
+                        _ => return None,
+                    },
                 }),
                 _ => None,
             })
@@ -555,10 +583,12 @@ mod tests {
                     KvEvent {
                         stored: true,
                         key: b"a".to_vec(),
+                        tier: KvTier::L1,
                     },
                     KvEvent {
                         stored: false,
                         key: vec![],
+                        tier: KvTier::L2,
                     },
                 ],
                 more: false,

@@ -21,8 +21,8 @@ mod tests;
 mod wire_args;
 
 pub use answer::{
-    Answer, Attached, Challenge, HelloReply, KvEvent, KvEvents, Outcome, PinnedSlot, PoolGeometry,
-    Registered, ReplyShape, ReplyValue, ReservedSlot,
+    Answer, Attached, Challenge, HelloReply, KvEvent, KvEvents, KvTier, Outcome, PinnedSlot,
+    PoolGeometry, Registered, ReplyShape, ReplyValue, ReservedSlot,
 };
 pub use contract::{
     MAX_BATCH_ITEMS, MAX_DEPTH, MAX_KEY_BYTES, MAX_KV_EVENTS, MAX_TEXT_BYTES, OP_COUNT, OP_NAMES,

@@ -107,14 +107,15 @@ def new_instance_id() -> int:
 
 
 class KvEvents(NamedTuple):
-    """A page of ``kv_events``: what entered (``True``) and left (``False``) L1 in the
-    worker's tenant, in order. With ``resync``, withdraw everything announced before
-    applying ``events`` (they begin with every key held now). Pass ``cursor`` to the
-    next call; call again at once while ``more``."""
+    """A page of ``kv_events``: what entered (``True``) and left (``False``) a tier
+    (``"l1"`` or ``"l2"``) in the worker's tenant, in order, as ``(stored, key, tier)``.
+    With ``resync``, withdraw everything announced before applying ``events`` (they
+    begin with every key L1 holds now). Pass ``cursor`` to the next call; call again at
+    once while ``more``."""
 
     cursor: bytes
     resync: bool
-    events: List[Tuple[bool, bytes]]
+    events: List[Tuple[bool, bytes, str]]
     more: bool
 
 
@@ -474,7 +475,7 @@ class Worker:
         return KvEvents(
             cursor=bytes(value["cursor"]),
             resync=bool(value["resync"]),
-            events=[(bool(stored), bytes(key)) for stored, key in value["events"]],
+            events=[(bool(stored), bytes(key), str(tier)) for stored, key, tier in value["events"]],
             more=bool(value["more"]),
         )
 

@@ -369,6 +369,12 @@ impl Node {
         tier.queue.complete(bytes);
         tier.counters.record_write(outcome);
         tier.answered(now, outcome.op_result());
+        if outcome == WriteOutcome::Written
+            && let Some(key) = self.l1.committed_key(slot)
+        {
+            // The node key is the L2 key: L2 holds it now.
+            self.events.record(key, true, crate::protocol::KvTier::L2);
+        }
         self.l1.unpin(slot);
         self.l2_record(now, outcome.op_result());
     }

@@ -169,6 +169,11 @@ impl Node {
         };
         // Late or not, an answer from L2 shows it alive to the reads queued behind it.
         tier.answered(now, fetched.outcome().op_result());
+        if fetched == L2Fetched::Corrupt {
+            // The shell deletes a corrupt value: L2 no longer holds the key.
+            self.events
+                .record(&pending.key, false, crate::protocol::KvTier::L2);
+        }
         let fetched = match fetched {
             L2Fetched::Corrupt if serve_corrupt => L2Fetched::Hit { nbytes: slot_bytes },
             // Delivered where no delivery was asked: only the slot counts.
