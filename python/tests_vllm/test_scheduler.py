@@ -17,6 +17,7 @@ from vllm import SamplingParams
 from vllm.config import (
     CacheConfig,
     DeviceConfig,
+    KVEventsConfig,
     KVTransferConfig,
     LoadConfig,
     ModelConfig,
@@ -36,7 +37,9 @@ NUM_BLOCKS = 100
 PROMPT = [(i * 7) % 1000 + 3 for i in range(300)]  # 9 full blocks and 12 tokens
 
 
-def make_scheduler(model_dir: str, socket_path: str, step_tokens: int = 4096) -> Scheduler:
+def make_scheduler(
+    model_dir: str, socket_path: str, step_tokens: int = 4096, kv_events: bool = False
+) -> Scheduler:
     config = VllmConfig(
         model_config=ModelConfig(
             model=model_dir,
@@ -57,8 +60,13 @@ def make_scheduler(model_dir: str, socket_path: str, step_tokens: int = 4096) ->
         load_config=LoadConfig(load_format="dummy"),
         device_config=DeviceConfig("cpu"),
         kv_transfer_config=KVTransferConfig(
-            **kv_transfer_config(socket_path, kvwarden_request_timeout_seconds=1.0)
+            **kv_transfer_config(
+                socket_path,
+                kvwarden_request_timeout_seconds=1.0,
+                kvwarden_events_interval_seconds=0.0,
+            )
         ),
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=kv_events, publisher="null"),
     )
     config.cache_config.num_gpu_blocks = NUM_BLOCKS
     heads = MODEL_CONFIG["num_key_value_heads"]
@@ -465,3 +473,60 @@ def test_the_connectors_counts_reach_vllms_stats_and_prometheus(model_dir, serve
     assert registry.get_sample_value("vllm:kvwarden_blocks_loaded_total", labels) == 5
     assert registry.get_sample_value("vllm:kvwarden_lookups_total", labels) == 1
     assert registry.get_sample_value("vllm:kvwarden_saves_dropped_total", labels) == 0
+
+
+def hashed_request(request_id: str, tokens: List[int]) -> Request:
+    """A request with vLLM's block hashes, as the engine makes it."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    return Request(
+        request_id,
+        tokens,
+        SamplingParams(max_tokens=1, temperature=0),
+        None,
+        block_hasher=get_request_block_hasher(BLOCK_SIZE, hash_fn),
+    )
+
+
+def test_blocks_kvwarden_holds_are_announced_in_vllms_kv_events_and_withdrawn_on_restart(
+    model_dir, server
+):
+    """Issue 42: the scheduler's KV events carry the blocks every rank of this engine
+    holds in kvwarden (vLLM's hash, parent and tokens), and a server restart withdraws
+    them. Control: with KV events off nothing is announced."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    off = make_scheduler(model_dir, server.socket_path)
+    assert off.connector.take_events() == [], "KV events off: nothing announced"
+
+    scheduler = make_scheduler(model_dir, server.socket_path, kv_events=True)
+    keys, rank0 = server_keys(scheduler, PROMPT, 4)
+    store_blocks(server.socket_path, rank0)
+    request = hashed_request("r1", PROMPT)
+    scheduler.add_request(request)
+    scheduler.schedule()  # the lookup: the connector learns the prompt's blocks
+    events = scheduler.connector.take_events()
+    assert all(isinstance(e, BlockStored) for e in events), events
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    # As vLLM announces its own blocks (ints by default: VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES).
+    hashes = [maybe_convert_block_hash(h) for h in request.block_hashes[:4]]
+    assert [e.block_hashes[0] for e in events] == hashes, "the 4 blocks held, in order"
+    assert events[0].parent_block_hash is None
+    assert [e.parent_block_hash for e in events[1:]] == hashes[:3]
+    assert events[1].token_ids == PROMPT[BLOCK_SIZE : 2 * BLOCK_SIZE]
+    assert {(e.medium, e.ownership, e.block_size) for e in events} == {
+        ("CPU", "kvwarden", BLOCK_SIZE)
+    }
+    assert scheduler.connector.take_events() == [], "told once"
+
+    # The server restarts: unreachable for a moment, so every announced block is
+    # withdrawn (the new server holds nothing of them either).
+    server.restart()
+    withdrawn = scheduler.connector.take_events()
+    assert all(isinstance(e, BlockRemoved) for e in withdrawn), withdrawn
+    assert sorted(e.block_hashes[0] for e in withdrawn) == sorted(hashes)
+    assert scheduler.connector._announcer.announced() == 0

@@ -58,7 +58,14 @@ this worker, lookups report no hits and saves are skipped; a failed load is reco
 costs a load at most one request timeout, and the forward path nothing. An outage is
 logged once when it starts and once when it ends, with a reminder a minute in between.
 What the connector did shows in vLLM's stats and ``/metrics``
-(``vllm:kvwarden_*_total``, :mod:`kvwarden.vllm_metrics`). See ``docs/vllm.md``.
+(``vllm:kvwarden_*_total``, :mod:`kvwarden.vllm_metrics`).
+
+With vLLM's KV events on (``--kv-events-config '{"enable_kv_cache_events": true, ...}'``)
+the scheduler side also announces, in the engine's own event stream, the blocks it can
+load from kvwarden (``BlockStored``/``BlockRemoved`` with medium ``CPU`` and ownership
+``kvwarden``): it reads the server's ``kv_events`` (one reader per engine) and
+announces a block once every rank's shard is held, withdrawing it as soon as one is
+not (:mod:`kvwarden.kv_announce`). See ``docs/vllm.md``.
 """
 
 from __future__ import annotations
@@ -89,6 +96,7 @@ except ModuleNotFoundError as missing:
     ) from missing
 
 from . import prefix
+from .kv_announce import Announcer, BlockMeta
 from .kv_routes import BlockMoves, CpuRoute, GpuRoute, Route
 from .kv_tensors import block_dim
 from .lanes import Lane
@@ -136,6 +144,9 @@ DEFAULTS: Dict[str, Any] = {
     "kvwarden_save_queue_blocks": 256,
     # The worker's heartbeat (keep 3 × it within the server's reap timeout).
     "kvwarden_heartbeat_interval_seconds": 10.0,
+    # With vLLM's KV events on: how often the scheduler reads the server's kv_events to
+    # announce kvwarden's blocks (at most; one short request on the scheduler thread).
+    "kvwarden_events_interval_seconds": 0.1,
 }
 
 #: vLLM's extra keys of a block (None where this vLLM has no such function).
@@ -143,6 +154,16 @@ try:
     from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 except ImportError:  # pragma: no cover - a vLLM without it has no extra keys to follow
     generate_block_hash_extra_keys = None
+
+#: vLLM's KV events (None where this vLLM has none: nothing is announced).
+try:
+    from vllm.distributed.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+except ImportError:  # pragma: no cover - a vLLM without KV events
+    BlockStored = None
+
+#: What kvwarden's announcements say owns the blocks.
+OWNERSHIP = "kvwarden"
 
 
 @dataclass
@@ -235,6 +256,9 @@ class KvwardenConnector(KVConnectorBase_V1):
             # report the saves done (request_finished → True).
             self._saving: Set[str] = set()
             self._extra_keys_failed = False
+            self._announcer = self._make_announcer(vllm_config)
+            self._events_interval = float(extra["kvwarden_events_interval_seconds"])
+            self._events_read_at = 0.0
             policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
             if policy != "recompute":
                 # A kvwarden miss must never fail a request: vLLM recomputes instead.
@@ -335,8 +359,11 @@ class KvwardenConnector(KVConnectorBase_V1):
         two tenants' (or adapters', or images') blocks could share a key."""
         blocks = len(prompt) // self._block_size
         if generate_block_hash_extra_keys is None or not blocks:
-            return prefix.chain_keys(self._root, prompt, self._block_size)
+            keys = prefix.chain_keys(self._root, prompt, self._block_size)
+            self._learn(request, prompt, keys, [None] * len(keys))
+            return keys
         extras: List[Optional[bytes]] = []
+        raw_extras: List[Any] = []
         mm_index = 0
         try:
             for block in range(blocks):
@@ -344,6 +371,7 @@ class KvwardenConnector(KVConnectorBase_V1):
                 keys, mm_index = generate_block_hash_extra_keys(
                     request, start, start + self._block_size, mm_index
                 )
+                raw_extras.append(keys)
                 extras.append(prefix.encode_extra_keys(keys) if keys else None)
         except Exception:
             if not self._extra_keys_failed:
@@ -354,7 +382,75 @@ class KvwardenConnector(KVConnectorBase_V1):
                     request.request_id,
                 )
             return []
-        return prefix.chain_keys(self._root, prompt, self._block_size, extras)
+        chain = prefix.chain_keys(self._root, prompt, self._block_size, extras)
+        self._learn(request, prompt, chain, raw_extras)
+        return chain
+
+    # -- announcing kvwarden's blocks in vLLM's KV events (kvwarden.kv_announce) -----
+
+    def _make_announcer(self, vllm_config: "VllmConfig") -> Optional[Announcer]:
+        """An announcer when vLLM publishes KV events, else None."""
+        events = getattr(vllm_config, "kv_events_config", None)
+        if BlockStored is None or events is None or not events.enable_kv_cache_events:
+            return None
+        block_size = self._block_size
+
+        def stored(meta: BlockMeta) -> Any:
+            return BlockStored(
+                block_hashes=[meta.block_hash],
+                parent_block_hash=meta.parent_hash,
+                token_ids=meta.token_ids,
+                block_size=block_size,
+                lora_id=None,
+                medium=MEDIUM_CPU,
+                lora_name=None,
+                extra_keys=[meta.extra_keys],
+                ownership=OWNERSHIP,
+            )
+
+        def removed(block_hash: Any) -> Any:
+            return BlockRemoved(block_hashes=[block_hash], medium=MEDIUM_CPU, ownership=OWNERSHIP)
+
+        return Announcer(self._shards, prefix.rank_key, stored, removed)
+
+    def _learn(
+        self, request: "Request", prompt: List[int], keys: List[bytes], extras: List[Any]
+    ) -> None:
+        """Tells the announcer which block each key is (vLLM's hash, parent, tokens)."""
+        hashes = list(getattr(request, "block_hashes", None) or ())
+        if self._announcer is None or getattr(request, "lora_request", None) is not None:
+            return  # (an adapter's blocks: their events would need its name; not announced)
+        size = self._block_size
+        parent = None
+        for i, key in enumerate(keys[: len(hashes)]):
+            block_hash = maybe_convert_block_hash(hashes[i])
+            extra = tuple(extras[i]) if i < len(extras) and extras[i] else None
+            tokens = list(prompt[i * size : (i + 1) * size])
+            self._announcer.learn(key, BlockMeta(block_hash, parent, tokens, extra))
+            parent = block_hash
+
+    def take_events(self) -> List[Any]:
+        """The announcements since the last step: reads the server's ``kv_events`` (at
+        most every ``kvwarden_events_interval_seconds``, a few pages a step; nothing
+        while the server is unreachable)."""
+        announcer = self._announcer
+        if announcer is None:
+            return []
+        now = time.monotonic()
+        if now - self._events_read_at >= self._events_interval and self._backoff.open():
+            self._events_read_at = now
+            worker = self._client()
+            try:
+                for _ in range(4):
+                    page = worker.kv_events(announcer.cursor)
+                    announcer.apply(page.cursor, page.resync, page.events)
+                    if not page.more:
+                        break
+            except Exception as error:  # unreachable: nothing is loadable from it now
+                worker.outage.failed("kv_events (withdrawing kvwarden's blocks)", error)
+                self._backoff.failed()
+                announcer.withdraw_all()
+        return announcer.take()
 
     def update_state_after_alloc(
         self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int

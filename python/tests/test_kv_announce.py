@@ -1,0 +1,100 @@
+"""The announcer's rules (issue 42), without an engine: a block is announced once every
+shard is held and its metadata is known, withdrawn as soon as one shard is not, and a
+resync withdraws everything before it applies the snapshot."""
+
+from __future__ import annotations
+
+from typing import Any, List, Tuple
+
+from kvwarden import kv_announce
+from kvwarden.kv_announce import Announcer, BlockMeta
+
+
+def rank_key(chain_key: bytes, rank: int) -> bytes:
+    return chain_key + b"/" + bytes([rank])
+
+
+def make(shards: int = 2) -> Announcer:
+    return Announcer(
+        shards,
+        rank_key,
+        stored=lambda meta: ("stored", meta.block_hash, meta.parent_hash, tuple(meta.token_ids)),
+        removed=lambda block_hash: ("removed", block_hash),
+    )
+
+
+def meta(n: int) -> BlockMeta:
+    return BlockMeta(
+        block_hash=f"h{n}",
+        parent_hash=f"h{n - 1}" if n else None,
+        token_ids=[n, n],
+        extra_keys=None,
+    )
+
+
+def shard(n: int, rank: int, stored: bool = True, tier: str = "l1") -> Tuple[bool, bytes, str]:
+    return (stored, rank_key(f"k{n}".encode(), rank), tier)
+
+
+def test_a_block_is_announced_once_every_shard_is_held_and_withdrawn_when_one_is_not() -> None:
+    a = make()
+    a.learn(b"k0", meta(0))
+    a.apply(b"c1", False, [shard(0, 0)])
+    assert a.take() == [], "one of two shards: not loadable yet"
+    a.apply(b"c2", False, [shard(0, 1)])
+    assert a.take() == [("stored", "h0", None, (0, 0))]
+    assert a.cursor == b"c2"
+    # Held in L2 too: rank 1 leaving L1 leaves it loadable.
+    a.apply(b"c3", False, [shard(0, 1, tier="l2"), shard(0, 1, stored=False)])
+    assert a.take() == []
+    a.apply(b"c4", False, [shard(0, 0, stored=False)])
+    assert a.take() == [("removed", "h0")]
+    assert a.announced() == 0
+
+
+def test_shards_held_before_their_block_is_known_are_announced_when_it_is() -> None:
+    a = make()
+    a.apply(b"c", False, [shard(1, 0), shard(1, 1), shard(2, 0)])
+    assert a.take() == [], "nothing known of these blocks yet"
+    a.learn(b"k1", meta(1))
+    a.learn(b"k2", meta(2))
+    assert a.take() == [("stored", "h1", "h0", (1, 1))], "k2 lacks a shard"
+
+
+def test_a_resync_withdraws_everything_then_applies_the_snapshot() -> None:
+    a = make(shards=1)
+    for n in range(3):
+        a.learn(f"k{n}".encode(), meta(n))
+    a.apply(b"c", False, [shard(n, 0) for n in range(3)])
+    assert len(a.take()) == 3
+    a.apply(b"d", True, [shard(1, 0)])
+    assert a.take() == [
+        ("removed", "h0"),
+        ("removed", "h1"),
+        ("removed", "h2"),
+        ("stored", "h1", "h0", (1, 1)),
+    ]
+    assert a.announced() == 1
+
+
+def test_an_unreachable_server_withdraws_everything_and_the_next_read_starts_over() -> None:
+    a = make(shards=1)
+    a.learn(b"k0", meta(0))
+    a.apply(b"c", False, [shard(0, 0)])
+    assert a.take() == [("stored", "h0", None, (0, 0))]
+    a.withdraw_all()
+    assert a.take() == [("removed", "h0")]
+    assert a.cursor == b"", "the next read is a new reader's"
+
+
+def test_a_block_whose_metadata_is_forgotten_is_withdrawn(monkeypatch) -> None:
+    monkeypatch.setattr(kv_announce, "MAX_BLOCKS", 2)
+    a = make(shards=1)
+    a.learn(b"k0", meta(0))
+    a.apply(b"c", False, [shard(0, 0)])
+    assert a.take() == [("stored", "h0", None, (0, 0))]
+    a.learn(b"k1", meta(1))
+    a.learn(b"k2", meta(2))  # k0 is the oldest: forgotten, so withdrawn
+    events: List[Any] = a.take()
+    assert events == [("removed", "h0")]
+    assert a.announced() == 0
