@@ -118,10 +118,16 @@ def kv_transfer_config(socket_path, **extra):
     }
 
 
-def make_llm(model_dir, socket_path=None, lora=False, **extra):
+def make_llm(model_dir, socket_path=None, lora=False, kv_events_endpoint=None, **extra):
     from vllm import LLM
 
     kwargs = {}
+    if kv_events_endpoint is not None:
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=kv_events_endpoint
+        )
     if socket_path:
         kwargs["kv_transfer_config"] = kv_transfer_config(socket_path, **extra)
     if lora:
@@ -197,9 +203,7 @@ class StepLog:
         def schedule(*args, **kwargs):
             out = original(*args, **kwargs)
             waiting = sorted(
-                r.request_id
-                for r in scheduler.requests.values()
-                if r.status == self.waiting_status
+                r.request_id for r in scheduler.requests.values() if r.status == self.waiting_status
             )
             ran = sorted(out.num_scheduled_tokens)
             self.steps.append({"ran": ran, "waiting_for_load": waiting})
@@ -228,7 +232,8 @@ def main():
     out = sys.stdout
     sys.stdout = sys.stderr  # vLLM's prints must not mix with the result lines
     lora = bool(extra.pop("lora", False))
-    llm = make_llm(model_dir, socket_path, lora=lora, **extra)
+    events = extra.pop("kv_events_endpoint", None)
+    llm = make_llm(model_dir, socket_path, lora=lora, kv_events_endpoint=events, **extra)
     scheduler, worker = connectors(llm)
     core_scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     step_log = StepLog(core_scheduler)

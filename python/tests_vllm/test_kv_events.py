@@ -1,0 +1,143 @@
+"""Issue 42 (failure mode 74) with a real engine: vLLM publishes its KV events over
+ZMQ with the kvwarden connector, a subscriber decodes them with vLLM's own msgspec
+classes (as llm-d's indexer does), and the blocks it sees announced on medium ``CPU``
+are exactly those kvwarden can serve the engine; a server that goes away has them
+withdrawn."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Dict, Iterator, List, Set
+
+import pytest
+from conftest import RealServer
+from engine import Engine
+from engine_child import BLOCK_SIZE
+from test_engine import FAST, A, B, D, wait_until
+
+from kvwarden import Worker, prefix
+
+
+class Subscriber:
+    """A ZMQ SUB on the engine's stream; ``held`` is the (hash, medium) set announced."""
+
+    def __init__(self, endpoint: str) -> None:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self._zmq = zmq
+        self._socket = zmq.Context.instance().socket(zmq.SUB)
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self._socket.connect(endpoint)
+        self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self.held: Set = set()
+        #: Each announced block's parent and tokens.
+        self.blocks: Dict = {}
+
+    def drain(self) -> None:
+        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+        while self._socket.poll(0):
+            _topic, _seq, payload = self._socket.recv_multipart()
+            for event in self._decoder.decode(payload).events:
+                if isinstance(event, BlockStored):
+                    self.held.update((h, event.medium) for h in event.block_hashes)
+                    parent = event.parent_block_hash
+                    for h in event.block_hashes:
+                        self.blocks[h] = (parent, list(event.token_ids))
+                        parent = h
+                elif isinstance(event, BlockRemoved):
+                    self.held.difference_update((h, event.medium) for h in event.block_hashes)
+                elif isinstance(event, AllBlocksCleared):
+                    self.held.clear()
+
+    def tokens(self, block_hash) -> List[int]:
+        """The prompt prefix a block ends, from the announced parents and tokens."""
+        chain = []
+        while block_hash is not None:
+            parent, tokens = self.blocks[block_hash]
+            chain.append(tokens)
+            block_hash = parent
+        return [t for tokens in reversed(chain) for t in tokens]
+
+    def close(self) -> None:
+        self._socket.close(0)
+
+
+@pytest.fixture
+def events_engine(model: str, module_tmp: str, short_tmp: str) -> Iterator:
+    """A server of its own, an engine publishing its KV events to an ipc endpoint, and
+    a subscriber (joined before the first block is stored)."""
+    from conftest import find_binary
+
+    server = RealServer(
+        find_binary(),
+        os.path.join(short_tmp, "events.sock"),
+        os.path.join(short_tmp, "events-server.log"),
+        reap_timeout_seconds=60.0,
+        registration_grace_seconds=120.0,
+    )
+    server.start()
+    endpoint = f"ipc://{short_tmp}/kv-events"
+    engine = Engine(
+        model,
+        os.path.join(module_tmp, "events-engine.log"),
+        server.socket_path,
+        kv_events_endpoint=endpoint,
+        kvwarden_events_interval_seconds=0.0,
+        **FAST,
+    )
+    subscriber = Subscriber(endpoint)
+    try:
+        yield server, engine, subscriber
+    finally:
+        subscriber.close()
+        engine.close()
+        server.stop()
+
+
+def loadable(socket_path: str, engine: Engine, prompt) -> int:
+    """How many leading blocks of ``prompt`` kvwarden serves the engine (rank 0)."""
+    keys = prefix.chain_keys(bytes.fromhex(engine.ready["root"]), prompt, BLOCK_SIZE)
+    with Worker(socket_path) as worker:
+        return worker.lookup([prefix.rank_key(k, 0) for k in keys])
+
+
+def test_the_blocks_a_subscriber_sees_on_cpu_are_those_kvwarden_serves(events_engine) -> None:
+    server, engine, subscriber = events_engine
+    time.sleep(0.5)  # the SUB's connect completes before the first event (ZMQ slow joiner)
+    engine.generate([A], max_tokens=8)
+    # The engine steps again (another prompt): its scheduler reads kv_events and
+    # announces A's blocks, saved after A's last step.
+    served = loadable(server.socket_path, engine, A)
+    assert served == 9, "A's 9 full blocks are stored"
+
+    def announced() -> bool:
+        engine.generate([B], max_tokens=2)
+        subscriber.drain()
+        return len({h for h, m in subscriber.held if m == "CPU"}) >= served
+
+    wait_until(announced, "A's blocks announced on medium CPU", timeout=60.0)
+    cpu = {h for h, medium in subscriber.held if medium == "CPU"}
+    # Every block announced is one kvwarden serves the engine, with every block before
+    # it (its prefix, rebuilt from the announced parents and tokens)...
+    for block_hash in cpu:
+        tokens = subscriber.tokens(block_hash)
+        blocks = len(tokens) // BLOCK_SIZE
+        assert loadable(server.socket_path, engine, tokens) == blocks, "announced, not served"
+    # ...and every block of A it serves is announced.
+    announced_prefixes = {tuple(subscriber.tokens(h)) for h in cpu}
+    for n in range(1, served + 1):
+        assert tuple(A[: n * BLOCK_SIZE]) in announced_prefixes, f"A's block {n} not announced"
+
+    # The server goes away: the engine's next steps withdraw every CPU block.
+    server.stop()
+
+    def withdrawn() -> bool:
+        engine.generate([D], max_tokens=2)
+        subscriber.drain()
+        return not any(m == "CPU" for _, m in subscriber.held)
+
+    wait_until(withdrawn, "every kvwarden block withdrawn", timeout=60.0)
