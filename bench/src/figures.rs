@@ -1,5 +1,5 @@
 //! `kvwarden-bench <figure>` (and `kvwarden bench <figure>`): the server figures S1–S7,
-//! W1 and R5 of `docs/targets.md`, one a line on stdout; progress on stderr.
+//! W1, E1 and R5 of `docs/targets.md`, one a line on stdout; progress on stderr.
 
 use crate as bench;
 use std::process::ExitCode;
@@ -60,6 +60,11 @@ enum Figure {
     /// pool adopted, the adoption rate over a sequential read of the pool file (target
     /// >= 0.5 x).
     Restart(bench::restart::RestartArgs),
+    /// E1: KV events at store load: the changes a kv_events reader gets per second, the
+    /// server's CPU with the reader over without it (target <= 1.02 x), the lag from a
+    /// store to its change at the reader (target p99 <= 100 ms), what one change costs
+    /// the log, and how long a reader takes to know the server is gone (target <= 1 s).
+    Events(bench::events::EventsArgs),
 }
 
 /// Runs one figure; exit 0 when it was measured (whether or not it meets its target).
@@ -77,6 +82,7 @@ pub fn run(args: BenchArgs) -> ExitCode {
         Figure::L2(args) => bench::l2::run(args),
         Figure::Floods(args) => bench::floods::run(args),
         Figure::Restart(args) => bench::restart::run(args),
+        Figure::Events(args) => bench::events::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -14,6 +14,7 @@
 pub mod batch;
 pub mod connections;
 pub mod copy;
+pub mod events;
 mod figures;
 pub mod floods;
 pub mod kill;

@@ -255,3 +255,18 @@ fn bench_restart_prints_what_a_restarted_server_adopts() {
         "{stdout}"
     );
 }
+
+#[test]
+fn bench_events_prints_what_kv_events_cost_and_how_late_they_come() {
+    bench(
+        &["events", "--smoke"],
+        &[
+            "E1 changes_per_second",
+            "E1 server_cpu_with_reader_over_without",
+            "E1 store_to_change_p50",
+            "E1 store_to_change_p99",
+            "E1 record_share_of_a_store",
+            "E1 server_gone_known_after",
+        ],
+    );
+}
