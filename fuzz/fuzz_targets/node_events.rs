@@ -11,15 +11,17 @@
 //! comes; each L2 write and read is asked once.
 #![no_main]
 
-use kvwarden_core::node::{Job, BlendChange, PeerAction, L2Request};
 use arbitrary::Arbitrary;
 use kvwarden_core::l2::{L2HealthConfig, WriteOutcome};
 use kvwarden_core::node::l2::{L2Fetched, L2NodeConfig, L2Presence, L2ReadId, L2WriteId};
+use kvwarden_core::node::{BlendChange, Job, L2Request, PeerAction};
 use kvwarden_core::node::{
     Built, ConnId, ContextId, CopyId, DeathNotice, FreeId, Input, Node, NodeConfig, Output,
     ProcessKey, Scanned, Transport,
 };
-use kvwarden_core::protocol::{BufferSpec, ErrorCode, Op, ProtocolError, RopeSpec, decode_request};
+use kvwarden_core::protocol::{
+    Answer, BufferSpec, ErrorCode, Op, ProtocolError, RopeSpec, decode_request,
+};
 use kvwarden_core::{Config, InstanceId, Instant};
 use libfuzzer_sys::fuzz_target;
 use std::collections::{BTreeMap, BTreeSet};
@@ -103,6 +105,7 @@ enum TypedOp {
     Blend,
     Lookup,
     Attach,
+    KvEvents,
 }
 
 fn instance(raw: u8) -> InstanceId {
@@ -167,6 +170,11 @@ fn typed(op: &TypedOp, instance: InstanceId, key: u8, n: u16) -> Op {
             instance,
             secret: vec![b'k' ^ (n % 3) as u8; 32],
         },
+        // A new reader, or a cursor of bytes the node never gave (a resync either way).
+        TypedOp::KvEvents => Op::KvEvents {
+            cursor: vec![(n % 7) as u8; usize::from(n % 3 == 0) * 32],
+            max: n % 5,
+        },
     }
 }
 
@@ -212,9 +220,26 @@ impl Ledger {
             }
             match output {
                 Output::Reply {
-                    conn, request_id, ..
+                    conn,
+                    request_id,
+                    result,
+                    ..
+                } => {
+                    if let Ok(Answer::Events(page)) = &result {
+                        // Only keys as a tenant wrote them (one byte: stored, 0..8, or
+                        // adopted, 'a'..='d'), never with a tenant's prefix.
+                        assert!(
+                            page.events.iter().all(|e| e.key.len() == 1
+                                && (e.key[0] < 8 || (b'a'..=b'd').contains(&e.key[0]))),
+                            "kv_events told a key that was never stored: {page:?}"
+                        );
+                    }
+                    assert!(
+                        self.answered.insert((conn, request_id)),
+                        "request {request_id} answered twice"
+                    );
                 }
-                | Output::ReplyStatus { conn, request_id } => {
+                Output::ReplyStatus { conn, request_id } => {
                     assert!(
                         self.answered.insert((conn, request_id)),
                         "request {request_id} answered twice"
@@ -492,12 +517,10 @@ fuzz_target!(|input: (bool, u8, Vec<Step>)| {
             Step::Exit(process) => Some(Input::ProcessExited {
                 process: ProcessKey(u64::from(process % 4)),
             }),
-            Step::SealDone(which) => {
-                pick(&mut ledger.seals, which).map(|slot| Input::Sealed {
-                    slot,
-                    written: which % 2 == 0,
-                })
-            }
+            Step::SealDone(which) => pick(&mut ledger.seals, which).map(|slot| Input::Sealed {
+                slot,
+                written: which % 2 == 0,
+            }),
             Step::ScanDone { which, findings } => {
                 pick(&mut ledger.scans, which).map(|(first, count)| Input::Scanned {
                     first,
@@ -506,8 +529,9 @@ fuzz_target!(|input: (bool, u8, Vec<Step>)| {
                             0 => Scanned::Blank,
                             1 | 2 => Scanned::Sealed {
                                 key: kvwarden_core::node::trust::scoped_key(
-                                    ["uid-0", "uid-1", "uid-2", "uid-x"]
-                                        [usize::from(findings.get(i).copied().unwrap_or(0) / 5 % 4)],
+                                    ["uid-0", "uid-1", "uid-2", "uid-x"][usize::from(
+                                        findings.get(i).copied().unwrap_or(0) / 5 % 4,
+                                    )],
                                     &[b'a' + findings.get(i).copied().unwrap_or(0) % 4],
                                 ),
                                 len: u64::from(findings.get(i).copied().unwrap_or(0)) * 16,

@@ -31,7 +31,10 @@ const MAX_BYTES: u64 = 1 << 30;
 enum Kind {
     /// A memfd; `sealable`: created with `MFD_ALLOW_SEALING`; `seals`: bits of
     /// SHRINK, GROW, WRITE, SEAL added before it is sent.
-    Memfd { sealable: bool, seals: u8 },
+    Memfd {
+        sealable: bool,
+        seals: u8,
+    },
     Pipe,
     Socket,
     DevNull,
@@ -112,9 +115,7 @@ fn make(buffer: &Buffer) -> Option<OwnedFd> {
             .0
         }
         Kind::DevNull => std::fs::File::open("/dev/null").ok()?.into(),
-        Kind::EventFd => {
-            rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC).ok()?
-        }
+        Kind::EventFd => rustix::event::eventfd(0, rustix::event::EventfdFlags::CLOEXEC).ok()?,
         Kind::Directory => std::fs::File::open("/").ok()?.into(),
     };
     Some(fd)
@@ -122,7 +123,11 @@ fn make(buffer: &Buffer) -> Option<OwnedFd> {
 
 fuzz_target!(|case: Case| {
     let buffers: Vec<&Buffer> = case.buffers.iter().take(8).collect();
-    let Some(ours) = buffers.iter().map(|b| make(b)).collect::<Option<Vec<OwnedFd>>>() else {
+    let Some(ours) = buffers
+        .iter()
+        .map(|b| make(b))
+        .collect::<Option<Vec<OwnedFd>>>()
+    else {
         return;
     };
     // Through a real socket pair and the shell's connection, as a worker sends them.
@@ -154,10 +159,7 @@ fuzz_target!(|case: Case| {
         .unwrap()
         .expect("the frame");
     assert_eq!(got.fds.len(), ours.len(), "every fd arrives with its frame");
-    let claims: Vec<u64> = buffers
-        .iter()
-        .map(|b| scaled(b.claimed, b.scale))
-        .collect();
+    let claims: Vec<u64> = buffers.iter().map(|b| scaled(b.claimed, b.scale)).collect();
     let request = BuildRequest {
         buffers: got
             .fds
@@ -193,9 +195,15 @@ fuzz_target!(|case: Case| {
             "an fd of the wrong kind built: {spec:?}"
         );
         let seals = rustix::fs::fcntl_get_seals(fd).expect("a memfd");
-        assert!(seals.contains(SealFlags::SHRINK), "built unsealed: {spec:?}");
+        assert!(
+            seals.contains(SealFlags::SHRINK),
+            "built unsealed: {spec:?}"
+        );
         let size = rustix::fs::fstat(fd).unwrap().st_size as u64;
-        assert!(size >= claimed, "built over {size} bytes claiming {claimed}: {spec:?}");
+        assert!(
+            size >= claimed,
+            "built over {size} bytes claiming {claimed}: {spec:?}"
+        );
         assert!(
             rustix::fs::ftruncate(fd, 0).is_err() || size == 0,
             "its sender can still shrink it: {spec:?}"
