@@ -87,12 +87,6 @@ pub enum ConfigError {
         /// The threshold given, in seconds.
         stall_threshold_seconds: f64,
     },
-    /// The L2 breaker's limits were rejected.
-    #[error(transparent)]
-    L2Health(#[from] crate::l2::L2HealthConfigError),
-    /// The tenants were rejected.
-    #[error("invalid tenants: {0}")]
-    Trust(#[from] crate::node::trust::TrustConfigError),
 }
 
 impl Config {

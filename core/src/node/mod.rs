@@ -49,6 +49,21 @@ use crate::module::Module;
 use crate::protocol::{Answer, BufferSpec, Op, OpKind, ProtocolError, RopeSpec};
 use crate::time::Instant;
 use crate::{Config, ConfigError};
+
+/// Why a node could not be made: its liveness settings, its L2 breaker's limits, or its
+/// tenants were rejected (each component's own error, named here).
+#[derive(Debug, thiserror::Error)]
+pub enum NodeConfigError {
+    /// The liveness settings.
+    #[error(transparent)]
+    Liveness(#[from] ConfigError),
+    /// The L2 breaker's limits.
+    #[error(transparent)]
+    L2Health(#[from] crate::l2::L2HealthConfigError),
+    /// The tenants.
+    #[error("invalid tenants: {0}")]
+    Trust(#[from] trust::TrustConfigError),
+}
 pub use adopt::AdoptionView;
 use blend::{BlendBook, BlendId};
 use builds::{Builds, PendingBuild};
@@ -310,7 +325,7 @@ pub enum PlantedBug {
 
 impl Node {
     /// A node started at `now`.
-    pub fn new(config: NodeConfig, now: Instant) -> Result<Node, ConfigError> {
+    pub fn new(config: NodeConfig, now: Instant) -> Result<Node, NodeConfigError> {
         let liveness =
             Liveness::new_with_floor(config.liveness.clone(), now, config.reap_timeout_floor)?;
         let l2 = config

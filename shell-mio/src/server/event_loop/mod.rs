@@ -87,6 +87,9 @@ pub enum ServerError {
     /// The liveness configuration was rejected.
     #[error(transparent)]
     Config(#[from] kvwarden_core::ConfigError),
+    /// The node's configuration (liveness, the L2 breaker, the tenants) was rejected.
+    #[error(transparent)]
+    Node(#[from] kvwarden_core::node::NodeConfigError),
     /// A listener could not be set up.
     #[error(transparent)]
     Listen(#[from] ListenError),
