@@ -118,7 +118,14 @@ def kv_transfer_config(socket_path, **extra):
     }
 
 
-def make_llm(model_dir, socket_path=None, lora=False, kv_events_endpoint=None, **extra):
+def make_llm(
+    model_dir,
+    socket_path=None,
+    lora=False,
+    kv_events_endpoint=None,
+    kv_events_replay=None,
+    **extra,
+):
     from vllm import LLM
 
     kwargs = {}
@@ -126,7 +133,10 @@ def make_llm(model_dir, socket_path=None, lora=False, kv_events_endpoint=None, *
         from vllm.config import KVEventsConfig
 
         kwargs["kv_events_config"] = KVEventsConfig(
-            enable_kv_cache_events=True, publisher="zmq", endpoint=kv_events_endpoint
+            enable_kv_cache_events=True,
+            publisher="zmq",
+            endpoint=kv_events_endpoint,
+            replay_endpoint=kv_events_replay,
         )
     if socket_path:
         kwargs["kv_transfer_config"] = kv_transfer_config(socket_path, **extra)
@@ -233,7 +243,15 @@ def main():
     sys.stdout = sys.stderr  # vLLM's prints must not mix with the result lines
     lora = bool(extra.pop("lora", False))
     events = extra.pop("kv_events_endpoint", None)
-    llm = make_llm(model_dir, socket_path, lora=lora, kv_events_endpoint=events, **extra)
+    replay = extra.pop("kv_events_replay", None)
+    llm = make_llm(
+        model_dir,
+        socket_path,
+        lora=lora,
+        kv_events_endpoint=events,
+        kv_events_replay=replay,
+        **extra,
+    )
     scheduler, worker = connectors(llm)
     core_scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     step_log = StepLog(core_scheduler)

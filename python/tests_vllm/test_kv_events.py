@@ -37,21 +37,39 @@ class Subscriber:
         self.blocks: Dict = {}
 
     def drain(self) -> None:
-        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-
         while self._socket.poll(0):
             _topic, _seq, payload = self._socket.recv_multipart()
-            for event in self._decoder.decode(payload).events:
-                if isinstance(event, BlockStored):
-                    self.held.update((h, event.medium) for h in event.block_hashes)
-                    parent = event.parent_block_hash
-                    for h in event.block_hashes:
-                        self.blocks[h] = (parent, list(event.token_ids))
-                        parent = h
-                elif isinstance(event, BlockRemoved):
-                    self.held.difference_update((h, event.medium) for h in event.block_hashes)
-                elif isinstance(event, AllBlocksCleared):
-                    self.held.clear()
+            self.apply(payload)
+
+    def replay(self, endpoint: str) -> None:
+        """Joins late: every batch the engine still buffers, from its replay socket."""
+        dealer = self._zmq.Context.instance().socket(self._zmq.DEALER)
+        dealer.connect(endpoint)
+        dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+        try:
+            while True:
+                assert dealer.poll(30_000), "the replay socket did not answer"
+                _, _topic, seq, payload = dealer.recv_multipart()
+                if not payload:
+                    return  # the end-of-sequence marker
+                self.apply(payload)
+        finally:
+            dealer.close(0)
+
+    def apply(self, payload: bytes) -> None:
+        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+        for event in self._decoder.decode(payload).events:
+            if isinstance(event, BlockStored):
+                self.held.update((h, event.medium) for h in event.block_hashes)
+                parent = event.parent_block_hash
+                for h in event.block_hashes:
+                    self.blocks[h] = (parent, list(event.token_ids))
+                    parent = h
+            elif isinstance(event, BlockRemoved):
+                self.held.difference_update((h, event.medium) for h in event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                self.held.clear()
 
     def tokens(self, block_hash) -> List[int]:
         """The prompt prefix a block ends, from the announced parents and tokens."""
@@ -81,17 +99,19 @@ def events_engine(model: str, module_tmp: str, short_tmp: str) -> Iterator:
     )
     server.start()
     endpoint = f"ipc://{short_tmp}/kv-events"
+    replay = f"ipc://{short_tmp}/kv-replay"
     engine = Engine(
         model,
         os.path.join(module_tmp, "events-engine.log"),
         server.socket_path,
         kv_events_endpoint=endpoint,
+        kv_events_replay=replay,
         kvwarden_events_interval_seconds=0.0,
         **FAST,
     )
     subscriber = Subscriber(endpoint)
     try:
-        yield server, engine, subscriber
+        yield server, engine, subscriber, endpoint, replay
     finally:
         subscriber.close()
         engine.close()
@@ -106,7 +126,7 @@ def loadable(socket_path: str, engine: Engine, prompt) -> int:
 
 
 def test_the_blocks_a_subscriber_sees_on_cpu_are_those_kvwarden_serves(events_engine) -> None:
-    server, engine, subscriber = events_engine
+    server, engine, subscriber, endpoint, replay = events_engine
     time.sleep(0.5)  # the SUB's connect completes before the first event (ZMQ slow joiner)
     engine.generate([A], max_tokens=8)
     # The engine steps again (another prompt): its scheduler reads kv_events and
@@ -121,6 +141,13 @@ def test_the_blocks_a_subscriber_sees_on_cpu_are_those_kvwarden_serves(events_en
 
     wait_until(announced, "A's blocks announced on medium CPU", timeout=60.0)
     cpu = {h for h, medium in subscriber.held if medium == "CPU"}
+    # A subscriber that joins late replays the engine's buffer: it holds the same.
+    late = Subscriber(endpoint)
+    try:
+        late.replay(replay)
+        assert {h for h, m in late.held if m == "CPU"} == cpu, "a late subscriber differs"
+    finally:
+        late.close()
     # Every block announced is one kvwarden serves the engine, with every block before
     # it (its prefix, rebuilt from the announced parents and tokens)...
     for block_hash in cpu:
