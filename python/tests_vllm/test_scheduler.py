@@ -521,6 +521,8 @@ def test_blocks_kvwarden_holds_are_announced_in_vllms_kv_events_and_withdrawn_on
     assert {(e.medium, e.ownership, e.block_size) for e in events} == {
         ("CPU", "kvwarden", BLOCK_SIZE)
     }
+    # Extra keys in the shape vLLM publishes its own (none in this prompt).
+    assert all(e.extra_keys == [None] for e in events), events[0].extra_keys
     assert scheduler.connector.take_events() == [], "told once"
 
     # The server restarts: unreachable for a moment, so every announced block is

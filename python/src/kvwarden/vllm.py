@@ -161,6 +161,11 @@ try:
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 except ImportError:  # pragma: no cover - a vLLM without KV events
     BlockStored = None
+try:
+    # The untagged shape vLLM publishes its own blocks' extra keys in.
+    from vllm.v1.core.kv_cache_utils import to_event_extra_keys
+except ImportError:  # pragma: no cover - a vLLM that publishes them as computed
+    to_event_extra_keys = list
 
 #: What kvwarden's announcements say owns the blocks.
 OWNERSHIP = "kvwarden"
@@ -404,7 +409,7 @@ class KvwardenConnector(KVConnectorBase_V1):
                 lora_id=None,
                 medium=MEDIUM_CPU,
                 lora_name=None,
-                extra_keys=[meta.extra_keys],
+                extra_keys=to_event_extra_keys([meta.extra_keys]),
                 ownership=OWNERSHIP,
             )
 
