@@ -87,6 +87,16 @@ fn row_74_a_reader_announces_exactly_what_l1_serves_through_stores_and_evictions
     reader.catch_up(&events);
     assert_eq!(reader.resyncs, 1, "a new reader starts with what is held");
     assert_eq!(reader.announced, (0..3).map(key).collect());
+    let status = server.status();
+    assert_eq!(status["l1"]["events"]["resyncs_total"], 1, "{status}");
+    assert_eq!(status["l1"]["events"]["changes"], 3, "{status}");
+    let (_, metrics) = server.http_get("/metrics");
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l == "kvwarden_kv_events_resyncs_total 1"),
+        "{metrics}"
+    );
 
     // Twice the pool more: the oldest are evicted, and each eviction is told.
     for n in 3..3 + 2 * SLOTS {

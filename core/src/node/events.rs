@@ -90,6 +90,22 @@ impl Cursor {
     }
 }
 
+/// The log's figures, for `/status` and the metrics.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct KvEventsView {
+    /// Changes held.
+    pub changes: usize,
+    /// Bytes of their keys.
+    pub bytes: usize,
+    /// Tenants with a sequence.
+    pub tenants: usize,
+    /// Times every sequence started over (too many tenants).
+    pub epoch: u64,
+    /// Pages that started a reader over (new, of another process or epoch, or behind
+    /// changes that left the log).
+    pub resyncs_total: u64,
+}
+
 /// The log. See the module docs.
 pub struct KvEventLog {
     boot: u64,
@@ -99,6 +115,7 @@ pub struct KvEventLog {
     front: u64,
     bytes: usize,
     sequences: HashMap<Vec<u8>, Sequence>,
+    resyncs: u64,
 }
 
 impl KvEventLog {
@@ -111,6 +128,18 @@ impl KvEventLog {
             front: 0,
             bytes: 0,
             sequences: HashMap::new(),
+            resyncs: 0,
+        }
+    }
+
+    /// Its figures.
+    pub fn view(&self) -> KvEventsView {
+        KvEventsView {
+            changes: self.ring.len(),
+            bytes: self.bytes,
+            tenants: self.sequences.len(),
+            epoch: self.epoch,
+            resyncs_total: self.resyncs,
         }
     }
 
@@ -171,7 +200,7 @@ impl KvEventLog {
 
     /// The next page for the reader of the tenant of `prefix` at `cursor` (empty: a new
     /// reader), at most `max` changes (or held keys, during a snapshot).
-    pub fn read(&self, l1: &SlotTable, prefix: &[u8], cursor: &[u8], max: usize) -> KvEvents {
+    pub fn read(&mut self, l1: &SlotTable, prefix: &[u8], cursor: &[u8], max: usize) -> KvEvents {
         let max = max.max(1);
         let (last, dropped_through) = self
             .sequences
@@ -192,6 +221,7 @@ impl KvEventLog {
             // A snapshot, from the first slot, then the changes after `last`.
             None => (here(last, 0), true),
         };
+        self.resyncs += u64::from(resync);
         let (keys, next) = l1.committed_from(prefix, start.scan as usize, max);
         let events = keys
             .into_iter()
@@ -265,7 +295,7 @@ mod tests {
 
     /// Every change read from `cursor` on, page by page: (resync seen, changes).
     fn read_all(
-        log: &KvEventLog,
+        log: &mut KvEventLog,
         l1: &SlotTable,
         name: &str,
         cursor: &mut Vec<u8>,
@@ -305,19 +335,19 @@ mod tests {
         stored(&mut l1, &mut log, "b", "other");
         stored(&mut l1, &mut log, "a", "k1");
         let mut cursor = Vec::new();
-        let (resync, changes) = read_all(&log, &l1, "a", &mut cursor);
+        let (resync, changes) = read_all(&mut log, &l1, "a", &mut cursor);
         assert!(resync, "a new reader starts with a snapshot");
         assert_eq!(
             changes,
             vec![(true, "k0".to_string()), (true, "k1".to_string())]
         );
         // Caught up: nothing more, no resync.
-        assert_eq!(read_all(&log, &l1, "a", &mut cursor), (false, vec![]));
+        assert_eq!(read_all(&mut log, &l1, "a", &mut cursor), (false, vec![]));
         // Two more stores fill the pool; a third evicts a's k0 (the oldest).
         stored(&mut l1, &mut log, "a", "k2");
         stored(&mut l1, &mut log, "b", "other2");
         stored(&mut l1, &mut log, "a", "k3");
-        let (resync, changes) = read_all(&log, &l1, "a", &mut cursor);
+        let (resync, changes) = read_all(&mut log, &l1, "a", &mut cursor);
         assert!(!resync);
         assert_eq!(
             changes,
@@ -329,7 +359,7 @@ mod tests {
             "b's changes are not a's, and a's come in order"
         );
         // b's reader sees b's keys only.
-        let (_, changes) = read_all(&log, &l1, "b", &mut Vec::new());
+        let (_, changes) = read_all(&mut log, &l1, "b", &mut Vec::new());
         assert!(changes.iter().all(|(_, key)| key.starts_with("other")));
     }
 
@@ -339,12 +369,12 @@ mod tests {
         let mut log = KvEventLog::new(7);
         stored(&mut l1, &mut log, "a", "first");
         let mut cursor = Vec::new();
-        read_all(&log, &l1, "a", &mut cursor);
+        read_all(&mut log, &l1, "a", &mut cursor);
         // Control: one more change is read as a change.
         stored(&mut l1, &mut log, "a", "second");
         let mut control = cursor.clone();
         assert_eq!(
-            read_all(&log, &l1, "a", &mut control),
+            read_all(&mut log, &l1, "a", &mut control),
             (false, vec![(true, "second".to_string())])
         );
         // Another tenant's changes push a's out of the log: a resyncs, and its
@@ -352,14 +382,15 @@ mod tests {
         for n in 0..MAX_EVENTS {
             log.record(&scoped("b", &format!("{n}")), true, KvTier::L1);
         }
-        let (resync, changes) = read_all(&log, &l1, "a", &mut cursor);
+        let (resync, changes) = read_all(&mut log, &l1, "a", &mut cursor);
         assert!(resync, "a's change was dropped unread");
+        assert_eq!(log.view().resyncs_total, 2, "the first read's and this one");
         assert_eq!(
             changes,
             vec![(true, "first".to_string()), (true, "second".to_string())]
         );
         // A cursor of another server process (or garbage) is a resync.
-        let other = KvEventLog::new(8);
+        let mut other = KvEventLog::new(8);
         assert!(other.read(&l1, &prefix("a"), &cursor, 8).resync);
         assert!(log.read(&l1, &prefix("a"), b"garbage", 8).resync);
     }
@@ -374,7 +405,7 @@ mod tests {
         }
         assert!(log.bytes <= MAX_BYTES, "{} bytes", log.bytes);
         let mut cursor = Vec::new();
-        read_all(&log, &l1, "a", &mut cursor);
+        read_all(&mut log, &l1, "a", &mut cursor);
         for n in 0..=MAX_TENANTS {
             log.record(&scoped(&format!("t{n}"), "k"), true, KvTier::L2);
         }

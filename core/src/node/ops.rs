@@ -288,7 +288,7 @@ impl Node {
 
     /// `kv_events`: the caller's tenant's changes to L1 since `cursor`.
     fn kv_events(
-        &self,
+        &mut self,
         tenant: Option<TenantId>,
         cursor: &[u8],
         max: u64,

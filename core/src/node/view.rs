@@ -71,6 +71,8 @@ pub struct NodeStatus {
     /// Committed values whose seal could not be written (a key longer than a seal
     /// holds): served, but not adopted after a restart.
     pub l1_unsealed_total: u64,
+    /// The KV events log (`kv_events`).
+    pub kv_events: super::events::KvEventsView,
     /// Rope tables: bytes, instances, computations running.
     pub blend: (u64, usize, usize),
     /// Processes watched.
@@ -163,6 +165,7 @@ impl Node {
             l1_adoption: self.adoption().cloned(),
             l1_sealing: self.l1.sealing(),
             l1_unsealed_total: self.l1.unsealed_total(),
+            kv_events: self.events.view(),
             blend: (
                 self.blend.held_bytes(),
                 self.blend.instances(),

@@ -117,6 +117,8 @@ pub struct Metrics {
     pub l1_adoption: Family<Labels, Counter>,
     /// Values committed to a pool file whose seal could not be written.
     pub l1_unsealed: Counter,
+    /// `kv_events` pages that started a reader over.
+    pub kv_events_resyncs: Counter,
     /// L1 slots charged to each tenant, and its quota, by `tenant` and `state`
     /// (`used`, `quota`; set at scrape).
     pub tenant_slots: Family<Labels2, Gauge>,
@@ -216,6 +218,7 @@ impl Metrics {
             copies_past_deadline: Counter::default(),
             l1_adoption: Family::default(),
             l1_unsealed: Counter::default(),
+            kv_events_resyncs: Counter::default(),
             tenant_slots: Family::default(),
             tenants_shown: Default::default(),
             l2: None,
@@ -366,6 +369,12 @@ impl Metrics {
              than a seal holds (464 bytes with the tenant's name). Served, but not adopted \
              after a restart",
             metrics.l1_unsealed.clone(),
+        );
+        registry.register(
+            "kv_events_resyncs",
+            "kv_events pages that started a reader over: a new reader, a server restart, or \
+             a reader behind changes that left the log (rising fast: readers do not keep up)",
+            metrics.kv_events_resyncs.clone(),
         );
         registry.register(
             "tenant_slots",

@@ -180,6 +180,24 @@ pub struct L1Status {
     /// With `pool: adopted`: what the scan found so far.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub adoption: Option<AdoptionStatus>,
+    /// The log `kv_events` reads.
+    pub events: KvEventsStatus,
+}
+
+/// `l1.events`: the log of what entered and left L1 (and L2) that `kv_events` reads.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct KvEventsStatus {
+    /// Changes held (at most 65,536).
+    pub changes: usize,
+    /// Bytes of their keys (at most 16 MiB).
+    pub bytes: usize,
+    /// Tenants with a sequence.
+    pub tenants: usize,
+    /// Times every sequence started over (more than 65,536 tenants).
+    pub epoch: u64,
+    /// Pages that started a reader over: new readers, a restart, or a reader behind
+    /// changes that left the log (rising fast: readers do not keep up).
+    pub resyncs_total: u64,
 }
 
 /// `l1.adoption`: a restarted server's scan of its pool file (rows 71-73).
@@ -432,6 +450,7 @@ mod tests {
                 sealing: 0,
                 unsealed_total: 0,
                 adoption: None,
+                events: KvEventsStatus::default(),
             },
             blend: BlendStatus {
                 bytes_total: 0,

@@ -174,6 +174,10 @@ impl Server {
             self.metrics.l1_adoption(adoption);
         }
         Metrics::mirror(&self.metrics.l1_unsealed, node.l1_unsealed_total);
+        Metrics::mirror(
+            &self.metrics.kv_events_resyncs,
+            node.kv_events.resyncs_total,
+        );
         let (blend_bytes, blend_instances, _) = node.blend;
         self.metrics.blend_bytes.set(as_i64(blend_bytes));
         self.metrics
@@ -307,6 +311,13 @@ impl Server {
                 },
                 sealing: node.l1_sealing,
                 unsealed_total: node.l1_unsealed_total,
+                events: crate::server::status::KvEventsStatus {
+                    changes: node.kv_events.changes,
+                    bytes: node.kv_events.bytes,
+                    tenants: node.kv_events.tenants,
+                    epoch: node.kv_events.epoch,
+                    resyncs_total: node.kv_events.resyncs_total,
+                },
                 adoption: node
                     .l1_adoption
                     .as_ref()
