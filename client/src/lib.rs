@@ -900,6 +900,26 @@ impl Client {
         read("kv_events", value)
     }
 
+    /// Attaches a description to each of `items`' keys that L1 holds in this client's
+    /// tenant (at most 2048 bytes each): `kv_events` readers get it with the key. One
+    /// answer per item: false where L1 does not hold the key.
+    pub fn describe_keys(&self, items: &[(&[u8], &[u8])]) -> Result<Vec<bool>, ClientError> {
+        let args = Op::DescribeKeys {
+            items: items
+                .iter()
+                .map(|(key, meta)| (key.to_vec(), meta.to_vec()))
+                .collect(),
+        }
+        .args();
+        let value = self.shared.call(
+            "describe_keys",
+            args,
+            &[],
+            self.shared.config.request_timeout,
+        )?;
+        read("describe_keys", value)
+    }
+
     /// Any request, raw (for tools and tests).
     pub fn call(&self, op: &str, args: Vec<Value>) -> Result<Value, ClientError> {
         self.shared

@@ -6,7 +6,7 @@ mod support;
 use kvwarden_core::InstanceId;
 use kvwarden_core::l2::{L2HealthConfig, L2State, WriteOutcome};
 use kvwarden_core::node::l2::{L2Fetched, L2NodeConfig, L2Presence, PROBE_KEY};
-use kvwarden_core::node::{Direction, Input, Note, ProcessKey};
+use kvwarden_core::node::{ConnId, Direction, Input, Note, ProcessKey};
 use kvwarden_core::protocol::{
     ErrorCode, KvEvents, KvTier, Op, ProtocolError, ReplyValue, RetrieveItem,
 };
@@ -800,4 +800,100 @@ fn row_74_an_l2_write_and_a_corrupt_value_deleted_are_told_as_l2_changes() {
         kv_events(&mut h, &mut cursor),
         vec![(false, b"c".to_vec(), KvTier::L2)]
     );
+}
+
+/// `kv_events` on `conn` from `cursor` until caught up: (stored, key, meta) in order.
+fn described(
+    h: &mut Harness,
+    conn: ConnId,
+    cursor: &mut Vec<u8>,
+) -> Vec<(bool, Vec<u8>, Option<Vec<u8>>)> {
+    let mut changes = Vec::new();
+    loop {
+        let request = h.send_on(
+            conn,
+            Op::KvEvents {
+                cursor: cursor.clone(),
+                max: 8,
+            },
+            0,
+        );
+        let page = KvEvents::from_value(&h.answer(request)).expect("a kv_events reply");
+        changes.extend(page.events.into_iter().map(|e| (e.stored, e.key, e.meta)));
+        *cursor = page.cursor;
+        if !page.more {
+            return changes;
+        }
+    }
+}
+
+#[test]
+fn row_74_a_described_key_carries_its_description_to_its_tenants_readers_only() {
+    let mut h = Harness::new(None);
+    let worker = id(1);
+    h.registered(worker);
+    h.stored(worker, b"a");
+    let describe = |h: &mut Harness, conn, items: Vec<(&[u8], &[u8])>| {
+        let request = h.send_on(
+            conn,
+            Op::DescribeKeys {
+                items: items
+                    .into_iter()
+                    .map(|(k, m)| (k.to_vec(), m.to_vec()))
+                    .collect(),
+            },
+            0,
+        );
+        h.answer(request)
+    };
+    let mut cursor = Vec::new();
+    assert_eq!(
+        described(&mut h, ConnId(1), &mut cursor),
+        vec![(true, b"a".to_vec(), None)],
+        "not described yet"
+    );
+    // Held: described; never stored: refused.
+    assert_eq!(
+        describe(
+            &mut h,
+            ConnId(1),
+            vec![(b"a", b"block 0"), (b"b", b"block 1")]
+        ),
+        Value::Array(vec![true.into(), false.into()])
+    );
+    assert_eq!(
+        described(&mut h, ConnId(1), &mut cursor),
+        vec![(true, b"a".to_vec(), Some(b"block 0".to_vec()))],
+        "told again, with its description"
+    );
+    assert_eq!(
+        described(&mut h, ConnId(1), &mut Vec::new()),
+        vec![(true, b"a".to_vec(), Some(b"block 0".to_vec()))],
+        "a new reader's snapshot has it too"
+    );
+    // Another tenant (uid 1001) describes a key of the same name: its own keyspace, where
+    // nothing is held; and its reader sees none of the owner's.
+    h.connect(ConnId(9), Some(1001), None);
+    assert_eq!(
+        describe(&mut h, ConnId(9), vec![(b"a", b"forged")]),
+        Value::Array(vec![false.into()])
+    );
+    assert_eq!(described(&mut h, ConnId(9), &mut Vec::new()), vec![]);
+    assert_eq!(
+        described(&mut h, ConnId(1), &mut cursor),
+        vec![],
+        "the owner's description is untouched"
+    );
+    // Too long a description: bad_args naming the item.
+    let long = vec![0u8; kvwarden_core::protocol::MAX_META_BYTES + 1];
+    let request = h.send_on(
+        ConnId(1),
+        Op::DescribeKeys {
+            items: vec![(b"a".to_vec(), long)],
+        },
+        0,
+    );
+    let error = h.reply(request).expect("answered").expect_err("refused");
+    assert_eq!(error.code, ErrorCode::BadArgs);
+    assert!(error.message.contains("items[0].meta"), "{}", error.message);
 }

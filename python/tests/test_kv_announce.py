@@ -4,10 +4,10 @@ resync withdraws everything before it applies the snapshot."""
 
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
 
 from kvwarden import kv_announce
-from kvwarden.kv_announce import Announcer, BlockMeta
+from kvwarden.kv_announce import Announcer, BlockMeta, decode_meta, encode_meta
 
 
 def rank_key(chain_key: bytes, rank: int) -> bytes:
@@ -32,8 +32,10 @@ def meta(n: int) -> BlockMeta:
     )
 
 
-def shard(n: int, rank: int, stored: bool = True, tier: str = "l1") -> Tuple[bool, bytes, str]:
-    return (stored, rank_key(f"k{n}".encode(), rank), tier)
+def shard(
+    n: int, rank: int, stored: bool = True, tier: str = "l1", meta: Optional[bytes] = None
+) -> Tuple[bool, bytes, str, Optional[bytes]]:
+    return (stored, rank_key(f"k{n}".encode(), rank), tier, meta)
 
 
 def test_a_block_is_announced_once_every_shard_is_held_and_withdrawn_when_one_is_not() -> None:
@@ -98,3 +100,32 @@ def test_a_block_whose_metadata_is_forgotten_is_withdrawn(monkeypatch) -> None:
     events: List[Any] = a.take()
     assert events == [("removed", "h0")]
     assert a.announced() == 0
+
+
+def test_a_block_another_engine_described_is_announced_from_its_description() -> None:
+    # Engine 1 learned block k0 from a request, announced it, and describes it.
+    one = make(shards=2)
+    one.learn(b"k0", meta(0))
+    one.apply(b"c", False, [shard(0, 0), shard(0, 1)])
+    assert one.take() == [("stored", "h0", None, (0, 0))]
+    [(chain_key, key, described)] = one.to_describe(8)
+    assert (chain_key, key) == (b"k0", rank_key(b"k0", 0))
+    one.mark_described([chain_key])
+    assert one.to_describe(8) == [], "described once"
+    # Engine 2 never saw the request: the server tells it the description with the
+    # first shard, and it announces the block once both shards are held.
+    two = make(shards=2)
+    two.apply(b"c", True, [shard(0, 0, meta=described)])
+    assert two.take() == []
+    two.apply(b"d", False, [shard(0, 1)])
+    assert two.take() == [("stored", "h0", None, (0, 0))]
+    assert two.to_describe(8) == [], "the server holds it already"
+
+
+def test_a_description_that_does_not_name_its_shard_or_cannot_be_read_is_ignored() -> None:
+    a = make(shards=1)
+    wrong = encode_meta(b"k9", meta(9))  # names block k9, sent with k0's shard
+    a.apply(b"c", False, [shard(0, 0, meta=wrong), shard(1, 0, meta=b"\xc1garbage")])
+    assert a.take() == []
+    assert decode_meta(b"\xc1garbage") is None
+    assert decode_meta(encode_meta(b"k1", meta(1))) == (b"k1", meta(1))

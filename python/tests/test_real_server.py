@@ -165,13 +165,21 @@ def test_real_kv_events_start_with_what_is_held_then_follow_the_stores(
     assert worker.store(b"held-1", nbytes=4) is True
     page = worker.kv_events()
     assert page.resync, "a new reader starts over"
-    assert page.events == [(True, b"held-1", "l1")]
+    assert page.events == [(True, b"held-1", "l1", None)]
     assert not page.more
     assert worker.store(b"held-2", nbytes=4) is True
     page = worker.kv_events(page.cursor)
-    assert (page.resync, page.events, page.more) == (False, [(True, b"held-2", "l1")], False)
+    assert (page.resync, page.events, page.more) == (
+        False,
+        [(True, b"held-2", "l1", None)],
+        False,
+    )
     # Caught up: nothing new, the same cursor works again.
     assert worker.kv_events(page.cursor).events == []
+    # A description travels with the key: told again, with it.
+    assert worker.describe_keys([(b"held-2", b"what it is"), (b"never", b"x")]) == [True, False]
+    page = worker.kv_events(page.cursor)
+    assert page.events == [(True, b"held-2", "l1", b"what it is")]
     worker.shutdown()
 
 

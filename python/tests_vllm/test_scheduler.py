@@ -532,3 +532,30 @@ def test_blocks_kvwarden_holds_are_announced_in_vllms_kv_events_and_withdrawn_on
     assert all(isinstance(e, BlockRemoved) for e in withdrawn), withdrawn
     assert sorted(e.block_hashes[0] for e in withdrawn) == sorted(hashes)
     assert scheduler.connector._announcer.announced() == 0
+
+
+def test_a_block_one_engine_described_is_announced_by_another_that_never_saw_it(model_dir, server):
+    """Issue 42: engine A's scheduler saw the request and describes the blocks it
+    announces; engine B's never did, and announces the same blocks, with the same
+    hashes, parents and tokens, from those descriptions. Control: before A described
+    them, B announced nothing."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    a = make_scheduler(model_dir, server.socket_path, kv_events=True)
+    b = make_scheduler(model_dir, server.socket_path, kv_events=True)
+    _, rank0 = server_keys(a, PROMPT, 4)
+    store_blocks(server.socket_path, rank0)
+    assert b.connector.take_events() == [], "B knows nothing of these blocks yet"
+    request = hashed_request("r1", PROMPT)
+    a.add_request(request)
+    a.schedule()
+    from_a = a.connector.take_events()
+    assert len(from_a) == 4
+    from_b = b.connector.take_events()
+    hashes = {maybe_convert_block_hash(h) for h in request.block_hashes[:4]}
+
+    def blocks(events):
+        return {e.block_hashes[0]: (e.parent_block_hash, e.token_ids) for e in events}
+
+    assert set(blocks(from_b)) == hashes, "B announces A's blocks (in the server's order)"
+    assert blocks(from_b) == blocks(from_a), "with the same parents and tokens"

@@ -228,7 +228,8 @@ impl Asked {
             | Op::Lookup { .. }
             | Op::RegisterBlend { .. }
             | Op::Status
-            | Op::KvEvents { .. } => Asked::Other,
+            | Op::KvEvents { .. }
+            | Op::DescribeKeys { .. } => Asked::Other,
         }
     }
 }

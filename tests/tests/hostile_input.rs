@@ -255,7 +255,7 @@ fn msgpack(value: &Value) -> Vec<u8> {
 }
 
 /// The ops of `protocol.md` with their argument counts.
-const OPS: [(&str, usize); 20] = [
+const OPS: [(&str, usize); 21] = [
     ("hello", 2),
     ("auth", 1),
     ("attach", 2),
@@ -276,6 +276,7 @@ const OPS: [(&str, usize); 20] = [
     ("register_blend", 2),
     ("status", 0),
     ("kv_events", 2),
+    ("describe_keys", 1),
 ];
 
 /// Lines of `/proc/<pid>/maps` that are thread caches, not resources a peer can make

@@ -216,7 +216,7 @@ impl KvEventLog {
             .filter(|c| c.boot == self.boot && c.epoch == self.epoch)
             .filter(|c| c.scan != CHANGES || (dropped_through..=last).contains(&c.seq));
         let (start, resync) = match resume {
-            Some(c) if c.scan == CHANGES => return self.changes(prefix, c, last, max),
+            Some(c) if c.scan == CHANGES => return self.changes(l1, prefix, c, last, max),
             Some(c) => (c, false),
             // A snapshot, from the first slot, then the changes after `last`.
             None => (here(last, 0), true),
@@ -227,6 +227,7 @@ impl KvEventLog {
             .into_iter()
             .map(|key| KvEvent {
                 stored: true,
+                meta: l1.meta_of(&key).map(<[u8]>::to_vec),
                 key: key[prefix.len()..].to_vec(),
                 tier: KvTier::L1,
             })
@@ -241,7 +242,14 @@ impl KvEventLog {
     }
 
     /// The changes after `cursor.seq`, which the log still holds.
-    fn changes(&self, prefix: &[u8], cursor: Cursor, last: u64, max: usize) -> KvEvents {
+    fn changes(
+        &self,
+        l1: &SlotTable,
+        prefix: &[u8],
+        cursor: Cursor,
+        last: u64,
+        max: usize,
+    ) -> KvEvents {
         let mut events = Vec::new();
         let mut seq = cursor.seq;
         if let Some(sequence) = self.sequences.get(prefix)
@@ -258,10 +266,14 @@ impl KvEventLog {
                 }
                 if logged.key[..logged.prefix] == *prefix {
                     seq = logged.seq;
+                    let described = logged.stored && logged.tier == KvTier::L1;
                     events.push(KvEvent {
                         stored: logged.stored,
                         key: logged.key[logged.prefix..].to_vec(),
                         tier: logged.tier,
+                        meta: described
+                            .then(|| l1.meta_of(&logged.key).map(<[u8]>::to_vec))
+                            .flatten(),
                     });
                 }
             }

@@ -91,7 +91,14 @@ pub struct SlotTable {
     unsealed_total: u64,
     /// Keys that entered L1 (true) or left it since the last [`SlotTable::take_changes`].
     changes: Vec<(Vec<u8>, bool)>,
+    /// What committed slots' values are, as their writers described them
+    /// (`describe_keys`), and the bytes of those descriptions.
+    meta: HashMap<SlotId, Box<[u8]>>,
+    meta_bytes: usize,
 }
+
+/// The bytes of descriptions L1 keeps at most, all slots together.
+pub const MAX_META_TOTAL: usize = 64 << 20;
 
 /// The outcome of adopting a slot a restarted server found sealed.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -121,6 +128,8 @@ impl SlotTable {
             sealing_now: 0,
             unsealed_total: 0,
             changes: Vec::new(),
+            meta: HashMap::new(),
+            meta_bytes: 0,
         }
     }
 
@@ -192,6 +201,7 @@ impl SlotTable {
             return Adoption::Duplicate;
         }
         let tick = self.next_tick();
+        self.forget_meta(slot);
         self.index.insert(key.clone(), slot);
         self.changes.push((key.clone(), true));
         self.slots[slot] = SlotState::Committed {
@@ -204,6 +214,41 @@ impl SlotTable {
         self.tenant_mut(tenant).used += 1;
         self.lru_add(tick, slot, tenant);
         Adoption::Adopted
+    }
+
+    /// Attaches `meta` to committed `key` (replacing what it had), and tells readers the
+    /// key again, now with it. False when L1 holds no committed value of `key`, or the
+    /// descriptions would take more than [`MAX_META_TOTAL`].
+    pub fn describe(&mut self, key: &[u8], meta: Vec<u8>) -> bool {
+        let Some(&slot) = self.index.get(key) else {
+            return false;
+        };
+        if !matches!(self.slots[slot], SlotState::Committed { .. }) {
+            return false;
+        }
+        let old = self.meta.get(&slot).map_or(0, |m| m.len());
+        if self.meta_bytes - old + meta.len() > MAX_META_TOTAL {
+            return false;
+        }
+        self.meta_bytes = self.meta_bytes - old + meta.len();
+        self.meta.insert(slot, meta.into_boxed_slice());
+        self.changes.push((key.to_vec(), true));
+        true
+    }
+
+    /// The description of committed `key`, if it has one.
+    pub fn meta_of(&self, key: &[u8]) -> Option<&[u8]> {
+        let &slot = self.index.get(key)?;
+        matches!(self.slots[slot], SlotState::Committed { .. })
+            .then(|| self.meta.get(&slot).map(|m| &m[..]))
+            .flatten()
+    }
+
+    /// `slot` takes a new value: its description goes.
+    fn forget_meta(&mut self, slot: SlotId) {
+        if let Some(meta) = self.meta.remove(&slot) {
+            self.meta_bytes -= meta.len();
+        }
     }
 
     /// The keys that entered L1 (true) or left it since the last call, in order.
@@ -389,6 +434,7 @@ impl SlotTable {
                 },
             },
         };
+        self.forget_meta(slot);
         self.slots[slot] = SlotState::Writing {
             key: key.to_vec(),
             tenant,
@@ -577,6 +623,19 @@ mod tests {
         // Control: with no tenant over its quota, plain LRU evicts the oldest (v0).
         stored(&mut l1, b"v4", victim).unwrap();
         assert_eq!(l1.lookup_prefix(&victim_keys[..1]), 0, "plain LRU took v0");
+    }
+
+    #[test]
+    fn a_description_goes_with_its_value() {
+        let mut l1 = SlotTable::new(1, 64);
+        stored(&mut l1, b"a", T).unwrap();
+        assert!(l1.describe(b"a", b"block a".to_vec()));
+        assert_eq!(l1.meta_of(b"a"), Some(&b"block a"[..]));
+        assert!(!l1.describe(b"b", b"never stored".to_vec()));
+        // "b" evicts "a" from the only slot: the slot's new value has no description.
+        stored(&mut l1, b"b", T).unwrap();
+        assert_eq!((l1.meta_of(b"a"), l1.meta_of(b"b")), (None, None));
+        assert_eq!(l1.meta_bytes, 0, "its bytes are given back");
     }
 
     #[test]

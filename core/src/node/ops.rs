@@ -17,8 +17,8 @@ pub(super) struct Want {
 }
 use crate::liveness::Registration;
 use crate::protocol::{
-    ErrorCode, HelloReply, MAX_KV_EVENTS, Outcome, PROTOCOL_VERSION, PinnedSlot, PoolGeometry,
-    Registered, ReservedSlot,
+    ErrorCode, HelloReply, MAX_KV_EVENTS, MAX_META_BYTES, Outcome, PROTOCOL_VERSION, PinnedSlot,
+    PoolGeometry, Registered, ReservedSlot,
 };
 
 /// A request answered now (`Some`), or once the work it started is done (`None`).
@@ -283,7 +283,31 @@ impl Node {
             )),
             Op::RegisterBlend { instance, rope } => self.register_blend(to, instance, rope),
             Op::KvEvents { cursor, max } => Some(self.kv_events(tenant, &cursor, max)),
+            Op::DescribeKeys { items } => Some(self.describe_keys(items)),
         }
+    }
+
+    /// `describe_keys`: attaches each item's description to its key, where L1 holds it.
+    fn describe_keys(&mut self, items: Vec<(Vec<u8>, Vec<u8>)>) -> Result<Answer, ProtocolError> {
+        if let Some(index) = items
+            .iter()
+            .position(|(_, meta)| meta.len() > MAX_META_BYTES)
+        {
+            return Err(ProtocolError::new(
+                ErrorCode::BadArgs,
+                format!(
+                    "`describe_keys` items[{index}].meta is {} bytes; a description holds at \
+                     most {MAX_META_BYTES}: describe less (a block's hashes and tokens fit)",
+                    items[index].1.len()
+                ),
+            ));
+        }
+        Ok(Answer::Stored(
+            items
+                .into_iter()
+                .map(|(key, meta)| self.l1.describe(&key, meta))
+                .collect(),
+        ))
     }
 
     /// `kv_events`: the caller's tenant's changes to L1 since `cursor`.

@@ -766,6 +766,7 @@ pub fn scope_keys(op: &mut Op, prefix: &[u8]) {
         Op::StoreBatch { items, .. } => items.iter_mut().for_each(|item| scope(&mut item.key)),
         Op::RetrieveBatch { items, .. } => items.iter_mut().for_each(|item| scope(&mut item.key)),
         Op::Lookup { keys } => keys.iter_mut().for_each(scope),
+        Op::DescribeKeys { items } => items.iter_mut().for_each(|(key, _)| scope(key)),
         Op::Hello { .. }
         | Op::Auth { .. }
         | Op::Attach { .. }

@@ -437,6 +437,9 @@ pub struct KvEvent {
     pub key: Vec<u8>,
     /// Which tier.
     pub tier: KvTier,
+    /// What the value is, as its writer described it (`describe_keys`): on an L1
+    /// `stored` change while L1 holds the value described; None otherwise.
+    pub meta: Option<Vec<u8>>,
 }
 
 /// `kv_events`: the changes since the cursor asked with, in order. With `resync`, the
@@ -465,6 +468,7 @@ impl ReplyValue for KvEvents {
                     Value::Boolean(event.stored),
                     Value::Binary(event.key.clone()),
                     event.tier.name().into(),
+                    event.meta.clone().map_or(Value::Nil, Value::Binary),
                 ])
             })
             .collect();
@@ -482,12 +486,17 @@ impl ReplyValue for KvEvents {
             .as_array()?
             .iter()
             .map(|event| match event.as_array()?.as_slice() {
-                [Value::Boolean(stored), Value::Binary(key), tier] => Some(KvEvent {
+                [Value::Boolean(stored), Value::Binary(key), tier, meta] => Some(KvEvent {
                     stored: *stored,
                     key: key.clone(),
                     tier: match tier.as_str()? {
                         "l1" => KvTier::L1,
                         "l2" => KvTier::L2,
+                        _ => return None,
+                    },
+                    meta: match meta {
+                        Value::Nil => None,
+                        Value::Binary(meta) => Some(meta.clone()),
                         _ => return None,
                     },
                 }),
@@ -584,11 +593,13 @@ mod tests {
                         stored: true,
                         key: b"a".to_vec(),
                         tier: KvTier::L1,
+                        meta: Some(b"m".to_vec()),
                     },
                     KvEvent {
                         stored: false,
                         key: vec![],
                         tier: KvTier::L2,
+                        meta: None,
                     },
                 ],
                 more: false,

@@ -56,10 +56,14 @@ pub enum OpKind {
     Attach,
     Auth,
     KvEvents,
+    DescribeKeys,
 }
 
 /// How many ops this server knows.
-pub const OP_COUNT: usize = 20;
+pub const OP_COUNT: usize = 21;
+
+/// The longest description `describe_keys` attaches to a key.
+pub const MAX_META_BYTES: usize = 2048;
 
 /// At most this many events (or held keys) travel in one `kv_events` reply.
 pub const MAX_KV_EVENTS: usize = 1024;
@@ -91,6 +95,8 @@ pub(super) enum Arg {
     HelloOptions,
     /// `auth`'s `{"id": bin (16 bytes), "nonce": bin (32 bytes)}`.
     AuthChallenge,
+    /// `items` of `describe_keys`: an array of `[key: bin, meta: bin]`.
+    Descriptions,
 }
 
 /// One row of the op table.
@@ -263,6 +269,13 @@ pub(super) const OPS: [OpRow; OP_COUNT] = {
             "[cursor: bin, max: uint]",
             &[Bin("cursor"), Uint("max")],
             Shape::Events,
+        ),
+        row(
+            K::DescribeKeys,
+            "describe_keys",
+            "[items: [[key: bin, meta: bin]]]",
+            &[Descriptions],
+            Shape::Stored,
         ),
     ]
 };

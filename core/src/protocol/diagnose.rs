@@ -153,6 +153,7 @@ fn check_args(op: &str, items: &[Value]) -> Result<(), ProtocolError> {
             Arg::Keys => a.keys(index)?,
             Arg::Buffers => a.buffers(index)?,
             Arg::Items => a.batch_items(index, &["key", "buffer", "offset", "nbytes"])?,
+            Arg::Descriptions => a.batch_items(index, &["key", "meta"])?,
             Arg::HelloOptions => a.hello_options(index)?,
             Arg::AuthChallenge => a.auth_challenge(index)?,
             Arg::Rope => a.rope(index)?,
@@ -283,17 +284,14 @@ impl Args<'_> {
                 if *name == "key" && is_key(part) {
                     self.key_length(part, &format!("items[{position}].key"))?;
                 }
-                let fits = if *name == "key" {
+                let bin = *name == "key" || *name == "meta";
+                let fits = if bin {
                     is_key(part)
                 } else {
                     part.as_u64().is_some()
                 };
                 if !fits {
-                    let wanted = if *name == "key" {
-                        "bin"
-                    } else {
-                        "an unsigned integer"
-                    };
+                    let wanted = if bin { "bin" } else { "an unsigned integer" };
                     return Err(self.mismatch(format!(
                         "items[{position}].{name} must be {wanted}, got {}",
                         describe(part)

@@ -140,6 +140,12 @@ impl Op {
             ],
             Op::Status => vec![],
             Op::KvEvents { cursor, max } => vec![bin(cursor), uint(*max)],
+            Op::DescribeKeys { items } => vec![Value::Array(
+                items
+                    .iter()
+                    .map(|(key, meta)| Value::Array(vec![bin(key), bin(meta)]))
+                    .collect(),
+            )],
         }
     }
 }

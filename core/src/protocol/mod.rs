@@ -25,8 +25,8 @@ pub use answer::{
     PoolGeometry, Registered, ReplyShape, ReplyValue, ReservedSlot,
 };
 pub use contract::{
-    MAX_BATCH_ITEMS, MAX_DEPTH, MAX_KEY_BYTES, MAX_KV_EVENTS, MAX_TEXT_BYTES, OP_COUNT, OP_NAMES,
-    OpKind, PROTOCOL_VERSION,
+    MAX_BATCH_ITEMS, MAX_DEPTH, MAX_KEY_BYTES, MAX_KV_EVENTS, MAX_META_BYTES, MAX_TEXT_BYTES,
+    OP_COUNT, OP_NAMES, OpKind, PROTOCOL_VERSION,
 };
 
 pub use encode::encode_request;

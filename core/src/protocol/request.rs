@@ -183,6 +183,11 @@ pub enum Op {
         cursor: Vec<u8>,
         max: u64,
     },
+    /// Attaches `meta` (what the key's value is, for `kv_events` readers) to each key
+    /// L1 holds in the caller's tenant.
+    DescribeKeys {
+        items: Vec<(Vec<u8>, Vec<u8>)>,
+    },
 }
 
 impl Op {
@@ -209,6 +214,7 @@ impl Op {
             Op::Attach { .. } => OpKind::Attach,
             Op::Auth { .. } => OpKind::Auth,
             Op::KvEvents { .. } => OpKind::KvEvents,
+            Op::DescribeKeys { .. } => OpKind::DescribeKeys,
         }
     }
 
@@ -232,7 +238,8 @@ impl Op {
             | Op::Auth { .. }
             | Op::Lookup { .. }
             | Op::Status
-            | Op::KvEvents { .. } => None,
+            | Op::KvEvents { .. }
+            | Op::DescribeKeys { .. } => None,
             Op::Ping { instance } => *instance,
             Op::Attach { instance, .. }
             | Op::RegisterKvCache { instance, .. }

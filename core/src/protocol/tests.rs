@@ -327,6 +327,9 @@ fn every_op_encodes_to_a_frame_that_decodes_back_to_it() {
             cursor: vec![1; 32],
             max: 64,
         },
+        Op::DescribeKeys {
+            items: vec![(b"k".to_vec(), b"what it is".to_vec())],
+        },
     ];
     assert_eq!(
         ops.len(),

@@ -172,6 +172,12 @@ impl<'de> DeserializeSeed<'de> for ArgsSeed {
                 let (Key(cursor), max) = array(d)?;
                 Op::KvEvents { cursor, max }
             }
+            OpKind::DescribeKeys => {
+                let (Bounded(items),): (Bounded<WireDescription>,) = array(d)?;
+                Op::DescribeKeys {
+                    items: batch(items)?.into_iter().map(|item| item.0).collect(),
+                }
+            }
         })
     }
 }
@@ -293,6 +299,16 @@ impl<'de> Deserialize<'de> for WireStoreItem {
             offset,
             nbytes,
         }))
+    }
+}
+
+/// `[key: bin, meta: bin]`, an item of `describe_keys`.
+struct WireDescription((Vec<u8>, Vec<u8>));
+
+impl<'de> Deserialize<'de> for WireDescription {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<WireDescription, D::Error> {
+        let (Key(key), Key(meta)) = array(d)?;
+        Ok(WireDescription((key, meta)))
     }
 }
 

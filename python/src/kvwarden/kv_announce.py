@@ -5,9 +5,12 @@ The server tells a reader what entered and left its tenant's tiers (``kv_events`
 scheduler-side connector turns that into the engine's own events for the blocks it can
 load from kvwarden: a block is announced once every shard of it (one per
 tensor-parallel rank) is held, in L1 or L2, and withdrawn as soon as one is not. The
-server's keys do not say which tokens a block holds, so a block is announced only once
-the connector has seen a request with that prefix (its hash, parent, tokens and extra
-keys: ``learn``); until then its shards are remembered, bounded.
+server's keys do not say which tokens a block holds: a block is announced once its
+metadata (hash, parent, tokens, extra keys) is known, learned from a request with that
+prefix (``learn``) or from the description another engine of the tenant attached to
+the block's first shard on the server (``describe_keys``, :func:`encode_meta`); until
+then its shards are remembered, bounded. Blocks learned here are described in turn
+(``to_describe``), so that every engine of the tenant can announce them.
 
 Pure and engine-neutral: the events are made by the two functions it is given, and its
 rules are tested without an engine.
@@ -17,6 +20,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
+
+import msgpack
 
 #: Blocks whose metadata is kept, and shards whose presence is kept (oldest first out).
 MAX_BLOCKS = 65536
@@ -30,6 +35,47 @@ class BlockMeta(NamedTuple):
     parent_hash: Optional[Any]
     token_ids: List[int]
     extra_keys: Optional[Tuple[Any, ...]]
+
+
+#: The description format's version (the first element of an encoded description).
+META_VERSION = 1
+
+
+def encode_meta(chain_key: bytes, meta: BlockMeta) -> bytes:
+    """A block's description for the server (``describe_keys``)."""
+    return msgpack.packb(
+        [
+            META_VERSION,
+            chain_key,
+            meta.block_hash,
+            meta.parent_hash,
+            list(meta.token_ids),
+            None if meta.extra_keys is None else list(meta.extra_keys),
+        ],
+        use_bin_type=True,
+    )
+
+
+def decode_meta(data: bytes) -> Optional[Tuple[bytes, BlockMeta]]:
+    """The block a description names, or None for one this version cannot read."""
+    try:
+        fields = msgpack.unpackb(data, raw=False)
+    except Exception:
+        return None
+    if not (isinstance(fields, list) and len(fields) == 6 and fields[0] == META_VERSION):
+        return None
+    _, chain_key, block_hash, parent_hash, tokens, extra = fields
+    if not isinstance(chain_key, bytes) or not isinstance(tokens, list):
+        return None
+    if not all(isinstance(t, int) for t in tokens):
+        return None
+    extra_keys = None if extra is None else tuple(_tuples(extra))
+    return chain_key, BlockMeta(block_hash, parent_hash, tokens, extra_keys)
+
+
+def _tuples(items: Any) -> List[Any]:
+    """Lists back to the tuples the engine's extra keys were (msgpack has no tuple)."""
+    return [tuple(_tuples(i)) if isinstance(i, list) else i for i in items]
 
 
 class Announcer:
@@ -56,6 +102,8 @@ class Announcer:
         self._block_of: Dict[bytes, bytes] = {}
         self._present: "OrderedDict[bytes, Set[str]]" = OrderedDict()
         self._announced: Set[bytes] = set()
+        #: Blocks whose description the server holds (told by it, or sent to it).
+        self._described: Set[bytes] = set()
         self._out: List[Any] = []
 
     def learn(self, chain_key: bytes, meta: BlockMeta) -> None:
@@ -70,15 +118,26 @@ class Announcer:
             self._forget(next(iter(self._meta)))
         self._settle(chain_key)
 
-    def apply(self, cursor: bytes, resync: bool, events: Sequence[Tuple[bool, bytes, str]]) -> None:
+    def apply(
+        self,
+        cursor: bytes,
+        resync: bool,
+        events: Sequence[Tuple[bool, bytes, str, Optional[bytes]]],
+    ) -> None:
         """Applies one ``kv_events`` page."""
         if resync:
             for chain_key in sorted(self._announced):
                 self._out.append(self._removed(self._meta[chain_key].block_hash))
             self._announced.clear()
             self._present.clear()
+            self._described.clear()
         touched: List[bytes] = []
-        for stored, key, tier in events:
+        for stored, key, tier, described in events:
+            if stored and described is not None:
+                block = decode_meta(described)
+                if block is not None and self._rank_key(block[0], 0) == key:
+                    self.learn(*block)
+                    self._described.add(block[0])
             if stored:
                 self._present.setdefault(key, set()).add(tier)
                 self._present.move_to_end(key)
@@ -98,6 +157,20 @@ class Announcer:
         for chain_key in dict.fromkeys(touched):
             self._settle(chain_key)
         self.cursor = cursor
+
+    def to_describe(self, limit: int) -> List[Tuple[bytes, bytes, bytes]]:
+        """Up to ``limit`` announced blocks whose description the server lacks:
+        ``(chain_key, first shard's server key, description)``."""
+        out = []
+        for chain_key in self._announced:
+            if chain_key not in self._described and len(out) < limit:
+                meta = self._meta[chain_key]
+                out.append((chain_key, self._rank_key(chain_key, 0), encode_meta(chain_key, meta)))
+        return out
+
+    def mark_described(self, chain_keys: Sequence[bytes]) -> None:
+        """The server holds these blocks' descriptions now."""
+        self._described.update(chain_keys)
 
     def withdraw_all(self) -> None:
         """The server cannot be reached: nothing is loadable. Everything announced is
@@ -132,6 +205,7 @@ class Announcer:
         """Drops a block's metadata: withdrawn if announced (its removal could not be
         told later)."""
         meta = self._meta.pop(chain_key)
+        self._described.discard(chain_key)
         for rank in range(self._shards):
             self._block_of.pop(self._rank_key(chain_key, rank), None)
         if chain_key in self._announced:

@@ -169,6 +169,8 @@ except ImportError:  # pragma: no cover - a vLLM that publishes them as computed
 
 #: What kvwarden's announcements say owns the blocks.
 OWNERSHIP = "kvwarden"
+#: Blocks described to the server at most per step (one ``describe_keys``).
+MAX_DESCRIBED = 256
 
 
 @dataclass
@@ -451,6 +453,13 @@ class KvwardenConnector(KVConnectorBase_V1):
                     announcer.apply(page.cursor, page.resync, page.events)
                     if not page.more:
                         break
+                # What this engine learned, for the tenant's other engines to announce.
+                describe = announcer.to_describe(MAX_DESCRIBED)
+                if describe:
+                    answers = worker.describe_keys([(key, meta) for _, key, meta in describe])
+                    announcer.mark_described(
+                        [block for (block, _, _), ok in zip(describe, answers) if ok]
+                    )
             except Exception as error:  # unreachable: nothing is loadable from it now
                 worker.outage.failed("kv_events (withdrawing kvwarden's blocks)", error)
                 self._backoff.failed()

@@ -108,14 +108,15 @@ def new_instance_id() -> int:
 
 class KvEvents(NamedTuple):
     """A page of ``kv_events``: what entered (``True``) and left (``False``) a tier
-    (``"l1"`` or ``"l2"``) in the worker's tenant, in order, as ``(stored, key, tier)``.
+    (``"l1"`` or ``"l2"``) in the worker's tenant, in order, as ``(stored, key, tier,
+    meta)``: ``meta`` is the key's description (``describe_keys``) or None.
     With ``resync``, withdraw everything announced before applying ``events`` (they
     begin with every key L1 holds now). Pass ``cursor`` to the next call; call again at
     once while ``more``."""
 
     cursor: bytes
     resync: bool
-    events: List[Tuple[bool, bytes, str]]
+    events: List[Tuple[bool, bytes, str, Optional[bytes]]]
     more: bool
 
 
@@ -475,9 +476,21 @@ class Worker:
         return KvEvents(
             cursor=bytes(value["cursor"]),
             resync=bool(value["resync"]),
-            events=[(bool(stored), bytes(key), str(tier)) for stored, key, tier in value["events"]],
+            events=[
+                (bool(stored), bytes(key), str(tier), None if meta is None else bytes(meta))
+                for stored, key, tier, meta in value["events"]
+            ],
             more=bool(value["more"]),
         )
+
+    def describe_keys(self, items: Sequence[Tuple[bytes, bytes]]) -> List[bool]:
+        """Attaches a description (at most 2048 bytes) to each key L1 holds in this
+        worker's tenant; ``kv_events`` readers get it with the key. One answer per item:
+        False where L1 does not hold the key."""
+        wire = [[bytes(key), bytes(meta)] for key, meta in items]
+        value, _ = self._request("describe_keys", [wire])
+        self.outage.answered()
+        return [bool(answer) for answer in value]
 
     # -- engine-driven transfers ----------------------------------------------------
 
