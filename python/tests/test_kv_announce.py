@@ -129,3 +129,14 @@ def test_a_description_that_does_not_name_its_shard_or_cannot_be_read_is_ignored
     assert a.take() == []
     assert decode_meta(b"\xc1garbage") is None
     assert decode_meta(encode_meta(b"k1", meta(1))) == (b"k1", meta(1))
+
+
+def test_a_block_is_described_again_when_its_first_shard_returns_to_l1() -> None:
+    a = make(shards=1)
+    a.learn(b"k0", meta(0))
+    a.apply(b"c", False, [shard(0, 0)])
+    assert [chain for chain, _, _ in a.to_describe(8)] == [b"k0"]
+    a.mark_described([b"k0"])  # refused, say: the shard was only in L2
+    assert a.to_describe(8) == [], "not asked again every step"
+    a.apply(b"d", False, [shard(0, 0, stored=False), shard(0, 0)])  # a new value in L1
+    assert [chain for chain, _, _ in a.to_describe(8)] == [b"k0"]

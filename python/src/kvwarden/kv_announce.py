@@ -138,6 +138,11 @@ class Announcer:
                 if block is not None and self._rank_key(block[0], 0) == key:
                     self.learn(*block)
                     self._described.add(block[0])
+            elif stored and tier == "l1":
+                # A new value of a block's first shard has no description: describe again.
+                first = self._block_of.get(key)
+                if first is not None and self._rank_key(first, 0) == key:
+                    self._described.discard(first)
             if stored:
                 self._present.setdefault(key, set()).add(tier)
                 self._present.move_to_end(key)
@@ -169,7 +174,8 @@ class Announcer:
         return out
 
     def mark_described(self, chain_keys: Sequence[bytes]) -> None:
-        """The server holds these blocks' descriptions now."""
+        """These blocks were described (or could not be: their first shard is not in
+        L1): not again until that shard enters L1 anew."""
         self._described.update(chain_keys)
 
     def withdraw_all(self) -> None:

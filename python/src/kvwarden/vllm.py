@@ -456,10 +456,9 @@ class KvwardenConnector(KVConnectorBase_V1):
                 # What this engine learned, for the tenant's other engines to announce.
                 describe = announcer.to_describe(MAX_DESCRIBED)
                 if describe:
-                    answers = worker.describe_keys([(key, meta) for _, key, meta in describe])
-                    announcer.mark_described(
-                        [block for (block, _, _), ok in zip(describe, answers) if ok]
-                    )
+                    # Refused ones (the first shard is not in L1) wait for it to return.
+                    worker.describe_keys([(key, meta) for _, key, meta in describe])
+                    announcer.mark_described([block for block, _, _ in describe])
             except Exception as error:  # unreachable: nothing is loadable from it now
                 worker.outage.failed("kv_events (withdrawing kvwarden's blocks)", error)
                 self._backoff.failed()
