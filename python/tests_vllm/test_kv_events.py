@@ -36,8 +36,10 @@ class Subscriber:
         #: Each announced block's parent and tokens.
         self.blocks: Dict = {}
 
-    def drain(self) -> None:
-        while self._socket.poll(0):
+    def drain(self, quiet_ms: int = 0) -> None:
+        """Applies every batch received; with ``quiet_ms``, until none came for that
+        long (the engine is idle: what it published has all arrived)."""
+        while self._socket.poll(quiet_ms):
             _topic, _seq, payload = self._socket.recv_multipart()
             self.apply(payload)
 
@@ -140,24 +142,29 @@ def test_the_blocks_a_subscriber_sees_on_cpu_are_those_kvwarden_serves(events_en
         return len({h for h, m in subscriber.held if m == "CPU"}) >= served
 
     wait_until(announced, "A's blocks announced on medium CPU", timeout=60.0)
-    cpu = {h for h, medium in subscriber.held if medium == "CPU"}
-    # A subscriber that joins late replays the engine's buffer: it holds the same.
+    # Once everything the (now idle) engine published has arrived, the live subscriber,
+    # and one that joins late and replays the engine's buffer, each hold what kvwarden
+    # serves the engine.
+    subscriber.drain(quiet_ms=500)
     late = Subscriber(endpoint)
     try:
         late.replay(replay)
-        assert {h for h, m in late.held if m == "CPU"} == cpu, "a late subscriber differs"
+        for who, view in (("live", subscriber), ("late", late)):
+            cpu = {h for h, medium in view.held if medium == "CPU"}
+            # Every block announced is served with every block before it (its prefix,
+            # rebuilt from the announced parents and tokens)...
+            for block_hash in cpu:
+                tokens = view.tokens(block_hash)
+                blocks = len(tokens) // BLOCK_SIZE
+                assert loadable(server.socket_path, engine, tokens) == blocks, (
+                    f"{who}: announced, not served"
+                )
+            # ...and every block of A it serves is announced.
+            prefixes = {tuple(view.tokens(h)) for h in cpu}
+            for n in range(1, served + 1):
+                assert tuple(A[: n * BLOCK_SIZE]) in prefixes, f"{who}: A's block {n} missing"
     finally:
         late.close()
-    # Every block announced is one kvwarden serves the engine, with every block before
-    # it (its prefix, rebuilt from the announced parents and tokens)...
-    for block_hash in cpu:
-        tokens = subscriber.tokens(block_hash)
-        blocks = len(tokens) // BLOCK_SIZE
-        assert loadable(server.socket_path, engine, tokens) == blocks, "announced, not served"
-    # ...and every block of A it serves is announced.
-    announced_prefixes = {tuple(subscriber.tokens(h)) for h in cpu}
-    for n in range(1, served + 1):
-        assert tuple(A[: n * BLOCK_SIZE]) in announced_prefixes, f"A's block {n} not announced"
 
     # The server goes away: the engine's next steps withdraw every CPU block.
     server.stop()
