@@ -10,8 +10,8 @@
 
 use super::process::{ServerProcess, cpu_time};
 use super::stats::Samples;
-use super::{BenchError, figure, progress};
-use kvwarden_client::{Client, ClientConfig, Endpoint, MemfdBuffer};
+use super::{BenchError, client, figure, progress, registered};
+use kvwarden_client::Client;
 use kvwarden_core::node::events::KvEventLog;
 use kvwarden_core::protocol::KvTier;
 use std::collections::HashMap;
@@ -48,15 +48,6 @@ const BATCH: u64 = 64;
 /// How long the reader may take to catch up before the benchmark gives up.
 const BOUND: Duration = Duration::from_secs(120);
 
-fn failed(what: &str) -> impl FnOnce(kvwarden_client::ClientError) -> BenchError + '_ {
-    move |error| BenchError::Failed(format!("{what}: {error}"))
-}
-
-fn connect(socket: &Path) -> Result<Client, BenchError> {
-    Client::connect(ClientConfig::new(Endpoint::Unix(socket.to_path_buf())))
-        .map_err(failed("connecting"))
-}
-
 fn key(n: u64) -> Vec<u8> {
     format!("events-{n}").into_bytes()
 }
@@ -79,7 +70,9 @@ fn store(
             .map(|(i, key)| (key.as_slice(), 0, i as u64 * chunk, chunk))
             .collect();
         let at = Instant::now();
-        client.store_batch(&items).map_err(failed("store_batch"))?;
+        client
+            .store_batch(&items)
+            .map_err(BenchError::client("store_batch"))?;
         asked.push((at, keys));
         first += count;
     }
@@ -97,7 +90,7 @@ struct Reader {
 
 impl Reader {
     fn start(socket: &Path, poll: Duration) -> Result<Reader, BenchError> {
-        let client = connect(socket)?;
+        let client = client(socket)?;
         let seen = Arc::new(Mutex::new(HashMap::new()));
         let changes = Arc::new(Mutex::new(0u64));
         let stop = Arc::new(AtomicBool::new(false));
@@ -199,11 +192,7 @@ pub fn run(args: &EventsArgs) -> Result<(), BenchError> {
     ];
     let server = ServerProcess::start("bench-events", &flags, "warn")?;
     let pid = server.pid();
-    let client = connect(&server.socket)?;
-    let buffer = Arc::new(MemfdBuffer::new((BATCH * chunk) as usize).map_err(failed("a memfd"))?);
-    client
-        .register(vec![Arc::clone(&buffer)], "bench-events", 1)
-        .map_err(failed("registering"))?;
+    let (client, _buffer) = registered(&server.socket, BATCH * chunk, "bench-events")?;
     // Warm-up: every page of the pool written once, the server's threads started.
     store(&client, 1 << 40..(1 << 40) + POOL_CHUNKS, chunk)?;
     let cpu = || cpu_time(pid).unwrap_or_default();
@@ -259,10 +248,10 @@ pub fn run(args: &EventsArgs) -> Result<(), BenchError> {
     let record = record_ns();
 
     // A reader of a server that dies: how long until it knows.
-    let watcher = connect(&server.socket)?;
+    let watcher = super::client(&server.socket)?;
     let mut cursor = watcher
         .kv_events(&[], 1024)
-        .map_err(failed("kv_events"))?
+        .map_err(BenchError::client("kv_events"))?
         .cursor;
     let killed = Instant::now();
     drop(server);

@@ -62,6 +62,42 @@ impl BenchError {
         let what = what.into();
         move |source| BenchError::Io { what, source }
     }
+
+    /// A worker client's error while doing `what`.
+    pub fn client(what: &str) -> impl FnOnce(kvwarden_client::ClientError) -> BenchError + '_ {
+        move |error| BenchError::Failed(format!("{what}: {error}"))
+    }
+}
+
+/// A worker client of the server at `socket`, registering nothing.
+pub fn client(socket: &std::path::Path) -> Result<kvwarden_client::Client, BenchError> {
+    use kvwarden_client::{Client, ClientConfig, Endpoint};
+    Client::connect(ClientConfig::new(Endpoint::Unix(socket.to_path_buf())))
+        .map_err(BenchError::client("connecting"))
+}
+
+/// A worker of the server at `socket` with one memfd buffer of `bytes` registered for
+/// `model`.
+pub fn registered(
+    socket: &std::path::Path,
+    bytes: u64,
+    model: &str,
+) -> Result<
+    (
+        kvwarden_client::Client,
+        std::sync::Arc<kvwarden_client::MemfdBuffer>,
+    ),
+    BenchError,
+> {
+    let client = client(socket)?;
+    let buffer = std::sync::Arc::new(
+        kvwarden_client::MemfdBuffer::new(bytes as usize)
+            .map_err(BenchError::client("a memfd buffer"))?,
+    );
+    client
+        .register(vec![std::sync::Arc::clone(&buffer)], model, 1)
+        .map_err(BenchError::client("registering"))?;
+    Ok((client, buffer))
 }
 
 /// Prints one figure on stdout: `ID name value unit (note)`.

@@ -7,11 +7,9 @@
 
 use super::process::ServerProcess;
 use super::raw::RawConnection;
-use super::{BenchError, figure, progress};
-use kvwarden_client::{Client, ClientConfig, Endpoint, MemfdBuffer};
+use super::{BenchError, figure, progress, registered};
 use std::io::Read;
 use std::path::Path;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Flags of `kvwarden bench restart`.
@@ -217,25 +215,9 @@ pub fn run(args: &RestartArgs) -> Result<(), BenchError> {
     Ok(())
 }
 
-/// A client error of `what`, as the benchmark's.
-fn failed(what: &str) -> impl FnOnce(kvwarden_client::ClientError) -> BenchError + '_ {
-    move |error| BenchError::Failed(format!("{what}: {error}"))
-}
-
-/// A worker of the server at `socket` with one memfd buffer of `bytes` registered.
-fn registered(socket: &Path, bytes: u64) -> Result<(Client, Arc<MemfdBuffer>), BenchError> {
-    let client = Client::connect(ClientConfig::new(Endpoint::Unix(socket.to_path_buf())))
-        .map_err(failed("connecting"))?;
-    let buffer = Arc::new(MemfdBuffer::new(bytes as usize).map_err(failed("a memfd buffer"))?);
-    client
-        .register(vec![Arc::clone(&buffer)], "bench-restart", 1)
-        .map_err(failed("registering"))?;
-    Ok((client, buffer))
-}
-
 /// Stores `chunks` chunks in batches of [`BATCH`]; returns how many were stored.
 fn fill(socket: &Path, chunks: u64, slot_bytes: u64) -> Result<u64, BenchError> {
-    let (client, buffer) = registered(socket, BATCH * slot_bytes)?;
+    let (client, buffer) = registered(socket, BATCH * slot_bytes, "bench-restart")?;
     let mut stored = 0;
     let mut first = 0;
     while first < chunks {
@@ -249,7 +231,9 @@ fn fill(socket: &Path, chunks: u64, slot_bytes: u64) -> Result<u64, BenchError> 
             .enumerate()
             .map(|(i, key)| (key.as_slice(), 0, i as u64 * slot_bytes, slot_bytes))
             .collect();
-        let answers = client.store_batch(&items).map_err(failed("store_batch"))?;
+        let answers = client
+            .store_batch(&items)
+            .map_err(BenchError::client("store_batch"))?;
         stored += answers.iter().filter(|&&ok| ok).count() as u64;
         first += count;
     }
@@ -258,7 +242,7 @@ fn fill(socket: &Path, chunks: u64, slot_bytes: u64) -> Result<u64, BenchError> 
 
 /// Retrieves up to 64 of the `stored` chunks, spread over them: (checked, identical).
 fn verify(socket: &Path, stored: u64, slot_bytes: u64) -> Result<(u64, u64), BenchError> {
-    let (client, buffer) = registered(socket, slot_bytes)?;
+    let (client, buffer) = registered(socket, slot_bytes, "bench-restart")?;
     let step = (stored / 64).max(1);
     let (mut checked, mut identical) = (0, 0);
     let mut got = vec![0u8; slot_bytes as usize];
@@ -266,7 +250,7 @@ fn verify(socket: &Path, stored: u64, slot_bytes: u64) -> Result<(u64, u64), Ben
         checked += 1;
         if client
             .retrieve(&key(n), 0, 0, slot_bytes)
-            .map_err(failed("retrieve"))?
+            .map_err(BenchError::client("retrieve"))?
             == Some(slot_bytes)
             && buffer.read(0, &mut got)
             && got == chunk(n, slot_bytes)
