@@ -534,6 +534,35 @@ def test_blocks_kvwarden_holds_are_announced_in_vllms_kv_events_and_withdrawn_on
     assert scheduler.connector._announcer.announced() == 0
 
 
+def test_a_lookup_that_finds_the_server_gone_has_every_block_withdrawn_at_the_next_step(
+    model_dir, server
+):
+    """Issue 42 (failure mode 74): in a step, vLLM asks for lookups before it takes the
+    connector's events. When a lookup is the first request to find the server gone,
+    the events read is skipped for the pause that follows, and the blocks are withdrawn
+    all the same (lookups report no hits: nothing is loadable). Control: while the
+    server answers, a new request's lookup withdraws nothing."""
+    from vllm.distributed.kv_events import BlockRemoved
+
+    scheduler = make_scheduler(model_dir, server.socket_path, kv_events=True)
+    _, rank0 = server_keys(scheduler, PROMPT, 4)
+    store_blocks(server.socket_path, rank0)
+    scheduler.add_request(hashed_request("r1", PROMPT))
+    scheduler.schedule()
+    assert len(scheduler.connector.take_events()) == 4, "the 4 blocks held are announced"
+    scheduler.add_request(hashed_request("r2", PROMPT[:-1] + [PROMPT[-1] + 1]))
+    scheduler.schedule()
+    assert scheduler.connector.take_events() == [], "the server answers: nothing withdrawn"
+
+    server.stop()
+    scheduler.add_request(hashed_request("r3", PROMPT[:-1] + [PROMPT[-1] + 2]))
+    scheduler.schedule()  # the lookup finds the server gone first
+    assert scheduler.connector.stats["lookup_failures"] == 1, "the lookup failed first"
+    withdrawn = scheduler.connector.take_events()
+    assert len(withdrawn) == 4 and all(isinstance(e, BlockRemoved) for e in withdrawn), withdrawn
+    assert scheduler.connector._announcer.announced() == 0
+
+
 def test_a_block_one_engine_described_is_announced_by_another_that_never_saw_it(model_dir, server):
     """Issue 42: engine A's scheduler saw the request and describes the blocks it
     announces; engine B's never did, and announces the same blocks, with the same

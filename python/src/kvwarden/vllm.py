@@ -438,13 +438,18 @@ class KvwardenConnector(KVConnectorBase_V1):
 
     def take_events(self) -> List[Any]:
         """The announcements since the last step: reads the server's ``kv_events`` (at
-        most every ``kvwarden_events_interval_seconds``, a few pages a step; nothing
-        while the server is unreachable)."""
+        most every ``kvwarden_events_interval_seconds``, a few pages a step). While the
+        server is unreachable, whichever request found it so, everything announced is
+        withdrawn."""
         announcer = self._announcer
         if announcer is None:
             return []
         now = time.monotonic()
-        if now - self._events_read_at >= self._events_interval and self._backoff.open():
+        if not self._backoff.open():
+            # A request to the server failed (a lookup, or an earlier read): until the
+            # pause ends, lookups report no hits, so nothing is loadable from it.
+            announcer.withdraw_all()
+        elif now - self._events_read_at >= self._events_interval:
             self._events_read_at = now
             worker = self._client()
             try:
