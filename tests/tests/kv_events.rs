@@ -9,7 +9,7 @@ use kvwarden_tests::l2_worker::{chunk, store, worker};
 use kvwarden_tests::{RawClient, Server, TempDir, fork_as_uid};
 use rmpv::Value;
 use serde_json::json;
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
 /// A chunk: one slot (`--slot-bytes 64K`; 16 slots in `--l1-bytes 1M`).
@@ -44,6 +44,8 @@ struct Reader {
     resyncs: u64,
     /// Every change read, in order: (stored, key).
     changes: Vec<(bool, Vec<u8>)>,
+    /// The description each announced key came with, where it had one.
+    described: BTreeMap<Vec<u8>, Vec<u8>>,
 }
 
 impl Reader {
@@ -51,12 +53,18 @@ impl Reader {
         if page.resync {
             self.resyncs += 1;
             self.announced.clear();
+            self.described.clear();
         }
         for event in page.events {
             if event.stored {
                 self.announced.insert(event.key.clone());
+                match event.meta {
+                    Some(meta) => self.described.insert(event.key.clone(), meta),
+                    None => self.described.remove(&event.key),
+                };
             } else {
                 self.announced.remove(&event.key);
+                self.described.remove(&event.key);
             }
             self.changes.push((event.stored, event.key));
         }
@@ -137,6 +145,11 @@ fn row_74_a_reader_announces_exactly_what_l1_serves_through_stores_and_evictions
 
 /// `raw`'s `kv_events` until caught up, from a new cursor: the keys announced.
 fn announced_by(raw: &mut RawClient) -> BTreeSet<Vec<u8>> {
+    read_through(raw).announced
+}
+
+/// A new reader's view, read through to the end.
+fn read_through(raw: &mut RawClient) -> Reader {
     let mut reader = Reader::default();
     loop {
         let reply = raw
@@ -149,7 +162,7 @@ fn announced_by(raw: &mut RawClient) -> BTreeSet<Vec<u8>> {
             .expect("kv_events answered");
         let page = KvEvents::from_value(&reply).expect("a kv_events reply");
         if !reader.apply(page) {
-            return reader.announced;
+            return reader;
         }
     }
 }
@@ -213,4 +226,75 @@ fn row_74_a_neighbour_reads_its_own_tenants_events_and_none_of_anothers() {
     let mut reader = Reader::default();
     reader.catch_up(&reader_client(&server));
     assert_eq!(reader.announced, (0..3).map(key).collect());
+}
+
+/// `describe_keys` of one key from a raw connection: its answer.
+fn describe(raw: &mut RawClient, key: &[u8], meta: &[u8]) -> Option<bool> {
+    let item = Value::Array(vec![
+        Value::Binary(key.to_vec()),
+        Value::Binary(meta.to_vec()),
+    ]);
+    let answers = raw
+        .request("describe_keys", vec![Value::Array(vec![item])])
+        .expect("a reply")
+        .result
+        .expect("describe_keys answered");
+    match answers.as_array().map(Vec::as_slice) {
+        Some([answer]) => answer.as_bool(),
+        _ => None,
+    }
+}
+
+#[test]
+fn row_74_a_neighbour_describes_its_own_keys_and_cannot_describe_anothers() {
+    let dir = TempDir::new("kv-events-74-describe");
+    let server = start(&dir);
+    let (client, buffer) = worker(&server, "m");
+    for n in 0..2 {
+        store(&client, &buffer, &key(n), &chunk(n, CHUNK));
+    }
+    let root_meta: &[u8] = b"root's description";
+    assert_eq!(
+        client
+            .describe_keys(&[(&key(0), root_meta)])
+            .expect("describe_keys"),
+        vec![true]
+    );
+    let socket = server.socket.clone();
+    let mut neighbour = fork_as_uid(NEIGHBOUR, move |parent| {
+        // Control: it describes its own chunk, and its reader gets the description.
+        let mut raw = neighbour_stores(&socket, 100);
+        let own = describe(&mut raw, &key(100), b"mine");
+        // The attack: root's chunks, by their names (its tenant holds none of them).
+        let forged_0 = describe(&mut raw, &key(0), b"forged");
+        let forged_1 = describe(&mut raw, &key(1), b"forged");
+        let seen: BTreeMap<String, String> = read_through(&mut raw)
+            .described
+            .into_iter()
+            .map(|(k, m)| {
+                (
+                    String::from_utf8_lossy(&k).into(),
+                    String::from_utf8_lossy(&m).into(),
+                )
+            })
+            .collect();
+        parent.send(json!([own, forged_0, forged_1, seen]));
+        json!(null)
+    });
+    assert_eq!(
+        neighbour.recv("the neighbour's answers and the descriptions it reads"),
+        json!([true, false, false, {"chunk-100": "mine"}]),
+        "its own key described and read back; root's keys refused, and none of root's \
+         descriptions reach its reader"
+    );
+    neighbour.finish("the neighbour");
+    // Root's reader: root's description on chunk-0, none on chunk-1, nothing forged.
+    let mut reader = Reader::default();
+    reader.catch_up(&reader_client(&server));
+    assert_eq!(reader.announced, (0..2).map(key).collect());
+    assert_eq!(
+        reader.described,
+        BTreeMap::from([(key(0), root_meta.to_vec())]),
+        "only root's own description"
+    );
 }
