@@ -41,6 +41,7 @@ class RealServer:
         resolution_seconds: float = 0.1,
         extra_args: Sequence[str] = (),
         slot_bytes: str = "1M",
+        l1_bytes: str = "64M",
     ) -> None:
         self.binary = binary
         self.socket_path = socket_path
@@ -59,7 +60,7 @@ class RealServer:
             "--resolution-seconds",
             str(resolution_seconds),
             "--l1-bytes",
-            "64M",
+            l1_bytes,
             "--slot-bytes",
             slot_bytes,
             "--allow-short-timeouts",

@@ -1,6 +1,7 @@
 """The announcer's rules (issue 42), without an engine: a block is announced once every
-shard is held and its metadata is known, withdrawn as soon as one shard is not, and a
-resync withdraws everything before it applies the snapshot."""
+shard is held, its metadata is known and its parent is announced, withdrawn (with the
+blocks after it) as soon as that stops being true, and a resync withdraws everything
+before it applies the snapshot."""
 
 from __future__ import annotations
 
@@ -56,11 +57,36 @@ def test_a_block_is_announced_once_every_shard_is_held_and_withdrawn_when_one_is
 
 def test_shards_held_before_their_block_is_known_are_announced_when_it_is() -> None:
     a = make()
-    a.apply(b"c", False, [shard(1, 0), shard(1, 1), shard(2, 0)])
+    a.apply(b"c", False, [shard(0, 0), shard(0, 1), shard(1, 0), shard(1, 1), shard(2, 0)])
     assert a.take() == [], "nothing known of these blocks yet"
     a.learn(b"k1", meta(1))
+    assert a.take() == [], "k1's parent is not known: k1 alone cannot be loaded"
+    a.learn(b"k0", meta(0))
     a.learn(b"k2", meta(2))
-    assert a.take() == [("stored", "h1", "h0", (1, 1))], "k2 lacks a shard"
+    assert a.take() == [
+        ("stored", "h0", None, (0, 0)),
+        ("stored", "h1", "h0", (1, 1)),
+    ], "k0, then k1 after it; k2 lacks a shard"
+
+
+def test_a_block_whose_parent_leaves_is_withdrawn_with_every_block_after_it() -> None:
+    """vLLM #57159: a block is loadable only with its whole prefix, so a block whose
+    parent left is not announced on its own. Control: the last block leaving withdraws
+    only itself."""
+    a = make(shards=1)
+    for n in range(4):
+        a.learn(f"k{n}".encode(), meta(n))
+    a.apply(b"c", False, [shard(n, 0) for n in range(4)])
+    assert [e[1] for e in a.take()] == ["h0", "h1", "h2", "h3"], "in chain order"
+    a.apply(b"d", False, [shard(3, 0, stored=False)])
+    assert a.take() == [("removed", "h3")], "control: only the last block"
+    a.apply(b"e", False, [shard(3, 0)])
+    assert a.take() == [("stored", "h3", "h2", (3, 3))]
+    a.apply(b"f", False, [shard(1, 0, stored=False)])
+    assert sorted(a.take()) == [("removed", "h1"), ("removed", "h2"), ("removed", "h3")]
+    assert a.announced() == 1, "k0 stays"
+    a.apply(b"g", False, [shard(1, 0)])
+    assert [e[1] for e in a.take()] == ["h1", "h2", "h3"], "back, in chain order"
 
 
 def test_a_resync_withdraws_everything_then_applies_the_snapshot() -> None:
@@ -69,14 +95,15 @@ def test_a_resync_withdraws_everything_then_applies_the_snapshot() -> None:
         a.learn(f"k{n}".encode(), meta(n))
     a.apply(b"c", False, [shard(n, 0) for n in range(3)])
     assert len(a.take()) == 3
-    a.apply(b"d", True, [shard(1, 0)])
+    a.apply(b"d", True, [shard(1, 0), shard(0, 0)])
     assert a.take() == [
         ("removed", "h0"),
         ("removed", "h1"),
         ("removed", "h2"),
+        ("stored", "h0", None, (0, 0)),
         ("stored", "h1", "h0", (1, 1)),
     ]
-    assert a.announced() == 1
+    assert a.announced() == 2
 
 
 def test_an_unreachable_server_withdraws_everything_and_the_next_read_starts_over() -> None:

@@ -1,7 +1,8 @@
 """Issue 42 (failure mode 74) with a real engine: vLLM publishes its KV events over
 ZMQ with the kvwarden connector, a subscriber decodes them with vLLM's own msgspec
 classes (as llm-d's indexer does), and the blocks it sees announced on medium ``CPU``
-are exactly those kvwarden can serve the engine; a server that goes away has them
+are exactly those kvwarden can serve the engine: after stores, for a subscriber that
+joins late, after an L1 eviction and a warm restart; a server that goes away has them
 withdrawn."""
 
 from __future__ import annotations
@@ -86,18 +87,35 @@ class Subscriber:
         self._socket.close(0)
 
 
+#: A prompt shorter than a block: a step that saves nothing.
+STEP = [5] * 20
+
+
 @pytest.fixture
-def events_engine(model: str, module_tmp: str, short_tmp: str) -> Iterator:
+def events_engine(model: str, module_tmp: str, short_tmp: str, request) -> Iterator:
     """A server of its own, an engine publishing its KV events to an ipc endpoint, and
-    a subscriber (joined before the first block is stored)."""
+    a subscriber (joined before the first block is stored). With ``small_pool`` (the
+    test's parameter), L1 holds 16 blocks, in a file a restart adopts."""
     from conftest import find_binary
 
+    extra: List[str] = []
+    small = getattr(request, "param", None) == "small_pool"
+    if small:
+        secret = os.path.join(short_tmp, "l1-secret")
+        with open(secret, "wb") as out:
+            out.write(os.urandom(32))
+        os.chmod(secret, 0o600)
+        extra = ["--l1-file", os.path.join(short_tmp, "l1"), "--l1-secret-file", secret]
     server = RealServer(
         find_binary(),
         os.path.join(short_tmp, "events.sock"),
         os.path.join(short_tmp, "events-server.log"),
         reap_timeout_seconds=60.0,
         registration_grace_seconds=120.0,
+        extra_args=extra,
+        # A block's shard (2 layers, K and V, 32 tokens × 2 heads × 32) is 16 KiB.
+        slot_bytes="64K" if small else "1M",
+        l1_bytes="1M" if small else "64M",
     )
     server.start()
     endpoint = f"ipc://{short_tmp}/kv-events"
@@ -127,6 +145,33 @@ def loadable(socket_path: str, engine: Engine, prompt) -> int:
         return worker.lookup([prefix.rank_key(k, 0) for k in keys])
 
 
+def mismatches(server: RealServer, engine: Engine, view: Subscriber, prompts) -> List[str]:
+    """How ``view``'s blocks on medium CPU differ from what kvwarden serves the engine:
+    every block announced must be served with its whole prefix (rebuilt from the
+    announced parents and tokens), and every block of ``prompts`` served (with its
+    prefix) must be announced. Empty: they agree."""
+    cpu = {h for h, medium in view.held if medium == "CPU"}
+    wrong = []
+    for block_hash in cpu:
+        tokens = view.tokens(block_hash)
+        blocks = len(tokens) // BLOCK_SIZE
+        if loadable(server.socket_path, engine, tokens) != blocks:
+            wrong.append(f"block {blocks} of a prompt announced, not served")
+    prefixes = {tuple(view.tokens(h)) for h in cpu}
+    for p, prompt in enumerate(prompts):
+        for n in range(1, loadable(server.socket_path, engine, prompt) + 1):
+            if tuple(prompt[: n * BLOCK_SIZE]) not in prefixes:
+                wrong.append(f"prompt {p}'s block {n} served, not announced")
+    return wrong
+
+
+def agreed(server: RealServer, engine: Engine, subscriber: Subscriber, prompts) -> bool:
+    """Steps the engine once (a prompt that saves nothing), then compares."""
+    engine.generate([STEP], max_tokens=1)
+    subscriber.drain(quiet_ms=200)
+    return not mismatches(server, engine, subscriber, prompts)
+
+
 def test_the_blocks_a_subscriber_sees_on_cpu_are_those_kvwarden_serves(events_engine) -> None:
     server, engine, subscriber, endpoint, replay = events_engine
     time.sleep(0.5)  # the SUB's connect completes before the first event (ZMQ slow joiner)
@@ -150,19 +195,7 @@ def test_the_blocks_a_subscriber_sees_on_cpu_are_those_kvwarden_serves(events_en
     try:
         late.replay(replay)
         for who, view in (("live", subscriber), ("late", late)):
-            cpu = {h for h, medium in view.held if medium == "CPU"}
-            # Every block announced is served with every block before it (its prefix,
-            # rebuilt from the announced parents and tokens)...
-            for block_hash in cpu:
-                tokens = view.tokens(block_hash)
-                blocks = len(tokens) // BLOCK_SIZE
-                assert loadable(server.socket_path, engine, tokens) == blocks, (
-                    f"{who}: announced, not served"
-                )
-            # ...and every block of A it serves is announced.
-            prefixes = {tuple(view.tokens(h)) for h in cpu}
-            for n in range(1, served + 1):
-                assert tuple(A[: n * BLOCK_SIZE]) in prefixes, f"{who}: A's block {n} missing"
+            assert mismatches(server, engine, view, [A]) == [], who
     finally:
         late.close()
 
@@ -175,3 +208,46 @@ def test_the_blocks_a_subscriber_sees_on_cpu_are_those_kvwarden_serves(events_en
         return not any(m == "CPU" for _, m in subscriber.held)
 
     wait_until(withdrawn, "every kvwarden block withdrawn", timeout=60.0)
+
+
+@pytest.mark.parametrize("events_engine", ["small_pool"], indirect=True)
+def test_after_an_eviction_and_a_warm_restart_a_subscriber_sees_what_kvwarden_serves(
+    events_engine,
+) -> None:
+    """L1 holds 16 blocks: D's 9 after A's 9 evict some of A's, and every block of A
+    that cannot be loaded any more (evicted, or after one evicted) is withdrawn; then
+    kvwarden restarts warm, adopts its pool, and the subscriber again sees exactly what
+    it serves."""
+    server, engine, subscriber, _, _ = events_engine
+    time.sleep(0.5)  # the SUB's connect completes before the first event (ZMQ slow joiner)
+    engine.generate([A], max_tokens=1)
+    wait_until(
+        lambda: (
+            agreed(server, engine, subscriber, [A]) and loadable(server.socket_path, engine, A) == 9
+        ),
+        "A's 9 blocks served and announced",
+    )
+    announced_before = len(subscriber.held)
+    engine.generate([D], max_tokens=1)
+    wait_until(
+        lambda: (
+            agreed(server, engine, subscriber, [A, D])
+            and loadable(server.socket_path, engine, D) == 9
+        ),
+        "D's blocks announced, and A's evicted ones withdrawn",
+    )
+    assert loadable(server.socket_path, engine, A) < 9, "D's blocks evicted some of A's"
+    assert len(subscriber.held) < announced_before + 9, "some of A's blocks withdrawn"
+
+    # A warm restart: the server adopts its pool, and the engine, after its resync,
+    # announces what it serves.
+    served_d = loadable(server.socket_path, engine, D)
+    server.restart()
+    wait_until(
+        lambda: (
+            agreed(server, engine, subscriber, [A, D])
+            and loadable(server.socket_path, engine, D) > 0
+        ),
+        "what the restarted server adopted, announced",
+    )
+    assert loadable(server.socket_path, engine, D) == served_d, "D adopted whole"

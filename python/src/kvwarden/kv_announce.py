@@ -4,7 +4,9 @@ A KV-aware router learns which blocks an engine can serve from the engine's KV e
 The server tells a reader what entered and left its tenant's tiers (``kv_events``); the
 scheduler-side connector turns that into the engine's own events for the blocks it can
 load from kvwarden: a block is announced once every shard of it (one per
-tensor-parallel rank) is held, in L1 or L2, and withdrawn as soon as one is not. The
+tensor-parallel rank) is held, in L1 or L2, and its parent is announced (a block loads
+only with its whole prefix, so one whose parent left is not announced on its own), and
+withdrawn, with every block after it, as soon as that stops being true. The
 server's keys do not say which tokens a block holds: a block is announced once its
 metadata (hash, parent, tokens, extra keys) is known, learned from a request with that
 prefix (``learn``) or from the description another engine of the tenant attached to
@@ -99,6 +101,9 @@ class Announcer:
         #: The reader's cursor for the next ``kv_events``.
         self.cursor = b""
         self._meta: "OrderedDict[bytes, BlockMeta]" = OrderedDict()
+        #: The block of each known hash, and the known blocks whose parent has a hash.
+        self._by_hash: Dict[Any, bytes] = {}
+        self._children: Dict[Any, Set[bytes]] = {}
         self._block_of: Dict[bytes, bytes] = {}
         self._present: "OrderedDict[bytes, Set[str]]" = OrderedDict()
         self._announced: Set[bytes] = set()
@@ -112,6 +117,9 @@ class Announcer:
             self._meta.move_to_end(chain_key)
             return
         self._meta[chain_key] = meta
+        self._by_hash[meta.block_hash] = chain_key
+        if meta.parent_hash is not None:
+            self._children.setdefault(meta.parent_hash, set()).add(chain_key)
         for rank in range(self._shards):
             self._block_of[self._rank_key(chain_key, rank)] = chain_key
         while len(self._meta) > MAX_BLOCKS:
@@ -192,20 +200,37 @@ class Announcer:
         """Blocks announced now."""
         return len(self._announced)
 
-    def _held(self, chain_key: bytes) -> bool:
-        return all(self._rank_key(chain_key, r) in self._present for r in range(self._shards))
-
-    def _settle(self, chain_key: bytes) -> None:
+    def _loadable(self, chain_key: bytes) -> bool:
+        """Known, every shard held, and its parent (if any) announced."""
         meta = self._meta.get(chain_key)
         if meta is None:
-            return
-        held = self._held(chain_key)
-        if held and chain_key not in self._announced:
-            self._announced.add(chain_key)
-            self._out.append(self._stored(meta))
-        elif not held and chain_key in self._announced:
-            self._announced.discard(chain_key)
-            self._out.append(self._removed(meta.block_hash))
+            return False
+        if not all(self._rank_key(chain_key, r) in self._present for r in range(self._shards)):
+            return False
+        if meta.parent_hash is None:
+            return True
+        parent = self._by_hash.get(meta.parent_hash)
+        return parent is not None and parent in self._announced
+
+    def _settle(self, chain_key: bytes) -> None:
+        """Announces or withdraws the block as it is loadable or not, then the blocks
+        after it (a parent's event always comes before its children's)."""
+        todo = [chain_key]
+        while todo:
+            block = todo.pop()
+            loadable = self._loadable(block)
+            if loadable == (block in self._announced):
+                continue
+            meta = self._meta.get(block)
+            if loadable and meta is not None:
+                self._announced.add(block)
+                self._out.append(self._stored(meta))
+            else:
+                self._announced.discard(block)
+                if meta is not None:
+                    self._out.append(self._removed(meta.block_hash))
+            if meta is not None:
+                todo.extend(self._children.get(meta.block_hash, ()))
 
     def _forget(self, chain_key: bytes) -> None:
         """Drops a block's metadata: withdrawn if announced (its removal could not be
@@ -214,6 +239,15 @@ class Announcer:
         self._described.discard(chain_key)
         for rank in range(self._shards):
             self._block_of.pop(self._rank_key(chain_key, rank), None)
+        if self._by_hash.get(meta.block_hash) == chain_key:
+            del self._by_hash[meta.block_hash]
+        siblings = self._children.get(meta.parent_hash)
+        if siblings is not None:
+            siblings.discard(chain_key)
+            if not siblings:
+                del self._children[meta.parent_hash]
         if chain_key in self._announced:
             self._announced.discard(chain_key)
             self._out.append(self._removed(meta.block_hash))
+            for child in list(self._children.get(meta.block_hash, ())):
+                self._settle(child)
