@@ -167,3 +167,18 @@ def test_a_block_is_described_again_when_its_first_shard_returns_to_l1() -> None
     assert a.to_describe(8) == [], "not asked again every step"
     a.apply(b"d", False, [shard(0, 0, stored=False), shard(0, 0)])  # a new value in L1
     assert [chain for chain, _, _ in a.to_describe(8)] == [b"k0"]
+
+
+def test_an_adapters_block_is_described_with_its_adapter_and_a_version_1_description_is_read() -> (
+    None
+):
+    import msgpack
+
+    adapter = meta(1)._replace(extra_keys=(("lora", "a"),), lora_name="a", lora_id=3)
+    assert decode_meta(encode_meta(b"k1", adapter)) == (b"k1", adapter)
+    # Another engine's connector of the version before: no adapter field.
+    version_1 = msgpack.packb([1, b"k1", "h1", "h0", [1, 1], None], use_bin_type=True)
+    assert decode_meta(version_1) == (b"k1", meta(1))
+    # An adapter field that is not [name, id]: not read.
+    bad = msgpack.packb([2, b"k1", "h1", "h0", [1, 1], None, [3, "a"]], use_bin_type=True)
+    assert decode_meta(bad) is None

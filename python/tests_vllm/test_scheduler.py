@@ -475,7 +475,7 @@ def test_the_connectors_counts_reach_vllms_stats_and_prometheus(model_dir, serve
     assert registry.get_sample_value("vllm:kvwarden_saves_dropped_total", labels) == 0
 
 
-def hashed_request(request_id: str, tokens: List[int]) -> Request:
+def hashed_request(request_id: str, tokens: List[int], **kwargs) -> Request:
     """A request with vLLM's block hashes, as the engine makes it."""
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -488,6 +488,7 @@ def hashed_request(request_id: str, tokens: List[int]) -> Request:
         SamplingParams(max_tokens=1, temperature=0),
         None,
         block_hasher=get_request_block_hasher(BLOCK_SIZE, hash_fn),
+        **kwargs,
     )
 
 
@@ -532,6 +533,38 @@ def test_blocks_kvwarden_holds_are_announced_in_vllms_kv_events_and_withdrawn_on
     assert all(isinstance(e, BlockRemoved) for e in withdrawn), withdrawn
     assert sorted(e.block_hashes[0] for e in withdrawn) == sorted(hashes)
     assert scheduler.connector._announcer.announced() == 0
+
+
+def test_an_adapters_blocks_are_announced_with_its_name_as_vllm_announces_them(model_dir, server):
+    """Issue 42: a LoRA adapter's blocks held in kvwarden are announced with the
+    adapter's name and id and its extra keys, as vLLM announces its own; another
+    adapter's request for the same tokens announces nothing of them (control: its keys
+    are other keys, none held)."""
+    from vllm.lora.request import LoRARequest
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    scheduler = make_scheduler(model_dir, server.socket_path, kv_events=True)
+    connector = scheduler.connector
+
+    def adapter_request(request_id: str, name: str, adapter_id: int) -> Request:
+        lora = LoRARequest(name, adapter_id, f"/{name}")
+        return hashed_request(request_id, PROMPT, lora_request=lora)
+
+    request_b = adapter_request("b", "b", 2)
+    matched(scheduler, request_b)  # adapter b's keys: none stored
+    assert connector.take_events() == [], "nothing of adapter b is held"
+    keys_a = connector._keys(adapter_request("a0", "a", 1), PROMPT)
+    store_blocks(server.socket_path, [prefix.rank_key(k, 0) for k in keys_a[:3]])
+    request_a = adapter_request("a1", "a", 1)
+    assert matched(scheduler, request_a) == 3 * BLOCK_SIZE
+    events = connector.take_events()
+    # vLLM's hashes of the adapter's blocks (the adapter in each), not the base model's.
+    hashes = [maybe_convert_block_hash(h) for h in request_a.block_hashes[:3]]
+    assert [e.block_hashes[0] for e in events] == hashes
+    plain = hashed_request("p", PROMPT)
+    assert not set(hashes) & {maybe_convert_block_hash(h) for h in plain.block_hashes}
+    assert {(e.lora_name, e.lora_id) for e in events} == {("a", 1)}
+    assert all(e.extra_keys == [("a",)] for e in events), events[0].extra_keys
 
 
 def test_a_lookup_that_finds_the_server_gone_has_every_block_withdrawn_at_the_next_step(

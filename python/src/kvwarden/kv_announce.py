@@ -37,10 +37,14 @@ class BlockMeta(NamedTuple):
     parent_hash: Optional[Any]
     token_ids: List[int]
     extra_keys: Optional[Tuple[Any, ...]]
+    #: The LoRA adapter whose block it is (vLLM's ``lora_name`` and ``lora_id``).
+    lora_name: Optional[str] = None
+    lora_id: Optional[int] = None
 
 
-#: The description format's version (the first element of an encoded description).
-META_VERSION = 1
+#: The description format's version (the first element of an encoded description):
+#: 2 adds the adapter; version 1 descriptions (no adapter) are still read.
+META_VERSION = 2
 
 
 def encode_meta(chain_key: bytes, meta: BlockMeta) -> bytes:
@@ -53,6 +57,7 @@ def encode_meta(chain_key: bytes, meta: BlockMeta) -> bytes:
             meta.parent_hash,
             list(meta.token_ids),
             None if meta.extra_keys is None else list(meta.extra_keys),
+            None if meta.lora_name is None else [meta.lora_name, meta.lora_id],
         ],
         use_bin_type=True,
     )
@@ -64,15 +69,26 @@ def decode_meta(data: bytes) -> Optional[Tuple[bytes, BlockMeta]]:
         fields = msgpack.unpackb(data, raw=False)
     except Exception:
         return None
-    if not (isinstance(fields, list) and len(fields) == 6 and fields[0] == META_VERSION):
+    if not isinstance(fields, list) or (fields[:1], len(fields)) not in (([1], 6), ([2], 7)):
         return None
-    _, chain_key, block_hash, parent_hash, tokens, extra = fields
+    _, chain_key, block_hash, parent_hash, tokens, extra = fields[:6]
+    lora = fields[6] if len(fields) == 7 else None
     if not isinstance(chain_key, bytes) or not isinstance(tokens, list):
         return None
     if not all(isinstance(t, int) for t in tokens):
         return None
+    lora_name, lora_id = None, None
+    if lora is not None:
+        if not (
+            isinstance(lora, list)
+            and len(lora) == 2
+            and isinstance(lora[0], str)
+            and (lora[1] is None or isinstance(lora[1], int))
+        ):
+            return None
+        lora_name, lora_id = lora
     extra_keys = None if extra is None else tuple(_tuples(extra))
-    return chain_key, BlockMeta(block_hash, parent_hash, tokens, extra_keys)
+    return chain_key, BlockMeta(block_hash, parent_hash, tokens, extra_keys, lora_name, lora_id)
 
 
 def _tuples(items: Any) -> List[Any]:

@@ -408,9 +408,9 @@ class KvwardenConnector(KVConnectorBase_V1):
                 parent_block_hash=meta.parent_hash,
                 token_ids=meta.token_ids,
                 block_size=block_size,
-                lora_id=None,
+                lora_id=meta.lora_id,
                 medium=MEDIUM_CPU,
-                lora_name=None,
+                lora_name=meta.lora_name,
                 extra_keys=to_event_extra_keys([meta.extra_keys]),
                 ownership=OWNERSHIP,
             )
@@ -425,15 +425,19 @@ class KvwardenConnector(KVConnectorBase_V1):
     ) -> None:
         """Tells the announcer which block each key is (vLLM's hash, parent, tokens)."""
         hashes = list(getattr(request, "block_hashes", None) or ())
-        if self._announcer is None or getattr(request, "lora_request", None) is not None:
-            return  # (an adapter's blocks: their events would need its name; not announced)
+        if self._announcer is None:
+            return
+        lora = getattr(request, "lora_request", None)
+        lora_name = None if lora is None else lora.name
+        lora_id = None if lora is None else lora.adapter_id
         size = self._block_size
         parent = None
         for i, key in enumerate(keys[: len(hashes)]):
             block_hash = maybe_convert_block_hash(hashes[i])
             extra = tuple(extras[i]) if i < len(extras) and extras[i] else None
             tokens = list(prompt[i * size : (i + 1) * size])
-            self._announcer.learn(key, BlockMeta(block_hash, parent, tokens, extra))
+            meta = BlockMeta(block_hash, parent, tokens, extra, lora_name, lora_id)
+            self._announcer.learn(key, meta)
             parent = block_hash
 
     def take_events(self) -> List[Any]:
