@@ -34,6 +34,8 @@ class Subscriber:
         self._socket.connect(endpoint)
         self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         self.held: Set = set()
+        #: AllBlocksCleared events received.
+        self.cleared = 0
         #: Each announced block's parent and tokens.
         self.blocks: Dict = {}
 
@@ -73,6 +75,7 @@ class Subscriber:
                 self.held.difference_update((h, event.medium) for h in event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
                 self.held.clear()
+                self.cleared += 1
 
     def tokens(self, block_hash) -> List[int]:
         """The prompt prefix a block ends, from the announced parents and tokens."""
@@ -120,21 +123,33 @@ def events_engine(model: str, module_tmp: str, short_tmp: str, request) -> Itera
     server.start()
     endpoint = f"ipc://{short_tmp}/kv-events"
     replay = f"ipc://{short_tmp}/kv-replay"
-    engine = Engine(
-        model,
-        os.path.join(module_tmp, "events-engine.log"),
-        server.socket_path,
-        kv_events_endpoint=endpoint,
-        kv_events_replay=replay,
-        kvwarden_events_interval_seconds=0.0,
-        **FAST,
-    )
-    subscriber = Subscriber(endpoint)
+    engines: List[Engine] = []
+
+    def new_engine() -> Engine:
+        """An engine on this stream (another one: an engine restarted in place)."""
+        engines.append(
+            Engine(
+                model,
+                os.path.join(module_tmp, f"events-engine-{len(engines)}.log"),
+                server.socket_path,
+                kv_events_endpoint=endpoint,
+                kv_events_replay=replay,
+                kvwarden_events_interval_seconds=0.0,
+                **FAST,
+            )
+        )
+        return engines[-1]
+
     try:
-        yield server, engine, subscriber, endpoint, replay
+        engine = new_engine()
+        subscriber = Subscriber(endpoint)
+        try:
+            yield server, engine, subscriber, endpoint, replay, new_engine
+        finally:
+            subscriber.close()
     finally:
-        subscriber.close()
-        engine.close()
+        for engine in engines:
+            engine.close()
         server.stop()
 
 
@@ -173,7 +188,7 @@ def agreed(server: RealServer, engine: Engine, subscriber: Subscriber, prompts) 
 
 
 def test_the_blocks_a_subscriber_sees_on_cpu_are_those_kvwarden_serves(events_engine) -> None:
-    server, engine, subscriber, endpoint, replay = events_engine
+    server, engine, subscriber, endpoint, replay, _ = events_engine
     time.sleep(0.5)  # the SUB's connect completes before the first event (ZMQ slow joiner)
     engine.generate([A], max_tokens=8)
     # The engine steps again (another prompt): its scheduler reads kv_events and
@@ -218,7 +233,7 @@ def test_after_an_eviction_and_a_warm_restart_a_subscriber_sees_what_kvwarden_se
     that cannot be loaded any more (evicted, or after one evicted) is withdrawn; then
     kvwarden restarts warm, adopts its pool, and the subscriber again sees exactly what
     it serves."""
-    server, engine, subscriber, _, _ = events_engine
+    server, engine, subscriber, _, _, _ = events_engine
     time.sleep(0.5)  # the SUB's connect completes before the first event (ZMQ slow joiner)
     engine.generate([A], max_tokens=1)
     wait_until(
@@ -251,3 +266,42 @@ def test_after_an_eviction_and_a_warm_restart_a_subscriber_sees_what_kvwarden_se
         "what the restarted server adopted, announced",
     )
     assert loadable(server.socket_path, engine, D) == served_d, "D adopted whole"
+
+
+@pytest.mark.parametrize("events_engine", ["small_pool"], indirect=True)
+def test_an_engine_killed_and_restarted_in_place_leaves_no_stale_block(events_engine) -> None:
+    """The publishing rank SIGKILLed, then the engine restarted in place on the same
+    stream (llm-d-router #2853): while no engine runs, kvwarden evicts the blocks the
+    killed one announced, which a subscriber still holds (the control: stale). The
+    restarted engine's first batch begins with AllBlocksCleared, so the subscriber
+    forgets every block of the killed engine (kvwarden's here; the engine's own too,
+    with vLLM's prefix caching on), and then holds exactly what kvwarden serves the
+    new one."""
+    from conftest import store_blocks
+
+    server, engine, subscriber, _, _, new_engine = events_engine
+    time.sleep(0.5)  # the SUB's connect completes before the first event (ZMQ slow joiner)
+    engine.generate([A], max_tokens=1)
+    wait_until(
+        lambda: (
+            agreed(server, engine, subscriber, [A]) and loadable(server.socket_path, engine, A) == 9
+        ),
+        "A's 9 blocks served and announced",
+    )
+    engine.kill()
+    # 16 chunks of the same tenant fill L1: every block of A is evicted.
+    store_blocks(server.socket_path, [b"filler-%d" % i for i in range(16)])
+    assert loadable(server.socket_path, engine, A) == 0
+    subscriber.drain(quiet_ms=200)
+    assert mismatches(server, engine, subscriber, [A]), "control: A's blocks are stale"
+
+    restarted = new_engine()
+    restarted.generate([B], max_tokens=1)
+    wait_until(
+        lambda: (
+            agreed(server, restarted, subscriber, [A, B])
+            and loadable(server.socket_path, restarted, B) == 9
+        ),
+        "the killed engine's blocks forgotten, B's announced",
+    )
+    assert subscriber.cleared == 2, "each engine's first batch began with AllBlocksCleared"

@@ -147,6 +147,10 @@ DEFAULTS: Dict[str, Any] = {
     # With vLLM's KV events on: how often the scheduler reads the server's kv_events to
     # announce kvwarden's blocks (at most; one short request on the scheduler thread).
     "kvwarden_events_interval_seconds": 0.1,
+    # With vLLM's ZMQ KV events: the first batch this engine publishes begins with
+    # AllBlocksCleared, so a router drops what an earlier engine of the same stream
+    # announced (an engine restarted in place, or after its process was killed).
+    "kvwarden_clear_events_on_start": True,
 }
 
 #: vLLM's extra keys of a block (None where this vLLM has no such function).
@@ -166,6 +170,48 @@ try:
     from vllm.v1.core.kv_cache_utils import to_event_extra_keys
 except ImportError:  # pragma: no cover - a vLLM that publishes them as computed
     to_event_extra_keys = list
+
+if BlockStored is not None:
+    from vllm.distributed.kv_events import (
+        AllBlocksCleared,
+        EventPublisherFactory,
+        ZmqEventPublisher,
+    )
+
+    class ClearingZmqPublisher(ZmqEventPublisher):
+        """vLLM's ZMQ publisher whose first batch begins with ``AllBlocksCleared``: a
+        new engine process holds none of the blocks an earlier one on the same stream
+        announced (its GPU blocks are gone, and kvwarden's are announced again from
+        the server's snapshot), so a router forgets them (llm-d-router #2853)."""
+
+        NAME = "kvwarden-zmq"
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._cleared = False
+
+        def publish(self, events: Any) -> None:
+            if not self._cleared:
+                self._cleared = True
+                events.events = [AllBlocksCleared(), *events.events]
+            super().publish(events)
+
+
+def _clear_events_on_start(events_config: Any) -> None:
+    """Has vLLM's scheduler, created after its connector, publish through
+    :class:`ClearingZmqPublisher` instead of the plain ZMQ publisher."""
+    if BlockStored is None or events_config.publisher != "zmq":
+        return
+    try:
+        EventPublisherFactory.register_publisher(ClearingZmqPublisher.NAME, ClearingZmqPublisher)
+    except KeyError:
+        pass  # registered by an earlier connector of this process
+    events_config.publisher = ClearingZmqPublisher.NAME
+    log.info(
+        "kvwarden: vLLM's KV events begin with AllBlocksCleared (a router forgets an "
+        "earlier engine's blocks; kvwarden_clear_events_on_start: false to turn off)"
+    )
+
 
 #: What kvwarden's announcements say owns the blocks.
 OWNERSHIP = "kvwarden"
@@ -264,6 +310,8 @@ class KvwardenConnector(KVConnectorBase_V1):
             self._saving: Set[str] = set()
             self._extra_keys_failed = False
             self._announcer = self._make_announcer(vllm_config)
+            if self._announcer is not None and extra["kvwarden_clear_events_on_start"]:
+                _clear_events_on_start(vllm_config.kv_events_config)
             self._events_interval = float(extra["kvwarden_events_interval_seconds"])
             self._events_read_at = 0.0
             policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
