@@ -3,10 +3,13 @@
 //! serve it. Real `kvwarden serve`, the Rust client, and a neighbour of another uid
 //! (forked and setuid: the tests run as root).
 
+mod engine_support;
+
+use engine_support::{Helper, l1};
 use kvwarden::client::{Client, ClientConfig, Endpoint, KvEvents};
 use kvwarden_core::protocol::ReplyValue;
 use kvwarden_tests::l2_worker::{chunk, store, worker};
-use kvwarden_tests::{RawClient, Server, TempDir, fork_as_uid};
+use kvwarden_tests::{RawClient, Server, TempDir, find_instance, fork_as_uid};
 use rmpv::Value;
 use serde_json::json;
 use std::collections::{BTreeMap, BTreeSet};
@@ -297,4 +300,45 @@ fn row_74_a_neighbour_describes_its_own_keys_and_cannot_describe_anothers() {
         BTreeMap::from([(key(0), root_meta.to_vec())]),
         "only root's own description"
     );
+}
+
+/// The helper process of the process-exit test (a no-op when run as a test).
+#[test]
+fn helper_process_engine_worker() {
+    engine_support::run_helper_if_asked();
+}
+
+#[test]
+fn row_74_a_killed_engine_workers_unpublished_write_is_never_announced() {
+    let dir = TempDir::new("kv-events-74-killed");
+    let server = start(&dir);
+    let client = reader_client(&server);
+    let mut reader = Reader::default();
+    reader.catch_up(&client);
+    // An engine-driven worker publishes one key and reserves another (written, never
+    // committed), then is SIGKILLed: the reservation is discarded with its context.
+    let helper = Helper::spawn(
+        "helper_process_engine_worker",
+        &server.socket,
+        7411,
+        "engine,store:pub-k,reserve:half-k",
+    );
+    helper.kill();
+    server.wait_status("7411 freed (process_exited)", |s| {
+        find_instance(s, 7411).is_none() && l1(s, "slots_reserved") == 0
+    });
+    reader.catch_up(&client);
+    assert!(
+        reader.announced.contains(&b"pub-k"[..]),
+        "control: the published key is announced"
+    );
+    assert!(
+        !reader.changes.iter().any(|(_, key)| key == b"half-k"),
+        "the unpublished write is never announced, nor withdrawn: {:?}",
+        reader.changes
+    );
+    // Nor in a new reader's snapshot.
+    let mut fresh = Reader::default();
+    fresh.catch_up(&client);
+    assert_eq!(fresh.announced, BTreeSet::from([b"pub-k".to_vec()]));
 }
