@@ -2,8 +2,8 @@
 ZMQ with the kvwarden connector, a subscriber decodes them with vLLM's own msgspec
 classes (as llm-d's indexer does), and the blocks it sees announced on medium ``CPU``
 are exactly those kvwarden can serve the engine: after stores, for a subscriber that
-joins late, after an L1 eviction and a warm restart; a server that goes away has them
-withdrawn."""
+joins late, after an L1 eviction, a warm and a cold restart, and an engine killed and
+restarted in place; a server that goes away has them withdrawn."""
 
 from __future__ import annotations
 
@@ -223,6 +223,23 @@ def test_the_blocks_a_subscriber_sees_on_cpu_are_those_kvwarden_serves(events_en
         return not any(m == "CPU" for _, m in subscriber.held)
 
     wait_until(withdrawn, "every kvwarden block withdrawn", timeout=60.0)
+
+    # It comes back cold (an empty L1): nothing is announced until blocks are stored
+    # again, and then exactly those.
+    server.start()
+    wait_until(
+        lambda: agreed(server, engine, subscriber, [A]), "nothing announced of the cold server"
+    )
+    assert not any(m == "CPU" for _, m in subscriber.held)
+
+    def stored_again() -> bool:
+        # (Saved once the engine's workers have registered with the new server.)
+        engine.generate([A], max_tokens=1)
+        return (
+            agreed(server, engine, subscriber, [A]) and loadable(server.socket_path, engine, A) == 9
+        )
+
+    wait_until(stored_again, "A's blocks stored again and announced")
 
 
 @pytest.mark.parametrize("events_engine", ["small_pool"], indirect=True)
