@@ -124,6 +124,44 @@ fn decision_2_shutdown_stops_once_the_frees_return_and_gives_up_after_the_drain(
     )));
 }
 
+/// A copy still waiting for the pool when the drain ends never runs: it is answered
+/// `unavailable`, and nothing starts after the shutdown (found by the fuzz target
+/// node_events: a late report handed out a waiting copy after `Stopped`).
+#[test]
+fn decision_2_a_copy_still_waiting_for_the_pool_when_the_drain_ends_never_starts() {
+    let mut h = Harness::with_pool_window(8, 1);
+    let worker = id(1);
+    h.registered(worker);
+    let a = h.send(store(worker, b"a"));
+    let b = h.send(store(worker, b"b"));
+    let [(first, Direction::ToL1, 100)] = h.copies()[..] else {
+        panic!("the window of one hands out the first copy only")
+    };
+    // Control: while the shutdown drains, a waiting copy still goes when the window
+    // has room.
+    let c = h.send(store(worker, b"c"));
+    h.input(Input::Shutdown);
+    h.copy_done(first, Ok(100));
+    assert_eq!(h.answer(a), Value::from(true));
+    let [(second, Direction::ToL1, 100)] = h.copies()[..] else {
+        panic!("the second copy goes during the drain")
+    };
+    h.run_until(at(10.5)); // the drain is over, one copy running, one waiting
+    let refused = h.reply(c).expect("answered").expect_err("never ran");
+    assert_eq!(refused.code, ErrorCode::Unavailable);
+    assert!(refused.message.contains("shut down"), "{}", refused.message);
+    h.copy_done(second, Ok(100));
+    assert_eq!(h.answer(b), Value::from(true));
+    assert!(h.copies().is_empty(), "no copy starts after the drain");
+    let frees: Vec<_> = h.take(|o| match o {
+        Output::Job(Job::Free { free, .. }) => Some(*free),
+        _ => None,
+    });
+    assert_eq!(frees.len(), 1, "the free waited for the running copy only");
+    h.input(Input::FreeDone { free: frees[0] });
+    assert!(h.node.is_stopped());
+}
+
 // 3. Transfers are answered after their copy.
 #[test]
 fn decision_3_a_store_is_answered_once_its_copy_is_done_and_only_then_published() {

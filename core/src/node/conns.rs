@@ -208,7 +208,7 @@ impl Node {
         carried: usize,
     ) -> Result<Option<usize>, ProtocolError> {
         let bad_args = |message: String| ProtocolError::new(ErrorCode::BadArgs, message);
-        let Some(connection) = self.conns.get(&conn).filter(|_| self.shutdown.is_none()) else {
+        let Some(connection) = self.conns.get(&conn).filter(|_| !self.shutdown.begun()) else {
             return Ok(None);
         };
         if connection.transport != Transport::Unix {
@@ -293,8 +293,27 @@ impl Node {
     /// Hands a copy of `conn`'s tenant to the pool's queue ([`jobs`]): it goes to the
     /// shell in its tenant's turn.
     pub(super) fn submit_copy(&mut self, conn: ConnId, job: Job) {
+        if !self.shutdown.runs_copies() {
+            self.cancel_copy(job);
+            return;
+        }
         let tenant = self.tenant(conn);
         self.submit_for(tenant, job);
+    }
+
+    /// A copy that will not run (the shutdown's drain is over): it ends failed, so its
+    /// request is answered and its context's free no longer waits for it.
+    pub(super) fn cancel_copy(&mut self, job: Job) {
+        if let Job::Copy { copy, .. } = job {
+            self.copy_done(
+                copy,
+                Err(ProtocolError::new(
+                    ErrorCode::Unavailable,
+                    "the server shut down before this copy ran; reconnect to its successor, \
+                     register again and retry",
+                )),
+            );
+        }
     }
 
     /// Hands `tenant`'s job to the pool's queue: it goes in its tenant's turn.

@@ -89,6 +89,23 @@ impl JobQueue {
         self.running = self.running.saturating_sub(1);
     }
 
+    /// Takes every copy still waiting out of the queue (a shutdown's drain is over:
+    /// they will not run). Other jobs keep their turns.
+    pub(super) fn take_waiting_copies(&mut self) -> Vec<Job> {
+        let mut copies = Vec::new();
+        for queue in self.queues.values_mut() {
+            let (taken, kept): (VecDeque<Job>, VecDeque<Job>) = std::mem::take(queue)
+                .into_iter()
+                .partition(|job| matches!(job, Job::Copy { .. }));
+            copies.extend(taken);
+            *queue = kept;
+        }
+        self.queues.retain(|_, queue| !queue.is_empty());
+        self.turns.retain(|tenant| self.queues.contains_key(tenant));
+        self.waiting -= copies.len();
+        copies
+    }
+
     /// Whether `tenant` has copies waiting for its turn.
     pub(super) fn has_waiting(&self, tenant: TenantId) -> bool {
         self.queues.contains_key(&tenant)

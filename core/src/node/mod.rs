@@ -4,10 +4,11 @@
 //! pidfds, the simulator with simulated ones. It is composed of components, one file
 //! (or folder) each: the liveness registry, connections (`conns.rs`), who is who
 //! ([`trust`]), [`admission`], requests (`ops.rs`), transfers (`transfer.rs`, the L1
-//! slot table [`l1`], the engine-driven strategies [`engine`]), builds in flight
-//! (`builds.rs`), completions and the shutdown sequence (`outcomes.rs`), frees and
-//! their watchdog (`frees.rs`), process watches (`watches.rs`), [`blend`] and the L2
-//! tier ([`l2`]). `Node` routes each input to them and gathers their outputs.
+//! slot table [`l1`], the engine-driven strategies [`engine`]), built contexts and the
+//! copies against them (`contexts.rs`), open batches (`batches.rs`), builds in flight
+//! (`builds.rs`), completions (`outcomes.rs`), the shutdown sequence (`shutdown.rs`),
+//! frees and their watchdog (`frees.rs`), process watches (`watches.rs`), [`blend`] and
+//! the L2 tier ([`l2`]). `Node` routes each input to them and gathers their outputs.
 //!
 //! Shape (like quinn-proto's `Endpoint` or str0m's `Rtc`): time is passed in on every
 //! call; [`Node::handle_input`] for everything that arrives, [`Node::handle_timeout`]
@@ -24,9 +25,11 @@
 
 pub mod admission;
 mod adopt;
+mod batches;
 pub mod blend;
 mod builds;
 mod conns;
+mod contexts;
 pub mod engine;
 pub mod events;
 mod frees;
@@ -37,6 +40,7 @@ pub mod l2;
 pub mod mapped;
 mod ops;
 mod outcomes;
+mod shutdown;
 mod transfer;
 pub mod trust;
 mod view;
@@ -154,91 +158,19 @@ struct EntryDetails {
     model_name: String,
 }
 
-/// A built context's metadata.
-struct ContextInfo {
-    built: Built,
-    /// Copies running against it; its free waits for them.
-    copies: u32,
-    /// The free decided while copies ran.
-    deferred: Option<DeferredFree>,
-}
-
-/// A free decided while copies ran: whose, which module, why, and its label.
-type DeferredFree = (InstanceId, Module, FreeCause, &'static str);
-
-enum CopyFor {
-    Store(ReplyTo),
-    Retrieve(ReplyTo),
-    BatchStore { batch: u64, item: usize },
-    BatchRetrieve { batch: u64, item: usize },
-}
-
-struct CopyInFlight {
-    context: ContextId,
-    slot: SlotId,
-    purpose: CopyFor,
-}
-
-struct Batch {
-    reply: ReplyTo,
-    /// Its items: what it counts in its connection's in-flight limit.
-    items: usize,
-    /// The reply so far: `Answer::Stored` or `Answer::Lengths`, one answer per item.
-    results: Answer,
-    pending: usize,
-    failed: Option<ProtocolError>,
-    /// Items of a `retrieve_batch` naming a key an earlier item's L2 read is fetching:
-    /// each is served as that read ends (from L1 after a hit, a miss otherwise), as
-    /// the same key twice in L1 is (each counted in `pending`).
-    followers: Vec<Follower>,
-}
-
-/// A `retrieve_batch` item waiting for item `of`'s L2 read of the same key.
-struct Follower {
-    of: usize,
-    waiter: l2::ReadFor,
-    key: Vec<u8>,
-}
-
-impl Batch {
-    /// Item `item` ended: `moved` bytes copied (a store: stored), or None (a miss).
-    fn set(&mut self, item: usize, moved: Option<u64>) {
-        match &mut self.results {
-            Answer::Stored(stored) => {
-                if let Some(answer) = stored.get_mut(item) {
-                    *answer = moved.is_some();
-                }
-            }
-            Answer::Lengths(lengths) => {
-                if let Some(answer) = lengths.get_mut(item) {
-                    *answer = moved;
-                }
-            }
-            _ => {}
-        }
-    }
-}
-
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-enum Shutdown {
-    Draining { since: Instant },
-    Freeing { since: Instant },
-    Stopped,
-}
-
 /// The server's request logic. See the module docs.
 pub struct Node {
     config: NodeConfig,
     liveness: Liveness<ContextId>,
     conns: HashMap<ConnId, Conn>,
     records: BTreeMap<(InstanceId, Module), EntryDetails>,
-    contexts: HashMap<ContextId, ContextInfo>,
+    /// Built contexts, their strategies and the copies running against them.
+    contexts: contexts::Contexts,
     /// Builds in flight and the REGISTERs waiting for them.
     builds: Builds,
-    strategies: HashMap<ContextId, TransferStrategy>,
     l1: SlotTable,
-    copies: HashMap<CopyId, CopyInFlight>,
-    batches: HashMap<u64, Batch>,
+    /// Batches open until their last item ends.
+    batches: batches::Batches,
     blend: BlendBook,
     blends: HashMap<BlendId, (ReplyTo, InstanceId)>,
     /// Frees the shell runs, their watchdog, the counts of frees started.
@@ -248,8 +180,8 @@ pub struct Node {
     jobs_in_flight: usize,
     /// Builds, copies and blends waiting for their tenant's turn at the pool.
     jobs: jobs::JobQueue,
-    shutdown: Option<Shutdown>,
-    freed_at_shutdown: u64,
+    /// The shutdown sequence, once begun.
+    shutdown: shutdown::Shutdown,
     next_id: u64,
     /// The `now` of the call being handled.
     last_now: Instant,
@@ -335,6 +267,7 @@ impl Node {
             .transpose()?;
         let trust = Trust::new(&config.trust, config.server_uid)?;
         let pool_window = config.pool_window;
+        let shutdown = shutdown::Shutdown::new(config.shutdown_drain, config.free_watchdog);
         let mut l1 = SlotTable::new(config.num_slots, config.slot_bytes);
         for tenant in trust.tenants() {
             let quota = tenant
@@ -356,19 +289,16 @@ impl Node {
             liveness,
             conns: HashMap::default(),
             records: BTreeMap::new(),
-            contexts: HashMap::default(),
+            contexts: contexts::Contexts::default(),
             builds: Builds::default(),
-            strategies: HashMap::default(),
-            copies: HashMap::default(),
-            batches: HashMap::default(),
+            batches: batches::Batches::default(),
             blend: BlendBook::default(),
             blends: HashMap::default(),
             frees: Frees::default(),
             watches: Watches::default(),
             jobs_in_flight: 0,
             jobs: jobs::JobQueue::new(pool_window),
-            shutdown: None,
-            freed_at_shutdown: 0,
+            shutdown,
             next_id: 0,
             last_now: now,
             outputs: VecDeque::new(),
@@ -451,8 +381,7 @@ impl Node {
             Input::FreeDone { free } => self.free_done(now, free),
             Input::ProcessExited { process } => self.process_exited(now, process),
             Input::Shutdown => {
-                if self.shutdown.is_none() {
-                    self.shutdown = Some(Shutdown::Draining { since: now });
+                if self.shutdown.begin(now) {
                     self.note(Note::ShutdownStarted);
                 }
             }
@@ -491,12 +420,10 @@ impl Node {
 
     /// When `handle_timeout` must next be called (None: only after an input).
     pub fn poll_timeout(&self) -> Option<Instant> {
-        let mut at = match self.shutdown {
-            Some(Shutdown::Stopped) => return None,
-            Some(Shutdown::Draining { since }) => Some(since + self.config.shutdown_drain),
-            Some(Shutdown::Freeing { since }) => Some(since + self.config.free_watchdog),
-            None => None,
-        };
+        if self.shutdown.stopped() {
+            return None;
+        }
+        let mut at = self.shutdown.deadline();
         let mut earliest = |candidate: Instant| {
             at = Some(at.map_or(candidate, |at: Instant| at.min(candidate)));
         };
@@ -522,12 +449,12 @@ impl Node {
 
     /// Whether the shutdown is complete.
     pub fn is_stopped(&self) -> bool {
-        self.shutdown == Some(Shutdown::Stopped)
+        self.shutdown.stopped()
     }
 
     /// Whether a shutdown has begun.
     pub fn is_shutting_down(&self) -> bool {
-        self.shutdown.is_some()
+        self.shutdown.begun()
     }
 
     /// Read-only view of one entry's liveness (tests, the simulator).

@@ -109,7 +109,7 @@ impl Node {
     /// have attached it. A refused request refreshes nothing. `attach` is answered
     /// here; an admitted request comes back with its keys scoped to its tenant.
     fn admit(&mut self, to: ReplyTo, mut op: Op) -> Result<Admitted, Immediate> {
-        if self.shutdown.is_some() {
+        if self.shutdown.begun() {
             return Err(Some(Err(ProtocolError::new(
                 ErrorCode::Unavailable,
                 "the server is shutting down; reconnect to its successor and register again",

@@ -1,6 +1,8 @@
 //! What comes back: builds, copies, blends and frees done, process exits; the
 //! registry's effects; the free watchdog; the shutdown sequence.
 
+use super::contexts::{CopyFor, CopyInFlight};
+use super::shutdown::Step;
 use super::*;
 use crate::Effect;
 use crate::protocol::{ErrorCode, Outcome};
@@ -73,17 +75,7 @@ impl Node {
     ) -> Option<Result<(), ProtocolError>> {
         let (instance, module) = (ticket.instance(), ticket.module());
         self.contexts_built += 1;
-        if matches!(built, Built::EngineDriven) {
-            self.strategies.insert(context, TransferStrategy::default());
-        }
-        self.contexts.insert(
-            context,
-            ContextInfo {
-                built,
-                copies: 0,
-                deferred: None,
-            },
-        );
+        self.contexts.insert(context, built);
         if self.planted(PlantedBug::DropBuiltContext) {
             return None;
         }
@@ -109,7 +101,7 @@ impl Node {
                 purpose,
             },
             deferred,
-        )) = self.end_copy(copy)
+        )) = self.contexts.end_copy(copy)
         else {
             return;
         };
@@ -146,7 +138,7 @@ impl Node {
     /// nothing): its context is free of it, and a free that waited for it starts.
     pub(super) fn copy_dropped(&mut self, copy: CopyId) {
         if let Some((CopyInFlight { context, .. }, Some((instance, module, cause, label)))) =
-            self.end_copy(copy)
+            self.contexts.end_copy(copy)
         {
             self.start_free(context, instance, module, cause, label);
         }
@@ -155,30 +147,7 @@ impl Node {
     /// Frees not yet finished: those started (a job in flight) and those deferred until
     /// their context's copies end. The one count `status` and shutdown's wait both read.
     pub(super) fn frees_unfinished(&self) -> usize {
-        let deferred = self
-            .contexts
-            .values()
-            .filter(|info| info.deferred.is_some())
-            .count();
-        self.frees.running() + deferred
-    }
-
-    /// Ends `copy`'s count on its context: the copy, and the free deferred for it when
-    /// it was the last.
-    fn end_copy(&mut self, copy: CopyId) -> Option<(CopyInFlight, Option<DeferredFree>)> {
-        let ended = self.copies.remove(&copy)?;
-        let deferred = match self.contexts.get_mut(&ended.context) {
-            Some(info) => {
-                info.copies = info.copies.saturating_sub(1);
-                if info.copies == 0 {
-                    info.deferred.take()
-                } else {
-                    None
-                }
-            }
-            None => None,
-        };
-        Some((ended, deferred))
+        self.frees.running() + self.contexts.deferred_frees()
     }
 
     /// A store's copy finished: publish the slot (its bytes), or give it back
@@ -210,17 +179,10 @@ impl Node {
         item: usize,
         result: Result<Option<u64>, ProtocolError>,
     ) {
-        let Some(batch) = self.batches.get_mut(&id) else {
-            return;
-        };
         // Items naming the same key, waiting for this one's L2 read: served now, from
         // L1 when this one was (the read's hit is committed there), else a miss.
-        let (followers, rest) = std::mem::take(&mut batch.followers)
-            .into_iter()
-            .partition::<Vec<_>, _>(|follower| follower.of == item);
-        batch.followers = rest;
         let hit = matches!(result, Ok(Some(_)));
-        for follower in followers {
+        for follower in self.batches.take_followers(id, item) {
             if let l2::ReadFor::BatchRetrieve {
                 batch,
                 item,
@@ -232,35 +194,15 @@ impl Node {
                 self.resume_batch_item(batch, item, instance, context, want, &follower.key, hit);
             }
         }
-        let Some(batch) = self.batches.get_mut(&id) else {
-            return;
-        };
-        match result {
-            Ok(moved) => batch.set(item, moved),
-            Err(error) => {
-                batch.failed.get_or_insert(error);
-            }
+        if let Some(answered) = self.batches.item_ended(id, item, result) {
+            self.answer_batch(answered);
         }
-        batch.pending = batch.pending.saturating_sub(1);
-        if batch.pending > 0 {
-            return;
-        }
-        let Some(Batch {
-            reply,
-            items,
-            results,
-            failed,
-            ..
-        }) = self.batches.remove(&id)
-        else {
-            return;
-        };
-        self.end_job(reply.conn, items);
-        let answer = match failed {
-            Some(error) => Err(error),
-            None => Ok(results),
-        };
-        self.reply(reply, answer);
+    }
+
+    /// A batch closed: its connection's items are free, and its reply goes out.
+    pub(super) fn answer_batch(&mut self, answered: batches::Answered) {
+        self.end_job(answered.reply.conn, answered.items);
+        self.reply(answered.reply, answered.result);
     }
 
     pub(super) fn blend_done(&mut self, id: BlendId, result: Result<(), String>) {
@@ -415,29 +357,20 @@ impl Node {
     /// reported hung on resume (found by the simulator: a free across a server pause).
     fn credit_stall(&mut self, gap: Duration) {
         let now = self.last_now;
-        let before_gap = |since: Instant| now.saturating_duration_since(since) >= gap;
         self.frees.credit_stall(now, gap);
-        self.shutdown = match self.shutdown {
-            Some(Shutdown::Draining { since }) if before_gap(since) => {
-                Some(Shutdown::Draining { since: since + gap })
-            }
-            Some(Shutdown::Freeing { since }) if before_gap(since) => {
-                Some(Shutdown::Freeing { since: since + gap })
-            }
-            other => other,
-        };
+        self.shutdown.credit_stall(now, gap);
     }
 
     /// The registry handed a context back: release what it holds in L1 now, then free
     /// it once no copy uses it.
     fn free(&mut self, instance: InstanceId, module: Module, context: ContextId, cause: FreeCause) {
-        let label = if self.shutdown.is_some() && cause == FreeCause::Unregistered {
+        let label = if self.shutdown.begun() && cause == FreeCause::Unregistered {
             "shutdown"
         } else {
             cause.label()
         };
         self.forget_if_gone(instance);
-        if let Some(mut strategy) = self.strategies.remove(&context) {
+        if let Some(mut strategy) = self.contexts.take_strategy(context) {
             if self.planted(PlantedBug::KeepReservations) {
                 std::mem::forget(strategy);
             } else {
@@ -452,15 +385,14 @@ impl Node {
                 }
             }
         }
-        let wait_for_copies = !self.planted(PlantedBug::FreeDuringCopy);
-        if let Some(info) = self.contexts.get_mut(&context)
-            && info.copies > 0
-            && wait_for_copies
+        let free = (instance, module, cause, label);
+        if self.planted(PlantedBug::FreeDuringCopy) {
+            self.start_free(context, instance, module, cause, label);
+        } else if let Err((instance, module, cause, label)) =
+            self.contexts.defer_free(context, free)
         {
-            info.deferred = Some((instance, module, cause, label));
-            return;
+            self.start_free(context, instance, module, cause, label);
         }
-        self.start_free(context, instance, module, cause, label);
     }
 
     fn start_free(
@@ -471,12 +403,10 @@ impl Node {
         cause: FreeCause,
         label: &'static str,
     ) {
-        self.contexts.remove(&context);
+        self.contexts.remove(context);
         self.mapped.release(context);
         self.frees.count(label);
-        if self.shutdown.is_some() {
-            self.freed_at_shutdown += 1;
-        }
+        self.shutdown.count_free();
         if self.planted(PlantedBug::LeakOnFree) {
             return;
         }
@@ -506,20 +436,21 @@ impl Node {
         }
     }
 
-    /// Advances a shutdown: drain work in flight (at most `shutdown_drain`), then free
-    /// every entry, then wait for the frees (at most the free watchdog), then stop.
+    /// Advances a shutdown ([`shutdown`]): the node tells it whether the work in flight
+    /// has drained and how many frees are unfinished, and carries out its steps.
     pub(super) fn step_shutdown(&mut self, now: Instant) {
         loop {
-            match self.shutdown {
-                None | Some(Shutdown::Stopped) => return,
-                Some(Shutdown::Draining { since }) => {
-                    // Seals too: an upgrade's restart adopts what was sealed (row 71).
-                    let drained = self.jobs_in_flight == 0 && self.l1.sealing() == 0;
-                    if !drained && now.saturating_duration_since(since) < self.config.shutdown_drain
-                    {
-                        return;
+            // Seals count as work in flight: an upgrade's restart adopts what was sealed
+            // (row 71).
+            let drained = self.jobs_in_flight == 0 && self.l1.sealing() == 0;
+            match self.shutdown.step(now, drained, self.frees_unfinished()) {
+                Step::Wait => return,
+                Step::FreeEverything => {
+                    // Copies still waiting for the pool never run: answered, and their
+                    // contexts' frees no longer wait for them.
+                    for copy in self.jobs.take_waiting_copies() {
+                        self.cancel_copy(copy);
                     }
-                    self.shutdown = Some(Shutdown::Freeing { since: now });
                     if self.planted(PlantedBug::ShutdownLeaks) {
                         continue;
                     }
@@ -529,17 +460,13 @@ impl Node {
                     }
                     self.drain_effects();
                 }
-                Some(Shutdown::Freeing { since }) => {
-                    let unfinished = self.frees_unfinished();
-                    if unfinished > 0
-                        && now.saturating_duration_since(since) < self.config.free_watchdog
-                    {
-                        return;
-                    }
-                    self.shutdown = Some(Shutdown::Stopped);
+                Step::Stop {
+                    contexts_freed,
+                    frees_unfinished,
+                } => {
                     self.outputs.push_back(Output::Stopped {
-                        contexts_freed: self.freed_at_shutdown,
-                        frees_unfinished: unfinished,
+                        contexts_freed,
+                        frees_unfinished,
                     });
                     return;
                 }

@@ -2,6 +2,8 @@
 //! prepare/commit pair. The node's L1 slots ([`super::l1`]), the strategies
 //! ([`super::engine`]) and the copies in flight meet here; `ops.rs` dispatches to it.
 
+use super::batches::Follower;
+use super::contexts::CopyFor;
 use super::engine::{CommitStore, PrepareRetrieve, PrepareStore};
 use super::l1::Reservation;
 use super::l2::ReadFor;
@@ -52,7 +54,7 @@ impl Node {
         offset: u64,
         nbytes: u64,
     ) -> Result<usize, ProtocolError> {
-        let lens = match self.contexts.get(&context).map(|info| &info.built) {
+        let lens = match self.contexts.built(context) {
             Some(Built::ServerDriven { buffer_lens }) => buffer_lens,
             _ => {
                 return Err(bad_args(format!(
@@ -123,8 +125,8 @@ impl Node {
         nbytes: u64,
         purpose: CopyFor,
     ) {
-        let not_after = self.deadline_of(&purpose);
-        let conn = self.conn_of(&purpose);
+        let not_after = self.batches.deadline_of(&purpose);
+        let conn = self.batches.conn_of(&purpose);
         let copy = self.hold_copy(context, slot, purpose);
         self.submit_copy(
             conn,
@@ -150,17 +152,7 @@ impl Node {
         purpose: CopyFor,
     ) -> CopyId {
         let copy = CopyId(self.next_id());
-        if let Some(info) = self.contexts.get_mut(&context) {
-            info.copies += 1;
-        }
-        self.copies.insert(
-            copy,
-            CopyInFlight {
-                context,
-                slot,
-                purpose,
-            },
-        );
+        self.contexts.start_copy(copy, context, slot, purpose);
         copy
     }
 
@@ -287,7 +279,7 @@ impl Node {
         key: &[u8],
         want: Want,
     ) -> Immediate {
-        if !self.contexts.contains_key(&context) {
+        if !self.contexts.contains(context) {
             return Some(Err(super::l2::gone(instance, "retrieve")));
         }
         let index = match self.checked_buffer(
@@ -440,16 +432,10 @@ impl Node {
         }
         let batch = self.open_batch(to, results, items.len(), copies.len());
         self.ask_l2_for_misses(now, to, batch, instance, context, &items, misses);
-        if self
-            .batches
-            .get(&batch)
-            .is_some_and(|open| open.pending == 0)
-        {
+        if let Some(answered) = self.batches.close_if_idle(batch) {
             // Nothing copies and L2 was not asked: answer now.
-            if let Some(open) = self.batches.remove(&batch) {
-                self.end_job(to.conn, open.items);
-                return Some(Ok(open.results));
-            }
+            self.end_job(to.conn, answered.items);
+            return Some(answered.result);
         }
         for (item, slot, index, offset, nbytes) in copies {
             self.start_copy(
@@ -502,18 +488,16 @@ impl Node {
             if let Some(of) = first {
                 // The same key again: a second read would find the slot reserved and
                 // miss; this item waits for the first item's read instead.
-                if let Some(open) = self.batches.get_mut(&batch) {
-                    open.followers.push(Follower {
+                self.batches.follow(
+                    batch,
+                    Follower {
                         of,
                         waiter,
                         key: item.key.clone(),
-                    });
-                    open.pending += 1;
-                }
-            } else if self.l2_ask(now, &item.key, tenant, waiter).is_ok()
-                && let Some(open) = self.batches.get_mut(&batch)
-            {
-                open.pending += 1;
+                    },
+                );
+            } else if self.l2_ask(now, &item.key, tenant, waiter).is_ok() {
+                self.batches.wait_for_one_more(batch);
                 asked.push(position);
             }
         }
@@ -525,17 +509,7 @@ impl Node {
     fn open_batch(&mut self, to: ReplyTo, results: Answer, items: usize, pending: usize) -> u64 {
         let id = self.next_id();
         self.start_job(to.conn, items);
-        self.batches.insert(
-            id,
-            Batch {
-                reply: to,
-                items,
-                results,
-                pending,
-                failed: None,
-                followers: Vec::new(),
-            },
-        );
+        self.batches.open(id, to, results, items, pending);
         id
     }
 
@@ -549,7 +523,7 @@ impl Node {
         step: impl FnOnce(&mut TransferStrategy, &mut SlotTable) -> Result<Answer, ProtocolError>,
     ) -> Result<Answer, ProtocolError> {
         let context = self.transfer_context(now, instance, Module::EngineDriven, op)?;
-        let Some(strategy) = self.strategies.get_mut(&context) else {
+        let Some(strategy) = self.contexts.strategy_mut(context) else {
             return Err(ProtocolError::new(
                 ErrorCode::Internal,
                 format!("`{op}`: instance {instance}'s engine-driven entry holds another context"),
@@ -671,31 +645,6 @@ impl Node {
 }
 
 impl Node {
-    /// The connection a copy for `purpose` answers: its tenant's turn at the pool is
-    /// the copy's.
-    pub(super) fn conn_of(&self, purpose: &CopyFor) -> ConnId {
-        match purpose {
-            CopyFor::Retrieve(to) | CopyFor::Store(to) => to.conn,
-            CopyFor::BatchRetrieve { batch, .. } | CopyFor::BatchStore { batch, .. } => self
-                .batches
-                .get(batch)
-                .map_or(ConnId(u64::MAX), |batch| batch.reply.conn),
-        }
-    }
-
-    /// The deadline of a copy for `purpose`: its request's ([`ReplyTo::deadline`]) when
-    /// it copies into a worker's buffer, else None.
-    pub(super) fn deadline_of(&self, purpose: &CopyFor) -> Option<Instant> {
-        match purpose {
-            CopyFor::Retrieve(to) => to.deadline,
-            CopyFor::BatchRetrieve { batch, .. } => self
-                .batches
-                .get(batch)
-                .and_then(|batch| batch.reply.deadline),
-            CopyFor::Store(_) | CopyFor::BatchStore { .. } => None,
-        }
-    }
-
     /// Whether `deadline` (a request's) has passed: then no copy into its worker's
     /// buffer starts (row 60: the worker may have reused it). Counted.
     pub(super) fn past(&mut self, deadline: Option<Instant>) -> bool {

@@ -4,6 +4,7 @@
 
 use super::super::l1::Reservation;
 use super::*;
+use crate::node::contexts::CopyFor;
 
 impl Node {
     /// Asks L2 for `key` after an L1 miss: reserves a slot for the hit and sends
@@ -83,7 +84,7 @@ impl Node {
                 want.nbytes,
             )
             .ok()?;
-        let not_after = self.deadline_of(&purpose);
+        let not_after = self.batches.deadline_of(&purpose);
         Some(L2Delivery {
             copy: self.hold_copy(context, slot, purpose),
             context,
@@ -383,7 +384,7 @@ impl Node {
             self.item_done(batch, item, Ok(None));
             return;
         }
-        if !self.contexts.contains_key(&context) {
+        if !self.contexts.contains(context) {
             self.item_done(batch, item, Err(gone(instance, "retrieve_batch")));
             return;
         }
@@ -402,7 +403,7 @@ impl Node {
                 return;
             }
         };
-        let deadline = self.batches.get(&batch).and_then(|b| b.reply.deadline);
+        let deadline = self.batches.deadline(batch);
         let Some(slot) = self.pin_in_time(deadline, key, want.nbytes) else {
             self.item_done(batch, item, Ok(None));
             return;
