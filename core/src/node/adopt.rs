@@ -9,8 +9,14 @@
 //! lost (counted `taken`). Pins, reservations and engine-driven windows of the old
 //! process are never adopted: only committed values were ever sealed.
 
-use super::*;
-
+#[cfg(feature = "planted-bugs")]
+use crate::node::PlantedBug;
+use crate::node::Scanned;
+use crate::node::SlotId;
+use crate::node::TenantId;
+use crate::node::l1;
+use crate::node::{Job, Node, Note};
+use crate::time::Instant;
 /// Bytes of the pool one scan job checks.
 const SCAN_JOB_BYTES: u64 = 64 << 20;
 

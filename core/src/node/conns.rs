@@ -3,8 +3,14 @@
 //! [`MAX_IN_FLIGHT_PER_CONNECTION`], and at most [`MAX_ITEMS_IN_FLIGHT_PER_CONNECTION`]
 //! items: a batch counts each of its items) and, over TCP, the deadline for its token.
 
-use super::*;
-use crate::protocol::ErrorCode;
+use crate::Module;
+use crate::node::{
+    ConnId, DeathNotice, Job, MAX_IN_FLIGHT_PER_CONNECTION, MAX_ITEMS_IN_FLIGHT_PER_CONNECTION,
+    Node, Output, Peer, PeerAction, ProcessKey, TenantId, Transport, admission,
+};
+use crate::protocol::{ErrorCode, ProtocolError};
+use crate::time::Instant;
+use std::time::Duration;
 
 pub(super) struct Conn {
     pub(super) uid: Option<u32>,

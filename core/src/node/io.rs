@@ -2,8 +2,13 @@
 //! node asks of its shell) and [`Note`] (what it reports for logs and metrics), and the
 //! ids and kinds they carry.
 
-use super::*;
-
+use crate::node::{
+    AdoptionView, BlendId, L2Delivery, L2Fetched, L2Presence, L2ReadId, L2WriteId, SlotId,
+};
+use crate::protocol::{Answer, BufferSpec, Op, OpKind, ProtocolError, RopeSpec};
+use crate::time::Instant;
+use crate::{FreeCause, InstanceId, Module};
+use std::time::Duration;
 /// A connection, named by the shell (its token).
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ConnId(pub u64);

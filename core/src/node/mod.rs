@@ -46,11 +46,10 @@ pub mod trust;
 mod view;
 mod watches;
 
-use crate::FreeCause;
 use crate::id::InstanceId;
 use crate::liveness::{BuildTicket, Liveness, Status};
 use crate::module::Module;
-use crate::protocol::{Answer, BufferSpec, Op, OpKind, ProtocolError, RopeSpec};
+use crate::protocol::{Answer, OpKind, ProtocolError};
 use crate::time::Instant;
 use crate::{Config, ConfigError};
 
@@ -522,6 +521,7 @@ impl Node {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::protocol::Op;
 
     fn node() -> Node {
         let config = NodeConfig {

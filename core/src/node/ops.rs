@@ -6,7 +6,15 @@
 //! refuses (`forbidden`: not attached, not authenticated) never does.
 
 use super::engine::{MAX_HELD_SLOTS_PER_INSTANCE, MAX_PINS_PER_KEY, SlotGrant};
-use super::*;
+use crate::node::{
+    BlendId, ConnId, ContextId, DeathNotice, EntryDetails, Job, MAX_BUFFERS_PER_REGISTRATION, Node,
+    Note, Output, PeerAction, PlantedBug, ReplyTo, TenantId, Transport, admission, blend, trust,
+};
+use crate::protocol::{Answer, BufferSpec, Op, OpKind, ProtocolError, RopeSpec};
+use crate::time::Instant;
+use crate::{InstanceId, Module};
+use std::collections::BTreeMap;
+use std::time::Duration;
 
 /// Where a retrieve wants its bytes: exactly `nbytes` at `offset` of `buffer`.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]

@@ -3,9 +3,16 @@
 
 use super::contexts::{CopyFor, CopyInFlight};
 use super::shutdown::Step;
-use super::*;
 use crate::Effect;
+use crate::node::{
+    BlendChange, BlendId, Built, ConnId, ContextId, CopyId, FreeId, Job, Node, Note, Output,
+    PeerAction, PendingBuild, PlantedBug, ProcessKey, SlotId, batches, blend, l2,
+};
+use crate::protocol::{Answer, ProtocolError};
 use crate::protocol::{ErrorCode, Outcome};
+use crate::time::Instant;
+use crate::{BuildTicket, FreeCause, InstanceId, Module};
+use std::time::Duration;
 
 impl Node {
     pub(super) fn build_done(
@@ -478,6 +485,13 @@ impl Node {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Config;
+    use crate::node::DeathNotice;
+    use crate::node::Input;
+    use crate::node::NodeConfig;
+    use crate::node::SHUTDOWN_DRAIN;
+    use crate::node::Transport;
+    use crate::node::TrustConfig;
     use crate::protocol::Op;
 
     const SECOND: u64 = 1_000_000_000;

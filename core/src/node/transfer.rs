@@ -8,9 +8,15 @@ use super::engine::{CommitStore, PrepareRetrieve, PrepareStore};
 use super::l1::Reservation;
 use super::l2::ReadFor;
 use super::ops::{Immediate, Want, bad_args, pinned, reserved, too_many_held};
-use super::*;
 use crate::liveness::TransferError;
+use crate::node::{
+    Built, ConnId, ContextId, CopyId, Direction, Job, Node, PlantedBug, ReplyTo, SlotId, SlotTable,
+    TransferStrategy,
+};
+use crate::protocol::{Answer, ProtocolError};
 use crate::protocol::{ErrorCode, RetrieveItem, StoreItem};
+use crate::time::Instant;
+use crate::{InstanceId, Module};
 
 impl Node {
     /// The context of a transfer (liveness already refreshed by `evidence`).

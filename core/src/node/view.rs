@@ -1,7 +1,11 @@
 //! What the node shows of itself: [`NodeStatus`] for the status page and metrics,
 //! [`InstanceView`] per tracked entry, [`TenantStatus`] per tenant.
 
-use super::*;
+use crate::node::{DeathNotice, L2Status, L2Tier, Node, ProcessKey, TenantView};
+use crate::time::Instant;
+use crate::{InstanceId, Module, Status};
+use std::collections::BTreeMap;
+use std::time::Duration;
 /// One tracked entry, for status pages.
 #[derive(Clone, Debug, PartialEq)]
 pub struct InstanceView {

@@ -40,12 +40,17 @@
 //! None of this touches pings or reaping: a ping is answered before any of it.
 
 use super::ops::Want;
-use super::*;
+use crate::InstanceId;
 use crate::l2::{
     Admission, HEADER_BYTES, L2Counters, L2Health, L2HealthConfig, L2State, OpResult, Push,
     ReadOutcome, WriteOutcome, WriteQueue,
 };
+use crate::node::{ContextId, CopyId, L2Request, Node, Note, Output, ReplyTo, SlotId};
 use crate::protocol::ErrorCode;
+use crate::protocol::ProtocolError;
+use crate::time::Instant;
+use std::collections::BTreeMap;
+use std::time::Duration;
 
 mod reads;
 

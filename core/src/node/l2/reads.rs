@@ -3,8 +3,17 @@
 //! module docs of [`super`] say what each answer means).
 
 use super::super::l1::Reservation;
-use super::*;
+use super::{PendingRead, ReadFor, gone};
+use crate::InstanceId;
+use crate::l2::{Admission, OpResult, ReadOutcome};
 use crate::node::contexts::CopyFor;
+use crate::node::ops::Want;
+use crate::node::{
+    ContextId, CopyId, Direction, L2Delivery, L2Fetched, L2Presence, L2ReadId, L2Request, Node,
+    Output, PlantedBug, ReplyTo, SlotId, TenantId,
+};
+use crate::protocol::Answer;
+use crate::time::Instant;
 
 impl Node {
     /// Asks L2 for `key` after an L1 miss: reserves a slot for the hit and sends
