@@ -29,6 +29,7 @@ mod batches;
 pub mod blend;
 mod builds;
 mod conns;
+mod counters;
 mod contexts;
 pub mod engine;
 pub mod events;
@@ -185,17 +186,13 @@ pub struct Node {
     /// The `now` of the call being handled.
     last_now: Instant,
     outputs: VecDeque<Output>,
-    pings_total: u64,
-    pings_false: u64,
-    contexts_built: u64,
+    /// What `status` counts of pings, builds and refused transfers.
+    counters: counters::Counters,
     l2: Option<L2Tier>,
     trust: Trust,
     admission: admission::Admission,
     /// Bytes of peers' memfds mapped, under their caps.
     mapped: mapped::Mapped,
-    length_mismatches: u64,
-    /// Copies into a worker's buffer not started: its worker had stopped waiting.
-    past_deadline: u64,
     /// A restarted server's adoption of its pool file (row 71).
     adoption: Option<adopt::Adoption>,
     /// What entered and left L1, per tenant (`kv_events`).
@@ -280,8 +277,6 @@ impl Node {
             trust,
             admission: admission::Admission::new(config.connections),
             mapped: mapped::Mapped::new(config.mapped),
-            length_mismatches: 0,
-            past_deadline: 0,
             adoption: None,
             events: events::KvEventLog::new(config.boot_id),
             config,
@@ -301,9 +296,7 @@ impl Node {
             next_id: 0,
             last_now: now,
             outputs: VecDeque::new(),
-            pings_total: 0,
-            pings_false: 0,
-            contexts_built: 0,
+            counters: counters::Counters::default(),
             #[cfg(feature = "planted-bugs")]
             bug: None,
             #[cfg(feature = "planted-bugs")]

@@ -390,10 +390,7 @@ impl Node {
         } else {
             self.liveness.ping(now, instance)
         };
-        self.pings_total += 1;
-        if !tracked {
-            self.pings_false += 1;
-        }
+        self.counters.ping(tracked);
         tracked
     }
 

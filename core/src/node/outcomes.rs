@@ -81,7 +81,7 @@ impl Node {
         built: Built,
     ) -> Option<Result<(), ProtocolError>> {
         let (instance, module) = (ticket.instance(), ticket.module());
-        self.contexts_built += 1;
+        self.counters.context_built();
         self.contexts.insert(context, built);
         if self.planted(PlantedBug::DropBuiltContext) {
             return None;

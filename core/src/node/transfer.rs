@@ -255,7 +255,7 @@ impl Node {
         let (slot, len) = self.l1.pin(key)?;
         if len != nbytes {
             self.l1.unpin(slot);
-            self.length_mismatches += 1;
+            self.counters.length_mismatch();
             return None;
         }
         Some(slot)
@@ -655,7 +655,9 @@ impl Node {
     /// buffer starts (row 60: the worker may have reused it). Counted.
     pub(super) fn past(&mut self, deadline: Option<Instant>) -> bool {
         let past = deadline.is_some_and(|deadline| self.last_now > deadline);
-        self.past_deadline += u64::from(past);
+        if past {
+            self.counters.past_deadline();
+        }
         past
     }
 }

@@ -148,9 +148,9 @@ impl Node {
         NodeStatus {
             liveness: self.liveness.status(),
             resolution: self.liveness.config().resolution,
-            pings_total: self.pings_total,
-            pings_answered_false_total: self.pings_false,
-            contexts_built_total: self.contexts_built,
+            pings_total: self.counters.pings().0,
+            pings_answered_false_total: self.counters.pings().1,
+            contexts_built_total: self.counters.contexts_built(),
             freed_total: self.frees.started_by_label().clone(),
             frees_in_flight: self.frees_unfinished(),
             frees_hung_total: self.frees.hung_total(),
@@ -192,11 +192,11 @@ impl Node {
                     view,
                 })
                 .collect(),
-            retrieve_length_mismatches: self.length_mismatches,
+            retrieve_length_mismatches: self.counters.length_mismatches(),
             mapped_bytes: self.mapped.total(),
             mapped_limits: self.mapped.limits(),
             mapped_refused_total: self.mapped.refused(),
-            copies_past_deadline_total: self.past_deadline,
+            copies_past_deadline_total: self.counters.copies_past_deadline(),
         }
     }
 }
