@@ -3,6 +3,7 @@
 //! [`MAX_IN_FLIGHT_PER_CONNECTION`], and at most [`MAX_ITEMS_IN_FLIGHT_PER_CONNECTION`]
 //! items: a batch counts each of its items) and, over TCP, the deadline for its token.
 
+use super::HashMap;
 use crate::Module;
 use crate::node::{
     ConnId, DeathNotice, Job, MAX_IN_FLIGHT_PER_CONNECTION, MAX_ITEMS_IN_FLIGHT_PER_CONNECTION,
@@ -18,9 +19,9 @@ pub(super) struct Conn {
     pub(super) peer: Peer,
     pub(super) transport: Transport,
     pub(super) process: Option<(ProcessKey, DeathNotice)>,
-    pub(super) in_flight: usize,
+    in_flight: usize,
     /// Items of those requests (a batch's items; one for any other request).
-    pub(super) items_in_flight: usize,
+    items_in_flight: usize,
     /// Whether fds may still arrive on it: over the Unix socket until a `hello` says
     /// `sends_fds: false` (then the shell reads it without `SCM_RIGHTS`); never over TCP.
     pub(super) sends_fds: bool,
@@ -32,6 +33,112 @@ pub(super) struct Conn {
     /// Whose share of the connections it holds (a TCP peer moves from the strangers'
     /// to its tenant's when it authenticates).
     pub(super) holder: admission::Holder,
+}
+
+/// The connections, by id, and the requests they have running: the per-connection
+/// caps are theirs.
+#[derive(Default)]
+pub(super) struct Conns {
+    by_id: HashMap<ConnId, Conn>,
+    /// Requests running on every connection together (a shutdown's drain waits for
+    /// them).
+    jobs_in_flight: usize,
+}
+
+impl Conns {
+    pub(super) fn get(&self, conn: &ConnId) -> Option<&Conn> {
+        self.by_id.get(conn)
+    }
+
+    pub(super) fn get_mut(&mut self, conn: &ConnId) -> Option<&mut Conn> {
+        self.by_id.get_mut(conn)
+    }
+
+    pub(super) fn contains_key(&self, conn: &ConnId) -> bool {
+        self.by_id.contains_key(conn)
+    }
+
+    pub(super) fn insert(&mut self, conn: ConnId, connection: Conn) {
+        self.by_id.insert(conn, connection);
+    }
+
+    /// A connection went; what it had running is no longer counted against it.
+    pub(super) fn remove(&mut self, conn: &ConnId) -> Option<Conn> {
+        self.by_id.remove(conn)
+    }
+
+    pub(super) fn values(&self) -> impl Iterator<Item = &Conn> {
+        self.by_id.values()
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.by_id.len()
+    }
+
+    /// Requests running on every connection together.
+    pub(super) fn jobs_in_flight(&self) -> usize {
+        self.jobs_in_flight
+    }
+
+    /// Requests of `conn` still running (builds, copies, blends): a shell closes a
+    /// connection only once they are answered.
+    pub(super) fn in_flight(&self, conn: ConnId) -> usize {
+        self.by_id
+            .get(&conn)
+            .map_or(0, |connection| connection.in_flight)
+    }
+
+    /// Whether `conn` may start one more request of `items` items (a batch's length;
+    /// one for any other request): the in-flight limit counts items, so a connection's
+    /// batches cannot queue 64 × 1,024 copies (row 68).
+    pub(super) fn has_room(&self, conn: ConnId, items: usize) -> bool {
+        self.by_id.get(&conn).is_some_and(|connection| {
+            connection.in_flight < MAX_IN_FLIGHT_PER_CONNECTION
+                && connection.items_in_flight + items <= MAX_ITEMS_IN_FLIGHT_PER_CONNECTION
+        })
+    }
+
+    /// The refusal of a request [`Conns::has_room`] has no room for.
+    pub(super) fn overloaded(&self, conn: ConnId) -> ProtocolError {
+        let (requests, items) = self.by_id.get(&conn).map_or((0, 0), |connection| {
+            (connection.in_flight, connection.items_in_flight)
+        });
+        ProtocolError::new(
+            ErrorCode::Overloaded,
+            format!(
+                "this connection already has {requests} requests ({items} items) running; at \
+                 most {MAX_IN_FLIGHT_PER_CONNECTION} requests and \
+                 {MAX_ITEMS_IN_FLIGHT_PER_CONNECTION} items run at once (a batch counts its \
+                 items); wait for replies before sending more"
+            ),
+        )
+    }
+
+    /// The tenant `conn` acts for (checked by `dispatch` before any op runs).
+    pub(super) fn tenant(&self, conn: ConnId) -> TenantId {
+        self.by_id
+            .get(&conn)
+            .and_then(|connection| connection.peer.tenant())
+            .unwrap_or(TenantId(0))
+    }
+
+    /// A request of `conn` of `items` items starts running (answered later).
+    pub(super) fn start_job(&mut self, conn: ConnId, items: usize) {
+        self.jobs_in_flight += 1;
+        if let Some(connection) = self.by_id.get_mut(&conn) {
+            connection.in_flight += 1;
+            connection.items_in_flight += items;
+        }
+    }
+
+    /// The request [`Conns::start_job`] started is answered.
+    pub(super) fn end_job(&mut self, conn: ConnId, items: usize) {
+        self.jobs_in_flight = self.jobs_in_flight.saturating_sub(1);
+        if let Some(connection) = self.by_id.get_mut(&conn) {
+            connection.in_flight = connection.in_flight.saturating_sub(1);
+            connection.items_in_flight = connection.items_in_flight.saturating_sub(items);
+        }
+    }
 }
 
 impl Node {
@@ -195,9 +302,7 @@ impl Node {
     /// Requests of `conn` still running (builds, copies, blends): a shell closes a
     /// connection only once they are answered.
     pub fn in_flight(&self, conn: ConnId) -> usize {
-        self.conns
-            .get(&conn)
-            .map_or(0, |connection| connection.in_flight)
+        self.conns.in_flight(conn)
     }
 
     /// Where the pidfd a `hello` of `conn` names (`pidfd_index` = `index`, in a frame
@@ -244,58 +349,6 @@ impl Node {
         Ok(Some(position))
     }
 
-    /// Whether `conn` may start one more request of `items` items (a batch's length;
-    /// one for any other request): the in-flight limit counts items, so a connection's
-    /// batches cannot queue 64 × 1,024 copies (row 68).
-    pub(super) fn has_room(&self, conn: ConnId, items: usize) -> bool {
-        self.conns.get(&conn).is_some_and(|connection| {
-            connection.in_flight < MAX_IN_FLIGHT_PER_CONNECTION
-                && connection.items_in_flight + items <= MAX_ITEMS_IN_FLIGHT_PER_CONNECTION
-        })
-    }
-
-    /// The refusal of a request [`Node::has_room`] has no room for.
-    pub(super) fn overloaded(&self, conn: ConnId) -> ProtocolError {
-        let (requests, items) = self.conns.get(&conn).map_or((0, 0), |connection| {
-            (connection.in_flight, connection.items_in_flight)
-        });
-        ProtocolError::new(
-            ErrorCode::Overloaded,
-            format!(
-                "this connection already has {requests} requests ({items} items) running; at \
-                 most {MAX_IN_FLIGHT_PER_CONNECTION} requests and \
-                 {MAX_ITEMS_IN_FLIGHT_PER_CONNECTION} items run at once (a batch counts its \
-                 items); wait for replies before sending more"
-            ),
-        )
-    }
-
-    /// The tenant `conn` acts for (checked by `dispatch` before any op runs).
-    pub(super) fn tenant(&self, conn: ConnId) -> TenantId {
-        self.conns
-            .get(&conn)
-            .and_then(|connection| connection.peer.tenant())
-            .unwrap_or(TenantId(0))
-    }
-
-    /// A request of `conn` of `items` items starts running (answered later).
-    pub(super) fn start_job(&mut self, conn: ConnId, items: usize) {
-        self.jobs_in_flight += 1;
-        if let Some(connection) = self.conns.get_mut(&conn) {
-            connection.in_flight += 1;
-            connection.items_in_flight += items;
-        }
-    }
-
-    /// The request [`Node::start_job`] started is answered.
-    pub(super) fn end_job(&mut self, conn: ConnId, items: usize) {
-        self.jobs_in_flight = self.jobs_in_flight.saturating_sub(1);
-        if let Some(connection) = self.conns.get_mut(&conn) {
-            connection.in_flight = connection.in_flight.saturating_sub(1);
-            connection.items_in_flight = connection.items_in_flight.saturating_sub(items);
-        }
-    }
-
     /// Hands a copy of `conn`'s tenant to the pool's queue ([`jobs`]): it goes to the
     /// shell in its tenant's turn.
     pub(super) fn submit_copy(&mut self, conn: ConnId, job: Job) {
@@ -303,7 +356,7 @@ impl Node {
             self.cancel_copy(job);
             return;
         }
-        let tenant = self.tenant(conn);
+        let tenant = self.conns.tenant(conn);
         self.submit_for(tenant, job);
     }
 

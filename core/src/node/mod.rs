@@ -29,8 +29,8 @@ mod batches;
 pub mod blend;
 mod builds;
 mod conns;
-mod counters;
 mod contexts;
+mod counters;
 pub mod engine;
 pub mod events;
 mod frees;
@@ -71,7 +71,6 @@ pub enum NodeConfigError {
 pub use adopt::AdoptionView;
 use blend::{BlendBook, BlendId};
 use builds::{Builds, PendingBuild};
-use conns::Conn;
 use engine::TransferStrategy;
 use frees::Frees;
 pub use io::{
@@ -162,7 +161,8 @@ struct EntryDetails {
 pub struct Node {
     config: NodeConfig,
     liveness: Liveness<ContextId>,
-    conns: HashMap<ConnId, Conn>,
+    /// The connections and the requests they have running.
+    conns: conns::Conns,
     records: BTreeMap<(InstanceId, Module), EntryDetails>,
     /// Built contexts, their strategies and the copies running against them.
     contexts: contexts::Contexts,
@@ -177,7 +177,6 @@ pub struct Node {
     frees: Frees,
     /// Which process proves each instance's exit.
     watches: Watches,
-    jobs_in_flight: usize,
     /// Builds, copies and blends waiting for their tenant's turn at the pool.
     jobs: jobs::JobQueue,
     /// The shutdown sequence, once begun.
@@ -281,7 +280,7 @@ impl Node {
             events: events::KvEventLog::new(config.boot_id),
             config,
             liveness,
-            conns: HashMap::default(),
+            conns: conns::Conns::default(),
             records: BTreeMap::new(),
             contexts: contexts::Contexts::default(),
             builds: Builds::default(),
@@ -290,7 +289,6 @@ impl Node {
             blends: HashMap::default(),
             frees: Frees::default(),
             watches: Watches::default(),
-            jobs_in_flight: 0,
             jobs: jobs::JobQueue::new(pool_window),
             shutdown,
             next_id: 0,

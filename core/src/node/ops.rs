@@ -336,8 +336,9 @@ impl Node {
         let l1_count = self.l1.lookup_prefix(keys);
         // Its L2 remainder runs as a job: counted in the connection's cap, as every
         // transfer is (failure mode 46).
-        if self.l2.is_some() && (l1_count as usize) < keys.len() && !self.has_room(to.conn, 1) {
-            return Some(Err(self.overloaded(to.conn)));
+        if self.l2.is_some() && (l1_count as usize) < keys.len() && !self.conns.has_room(to.conn, 1)
+        {
+            return Some(Err(self.conns.overloaded(to.conn)));
         }
         self.l2_lookup(now, to, keys, l1_count)
             .map(|count| Ok(Answer::Count(count)))
@@ -513,10 +514,10 @@ impl Node {
         model_name: String,
     ) -> Immediate {
         let owner_uid = self.conns.get(&to.conn)?.uid;
-        if !self.has_room(to.conn, 1) {
-            return Some(Err(self.overloaded(to.conn)));
+        if !self.conns.has_room(to.conn, 1) {
+            return Some(Err(self.conns.overloaded(to.conn)));
         }
-        let tenant = self.tenant(to.conn);
+        let tenant = self.conns.tenant(to.conn);
         self.watch(to.conn, instance);
         match self.liveness.register(now, instance, module) {
             Registration::Refreshed => {
@@ -552,7 +553,7 @@ impl Node {
                     },
                 );
                 self.builds.start(context, ticket, to);
-                self.start_job(to.conn, 1);
+                self.conns.start_job(to.conn, 1);
                 self.submit_now(Job::Build {
                     context,
                     conn: to.conn,
@@ -665,13 +666,13 @@ impl Node {
                 )));
             }
         }
-        if !self.has_room(to.conn, 1) {
-            return Some(Err(self.overloaded(to.conn)));
+        if !self.conns.has_room(to.conn, 1) {
+            return Some(Err(self.conns.overloaded(to.conn)));
         }
         let id = BlendId(self.next_id());
         self.blend.begin(id, instance, rope.clone(), bytes);
         self.blends.insert(id, (to, instance));
-        self.start_job(to.conn, 1);
+        self.conns.start_job(to.conn, 1);
         self.submit_now(Job::Blend {
             blend: id,
             instance,

@@ -29,7 +29,7 @@ impl Node {
         else {
             return; // not a build of this node
         };
-        self.end_job(reply.conn, 1);
+        self.conns.end_job(reply.conn, 1);
         let (instance, module) = (ticket.instance(), ticket.module());
         let answer = match result {
             Ok(built) => match self.adopt_built(now, ticket, context, built) {
@@ -114,12 +114,12 @@ impl Node {
         };
         match purpose {
             CopyFor::Store(to) => {
-                self.end_job(to.conn, 1);
+                self.conns.end_job(to.conn, 1);
                 let stored = self.stored(slot, result);
                 self.reply(to, stored.map(|_| Answer::Flag(true)));
             }
             CopyFor::Retrieve(to) => {
-                self.end_job(to.conn, 1);
+                self.conns.end_job(to.conn, 1);
                 self.l1.unpin(slot);
                 // A copy the shell did not start by its deadline: counted, as the node's.
                 if result.is_err() {
@@ -208,7 +208,7 @@ impl Node {
 
     /// A batch closed: its connection's items are free, and its reply goes out.
     pub(super) fn answer_batch(&mut self, answered: batches::Answered) {
-        self.end_job(answered.reply.conn, answered.items);
+        self.conns.end_job(answered.reply.conn, answered.items);
         self.reply(answered.reply, answered.result);
     }
 
@@ -216,7 +216,7 @@ impl Node {
         let Some((to, instance)) = self.blends.remove(&id) else {
             return;
         };
-        self.end_job(to.conn, 1);
+        self.conns.end_job(to.conn, 1);
         let answer = match result {
             Err(message) => {
                 self.blend.abandon(id, instance);
@@ -449,7 +449,7 @@ impl Node {
         loop {
             // Seals count as work in flight: an upgrade's restart adopts what was sealed
             // (row 71).
-            let drained = self.jobs_in_flight == 0 && self.l1.sealing() == 0;
+            let drained = self.conns.jobs_in_flight() == 0 && self.l1.sealing() == 0;
             match self.shutdown.step(now, drained, self.frees_unfinished()) {
                 Step::Wait => return,
                 Step::FreeEverything => {

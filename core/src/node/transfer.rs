@@ -101,8 +101,8 @@ impl Node {
     ) -> Result<(ContextId, T), ProtocolError> {
         let context = self.transfer_context(now, instance, Module::ServerDriven, op)?;
         let checked = validate(self, context)?;
-        if !self.has_room(conn, items) {
-            return Err(self.overloaded(conn));
+        if !self.conns.has_room(conn, items) {
+            return Err(self.conns.overloaded(conn));
         }
         Ok((context, checked))
     }
@@ -183,11 +183,11 @@ impl Node {
             Ok(opened) => opened,
             Err(error) => return Some(Err(error)),
         };
-        match self.l1.reserve(&key, self.tenant(to.conn)) {
+        match self.l1.reserve(&key, self.conns.tenant(to.conn)) {
             Reservation::AlreadyStored => Some(Ok(Answer::Flag(true))),
             Reservation::Full => Some(Ok(Answer::Flag(false))),
             Reservation::Reserved(slot) => {
-                self.start_job(to.conn, 1);
+                self.conns.start_job(to.conn, 1);
                 self.start_copy(
                     context,
                     Direction::ToL1,
@@ -234,9 +234,9 @@ impl Node {
             context,
             want,
         };
-        match self.l2_ask(now, &key, self.tenant(to.conn), waiter) {
+        match self.l2_ask(now, &key, self.conns.tenant(to.conn), waiter) {
             Ok(()) => {
-                self.start_job(to.conn, 1);
+                self.conns.start_job(to.conn, 1);
                 None
             }
             Err(_) => Some(Ok(Answer::Length(None))), // a miss
@@ -302,7 +302,7 @@ impl Node {
         let Some(slot) = self.pin_in_time(to.deadline, key, want.nbytes) else {
             return Some(Ok(Answer::Length(None))); // a miss
         };
-        self.start_job(to.conn, 1);
+        self.conns.start_job(to.conn, 1);
         self.start_copy(
             context,
             Direction::FromL1,
@@ -357,7 +357,7 @@ impl Node {
         // A reserved item's `false` is a placeholder: its copy ends it (`item_done`).
         let mut results = vec![false; items.len()];
         let mut copies = Vec::new();
-        let tenant = self.tenant(to.conn);
+        let tenant = self.conns.tenant(to.conn);
         for (position, (item, index)) in items.into_iter().zip(indexes).enumerate() {
             results[position] = match self.l1.reserve(&item.key, tenant) {
                 Reservation::AlreadyStored => true,
@@ -440,7 +440,7 @@ impl Node {
         self.ask_l2_for_misses(now, to, batch, instance, context, &items, misses);
         if let Some(answered) = self.batches.close_if_idle(batch) {
             // Nothing copies and L2 was not asked: answer now.
-            self.end_job(to.conn, answered.items);
+            self.conns.end_job(to.conn, answered.items);
             return Some(answered.result);
         }
         for (item, slot, index, offset, nbytes) in copies {
@@ -471,7 +471,7 @@ impl Node {
         items: &[RetrieveItem],
         misses: Vec<usize>,
     ) {
-        let tenant = self.tenant(to.conn);
+        let tenant = self.conns.tenant(to.conn);
         // Items whose key an L2 read of this batch is fetching: the first of each key.
         let mut asked: Vec<usize> = Vec::new();
         for position in misses {
@@ -514,7 +514,7 @@ impl Node {
     /// `Answer::Lengths`).
     fn open_batch(&mut self, to: ReplyTo, results: Answer, items: usize, pending: usize) -> u64 {
         let id = self.next_id();
-        self.start_job(to.conn, items);
+        self.conns.start_job(to.conn, items);
         self.batches.open(id, to, results, items, pending);
         id
     }
@@ -546,7 +546,7 @@ impl Node {
         key: &[u8],
     ) -> Result<Answer, ProtocolError> {
         let num_slots = self.l1.num_slots();
-        let tenant = self.tenant(conn);
+        let tenant = self.conns.tenant(conn);
         let mut reserved_slot = None;
         let value =
             self.with_strategy(
@@ -617,13 +617,13 @@ impl Node {
         if answer != Ok(Answer::Pinned(None)) || !self.l2_enabled() || self.l1_holds(key) {
             return Some(answer);
         }
-        if !self.has_room(to.conn, 1) {
-            return Some(Err(self.overloaded(to.conn)));
+        if !self.conns.has_room(to.conn, 1) {
+            return Some(Err(self.conns.overloaded(to.conn)));
         }
-        let tenant = self.tenant(to.conn);
+        let tenant = self.conns.tenant(to.conn);
         match self.l2_ask(now, key, tenant, ReadFor::PrepareRetrieve { to, instance }) {
             Ok(()) => {
-                self.start_job(to.conn, 1);
+                self.conns.start_job(to.conn, 1);
                 None
             }
             Err(_) => Some(answer),

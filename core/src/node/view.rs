@@ -154,7 +154,7 @@ impl Node {
             freed_total: self.frees.started_by_label().clone(),
             frees_in_flight: self.frees_unfinished(),
             frees_hung_total: self.frees.hung_total(),
-            jobs_in_flight: self.jobs_in_flight,
+            jobs_in_flight: self.conns.jobs_in_flight(),
             pool_window: self.jobs.window(),
             pool_running: self.jobs.running(),
             pool_waiting: self.jobs.waiting(),

@@ -123,7 +123,7 @@ impl Node {
         if tier.health.admit(now) == Admission::Skip {
             return Some(l1_count);
         }
-        self.start_job(to.conn, 1);
+        self.conns.start_job(to.conn, 1);
         let waiter = ReadFor::Lookup { to, l1_count };
         self.l2_send_read(now, Vec::new(), None, None, waiter, |read| {
             Output::L2(L2Request::Exists {
@@ -260,7 +260,7 @@ impl Node {
         tier.counters.record_failed_probe(presence.op_result());
         self.l2_record(now, presence.op_result());
         if let ReadFor::Lookup { to, l1_count } = waiter {
-            self.end_job(to.conn, 1);
+            self.conns.end_job(to.conn, 1);
             let present = match presence {
                 L2Presence::Present(count) => count,
                 L2Presence::TimedOut | L2Presence::Failed => 0,
@@ -340,7 +340,7 @@ impl Node {
                 context,
                 want,
             } => {
-                self.end_job(to.conn, 1);
+                self.conns.end_job(to.conn, 1);
                 let answer = if hit {
                     self.retrieve_l1(to, instance, context, key, want)
                 } else {
@@ -360,7 +360,7 @@ impl Node {
                 self.resume_batch_item(batch, item, instance, context, want, key, hit);
             }
             ReadFor::PrepareRetrieve { to, instance } => {
-                self.end_job(to.conn, 1);
+                self.conns.end_job(to.conn, 1);
                 let answer = if hit {
                     self.prepare_retrieve_l1(now, instance, key)
                 } else {
@@ -369,7 +369,7 @@ impl Node {
                 self.reply(to, answer);
             }
             ReadFor::Lookup { to, l1_count } => {
-                self.end_job(to.conn, 1);
+                self.conns.end_job(to.conn, 1);
                 self.reply(to, Ok(Answer::Count(l1_count)));
             }
             ReadFor::Probe => {}
