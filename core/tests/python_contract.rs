@@ -1,5 +1,7 @@
 //! The Python client speaks the contract the Rust one does: its error-code table is
-//! exactly [`ErrorCode::ALL`], and every op it sends is a row of the op table.
+//! exactly [`ErrorCode::ALL`], every op it sends is a row of the op table, and its
+//! protocol version and limits (batch items, instance ids, secret length) are the
+//! server's.
 //!
 //! Read from the Python sources (`python/src/kvwarden/`), so that a code or an op
 //! added on one side only fails here, in `cargo test --workspace`.
@@ -127,4 +129,55 @@ fn the_scans_see_a_code_or_an_op_out_of_contract() {
     let ops = python_ops("x = self._request(\"teleport\", [1])\n");
     assert_eq!(ops, BTreeSet::from(["teleport".to_string()]));
     assert!(!OP_NAMES.contains(&"teleport"));
+}
+
+/// The integer a top-level `NAME = <expression>` of `source` sets, for the expressions
+/// the client uses: a literal (`1024`, `64 * 1024`) or `(1 << 63) - 1`.
+fn python_constant(source: &str, name: &str) -> Option<u64> {
+    let line = source
+        .lines()
+        .find(|line| line.starts_with(&format!("{name} = ")))?;
+    let expression = line[name.len() + 3..].split('#').next()?.trim();
+    if expression == "(1 << 63) - 1" {
+        return Some((1 << 63) - 1);
+    }
+    expression
+        .split('*')
+        .map(|factor| factor.trim().parse::<u64>().ok())
+        .product()
+}
+
+#[test]
+fn the_python_clients_limits_are_the_servers() {
+    use kvwarden_core::InstanceId;
+    use kvwarden_core::node::trust::{MAX_SECRET_BYTES, MIN_SECRET_BYTES};
+    use kvwarden_core::protocol::{MAX_BATCH_ITEMS, PROTOCOL_VERSION};
+    let wire = python_source("wire.py");
+    let worker = python_source("worker.py");
+    assert_eq!(
+        python_constant(&wire, "PROTOCOL_VERSION"),
+        Some(PROTOCOL_VERSION),
+        "python/src/kvwarden/wire.py's PROTOCOL_VERSION is not the server's"
+    );
+    assert_eq!(
+        python_constant(&worker, "MAX_BATCH_ITEMS"),
+        Some(MAX_BATCH_ITEMS as u64),
+        "python/src/kvwarden/worker.py's MAX_BATCH_ITEMS is not the server's"
+    );
+    assert_eq!(
+        python_constant(&worker, "INSTANCE_ID_MAX"),
+        Some(InstanceId::MAX),
+        "python/src/kvwarden/worker.py's INSTANCE_ID_MAX is not the server's"
+    );
+    let secret = python_constant(&worker, "SECRET_BYTES").expect("worker.py's SECRET_BYTES");
+    assert!(
+        (MIN_SECRET_BYTES as u64..=MAX_SECRET_BYTES as u64).contains(&secret),
+        "python/src/kvwarden/worker.py's SECRET_BYTES {secret} is outside the server's \
+         {MIN_SECRET_BYTES}..={MAX_SECRET_BYTES}"
+    );
+    // The control: the same reading of a doctored source sees the difference.
+    let doctored = wire.replace("PROTOCOL_VERSION = 3", "PROTOCOL_VERSION = 4");
+    assert_eq!(python_constant(&doctored, "PROTOCOL_VERSION"), Some(4));
+    assert_eq!(python_constant("X = 64 * 1024 * 1024", "X"), Some(64 << 20));
+    assert_eq!(python_constant("X = size()", "X"), None);
 }
