@@ -3,6 +3,7 @@
 //! live in the shell, which computes them when the node says `Job::Blend` and keeps,
 //! discards or drops them when it says so.
 
+use super::ReplyTo;
 use crate::id::InstanceId;
 use crate::protocol::RopeSpec;
 use std::collections::HashMap;
@@ -78,6 +79,8 @@ pub struct BlendBook {
     /// instance → (computation, parameters, bytes) whose result is wanted.
     pending: HashMap<InstanceId, (BlendId, RopeSpec, u64)>,
     held_bytes: u64,
+    /// computation → the `register_blend` it answers, and whose.
+    waiting: HashMap<BlendId, (ReplyTo, InstanceId)>,
 }
 
 impl BlendBook {
@@ -117,9 +120,24 @@ impl BlendBook {
         held + pending
     }
 
-    /// Computation `id` of `bytes` for `instance` starts; it replaces any still running.
-    pub fn begin(&mut self, id: BlendId, instance: InstanceId, spec: RopeSpec, bytes: u64) {
+    /// Computation `id` of `bytes` for `instance` starts, answering `to` when it ends;
+    /// it replaces any still running.
+    pub(super) fn begin(
+        &mut self,
+        id: BlendId,
+        to: ReplyTo,
+        instance: InstanceId,
+        spec: RopeSpec,
+        bytes: u64,
+    ) {
         self.pending.insert(instance, (id, spec, bytes));
+        self.waiting.insert(id, (to, instance));
+    }
+
+    /// Computation `id` reported back: the request it answers, and whose (None: not
+    /// one this book began, or reported already).
+    pub(super) fn reported(&mut self, id: BlendId) -> Option<(ReplyTo, InstanceId)> {
+        self.waiting.remove(&id)
     }
 
     /// Computation `id` failed: it is no longer pending.
@@ -189,6 +207,15 @@ mod tests {
         }
     }
 
+    fn to() -> ReplyTo {
+        ReplyTo {
+            conn: crate::node::ConnId(1),
+            request_id: 1,
+            op: crate::protocol::OpKind::RegisterBlend,
+            deadline: None,
+        }
+    }
+
     fn id(raw: u64) -> InstanceId {
         InstanceId::new(raw).unwrap()
     }
@@ -216,16 +243,18 @@ mod tests {
     fn late_results_of_freed_or_superseded_requests_are_never_held() {
         let mut book = BlendBook::default();
         let small = spec(4, 8, 10.0);
-        book.begin(BlendId(1), id(1), small.clone(), 128);
+        book.begin(BlendId(1), to(), id(1), small.clone(), 128);
         assert_eq!(book.committed_bytes(), 128);
-        book.begin(BlendId(2), id(1), small.clone(), 128);
+        book.begin(BlendId(2), to(), id(1), small.clone(), 128);
+        assert_eq!(book.reported(BlendId(1)), Some((to(), id(1))));
+        assert_eq!(book.reported(BlendId(1)), None, "reported once");
         assert_eq!(book.finish(BlendId(1), id(1)), Finished::Superseded);
         assert_eq!(book.finish(BlendId(2), id(1)), Finished::Installed);
         assert_eq!((book.held_bytes(), book.bytes_of(id(1))), (128, 128));
         assert!(book.holds(id(1), &small));
         assert!(!book.holds(id(1), &spec(4, 16, 10.0)));
 
-        book.begin(BlendId(3), id(2), small.clone(), 128);
+        book.begin(BlendId(3), to(), id(2), small.clone(), 128);
         assert!(book.drop_instance(id(2)).is_none());
         assert_eq!(book.finish(BlendId(3), id(2)), Finished::Freed);
         assert_eq!(book.bytes_of(id(2)), 0);

@@ -172,7 +172,6 @@ pub struct Node {
     /// Batches open until their last item ends.
     batches: batches::Batches,
     blend: BlendBook,
-    blends: HashMap<BlendId, (ReplyTo, InstanceId)>,
     /// Frees the shell runs, their watchdog, the counts of frees started.
     frees: Frees,
     /// Which process proves each instance's exit.
@@ -286,7 +285,6 @@ impl Node {
             builds: Builds::default(),
             batches: batches::Batches::default(),
             blend: BlendBook::default(),
-            blends: HashMap::default(),
             frees: Frees::default(),
             watches: Watches::default(),
             jobs: jobs::JobQueue::new(pool_window),

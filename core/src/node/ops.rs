@@ -670,8 +670,7 @@ impl Node {
             return Some(Err(self.conns.overloaded(to.conn)));
         }
         let id = BlendId(self.next_id());
-        self.blend.begin(id, instance, rope.clone(), bytes);
-        self.blends.insert(id, (to, instance));
+        self.blend.begin(id, to, instance, rope.clone(), bytes);
         self.conns.start_job(to.conn, 1);
         self.submit_now(Job::Blend {
             blend: id,

@@ -213,7 +213,7 @@ impl Node {
     }
 
     pub(super) fn blend_done(&mut self, id: BlendId, result: Result<(), String>) {
-        let Some((to, instance)) = self.blends.remove(&id) else {
+        let Some((to, instance)) = self.blend.reported(id) else {
             return;
         };
         self.conns.end_job(to.conn, 1);
