@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 
 tree=$(cargo tree -p kvwarden-client -e normal --prefix none --format '{p}')
 status=0
-for forbidden in kvwarden mio prometheus-client httparse signal-hook cudarc clap tracing-subscriber; do
+for forbidden in kvwarden-shell-mio kvwarden-cli mio prometheus-client httparse signal-hook cudarc clap tracing-subscriber; do
   if grep -Eq "^${forbidden} v" <<<"$tree"; then
     echo "client-deps: kvwarden-client depends on ${forbidden}, which only the server needs. It comes in through:" >&2
     cargo tree -p kvwarden-client -e normal -i "$forbidden" >&2 || true

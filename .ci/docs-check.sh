@@ -12,7 +12,7 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bin="${KVWARDEN_BIN:-${CARGO_TARGET_DIR:-$root/target}/debug/kvwarden}"
-[ -x "$bin" ] || (cd "$root" && cargo build -p kvwarden)
+[ -x "$bin" ] || (cd "$root" && cargo build -p kvwarden-cli)
 work="$(mktemp -d "${TMPDIR:-/tmp}/kvwarden-docs.XXXXXX")"
 pids=()
 cleanup() { for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done; rm -rf "$work"; }

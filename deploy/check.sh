@@ -14,7 +14,7 @@
 #
 #   bash deploy/check.sh         # from anywhere; installs what is missing (root: apt)
 #
-# Environment: KVWARDEN_BIN (default: `cargo build -p kvwarden`, then
+# Environment: KVWARDEN_BIN (default: `cargo build -p kvwarden-cli`, then
 # ${CARGO_TARGET_DIR:-target}/debug/kvwarden), PYTHON (default python3).
 # Network: apt and PyPI, only for tools that are missing.
 set -euo pipefail
@@ -67,7 +67,7 @@ systemd-analyze --version | head -1
 if [ -n "${KVWARDEN_BIN:-}" ]; then
   bin="$KVWARDEN_BIN"
 else
-  (cd "$root" && cargo build -p kvwarden)
+  (cd "$root" && cargo build -p kvwarden-cli)
   bin="${CARGO_TARGET_DIR:-$root/target}/debug/kvwarden"
 fi
 [ -x "$bin" ] || die "no kvwarden binary at $bin"

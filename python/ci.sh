@@ -6,7 +6,7 @@
 #   bash python/ci.sh            # from anywhere; extra args go to pytest
 #
 # Environment:
-#   KVWARDEN_BIN  the server binary to test; default: `cargo build -p kvwarden` (a no-op
+#   KVWARDEN_BIN  the server binary to test; default: `cargo build -p kvwarden-cli` (a no-op
 #                 when up to date) and ${CARGO_TARGET_DIR:-<repo>/target}/debug/kvwarden
 #   PYTHON        the interpreter (default python3; 3.9 or newer)
 #
@@ -62,13 +62,13 @@ if [ -n "${KVWARDEN_BIN:-}" ]; then
 else
   bin="${CARGO_TARGET_DIR:-$root/target}/debug/kvwarden"
   if command -v cargo >/dev/null; then
-    (cd "$root" && cargo build -p kvwarden)
+    (cd "$root" && cargo build -p kvwarden-cli)
   elif [ ! -x "$bin" ]; then
     die "no cargo on PATH and no $bin; install Rust or set KVWARDEN_BIN"
   else
     echo "no cargo on PATH: testing the existing $bin as is"
   fi
-  [ -x "$bin" ] || die "cargo build -p kvwarden did not produce $bin"
+  [ -x "$bin" ] || die "cargo build -p kvwarden-cli did not produce $bin"
   export KVWARDEN_BIN="$bin"
 fi
 echo "KVWARDEN_BIN=$KVWARDEN_BIN"

@@ -13,7 +13,7 @@
 # Environment:
 #   KVWARDEN_VLLM_VENV  where the venv lives (default
 #                       ${XDG_CACHE_HOME:-$HOME/.cache}/kvwarden/vllm-venv-<pins>-py<X.Y>)
-#   KVWARDEN_BIN        the server binary (default: cargo build -p kvwarden, then
+#   KVWARDEN_BIN        the server binary (default: cargo build -p kvwarden-cli, then
 #                       ${CARGO_TARGET_DIR:-<repo>/target}/debug/kvwarden)
 #   PYTHON              the interpreter (default python3.11 if present, else python3;
 #                       3.10 to 3.13: the pins are those vLLM 0.32 supports)
@@ -87,7 +87,7 @@ if [ -n "${KVWARDEN_BIN:-}" ]; then
 else
   bin="${CARGO_TARGET_DIR:-$root/target}/debug/kvwarden"
   if command -v cargo >/dev/null; then
-    (cd "$root" && cargo build -p kvwarden)
+    (cd "$root" && cargo build -p kvwarden-cli)
   fi
   [ -x "$bin" ] || die "no server binary at $bin; install Rust or set KVWARDEN_BIN"
   export KVWARDEN_BIN="$bin"

@@ -57,7 +57,7 @@ pub fn kvwarden_exe() -> Result<PathBuf, BenchError> {
         return Ok(beside);
     }
     Err(BenchError::Failed(format!(
-        "no `kvwarden` executable beside {}: build it (`cargo build --release -p kvwarden`) \
+        "no `kvwarden` executable beside {}: build it (`cargo build --release -p kvwarden-cli`) \
          or set KVWARDEN_BIN to its path",
         this.display()
     )))

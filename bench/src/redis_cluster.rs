@@ -1,5 +1,5 @@
 //! Real Redis processes on loopback, for the benchmarks and the end-to-end tests (which
-//! use it through `kvwarden::bench::redis_cluster`): a Redis Cluster (masters and
+//! use it through `kvwarden_bench::redis_cluster`): a Redis Cluster (masters and
 //! replicas, `cluster-node-timeout` [`CLUSTER_NODE_TIMEOUT_MS`]) or one plain Redis,
 //! each node in a directory of a temporary directory, with no persistence
 //! (`--save '' --appendonly no`). A [`RedisCluster`] is always torn down: dropping it

@@ -42,7 +42,7 @@ def main() -> None:
     if not os.access(binary, os.X_OK):
         sys.exit(
             f"no kvwarden binary at {binary}: "
-            "cargo build --release -p kvwarden, or set KVWARDEN_BIN"
+            "cargo build --release -p kvwarden-cli, or set KVWARDEN_BIN"
         )
 
     with tempfile.TemporaryDirectory(prefix="kvw-bench-") as tmp:

@@ -1,6 +1,6 @@
 """What kvwarden does to vLLM under concurrent traffic, through vLLM's OpenAI server (CPU).
 
-    cargo build --release -p kvwarden
+    cargo build --release -p kvwarden-cli
     KVWARDEN_BIN=target/release/kvwarden \\
       ~/.cache/kvwarden/vllm-venv-vllm0.32.0-torch2.13.0-py3.11/bin/python \\
       python/benchmarks/vllm_serving.py [--quick] [--faults] [--skip-two-engines]
@@ -1252,7 +1252,7 @@ def main() -> None:
     if not os.access(binary, os.X_OK):
         sys.exit(
             f"no kvwarden binary at {binary}: "
-            "cargo build --release -p kvwarden, or set KVWARDEN_BIN"
+            "cargo build --release -p kvwarden-cli, or set KVWARDEN_BIN"
         )
     import torch
 

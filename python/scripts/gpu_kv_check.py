@@ -63,7 +63,7 @@ def main() -> int:
     binary = os.environ.get("KVWARDEN_BIN", "target/release/kvwarden")
     if not os.access(binary, os.X_OK):
         cannot(
-            f"no kvwarden binary at {binary}; cargo build --release -p kvwarden or set KVWARDEN_BIN"
+            f"no kvwarden binary at {binary}; cargo build --release -p kvwarden-cli or set KVWARDEN_BIN"
         )
     device = int(os.environ.get("GPU_CHECK_DEVICE", "0"))
     torch.cuda.set_device(device)

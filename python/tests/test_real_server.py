@@ -38,7 +38,7 @@ def kvwarden_bin() -> str:
     if path is None:
         pytest.skip(
             "no kvwarden binary: set KVWARDEN_BIN, or build target/debug/kvwarden with "
-            "`cargo build -p kvwarden` (python/ci.sh does both)"
+            "`cargo build -p kvwarden-cli` (python/ci.sh does both)"
         )
     return path
 

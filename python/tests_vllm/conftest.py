@@ -33,7 +33,7 @@ def short_tmp() -> Iterator[str]:
 def server(short_tmp: str) -> Iterator[RealServer]:
     binary = find_binary()
     if binary is None:
-        pytest.fail("no kvwarden binary: set KVWARDEN_BIN or cargo build -p kvwarden")
+        pytest.fail("no kvwarden binary: set KVWARDEN_BIN or cargo build -p kvwarden-cli")
     # The connector's worker pings every 10 s (its default): reap after 60 s.
     real = RealServer(
         binary,

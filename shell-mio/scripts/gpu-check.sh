@@ -2,7 +2,7 @@
 # The GPU checks of docs/targets.md, G1, G2 and G3, on a host with an NVIDIA GPU.
 #
 # Run from the repository root, with a kvwarden built elsewhere if this host has no
-# cargo (x86-64, `cargo build --release -p kvwarden`; CUDA is loaded at run time):
+# cargo (x86-64, `cargo build --release -p kvwarden-cli`; CUDA is loaded at run time):
 #   KVWARDEN_BIN=path/to/kvwarden shell-mio/scripts/gpu-check.sh
 # Prints one figure per line (`G1 …`, `G2 …`, `G3 …`) and finishes in well under 4
 # minutes on an H200. Every step fails (and stops the script) when the server answered
@@ -21,7 +21,7 @@ ranks=${GPU_CHECK_RANKS:-8}
 copy_bytes=${GPU_CHECK_COPY_BYTES:-2G}
 device=${GPU_CHECK_DEVICE:-0}
 if [ ! -x "$bin" ]; then
-  echo "gpu-check: no kvwarden binary at $bin; build it with cargo build --release -p kvwarden, or set KVWARDEN_BIN" >&2
+  echo "gpu-check: no kvwarden binary at $bin; build it with cargo build --release -p kvwarden-cli, or set KVWARDEN_BIN" >&2
   exit 2
 fi
 started=$(date +%s)

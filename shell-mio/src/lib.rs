@@ -10,7 +10,6 @@ pub mod cuda;
 pub mod l2;
 pub mod server;
 
-pub use kvwarden_bench as bench;
 pub use kvwarden_client as client;
 pub use kvwarden_client::memfd;
 pub use kvwarden_core::protocol;

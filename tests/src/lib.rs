@@ -11,7 +11,7 @@
 //!
 //! The `kvwarden` binary is found next to the test executable (`target/<profile>/`):
 //! `cargo test --workspace` builds it because the `kvwarden` package has integration
-//! tests of its own. Running only this package needs `cargo build -p kvwarden` first,
+//! tests of its own. Running only this package needs `cargo build -p kvwarden-cli` first,
 //! or `KVWARDEN_BIN=/path/to/kvwarden`.
 
 pub mod l2_worker;
@@ -19,7 +19,7 @@ pub mod redis_cluster;
 
 pub use redis_cluster::RedisCluster;
 
-use kvwarden::bench::process::Lines;
+use kvwarden_bench::process::Lines;
 use kvwarden_core::protocol::{Reply, decode_reply, encode_request};
 use rmpv::Value;
 use rustix::fd::{AsFd, BorrowedFd};
@@ -90,7 +90,7 @@ pub fn kvwarden_bin() -> PathBuf {
     assert!(
         bin.exists(),
         "{} is missing: run `cargo test --workspace` (which builds it), or \
-         `cargo build -p kvwarden` first, or set KVWARDEN_BIN",
+         `cargo build -p kvwarden-cli` first, or set KVWARDEN_BIN",
         bin.display()
     );
     bin

@@ -1,12 +1,12 @@
 //! A real Redis Cluster (or one plain Redis) on loopback ports, for the L2 tests: the
-//! bench crate's [`kvwarden::bench::redis_cluster::RedisCluster`] (started in a
+//! bench crate's [`kvwarden_bench::redis_cluster::RedisCluster`] (started in a
 //! temporary directory, created with `redis-cli --cluster create`, and always torn
 //! down: dropping it SIGKILLs every Redis process it started, stopped ones included,
 //! and removes the directory), with constructors that panic instead of returning an
 //! error, as a test does.
 
-use kvwarden::bench::redis_cluster as shared;
-pub use kvwarden::bench::redis_cluster::{CLUSTER_NODE_TIMEOUT_MS, RedisNode};
+use kvwarden_bench::redis_cluster as shared;
+pub use kvwarden_bench::redis_cluster::{CLUSTER_NODE_TIMEOUT_MS, RedisNode};
 use std::ops::Deref;
 
 /// A Redis Cluster, or one plain Redis, owned by a test. Its queries and signals

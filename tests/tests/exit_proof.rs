@@ -148,7 +148,7 @@ fn row_01_forked_child_holding_the_socket_does_not_keep_its_parent_alive() {
         .stdout(Stdio::piped())
         .spawn()
         .expect("spawning kvwarden-fork-worker");
-    let mut lines = kvwarden::bench::process::Lines::spawn(parent.stdout.take().expect("stdout"));
+    let mut lines = kvwarden_bench::process::Lines::spawn(parent.stdout.take().expect("stdout"));
     let line = lines
         .wait("the forked worker's line", PATIENCE, |l| {
             l.starts_with("instance_id=")

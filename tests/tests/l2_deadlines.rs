@@ -9,8 +9,8 @@
 //! Each destination is filled with a sentinel first. The control runs the same retrieve
 //! through a proxy that does not trickle: a hit, its bytes in place.
 
-use kvwarden::bench::redis_cluster::{self as harness, Security};
 use kvwarden::client::{Client, MemfdBuffer};
+use kvwarden_bench::redis_cluster::{self as harness, Security};
 use kvwarden_tests::l2_worker::{chunk, l2_counter, store, wait_written, worker};
 use kvwarden_tests::{Server, TempDir};
 use std::io::{Read, Write};

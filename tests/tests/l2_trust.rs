@@ -9,8 +9,8 @@
 //! TLS as Debian's is) and `openssl` (`apt-get install -y openssl`); without them each
 //! test fails saying so.
 
-use kvwarden::bench::redis_cluster::{self as harness, Security};
 use kvwarden::client::{Client, MemfdBuffer};
+use kvwarden_bench::redis_cluster::{self as harness, Security};
 use kvwarden_core::l2::{self, Namespace};
 use kvwarden_tests::l2_worker::{chunk, l2_counter, store, wait_written, worker};
 use kvwarden_tests::{PATIENCE, Server, TempDir, wait_for};

@@ -1,7 +1,7 @@
 //! A start that fails says which flag to change and leaves nothing behind; an ordinary
 //! start logs no warning.
 
-use kvwarden::bench::process::Lines;
+use kvwarden_bench::process::Lines;
 use kvwarden_tests::{PATIENCE, TempDir, kvwarden_bin, signal, wait_exit};
 use std::net::TcpListener;
 use std::process::{Command, Output, Stdio};

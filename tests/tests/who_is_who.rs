@@ -1483,7 +1483,7 @@ fn serve_default_socket_as(uid: u32) -> (bool, String) {
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawning kvwarden serve");
-    let mut lines = kvwarden::bench::process::Lines::spawn(child.stdout.take().unwrap());
+    let mut lines = kvwarden_bench::process::Lines::spawn(child.stdout.take().unwrap());
     let ready = lines
         .wait("ready", PATIENCE, |line| line == "ready")
         .is_ok();

@@ -1,27 +1,19 @@
-//! The command line: `kvwarden serve | status | worker | call`.
+//! The server's commands: `kvwarden serve | status | worker | call`. The `kvwarden`
+//! binary (crate `kvwarden-cli`) adds the drivers that spawn servers and workers of
+//! their own (`demo`, `bench`, `gpu`), so that this crate never links the bench.
 
 mod call;
-mod demo;
-mod gpu;
 mod serve;
-mod status;
+pub mod status;
 mod subuid;
 mod worker;
 
-use clap::{Parser, Subcommand};
+use clap::Subcommand;
 use std::process::ExitCode;
 
-/// kvwarden: the KV-cache server of a GPU node, which frees a dead worker's state
-/// precisely and never takes a live worker's.
-#[derive(Debug, Parser)]
-#[command(name = "kvwarden", version)]
-pub struct Cli {
-    #[command(subcommand)]
-    command: Command,
-}
-
+/// The server's own commands; the `kvwarden` binary flattens them into its command line.
 #[derive(Debug, Subcommand)]
-enum Command {
+pub enum Command {
     /// Run the server (Unix socket, optional TCP, HTTP status/metrics).
     Serve(Box<serve::ServeArgs>),
     /// Print a running server's status as a table (or JSON).
@@ -30,28 +22,32 @@ enum Command {
     Worker(worker::WorkerArgs),
     /// Send one raw request and print the reply as JSON (for debugging and tests).
     Call(call::CallArgs),
-    /// See the point of kvwarden in under a minute: a demo server (short timeouts) and
-    /// three workers; one SIGKILLed, one frozen past the timeout and thawed.
-    Demo(demo::DemoArgs),
-    /// Measure the server figures S1-S7 and R5 (one figure per line; targets and latest
-    /// figures: docs/targets.md in the repository).
-    Bench(kvwarden_bench::BenchArgs),
-    /// GPU checks (G1, G2 of docs/targets.md): device info, reclaim after SIGKILL, copy bandwidth.
-    #[command(subcommand)]
-    Gpu(gpu::GpuCommand),
 }
 
-/// Parses the command line and runs the command.
-pub fn main() -> ExitCode {
-    let cli = Cli::parse();
-    let default_level = match &cli.command {
-        Command::Serve(_) | Command::Worker(_) => "info",
-        Command::Status(_)
-        | Command::Call(_)
-        | Command::Demo(_)
-        | Command::Bench(_)
-        | Command::Gpu(_) => "warn",
-    };
+impl Command {
+    /// The log level when `RUST_LOG` does not say: the long-running commands log what
+    /// they do, the others only what goes wrong.
+    pub fn default_log_level(&self) -> &'static str {
+        match self {
+            Command::Serve(_) | Command::Worker(_) => "info",
+            Command::Status(_) | Command::Call(_) => "warn",
+        }
+    }
+
+    /// Runs the command.
+    pub fn run(self) -> ExitCode {
+        match self {
+            Command::Serve(args) => serve::run(*args),
+            Command::Status(args) => status::run(args),
+            Command::Worker(args) => worker::run(args),
+            Command::Call(args) => call::run(args),
+        }
+    }
+}
+
+/// Logs to stderr at `default_level` unless `RUST_LOG` says otherwise (colours only on
+/// a terminal).
+pub fn init_logging(default_level: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
     tracing_subscriber::fmt()
@@ -59,15 +55,6 @@ pub fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    match cli.command {
-        Command::Serve(args) => serve::run(*args),
-        Command::Status(args) => status::run(args),
-        Command::Worker(args) => worker::run(args),
-        Command::Call(args) => call::run(args),
-        Command::Demo(args) => demo::run(args),
-        Command::Bench(args) => kvwarden_bench::run(args),
-        Command::Gpu(command) => gpu::run(command),
-    }
 }
 
 /// The endpoint flags shared by the client commands.

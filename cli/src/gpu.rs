@@ -8,11 +8,11 @@
 //! - `gpu copy`: `store`/`retrieve` device ↔ L1 bandwidth against a plain pinned
 //!   `cuMemcpyDtoH`/`HtoD` of the same chunks (G2).
 
-use crate::bench::process::{ServerProcess, WorkerProcess};
-use crate::bench::raw::RawConnection;
-use crate::client::{Client, ClientBuffer, ClientConfig, Endpoint};
-use crate::cuda::{ExportedBuffer, Gpu, PinnedHost};
 use clap::builder::TypedValueParser as _;
+use kvwarden::cuda::{ExportedBuffer, Gpu, PinnedHost};
+use kvwarden_bench::process::{ServerProcess, WorkerProcess};
+use kvwarden_bench::raw::RawConnection;
+use kvwarden_client::{Client, ClientBuffer, ClientConfig, Endpoint};
 use rustix::process::Signal;
 use std::path::Path;
 use std::process::{ExitCode, Stdio};
@@ -63,7 +63,7 @@ pub enum GpuCommand {
 #[derive(Debug, clap::Args)]
 pub struct ReclaimArgs {
     /// Bytes the worker allocates and registers.
-    #[arg(long, default_value = "16G", value_parser = super::parse_bytes)]
+    #[arg(long, default_value = "16G", value_parser = kvwarden_client::parse_bytes)]
     bytes: u64,
     /// The device.
     #[arg(long, default_value_t = 0)]
@@ -89,10 +89,10 @@ pub struct ReclaimArgs {
 #[derive(Debug, clap::Args)]
 pub struct CopyArgs {
     /// Bytes per store/retrieve (one L1 slot).
-    #[arg(long, default_value = "2M", value_parser = super::parse_bytes)]
+    #[arg(long, default_value = "2M", value_parser = kvwarden_client::parse_bytes)]
     chunk_bytes: u64,
     /// Bytes moved in each direction.
-    #[arg(long, default_value = "2G", value_parser = super::parse_bytes)]
+    #[arg(long, default_value = "2G", value_parser = kvwarden_client::parse_bytes)]
     total_bytes: u64,
     /// Concurrent clients (each its own device buffer and connection).
     #[arg(long, default_value_t = 4)]

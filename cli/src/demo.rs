@@ -7,9 +7,9 @@
 //! wait is on a condition with a bound, never a bare sleep, so a loaded machine only
 //! makes it slower. Every child is killed when the demo ends, however it ends.
 
-use crate::bench::BenchError;
-use crate::bench::process::{ServerProcess, TempDir, WorkerProcess};
-use crate::bench::raw::RawConnection;
+use kvwarden_bench::BenchError;
+use kvwarden_bench::process::{ServerProcess, TempDir, WorkerProcess};
+use kvwarden_bench::raw::RawConnection;
 use serde_json::Value as Json;
 use std::io::{Read, Write};
 use std::process::{ExitCode, Stdio};
@@ -322,7 +322,7 @@ impl Demo {
         }
         say("\nFinal status:");
         let status = control.status()?;
-        say(&super::status::table(&status));
+        say(&kvwarden::cli::status::table(&status));
         if built(&status) != built_before + 1 {
             return Err(BenchError::Failed(format!(
                 "contexts built went from {built_before} to {} after the thaw; expected exactly \

@@ -1,5 +1,0 @@
-//! `kvwarden`: see `kvwarden --help`.
-
-fn main() -> std::process::ExitCode {
-    kvwarden::cli::main()
-}
