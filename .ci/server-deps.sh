@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 
 tree=$(cargo tree -p kvwarden-shell-mio -e normal --prefix none --format '{p}')
 status=0
-for forbidden in kvwarden-bench kvwarden-cli kvwarden-sim; do
+for forbidden in kvwarden-bench kvwarden-cli kvwarden-shell-sim; do
   if grep -Eq "^${forbidden} v" <<<"$tree"; then
     echo "server-deps: kvwarden-shell-mio depends on ${forbidden}; move what needs it to cli/. It comes in through:" >&2
     cargo tree -p kvwarden-shell-mio -e normal -i "$forbidden" >&2 || true

@@ -209,7 +209,7 @@ pub fn run_files(files: &[PathBuf], verbose: bool) -> i32 {
                 for line in lines {
                     println!("  {line}");
                 }
-                println!("  replay: cargo run --release -p kvwarden-sim -- run -v {name}");
+                println!("  replay: cargo run --release -p kvwarden-shell-sim -- run -v {name}");
                 if code == 0 {
                     code = class.exit_code();
                 }
@@ -439,7 +439,7 @@ pub fn run_swarm(seeds: &[u64], options: &SwarmOptions) -> i32 {
             println!("SEED={} FAIL {violation}", outcome.seed);
             print!("{}", swarm::describe(&swarm::draw(outcome.seed)));
             println!(
-                "  replay: cargo run --release -p kvwarden-sim -- swarm --seeds {} -v{}",
+                "  replay: cargo run --release -p kvwarden-shell-sim -- swarm --seeds {} -v{}",
                 outcome.seed,
                 options.bug.map_or(String::new(), |bug| format!(
                     " --inject-bug {}",
