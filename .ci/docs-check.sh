@@ -6,7 +6,8 @@
 # which), the log lines and messages they quote against the binary's strings. Then the
 # checker is shown to fail: a scratch doc naming one wrong metric, log target, field,
 # flag, vLLM connector counter, repository path and log line must give exactly seven
-# problems. About 25 s.
+# problems. Then docs/design.md's component map against the code (.ci/design-map.py),
+# shown to fail the same way. About 25 s.
 #
 #   bash .ci/docs-check.sh          # KVWARDEN_BIN: the binary (default: target/debug)
 set -euo pipefail
@@ -79,3 +80,15 @@ fi
 problems="$(grep -c ': `' "$work/wrong.err" || true)"
 [ "$problems" -eq 7 ] || { cat "$work/wrong.err" >&2; die "expected 7 problems in the wrong doc, got $problems"; }
 echo "docs-check: shown to fail on a wrong metric, log target, status field, flag, vLLM counter, path and log line (7 of 7)"
+
+# docs/design.md's component map: every size the code's, every file of the node named;
+# then shown to fail on a doctored copy (one size off by one, one file's row gone).
+python3 "$root/.ci/design-map.py" "$root"
+sed -e 's/`node\/ops.rs` (\([0-9]*\))/`node\/ops.rs` (1\1)/' -e '/`node\/counters.rs`/d' \
+  "$root/docs/design.md" >"$work/design.md"
+if python3 "$root/.ci/design-map.py" "$root" "$work/design.md" 2>"$work/map.err"; then
+  die "design-map passed a map with a wrong size and a file left out"
+fi
+problems="$(grep -c '^design-map: ' "$work/map.err" || true)"
+[ "$problems" -eq 2 ] || { cat "$work/map.err" >&2; die "expected 2 problems in the doctored map, got $problems"; }
+echo "design-map: shown to fail on a wrong size and a file left out (2 of 2)"

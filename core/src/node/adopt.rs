@@ -75,14 +75,14 @@ impl Node {
     /// those whose seal verifies served again. Called once, before any input.
     pub fn persist_pool(&mut self, now: Instant, seal: bool, adopt: bool) {
         if seal {
-            self.l1.seal_commits();
+            self.l1.slots.seal_commits();
         }
-        if !adopt || self.adoption.is_some() {
+        if !adopt || self.l1.adoption.is_some() {
             return;
         }
-        let slots = self.l1.num_slots();
-        self.l1.mark_unscanned();
-        self.adoption = Some(Adoption {
+        let slots = self.l1.slots.num_slots();
+        self.l1.slots.mark_unscanned();
+        self.l1.adoption = Some(Adoption {
             view: AdoptionView {
                 slots,
                 started: now,
@@ -105,25 +105,25 @@ impl Node {
 
     /// The adoption's figures, None when the pool was not adopted.
     pub fn adoption(&self) -> Option<&AdoptionView> {
-        self.adoption.as_ref().map(|adoption| &adoption.view)
+        self.l1.adoption.as_ref().map(|adoption| &adoption.view)
     }
 
     /// Committed values go to their seal, pinned until `Sealed` (after every input).
     pub(super) fn seal_committed(&mut self) {
-        for (slot, key, len) in self.l1.take_seals() {
-            let tenant = self.l1.tenant_of(slot).unwrap_or(SCANNER);
+        for (slot, key, len) in self.l1.slots.take_seals() {
+            let tenant = self.l1.slots.tenant_of(slot).unwrap_or(SCANNER);
             self.submit_for(tenant, Job::Seal { slot, key, len });
         }
     }
 
     pub(super) fn sealed(&mut self, slot: SlotId, written: bool) {
         self.job_reported();
-        self.l1.sealed(slot, written);
+        self.l1.slots.sealed(slot, written);
     }
 
     pub(super) fn scanned(&mut self, now: Instant, first: SlotId, found: Vec<Scanned>) {
         self.job_reported();
-        let Some(mut adoption) = self.adoption.take() else {
+        let Some(mut adoption) = self.l1.adoption.take() else {
             return;
         };
         let view = &mut adoption.view;
@@ -131,18 +131,18 @@ impl Node {
         for (slot, finding) in (first..).zip(found) {
             #[cfg(feature = "planted-bugs")]
             if self.planted(PlantedBug::AdoptTaken) && matches!(finding, Scanned::Sealed { .. }) {
-                self.l1.forget_taken(slot);
+                self.l1.slots.forget_taken(slot);
             }
-            let unscanned = self.l1.is_unscanned(slot);
+            let unscanned = self.l1.slots.is_unscanned(slot);
             match finding {
                 // Nothing was there to lose, taken or not.
                 Scanned::Blank => {}
                 _ if !unscanned => view.dropped_taken += 1,
                 Scanned::Unsealed(crate::seal::Unsealed::Torn) => view.dropped_torn += 1,
                 Scanned::Unsealed(crate::seal::Unsealed::Malformed) => view.dropped_malformed += 1,
-                Scanned::Sealed { key, len } => match self.trust.tenant_of_key(&key) {
+                Scanned::Sealed { key, len } => match self.doors.trust.tenant_of_key(&key) {
                     None => view.dropped_tenant += 1,
-                    Some(tenant) => match self.l1.adopt(slot, key, len, tenant) {
+                    Some(tenant) => match self.l1.slots.adopt(slot, key, len, tenant) {
                         l1::Adoption::Adopted => {
                             view.adopted += 1;
                             view.adopted_bytes += len;
@@ -153,17 +153,17 @@ impl Node {
                 },
             }
             // Whatever was not adopted leaves the slot free.
-            self.l1.scanned_empty(slot);
+            self.l1.slots.scanned_empty(slot);
         }
         let done = view.scanned >= view.slots && view.finished.is_none();
-        self.adoption = Some(adoption);
+        self.l1.adoption = Some(adoption);
         if done {
             self.adoption_finished(now);
         }
     }
 
     fn adoption_finished(&mut self, now: Instant) {
-        let Some(adoption) = self.adoption.as_mut() else {
+        let Some(adoption) = self.l1.adoption.as_mut() else {
             return;
         };
         adoption.view.finished = Some(now);

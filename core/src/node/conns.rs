@@ -157,15 +157,15 @@ impl Node {
             self.disconnected(conn);
         }
         if let Some(uid) = uid
-            && self.trust.needs_room(uid)
+            && self.doors.trust.needs_room(uid)
         {
             self.forget_idle_tenants(); // row 70
         }
-        let peer = self.trust.connect(uid);
-        let holder = admission::Holder::of(uid.map(|uid| self.trust.counted_uid(uid)));
-        self.admission.connected(holder);
+        let peer = self.doors.trust.connect(uid);
+        let holder = admission::Holder::of(uid.map(|uid| self.doors.trust.counted_uid(uid)));
+        self.doors.admission.connected(holder);
         let token_deadline = match transport {
-            Transport::Tcp => self.admission.awaiting_token(conn, now),
+            Transport::Tcp => self.doors.admission.awaiting_token(conn, now),
             Transport::Unix => None,
         };
         // Strangers (TCP peers that have not authenticated) hold their share together:
@@ -175,15 +175,17 @@ impl Node {
         let conns = &self.conns;
         let challenged = |c: ConnId| conns.get(&c).is_some_and(|c| c.peer.has_challenge());
         if holder == admission::Holder::Stranger
-            && let Some(oldest) = self.admission.stranger_arrived(conn, challenged)
+            && let Some(oldest) = self.doors.admission.stranger_arrived(conn, challenged)
         {
-            self.outputs.push_back(Output::Peer(PeerAction::Disconnect {
-                conn: oldest,
-                why: "a TCP peer that has not authenticated (the oldest, one answering a \
+            self.out
+                .queue
+                .push_back(Output::Peer(PeerAction::Disconnect {
+                    conn: oldest,
+                    why: "a TCP peer that has not authenticated (the oldest, one answering a \
                       challenge last) makes room for a new one (their share, an eighth of \
                       --max-connections, is full)",
-                reason: "stranger_share",
-            }));
+                    reason: "stranger_share",
+                }));
         }
         self.conns.insert(
             conn,
@@ -215,26 +217,26 @@ impl Node {
         let Some(connection) = self.conns.remove(&conn) else {
             return;
         };
-        self.admission.disconnected(connection.holder);
+        self.doors.admission.disconnected(connection.holder);
         if connection.holder == admission::Holder::Stranger {
-            self.admission.stranger_left(conn);
+            self.doors.admission.stranger_left(conn);
         }
         if let Some(deadline) = connection.token_deadline {
-            self.admission.forget_deadline(conn, deadline);
+            self.doors.admission.forget_deadline(conn, deadline);
         }
         let tenant = connection.peer.tenant();
-        for instance in self.trust.disconnect(connection.peer) {
+        for instance in self.doors.trust.disconnect(connection.peer) {
             let holds_entry = Module::ALL
                 .iter()
-                .any(|&module| self.records.contains_key(&(instance, module)));
+                .any(|&module| self.registry.records.contains_key(&(instance, module)));
             if !holds_entry {
-                self.trust.release(instance);
+                self.doors.trust.release(instance);
             }
         }
         if let Some(tenant) = tenant
             && self.holds_nothing(tenant, None)
         {
-            self.trust.forget(tenant); // row 70: its last connection went
+            self.doors.trust.forget(tenant); // row 70: its last connection went
         }
     }
 
@@ -244,14 +246,15 @@ impl Node {
     fn forget_idle_tenants(&mut self) {
         let mut busy = std::collections::HashSet::new();
         busy.extend(self.conns.values().filter_map(|c| c.peer.tenant()));
-        busy.extend(self.records.values().map(|entry| entry.tenant));
+        busy.extend(self.registry.records.values().map(|entry| entry.tenant));
         let idle: Vec<TenantId> = self
+            .doors
             .trust
             .made_on_the_fly()
             .filter(|&tenant| self.holds_nothing(tenant, Some(&busy)))
             .collect();
         for tenant in idle {
-            self.trust.forget(tenant);
+            self.doors.trust.forget(tenant);
         }
     }
 
@@ -263,16 +266,20 @@ impl Node {
         tenant: TenantId,
         busy: Option<&std::collections::HashSet<TenantId>>,
     ) -> bool {
-        let cheap = self.trust.made_for_a_uid(tenant)
-            && self.l1.tenant_slots(tenant) == 0
-            && self.mapped.of_tenant(tenant) == 0
-            && !self.jobs.has_waiting(tenant);
+        let cheap = self.doors.trust.made_for_a_uid(tenant)
+            && self.l1.slots.tenant_slots(tenant) == 0
+            && self.doors.mapped.of_tenant(tenant) == 0
+            && !self.work.jobs.has_waiting(tenant);
         cheap
             && match busy {
                 Some(busy) => !busy.contains(&tenant),
                 None => {
                     !self.conns.values().any(|c| c.peer.tenant() == Some(tenant))
-                        && !self.records.values().any(|entry| entry.tenant == tenant)
+                        && !self
+                            .registry
+                            .records
+                            .values()
+                            .any(|entry| entry.tenant == tenant)
                 }
             }
     }
@@ -280,7 +287,7 @@ impl Node {
     /// Asks the shell to close every TCP connection still unauthenticated at its
     /// deadline (failure mode 44).
     pub(super) fn cut_unauthenticated(&mut self, now: Instant) {
-        for (deadline, conn) in self.admission.take_expired(now) {
+        for (deadline, conn) in self.doors.admission.take_expired(now) {
             let Some(connection) = self.conns.get_mut(&conn) else {
                 continue;
             };
@@ -289,12 +296,14 @@ impl Node {
             }
             connection.token_deadline = None;
             if connection.peer.tenant().is_none() {
-                self.outputs.push_back(Output::Peer(PeerAction::Disconnect {
-                    conn,
-                    why: "a TCP peer did not prove it holds the server's token within \
+                self.out
+                    .queue
+                    .push_back(Output::Peer(PeerAction::Disconnect {
+                        conn,
+                        why: "a TCP peer did not prove it holds the server's token within \
                           --frame-timeout-seconds of connecting",
-                    reason: "unauthenticated",
-                }));
+                        reason: "unauthenticated",
+                    }));
             }
         }
     }
@@ -377,25 +386,25 @@ impl Node {
 
     /// Hands `tenant`'s job to the pool's queue: it goes in its tenant's turn.
     pub(super) fn submit_for(&mut self, tenant: TenantId, job: Job) {
-        self.jobs.push(tenant, job);
+        self.work.jobs.push(tenant, job);
         self.hand_out_jobs();
     }
 
     /// Hands a build or a blend to the shell at once (it counts in the pool's window).
     pub(super) fn submit_now(&mut self, job: Job) {
-        let job = self.jobs.now(job);
-        self.outputs.push_back(Output::Job(job));
+        let job = self.work.jobs.now(job);
+        self.out.queue.push_back(Output::Job(job));
     }
 
     /// A build, copy or blend handed out reported back: the next in turn goes.
     pub(super) fn job_reported(&mut self) {
-        self.jobs.finished();
+        self.work.jobs.finished();
         self.hand_out_jobs();
     }
 
     fn hand_out_jobs(&mut self) {
-        while let Some(job) = self.jobs.next() {
-            self.outputs.push_back(Output::Job(job));
+        while let Some(job) = self.work.jobs.next() {
+            self.out.queue.push_back(Output::Job(job));
         }
     }
 }

@@ -1,14 +1,17 @@
 //! The server's request logic as one sans-IO state machine: the node.
 //!
 //! Both shells drive it unchanged — the mio server with sockets, memfds, CUDA and
-//! pidfds, the simulator with simulated ones. It is composed of components, one file
-//! (or folder) each: the liveness registry, connections (`conns.rs`), who is who
-//! ([`trust`]), [`admission`], requests (`ops.rs`), transfers (`transfer.rs`, the L1
-//! slot table [`l1`], the engine-driven strategies [`engine`]), built contexts and the
-//! copies against them (`contexts.rs`), open batches (`batches.rs`), builds in flight
-//! (`builds.rs`), completions (`outcomes.rs`), the shutdown sequence (`shutdown.rs`),
-//! frees and their watchdog (`frees.rs`), process watches (`watches.rs`), [`blend`] and
-//! the L2 tier ([`l2`]). `Node` routes each input to them and gathers their outputs.
+//! pidfds, the simulator with simulated ones. `Node` holds its components, each the
+//! owner of its state (docs/design.md's component map): the liveness registry; the
+//! registry of entries, builds, process watches and frees (`registry.rs`);
+//! connections (`conns.rs`); the doors: who is who ([`trust`]), [`admission`] and
+//! [`mapped`] bytes (`doors.rs`); the L1 pool ([`l1`], its adoption: `pool.rs`); the
+//! work on the shell's pool: contexts and their copies, open batches, the queue
+//! ([`jobs`]) (`work.rs`); [`blend`]; the L2 tier ([`l2`]); the KV [`events`] log;
+//! the shutdown sequence; counters; and the outbox (`outbox.rs`). Requests
+//! (`ops.rs`), transfers (`transfer.rs`, [`engine`]) and completions (`outcomes.rs`)
+//! are the node's routing between them: `Node` hands each input to its owners and
+//! gathers their outputs and deadlines.
 //!
 //! Shape (like quinn-proto's `Endpoint` or str0m's `Rtc`): time is passed in on every
 //! call; [`Node::handle_input`] for everything that arrives, [`Node::handle_timeout`]
@@ -31,6 +34,7 @@ mod builds;
 mod conns;
 mod contexts;
 mod counters;
+mod doors;
 pub mod engine;
 pub mod events;
 mod frees;
@@ -40,12 +44,16 @@ pub mod l1;
 pub mod l2;
 pub mod mapped;
 mod ops;
+mod outbox;
 mod outcomes;
+mod pool;
+mod registry;
 mod shutdown;
 mod transfer;
 pub mod trust;
 mod view;
 mod watches;
+mod work;
 
 use crate::id::InstanceId;
 use crate::liveness::{BuildTicket, Liveness, Status};
@@ -70,19 +78,17 @@ pub enum NodeConfigError {
 }
 pub use adopt::AdoptionView;
 use blend::{BlendBook, BlendId};
-use builds::{Builds, PendingBuild};
+use builds::PendingBuild;
 use engine::TransferStrategy;
-use frees::Frees;
 pub use io::{
     BlendChange, Built, ConnId, ContextId, CopyId, DeathNotice, Direction, FreeId, Input, Job,
     L2Request, Note, Output, PeerAction, ProcessKey, Scanned, Transport,
 };
 use l1::{SlotId, SlotTable};
 use l2::{L2Delivery, L2Fetched, L2NodeConfig, L2Presence, L2ReadId, L2Status, L2Tier, L2WriteId};
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet};
 use trust::{Peer, TenantId, TenantView, Trust, TrustConfig};
 pub use view::{InstanceView, NodeStatus, TenantStatus};
-use watches::Watches;
 
 /// The node's maps are keyed by ids it or the shell hands out: a fast hash suffices.
 type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
@@ -161,44 +167,36 @@ struct EntryDetails {
 pub struct Node {
     config: NodeConfig,
     liveness: Liveness<ContextId>,
+    /// Entry details, builds in flight, process watches and frees.
+    registry: registry::Registry,
     /// The connections and the requests they have running.
     conns: conns::Conns,
-    records: BTreeMap<(InstanceId, Module), EntryDetails>,
-    /// Built contexts, their strategies and the copies running against them.
-    contexts: contexts::Contexts,
-    /// Builds in flight and the REGISTERs waiting for them.
-    builds: Builds,
-    l1: SlotTable,
-    /// Batches open until their last item ends.
-    batches: batches::Batches,
+    /// Who is who, connection admission, mapped bytes.
+    doors: doors::Doors,
+    /// The L1 slot table and the adoption of its pool file.
+    l1: pool::Pool,
+    /// Contexts and the copies against them, open batches, the pool's queue.
+    work: work::Work,
     blend: BlendBook,
-    /// Frees the shell runs, their watchdog, the counts of frees started.
-    frees: Frees,
-    /// Which process proves each instance's exit.
-    watches: Watches,
-    /// Builds, copies and blends waiting for their tenant's turn at the pool.
-    jobs: jobs::JobQueue,
+    l2: Option<L2Tier>,
+    /// What entered and left L1 and L2, per tenant (`kv_events`).
+    events: events::KvEventLog,
     /// The shutdown sequence, once begun.
     shutdown: shutdown::Shutdown,
-    next_id: u64,
-    /// The `now` of the call being handled.
-    last_now: Instant,
-    outputs: VecDeque<Output>,
     /// What `status` counts of pings, builds and refused transfers.
     counters: counters::Counters,
-    l2: Option<L2Tier>,
-    trust: Trust,
-    admission: admission::Admission,
-    /// Bytes of peers' memfds mapped, under their caps.
-    mapped: mapped::Mapped,
-    /// A restarted server's adoption of its pool file (row 71).
-    adoption: Option<adopt::Adoption>,
-    /// What entered and left L1, per tenant (`kv_events`).
-    events: events::KvEventLog,
+    /// Outputs, ids, and the `now` of the call being handled.
+    out: outbox::Outbox,
     #[cfg(feature = "planted-bugs")]
+    plants: Plants,
+}
+
+/// The bug planted, and what planted bug `PingWaitsForL2` holds back (test-only).
+#[cfg(feature = "planted-bugs")]
+#[derive(Default)]
+struct Plants {
     bug: Option<PlantedBug>,
     /// Planted bug `PingWaitsForL2` only: ping answers held until `handle_timeout`.
-    #[cfg(feature = "planted-bugs")]
     held_pings: Vec<(ReplyTo, Answer)>,
 }
 
@@ -270,47 +268,42 @@ impl Node {
             l1.set_quota(tenant.tenant, quota);
         }
         Ok(Node {
-            l1,
+            l1: pool::Pool {
+                slots: l1,
+                adoption: None,
+            },
             l2,
-            trust,
-            admission: admission::Admission::new(config.connections),
-            mapped: mapped::Mapped::new(config.mapped),
-            adoption: None,
+            doors: doors::Doors {
+                trust,
+                admission: admission::Admission::new(config.connections),
+                mapped: mapped::Mapped::new(config.mapped),
+            },
             events: events::KvEventLog::new(config.boot_id),
             config,
             liveness,
+            registry: registry::Registry::default(),
             conns: conns::Conns::default(),
-            records: BTreeMap::new(),
-            contexts: contexts::Contexts::default(),
-            builds: Builds::default(),
-            batches: batches::Batches::default(),
+            work: work::Work::new(pool_window),
             blend: BlendBook::default(),
-            frees: Frees::default(),
-            watches: Watches::default(),
-            jobs: jobs::JobQueue::new(pool_window),
             shutdown,
-            next_id: 0,
-            last_now: now,
-            outputs: VecDeque::new(),
+            out: outbox::Outbox::new(now),
             counters: counters::Counters::default(),
             #[cfg(feature = "planted-bugs")]
-            bug: None,
-            #[cfg(feature = "planted-bugs")]
-            held_pings: Vec::new(),
+            plants: Plants::default(),
         })
     }
 
     /// Plants a bug (test-only).
     #[cfg(feature = "planted-bugs")]
     pub fn plant(&mut self, bug: PlantedBug) {
-        self.bug = Some(bug);
+        self.plants.bug = Some(bug);
     }
 
     #[inline(always)]
     fn planted(&self, bug: PlantedBug) -> bool {
         #[cfg(feature = "planted-bugs")]
         {
-            self.bug == Some(bug)
+            self.plants.bug == Some(bug)
         }
         #[cfg(not(feature = "planted-bugs"))]
         {
@@ -322,9 +315,7 @@ impl Node {
     /// Whether a peer of `uid` (None: TCP) may open one more connection now: the
     /// shell asks before it accepts one into the node ([`admission`]).
     pub fn admits(&self, uid: Option<u32>) -> Result<(), admission::Refused> {
-        // A subordinate uid counts as its owner (row 69).
-        self.admission
-            .admits(uid.map(|uid| self.trust.counted_uid(uid)))
+        self.doors.admits(uid)
     }
 
     /// The configuration.
@@ -334,7 +325,7 @@ impl Node {
 
     /// Something arrived at `now`.
     pub fn handle_input(&mut self, now: Instant, input: Input) {
-        self.last_now = now;
+        self.out.now = now;
         match input {
             Input::Connected {
                 conn,
@@ -381,7 +372,7 @@ impl Node {
         }
         self.drain_effects();
         self.seal_committed();
-        for (key, stored) in self.l1.take_changes() {
+        for (key, stored) in self.l1.slots.take_changes() {
             self.events
                 .record(&key, stored, crate::protocol::KvTier::L1);
         }
@@ -391,9 +382,9 @@ impl Node {
     /// Time passed: reaps what is due, reports hung frees, advances a shutdown.
     /// Spurious calls are harmless.
     pub fn handle_timeout(&mut self, now: Instant) {
-        self.last_now = now;
+        self.out.now = now;
         #[cfg(feature = "planted-bugs")]
-        for (to, answer) in std::mem::take(&mut self.held_pings) {
+        for (to, answer) in std::mem::take(&mut self.plants.held_pings) {
             self.reply(to, Ok(answer));
         }
         if !self.planted(PlantedBug::SkipReap) {
@@ -418,13 +409,13 @@ impl Node {
         if let Some(reap) = self.liveness.poll_timeout() {
             earliest(reap);
         }
-        if let Some(free) = self.frees.next_deadline(self.config.free_watchdog) {
+        if let Some(free) = self.registry.frees.next_deadline(self.config.free_watchdog) {
             earliest(free);
         }
         if let Some(l2) = self.l2.as_ref().and_then(L2Tier::poll_timeout) {
             earliest(l2);
         }
-        if let Some(token) = self.admission.next_deadline() {
+        if let Some(token) = self.doors.admission.next_deadline() {
             earliest(token);
         }
         at
@@ -432,7 +423,7 @@ impl Node {
 
     /// The next thing to carry out, oldest first; drain until None after every call.
     pub fn poll_output(&mut self) -> Option<Output> {
-        self.outputs.pop_front()
+        self.out.queue.pop_front()
     }
 
     /// Whether the shutdown is complete.
@@ -462,26 +453,21 @@ impl Node {
 
     /// How many leading keys L1 holds (the `lookup` op), for tests.
     pub fn l1_lookup(&self, keys: &[Vec<u8>]) -> u64 {
-        self.l1.lookup_prefix(keys)
+        self.l1.slots.lookup_prefix(keys)
     }
 
     /// The node key L1 `slot` holds committed, if any, for the simulator's invariants.
     pub fn l1_committed_key(&self, slot: SlotId) -> Option<&[u8]> {
-        self.l1.committed_key(slot)
+        self.l1.slots.committed_key(slot)
     }
 
     /// Slots held by reservations and pins, for the simulator's invariants.
     pub fn l1_occupancy(&self) -> l1::Occupancy {
-        self.l1.occupancy()
-    }
-
-    fn next_id(&mut self) -> u64 {
-        self.next_id += 1;
-        self.next_id
+        self.l1.slots.occupancy()
     }
 
     fn note(&mut self, note: Note) {
-        self.outputs.push_back(Output::Note(note));
+        self.out.queue.push_back(Output::Note(note));
     }
 
     fn reply(&mut self, to: ReplyTo, result: Result<Answer, ProtocolError>) {
@@ -497,7 +483,7 @@ impl Node {
             "{} answered {result:?}",
             to.op.name()
         );
-        self.outputs.push_back(Output::Reply {
+        self.out.queue.push_back(Output::Reply {
             conn: to.conn,
             request_id: to.request_id,
             op: to.op,

@@ -130,7 +130,8 @@ impl Node {
         let transport = connection.transport;
         if let Op::Auth { id, nonce } = &op {
             return Err(Some(if transport == Transport::Tcp {
-                self.trust
+                self.doors
+                    .trust
                     .challenge(&mut connection.peer, id, nonce)
                     .map(Answer::Challenge)
             } else {
@@ -143,16 +144,25 @@ impl Node {
         }
         let checked = match &op {
             Op::Hello { proof, token, .. } if transport == Transport::Tcp => self
+                .doors
                 .trust
                 .authenticate(&mut connection.peer, proof.as_deref(), token.as_deref()),
             Op::Hello { .. } => Ok(()),
-            Op::Attach { .. } => self.trust.require_identity(&connection.peer, to.op.name()),
+            Op::Attach { .. } => self
+                .doors
+                .trust
+                .require_identity(&connection.peer, to.op.name()),
             _ => self
+                .doors
                 .trust
                 .require_identity(&connection.peer, to.op.name())
                 .and_then(|()| match op.instance() {
                     Some(_) if trust_any => Ok(()),
-                    Some(instance) => self.trust.check(&connection.peer, instance, to.op.name()),
+                    Some(instance) => {
+                        self.doors
+                            .trust
+                            .check(&connection.peer, instance, to.op.name())
+                    }
                     None => Ok(()),
                 }),
         };
@@ -163,10 +173,10 @@ impl Node {
             && connection.holder == admission::Holder::Stranger
             && let Some(tenant) = connection.peer.tenant()
         {
-            match self.admission.authenticated(to.conn, tenant.0) {
+            match self.doors.admission.authenticated(to.conn, tenant.0) {
                 Ok(holder) => connection.holder = holder,
                 Err(refused) => {
-                    self.trust.forget_identity(&mut connection.peer);
+                    self.doors.trust.forget_identity(&mut connection.peer);
                     return Err(Some(Err(ProtocolError::new(
                         ErrorCode::Overloaded,
                         format!(
@@ -179,7 +189,8 @@ impl Node {
         }
         if let Op::Attach { instance, secret } = &op {
             return Err(Some(
-                self.trust
+                self.doors
+                    .trust
                     .attach(&mut connection.peer, *instance, secret)
                     .map(Answer::Attached),
             ));
@@ -188,7 +199,7 @@ impl Node {
         if let Some(tenant) = tenant
             && !self.planted(PlantedBug::SharedKeyspace)
         {
-            trust::scope_keys(&mut op, self.trust.key_prefix(tenant));
+            trust::scope_keys(&mut op, self.doors.trust.key_prefix(tenant));
         }
         Ok(Admitted {
             op,
@@ -206,7 +217,7 @@ impl Node {
         let answer = Answer::Flag(self.ping(now, instance));
         #[cfg(feature = "planted-bugs")]
         if self.planted(PlantedBug::PingWaitsForL2) && self.l2_enabled() {
-            self.held_pings.push((to, answer));
+            self.plants.held_pings.push((to, answer));
             return None;
         }
         let _ = to;
@@ -230,7 +241,7 @@ impl Node {
                 sends_fds, wait_ms, ..
             } => self.hello(to.conn, sends_fds, wait_ms).map(Ok),
             Op::Status => {
-                self.outputs.push_back(Output::ReplyStatus {
+                self.out.queue.push_back(Output::ReplyStatus {
                     conn: to.conn,
                     request_id: to.request_id,
                 });
@@ -313,7 +324,7 @@ impl Node {
         Ok(Answer::Stored(
             items
                 .into_iter()
-                .map(|(key, meta)| self.l1.describe(&key, meta))
+                .map(|(key, meta)| self.l1.slots.describe(&key, meta))
                 .collect(),
         ))
     }
@@ -325,15 +336,18 @@ impl Node {
         cursor: &[u8],
         max: u64,
     ) -> Result<Answer, ProtocolError> {
-        let prefix = tenant.map_or(&[][..], |tenant| self.trust.key_prefix(tenant));
+        let prefix = tenant.map_or(&[][..], |tenant| self.doors.trust.key_prefix(tenant));
         let max = usize::try_from(max).map_or(MAX_KV_EVENTS, |max| max.min(MAX_KV_EVENTS));
-        Ok(Answer::Events(
-            self.events.read(&self.l1, prefix, cursor, max),
-        ))
+        Ok(Answer::Events(self.events.read(
+            &self.l1.slots,
+            prefix,
+            cursor,
+            max,
+        )))
     }
 
     fn lookup(&mut self, now: Instant, to: ReplyTo, keys: &[Vec<u8>]) -> Immediate {
-        let l1_count = self.l1.lookup_prefix(keys);
+        let l1_count = self.l1.slots.lookup_prefix(keys);
         // Its L2 remainder runs as a job: counted in the connection's cap, as every
         // transfer is (failure mode 46).
         if self.l2.is_some() && (l1_count as usize) < keys.len() && !self.conns.has_room(to.conn, 1)
@@ -354,7 +368,7 @@ impl Node {
         model_name: String,
     ) -> Immediate {
         if let Some(tenant) = tenant
-            && !self.trust.engine_driven_allowed(tenant)
+            && !self.doors.trust.engine_driven_allowed(tenant)
         {
             return Some(Err(ProtocolError::new(
                 ErrorCode::Forbidden,
@@ -363,7 +377,7 @@ impl Node {
                      a worker maps the whole L1 pool read-write, every tenant's slots \
                      included. Use register_kv_cache with store/retrieve, or have the \
                      operator trust its uids (serve --tenant NAME=uid:N,engine-driven)",
-                    self.trust.name(tenant),
+                    self.doors.trust.name(tenant),
                 ),
             )));
         }
@@ -419,9 +433,10 @@ impl Node {
         let tenant = connection
             .peer
             .tenant()
-            .map(|tenant| self.trust.name(tenant).to_owned());
+            .map(|tenant| self.doors.trust.name(tenant).to_owned());
         if promised_now {
-            self.outputs
+            self.out
+                .queue
                 .push_back(Output::Peer(PeerAction::ReadWithoutFds { conn }));
         }
         let status = self.liveness.status();
@@ -525,9 +540,9 @@ impl Node {
                 None
             }
             Registration::Build(ticket) => {
-                let context = ContextId(self.next_id());
+                let context = ContextId(self.out.next_id());
                 let bytes = mapped_bytes(&buffers);
-                if let Err(over) = self.mapped.charge(context, tenant, bytes) {
+                if let Err(over) = self.doors.mapped.charge(context, tenant, bytes) {
                     // Nothing was built: the entry goes as after a failed build.
                     self.liveness.context_build_failed(now, ticket);
                     self.drain_effects();
@@ -543,7 +558,7 @@ impl Node {
                         format!("{}: {over}", to.op.name()),
                     )));
                 }
-                self.records.insert(
+                self.registry.records.insert(
                     (instance, module),
                     EntryDetails {
                         owner_uid,
@@ -552,7 +567,7 @@ impl Node {
                         model_name: model_name.clone(),
                     },
                 );
-                self.builds.start(context, ticket, to);
+                self.registry.builds.start(context, ticket, to);
                 self.conns.start_job(to.conn, 1);
                 self.submit_now(Job::Build {
                     context,
@@ -577,7 +592,7 @@ impl Node {
             .is_some_and(|entry| entry.building);
         if building
             && !self.planted(PlantedBug::RefreshBeforeBuild)
-            && self.builds.join(instance, module, to)
+            && self.registry.builds.join(instance, module, to)
         {
             return;
         }
@@ -588,8 +603,8 @@ impl Node {
     /// geometry and memfd).
     pub(super) fn reply_registered(&mut self, to: ReplyTo, module: Module, outcome: Outcome) {
         let pool = (module == Module::EngineDriven).then(|| PoolGeometry {
-            slot_bytes: self.l1.slot_bytes(),
-            num_slots: self.l1.num_slots() as u64,
+            slot_bytes: self.l1.slots.slot_bytes(),
+            num_slots: self.l1.slots.num_slots() as u64,
         });
         let answer = Answer::Registered(Registered { outcome, pool });
         self.reply_with(to, Ok(answer), pool.is_some());
@@ -645,8 +660,8 @@ impl Node {
                 .iter()
                 .find_map(|&module| records.get(&(id, module)).map(|record| record.tenant))
         };
-        if let Some(tenant) = tenant_of(&self.records, instance) {
-            let records = &self.records;
+        if let Some(tenant) = tenant_of(&self.registry.records, instance) {
+            let records = &self.registry.records;
             let tenant_committed = self.blend.committed_bytes_of(|other| {
                 other != instance && tenant_of(records, other) == Some(tenant)
             });
@@ -659,7 +674,7 @@ impl Node {
                          computed by its other instances; a quarter of the server's {} is kept \
                          for other tenants); unregister instances it no longer uses, or lower \
                          max_positions",
-                        self.trust.name(tenant),
+                        self.doors.trust.name(tenant),
                         blend::MAX_TENANT_BYTES,
                         blend::MAX_TOTAL_BYTES,
                     ),
@@ -669,7 +684,7 @@ impl Node {
         if !self.conns.has_room(to.conn, 1) {
             return Some(Err(self.conns.overloaded(to.conn)));
         }
-        let id = BlendId(self.next_id());
+        let id = BlendId(self.out.next_id());
         self.blend.begin(id, to, instance, rope.clone(), bytes);
         self.conns.start_job(to.conn, 1);
         self.submit_now(Job::Blend {

@@ -25,7 +25,7 @@ impl Node {
             ticket,
             reply,
             waiters,
-        }) = self.builds.finish(context)
+        }) = self.registry.builds.finish(context)
         else {
             return; // not a build of this node
         };
@@ -37,7 +37,7 @@ impl Node {
                 None => return, // planted: the built context is dropped unanswered
             },
             Err(error) => {
-                self.mapped.release(context);
+                self.doors.mapped.release(context);
                 self.note(Note::BuildFailed {
                     instance,
                     error: error.clone(),
@@ -82,7 +82,7 @@ impl Node {
     ) -> Option<Result<(), ProtocolError>> {
         let (instance, module) = (ticket.instance(), ticket.module());
         self.counters.context_built();
-        self.contexts.insert(context, built);
+        self.work.contexts.insert(context, built);
         if self.planted(PlantedBug::DropBuiltContext) {
             return None;
         }
@@ -108,7 +108,7 @@ impl Node {
                 purpose,
             },
             deferred,
-        )) = self.contexts.end_copy(copy)
+        )) = self.work.contexts.end_copy(copy)
         else {
             return;
         };
@@ -120,7 +120,7 @@ impl Node {
             }
             CopyFor::Retrieve(to) => {
                 self.conns.end_job(to.conn, 1);
-                self.l1.unpin(slot);
+                self.l1.slots.unpin(slot);
                 // A copy the shell did not start by its deadline: counted, as the node's.
                 if result.is_err() {
                     self.past(to.deadline);
@@ -132,7 +132,7 @@ impl Node {
                 self.item_done(batch, item, stored.map(Some));
             }
             CopyFor::BatchRetrieve { batch, item } => {
-                self.l1.unpin(slot);
+                self.l1.slots.unpin(slot);
                 self.item_done(batch, item, result.map(Some));
             }
         }
@@ -145,7 +145,7 @@ impl Node {
     /// nothing): its context is free of it, and a free that waited for it starts.
     pub(super) fn copy_dropped(&mut self, copy: CopyId) {
         if let Some((CopyInFlight { context, .. }, Some((instance, module, cause, label)))) =
-            self.contexts.end_copy(copy)
+            self.work.contexts.end_copy(copy)
         {
             self.start_free(context, instance, module, cause, label);
         }
@@ -154,7 +154,7 @@ impl Node {
     /// Frees not yet finished: those started (a job in flight) and those deferred until
     /// their context's copies end. The one count `status` and shutdown's wait both read.
     pub(super) fn frees_unfinished(&self) -> usize {
-        self.frees.running() + self.contexts.deferred_frees()
+        self.registry.frees.running() + self.work.contexts.deferred_frees()
     }
 
     /// A store's copy finished: publish the slot (its bytes), or give it back
@@ -166,13 +166,13 @@ impl Node {
     ) -> Result<u64, ProtocolError> {
         match result {
             Ok(nbytes) => {
-                self.l1.commit(slot, nbytes);
+                self.l1.slots.commit(slot, nbytes);
                 // Published (the copy completed): only now may it go to L2 (row 29).
-                self.l2_write_behind(self.last_now, slot);
+                self.l2_write_behind(self.out.now, slot);
                 Ok(nbytes)
             }
             Err(error) => {
-                self.l1.abort(slot);
+                self.l1.slots.abort(slot);
                 Err(error)
             }
         }
@@ -189,7 +189,7 @@ impl Node {
         // Items naming the same key, waiting for this one's L2 read: served now, from
         // L1 when this one was (the read's hit is committed there), else a miss.
         let hit = matches!(result, Ok(Some(_)));
-        for follower in self.batches.take_followers(id, item) {
+        for follower in self.work.batches.take_followers(id, item) {
             if let l2::ReadFor::BatchRetrieve {
                 batch,
                 item,
@@ -201,7 +201,7 @@ impl Node {
                 self.resume_batch_item(batch, item, instance, context, want, &follower.key, hit);
             }
         }
-        if let Some(answered) = self.batches.item_ended(id, item, result) {
+        if let Some(answered) = self.work.batches.item_ended(id, item, result) {
             self.answer_batch(answered);
         }
     }
@@ -227,7 +227,7 @@ impl Node {
             }
             Ok(()) => match self.blend.finish(id, instance) {
                 blend::Finished::Installed => {
-                    self.outputs.push_back(Output::Blend(BlendChange::Keep {
+                    self.out.queue.push_back(Output::Blend(BlendChange::Keep {
                         blend: id,
                         instance,
                     }));
@@ -236,12 +236,14 @@ impl Node {
                     Ok(Answer::Flag(true))
                 }
                 blend::Finished::Superseded => {
-                    self.outputs
+                    self.out
+                        .queue
                         .push_back(Output::Blend(BlendChange::Discard { blend: id }));
                     Ok(Answer::Flag(true))
                 }
                 blend::Finished::Freed => {
-                    self.outputs
+                    self.out
+                        .queue
                         .push_back(Output::Blend(BlendChange::Discard { blend: id }));
                     Err(ProtocolError::new(
                         ErrorCode::NotRegistered,
@@ -258,14 +260,15 @@ impl Node {
     }
 
     pub(super) fn free_done(&mut self, now: Instant, free: FreeId) {
-        if let Some(late) = self.frees.done(free, now) {
+        if let Some(late) = self.registry.frees.done(free, now) {
             self.note(late);
         }
     }
 
     pub(super) fn process_exited(&mut self, now: Instant, process: ProcessKey) {
-        let instances = self.watches.exited(process);
-        self.outputs
+        let instances = self.registry.watches.exited(process);
+        self.out
+            .queue
             .push_back(Output::Peer(PeerAction::Unwatch { process }));
         for instance in instances {
             if self.planted(PlantedBug::IgnoreProcessExit) {
@@ -283,20 +286,23 @@ impl Node {
         let Some((process, notice)) = self.conns.get(&conn).and_then(|c| c.process) else {
             return;
         };
-        let change = self.watches.watch(instance, process, notice);
+        let change = self.registry.watches.watch(instance, process, notice);
         if let Some(process) = change.stop {
-            self.outputs
+            self.out
+                .queue
                 .push_back(Output::Peer(PeerAction::Unwatch { process }));
         }
         if change.start {
-            self.outputs
+            self.out
+                .queue
                 .push_back(Output::Peer(PeerAction::Watch { process, conn }));
         }
     }
 
     fn unwatch(&mut self, instance: InstanceId) {
-        if let Some(process) = self.watches.unwatch(instance) {
-            self.outputs
+        if let Some(process) = self.registry.watches.unwatch(instance) {
+            self.out
+                .queue
                 .push_back(Output::Peer(PeerAction::Unwatch { process }));
         }
     }
@@ -307,14 +313,14 @@ impl Node {
         let mut any = false;
         for module in Module::ALL {
             if self.liveness.entry(instance, module).is_none() {
-                self.records.remove(&(instance, module));
+                self.registry.records.remove(&(instance, module));
             } else {
                 any = true;
             }
         }
         if !any {
             self.unwatch(instance);
-            self.trust.release(instance);
+            self.doors.trust.release(instance);
         }
     }
 
@@ -342,7 +348,8 @@ impl Node {
                         continue;
                     }
                     if let Some(bytes) = self.blend.drop_instance(instance) {
-                        self.outputs
+                        self.out
+                            .queue
                             .push_back(Output::Blend(BlendChange::Drop { instance }));
                         self.note(Note::BlendDropped { instance, bytes });
                     }
@@ -363,8 +370,8 @@ impl Node {
     /// this a free running when the server was paused for longer than the watchdog is
     /// reported hung on resume (found by the simulator: a free across a server pause).
     fn credit_stall(&mut self, gap: Duration) {
-        let now = self.last_now;
-        self.frees.credit_stall(now, gap);
+        let now = self.out.now;
+        self.registry.frees.credit_stall(now, gap);
         self.shutdown.credit_stall(now, gap);
     }
 
@@ -377,11 +384,11 @@ impl Node {
             cause.label()
         };
         self.forget_if_gone(instance);
-        if let Some(mut strategy) = self.contexts.take_strategy(context) {
+        if let Some(mut strategy) = self.work.contexts.take_strategy(context) {
             if self.planted(PlantedBug::KeepReservations) {
                 std::mem::forget(strategy);
             } else {
-                let released = strategy.release(&mut self.l1);
+                let released = strategy.release(&mut self.l1.slots);
                 if released.reservations_discarded > 0 || released.pins_released > 0 {
                     self.note(Note::EngineReleased {
                         instance,
@@ -396,7 +403,7 @@ impl Node {
         if self.planted(PlantedBug::FreeDuringCopy) {
             self.start_free(context, instance, module, cause, label);
         } else if let Err((instance, module, cause, label)) =
-            self.contexts.defer_free(context, free)
+            self.work.contexts.defer_free(context, free)
         {
             self.start_free(context, instance, module, cause, label);
         }
@@ -410,9 +417,9 @@ impl Node {
         cause: FreeCause,
         label: &'static str,
     ) {
-        self.contexts.remove(context);
-        self.mapped.release(context);
-        self.frees.count(label);
+        self.work.contexts.remove(context);
+        self.doors.mapped.release(context);
+        self.registry.frees.count(label);
         self.shutdown.count_free();
         if self.planted(PlantedBug::LeakOnFree) {
             return;
@@ -424,9 +431,11 @@ impl Node {
             1
         };
         for _ in 0..sends {
-            let free = FreeId(self.next_id());
-            self.frees.started(free, instance, module, self.last_now);
-            self.outputs.push_back(Output::Job(Job::Free {
+            let free = FreeId(self.out.next_id());
+            self.registry
+                .frees
+                .started(free, instance, module, self.out.now);
+            self.out.queue.push_back(Output::Job(Job::Free {
                 free,
                 context,
                 instance,
@@ -438,7 +447,11 @@ impl Node {
     }
 
     pub(super) fn check_free_watchdog(&mut self, now: Instant) {
-        for hung in self.frees.newly_hung(now, self.config.free_watchdog) {
+        for hung in self
+            .registry
+            .frees
+            .newly_hung(now, self.config.free_watchdog)
+        {
             self.note(hung);
         }
     }
@@ -449,19 +462,20 @@ impl Node {
         loop {
             // Seals count as work in flight: an upgrade's restart adopts what was sealed
             // (row 71).
-            let drained = self.conns.jobs_in_flight() == 0 && self.l1.sealing() == 0;
+            let drained = self.conns.jobs_in_flight() == 0 && self.l1.slots.sealing() == 0;
             match self.shutdown.step(now, drained, self.frees_unfinished()) {
                 Step::Wait => return,
                 Step::FreeEverything => {
                     // Copies still waiting for the pool never run: answered, and their
                     // contexts' frees no longer wait for them.
-                    for copy in self.jobs.take_waiting_copies() {
+                    for copy in self.work.jobs.take_waiting_copies() {
                         self.cancel_copy(copy);
                     }
                     if self.planted(PlantedBug::ShutdownLeaks) {
                         continue;
                     }
-                    let keys: Vec<(InstanceId, Module)> = self.records.keys().copied().collect();
+                    let keys: Vec<(InstanceId, Module)> =
+                        self.registry.records.keys().copied().collect();
                     for (instance, module) in keys {
                         self.liveness.unregister(now, instance, module);
                     }
@@ -471,7 +485,7 @@ impl Node {
                     contexts_freed,
                     frees_unfinished,
                 } => {
-                    self.outputs.push_back(Output::Stopped {
+                    self.out.queue.push_back(Output::Stopped {
                         contexts_freed,
                         frees_unfinished,
                     });

@@ -60,7 +60,7 @@ impl Node {
         offset: u64,
         nbytes: u64,
     ) -> Result<usize, ProtocolError> {
-        let lens = match self.contexts.built(context) {
+        let lens = match self.work.contexts.built(context) {
             Some(Built::ServerDriven { buffer_lens }) => buffer_lens,
             _ => {
                 return Err(bad_args(format!(
@@ -110,7 +110,7 @@ impl Node {
     /// Refuses a store of `nbytes` that would not fit one L1 slot. `what` names the
     /// request (or the batch item) in the message: "`store`".
     fn fits_a_slot(&self, what: &str, nbytes: u64) -> Result<(), ProtocolError> {
-        let slot_bytes = self.l1.slot_bytes();
+        let slot_bytes = self.l1.slots.slot_bytes();
         if nbytes > slot_bytes {
             return Err(bad_args(format!(
                 "{what}: nbytes {nbytes} is larger than an L1 slot ({slot_bytes} bytes, \
@@ -131,8 +131,8 @@ impl Node {
         nbytes: u64,
         purpose: CopyFor,
     ) {
-        let not_after = self.batches.deadline_of(&purpose);
-        let conn = self.batches.conn_of(&purpose);
+        let not_after = self.work.batches.deadline_of(&purpose);
+        let conn = self.work.batches.conn_of(&purpose);
         let copy = self.hold_copy(context, slot, purpose);
         self.submit_copy(
             conn,
@@ -157,8 +157,8 @@ impl Node {
         slot: SlotId,
         purpose: CopyFor,
     ) -> CopyId {
-        let copy = CopyId(self.next_id());
-        self.contexts.start_copy(copy, context, slot, purpose);
+        let copy = CopyId(self.out.next_id());
+        self.work.contexts.start_copy(copy, context, slot, purpose);
         copy
     }
 
@@ -183,7 +183,7 @@ impl Node {
             Ok(opened) => opened,
             Err(error) => return Some(Err(error)),
         };
-        match self.l1.reserve(&key, self.conns.tenant(to.conn)) {
+        match self.l1.slots.reserve(&key, self.conns.tenant(to.conn)) {
             Reservation::AlreadyStored => Some(Ok(Answer::Flag(true))),
             Reservation::Full => Some(Ok(Answer::Flag(false))),
             Reservation::Reserved(slot) => {
@@ -245,16 +245,19 @@ impl Node {
 
     /// Whether `key` is committed in L1.
     fn l1_holds(&self, key: &[u8]) -> bool {
-        self.l1.lookup_prefix(std::slice::from_ref(&key.to_vec())) == 1
+        self.l1
+            .slots
+            .lookup_prefix(std::slice::from_ref(&key.to_vec()))
+            == 1
     }
 
     /// Pins `key`'s committed slot for a copy of exactly `nbytes` into a worker's
     /// buffer. A value of another length is a miss (counted): a retrieve never writes
     /// more, or less, than its destination asked for.
     pub(super) fn pin_exact(&mut self, key: &[u8], nbytes: u64) -> Option<SlotId> {
-        let (slot, len) = self.l1.pin(key)?;
+        let (slot, len) = self.l1.slots.pin(key)?;
         if len != nbytes {
-            self.l1.unpin(slot);
+            self.l1.slots.unpin(slot);
             self.counters.length_mismatch();
             return None;
         }
@@ -285,7 +288,7 @@ impl Node {
         key: &[u8],
         want: Want,
     ) -> Immediate {
-        if !self.contexts.contains(context) {
+        if !self.work.contexts.contains(context) {
             return Some(Err(super::l2::gone(instance, "retrieve")));
         }
         let index = match self.checked_buffer(
@@ -359,7 +362,7 @@ impl Node {
         let mut copies = Vec::new();
         let tenant = self.conns.tenant(to.conn);
         for (position, (item, index)) in items.into_iter().zip(indexes).enumerate() {
-            results[position] = match self.l1.reserve(&item.key, tenant) {
+            results[position] = match self.l1.slots.reserve(&item.key, tenant) {
                 Reservation::AlreadyStored => true,
                 Reservation::Full => false,
                 Reservation::Reserved(slot) => {
@@ -438,7 +441,7 @@ impl Node {
         }
         let batch = self.open_batch(to, results, items.len(), copies.len());
         self.ask_l2_for_misses(now, to, batch, instance, context, &items, misses);
-        if let Some(answered) = self.batches.close_if_idle(batch) {
+        if let Some(answered) = self.work.batches.close_if_idle(batch) {
             // Nothing copies and L2 was not asked: answer now.
             self.conns.end_job(to.conn, answered.items);
             return Some(answered.result);
@@ -494,7 +497,7 @@ impl Node {
             if let Some(of) = first {
                 // The same key again: a second read would find the slot reserved and
                 // miss; this item waits for the first item's read instead.
-                self.batches.follow(
+                self.work.batches.follow(
                     batch,
                     Follower {
                         of,
@@ -503,7 +506,7 @@ impl Node {
                     },
                 );
             } else if self.l2_ask(now, &item.key, tenant, waiter).is_ok() {
-                self.batches.wait_for_one_more(batch);
+                self.work.batches.wait_for_one_more(batch);
                 asked.push(position);
             }
         }
@@ -513,9 +516,9 @@ impl Node {
     /// `items` items. `results` is the reply so far (`Answer::Stored` or
     /// `Answer::Lengths`).
     fn open_batch(&mut self, to: ReplyTo, results: Answer, items: usize, pending: usize) -> u64 {
-        let id = self.next_id();
+        let id = self.out.next_id();
         self.conns.start_job(to.conn, items);
-        self.batches.open(id, to, results, items, pending);
+        self.work.batches.open(id, to, results, items, pending);
         id
     }
 
@@ -529,13 +532,13 @@ impl Node {
         step: impl FnOnce(&mut TransferStrategy, &mut SlotTable) -> Result<Answer, ProtocolError>,
     ) -> Result<Answer, ProtocolError> {
         let context = self.transfer_context(now, instance, Module::EngineDriven, op)?;
-        let Some(strategy) = self.contexts.strategy_mut(context) else {
+        let Some(strategy) = self.work.contexts.strategy_mut(context) else {
             return Err(ProtocolError::new(
                 ErrorCode::Internal,
                 format!("`{op}`: instance {instance}'s engine-driven entry holds another context"),
             ));
         };
-        step(strategy, &mut self.l1)
+        step(strategy, &mut self.l1.slots)
     }
 
     pub(super) fn prepare_store(
@@ -545,7 +548,7 @@ impl Node {
         instance: InstanceId,
         key: &[u8],
     ) -> Result<Answer, ProtocolError> {
-        let num_slots = self.l1.num_slots();
+        let num_slots = self.l1.slots.num_slots();
         let tenant = self.conns.tenant(conn);
         let mut reserved_slot = None;
         let value =
@@ -597,8 +600,8 @@ impl Node {
             })?;
         if answer == Answer::Flag(true) {
             // Published: only now may it go to L2 (row 29).
-            if let Some((slot, _)) = self.l1.pin(key) {
-                self.l1.unpin(slot);
+            if let Some((slot, _)) = self.l1.slots.pin(key) {
+                self.l1.slots.unpin(slot);
                 self.l2_write_behind(now, slot);
             }
         }
@@ -654,7 +657,7 @@ impl Node {
     /// Whether `deadline` (a request's) has passed: then no copy into its worker's
     /// buffer starts (row 60: the worker may have reused it). Counted.
     pub(super) fn past(&mut self, deadline: Option<Instant>) -> bool {
-        let past = deadline.is_some_and(|deadline| self.last_now > deadline);
+        let past = deadline.is_some_and(|deadline| self.out.now > deadline);
         if past {
             self.counters.past_deadline();
         }

@@ -123,13 +123,13 @@ pub struct TenantStatus {
 impl Node {
     /// The node's figures at `now` (a scan: for status pages, not the request path).
     pub fn status(&self) -> NodeStatus {
-        let occupancy = self.l1.occupancy();
-        let mut instances = Vec::with_capacity(self.records.len());
-        for (&(instance, module), record) in &self.records {
+        let occupancy = self.l1.slots.occupancy();
+        let mut instances = Vec::with_capacity(self.registry.records.len());
+        for (&(instance, module), record) in &self.registry.records {
             let Some(entry) = self.liveness.entry(instance, module) else {
                 continue;
             };
-            let watch = self.watches.of(instance);
+            let watch = self.registry.watches.of(instance);
             instances.push(InstanceView {
                 instance,
                 module,
@@ -138,7 +138,7 @@ impl Node {
                 proven: entry.proven,
                 building: entry.building,
                 owner_uid: record.owner_uid,
-                tenant: self.trust.name(record.tenant).to_owned(),
+                tenant: self.doors.trust.name(record.tenant).to_owned(),
                 model_name: record.model_name.clone(),
                 process: watch.map(|(process, _)| process),
                 death_notice: watch.map_or(DeathNotice::TimeoutOnly, |(_, notice)| notice),
@@ -151,51 +151,52 @@ impl Node {
             pings_total: self.counters.pings().0,
             pings_answered_false_total: self.counters.pings().1,
             contexts_built_total: self.counters.contexts_built(),
-            freed_total: self.frees.started_by_label().clone(),
+            freed_total: self.registry.frees.started_by_label().clone(),
             frees_in_flight: self.frees_unfinished(),
-            frees_hung_total: self.frees.hung_total(),
+            frees_hung_total: self.registry.frees.hung_total(),
             jobs_in_flight: self.conns.jobs_in_flight(),
-            pool_window: self.jobs.window(),
-            pool_running: self.jobs.running(),
-            pool_waiting: self.jobs.waiting(),
-            pool_handed_out_total: self.jobs.handed_out(),
+            pool_window: self.work.jobs.window(),
+            pool_running: self.work.jobs.running(),
+            pool_waiting: self.work.jobs.waiting(),
+            pool_handed_out_total: self.work.jobs.handed_out(),
             l1_slots: (
-                self.l1.num_slots(),
-                self.l1.used_slots(),
+                self.l1.slots.num_slots(),
+                self.l1.slots.used_slots(),
                 occupancy.reserved,
                 occupancy.pinned,
             ),
-            slot_bytes: self.l1.slot_bytes(),
+            slot_bytes: self.l1.slots.slot_bytes(),
             l1_adoption: self.adoption().cloned(),
-            l1_sealing: self.l1.sealing(),
-            l1_unsealed_total: self.l1.unsealed_total(),
+            l1_sealing: self.l1.slots.sealing(),
+            l1_unsealed_total: self.l1.slots.unsealed_total(),
             kv_events: self.events.view(),
             blend: (
                 self.blend.held_bytes(),
                 self.blend.instances(),
                 self.blend.pending(),
             ),
-            watched_processes: self.watches.processes(),
+            watched_processes: self.registry.watches.processes(),
             connections: self.conns.len(),
             instances,
             l2: self.l2.as_ref().map(L2Tier::status),
-            forbidden_total: self.trust.forbidden_total(),
-            bound_instances: self.trust.bindings(),
+            forbidden_total: self.doors.trust.forbidden_total(),
+            bound_instances: self.doors.trust.bindings(),
             tenants: self
+                .doors
                 .trust
                 .tenants()
                 .into_iter()
                 .map(|view| TenantStatus {
-                    slots_used: self.l1.tenant_slots(view.tenant),
-                    quota_slots: self.l1.quota_slots(view.tenant),
-                    mapped_bytes: self.mapped.of_tenant(view.tenant),
+                    slots_used: self.l1.slots.tenant_slots(view.tenant),
+                    quota_slots: self.l1.slots.quota_slots(view.tenant),
+                    mapped_bytes: self.doors.mapped.of_tenant(view.tenant),
                     view,
                 })
                 .collect(),
             retrieve_length_mismatches: self.counters.length_mismatches(),
-            mapped_bytes: self.mapped.total(),
-            mapped_limits: self.mapped.limits(),
-            mapped_refused_total: self.mapped.refused(),
+            mapped_bytes: self.doors.mapped.total(),
+            mapped_limits: self.doors.mapped.limits(),
+            mapped_refused_total: self.doors.mapped.refused(),
             copies_past_deadline_total: self.counters.copies_past_deadline(),
         }
     }

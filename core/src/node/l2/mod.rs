@@ -319,7 +319,7 @@ impl Node {
         let Some(tier) = self.l2.as_mut() else {
             return;
         };
-        let Some((key, nbytes)) = self.l1.pin_slot(slot) else {
+        let Some((key, nbytes)) = self.l1.slots.pin_slot(slot) else {
             return;
         };
         let admitted = tier.writes.len() < tier.writes_max
@@ -328,13 +328,13 @@ impl Node {
             if let Some(tier) = self.l2.as_mut() {
                 tier.counters.record_dropped_write();
             }
-            self.l1.unpin(slot);
+            self.l1.slots.unpin(slot);
         }
     }
 
     /// Planted bug `WriteUnpublished` only: writes a reserved slot (row 29 forbids it).
     pub(super) fn l2_write_unpublished(&mut self, slot: SlotId, key: &[u8]) {
-        let nbytes = self.l1.slot_bytes();
+        let nbytes = self.l1.slots.slot_bytes();
         self.l2_send_write(slot, key.to_vec(), nbytes);
     }
 
@@ -351,11 +351,11 @@ impl Node {
             return false;
         }
         let _ = tier.queue.pop();
-        let write = L2WriteId(self.next_id());
+        let write = L2WriteId(self.out.next_id());
         if let Some(tier) = self.l2.as_mut() {
             tier.writes.insert(write, (slot, bytes));
         }
-        self.outputs.push_back(Output::L2(L2Request::Write {
+        self.out.queue.push_back(Output::L2(L2Request::Write {
             write,
             key,
             slot,
@@ -375,12 +375,12 @@ impl Node {
         tier.counters.record_write(outcome);
         tier.answered(now, outcome.op_result());
         if outcome == WriteOutcome::Written
-            && let Some(key) = self.l1.committed_key(slot)
+            && let Some(key) = self.l1.slots.committed_key(slot)
         {
             // The node key is the L2 key: L2 holds it now.
             self.events.record(key, true, crate::protocol::KvTier::L2);
         }
-        self.l1.unpin(slot);
+        self.l1.slots.unpin(slot);
         self.l2_record(now, outcome.op_result());
     }
 

@@ -29,17 +29,17 @@ impl Node {
         if self.l2.is_none() {
             return Err(waiter);
         }
-        let slot = match self.l1.reserve(key, tenant) {
+        let slot = match self.l1.slots.reserve(key, tenant) {
             Reservation::Reserved(slot) => slot,
             Reservation::AlreadyStored | Reservation::Full => return Err(waiter),
         };
         let Some(tier) = self.l2.as_mut() else {
-            self.l1.abort(slot);
+            self.l1.slots.abort(slot);
             return Err(waiter);
         };
         if tier.health.admit(now) == Admission::Skip {
             tier.counters.record_skipped_read();
-            self.l1.abort(slot);
+            self.l1.slots.abort(slot);
             return Err(waiter);
         }
         let deliver = self.l2_delivery(&waiter, slot);
@@ -93,7 +93,7 @@ impl Node {
                 want.nbytes,
             )
             .ok()?;
-        let not_after = self.batches.deadline_of(&purpose);
+        let not_after = self.work.batches.deadline_of(&purpose);
         Some(L2Delivery {
             copy: self.hold_copy(context, slot, purpose),
             context,
@@ -151,7 +151,7 @@ impl Node {
         if self.l2.is_none() {
             return;
         }
-        let read = L2ReadId(self.next_id());
+        let read = L2ReadId(self.out.next_id());
         if let Some(tier) = self.l2.as_mut() {
             tier.reads.insert(
                 read,
@@ -165,11 +165,11 @@ impl Node {
                 },
             );
         }
-        self.outputs.push_back(ask(read));
+        self.out.queue.push_back(ask(read));
     }
 
     pub(in crate::node) fn l2_got(&mut self, now: Instant, read: L2ReadId, fetched: L2Fetched) {
-        let slot_bytes = self.l1.slot_bytes();
+        let slot_bytes = self.l1.slots.slot_bytes();
         let serve_corrupt = self.planted(PlantedBug::ServeCorrupt);
         let Some(tier) = self.l2.as_mut() else {
             return;
@@ -197,11 +197,11 @@ impl Node {
                 if nbytes <= slot_bytes =>
             {
                 // Promoted: correct data, checked by the shell, even when it came late.
-                self.l1.commit(slot, nbytes);
+                self.l1.slots.commit(slot, nbytes);
                 Some((slot, nbytes))
             }
             (Some(slot), _) => {
-                self.l1.abort(slot);
+                self.l1.slots.abort(slot);
                 None
             }
             (None, _) => None,
@@ -219,7 +219,7 @@ impl Node {
                 // The worker's buffer holds the bytes: answered as the copy it was,
                 // which unpins the slot pinned here for it.
                 self.l2_count_read(now, outcome);
-                let _ = self.l1.pin_slot(slot);
+                let _ = self.l1.slots.pin_slot(slot);
                 self.copy_done(copy, Ok(nbytes));
                 return;
             }
@@ -313,7 +313,8 @@ impl Node {
             tier.reads.remove(&id);
         }
         for read in cancels {
-            self.outputs
+            self.out
+                .queue
                 .push_back(Output::L2(L2Request::Cancel { read }));
         }
         for (waiter, key) in expired {
@@ -393,7 +394,7 @@ impl Node {
             self.item_done(batch, item, Ok(None));
             return;
         }
-        if !self.contexts.contains(context) {
+        if !self.work.contexts.contains(context) {
             self.item_done(batch, item, Err(gone(instance, "retrieve_batch")));
             return;
         }
@@ -412,7 +413,7 @@ impl Node {
                 return;
             }
         };
-        let deadline = self.batches.deadline(batch);
+        let deadline = self.work.batches.deadline(batch);
         let Some(slot) = self.pin_in_time(deadline, key, want.nbytes) else {
             self.item_done(batch, item, Ok(None));
             return;

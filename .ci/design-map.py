@@ -1,0 +1,77 @@
+#!/usr/bin/env python3
+"""docs/design.md's component map against the code.
+
+Every size the map's table gives for a core file is that file's non-test lines (its
+lines before its `#[cfg(test)]` module, all of them without one), and every file of
+core/src/node/ is named. A size is written `path.rs` (N ...) or, for a folder,
+`folder/` (name N ..., name N ...), where name is folder/name.rs or folder/name/mod.rs.
+
+    python3 .ci/design-map.py ROOT [DESIGN_MD]     # exit 1 naming each difference
+"""
+
+import pathlib
+import re
+import sys
+
+FILE = re.compile(r"`([\w/]+\.rs)` \((\d+)")
+FOLDER = re.compile(r"`([\w/]+/)` \(([^)]*)\)")
+ENTRY = re.compile(r"(?:^|[,;]\s*)([a-z_0-9]+) (\d+)\b")
+
+
+def non_test_lines(path: pathlib.Path) -> int:
+    lines = path.read_text().splitlines()
+    for number, line in enumerate(lines):
+        if line.startswith("#[cfg(test)]"):
+            return number
+    return len(lines)
+
+
+def sizes(table: str, core: pathlib.Path):
+    """(the file, the size the map gives) for each size in the table."""
+    for row in table.splitlines():
+        if not row.startswith("| "):
+            continue
+        columns = row.split(" | ")
+        code = columns[1] if len(columns) > 1 else ""
+        for path, size in FILE.findall(code):
+            yield core / path, int(size)
+        for folder, inside in FOLDER.findall(code):
+            for name, size in ENTRY.findall(inside):
+                flat = core / folder / f"{name}.rs"
+                yield (flat if flat.exists() else core / folder / name / "mod.rs"), int(size)
+
+
+def main() -> int:
+    root = pathlib.Path(sys.argv[1])
+    design = pathlib.Path(sys.argv[2]) if len(sys.argv) > 2 else root / "docs/design.md"
+    core = root / "core/src"
+    text = design.read_text()
+    start = text.index("## The component map")
+    end = text.find("\n## ", start + 1)
+    table = text[start : end if end >= 0 else len(text)]
+    problems = []
+    named = set()
+    for path, size in sizes(table, core):
+        named.add(path)
+        if not path.exists():
+            problems.append(f"{path.relative_to(root)}: named in the map, but there is no such file")
+        elif non_test_lines(path) != size:
+            problems.append(
+                f"{path.relative_to(root)}: the map says {size} non-test lines, the file has "
+                f"{non_test_lines(path)}; update docs/design.md's component map"
+            )
+    for path in sorted((core / "node").rglob("*.rs")):
+        if path not in named:
+            problems.append(
+                f"{path.relative_to(root)}: a file of the node the component map does not "
+                "name; give it a row, or name it in its owner's row with its size"
+            )
+    for problem in problems:
+        print(f"design-map: {problem}", file=sys.stderr)
+    if not problems:
+        print(f"design-map: {len(named)} sizes in docs/design.md's component map, each the file's")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
