@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""docs/design.md's component map against the code.
+"""docs/design.md's component map against the code, and the core's room sizes.
 
 Every size the map's table gives for a core file is that file's non-test lines (its
 lines before its `#[cfg(test)]` module, all of them without one), and every file of
-core/src/node/ is named. A size is written `path.rs` (N ...) or, for a folder,
+core/src/node/ is named. No core file has over 700 non-test lines and no core
+function over 80 (from its `fn` line to the `}` at its indentation, rustfmt's layout;
+test files and modules excluded). A size is written `path.rs` (N ...) or, for a folder,
 `folder/` (name N ..., name N ...), where name is folder/name.rs or folder/name/mod.rs.
 
     python3 .ci/design-map.py ROOT [DESIGN_MD]     # exit 1 naming each difference
@@ -16,6 +18,9 @@ import sys
 FILE = re.compile(r"`([\w/]+\.rs)` \((\d+)")
 FOLDER = re.compile(r"`([\w/]+/)` \(([^)]*)\)")
 ENTRY = re.compile(r"(?:^|[,;]\s*)([a-z_0-9]+) (\d+)\b")
+FN = re.compile(r"^(\s*)(?:pub(?:\([^)]*\))? )?(?:const )?(?:unsafe )?fn (\w+)")
+MAX_FILE_LINES = 700
+MAX_FN_LINES = 80
 
 
 def non_test_lines(path: pathlib.Path) -> int:
@@ -24,6 +29,36 @@ def non_test_lines(path: pathlib.Path) -> int:
         if line.startswith("#[cfg(test)]"):
             return number
     return len(lines)
+
+
+def long_functions(path: pathlib.Path):
+    """(line, name, length) of each function over MAX_FN_LINES before the tests."""
+    lines = path.read_text().splitlines()[: non_test_lines(path)]
+    for number, line in enumerate(lines):
+        found = FN.match(line)
+        if not found or line.rstrip().endswith(";"):
+            continue
+        end = f"{found.group(1)}}}"
+        for last in range(number + 1, len(lines)):
+            if lines[last] == end:
+                if last - number + 1 > MAX_FN_LINES:
+                    yield number + 1, found.group(2), last - number + 1
+                break
+
+
+def room_sizes(root: pathlib.Path):
+    """The core's files over MAX_FILE_LINES and functions over MAX_FN_LINES."""
+    for path in sorted((root / "core/src").rglob("*.rs")):
+        if path.name == "tests.rs" or "tests" in path.relative_to(root / "core/src").parts:
+            continue
+        where = path.relative_to(root)
+        if non_test_lines(path) > MAX_FILE_LINES:
+            yield (
+                f"{where}: {non_test_lines(path)} non-test lines, over {MAX_FILE_LINES}; "
+                "split it by owner or by phase"
+            )
+        for line, name, length in long_functions(path):
+            yield f"{where}:{line}: fn {name} has {length} lines, over {MAX_FN_LINES}; split it"
 
 
 def sizes(table: str, core: pathlib.Path):
@@ -66,10 +101,15 @@ def main() -> int:
                 f"{path.relative_to(root)}: a file of the node the component map does not "
                 "name; give it a row, or name it in its owner's row with its size"
             )
+    problems.extend(room_sizes(root))
     for problem in problems:
         print(f"design-map: {problem}", file=sys.stderr)
     if not problems:
-        print(f"design-map: {len(named)} sizes in docs/design.md's component map, each the file's")
+        print(
+            f"design-map: {len(named)} sizes in docs/design.md's component map, each the "
+            f"file's; no core file over {MAX_FILE_LINES} non-test lines, no function over "
+            f"{MAX_FN_LINES}"
+        )
     return 1 if problems else 0
 
 

@@ -81,14 +81,21 @@ problems="$(grep -c ': `' "$work/wrong.err" || true)"
 [ "$problems" -eq 7 ] || { cat "$work/wrong.err" >&2; die "expected 7 problems in the wrong doc, got $problems"; }
 echo "docs-check: shown to fail on a wrong metric, log target, status field, flag, vLLM counter, path and log line (7 of 7)"
 
-# docs/design.md's component map: every size the code's, every file of the node named;
-# then shown to fail on a doctored copy (one size off by one, one file's row gone).
+# docs/design.md's component map: every size the code's, every file of the node named,
+# and the core's rooms within their sizes; then shown to fail on a doctored copy of the
+# core and the map (one size off, one file's row gone, a file over 700 lines, a
+# function over 80).
 python3 "$root/.ci/design-map.py" "$root"
+mkdir -p "$work/root/core" "$work/root/docs"
+cp -r "$root/core/src" "$work/root/core/src"
 sed -e 's/`node\/ops.rs` (\([0-9]*\))/`node\/ops.rs` (1\1)/' -e '/`node\/counters.rs`/d' \
-  "$root/docs/design.md" >"$work/design.md"
-if python3 "$root/.ci/design-map.py" "$root" "$work/design.md" 2>"$work/map.err"; then
-  die "design-map passed a map with a wrong size and a file left out"
+  "$root/docs/design.md" >"$work/root/docs/design.md"
+for _ in $(seq 700); do echo "// padding"; done >>"$work/root/core/src/module.rs"
+{ echo 'fn padded() {'; for i in $(seq 80); do echo "    let _ = $i;"; done; echo '}'; } \
+  >>"$work/root/core/src/id.rs"
+if python3 "$root/.ci/design-map.py" "$work/root" 2>"$work/map.err"; then
+  die "design-map passed a doctored core and map"
 fi
 problems="$(grep -c '^design-map: ' "$work/map.err" || true)"
-[ "$problems" -eq 2 ] || { cat "$work/map.err" >&2; die "expected 2 problems in the doctored map, got $problems"; }
-echo "design-map: shown to fail on a wrong size and a file left out (2 of 2)"
+[ "$problems" -eq 4 ] || { cat "$work/map.err" >&2; die "expected 4 problems in the doctored core and map, got $problems"; }
+echo "design-map: shown to fail on a wrong size, a file left out, a file over 700 lines and a function over 80 (4 of 4)"

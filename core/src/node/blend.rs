@@ -5,7 +5,7 @@
 
 use super::ReplyTo;
 use crate::id::InstanceId;
-use crate::protocol::RopeSpec;
+use crate::protocol::{ErrorCode, ProtocolError, RopeSpec};
 use std::collections::HashMap;
 
 /// The most bytes one instance's tables (cos and sin together) may take: 256 MiB
@@ -83,7 +83,57 @@ pub struct BlendBook {
     waiting: HashMap<BlendId, (ReplyTo, InstanceId)>,
 }
 
+/// The tenant of an instance registering rope tables: its name, and which other
+/// instances are its.
+pub(super) struct Tenant<'a> {
+    pub(super) name: &'a str,
+    pub(super) holds: Box<dyn Fn(InstanceId) -> bool + 'a>,
+}
+
 impl BlendBook {
+    /// Whether `bytes` more of rope tables for `instance` fit: within the server's limit
+    /// (the instance's own tables are replaced) and, for an instance of a tenant,
+    /// within the tenant's share with its other instances' (failure mode 47).
+    pub(super) fn admit(
+        &self,
+        instance: InstanceId,
+        bytes: u64,
+        tenant: Option<Tenant<'_>>,
+    ) -> Result<(), ProtocolError> {
+        let committed = self
+            .committed_bytes()
+            .saturating_sub(self.bytes_of(instance));
+        if committed.saturating_add(bytes) > MAX_TOTAL_BYTES {
+            return Err(ProtocolError::new(
+                ErrorCode::Overloaded,
+                format!(
+                    "`register_blend`: {bytes} more bytes of rope tables would take the server \
+                     past its limit of {MAX_TOTAL_BYTES} bytes for all instances ({committed} \
+                     held or being computed); retry later"
+                ),
+            ));
+        }
+        let Some(tenant) = tenant else {
+            return Ok(());
+        };
+        let tenant_committed =
+            self.committed_bytes_of(|other| other != instance && (tenant.holds)(other));
+        if tenant_committed.saturating_add(bytes) > MAX_TENANT_BYTES {
+            return Err(ProtocolError::new(
+                ErrorCode::Overloaded,
+                format!(
+                    "`register_blend`: {bytes} more bytes of rope tables would take tenant \
+                     {:?} past its share of {MAX_TENANT_BYTES} bytes ({tenant_committed} held \
+                     or being computed by its other instances; a quarter of the server's \
+                     {MAX_TOTAL_BYTES} is kept for other tenants); unregister instances it no \
+                     longer uses, or lower max_positions",
+                    tenant.name,
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Whether `instance` already holds tables computed from `spec` (a recovery that
     /// re-sends the same parameters computes nothing).
     pub fn holds(&self, instance: InstanceId, spec: &RopeSpec) -> bool {

@@ -47,6 +47,7 @@ mod ops;
 mod outbox;
 mod outcomes;
 mod pool;
+mod register;
 mod registry;
 mod shutdown;
 mod transfer;

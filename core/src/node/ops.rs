@@ -1,4 +1,5 @@
-//! Requests: who is who first ([`super::trust`]), then one decision per op.
+//! Requests: who is who first (the doors, [`super::trust`]), then one decision per op;
+//! REGISTER, UNREGISTER and `register_blend` are `register.rs`'s.
 //!
 //! Evidence of life: every request of an instance's owner that names a tracked
 //! instance refreshes it, whether it is acted on or refused for its arguments or the
@@ -7,13 +8,11 @@
 
 use super::engine::{MAX_HELD_SLOTS_PER_INSTANCE, MAX_PINS_PER_KEY, SlotGrant};
 use crate::node::{
-    BlendId, ConnId, ContextId, DeathNotice, EntryDetails, Job, MAX_BUFFERS_PER_REGISTRATION, Node,
-    Note, Output, PeerAction, PlantedBug, ReplyTo, TenantId, Transport, admission, blend, trust,
+    ConnId, DeathNotice, Node, Output, PeerAction, PlantedBug, ReplyTo, TenantId, Transport, trust,
 };
-use crate::protocol::{Answer, BufferSpec, Op, OpKind, ProtocolError, RopeSpec};
+use crate::protocol::{Answer, Op, OpKind, ProtocolError};
 use crate::time::Instant;
 use crate::{InstanceId, Module};
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 /// Where a retrieve wants its bytes: exactly `nbytes` at `offset` of `buffer`.
@@ -23,10 +22,9 @@ pub(super) struct Want {
     pub(super) offset: u64,
     pub(super) nbytes: u64,
 }
-use crate::liveness::Registration;
 use crate::protocol::{
-    ErrorCode, HelloReply, MAX_KV_EVENTS, MAX_META_BYTES, Outcome, PROTOCOL_VERSION, PinnedSlot,
-    PoolGeometry, Registered, ReservedSlot,
+    ErrorCode, HelloReply, MAX_KV_EVENTS, MAX_META_BYTES, PROTOCOL_VERSION, PinnedSlot,
+    ReservedSlot,
 };
 
 /// A request answered now (`Some`), or once the work it started is done (`None`).
@@ -128,73 +126,9 @@ impl Node {
             return Err(None); // a request of a connection the shell never announced
         };
         let transport = connection.transport;
-        if let Op::Auth { id, nonce } = &op {
-            return Err(Some(if transport == Transport::Tcp {
-                self.doors
-                    .trust
-                    .challenge(&mut connection.peer, id, nonce)
-                    .map(Answer::Challenge)
-            } else {
-                Err(ProtocolError::new(
-                    ErrorCode::BadArgs,
-                    "`auth` is for TCP connections: over the Unix socket the server knows its \
-                     peer by its uid; say `hello`",
-                ))
-            }));
-        }
-        let checked = match &op {
-            Op::Hello { proof, token, .. } if transport == Transport::Tcp => self
-                .doors
-                .trust
-                .authenticate(&mut connection.peer, proof.as_deref(), token.as_deref()),
-            Op::Hello { .. } => Ok(()),
-            Op::Attach { .. } => self
-                .doors
-                .trust
-                .require_identity(&connection.peer, to.op.name()),
-            _ => self
-                .doors
-                .trust
-                .require_identity(&connection.peer, to.op.name())
-                .and_then(|()| match op.instance() {
-                    Some(_) if trust_any => Ok(()),
-                    Some(instance) => {
-                        self.doors
-                            .trust
-                            .check(&connection.peer, instance, to.op.name())
-                    }
-                    None => Ok(()),
-                }),
-        };
-        checked.map_err(|error| Some(Err(error)))?;
-        // A TCP peer that just proved a token leaves the strangers' share for its
-        // tenant's (row 67), or stays a stranger when that share is full.
-        if transport == Transport::Tcp
-            && connection.holder == admission::Holder::Stranger
-            && let Some(tenant) = connection.peer.tenant()
-        {
-            match self.doors.admission.authenticated(to.conn, tenant.0) {
-                Ok(holder) => connection.holder = holder,
-                Err(refused) => {
-                    self.doors.trust.forget_identity(&mut connection.peer);
-                    return Err(Some(Err(ProtocolError::new(
-                        ErrorCode::Overloaded,
-                        format!(
-                            "`hello`: {refused}; close one of its connections, or raise \
-                             --max-connections-per-uid"
-                        ),
-                    ))));
-                }
-            }
-        }
-        if let Op::Attach { instance, secret } = &op {
-            return Err(Some(
-                self.doors
-                    .trust
-                    .attach(&mut connection.peer, *instance, secret)
-                    .map(Answer::Attached),
-            ));
-        }
+        self.doors
+            .pass(to.conn, connection, &op, to.op.name(), trust_any)
+            .map_err(Some)?;
         let tenant = connection.peer.tenant();
         if let Some(tenant) = tenant
             && !self.planted(PlantedBug::SharedKeyspace)
@@ -358,47 +292,6 @@ impl Node {
             .map(|count| Ok(Answer::Count(count)))
     }
 
-    fn register_engine_driven(
-        &mut self,
-        now: Instant,
-        to: ReplyTo,
-        transport: Transport,
-        tenant: Option<TenantId>,
-        instance: InstanceId,
-        model_name: String,
-    ) -> Immediate {
-        if let Some(tenant) = tenant
-            && !self.doors.trust.engine_driven_allowed(tenant)
-        {
-            return Some(Err(ProtocolError::new(
-                ErrorCode::Forbidden,
-                format!(
-                    "register_engine_driven: tenant {:?} may not register engine-driven: such \
-                     a worker maps the whole L1 pool read-write, every tenant's slots \
-                     included. Use register_kv_cache with store/retrieve, or have the \
-                     operator trust its uids (serve --tenant NAME=uid:N,engine-driven)",
-                    self.doors.trust.name(tenant),
-                ),
-            )));
-        }
-        if transport != Transport::Unix {
-            return Some(Err(bad_args(
-                "register_engine_driven: the L1 pool's memfd travels only over the Unix socket \
-                 (SCM_RIGHTS), and this connection is TCP; connect over the Unix socket, or \
-                 use register_kv_cache with store/retrieve over TCP"
-                    .into(),
-            )));
-        }
-        self.register(
-            now,
-            to,
-            instance,
-            Module::EngineDriven,
-            Vec::new(),
-            model_name,
-        )
-    }
-
     fn ping(&mut self, now: Instant, instance: Option<InstanceId>) -> bool {
         let tracked = if self.planted(PlantedBug::IgnorePings) {
             true
@@ -451,249 +344,6 @@ impl Node {
             tenant,
         }))
     }
-
-    #[allow(clippy::too_many_arguments)]
-    fn register_kv_cache(
-        &mut self,
-        now: Instant,
-        to: ReplyTo,
-        transport: Transport,
-        instance: InstanceId,
-        buffers: Vec<BufferSpec>,
-        model_name: String,
-        fds: usize,
-    ) -> Immediate {
-        if buffers.len() > MAX_BUFFERS_PER_REGISTRATION {
-            return Some(Err(bad_args(format!(
-                "register_kv_cache: {} buffers; at most {MAX_BUFFERS_PER_REGISTRATION} per registration",
-                buffers.len()
-            ))));
-        }
-        for (index, spec) in buffers.iter().enumerate() {
-            match spec {
-                BufferSpec::Memfd { fd_index, .. } => {
-                    if transport != Transport::Unix {
-                        return Some(Err(bad_args(format!(
-                            "register_kv_cache: buffers[{index}] is a memfd, but memfds travel \
-                             only over the Unix socket (SCM_RIGHTS); this connection is TCP"
-                        ))));
-                    }
-                    // The promise holds whether or not the kernel could enforce it.
-                    if self.conns.get(&to.conn).is_some_and(|c| !c.sends_fds) {
-                        return Some(Err(bad_args(format!(
-                            "register_kv_cache: buffers[{index}] is a memfd, but this connection \
-                             said `sends_fds: false` in `hello`, so the server takes no fd on it \
-                             (the kernel refuses them); register over a connection that sends fds"
-                        ))));
-                    }
-                    if usize::try_from(*fd_index).map_or(true, |i| i >= fds) {
-                        return Some(Err(bad_args(format!(
-                            "register_kv_cache: buffers[{index}].fd_index {fd_index} names an fd \
-                             this frame did not carry (it carried {fds}); send the memfds as \
-                             SCM_RIGHTS with the frame's first byte"
-                        ))));
-                    }
-                }
-                BufferSpec::CudaIpc { device, .. } => match &self.config.cuda_devices {
-                    Err(reason) => {
-                        return Some(Err(ProtocolError::new(
-                            ErrorCode::Unavailable,
-                            format!(
-                                "register_kv_cache: buffers[{index}] is a cuda_ipc buffer on \
-                                 device {device}, but this server cannot use CUDA: {reason}; \
-                                 register memfd buffers instead, or run the server on the GPU host"
-                            ),
-                        )));
-                    }
-                    Ok(count) if device >= count => {
-                        return Some(Err(bad_args(format!(
-                            "register_kv_cache: buffers[{index}].device {device}, but this host \
-                             has {count} CUDA device(s) (0..{count})"
-                        ))));
-                    }
-                    Ok(_) => {}
-                },
-            }
-        }
-        self.register(now, to, instance, Module::ServerDriven, buffers, model_name)
-    }
-
-    /// REGISTER of either module, arguments checked.
-    fn register(
-        &mut self,
-        now: Instant,
-        to: ReplyTo,
-        instance: InstanceId,
-        module: Module,
-        buffers: Vec<BufferSpec>,
-        model_name: String,
-    ) -> Immediate {
-        let owner_uid = self.conns.get(&to.conn)?.uid;
-        if !self.conns.has_room(to.conn, 1) {
-            return Some(Err(self.conns.overloaded(to.conn)));
-        }
-        let tenant = self.conns.tenant(to.conn);
-        self.watch(to.conn, instance);
-        match self.liveness.register(now, instance, module) {
-            Registration::Refreshed => {
-                self.answer_refresh(to, instance, module);
-                None
-            }
-            Registration::Build(ticket) => {
-                let context = ContextId(self.out.next_id());
-                let bytes = mapped_bytes(&buffers);
-                if let Err(over) = self.doors.mapped.charge(context, tenant, bytes) {
-                    // Nothing was built: the entry goes as after a failed build.
-                    self.liveness.context_build_failed(now, ticket);
-                    self.drain_effects();
-                    self.forget_if_gone(instance);
-                    self.note(Note::OverMappedCap { instance, over });
-                    let code = if over.may_fit_later() {
-                        ErrorCode::Overloaded
-                    } else {
-                        ErrorCode::BadArgs
-                    };
-                    return Some(Err(ProtocolError::new(
-                        code,
-                        format!("{}: {over}", to.op.name()),
-                    )));
-                }
-                self.registry.records.insert(
-                    (instance, module),
-                    EntryDetails {
-                        owner_uid,
-                        tenant,
-                        registered_at: now,
-                        model_name: model_name.clone(),
-                    },
-                );
-                self.registry.builds.start(context, ticket, to);
-                self.conns.start_job(to.conn, 1);
-                self.submit_now(Job::Build {
-                    context,
-                    conn: to.conn,
-                    request_id: to.request_id,
-                    instance,
-                    module,
-                    buffers,
-                    model_name,
-                });
-                None
-            }
-        }
-    }
-
-    /// A REGISTER that refreshed a present entry: answered now when the entry is
-    /// built, else with the outcome of the build it found running (it may yet fail).
-    fn answer_refresh(&mut self, to: ReplyTo, instance: InstanceId, module: Module) {
-        let building = self
-            .liveness
-            .entry(instance, module)
-            .is_some_and(|entry| entry.building);
-        if building
-            && !self.planted(PlantedBug::RefreshBeforeBuild)
-            && self.registry.builds.join(instance, module, to)
-        {
-            return;
-        }
-        self.reply_registered(to, module, Outcome::Refreshed);
-    }
-
-    /// The reply to a REGISTER that holds: `{outcome}` (engine-driven: with the pool's
-    /// geometry and memfd).
-    pub(super) fn reply_registered(&mut self, to: ReplyTo, module: Module, outcome: Outcome) {
-        let pool = (module == Module::EngineDriven).then(|| PoolGeometry {
-            slot_bytes: self.l1.slots.slot_bytes(),
-            num_slots: self.l1.slots.num_slots() as u64,
-        });
-        let answer = Answer::Registered(Registered { outcome, pool });
-        self.reply_with(to, Ok(answer), pool.is_some());
-    }
-
-    fn unregister(&mut self, now: Instant, instance: InstanceId, module: Module) -> bool {
-        let was = self.liveness.unregister(now, instance, module);
-        if !was {
-            self.note(Note::UnregisterUnknown { instance, module });
-        }
-        was
-    }
-
-    fn register_blend(&mut self, to: ReplyTo, instance: InstanceId, rope: RopeSpec) -> Immediate {
-        let bytes = match blend::table_bytes(&rope) {
-            Ok(bytes) => bytes,
-            Err(message) => return Some(Err(bad_args(format!("`register_blend`: {message}")))),
-        };
-        let registered = Module::ALL
-            .iter()
-            .any(|&module| self.liveness.entry(instance, module).is_some());
-        if !registered {
-            return Some(Err(ProtocolError::new(
-                ErrorCode::NotRegistered,
-                format!(
-                    "`register_blend`: instance {instance} is not registered here, so there is \
-                     nothing to attach rope state to; register it (register_kv_cache or \
-                     register_engine_driven) first, then retry"
-                ),
-            )));
-        }
-        if self.blend.holds(instance, &rope) {
-            return Some(Ok(Answer::Flag(true)));
-        }
-        let committed = self
-            .blend
-            .committed_bytes()
-            .saturating_sub(self.blend.bytes_of(instance));
-        if committed.saturating_add(bytes) > blend::MAX_TOTAL_BYTES {
-            return Some(Err(ProtocolError::new(
-                ErrorCode::Overloaded,
-                format!(
-                    "`register_blend`: {bytes} more bytes of rope tables would take the server \
-                     past its limit of {} bytes for all instances ({committed} held or being \
-                     computed); retry later",
-                    blend::MAX_TOTAL_BYTES
-                ),
-            )));
-        }
-        // One tenant's instances together stay within their share (failure mode 47).
-        let tenant_of = |records: &BTreeMap<(InstanceId, Module), EntryDetails>, id: InstanceId| {
-            Module::ALL
-                .iter()
-                .find_map(|&module| records.get(&(id, module)).map(|record| record.tenant))
-        };
-        if let Some(tenant) = tenant_of(&self.registry.records, instance) {
-            let records = &self.registry.records;
-            let tenant_committed = self.blend.committed_bytes_of(|other| {
-                other != instance && tenant_of(records, other) == Some(tenant)
-            });
-            if tenant_committed.saturating_add(bytes) > blend::MAX_TENANT_BYTES {
-                return Some(Err(ProtocolError::new(
-                    ErrorCode::Overloaded,
-                    format!(
-                        "`register_blend`: {bytes} more bytes of rope tables would take tenant \
-                         {:?} past its share of {} bytes ({tenant_committed} held or being \
-                         computed by its other instances; a quarter of the server's {} is kept \
-                         for other tenants); unregister instances it no longer uses, or lower \
-                         max_positions",
-                        self.doors.trust.name(tenant),
-                        blend::MAX_TENANT_BYTES,
-                        blend::MAX_TOTAL_BYTES,
-                    ),
-                )));
-            }
-        }
-        if !self.conns.has_room(to.conn, 1) {
-            return Some(Err(self.conns.overloaded(to.conn)));
-        }
-        let id = BlendId(self.out.next_id());
-        self.blend.begin(id, to, instance, rope.clone(), bytes);
-        self.conns.start_job(to.conn, 1);
-        self.submit_now(Job::Blend {
-            blend: id,
-            instance,
-            spec: rope,
-        });
-        None
-    }
 }
 
 /// `prepare_store`'s answer: the slot reserved.
@@ -722,16 +372,4 @@ pub(super) fn too_many_held(op: &str, instance: InstanceId) -> ProtocolError {
              what it holds, then retry"
         ),
     )
-}
-
-/// Bytes of peers' files a registration makes the server map: its memfd buffers' sizes
-/// (a CUDA IPC buffer maps device memory its exporter pays for).
-fn mapped_bytes(buffers: &[BufferSpec]) -> u64 {
-    buffers
-        .iter()
-        .map(|spec| match spec {
-            BufferSpec::Memfd { nbytes, .. } => *nbytes,
-            BufferSpec::CudaIpc { .. } => 0,
-        })
-        .fold(0, u64::saturating_add)
 }

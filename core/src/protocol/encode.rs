@@ -2,7 +2,7 @@
 //! benches, the simulator and the fuzz targets.
 
 use super::frame::encode_frame;
-use super::request::{BufferSpec, Op, Request};
+use super::request::{BufferSpec, Op, Request, RopeSpec};
 use crate::InstanceId;
 use rmpv::Value;
 
@@ -57,6 +57,23 @@ impl BufferSpec {
             ]),
         }
     }
+}
+
+/// A rope spec as `register_blend` sends it.
+fn rope_value(rope: &RopeSpec) -> Value {
+    Value::Map(vec![
+        ("rotary_dim".into(), Value::from(rope.rotary_dim)),
+        ("max_positions".into(), Value::from(rope.max_positions)),
+        ("base".into(), Value::F64(rope.base)),
+    ])
+}
+
+/// A `describe_keys` item: `[key, description]`.
+fn pair(key: &[u8], meta: &[u8]) -> Value {
+    Value::Array(vec![
+        Value::Binary(key.to_vec()),
+        Value::Binary(meta.to_vec()),
+    ])
 }
 
 impl Op {
@@ -130,21 +147,11 @@ impl Op {
                 key,
                 nbytes,
             } => vec![id(instance), bin(key), uint(*nbytes)],
-            Op::RegisterBlend { instance, rope } => vec![
-                id(instance),
-                Value::Map(vec![
-                    ("rotary_dim".into(), uint(rope.rotary_dim)),
-                    ("max_positions".into(), uint(rope.max_positions)),
-                    ("base".into(), Value::F64(rope.base)),
-                ]),
-            ],
+            Op::RegisterBlend { instance, rope } => vec![id(instance), rope_value(rope)],
             Op::Status => vec![],
             Op::KvEvents { cursor, max } => vec![bin(cursor), uint(*max)],
             Op::DescribeKeys { items } => vec![Value::Array(
-                items
-                    .iter()
-                    .map(|(key, meta)| Value::Array(vec![bin(key), bin(meta)]))
-                    .collect(),
+                items.iter().map(|(key, meta)| pair(key, meta)).collect(),
             )],
         }
     }

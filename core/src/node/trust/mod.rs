@@ -16,9 +16,12 @@
 //!   its token), never from what it says; every key it names is prefixed with its
 //!   tenant's name, so one tenant's chunk is never another's.
 
+mod config;
+mod keys;
+
 use crate::id::InstanceId;
 use crate::protocol::tcp_auth::{self, Nonce, TcpKey};
-use crate::protocol::{Attached, Challenge, ErrorCode, Op, ProtocolError};
+use crate::protocol::{Attached, Challenge, ErrorCode, ProtocolError};
 use std::collections::HashMap;
 
 /// Bytes of an instance secret, at least (128 bits of entropy).
@@ -37,103 +40,7 @@ pub const MAX_TENANT_NAME_BYTES: usize = 64;
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct TenantId(pub u32);
 
-/// A range of subordinate uids (`/etc/subuid`: `owner:start:count`): a peer of a uid in
-/// it counts as `owner` for its tenant and its share of the connections (row 69).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SubuidRange {
-    /// The uid that owns the range.
-    pub owner: u32,
-    /// Its first uid.
-    pub start: u32,
-    /// How many uids.
-    pub count: u32,
-}
-
-impl SubuidRange {
-    fn holds(&self, uid: u32) -> bool {
-        uid >= self.start && u64::from(uid) < u64::from(self.start) + u64::from(self.count)
-    }
-}
-
-/// One tenant the operator declared (`--tenant`).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct TenantSpec {
-    /// Its name: the prefix of its keys in L1 and L2 (so the same on every node).
-    pub name: String,
-    /// Unix peers of these uids act for it.
-    pub uids: Vec<u32>,
-    /// TCP peers proving they hold one of these tokens act for it (the node keeps
-    /// the keys derived from them, [`TcpKey`]).
-    pub tokens: Vec<Vec<u8>>,
-    /// Its share of the L1 pool in percent; None: a fair share of the tenants holding
-    /// slots.
-    pub quota_percent: Option<u32>,
-    /// Whether its workers may register engine-driven (they map the whole L1 pool).
-    pub engine_driven: bool,
-}
-
-/// Who may do what: the operator's tenants. Uids no tenant names are each a tenant of
-/// their own (`uid-<uid>`); the server's own uid's tenant may register engine-driven.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct TrustConfig {
-    /// The declared tenants.
-    pub tenants: Vec<TenantSpec>,
-    /// The secret the node's TCP challenge nonces are drawn from
-    /// ([`tcp_auth::server_nonce`]): random at each start (the shell's `getrandom`).
-    pub nonce_secret: [u8; 32],
-    /// Subordinate uid ranges (`--subuid-file`): each uid in one counts as its owner.
-    pub subuids: Vec<SubuidRange>,
-    /// Tenants tracked at once (None: [`MAX_TENANTS`]).
-    pub max_tenants: Option<usize>,
-}
-
-/// Why a [`TrustConfig`] cannot be used.
-#[derive(Clone, Debug, thiserror::Error, PartialEq, Eq)]
-pub enum TrustConfigError {
-    /// A tenant name that cannot be a key prefix.
-    #[error(
-        "tenant name {0:?}: use 1 to {MAX_TENANT_NAME_BYTES} bytes of ASCII letters, digits, `.`, `_`, `-`, not starting with `uid-` (the default tenants' names)"
-    )]
-    BadName(String),
-    /// Two tenants of one name.
-    #[error("tenant {0:?} is declared twice; declare each tenant once, with all its members")]
-    DuplicateName(String),
-    /// A uid in two tenants.
-    #[error(
-        "uid {uid} is a member of both tenant {first:?} and tenant {second:?}; a uid acts for one tenant"
-    )]
-    DuplicateUid {
-        /// The uid.
-        uid: u32,
-        /// The first tenant naming it.
-        first: String,
-        /// The second.
-        second: String,
-    },
-    /// A token in two tenants.
-    #[error(
-        "one token is a member of both tenant {first:?} and tenant {second:?}; give each tenant its own token"
-    )]
-    DuplicateToken {
-        /// The first tenant naming it.
-        first: String,
-        /// The second.
-        second: String,
-    },
-    /// A token too short to be a secret.
-    #[error(
-        "a token of tenant {0:?} has fewer than {MIN_SECRET_BYTES} bytes; use at least 16 random bytes (e.g. `openssl rand -hex 32`)"
-    )]
-    ShortToken(String),
-    /// A quota outside 1..=100 %.
-    #[error("tenant {name:?}: quota {percent}% is not 1 to 100")]
-    BadQuota {
-        /// The tenant.
-        name: String,
-        /// The quota given.
-        percent: u32,
-    },
-}
+pub use config::{SubuidRange, TenantSpec, TrustConfig, TrustConfigError};
 
 /// Who a peer is, as far as the node can tell.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -738,48 +645,7 @@ impl Trust {
     }
 }
 
-/// The node's key for a worker's `key` in the keyspace of the tenant named `tenant`:
-/// `len(name) | name | key` (tenant names are at most 64 bytes). What L1 and L2 hold;
-/// tools that look into L2 (the benchmarks, the tests) name keys with it.
-pub fn scoped_key(tenant: &str, key: &[u8]) -> Vec<u8> {
-    let name = &tenant.as_bytes()[..tenant.len().min(MAX_TENANT_NAME_BYTES)];
-    let mut scoped = Vec::with_capacity(1 + name.len() + key.len());
-    scoped.push(name.len() as u8);
-    scoped.extend_from_slice(name);
-    scoped.extend_from_slice(key);
-    scoped
-}
-
-/// Puts every key `op` names into the tenant's keyspace (`prefix ++ key`): the one
-/// place a request's keys become the node's.
-pub fn scope_keys(op: &mut Op, prefix: &[u8]) {
-    let scope = |key: &mut Vec<u8>| {
-        key.splice(0..0, prefix.iter().copied());
-    };
-    match op {
-        Op::Store { key, .. }
-        | Op::Retrieve { key, .. }
-        | Op::PrepareStore { key, .. }
-        | Op::CommitStore { key, .. }
-        | Op::PrepareRetrieve { key, .. }
-        | Op::CommitRetrieve { key, .. } => scope(key),
-        Op::StoreBatch { items, .. } => items.iter_mut().for_each(|item| scope(&mut item.key)),
-        Op::RetrieveBatch { items, .. } => items.iter_mut().for_each(|item| scope(&mut item.key)),
-        Op::Lookup { keys } => keys.iter_mut().for_each(scope),
-        Op::DescribeKeys { items } => items.iter_mut().for_each(|(key, _)| scope(key)),
-        Op::Hello { .. }
-        | Op::Auth { .. }
-        | Op::Attach { .. }
-        | Op::Ping { .. }
-        | Op::RegisterKvCache { .. }
-        | Op::UnregisterKvCache { .. }
-        | Op::RegisterEngineDriven { .. }
-        | Op::UnregisterEngineDriven { .. }
-        | Op::RegisterBlend { .. }
-        | Op::Status
-        | Op::KvEvents { .. } => {}
-    }
-}
+pub use keys::{scope_keys, scoped_key};
 
 #[cfg(test)]
 mod tests {
