@@ -21,9 +21,7 @@ use super::peer::{self, Processes};
 use super::pool::Pool;
 use crate::protocol::{ErrorCode, FrameError, ProtocolError, decode_request};
 use kvwarden_core::node::blend::BlendId;
-use kvwarden_core::node::{
-    ConnId, ContextId, CopyId, FreeId, Input, Node, NodeConfig, Output, SHUTDOWN_DRAIN, Transport,
-};
+use kvwarden_core::node::{ConnId, ContextId, CopyId, FreeId, Input, Node, Output, Transport};
 use kvwarden_core::{InstanceId, Instant};
 use mio::net::{TcpListener, UnixListener};
 use mio::{Events, Interest, Poll, Token};
@@ -46,6 +44,7 @@ mod observe;
 mod outputs;
 mod requests;
 mod shutdown;
+mod start;
 
 const UNIX_LISTENER: Token = Token(0);
 const TCP_LISTENER: Token = Token(1);
@@ -243,280 +242,36 @@ fn buffer_budget(max_frame_bytes: usize) -> usize {
 
 impl Server {
     /// Validates the configuration, binds every listener and prints the bound
-    /// addresses on stdout (`socket=…`, `tcp=…`, `http=…`, then `ready`).
-    pub fn bind(mut config: ServerConfig) -> Result<Server, ServerError> {
-        // What systemd passed: the Unix socket (socket activation) and the pool's
-        // memfds (--l1-fdstore).
-        let mut passed = super::systemd::passed_fds().map_err(ServerError::PoolFile)?;
-        let activated = super::systemd::take_unix_listener(&mut passed);
-        if activated.is_none() {
-            listen::refuse_a_running_server(&config.socket_path, config.http)?;
-        }
-        let fd_limit = listen::raise_fd_limit();
-        let capacity = fd_limit.connection_capacity();
-        if config.max_connections > capacity {
-            // The default asks for more than an ordinary shell's limit holds: that is
-            // worth a line, not a warning. An operator's explicit number is.
-            if config.max_connections_from_flag {
-                tracing::warn!(
-                    max_connections = config.max_connections,
-                    connection_capacity = capacity,
-                    open_files_soft = fd_limit.soft,
-                    open_files_hard = fd_limit.hard,
-                    "--max-connections lowered to what the open-file limit holds ({} fds per \
-                     connection, {} and a quarter of the limit kept aside); raise the hard limit \
-                     (LimitNOFILE=, ulimit -Hn) to hold more",
-                    listen::FDS_PER_CONNECTION,
-                    listen::RESERVED_FDS,
-                );
-            } else {
-                tracing::info!(
-                    connection_capacity = capacity,
-                    open_files_soft = fd_limit.soft,
-                    open_files_hard = fd_limit.hard,
-                    "worker connections limited to what the open-file limit holds ({} fds per \
-                     connection, {} and a quarter of the limit kept aside; the default asks for \
-                     {}); raise the hard limit (LimitNOFILE=, ulimit -Hn) to hold more",
-                    listen::FDS_PER_CONNECTION,
-                    listen::RESERVED_FDS,
-                    config.max_connections,
-                );
-            }
-            config.max_connections = capacity;
-        }
-        let floor = if config.allow_short_timeouts {
-            Duration::ZERO
-        } else {
-            kvwarden_core::REAP_TIMEOUT_FLOOR
-        };
-        // The configuration is judged before anything is opened or probed.
-        kvwarden_core::Liveness::<()>::new_with_floor(
-            config.liveness.clone(),
-            Instant::ZERO,
-            floor,
-        )?;
-        let clock_origin = std::time::Instant::now();
-        let poll = Poll::new()?;
-        // One waker for the pool and the L2 client: mio allows one per poll.
-        let waker = Arc::new(mio::Waker::new(poll.registry(), WAKER)?);
-        let pool = Pool::new(config.pool_threads, Arc::clone(&waker))?;
-        let (l1, pool_start) = match &config.l1_file {
-            None if config.l1_fdstore => L1::open_fdstore(
-                &mut passed,
-                config.l1_bytes,
-                config.slot_bytes,
-                config.l1_prefault,
-                config.l1_secret.clone(),
-            )
-            .map_err(ServerError::PoolFile)?,
-            None => L1::new(config.l1_bytes, config.slot_bytes, config.l1_prefault)
-                .map(|l1| (l1, PoolStart::Anonymous))
-                .map_err(|source| ServerError::L1 {
-                    l1_bytes: config.l1_bytes,
-                    slot_bytes: config.slot_bytes,
-                    source,
-                })?,
-            Some(path) => L1::open_file(
-                path,
-                config.l1_bytes,
-                config.slot_bytes,
-                config.l1_prefault,
-                config.l1_secret.clone(),
-            )
-            .map_err(ServerError::PoolFile)?,
-        };
-        for (_, name) in passed.drain(..) {
-            tracing::warn!(
-                name,
-                "systemd passed an fd this server does not use; it is closed"
-            );
-        }
-        let kept = match &config.l1_file {
-            Some(path) => path.display().to_string(),
-            None => "systemd's file-descriptor store".to_string(),
-        };
-        match &pool_start {
-            PoolStart::Cold(why) => {
-                tracing::warn!(pool = %kept, "L1 pool starts empty: {why}")
-            }
-            PoolStart::Adopt => tracing::info!(
-                pool = %kept,
-                "L1 pool found: adopting the values whose seals verify while serving"
-            ),
-            PoolStart::Anonymous => {}
-        }
-        if config.l1_file.is_some()
-            && let Some(tenant) = config.trust.tenants.iter().find(|t| t.engine_driven)
-        {
-            tracing::warn!(
-                tenant = %tenant.name,
-                "--l1-file with an engine-driven --tenant: the pool file it maps cannot be \
-                 sealed against resizing (only a memfd can), so that tenant, trusted with \
-                 every slot already, could also stop the server by shrinking it; keep the \
-                 anonymous pool if you do not trust it that far"
-            );
-        }
+    /// addresses on stdout (`socket=…`, `tcp=…`, `http=…`, then `ready`): see
+    /// `start.rs` for each phase.
+    pub fn bind(config: ServerConfig) -> Result<Server, ServerError> {
+        let opened = start::Opened::open(config)?;
+        opened.announce();
+        Ok(Server::from_opened(opened))
+    }
 
-        let l2 = match &config.l2 {
-            Some(l2_config) => Some(crate::l2::L2Client::spawn(l2_config.clone(), waker)?),
-            None => None,
-        };
-        if let (Some(client), Some(l2_config)) = (&l2, &config.l2) {
-            // Said before `ready`, bounded: what the seeds are, or exactly why not. An
-            // unreachable L2 is not fatal (L2 is optional); the server goes on without it
-            // until it answers.
-            match client.probe(L2_START_BOUND) {
-                Ok(found) => {
-                    tracing::info!(seeds = ?l2_config.seeds, "L2: connected to {found}")
-                }
-                Err(reason) => tracing::warn!(
-                    seeds = ?l2_config.seeds,
-                    %reason,
-                    "L2 is unreachable at start: L1 misses are misses and writes behind are \
-                     dropped until it answers; /status says `down` with the reason"
-                ),
-            }
-        }
-        let gpu = GpuState::start(l1.mapping());
-        let boot_id = InstanceId::generate().get();
-        let node = Node::new(
-            NodeConfig {
-                liveness: config.liveness.clone(),
-                reap_timeout_floor: floor,
-                num_slots: l1.num_slots(),
-                slot_bytes: l1.slot_bytes(),
-                server_uid: rustix::process::getuid().as_raw(),
-                trust: config.trust.clone(),
-                boot_id,
-                server_name: SERVER_NAME.to_string(),
-                free_watchdog: config.free_watchdog,
-                shutdown_drain: SHUTDOWN_DRAIN,
-                cuda_devices: gpu
-                    .gpu()
-                    .map(|gpu| gpu.device_count() as u64)
-                    .map_err(str::to_string),
-                l2: config
-                    .l2
-                    .as_ref()
-                    .map(|l2| kvwarden_core::node::l2::L2NodeConfig {
-                        timeout: l2.timeout,
-                        write_queue_bytes: l2.write_queue_bytes,
-                        health: kvwarden_core::l2::L2HealthConfig::default(),
-                    }),
-                connections: kvwarden_core::node::admission::ConnectionLimits::new(
-                    config.max_connections,
-                    config.max_connections_per_uid,
-                    Some(config.frame_timeout),
-                ),
-                mapped: config.mapped,
-                // Twice the threads: each finds its next job without a turn of the
-                // loop in between, and a tenant's copy waits for at most that many.
-                pool_window: 2 * config.pool_threads.max(1),
-            },
-            Instant::ZERO,
-        )?;
-        let mut node = node;
-        node.persist_pool(
-            Instant::ZERO,
-            l1.seals().is_some(),
-            pool_start == PoolStart::Adopt,
-        );
-
-        let mut tcp_listener = config
-            .tcp
-            .map(|addr| listen::bind_tcp(addr, listen::TcpRole::Workers))
-            .transpose()?;
-        if let Some(listener) = &mut tcp_listener {
-            poll.registry()
-                .register(listener, TCP_LISTENER, Interest::READABLE)?;
-        }
-        let mut http_listener = config
-            .http
-            .map(|addr| listen::bind_tcp(addr, listen::TcpRole::Http))
-            .transpose()?;
-        if let Some(listener) = &mut http_listener {
-            poll.registry()
-                .register(listener, HTTP_LISTENER, Interest::READABLE)?;
-        }
-        let (signal_write, signal_read) = std::os::unix::net::UnixStream::pair()?;
-        signal_read.set_nonblocking(true)?;
-        for signal in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
-            signal_hook::low_level::pipe::register(signal, signal_write.try_clone()?)?;
-        }
-        let mut signals = mio::net::UnixStream::from_std(signal_read);
-        poll.registry()
-            .register(&mut signals, SIGNALS, Interest::READABLE)?;
-        let mut lines = format!("socket={}\n", config.socket_path.display());
-        if let Some(listener) = &tcp_listener {
-            lines += &format!("tcp={}\n", listener.local_addr()?);
-        }
-        if let Some(listener) = &http_listener {
-            lines += &format!("http={}\n", listener.local_addr()?);
-        }
-        lines += "ready\n";
-
-        // The Unix socket last, once nothing else can fail: a failed start never
-        // leaves a socket file behind.
-        // Socket activation: systemd's socket, which outlives this process (its file is
-        // systemd's, never removed here).
-        let socket_owned = activated.is_none();
-        let mut unix_listener = match activated {
-            Some(fd) => {
-                let listener = std::os::unix::net::UnixListener::from(fd);
-                listener.set_nonblocking(true)?;
-                tracing::info!(
-                    socket = %config.socket_path.display(),
-                    "listening on the Unix socket systemd passed (socket activation)"
-                );
-                mio::net::UnixListener::from_std(listener)
-            }
-            None => listen::bind_unix(&config.socket_path, config.socket_mode)?,
-        };
-        if let Err(error) =
-            poll.registry()
-                .register(&mut unix_listener, UNIX_LISTENER, Interest::READABLE)
-        {
-            if socket_owned {
-                let _ = std::fs::remove_file(&config.socket_path);
-            }
-            return Err(error.into());
-        }
-
-        let status = node.status().liveness;
-        tracing::info!(
-            socket = %config.socket_path.display(),
-            boot_id = %boot_id,
-            reap_timeout_seconds = status.reap_timeout.as_secs_f64(),
-            registration_grace_seconds = status.registration_grace.as_secs_f64(),
-            resolution_seconds = config.liveness.resolution.as_secs_f64(),
-            l1_slots = l1.num_slots(),
-            slot_bytes = l1.slot_bytes(),
-            open_files_soft = fd_limit.soft,
-            open_files_soft_at_start = fd_limit.soft_at_start,
-            open_files_hard = fd_limit.hard,
-            connection_capacity = capacity,
-            max_connections = config.max_connections,
-            "kvwarden serving"
-        );
-        if config.allow_short_timeouts {
-            tracing::warn!(
-                "--allow-short-timeouts: the 30 s floor on the reap timeout is lifted; \
-                 a live worker whose heartbeat is late can be reaped. TESTING ONLY, \
-                 never in production"
-            );
-        }
-        {
-            use std::io::Write;
-            let mut stdout = std::io::stdout().lock();
-            // stdout may be closed by whoever started us; serving goes on regardless.
-            let _ = stdout.write_all(lines.as_bytes());
-            let _ = stdout.flush();
-        }
-        if super::systemd::supervised() {
-            super::systemd::ready();
-        }
-
-        Ok(Server {
+    /// The server around what [`start::Opened::open`] opened, before its first turn.
+    fn from_opened(opened: start::Opened) -> Server {
+        let start::Opened {
+            config,
+            poll,
+            clock_origin,
+            node,
+            unix_listener,
+            socket_owned,
+            tcp_listener,
+            http_listener,
+            signals,
+            pool,
+            l1,
+            pool_start,
+            gpu,
+            l2,
+            boot_id,
+            fd_limit,
+            ready_lines: _,
+        } = opened;
+        Server {
             poll,
             clock_origin,
             node,
@@ -570,7 +325,7 @@ impl Server {
             buffered_bytes: 0,
             buffer_budget: buffer_budget(config.max_frame_bytes),
             config,
-        })
+        }
     }
 
     /// Switches on test-only faults (slow builds, hung frees) before [`Server::run`];
