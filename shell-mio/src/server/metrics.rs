@@ -187,6 +187,149 @@ fn label(key: &str, value: &str) -> Labels {
     vec![(key.to_string(), value.to_string())]
 }
 
+/// One series every server exports: its name (after `kvwarden_`), its help, and the
+/// field that holds it. `Metrics::new` registers the tables below in their order.
+type Row<M> = (&'static str, &'static str, fn(&Metrics) -> &M);
+
+/// Counters.
+const COUNTERS: &[Row<Counter>] = &[
+    ("contexts_built", "Contexts built", |m| &m.contexts_built),
+    (
+        "frees_hung",
+        "Frees still running after --free-watchdog-seconds",
+        |m| &m.frees_hung,
+    ),
+    ("reaps", "Entries reaped for silence", |m| &m.reaps),
+    (
+        "process_exits",
+        "Instances freed because the kernel proved their process exited",
+        |m| &m.process_exits,
+    ),
+    ("stalls", "Stalls of the server itself detected", |m| {
+        &m.stalls
+    }),
+    (
+        "pings_answered_false",
+        "Pings answered false: the instance is not held here (reaped, freed by its \
+             process exit or unregister, or registered with an earlier server); the worker \
+             re-registers",
+        |m| &m.pings_answered_false,
+    ),
+    (
+        "forbidden",
+        "Requests refused forbidden: a connection that had not attached the instance it \
+             named (or proved another secret), a TCP peer without the token, a tenant not \
+             trusted with engine-driven",
+        |m| &m.forbidden,
+    ),
+    (
+        "retrieve_length_mismatches",
+        "Retrieves answered as a miss because the stored value's length differs from \
+             the destination's (nothing was written)",
+        |m| &m.retrieve_length_mismatches,
+    ),
+    (
+        "mapped_refused",
+        "Registrations refused because their memfd buffers passed a cap on mapped \
+             bytes (per instance, per tenant, or in all)",
+        |m| &m.mapped_refused,
+    ),
+    (
+        "copies_past_deadline",
+        "Copies into a worker's buffer never started because its worker had stopped \
+             waiting (its hello's wait_ms passed): the chunk stays in L1, the buffer untouched",
+        |m| &m.copies_past_deadline,
+    ),
+    (
+        "l1_unsealed",
+        "Values committed to a pool file whose seal could not be written: a key longer \
+             than a seal holds (464 bytes with the tenant's name). Served, but not adopted \
+             after a restart",
+        |m| &m.l1_unsealed,
+    ),
+    (
+        "kv_events_resyncs",
+        "kv_events pages that started a reader over: a new reader, a server restart, or \
+             a reader behind changes that left the log (rising fast: readers do not keep up)",
+        |m| &m.kv_events_resyncs,
+    ),
+];
+
+/// Gauges.
+const GAUGES: &[Row<Gauge>] = &[
+    (
+        "tracked_instances",
+        "Entries tracked by the liveness registry (building included)",
+        |m| &m.tracked_instances,
+    ),
+    ("connections", "Open worker connections", |m| &m.connections),
+    ("blend_bytes", "Bytes of CacheBlend rope tables held", |m| {
+        &m.blend_bytes
+    }),
+    (
+        "blend_instances",
+        "Instances holding CacheBlend rope tables",
+        |m| &m.blend_instances,
+    ),
+    (
+        "mapped_bytes",
+        "Bytes of workers' memfds the server maps, all registrations together (capped \
+             by --max-mapped-bytes; pages a copy writes into a sparse one are charged to \
+             the server)",
+        |m| &m.mapped_bytes,
+    ),
+    (
+        "closes_pending",
+        "fds workers handed over that the closer threads have not closed yet (a \
+             steady rise: a peer's files take long to close)",
+        |m| &m.closes_pending,
+    ),
+];
+
+/// Counters by label.
+const COUNTER_FAMILIES: &[Row<Family<Labels, Counter>>] = &[
+    ("requests", "Requests by op", |m| &m.requests),
+    ("errors", "Error replies by op and code", |m| &m.errors),
+    ("frees", "Contexts freed, by cause", |m| &m.frees),
+    (
+        "connections_cut",
+        "Connections the server cut or refused, by transport and reason: frame_timeout \
+             (a frame or HTTP request not whole within --frame-timeout-seconds), fds_held \
+             (more fds than one frame may carry), fd_budget (fds held for incomplete frames \
+             over the budget), memory_budget (connection buffers over their budget), \
+             uid_share (a uid, or a TCP tenant, over --max-connections-per-uid), \
+             stranger_share (TCP peers that have not authenticated over their eighth of \
+             --max-connections), \
+             max_connections (every connection held), unauthenticated (a TCP peer without \
+             the token past --frame-timeout-seconds), listener_full (the oldest HTTP \
+             connection closed for a new one)",
+        |m| &m.connections_cut,
+    ),
+    (
+        "l1_adoption",
+        "Values a restarted server found in its pool file (--l1-file), by outcome: \
+             adopted (served again), torn (the seal did not verify), malformed, tenant (no \
+             tenant of the key's name now), duplicate, taken (a store took the slot first)",
+        |m| &m.l1_adoption,
+    ),
+];
+
+/// Gauges by label.
+const GAUGE_FAMILIES: &[Row<Family<Labels, Gauge>>] = &[
+    ("l1_slots", "L1 slots by state", |m| &m.l1_slots),
+    (
+        "gpu_memory_bytes",
+        "Device memory by device and state (free, total), on hosts with a GPU",
+        |m| &m.gpu_memory_bytes,
+    ),
+    (
+        "instances_by_death_notice",
+        "Registered instances by how their process's death will be noticed: a pidfd \
+             the worker sent, a pidfd opened by its pid, or only the reap timeout",
+        |m| &m.instances_by_death_notice,
+    ),
+];
+
 impl Metrics {
     /// Registers every metric under the `kvwarden_` prefix.
     pub fn new() -> Metrics {
@@ -226,71 +369,7 @@ impl Metrics {
             request_counters: Default::default(),
             invalid_requests: Counter::default(),
         };
-        registry.register("requests", "Requests by op", metrics.requests.clone());
-        registry.register(
-            "errors",
-            "Error replies by op and code",
-            metrics.errors.clone(),
-        );
-        registry.register("frees", "Contexts freed, by cause", metrics.frees.clone());
-        registry.register(
-            "contexts_built",
-            "Contexts built",
-            metrics.contexts_built.clone(),
-        );
-        registry.register(
-            "frees_hung",
-            "Frees still running after --free-watchdog-seconds",
-            metrics.frees_hung.clone(),
-        );
-        registry.register(
-            "tracked_instances",
-            "Entries tracked by the liveness registry (building included)",
-            metrics.tracked_instances.clone(),
-        );
-        registry.register("reaps", "Entries reaped for silence", metrics.reaps.clone());
-        registry.register(
-            "process_exits",
-            "Instances freed because the kernel proved their process exited",
-            metrics.process_exits.clone(),
-        );
-        registry.register(
-            "stalls",
-            "Stalls of the server itself detected",
-            metrics.stalls.clone(),
-        );
-        registry.register(
-            "pings_answered_false",
-            "Pings answered false: the instance is not held here (reaped, freed by its \
-             process exit or unregister, or registered with an earlier server); the worker \
-             re-registers",
-            metrics.pings_answered_false.clone(),
-        );
-        registry.register(
-            "ping_handling_seconds",
-            "Time to handle a ping on the event loop",
-            metrics.ping_seconds.clone(),
-        );
-        registry.register("l1_slots", "L1 slots by state", metrics.l1_slots.clone());
-        registry.register(
-            "connections",
-            "Open worker connections",
-            metrics.connections.clone(),
-        );
-        registry.register(
-            "connections_cut",
-            "Connections the server cut or refused, by transport and reason: frame_timeout \
-             (a frame or HTTP request not whole within --frame-timeout-seconds), fds_held \
-             (more fds than one frame may carry), fd_budget (fds held for incomplete frames \
-             over the budget), memory_budget (connection buffers over their budget), \
-             uid_share (a uid, or a TCP tenant, over --max-connections-per-uid), \
-             stranger_share (TCP peers that have not authenticated over their eighth of \
-             --max-connections), \
-             max_connections (every connection held), unauthenticated (a TCP peer without \
-             the token past --frame-timeout-seconds), listener_full (the oldest HTTP \
-             connection closed for a new one)",
-            metrics.connections_cut.clone(),
-        );
+        metrics.register(&mut registry);
         // Every cut's series exists from the start (at 0), so that a rate over it is
         // defined before the first cut.
         for (transport, reasons) in CONNECTION_CUTS {
@@ -300,93 +379,9 @@ impl Metrics {
                     .get_or_create(&cut_labels(transport, reason));
             }
         }
-        registry.register(
-            "blend_bytes",
-            "Bytes of CacheBlend rope tables held",
-            metrics.blend_bytes.clone(),
-        );
-        registry.register(
-            "blend_instances",
-            "Instances holding CacheBlend rope tables",
-            metrics.blend_instances.clone(),
-        );
-        registry.register(
-            "gpu_memory_bytes",
-            "Device memory by device and state (free, total), on hosts with a GPU",
-            metrics.gpu_memory_bytes.clone(),
-        );
         for cause in FREE_CAUSES {
             let _ = metrics.frees.get_or_create(&label("cause", cause));
         }
-        registry.register(
-            "forbidden",
-            "Requests refused forbidden: a connection that had not attached the instance it \
-             named (or proved another secret), a TCP peer without the token, a tenant not \
-             trusted with engine-driven",
-            metrics.forbidden.clone(),
-        );
-        registry.register(
-            "retrieve_length_mismatches",
-            "Retrieves answered as a miss because the stored value's length differs from \
-             the destination's (nothing was written)",
-            metrics.retrieve_length_mismatches.clone(),
-        );
-        registry.register(
-            "mapped_bytes",
-            "Bytes of workers' memfds the server maps, all registrations together (capped \
-             by --max-mapped-bytes; pages a copy writes into a sparse one are charged to \
-             the server)",
-            metrics.mapped_bytes.clone(),
-        );
-        registry.register(
-            "mapped_refused",
-            "Registrations refused because their memfd buffers passed a cap on mapped \
-             bytes (per instance, per tenant, or in all)",
-            metrics.mapped_refused.clone(),
-        );
-        registry.register(
-            "closes_pending",
-            "fds workers handed over that the closer threads have not closed yet (a \
-             steady rise: a peer's files take long to close)",
-            metrics.closes_pending.clone(),
-        );
-        registry.register(
-            "copies_past_deadline",
-            "Copies into a worker's buffer never started because its worker had stopped \
-             waiting (its hello's wait_ms passed): the chunk stays in L1, the buffer untouched",
-            metrics.copies_past_deadline.clone(),
-        );
-        registry.register(
-            "l1_adoption",
-            "Values a restarted server found in its pool file (--l1-file), by outcome: \
-             adopted (served again), torn (the seal did not verify), malformed, tenant (no \
-             tenant of the key's name now), duplicate, taken (a store took the slot first)",
-            metrics.l1_adoption.clone(),
-        );
-        registry.register(
-            "l1_unsealed",
-            "Values committed to a pool file whose seal could not be written: a key longer \
-             than a seal holds (464 bytes with the tenant's name). Served, but not adopted \
-             after a restart",
-            metrics.l1_unsealed.clone(),
-        );
-        registry.register(
-            "kv_events_resyncs",
-            "kv_events pages that started a reader over: a new reader, a server restart, or \
-             a reader behind changes that left the log (rising fast: readers do not keep up)",
-            metrics.kv_events_resyncs.clone(),
-        );
-        registry.register(
-            "tenant_slots",
-            "L1 slots by tenant and state: used (charged to it) and quota (its share now)",
-            metrics.tenant_slots.clone(),
-        );
-        registry.register(
-            "instances_by_death_notice",
-            "Registered instances by how their process's death will be noticed: a pidfd \
-             the worker sent, a pidfd opened by its pid, or only the reap timeout",
-            metrics.instances_by_death_notice.clone(),
-        );
         // Every op's series exists from the start, and the counters the loop bumps
         // are the family's own (a Counter is a shared handle).
         let request_counters =
@@ -401,6 +396,33 @@ impl Metrics {
             invalid_requests,
             ..metrics
         }
+    }
+
+    /// Registers every series of the tables above, then the histogram and the tenants'
+    /// slots (their labels are their own).
+    fn register(&self, registry: &mut Registry) {
+        for (name, help, metric) in COUNTERS {
+            registry.register(*name, *help, metric(self).clone());
+        }
+        for (name, help, metric) in GAUGES {
+            registry.register(*name, *help, metric(self).clone());
+        }
+        for (name, help, metric) in COUNTER_FAMILIES {
+            registry.register(*name, *help, metric(self).clone());
+        }
+        for (name, help, metric) in GAUGE_FAMILIES {
+            registry.register(*name, *help, metric(self).clone());
+        }
+        registry.register(
+            "ping_handling_seconds",
+            "Time to handle a ping on the event loop",
+            self.ping_seconds.clone(),
+        );
+        registry.register(
+            "tenant_slots",
+            "L1 slots by tenant and state: used (charged to it) and quota (its share now)",
+            self.tenant_slots.clone(),
+        );
     }
 
     /// Registers the `kvwarden_l2_*` series (the server runs with `--l2`).
