@@ -85,7 +85,7 @@ pub struct BlendBook {
 
 /// The tenant of an instance registering rope tables: its name, and which other
 /// instances are its.
-pub(super) struct Tenant<'a> {
+pub(super) struct BlendTenant<'a> {
     pub(super) name: &'a str,
     pub(super) holds: Box<dyn Fn(InstanceId) -> bool + 'a>,
 }
@@ -98,7 +98,7 @@ impl BlendBook {
         &self,
         instance: InstanceId,
         bytes: u64,
-        tenant: Option<Tenant<'_>>,
+        tenant: Option<BlendTenant<'_>>,
     ) -> Result<(), ProtocolError> {
         let committed = self
             .committed_bytes()

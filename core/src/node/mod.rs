@@ -175,9 +175,9 @@ pub struct Node {
     /// Who is who, connection admission, mapped bytes.
     doors: doors::Doors,
     /// The L1 slot table and the adoption of its pool file.
-    l1: pool::Pool,
+    l1: pool::L1Pool,
     /// Contexts and the copies against them, open batches, the pool's queue.
-    work: work::Work,
+    work: work::PoolWork,
     blend: BlendBook,
     l2: Option<L2Tier>,
     /// What entered and left L1 and L2, per tenant (`kv_events`).
@@ -187,7 +187,7 @@ pub struct Node {
     /// What `status` counts of pings, builds and refused transfers.
     counters: counters::Counters,
     /// Outputs, ids, and the `now` of the call being handled.
-    out: outbox::Outbox,
+    out: outbox::NodeOutbox,
     #[cfg(feature = "planted-bugs")]
     plants: Plants,
 }
@@ -269,7 +269,7 @@ impl Node {
             l1.set_quota(tenant.tenant, quota);
         }
         Ok(Node {
-            l1: pool::Pool {
+            l1: pool::L1Pool {
                 slots: l1,
                 adoption: None,
             },
@@ -284,10 +284,10 @@ impl Node {
             liveness,
             registry: registry::Registry::default(),
             conns: conns::Conns::default(),
-            work: work::Work::new(pool_window),
+            work: work::PoolWork::new(pool_window),
             blend: BlendBook::default(),
             shutdown,
-            out: outbox::Outbox::new(now),
+            out: outbox::NodeOutbox::new(now),
             counters: counters::Counters::default(),
             #[cfg(feature = "planted-bugs")]
             plants: Plants::default(),

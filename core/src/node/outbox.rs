@@ -6,17 +6,17 @@ use crate::time::Instant;
 use std::collections::VecDeque;
 
 /// Outputs, ids and the current call's time.
-pub(super) struct Outbox {
+pub(super) struct NodeOutbox {
     pub(super) queue: VecDeque<Output>,
     next_id: u64,
     /// The `now` of the call being handled.
     pub(super) now: Instant,
 }
 
-impl Outbox {
+impl NodeOutbox {
     /// Empty, at `now`.
-    pub(super) fn new(now: Instant) -> Outbox {
-        Outbox {
+    pub(super) fn new(now: Instant) -> NodeOutbox {
+        NodeOutbox {
             queue: VecDeque::new(),
             next_id: 0,
             now,

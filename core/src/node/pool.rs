@@ -5,7 +5,7 @@ use super::adopt::Adoption;
 use super::l1::SlotTable;
 
 /// L1 and its adoption.
-pub(super) struct Pool {
+pub(super) struct L1Pool {
     pub(super) slots: SlotTable,
     /// A restarted server's adoption of its pool file (row 71).
     pub(super) adoption: Option<Adoption>,

@@ -263,7 +263,7 @@ impl Node {
                 .find_map(|&module| records.get(&(id, module)).map(|record| record.tenant))
         };
         let records = &self.registry.records;
-        let tenant = tenant_of(records, instance).map(|tenant| blend::Tenant {
+        let tenant = tenant_of(records, instance).map(|tenant| blend::BlendTenant {
             name: self.doors.trust.name(tenant),
             holds: Box::new(move |other| tenant_of(records, other) == Some(tenant)),
         });

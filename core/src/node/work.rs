@@ -7,7 +7,7 @@ use super::contexts::Contexts;
 use super::jobs::JobQueue;
 
 /// Contexts, batches and the pool's queue.
-pub(super) struct Work {
+pub(super) struct PoolWork {
     /// Built contexts, their strategies and the copies running against them.
     pub(super) contexts: Contexts,
     /// Batches open until their last item ends.
@@ -16,10 +16,10 @@ pub(super) struct Work {
     pub(super) jobs: JobQueue,
 }
 
-impl Work {
+impl PoolWork {
     /// No work yet; at most `pool_window` jobs handed to the pool at once.
-    pub(super) fn new(pool_window: usize) -> Work {
-        Work {
+    pub(super) fn new(pool_window: usize) -> PoolWork {
+        PoolWork {
             contexts: Contexts::default(),
             batches: Batches::default(),
             jobs: JobQueue::new(pool_window),
