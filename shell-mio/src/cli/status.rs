@@ -56,11 +56,21 @@ fn number(value: &Value) -> String {
     }
 }
 
-/// The status as text.
+/// The status as text: the server's figures, then one line per instance.
 pub fn table(status: &Value) -> String {
+    let mut out = String::new();
+    out += &liveness_lines(status);
+    out += &contexts_line(&status["contexts"]);
+    out += &l1_line(status);
+    out += &l2_line(&status["l2"]);
+    out += "\n";
+    out += &instances_table(status);
+    out
+}
+
+/// The server, and the liveness registry's settings and counts.
+fn liveness_lines(status: &Value) -> String {
     let live = &status["worker_liveness"];
-    let contexts = &status["contexts"];
-    let l1 = &status["l1"];
     let mut out = String::new();
     out += &format!(
         "{} (protocol {}, boot {}), up {} s\n",
@@ -90,6 +100,12 @@ pub fn table(status: &Value) -> String {
         number(&live["pings_total"]),
         number(&live["pings_answered_false_total"]),
     );
+    out
+}
+
+/// Contexts built and freed, by cause.
+fn contexts_line(contexts: &Value) -> String {
+    let mut out = String::new();
     // "unregistered 3, reaped 1, ..." in the server's order, zero causes left out.
     let freed = contexts["freed_total"]
         .as_object()
@@ -112,6 +128,13 @@ pub fn table(status: &Value) -> String {
         number(&contexts["frees_in_flight"]),
         number(&contexts["frees_hung_total"]),
     );
+    out
+}
+
+/// L1's slots, by tenant; connections; what trust refused.
+fn l1_line(status: &Value) -> String {
+    let l1 = &status["l1"];
+    let mut out = String::new();
     // "tenants: uid-1000 12/256 slots, team-a 40/128 slots (engine-driven)".
     let tenants: Vec<String> = status["tenants"]
         .as_array()
@@ -150,7 +173,12 @@ pub fn table(status: &Value) -> String {
         number(&trust["forbidden_total"]),
         number(&trust["retrieve_length_mismatches_total"]),
     );
-    let l2 = &status["l2"];
+    out
+}
+
+/// L2's state and counters, when the server runs with `--l2`.
+fn l2_line(l2: &Value) -> String {
+    let mut out = String::new();
     if l2.is_object() {
         out += &format!(
             "L2: {} ({}), queue {} bytes, writes {} (dropped {}), hits {}, misses {} (corrupt \
@@ -170,7 +198,12 @@ pub fn table(status: &Value) -> String {
             number(&l2["errors"]),
         );
     }
-    out += "\n";
+    out
+}
+
+/// One line per registered instance, under a header.
+fn instances_table(status: &Value) -> String {
+    let mut out = String::new();
     out += &format!(
         "{:<20} {:<14} {:>9} {:>11} {:>7} {:>7} {:>8} {:<15} {}\n",
         "INSTANCE",
