@@ -104,54 +104,26 @@ fn say(line: &str) {
 
 /// Runs until SIGTERM/SIGINT, then shuts down cleanly.
 pub fn run(args: WorkerArgs) -> ExitCode {
+    match serve(&args) {
+        Ok(code) | Err(code) => code,
+    }
+}
+
+/// Connects, registers, then pings and moves traffic until told to stop; an error is
+/// said on stderr and answered with its exit code.
+fn serve(args: &WorkerArgs) -> Result<ExitCode, ExitCode> {
     let stop = Arc::new(AtomicBool::new(false));
     for signal in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
         if let Err(error) = signal_hook::flag::register(signal, Arc::clone(&stop)) {
             eprintln!("kvwarden worker: installing a signal handler failed: {error}");
-            return ExitCode::from(1);
+            return Err(ExitCode::from(1));
         }
     }
-    let Ok(interval) = Duration::try_from_secs_f64(args.heartbeat_interval_seconds) else {
-        eprintln!(
-            "kvwarden worker: invalid --heartbeat-interval-seconds {}",
-            args.heartbeat_interval_seconds
-        );
-        return ExitCode::from(2);
-    };
-    let instance_id = match args.instance_id.map(InstanceId::new).transpose() {
-        Ok(id) => id,
-        Err(error) => {
-            eprintln!("kvwarden worker: {error}");
-            return ExitCode::from(2);
-        }
-    };
-    let mut config = match args.endpoint.client_config() {
-        Ok(config) => config,
-        Err(message) => {
-            eprintln!("kvwarden worker: {message}");
-            return ExitCode::from(2);
-        }
-    };
-    config.heartbeat_interval = interval;
-    config.instance_id = instance_id;
-    match std::env::var("KVWARDEN_WORKER_SECRET")
-        .ok()
-        .map(|hex| parse_secret(&hex))
-    {
-        None => {}
-        Some(Ok(secret)) => config.instance_secret = Some(secret),
-        Some(Err(message)) => {
-            eprintln!("kvwarden worker: KVWARDEN_WORKER_SECRET: {message}");
-            return ExitCode::from(2);
-        }
-    }
-    config.client_name = concat!("kvwarden-worker ", env!("CARGO_PKG_VERSION")).to_string();
-    config.send_pidfd = !args.no_send_pidfd;
-    let client = match Client::connect(config) {
+    let client = match Client::connect(client_config(args)?) {
         Ok(client) => client,
         Err(error) => {
             eprintln!("kvwarden worker: {}", super::connect_error(&error));
-            return ExitCode::from(1);
+            return Err(ExitCode::from(1));
         }
     };
     say(&format!("instance_id={}", client.instance_id()));
@@ -161,49 +133,13 @@ pub fn run(args: WorkerArgs) -> ExitCode {
     ));
     // Kept alive to the end of the process: a SIGKILL leaves the device memory to
     // whoever still maps it.
-    let mut _device_buffer = None;
-    let mut buffer_bytes = usize::try_from(args.buffer_bytes).unwrap_or(usize::MAX);
-    let mut count = if buffer_bytes == 0 { 0 } else { args.buffers };
-    let mut buffers = Vec::with_capacity(count);
-    if let Some(nbytes) = args.cuda_bytes {
-        match cuda_buffer(nbytes, args.device) {
-            Ok((exported, buffer)) => {
-                say(&format!(
-                    "cuda_buffer device={} bytes={nbytes}",
-                    args.device
-                ));
-                _device_buffer = Some(exported);
-                buffers.push(buffer);
-                buffer_bytes = usize::try_from(nbytes).unwrap_or(usize::MAX);
-                count = 0; // no memfd buffers beside it
-            }
-            Err(error) => {
-                eprintln!("kvwarden worker: {error}");
-                return ExitCode::from(1);
-            }
-        }
-    }
-    for index in 0..count {
-        match MemfdBuffer::new(buffer_bytes) {
-            Ok(buffer) => {
-                let pattern: Vec<u8> = (0..buffer_bytes.min(1 << 20))
-                    .map(|i| (i + index) as u8)
-                    .collect();
-                buffer.write(0, &pattern);
-                buffers.push(ClientBuffer::Memfd(Arc::new(buffer)));
-            }
-            Err(error) => {
-                eprintln!("kvwarden worker: {error}");
-                return ExitCode::from(1);
-            }
-        }
-    }
+    let (buffers, buffer_bytes, _device_buffer) = buffers(args)?;
     let registered_buffers = buffers.len();
     match client.register_buffers(buffers, &args.model_name, 1) {
         Ok(outcome) => say(&format!("registered outcome={outcome}")),
         Err(error) => {
             eprintln!("kvwarden worker: registering failed: {error}");
-            return ExitCode::from(1);
+            return Err(ExitCode::from(1));
         }
     }
     if !args.lazy_heartbeat {
@@ -211,8 +147,96 @@ pub fn run(args: WorkerArgs) -> ExitCode {
     }
     let buffer_len = buffer_bytes as u64;
     let chunk = args.chunk_bytes.min(buffer_len / 2);
-    let traffic = args.traffic_every_ms > 0 && registered_buffers > 0 && chunk > 0;
-    let tick = Duration::from_millis(if traffic {
+    let traffic = (args.traffic_every_ms > 0 && registered_buffers > 0 && chunk > 0)
+        .then_some((chunk, buffer_len));
+    run_until_stopped(&client, args, &stop, traffic);
+    match client.shutdown() {
+        Ok(()) => {
+            say("shutdown=clean");
+            Ok(ExitCode::SUCCESS)
+        }
+        Err(error) => {
+            eprintln!("kvwarden worker: unregister at shutdown failed: {error}");
+            say("shutdown=unclean");
+            Err(ExitCode::from(1))
+        }
+    }
+}
+
+/// The client's settings from the flags and `KVWARDEN_WORKER_SECRET`.
+fn client_config(args: &WorkerArgs) -> Result<crate::client::ClientConfig, ExitCode> {
+    let bad = |message: String| {
+        eprintln!("kvwarden worker: {message}");
+        ExitCode::from(2)
+    };
+    let Ok(interval) = Duration::try_from_secs_f64(args.heartbeat_interval_seconds) else {
+        return Err(bad(format!(
+            "invalid --heartbeat-interval-seconds {}",
+            args.heartbeat_interval_seconds
+        )));
+    };
+    let instance_id = args
+        .instance_id
+        .map(InstanceId::new)
+        .transpose()
+        .map_err(|error| bad(error.to_string()))?;
+    let mut config = args.endpoint.client_config().map_err(bad)?;
+    config.heartbeat_interval = interval;
+    config.instance_id = instance_id;
+    if let Ok(hex) = std::env::var("KVWARDEN_WORKER_SECRET") {
+        config.instance_secret = Some(
+            parse_secret(&hex)
+                .map_err(|message| bad(format!("KVWARDEN_WORKER_SECRET: {message}")))?,
+        );
+    }
+    config.client_name = concat!("kvwarden-worker ", env!("CARGO_PKG_VERSION")).to_string();
+    config.send_pidfd = !args.no_send_pidfd;
+    Ok(config)
+}
+
+/// The buffers to register: one CUDA buffer (`--cuda-bytes`), or `--buffers` memfds of
+/// `--buffer-bytes` each, filled with a pattern; with the bytes of each, and the device
+/// buffer to keep alive.
+fn buffers(
+    args: &WorkerArgs,
+) -> Result<(Vec<ClientBuffer>, usize, Option<ExportedBuffer>), ExitCode> {
+    let failed = |error: String| {
+        eprintln!("kvwarden worker: {error}");
+        ExitCode::from(1)
+    };
+    if let Some(nbytes) = args.cuda_bytes {
+        let (exported, buffer) = cuda_buffer(nbytes, args.device).map_err(failed)?;
+        say(&format!(
+            "cuda_buffer device={} bytes={nbytes}",
+            args.device
+        ));
+        let bytes = usize::try_from(nbytes).unwrap_or(usize::MAX);
+        return Ok((vec![buffer], bytes, Some(exported)));
+    }
+    let buffer_bytes = usize::try_from(args.buffer_bytes).unwrap_or(usize::MAX);
+    let count = if buffer_bytes == 0 { 0 } else { args.buffers };
+    let mut buffers = Vec::with_capacity(count);
+    for index in 0..count {
+        let buffer = MemfdBuffer::new(buffer_bytes).map_err(|error| failed(error.to_string()))?;
+        let pattern: Vec<u8> = (0..buffer_bytes.min(1 << 20))
+            .map(|i| (i + index) as u8)
+            .collect();
+        buffer.write(0, &pattern);
+        buffers.push(ClientBuffer::Memfd(Arc::new(buffer)));
+    }
+    Ok((buffers, buffer_bytes, None))
+}
+
+/// Says each change of health and each recovery, and with `traffic` (the chunk and the
+/// buffer's bytes) stores and retrieves one chunk every `--traffic-every-ms`, until
+/// `stop`.
+fn run_until_stopped(
+    client: &Client,
+    args: &WorkerArgs,
+    stop: &AtomicBool,
+    traffic: Option<(u64, u64)>,
+) {
+    let tick = Duration::from_millis(if traffic.is_some() {
         args.traffic_every_ms.min(50)
     } else {
         20
@@ -234,7 +258,9 @@ pub fn run(args: WorkerArgs) -> ExitCode {
                 client.last_outcome().unwrap_or_default()
             ));
         }
-        if traffic && last_traffic.elapsed() >= Duration::from_millis(args.traffic_every_ms) {
+        if let Some((chunk, buffer_len)) = traffic
+            && last_traffic.elapsed() >= Duration::from_millis(args.traffic_every_ms)
+        {
             last_traffic = std::time::Instant::now();
             sent += 1;
             let key = format!("{}-{sent}", client.instance_id()).into_bytes();
@@ -244,17 +270,6 @@ pub fn run(args: WorkerArgs) -> ExitCode {
             if let Err(error) = result {
                 eprintln!("kvwarden worker: traffic: {error}");
             }
-        }
-    }
-    match client.shutdown() {
-        Ok(()) => {
-            say("shutdown=clean");
-            ExitCode::SUCCESS
-        }
-        Err(error) => {
-            eprintln!("kvwarden worker: unregister at shutdown failed: {error}");
-            say("shutdown=unclean");
-            ExitCode::from(1)
         }
     }
 }
