@@ -105,27 +105,13 @@ impl L1 {
         let (pool_size, index_size) = (size_of(&fd, path)?, size_of(&index_fd, &index_path)?);
         let mut head = [0u8; 64];
         let read = rustix::io::pread(&index_fd, &mut head, 0).unwrap_or(0);
-        let start = match &key {
-            None if pool_size == 0 => PoolStart::Cold("a new pool file".into()),
-            None => PoolStart::Cold(
-                "no --l1-secret-file: there is nothing to authenticate the pool's values \
-                 with, so none is served again"
-                    .into(),
-            ),
-            Some(key) => verdict(
-                seal::check_index_header(&head[..read], geometry, key),
-                geometry,
-                (pool_size, index_size),
-                || "a new pool file".into(),
-                || {
-                    format!(
-                        "{} holds no index of seals for this pool: nothing to verify its \
-                         values with",
-                        index_path.display()
-                    )
-                },
-            ),
-        };
+        let start = file_start(
+            key.as_ref(),
+            &head[..read],
+            geometry,
+            (pool_size, index_size),
+            &index_path,
+        );
         let resize = |fd: &OwnedFd, path: &Path, len: u64| {
             rustix::fs::ftruncate(fd, 0)
                 .and_then(|()| rustix::fs::ftruncate(fd, len))
@@ -145,13 +131,7 @@ impl L1 {
                     .map_err(|e| format!("--l1-file {}: {e}", index_path.display()))?;
             }
         }
-        let map = |fd: &OwnedFd, len: u64, path: &Path| {
-            usize::try_from(len)
-                .map_err(std::io::Error::other)
-                .and_then(|len| SharedMapping::map(fd, len))
-                .map_err(|e| format!("--l1-file {}: mapping {len} bytes: {e}", path.display()))
-        };
-        let mapping = Arc::new(map(&fd, used, path)?);
+        let mapping = Arc::new(map_file(&fd, used, path)?);
         if prefault {
             mapping
                 .populate()
@@ -205,6 +185,46 @@ impl L1 {
     /// Where `slot` begins in the pool.
     pub fn offset(&self, slot: SlotId) -> u64 {
         slot as u64 * self.slot_bytes
+    }
+}
+
+/// `len` bytes of the pool file at `path`, mapped shared.
+fn map_file(fd: &OwnedFd, len: u64, path: &Path) -> Result<SharedMapping, String> {
+    usize::try_from(len)
+        .map_err(std::io::Error::other)
+        .and_then(|len| SharedMapping::map(fd, len))
+        .map_err(|e| format!("--l1-file {}: mapping {len} bytes: {e}", path.display()))
+}
+
+/// What a pool file and its index found at start allow: adopted, or why the pool
+/// starts cold (a new file, no secret, or the index's verdict).
+fn file_start(
+    key: Option<&SealKey>,
+    head: &[u8],
+    geometry: Geometry,
+    (pool_size, index_size): (u64, u64),
+    index_path: &Path,
+) -> PoolStart {
+    match key {
+        None if pool_size == 0 => PoolStart::Cold("a new pool file".into()),
+        None => PoolStart::Cold(
+            "no --l1-secret-file: there is nothing to authenticate the pool's values \
+             with, so none is served again"
+                .into(),
+        ),
+        Some(key) => verdict(
+            seal::check_index_header(head, geometry, key),
+            geometry,
+            (pool_size, index_size),
+            || "a new pool file".into(),
+            || {
+                format!(
+                    "{} holds no index of seals for this pool: nothing to verify its \
+                     values with",
+                    index_path.display()
+                )
+            },
+        ),
     }
 }
 
@@ -283,55 +303,50 @@ impl L1 {
                 ),
             ));
         }
-        let start = match (&old_pool, &old_index) {
-            (Some(pool), Some(index)) => {
-                let size =
-                    |fd: &OwnedFd| rustix::fs::fstat(fd).map_or(0, |stat| stat.st_size as u64);
-                let mut head = [0u8; 64];
-                let read = rustix::io::pread(index, &mut head, 0).unwrap_or(0);
-                verdict(
-                    seal::check_index_header(&head[..read], geometry, &key),
-                    geometry,
-                    (size(pool), size(index)),
-                    || "an empty pool in systemd's file-descriptor store".into(),
-                    || "the pool in systemd's file-descriptor store has no index of seals".into(),
-                )
-            }
-            _ => PoolStart::Cold(
-                "nothing in systemd's file-descriptor store yet (a first start, or the store \
-                 was released: FileDescriptorStoreMax= and FileDescriptorStorePreserve= of \
-                 the unit)"
-                    .into(),
-            ),
-        };
+        let start = stored_start(old_pool.as_ref(), old_index.as_ref(), geometry, &key);
         if start == PoolStart::Adopt
             && let (Some(pool), Some(index)) = (old_pool, old_index)
         {
-            let len = usize::try_from(geometry.slot_bytes * geometry.num_slots)
-                .map_err(|e| e.to_string())?;
-            let mapping = Arc::new(
-                SharedMapping::map(&pool, len)
-                    .map_err(|e| format!("mapping the stored L1 pool: {e}"))?,
-            );
-            if prefault {
-                mapping
-                    .populate()
-                    .map_err(|e| format!("--l1-prefault of the stored pool: {e}"))?;
-            }
-            let seals = Seals::map(index, geometry, key)?;
-            let num_slots = usize::try_from(geometry.num_slots).map_err(|e| e.to_string())?;
-            return Ok((
-                L1 {
-                    mapping,
-                    fd: pool,
-                    slot_bytes,
-                    num_slots,
-                    seals: Some(Arc::new(seals)),
-                },
-                start,
-            ));
+            let l1 = L1::adopt_stored(pool, index, geometry, key, prefault)?;
+            return Ok((l1, start));
         }
-        let mut l1 = fresh()?;
+        let l1 = L1::store_fresh(fresh()?, geometry, key)?;
+        Ok((l1, start))
+    }
+
+    /// The pool and index systemd handed back, mapped: adopted.
+    fn adopt_stored(
+        pool: OwnedFd,
+        index: OwnedFd,
+        geometry: Geometry,
+        key: SealKey,
+        prefault: bool,
+    ) -> Result<L1, String> {
+        let len =
+            usize::try_from(geometry.slot_bytes * geometry.num_slots).map_err(|e| e.to_string())?;
+        let mapping = Arc::new(
+            SharedMapping::map(&pool, len)
+                .map_err(|e| format!("mapping the stored L1 pool: {e}"))?,
+        );
+        if prefault {
+            mapping
+                .populate()
+                .map_err(|e| format!("--l1-prefault of the stored pool: {e}"))?;
+        }
+        let seals = Seals::map(index, geometry, key)?;
+        let num_slots = usize::try_from(geometry.num_slots).map_err(|e| e.to_string())?;
+        Ok(L1 {
+            mapping,
+            fd: pool,
+            slot_bytes: geometry.slot_bytes,
+            num_slots,
+            seals: Some(Arc::new(seals)),
+        })
+    }
+
+    /// A new pool with a new index of seals (its header written, sealed against
+    /// resizing), both handed to systemd's file-descriptor store, replacing the old.
+    fn store_fresh(mut l1: L1, geometry: Geometry, key: SealKey) -> Result<L1, String> {
         let index = memfd::create("kvwarden-l1-index", geometry.index_bytes())
             .map_err(|e| format!("creating the L1 index: {e}"))?;
         rustix::fs::fcntl_add_seals(
@@ -350,7 +365,37 @@ impl L1 {
             })?;
         }
         l1.seals = Some(Arc::new(Seals::map(index, geometry, key)?));
-        Ok((l1, start))
+        Ok(l1)
+    }
+}
+
+/// What the pool and index systemd passed (if it passed both) allow: adopted, or why
+/// the pool starts cold.
+fn stored_start(
+    old_pool: Option<&OwnedFd>,
+    old_index: Option<&OwnedFd>,
+    geometry: Geometry,
+    key: &SealKey,
+) -> PoolStart {
+    match (old_pool, old_index) {
+        (Some(pool), Some(index)) => {
+            let size = |fd: &OwnedFd| rustix::fs::fstat(fd).map_or(0, |stat| stat.st_size as u64);
+            let mut head = [0u8; 64];
+            let read = rustix::io::pread(index, &mut head, 0).unwrap_or(0);
+            verdict(
+                seal::check_index_header(&head[..read], geometry, key),
+                geometry,
+                (size(pool), size(index)),
+                || "an empty pool in systemd's file-descriptor store".into(),
+                || "the pool in systemd's file-descriptor store has no index of seals".into(),
+            )
+        }
+        _ => PoolStart::Cold(
+            "nothing in systemd's file-descriptor store yet (a first start, or the store \
+             was released: FileDescriptorStoreMax= and FileDescriptorStorePreserve= of \
+             the unit)"
+                .into(),
+        ),
     }
 }
 
