@@ -128,43 +128,49 @@ impl Server {
                 cause,
                 label,
             } => self.start_free(free, context, instance, module, cause, label),
-            Job::Seal { slot, key, len } => {
-                let pool = Arc::clone(self.l1.mapping());
-                let seals = self.l1.seals().cloned();
-                self.pool.submit(
-                    move || {
-                        let written = seals.is_some_and(|seals| seals.seal(&pool, slot, &key, len));
-                        Done::Sealed { slot, written }
-                    },
-                    move |_| Done::Sealed {
-                        slot,
-                        written: false,
-                    },
-                );
-            }
-            Job::Scan { first, count } => {
-                let pool = Arc::clone(self.l1.mapping());
-                let seals = self.l1.seals().cloned();
-                self.pool.submit(
-                    move || Done::Scanned {
-                        first,
-                        found: match seals {
-                            Some(seals) => seals.scan(&pool, first, count),
-                            None => vec![kvwarden_core::node::Scanned::Blank; count],
-                        },
-                    },
-                    move |_| Done::Scanned {
-                        first,
-                        found: vec![
-                            kvwarden_core::node::Scanned::Unsealed(
-                                kvwarden_core::seal::Unsealed::Malformed
-                            );
-                            count
-                        ],
-                    },
-                );
-            }
+            Job::Seal { slot, key, len } => self.start_seal(slot, key, len),
+            Job::Scan { first, count } => self.start_scan(first, count),
         }
+    }
+
+    /// Seals a committed value of a pool file (`--l1-file`, `--l1-fdstore`).
+    fn start_seal(&mut self, slot: SlotId, key: Vec<u8>, len: u64) {
+        let pool = Arc::clone(self.l1.mapping());
+        let seals = self.l1.seals().cloned();
+        self.pool.submit(
+            move || {
+                let written = seals.is_some_and(|seals| seals.seal(&pool, slot, &key, len));
+                Done::Sealed { slot, written }
+            },
+            move |_| Done::Sealed {
+                slot,
+                written: false,
+            },
+        );
+    }
+
+    /// Scans `count` slots of a pool file from `first` for values to adopt.
+    fn start_scan(&mut self, first: SlotId, count: usize) {
+        let pool = Arc::clone(self.l1.mapping());
+        let seals = self.l1.seals().cloned();
+        self.pool.submit(
+            move || Done::Scanned {
+                first,
+                found: match seals {
+                    Some(seals) => seals.scan(&pool, first, count),
+                    None => vec![kvwarden_core::node::Scanned::Blank; count],
+                },
+            },
+            move |_| Done::Scanned {
+                first,
+                found: vec![
+                    kvwarden_core::node::Scanned::Unsealed(
+                        kvwarden_core::seal::Unsealed::Malformed
+                    );
+                    count
+                ],
+            },
+        );
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -427,26 +433,7 @@ impl Server {
             Note::OverMappedCap { instance, over } => {
                 tracing::warn!(%instance, cap = over.label(), "refusing a registration: {over}");
             }
-            Note::PoolAdopted(view) => {
-                let seconds = view
-                    .finished
-                    .unwrap_or(view.started)
-                    .saturating_duration_since(view.started)
-                    .as_secs_f64();
-                tracing::info!(
-                    adopted = view.adopted,
-                    adopted_bytes = view.adopted_bytes,
-                    dropped_torn = view.dropped_torn,
-                    dropped_malformed = view.dropped_malformed,
-                    dropped_tenant = view.dropped_tenant,
-                    dropped_duplicate = view.dropped_duplicate,
-                    dropped_taken = view.dropped_taken,
-                    seconds,
-                    "L1 pool adopted: {} values served again, {} dropped",
-                    view.adopted,
-                    view.dropped()
-                );
-            }
+            Note::PoolAdopted(view) => log_pool_adopted(&view),
             Note::Stall { gap } => tracing::warn!(
                 gap_seconds = gap.as_secs_f64(),
                 "the server itself was stalled (paused or starved); the gap does not count as any worker's silence"
@@ -600,4 +587,27 @@ struct CopyAt {
     offset: u64,
     slot: SlotId,
     nbytes: u64,
+}
+
+/// The adoption of a restarted server's pool file, done: what was served again and what
+/// dropped, and how long it took.
+fn log_pool_adopted(view: &kvwarden_core::node::AdoptionView) {
+    let seconds = view
+        .finished
+        .unwrap_or(view.started)
+        .saturating_duration_since(view.started)
+        .as_secs_f64();
+    tracing::info!(
+        adopted = view.adopted,
+        adopted_bytes = view.adopted_bytes,
+        dropped_torn = view.dropped_torn,
+        dropped_malformed = view.dropped_malformed,
+        dropped_tenant = view.dropped_tenant,
+        dropped_duplicate = view.dropped_duplicate,
+        dropped_taken = view.dropped_taken,
+        seconds,
+        "L1 pool adopted: {} values served again, {} dropped",
+        view.adopted,
+        view.dropped()
+    );
 }
