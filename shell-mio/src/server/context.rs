@@ -148,35 +148,7 @@ pub fn build(request: BuildRequest) -> Result<Context, ProtocolError> {
     for (index, (spec, fd)) in request.buffers.into_iter().enumerate() {
         match (spec, fd) {
             (BufferSpec::Memfd { nbytes, .. }, Some(fd)) => {
-                memfd::check_and_seal(&fd, nbytes).map_err(|e| {
-                    ProtocolError::new(
-                        ErrorCode::BadArgs,
-                        format!("register_kv_cache: buffers[{index}]: {e}"),
-                    )
-                })?;
-                if !request.allow_hugetlb && on_hugetlbfs(&fd) {
-                    return Err(ProtocolError::new(
-                        ErrorCode::BadArgs,
-                        format!(
-                            "register_kv_cache: buffers[{index}] is a memfd on hugetlbfs \
-                             (MFD_HUGETLB): mapping it would reserve the node's huge pages for \
-                             the server and charge them to it; register a plain memfd, or have \
-                             the operator allow them (serve --allow-hugetlb-buffers)"
-                        ),
-                    ));
-                }
-                let len = usize::try_from(nbytes).map_err(|_| {
-                    ProtocolError::new(
-                        ErrorCode::BadArgs,
-                        format!("register_kv_cache: buffers[{index}].nbytes {nbytes} does not fit this machine's address space"),
-                    )
-                })?;
-                let mapping = SharedMapping::map(&fd, len).map_err(|e| {
-                    ProtocolError::new(
-                        ErrorCode::Internal,
-                        format!("register_kv_cache: mapping buffers[{index}] ({nbytes} bytes) failed: {e}"),
-                    )
-                })?;
+                let mapping = map_memfd(index, &fd, nbytes, request.allow_hugetlb)?;
                 // The fd is closed here; the mapping keeps the memory.
                 buffers.push(RegisteredBuffer::Memfd(mapping));
             }
@@ -189,33 +161,8 @@ pub fn build(request: BuildRequest) -> Result<Context, ProtocolError> {
                 },
                 None,
             ) => {
-                let Some(gpu) = request.gpu.as_ref() else {
-                    return Err(ProtocolError::new(
-                        ErrorCode::Unavailable,
-                        format!(
-                            "register_kv_cache: buffers[{index}] is a cuda_ipc buffer, but this server has no GPU"
-                        ),
-                    ));
-                };
-                let bad = |message: String| ProtocolError::new(ErrorCode::BadArgs, message);
-                let handle: &[u8; IPC_HANDLE_BYTES] = handle.as_slice().try_into().map_err(|_| {
-                    bad(format!(
-                        "register_kv_cache: buffers[{index}].handle is {} bytes; a CUDA IPC handle is bin({IPC_HANDLE_BYTES})",
-                        handle.len()
-                    ))
-                })?;
-                let device = u32::try_from(device).map_err(|_| {
-                    bad(format!("register_kv_cache: buffers[{index}].device {device} is not a device ordinal"))
-                })?;
-                let mapping = gpu.open_ipc(device, handle, offset, nbytes).map_err(|e| {
-                    ProtocolError::new(
-                        ErrorCode::BadArgs,
-                        format!(
-                            "register_kv_cache: buffers[{index}] (cuda_ipc, device {device}, offset {offset}, nbytes {nbytes}): {e}; \
-                             send the cuIpcGetMemHandle handle of a live allocation's base, from a process on this host"
-                        ),
-                    )
-                })?;
+                let spec = (device, handle.as_slice(), offset, nbytes);
+                let mapping = open_cuda_ipc(index, request.gpu.as_deref(), spec)?;
                 buffers.push(RegisteredBuffer::Cuda(mapping));
             }
             (spec, _) => {
@@ -231,5 +178,82 @@ pub fn build(request: BuildRequest) -> Result<Context, ProtocolError> {
     Ok(Context {
         buffers,
         model_name: request.model_name,
+    })
+}
+
+/// buffers[`index`], a memfd of `nbytes`: checked and sealed, refused on hugetlbfs
+/// unless allowed, then mapped.
+fn map_memfd(
+    index: usize,
+    fd: &PeerFd,
+    nbytes: u64,
+    allow_hugetlb: bool,
+) -> Result<SharedMapping, ProtocolError> {
+    memfd::check_and_seal(fd, nbytes).map_err(|e| {
+        ProtocolError::new(
+            ErrorCode::BadArgs,
+            format!("register_kv_cache: buffers[{index}]: {e}"),
+        )
+    })?;
+    if !allow_hugetlb && on_hugetlbfs(fd) {
+        return Err(ProtocolError::new(
+            ErrorCode::BadArgs,
+            format!(
+                "register_kv_cache: buffers[{index}] is a memfd on hugetlbfs \
+                 (MFD_HUGETLB): mapping it would reserve the node's huge pages for \
+                 the server and charge them to it; register a plain memfd, or have \
+                 the operator allow them (serve --allow-hugetlb-buffers)"
+            ),
+        ));
+    }
+    let len = usize::try_from(nbytes).map_err(|_| {
+        ProtocolError::new(
+            ErrorCode::BadArgs,
+            format!("register_kv_cache: buffers[{index}].nbytes {nbytes} does not fit this machine's address space"),
+        )
+    })?;
+    SharedMapping::map(fd, len).map_err(|e| {
+        ProtocolError::new(
+            ErrorCode::Internal,
+            format!("register_kv_cache: mapping buffers[{index}] ({nbytes} bytes) failed: {e}"),
+        )
+    })
+}
+
+/// buffers[`index`], a CUDA IPC buffer `(device, handle, offset, nbytes)`: opened on
+/// this host's GPU, when it has one.
+fn open_cuda_ipc(
+    index: usize,
+    gpu: Option<&Gpu>,
+    (device, handle, offset, nbytes): (u64, &[u8], u64, u64),
+) -> Result<IpcMapping, ProtocolError> {
+    let Some(gpu) = gpu else {
+        return Err(ProtocolError::new(
+            ErrorCode::Unavailable,
+            format!(
+                "register_kv_cache: buffers[{index}] is a cuda_ipc buffer, but this server has no GPU"
+            ),
+        ));
+    };
+    let bad = |message: String| ProtocolError::new(ErrorCode::BadArgs, message);
+    let handle: &[u8; IPC_HANDLE_BYTES] = handle.try_into().map_err(|_| {
+        bad(format!(
+            "register_kv_cache: buffers[{index}].handle is {} bytes; a CUDA IPC handle is bin({IPC_HANDLE_BYTES})",
+            handle.len()
+        ))
+    })?;
+    let device = u32::try_from(device).map_err(|_| {
+        bad(format!(
+            "register_kv_cache: buffers[{index}].device {device} is not a device ordinal"
+        ))
+    })?;
+    gpu.open_ipc(device, handle, offset, nbytes).map_err(|e| {
+        ProtocolError::new(
+            ErrorCode::BadArgs,
+            format!(
+                "register_kv_cache: buffers[{index}] (cuda_ipc, device {device}, offset {offset}, nbytes {nbytes}): {e}; \
+                 send the cuIpcGetMemHandle handle of a live allocation's base, from a process on this host"
+            ),
+        )
     })
 }
