@@ -1,15 +1,17 @@
 //! `kvwarden serve`.
 
-use crate::l2::{L2Auth, L2Config, L2Tls};
 use crate::server::fault::Faults;
 use crate::server::{DEFAULT_MAX_CONNECTIONS, Server, ServerConfig, listen};
-use kvwarden_core::l2::{ClusterSecret, Namespace, ValueFormat};
-use kvwarden_core::node::trust::{TenantSpec, TrustConfig};
 use kvwarden_core::{Config, ConfigError, REAP_TIMEOUT_FLOOR};
+use l2::l2_config;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
+use tenants::{TenantArg, parse_tenant, trust_config};
+
+mod l2;
+mod tenants;
 
 /// Flags of `kvwarden serve`.
 #[derive(Debug, clap::Args)]
@@ -342,89 +344,6 @@ fn liveness_config(args: &ServeArgs) -> Result<Config, ConfigError> {
     Ok(config)
 }
 
-/// The L2 flags checked, or None without `--l2`.
-fn l2_config(args: &ServeArgs) -> Result<Option<L2Config>, String> {
-    let Some(seeds) = &args.l2 else {
-        return Ok(None);
-    };
-    let seeds = L2Config::parse_seeds(seeds).map_err(|e| e.to_string())?;
-    let namespace = Namespace::new(&args.l2_namespace).map_err(|e| e.to_string())?;
-    if args.l2_timeout_ms == 0 || args.l2_timeout_ms > 60_000 {
-        return Err(format!(
-            "invalid --l2-timeout-ms {}: use 1 to 60000 ms (for example 50)",
-            args.l2_timeout_ms
-        ));
-    }
-    if args.l2_ttl_seconds > 100 * 365 * 86_400 {
-        return Err(format!(
-            "invalid --l2-ttl-seconds {}: use 0 (no expiry) up to 100 years of seconds",
-            args.l2_ttl_seconds
-        ));
-    }
-    let tls = match (
-        &args.l2_tls_ca_file,
-        &args.l2_tls_cert_file,
-        &args.l2_tls_key_file,
-    ) {
-        (None, None, None) => None,
-        (ca, cert, key) => {
-            let flag = if ca.is_some() {
-                "--l2-tls-ca-file"
-            } else {
-                "--l2-tls-cert-file"
-            };
-            L2Config::check_tls_flag(&seeds, flag).map_err(|e| e.to_string())?;
-            let client = match (cert, key) {
-                (Some(cert), Some(key)) => Some((cert.as_path(), key.as_path())),
-                (None, None) => None,
-                _ => {
-                    return Err(
-                        "--l2-tls-cert-file and --l2-tls-key-file go together: give \
-                                both (mutual TLS) or neither"
-                            .into(),
-                    );
-                }
-            };
-            if let Some((_, key)) = client {
-                warn_if_world_readable("--l2-tls-key-file", key);
-            }
-            Some(L2Tls::from_files(ca.as_deref(), client).map_err(|e| e.to_string())?)
-        }
-    };
-    let secret = match &args.l2_secret_file {
-        Some(path) => {
-            let bytes = std::fs::read(path).map_err(|e| {
-                format!(
-                    "--l2-secret-file {}: cannot read it: {e} (give every server of the \
-                     namespace the same file of at least 32 bytes)",
-                    path.display()
-                )
-            })?;
-            warn_if_world_readable("--l2-secret-file", path);
-            Some(
-                ClusterSecret::from_file_bytes(&path.display().to_string(), &bytes)
-                    .map_err(|e| e.to_string())?,
-            )
-        }
-        None => None,
-    };
-    let config = L2Config {
-        seeds,
-        auth: l2_auth(args)?,
-        tls,
-        format: ValueFormat::new(secret, args.slot_bytes),
-        namespace,
-        timeout: Duration::from_millis(args.l2_timeout_ms),
-        ttl: (args.l2_ttl_seconds > 0).then(|| Duration::from_secs(args.l2_ttl_seconds)),
-        write_queue_bytes: args.l2_write_queue_bytes,
-        threads: args.l2_threads,
-        known_nodes: Default::default(),
-    };
-    config.validate().map_err(|e| e.to_string())?;
-    Ok(Some(config))
-}
-
-/// Warns when the file of `flag` at `path` is readable by every user: it holds a secret.
 fn warn_if_world_readable(flag: &str, path: &std::path::Path) {
     use std::os::unix::fs::PermissionsExt;
     if let Ok(meta) = std::fs::metadata(path)
@@ -434,187 +353,32 @@ fn warn_if_world_readable(flag: &str, path: &std::path::Path) {
     }
 }
 
-/// The environment variable that may hold the L2 password.
-pub const L2_PASSWORD_ENV: &str = "KVWARDEN_L2_PASSWORD";
+/// A positive number of seconds for `flag`, or an error naming it (`hint` after it).
+fn positive_seconds(value: f64, flag: &str, hint: &str) -> Result<Duration, String> {
+    Duration::try_from_secs_f64(value)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| format!("invalid {flag} {value}: use a positive number of seconds{hint}"))
+}
 
-/// The L2 credentials: `--l2-username`, and the password from `--l2-password-file` or
-/// [`L2_PASSWORD_ENV`] (not both).
-fn l2_auth(args: &ServeArgs) -> Result<L2Auth, String> {
-    let from_env = std::env::var_os(L2_PASSWORD_ENV).filter(|value| !value.is_empty());
-    let password = match (&args.l2_password_file, from_env) {
-        (Some(path), Some(_)) => {
-            return Err(format!(
-                "--l2-password-file {} and {L2_PASSWORD_ENV} both given: use one",
-                path.display()
-            ));
-        }
-        (Some(path), None) => {
-            let bytes = std::fs::read(path).map_err(|e| {
-                format!("--l2-password-file {}: cannot read it: {e}", path.display())
-            })?;
-            warn_if_world_readable("--l2-password-file", path);
-            let text = String::from_utf8(bytes.trim_ascii().to_vec()).map_err(|_| {
-                format!(
-                    "--l2-password-file {}: the password is not UTF-8 text",
-                    path.display()
-                )
-            })?;
-            if text.is_empty() {
-                return Err(format!(
-                    "--l2-password-file {}: the file is empty; put the password in it",
-                    path.display()
-                ));
-            }
-            Some(text)
-        }
-        (None, Some(value)) => Some(
-            value
-                .into_string()
-                .map_err(|_| format!("{L2_PASSWORD_ENV}: the password is not UTF-8 text"))?,
-        ),
-        (None, None) => None,
+/// The pool's sealing key from `--l1-secret-file`, when given.
+fn l1_secret(
+    path: Option<&std::path::Path>,
+) -> Result<Option<kvwarden_core::seal::SealKey>, String> {
+    let Some(path) = path else {
+        return Ok(None);
     };
-    if args.l2_username.is_some() && password.is_none() {
-        return Err(format!(
-            "--l2-username needs a password: give --l2-password-file PATH or set \
-             {L2_PASSWORD_ENV}"
-        ));
-    }
-    Ok(L2Auth {
-        username: args.l2_username.clone(),
-        password,
-    })
-}
-
-/// A `--tenant` as given: token files are read when the server starts.
-#[derive(Clone, Debug)]
-pub struct TenantArg {
-    name: String,
-    uids: Vec<u32>,
-    token_files: Vec<PathBuf>,
-    quota_percent: Option<u32>,
-    engine_driven: bool,
-}
-
-fn parse_tenant(text: &str) -> Result<TenantArg, String> {
-    let (name, members) = text.split_once('=').ok_or_else(|| {
-        format!("`{text}`: expected NAME=MEMBER[,MEMBER...], e.g. team-a=uid:1001,uid:1002")
-    })?;
-    let mut tenant = TenantArg {
-        name: name.to_owned(),
-        uids: Vec::new(),
-        token_files: Vec::new(),
-        quota_percent: None,
-        engine_driven: false,
-    };
-    for member in members.split(',').filter(|m| !m.is_empty()) {
-        if let Some(uid) = member.strip_prefix("uid:") {
-            let uid = uid
-                .parse()
-                .map_err(|_| format!("`{member}`: uid:N takes a numeric uid"))?;
-            tenant.uids.push(uid);
-        } else if let Some(path) = member.strip_prefix("token-file:") {
-            tenant.token_files.push(PathBuf::from(path));
-        } else if let Some(quota) = member.strip_prefix("quota:") {
-            let percent = quota
-                .trim_end_matches('%')
-                .parse()
-                .ok()
-                .filter(|p| (1..=100).contains(p))
-                .ok_or_else(|| format!("`{member}`: quota:P% takes 1% to 100%"))?;
-            tenant.quota_percent = Some(percent);
-        } else if member == "engine-driven" {
-            tenant.engine_driven = true;
-        } else {
-            return Err(format!(
-                "`{member}`: unknown member; use uid:N, token-file:PATH, quota:P% or engine-driven"
-            ));
-        }
-    }
-    Ok(tenant)
-}
-
-/// Reads a token file: its contents, surrounding whitespace stripped. Tokens never
-/// travel on a command line.
-fn read_token(path: &std::path::Path, flag: &str) -> Result<Vec<u8>, String> {
-    use std::os::unix::fs::PermissionsExt;
-    let bytes =
-        std::fs::read(path).map_err(|e| format!("{flag}: cannot read {}: {e}", path.display()))?;
-    let token = bytes.trim_ascii().to_vec();
-    if token.len() < kvwarden_core::node::trust::MIN_SECRET_BYTES {
-        return Err(format!(
-            "{flag}: {} holds {} bytes; a token needs at least {} (e.g. `openssl rand -hex 32 > {}`)",
-            path.display(),
-            token.len(),
-            kvwarden_core::node::trust::MIN_SECRET_BYTES,
+    let bytes = std::fs::read(path).map_err(|e| {
+        format!(
+            "--l1-secret-file {}: cannot read it: {e} (make one with `head -c 32 \
+             /dev/urandom > FILE && chmod 600 FILE`, and keep it across restarts)",
             path.display()
-        ));
-    }
-    if let Ok(meta) = std::fs::metadata(path)
-        && meta.permissions().mode() & 0o004 != 0
-    {
-        tracing::warn!(path = %path.display(), "the TCP token file is readable by every user; chmod 600 it");
-    }
-    Ok(token)
-}
-
-fn trust_config(args: &ServeArgs) -> Result<TrustConfig, String> {
-    let mut tenants = Vec::new();
-    let mut has_token = false;
-    for tenant in &args.tenants {
-        let tokens = tenant
-            .token_files
-            .iter()
-            .map(|path| read_token(path, &format!("--tenant {}", tenant.name)))
-            .collect::<Result<Vec<_>, _>>()?;
-        has_token |= !tokens.is_empty();
-        tenants.push(TenantSpec {
-            name: tenant.name.clone(),
-            uids: tenant.uids.clone(),
-            tokens,
-            quota_percent: tenant.quota_percent,
-            engine_driven: tenant.engine_driven,
-        });
-    }
-    if let Some(path) = &args.tcp_token_file {
-        let token = read_token(path, "--tcp-token-file")?;
-        has_token = true;
-        match tenants.iter_mut().find(|t| t.name == "tcp") {
-            Some(tcp) => tcp.tokens.push(token),
-            None => tenants.push(TenantSpec {
-                name: "tcp".into(),
-                uids: Vec::new(),
-                tokens: vec![token],
-                quota_percent: None,
-                engine_driven: false,
-            }),
-        }
-    }
-    if args.tcp.is_some() && !has_token {
-        return Err(
-            "--tcp needs --tcp-token-file PATH: TCP has no peer credentials, so every TCP \
-             worker proves it holds a token (make one with `openssl rand -hex 32 > PATH; \
-             chmod 600 PATH`)"
-                .into(),
-        );
-    }
-    // A new secret for the TCP challenges' nonces at each start.
-    let mut nonce_secret = [0u8; 32];
-    getrandom::fill(&mut nonce_secret)
-        .map_err(|error| format!("no randomness for the TCP challenges' nonces: {error}"))?;
-    let subuids = match &args.subuid_file {
-        Some(path) => super::subuid::read(path, true)?,
-        None => super::subuid::read(Path::new(super::subuid::DEFAULT_PATH), false)?,
-    };
-    let config = TrustConfig {
-        tenants,
-        nonce_secret,
-        subuids,
-        max_tenants: None,
-    };
-    kvwarden_core::node::trust::Trust::new(&config, rustix::process::getuid().as_raw())
-        .map_err(|e| format!("invalid --tenant: {e}"))?;
-    Ok(config)
+        )
+    })?;
+    warn_if_world_readable("--l1-secret-file", path);
+    kvwarden_core::seal::SealKey::from_file_bytes(&path.display().to_string(), &bytes)
+        .map(Some)
+        .map_err(|e| e.to_string())
 }
 
 fn server_config(args: ServeArgs) -> Result<ServerConfig, String> {
@@ -649,42 +413,14 @@ fn server_config(args: ServeArgs) -> Result<ServerConfig, String> {
     if args.max_connections_per_uid == Some(0) {
         return Err("invalid --max-connections-per-uid 0: at least 1".into());
     }
-    let frame_timeout = Duration::try_from_secs_f64(args.frame_timeout_seconds)
-        .ok()
-        .filter(|d| !d.is_zero())
-        .ok_or_else(|| {
-            format!(
-                "invalid --frame-timeout-seconds {}: use a positive number of seconds (the \
-                 default is 10)",
-                args.frame_timeout_seconds
-            )
-        })?;
-    let free_watchdog = Duration::try_from_secs_f64(args.free_watchdog_seconds)
-        .ok()
-        .filter(|d| !d.is_zero())
-        .ok_or_else(|| {
-            format!(
-                "invalid --free-watchdog-seconds {}: use a positive number of seconds",
-                args.free_watchdog_seconds
-            )
-        })?;
-    let l1_secret = match &args.l1_secret_file {
-        Some(path) => {
-            let bytes = std::fs::read(path).map_err(|e| {
-                format!(
-                    "--l1-secret-file {}: cannot read it: {e} (make one with `head -c 32 \
-                     /dev/urandom > FILE && chmod 600 FILE`, and keep it across restarts)",
-                    path.display()
-                )
-            })?;
-            warn_if_world_readable("--l1-secret-file", path);
-            Some(
-                kvwarden_core::seal::SealKey::from_file_bytes(&path.display().to_string(), &bytes)
-                    .map_err(|e| e.to_string())?,
-            )
-        }
-        None => None,
-    };
+    let frame_timeout = positive_seconds(
+        args.frame_timeout_seconds,
+        "--frame-timeout-seconds",
+        " (the default is 10)",
+    )?;
+    let free_watchdog =
+        positive_seconds(args.free_watchdog_seconds, "--free-watchdog-seconds", "")?;
+    let l1_secret = l1_secret(args.l1_secret_file.as_deref())?;
     Ok(ServerConfig {
         liveness,
         allow_short_timeouts: args.allow_short_timeouts,
