@@ -252,21 +252,10 @@ fn ensure_private_dir(dir: &Path) -> Result<(), ListenError> {
     Ok(())
 }
 
-/// Binds the Unix socket at `path` with permission bits `mode`. A stale socket file
-/// (nobody answers) is replaced; a live server's is refused.
-pub fn bind_unix(path: &Path, mode: u32) -> Result<mio::net::UnixListener, ListenError> {
-    let len = path.as_os_str().len();
-    if len > MAX_SOCKET_PATH_BYTES {
-        return Err(ListenError::SocketPathTooLong {
-            path: path.to_path_buf(),
-            len,
-        });
-    }
-    // The default directory is checked before anything in it is looked at (or a stale
-    // socket there removed): one another user made is refused whatever it holds.
-    if path.parent() == Some(private_dir().as_path()) {
-        ensure_private_dir(&private_dir())?;
-    }
+/// Whatever is at `path` before the Unix socket is bound there: nothing, or a socket
+/// no server answers (removed, said); a socket a server answers is `AlreadyRunning`,
+/// anything else `NotASocket`.
+fn clear_stale_socket(path: &Path) -> Result<(), ListenError> {
     let io_error = |what, source| ListenError::Io {
         what,
         target: path.display().to_string(),
@@ -295,6 +284,30 @@ pub fn bind_unix(path: &Path, mode: u32) -> Result<mio::net::UnixListener, Liste
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => return Err(io_error("inspecting", e)),
     }
+    Ok(())
+}
+
+/// Binds the Unix socket at `path` with permission bits `mode`. A stale socket file
+/// (nobody answers) is replaced; a live server's is refused.
+pub fn bind_unix(path: &Path, mode: u32) -> Result<mio::net::UnixListener, ListenError> {
+    let len = path.as_os_str().len();
+    if len > MAX_SOCKET_PATH_BYTES {
+        return Err(ListenError::SocketPathTooLong {
+            path: path.to_path_buf(),
+            len,
+        });
+    }
+    // The default directory is checked before anything in it is looked at (or a stale
+    // socket there removed): one another user made is refused whatever it holds.
+    if path.parent() == Some(private_dir().as_path()) {
+        ensure_private_dir(&private_dir())?;
+    }
+    let io_error = |what, source| ListenError::Io {
+        what,
+        target: path.display().to_string(),
+        source,
+    };
+    clear_stale_socket(path)?;
     let dir_missing = || {
         let dir = path.parent().filter(|dir| !dir.as_os_str().is_empty())?;
         (!dir.is_dir()).then(|| ListenError::SocketDirMissing {
