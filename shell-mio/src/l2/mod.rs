@@ -181,6 +181,16 @@ enum ReadRequest {
     Exists(Vec<Vec<u8>>),
 }
 
+impl ReadRequest {
+    /// The key a `Get` reads; none for an existence check.
+    fn get_key(&self) -> &[u8] {
+        match self {
+            ReadRequest::Get(key) => key,
+            ReadRequest::Exists(_) => &[],
+        }
+    }
+}
+
 /// A queued write: the caller's bytes (owned, or a view of an L1 slot the caller keeps
 /// from eviction), held until written.
 struct WriteTask {

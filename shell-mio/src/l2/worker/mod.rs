@@ -12,12 +12,14 @@
 //! own map. An error of redis-rs's connection drops the whole session, as before.
 
 use super::connection::{self, Conn};
-use super::direct::{self, Direct, GetReply, NodeConn, SetReply};
+use super::direct::{self, Direct, GetReply, NodeConn};
 use super::{Landing, PendingRead, PrefixOutcome, ReadRequest, Shared, WriteTask, describe_error};
-use kvwarden_core::l2::{MAC_HEADER_BYTES, ReadOutcome, WriteOutcome};
+use kvwarden_core::l2::{MAC_HEADER_BYTES, ReadOutcome};
 use std::io::{self, IoSlice};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+
+mod writes;
 
 /// Reads one thread takes at once: pipelined per node, so at most this many replies
 /// are in flight on a thread's connections.
@@ -317,43 +319,11 @@ impl Shared {
         name: &[u8],
         corrupt: &mut Vec<(Vec<u8>, Vec<u8>, String)>,
     ) -> io::Result<Next> {
-        let key = match &pending.request {
-            ReadRequest::Get(key) => key.as_slice(),
-            ReadRequest::Exists(_) => &[],
-        };
+        let key = pending.request.get_key();
         let format = &self.config.format;
-        // Every reply is consumed whole here or by the reads below; one of a shape
-        // GETRANGE never has is an `Err`, and the connection goes.
-        let len = match conn.get_reply(format.read_limit_bytes())? {
-            GetReply::Absent => {
-                self.settle(pending, ReadOutcome::Absent);
-                return Ok(Next::Ready);
-            }
-            GetReply::Value(len) => len,
-            GetReply::TooLong(len) => {
-                // Not a value this server wrote (none is longer than a slot): a corrupt
-                // miss, deleted; its bytes are not read, so the connection goes.
-                let why = format!(
-                    "an L2 reply of {len} bytes to a GETRANGE of at most {} bytes",
-                    format.read_limit_bytes().saturating_add(1)
-                );
-                self.settle(pending, ReadOutcome::Corrupt);
-                corrupt.push((key.to_vec(), name.to_vec(), why.clone()));
-                return Err(io::Error::new(io::ErrorKind::InvalidData, why));
-            }
-            GetReply::Error(message) if direct::is_redirect(&message) => {
-                return Ok(Next::Redirected);
-            }
-            GetReply::Error(message) if message.starts_with("WRONGTYPE") => {
-                self.settle(pending, ReadOutcome::Corrupt);
-                corrupt.push((key.to_vec(), name.to_vec(), message));
-                return Ok(Next::Ready);
-            }
-            GetReply::Error(message) => {
-                tracing::debug!(%message, "L2 read refused");
-                self.settle(pending, ReadOutcome::Failed);
-                return Ok(Next::Ready);
-            }
+        let len = match self.get_reply_length(conn, pending, key, name, corrupt)? {
+            Ok(len) => len,
+            Err(next) => return Ok(next),
         };
         let mut head = [0u8; MAC_HEADER_BYTES];
         let head = &mut head[..len.min(format.header_bytes())];
@@ -373,15 +343,7 @@ impl Shared {
             conn.skip_bulk(rest)?;
             return Ok(Next::Ready);
         }
-        let taken = pending
-            .landing
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
-        let mut room = match taken {
-            Some(landing) => Room::Landing(landing),
-            None => Room::Owned,
-        };
+        let mut room = take_landing(pending).map_or(Room::Owned, Room::Landing);
         let mut owned = Vec::new();
         let into: Option<&mut [u8]> = match &mut room {
             Room::Landing(landing) => landing.room(payload_bytes),
@@ -414,11 +376,18 @@ impl Shared {
             self.report_read(pending, read_failure(is_timeout(&error)), None, None);
             return Err(error);
         }
-        if let Err(error) = check.finish() {
-            self.report_read(pending, ReadOutcome::Corrupt, None, None);
-            corrupt.push((key.to_vec(), name.to_vec(), error.to_string()));
-            return Ok(Next::Ready);
+        match check.finish() {
+            Err(error) => {
+                self.report_read(pending, ReadOutcome::Corrupt, None, None);
+                corrupt.push((key.to_vec(), name.to_vec(), error.to_string()));
+            }
+            Ok(()) => self.report_hit(pending, room, owned, payload_bytes),
         }
+        Ok(Next::Ready)
+    }
+
+    /// A checked payload answers its read: landed in the caller's memory, or owned.
+    fn report_hit(&self, pending: &PendingRead, room: Room, owned: Vec<u8>, payload_bytes: usize) {
         match room {
             Room::Landing(mut landing) => {
                 landing.landed(payload_bytes);
@@ -426,7 +395,52 @@ impl Shared {
             }
             Room::Owned => self.report_read(pending, ReadOutcome::Hit, Some(owned), None),
         }
-        Ok(Next::Ready)
+    }
+
+    /// The length of a `GETRANGE` reply's value, or what follows when there is none:
+    /// an absent key, a refused read and a value of the wrong type are answered (the
+    /// latter two counted corrupt and deleted), a redirection goes through redis-rs.
+    /// Every reply is consumed whole here or by the reads after; one of a shape
+    /// GETRANGE never has, or longer than any value this server writes, is an `Err`,
+    /// and the connection goes.
+    fn get_reply_length(
+        &self,
+        conn: &mut NodeConn,
+        pending: &PendingRead,
+        key: &[u8],
+        name: &[u8],
+        corrupt: &mut Vec<(Vec<u8>, Vec<u8>, String)>,
+    ) -> io::Result<Result<usize, Next>> {
+        let format = &self.config.format;
+        Ok(match conn.get_reply(format.read_limit_bytes())? {
+            GetReply::Absent => {
+                self.settle(pending, ReadOutcome::Absent);
+                Err(Next::Ready)
+            }
+            GetReply::Value(len) => Ok(len),
+            GetReply::TooLong(len) => {
+                // Not a value this server wrote (none is longer than a slot): a corrupt
+                // miss, deleted; its bytes are not read, so the connection goes.
+                let why = format!(
+                    "an L2 reply of {len} bytes to a GETRANGE of at most {} bytes",
+                    format.read_limit_bytes().saturating_add(1)
+                );
+                self.settle(pending, ReadOutcome::Corrupt);
+                corrupt.push((key.to_vec(), name.to_vec(), why.clone()));
+                return Err(io::Error::new(io::ErrorKind::InvalidData, why));
+            }
+            GetReply::Error(message) if direct::is_redirect(&message) => Err(Next::Redirected),
+            GetReply::Error(message) if message.starts_with("WRONGTYPE") => {
+                self.settle(pending, ReadOutcome::Corrupt);
+                corrupt.push((key.to_vec(), name.to_vec(), message));
+                Err(Next::Ready)
+            }
+            GetReply::Error(message) => {
+                tracing::debug!(%message, "L2 read refused");
+                self.settle(pending, ReadOutcome::Failed);
+                Err(Next::Ready)
+            }
+        })
     }
 
     /// A read the data path could not serve (redirected, or its slot had no master in
@@ -515,210 +529,6 @@ impl Shared {
     }
 
     // ---------------------------------------------------------------- writes
-
-    /// Every `SET` of `writes` pipelined to its node, each value's header and payload
-    /// sent straight from where they are (the payload: the caller's bytes, often an L1
-    /// slot), the replies received in order.
-    fn serve_writes(&self, session: &mut Option<Session>, writes: Vec<(WriteTask, u64)>) {
-        let Some(live) = self.session(session) else {
-            for (task, bytes) in writes {
-                self.write_ended(task, bytes, WriteOutcome::Failed);
-            }
-            return;
-        };
-        let ttl = self.config.ttl.map(|ttl| {
-            u64::try_from(ttl.as_millis())
-                .unwrap_or(u64::MAX)
-                .max(1)
-                .to_string()
-        });
-        let prepared = writes
-            .into_iter()
-            .enumerate()
-            .map(|(order, (task, bytes))| {
-                let name = self.config.namespace.redis_key(&task.key);
-                let header = self.config.format.header(
-                    &self.config.namespace,
-                    &task.key,
-                    (*task.payload).as_ref(),
-                );
-                Prepared::new(order, task, bytes, name, header, ttl.as_deref())
-            });
-        let (groups, mut redirected) = by_node(&live.direct, prepared, |prepared| &prepared.name);
-        // Writes whose pipeline broke (a timeout, a connection error): retried once
-        // through redis-rs, as long as retries succeed.
-        let mut retry = Vec::new();
-        let mut failed: Option<io::Error> = None;
-        let mut sent = Vec::new();
-        // Reported in the order they were queued once all ended, as if written one by
-        // one: the breaker judges failures in a row, and a node's group failing
-        // together is not five failures of L2.
-        let mut ended: Vec<(Prepared, WriteOutcome)> = Vec::new();
-        for (node, group) in groups {
-            let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(group.len() * 4);
-            for prepared in &group {
-                slices.push(IoSlice::new(&prepared.start));
-                slices.push(IoSlice::new(prepared.header.as_ref()));
-                slices.push(IoSlice::new((*prepared.task.payload).as_ref()));
-                slices.push(IoSlice::new(&prepared.end));
-            }
-            let result = live
-                .direct
-                .conn(node)
-                .and_then(|conn| conn.send(&mut slices));
-            drop(slices);
-            match result {
-                Ok(()) => sent.push((node, group)),
-                Err(error) => {
-                    retry.extend(group);
-                    live.direct.broken(node);
-                    failed = Some(error);
-                }
-            }
-        }
-        for (node, group) in sent {
-            let mut replies = group.into_iter();
-            while let Some(prepared) = replies.next() {
-                match live.direct.conn(node).and_then(|conn| conn.set_reply()) {
-                    Ok(SetReply::Stored) => ended.push((prepared, WriteOutcome::Written)),
-                    Ok(SetReply::Error(message)) if direct::is_redirect(&message) => {
-                        redirected.push(prepared);
-                    }
-                    Ok(SetReply::Error(message)) => {
-                        tracing::debug!(%message, "L2 write refused");
-                        ended.push((prepared, WriteOutcome::Failed));
-                    }
-                    Err(error) => {
-                        retry.push(prepared);
-                        retry.extend(replies.by_ref());
-                        live.direct.broken(node);
-                        failed = Some(error);
-                    }
-                }
-            }
-        }
-        let broken = failed.map(|error| {
-            tracing::debug!(%error, "L2 write failed; retrying through redis-rs");
-            write_failure(is_timeout(&error))
-        });
-        if let Some(live) = session.as_mut()
-            && !redirected.is_empty()
-        {
-            live.direct.mark_stale();
-        }
-        for prepared in redirected {
-            let outcome = self.set_through_redis(session, &prepared);
-            ended.push((prepared, outcome));
-        }
-        let mut outcome = WriteOutcome::Written;
-        for prepared in retry {
-            if outcome == WriteOutcome::Written {
-                outcome = self.set_through_redis(session, &prepared);
-            } else {
-                outcome = broken.unwrap_or(outcome); // a retry failed: no more of them
-            }
-            ended.push((prepared, outcome));
-        }
-        ended.sort_by_key(|(prepared, _)| prepared.order);
-        for (prepared, outcome) in ended {
-            self.write_ended(prepared.task, prepared.bytes, outcome);
-        }
-    }
-
-    fn set_through_redis(
-        &self,
-        session: &mut Option<Session>,
-        prepared: &Prepared,
-    ) -> WriteOutcome {
-        let Some(live) = self.session(session) else {
-            return WriteOutcome::Failed;
-        };
-        let result = live.conn.set(
-            &prepared.name,
-            prepared.header.as_ref(),
-            (*prepared.task.payload).as_ref(),
-            self.config.ttl,
-        );
-        match result {
-            Ok(()) => WriteOutcome::Written,
-            Err(error) => {
-                *session = None;
-                tracing::debug!(%error, "L2 write failed");
-                write_failure(error.is_timeout())
-            }
-        }
-    }
-
-    /// A write ended: its bytes leave the queue's bound and the caller is told.
-    fn write_ended(&self, task: WriteTask, bytes: u64, outcome: WriteOutcome) {
-        let WriteTask {
-            token,
-            key,
-            payload,
-        } = task;
-        // The caller's bytes (perhaps an L1 slot kept from eviction) are free from here.
-        drop(payload);
-        {
-            // Counted under the work lock, so that `finish_writes` counts each write
-            // once: ended (here) or dropped (there).
-            let mut work = self.lock_work();
-            work.writes.complete(bytes);
-            work.writes_in_flight = work.writes_in_flight.saturating_sub(1);
-            self.lock_counters().record_write(outcome);
-        }
-        self.write_ended.notify_all();
-        self.complete(super::L2Completion::Written {
-            token,
-            key,
-            outcome,
-        });
-    }
-}
-
-/// A write with its command around the value: `start` (the array, the name, the value's
-/// length), then the header and the payload, then `end` (CRLF and `PX ms`).
-struct Prepared {
-    /// Its place in the batch (the queue's order).
-    order: usize,
-    task: WriteTask,
-    bytes: u64,
-    name: Vec<u8>,
-    header: kvwarden_core::l2::Header,
-    start: Vec<u8>,
-    end: Vec<u8>,
-}
-
-impl Prepared {
-    fn new(
-        order: usize,
-        task: WriteTask,
-        bytes: u64,
-        name: Vec<u8>,
-        header: kvwarden_core::l2::Header,
-        ttl_ms: Option<&str>,
-    ) -> Prepared {
-        let value_bytes = header.as_ref().len() + (*task.payload).as_ref().len();
-        let mut start = Vec::with_capacity(64 + name.len());
-        direct::encode_start(
-            &mut start,
-            if ttl_ms.is_some() { 5 } else { 3 },
-            &[b"SET", &name],
-        );
-        direct::encode_bulk_start(&mut start, value_bytes);
-        let mut end = b"\r\n".to_vec();
-        if let Some(ms) = ttl_ms {
-            direct::encode_args(&mut end, &[b"PX", ms.as_bytes()]);
-        }
-        Prepared {
-            order,
-            task,
-            bytes,
-            name,
-            header,
-            start,
-            end,
-        }
-    }
 }
 
 /// `items` grouped by the node that serves each one's name (in their order within a
@@ -759,11 +569,11 @@ fn read_failure(timed_out: bool) -> ReadOutcome {
     }
 }
 
-/// How a write that failed ended: timed out, or failed.
-fn write_failure(timed_out: bool) -> WriteOutcome {
-    if timed_out {
-        WriteOutcome::TimedOut
-    } else {
-        WriteOutcome::Failed
-    }
+/// Where a read's payload may land in its caller's memory, taken once.
+fn take_landing(pending: &PendingRead) -> Option<Box<dyn Landing>> {
+    pending
+        .landing
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .take()
 }
