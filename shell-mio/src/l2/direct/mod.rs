@@ -14,11 +14,15 @@
 //! exactly when the seeds are `rediss://`, is `TCP_NODELAY`, and every connect, send and
 //! receive gives up after the L2 timeout (a payload's receive: at the read's deadline).
 
-use super::config::L2Config;
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+mod nodes;
+mod replay;
+pub(super) use nodes::{Addr, Link, cluster_nodes};
+pub use replay::{Asked, ReplyRead, read_replies};
 
 /// Redis Cluster's hash slots.
 const SLOTS: u16 = 16_384;
@@ -39,128 +43,6 @@ pub(super) fn hash_slot(name: &[u8]) -> u16 {
         })
         .unwrap_or(name);
     crc16::State::<crc16::XMODEM>::calculate(tagged) % SLOTS
-}
-
-/// How a connection is made: TLS or not, and the credentials.
-pub(super) struct Link {
-    tls: Option<Arc<rustls::ClientConfig>>,
-    username: Option<String>,
-    password: Option<String>,
-    timeout: Duration,
-}
-
-impl Link {
-    /// The link of `config`; an error names what in the TLS files rustls refused.
-    pub(super) fn new(config: &L2Config) -> Result<Link, String> {
-        let tls = if config.uses_tls() {
-            Some(Arc::new(tls_config(config)?))
-        } else {
-            None
-        };
-        Ok(Link {
-            tls,
-            username: config.auth.username.clone(),
-            password: config.auth.password.clone(),
-            timeout: config.timeout,
-        })
-    }
-}
-
-fn tls_config(config: &L2Config) -> Result<rustls::ClientConfig, String> {
-    use rustls::pki_types::pem::PemObject;
-    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
-    let mut roots = rustls::RootCertStore::empty();
-    match config.tls.as_ref().and_then(|tls| tls.ca_pem.as_ref()) {
-        Some(pem) => {
-            for cert in CertificateDer::pem_slice_iter(pem) {
-                let cert = cert.map_err(|error| format!("--l2-tls-ca-file: {error}"))?;
-                roots
-                    .add(cert)
-                    .map_err(|error| format!("--l2-tls-ca-file: {error}"))?;
-            }
-        }
-        None => {
-            for cert in rustls_native_certs::load_native_certs().certs {
-                // A system root rustls cannot use is skipped, as redis-rs does.
-                let _ = roots.add(cert);
-            }
-        }
-    }
-    let builder = rustls::ClientConfig::builder().with_root_certificates(roots);
-    match config.tls.as_ref().and_then(|tls| tls.client_pem.as_ref()) {
-        Some((chain, key)) => {
-            let chain = CertificateDer::pem_slice_iter(chain)
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(|error| format!("--l2-tls-cert-file: {error}"))?;
-            let key = PrivateKeyDer::from_pem_slice(key)
-                .map_err(|error| format!("--l2-tls-key-file: {error}"))?;
-            builder
-                .with_client_auth_cert(chain, key)
-                .map_err(|error| format!("--l2-tls-cert-file with --l2-tls-key-file: {error}"))
-        }
-        None => Ok(builder.with_no_client_auth()),
-    }
-}
-
-/// A node's address as the cluster (or the seed) names it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(super) struct Addr {
-    pub(super) host: String,
-    pub(super) port: u16,
-}
-
-impl Addr {
-    /// As a seed URL of `scheme` (`redis` or `rediss`).
-    pub(super) fn url(&self, scheme: &str) -> String {
-        if self.host.contains(':') {
-            format!("{scheme}://[{}]:{}", self.host, self.port)
-        } else {
-            format!("{scheme}://{}:{}", self.host, self.port)
-        }
-    }
-}
-
-/// Every node a `CLUSTER SLOTS` answer names (masters and replicas, each once, in its
-/// order); a node without a host is `seed`'s host, as Redis means it.
-pub(super) fn cluster_nodes(slots: &redis::Value, seed: &Addr) -> Vec<Addr> {
-    use redis::Value;
-    let mut nodes: Vec<Addr> = Vec::new();
-    let Value::Array(ranges) = slots else {
-        return nodes;
-    };
-    for range in ranges {
-        let Value::Array(fields) = range else {
-            continue;
-        };
-        for node in fields.iter().skip(2) {
-            let Value::Array(node) = node else {
-                continue;
-            };
-            let host = match node.first() {
-                Some(Value::BulkString(host)) => String::from_utf8_lossy(host).into_owned(),
-                Some(Value::SimpleString(host)) => host.clone(),
-                _ => String::new(),
-            };
-            let Some(Ok(port)) = node.get(1).map(|port| match port {
-                Value::Int(port) => u16::try_from(*port),
-                _ => u16::try_from(-1i64),
-            }) else {
-                continue;
-            };
-            let addr = Addr {
-                host: if host.is_empty() || host == "?" {
-                    seed.host.clone()
-                } else {
-                    host
-                },
-                port,
-            };
-            if !nodes.contains(&addr) {
-                nodes.push(addr);
-            }
-        }
-    }
-    nodes
 }
 
 /// A socket, plain or TLS.
@@ -780,106 +662,6 @@ impl Direct {
         conn.as_mut()
             .ok_or_else(|| io::Error::other("no connection"))
     }
-}
-
-/// Bytes a node sent, arriving in parts (one per receive; none left: the node closed):
-/// what the reader's tests and the `l2_replies` fuzz target feed it.
-pub(super) struct Parts(std::collections::VecDeque<Vec<u8>>);
-
-impl Read for Parts {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let Some(mut part) = self.0.pop_front() else {
-            return Ok(0);
-        };
-        let taken = part.len().min(buf.len());
-        buf[..taken].copy_from_slice(&part[..taken]);
-        if taken < part.len() {
-            self.0.push_front(part.split_off(taken));
-        }
-        Ok(taken)
-    }
-}
-
-impl Write for Parts {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
-    }
-}
-
-impl Socket for Parts {
-    fn set_read_timeout(&self, _timeout: Duration) -> io::Result<()> {
-        Ok(())
-    }
-}
-
-/// A command whose reply the reader is asked to read ([`read_replies`]).
-#[doc(hidden)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Asked {
-    Get,
-    Set,
-}
-
-/// What the reader made of one reply ([`read_replies`]).
-#[doc(hidden)]
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum ReplyRead {
-    Absent,
-    Value(Vec<u8>),
-    Stored,
-    Error(String),
-}
-
-/// For the `l2_replies` fuzz target and the reader's tests only: the replies to `asked`
-/// (each `GETRANGE` of at most `limit_bytes + 1` bytes), received in `parts`, read as an
-/// L2 thread reads them (a value: its first bytes, then the rest against a deadline,
-/// then CRLF), up to and including the first error, after which the thread drops the
-/// connection and reads nothing more from it.
-#[doc(hidden)]
-pub fn read_replies(
-    parts: Vec<Vec<u8>>,
-    asked: &[Asked],
-    limit_bytes: u64,
-) -> Vec<Result<ReplyRead, String>> {
-    /// The most bytes of a value read before the rest (an L2 value's header).
-    const FIRST_BYTES: usize = 24;
-    let mut conn = NodeConn::over(Parts(parts.into()), Duration::from_secs(60));
-    let deadline = Instant::now() + Duration::from_secs(3600);
-    let mut read = Vec::new();
-    for asked in asked {
-        let reply = match asked {
-            Asked::Get => conn.get_reply(limit_bytes).and_then(|reply| match reply {
-                GetReply::Absent => Ok(ReplyRead::Absent),
-                GetReply::Error(message) => Ok(ReplyRead::Error(message)),
-                GetReply::TooLong(len) => Err(protocol_error(&format!(
-                    "a value of {len} bytes to a GETRANGE of at most {} bytes",
-                    limit_bytes.saturating_add(1)
-                ))),
-                GetReply::Value(len) => {
-                    let mut value = vec![0; len];
-                    let (first, rest) = value.split_at_mut(len.min(FIRST_BYTES));
-                    conn.read_exact_into(first, None, |_| {})?;
-                    conn.read_exact_into(rest, Some(deadline), |_| {})?;
-                    conn.crlf()?;
-                    Ok(ReplyRead::Value(value))
-                }
-            }),
-            Asked::Set => conn.set_reply().map(|reply| match reply {
-                SetReply::Stored => ReplyRead::Stored,
-                SetReply::Error(message) => ReplyRead::Error(message),
-            }),
-        };
-        let failed = reply.is_err();
-        read.push(reply.map_err(|error| error.to_string()));
-        if failed {
-            break;
-        }
-    }
-    read
 }
 
 #[cfg(test)]
