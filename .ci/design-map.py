@@ -3,8 +3,8 @@
 
 Every size the map's table gives for a core file is that file's non-test lines (its
 lines before its `#[cfg(test)]` module, all of them without one), and every file of
-core/src/node/ is named. No core file has over 700 non-test lines and no core
-function over 80 (from its `fn` line to the `}` at its indentation, rustfmt's layout;
+core/src/node/ is named. No file of the core or the server (shell-mio) has over 700
+non-test lines and no function of theirs over 80 (from its `fn` line to the `}` at its indentation, rustfmt's layout;
 test files and modules excluded). The rest of the workspace's code is held to the same
 sizes with a ratchet: .ci/room-sizes.allowed lists the files and functions over them
 today, each with its size; one that grows, a new one, or a listed one that is now
@@ -59,6 +59,8 @@ def long_functions(path: pathlib.Path):
 
 CRATES = ["core/src", "client/src", "bench/src", "shell-mio/src", "shell-sim/src", "cli/src", "tests/src"]
 ALLOWED = ".ci/room-sizes.allowed"
+# Crates held to the sizes outright: their debt is paid, nothing is listed for them.
+STRICT = ("core/", "shell-mio/")
 
 
 def rooms(root: pathlib.Path):
@@ -76,7 +78,7 @@ def rooms(root: pathlib.Path):
 
 
 def room_sizes(root: pathlib.Path):
-    """The core over its sizes, and the rest of the workspace against the ratchet."""
+    """The core and the server over their sizes, the rest against the ratchet."""
     allowed = {}
     listed = root / ALLOWED
     if listed.exists():
@@ -86,7 +88,7 @@ def room_sizes(root: pathlib.Path):
                 allowed.setdefault(key, []).append(int(size))
     seen = {}
     for key, size, limit in rooms(root):
-        if key.startswith("core/"):
+        if key.startswith(STRICT):
             what = "non-test lines" if ":fn " not in key else "lines"
             yield f"{key}: {size} {what}, over {limit}; split it by owner or by phase"
             continue
@@ -124,7 +126,7 @@ def main() -> int:
     if sys.argv[1] == "--list":
         root = pathlib.Path(sys.argv[2])
         for key, size, _ in rooms(root):
-            if not key.startswith("core/"):
+            if not key.startswith(STRICT):
                 print(f"{key} {size}")
         return 0
     root = pathlib.Path(sys.argv[1])
@@ -157,8 +159,8 @@ def main() -> int:
     if not problems:
         print(
             f"design-map: {len(named)} sizes in docs/design.md's component map, each the "
-            f"file's; no core file over {MAX_FILE_LINES} non-test lines, no function over "
-            f"{MAX_FN_LINES}; the rest of the workspace within {ALLOWED}"
+            f"file's; no file of the core or the server over {MAX_FILE_LINES} non-test lines, "
+            f"no function over {MAX_FN_LINES}; the rest of the workspace within {ALLOWED}"
         )
     return 1 if problems else 0
 
