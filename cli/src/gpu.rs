@@ -182,74 +182,13 @@ fn reclaim(gpu: &Gpu, args: &ReclaimArgs) -> Result<(), String> {
     let total_bytes = args.bytes.saturating_mul(workers as u64);
     // The driver's free memory moves a little on its own; never by half a worker's.
     let tolerance = (total_bytes / 16).max(64 << 20).min(args.bytes / 2);
-    let gib_of = |bytes: u64| bytes as f64 / f64::from(1u32 << 30);
     // Per round: from the first SIGKILL, and from the last worker's exit, to the memory back.
     let mut from_kill_ms = Vec::new();
     let mut from_last_exit_ms = Vec::new();
     for round in 1..=args.rounds {
-        let baseline = free_bytes(gpu, args.device)?;
-        let mut worker_args: Vec<String> = endpoint.clone();
-        worker_args.extend([
-            "--cuda-bytes".into(),
-            args.bytes.to_string(),
-            "--device".into(),
-            args.device.to_string(),
-            "--traffic-every-ms".into(),
-            "0".into(),
-        ]);
-        // Each returns once its worker has registered its device memory.
-        let mut started = Vec::with_capacity(workers);
-        for _ in 0..workers {
-            started.push(
-                WorkerProcess::start(&worker_args, Stdio::inherit()).map_err(|e| e.to_string())?,
-            );
-        }
-        let held = free_bytes(gpu, args.device)?;
-        println!(
-            "round {round}: {workers} worker(s) registered {gib:.1} GiB each; device free {:.2} -> {:.2} GiB",
-            gib_of(baseline),
-            gib_of(held)
-        );
-        // SIGKILL them all before reaping any: an engine's ranks die together.
-        let killed = Instant::now();
-        for worker in &started {
-            worker.signal(Signal::KILL);
-        }
-        for worker in started {
-            worker.reap();
-        }
-        let last_exit = killed.elapsed();
-        let wait = Duration::from_secs_f64(args.wait_seconds);
-        let back = loop {
-            let free = free_bytes(gpu, args.device)?;
-            if free + tolerance >= baseline {
-                break Some(killed.elapsed());
-            }
-            if killed.elapsed() > wait {
-                break None;
-            }
-            std::thread::sleep(Duration::from_micros(500));
-        };
-        let exited_ms = last_exit.as_secs_f64() * 1e3;
-        match back {
-            Some(after) => {
-                let ms = after.as_secs_f64() * 1e3;
-                let after_exit_ms = after.saturating_sub(last_exit).as_secs_f64() * 1e3;
-                println!(
-                    "round {round}: exited after {exited_ms:.1} ms; memory back after {ms:.1} ms ({after_exit_ms:.1} ms after the last exit)"
-                );
-                from_kill_ms.push(ms);
-                from_last_exit_ms.push(after_exit_ms);
-            }
-            None => {
-                let free = free_bytes(gpu, args.device)?;
-                println!(
-                    "round {round}: memory NOT back after {:.1} s (device free {:.2} GiB, baseline {:.2} GiB)",
-                    args.wait_seconds,
-                    gib_of(free),
-                    gib_of(baseline)
-                );
-            }
+        if let Some((ms, after_exit_ms)) = reclaim_round(gpu, args, round, &endpoint, tolerance)? {
+            from_kill_ms.push(ms);
+            from_last_exit_ms.push(after_exit_ms);
         }
         if args.control {
             break; // the control's memory stays until the server exits
@@ -257,28 +196,7 @@ fn reclaim(gpu: &Gpu, args: &ReclaimArgs) -> Result<(), String> {
     }
     if args.control {
         let leaked = from_kill_ms.is_empty();
-        println!(
-            "G1 control_memory_held_after_sigkill {} ({gib:.1} GiB; reaping disabled, TCP worker: no proof; {})",
-            if leaked { "yes" } else { "no" },
-            if leaked {
-                "the server's IPC mapping keeps the dead worker's memory"
-            } else {
-                "unexpected: the memory came back without a free"
-            }
-        );
-        drop(server);
-        let after_exit = Instant::now();
-        let base = free_bytes(gpu, args.device)?;
-        println!(
-            "control: server stopped; device free now {:.2} GiB ({:.0} ms after the stop)",
-            gib_of(base),
-            after_exit.elapsed().as_secs_f64() * 1e3
-        );
-        return if leaked {
-            Ok(())
-        } else {
-            Err("the control's memory came back although the server could not know".into())
-        };
+        return report_control(gpu, args, server, leaked);
     }
     check_no_ping_answered_false(&server)?;
     let missed = args.rounds - from_kill_ms.len();
@@ -309,6 +227,118 @@ fn reclaim(gpu: &Gpu, args: &ReclaimArgs) -> Result<(), String> {
     Ok(())
 }
 
+/// One round: `--workers` workers register `--bytes` of device memory each and are
+/// SIGKILLed together; how long until the device's free memory is back (from the kill,
+/// and from the last exit, in ms), or None when it is not back within `--wait-seconds`.
+fn reclaim_round(
+    gpu: &Gpu,
+    args: &ReclaimArgs,
+    round: usize,
+    endpoint: &[String],
+    tolerance: u64,
+) -> Result<Option<(f64, f64)>, String> {
+    let workers = args.workers.max(1);
+    let gib = args.bytes as f64 / f64::from(1u32 << 30);
+    let gib_of = |bytes: u64| bytes as f64 / f64::from(1u32 << 30);
+    let baseline = free_bytes(gpu, args.device)?;
+    let mut worker_args: Vec<String> = endpoint.to_vec();
+    worker_args.extend([
+        "--cuda-bytes".into(),
+        args.bytes.to_string(),
+        "--device".into(),
+        args.device.to_string(),
+        "--traffic-every-ms".into(),
+        "0".into(),
+    ]);
+    // Each returns once its worker has registered its device memory.
+    let mut started = Vec::with_capacity(workers);
+    for _ in 0..workers {
+        started
+            .push(WorkerProcess::start(&worker_args, Stdio::inherit()).map_err(|e| e.to_string())?);
+    }
+    let held = free_bytes(gpu, args.device)?;
+    println!(
+        "round {round}: {workers} worker(s) registered {gib:.1} GiB each; device free {:.2} -> {:.2} GiB",
+        gib_of(baseline),
+        gib_of(held)
+    );
+    // SIGKILL them all before reaping any: an engine's ranks die together.
+    let killed = Instant::now();
+    for worker in &started {
+        worker.signal(Signal::KILL);
+    }
+    for worker in started {
+        worker.reap();
+    }
+    let last_exit = killed.elapsed();
+    let wait = Duration::from_secs_f64(args.wait_seconds);
+    let back = loop {
+        let free = free_bytes(gpu, args.device)?;
+        if free + tolerance >= baseline {
+            break Some(killed.elapsed());
+        }
+        if killed.elapsed() > wait {
+            break None;
+        }
+        std::thread::sleep(Duration::from_micros(500));
+    };
+    let exited_ms = last_exit.as_secs_f64() * 1e3;
+    match back {
+        Some(after) => {
+            let ms = after.as_secs_f64() * 1e3;
+            let after_exit_ms = after.saturating_sub(last_exit).as_secs_f64() * 1e3;
+            println!(
+                "round {round}: exited after {exited_ms:.1} ms; memory back after {ms:.1} ms ({after_exit_ms:.1} ms after the last exit)"
+            );
+            return Ok(Some((ms, after_exit_ms)));
+        }
+        None => {
+            let free = free_bytes(gpu, args.device)?;
+            println!(
+                "round {round}: memory NOT back after {:.1} s (device free {:.2} GiB, baseline {:.2} GiB)",
+                args.wait_seconds,
+                gib_of(free),
+                gib_of(baseline)
+            );
+        }
+    }
+    Ok(None)
+}
+
+/// The control's verdict: with reaping off and no proof of exit (TCP), the dead
+/// worker's memory must stay held until the server stops.
+fn report_control(
+    gpu: &Gpu,
+    args: &ReclaimArgs,
+    server: ServerProcess,
+    leaked: bool,
+) -> Result<(), String> {
+    let gib = args.bytes as f64 / f64::from(1u32 << 30);
+    let gib_of = |bytes: u64| bytes as f64 / f64::from(1u32 << 30);
+    println!(
+        "G1 control_memory_held_after_sigkill {} ({gib:.1} GiB; reaping disabled, TCP worker: no proof; {})",
+        if leaked { "yes" } else { "no" },
+        if leaked {
+            "the server's IPC mapping keeps the dead worker's memory"
+        } else {
+            "unexpected: the memory came back without a free"
+        }
+    );
+    drop(server);
+    let after_exit = Instant::now();
+    let base = free_bytes(gpu, args.device)?;
+    println!(
+        "control: server stopped; device free now {:.2} GiB ({:.0} ms after the stop)",
+        gib_of(base),
+        after_exit.elapsed().as_secs_f64() * 1e3
+    );
+    if leaked {
+        Ok(())
+    } else {
+        Err("the control's memory came back although the server could not know".into())
+    }
+}
+
 /// The largest and the median of `samples` (not empty).
 fn max_and_median(samples: &mut [f64]) -> (f64, f64) {
     samples.sort_by(f64::total_cmp);
@@ -326,26 +356,8 @@ fn copy(gpu: &Gpu, args: &CopyArgs) -> Result<(), String> {
     let slot = chunk.to_string();
     let server = start_server(&["--l1-bytes", &l1, "--slot-bytes", &slot])?;
 
-    // Baseline: plain copies between one client's device buffer and pinned host memory.
-    let buffer = ExportedBuffer::allocate(gpu, args.device, per_client_bytes, 1)
-        .map_err(|e| e.to_string())?;
-    let mut pinned = PinnedHost::allocate(gpu, args.device, chunk).map_err(|e| e.to_string())?;
     let total = rounds * clients;
-    let started = Instant::now();
-    for i in 0..total {
-        buffer
-            .copy_to_pinned((i % chunks_per_buffer) * chunk, &mut pinned, chunk)
-            .map_err(|e| e.to_string())?;
-    }
-    let dtoh = bandwidth(total * chunk, started.elapsed());
-    let started = Instant::now();
-    for i in 0..total {
-        buffer
-            .copy_from_pinned((i % chunks_per_buffer) * chunk, &pinned, chunk)
-            .map_err(|e| e.to_string())?;
-    }
-    let htod = bandwidth(total * chunk, started.elapsed());
-    drop(buffer);
+    let (dtoh, htod) = pinned_baseline(gpu, args.device, per_client_bytes, chunk, total)?;
 
     // Through the server: each client stores then retrieves its chunks.
     let socket = server.socket.clone();
@@ -410,6 +422,35 @@ fn copy(gpu: &Gpu, args: &CopyArgs) -> Result<(), String> {
     check_no_ping_answered_false(&server)?;
     drop(server);
     Ok(())
+}
+
+/// The baseline: `total` plain copies of `chunk` bytes each way between one client's
+/// device buffer (of `buffer_bytes`) and pinned host memory, in GB/s (to the host, from).
+fn pinned_baseline(
+    gpu: &Gpu,
+    device: u32,
+    buffer_bytes: usize,
+    chunk: usize,
+    total: usize,
+) -> Result<(f64, f64), String> {
+    let chunks_per_buffer = (buffer_bytes / chunk).max(1);
+    let buffer =
+        ExportedBuffer::allocate(gpu, device, buffer_bytes, 1).map_err(|e| e.to_string())?;
+    let mut pinned = PinnedHost::allocate(gpu, device, chunk).map_err(|e| e.to_string())?;
+    let started = Instant::now();
+    for i in 0..total {
+        buffer
+            .copy_to_pinned((i % chunks_per_buffer) * chunk, &mut pinned, chunk)
+            .map_err(|e| e.to_string())?;
+    }
+    let dtoh = bandwidth(total * chunk, started.elapsed());
+    let started = Instant::now();
+    for i in 0..total {
+        buffer
+            .copy_from_pinned((i % chunks_per_buffer) * chunk, &pinned, chunk)
+            .map_err(|e| e.to_string())?;
+    }
+    Ok((dtoh, bandwidth(total * chunk, started.elapsed())))
 }
 
 fn chunk_key(client: usize, chunk: usize) -> Vec<u8> {
