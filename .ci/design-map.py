@@ -3,7 +3,7 @@
 
 Every size the map's table gives for a core file is that file's non-test lines (its
 lines before its `#[cfg(test)]` module, all of them without one), and every file of
-core/src/node/ is named. No file of the core or the server (shell-mio) has over 700
+core/src/node/ is named. No file of the core, the server (shell-mio) or the binary (cli/) has over 700
 non-test lines and no function of theirs over 80 (from its `fn` line to the `}` at its indentation, rustfmt's layout;
 test files and modules excluded). The rest of the workspace's code is held to the same
 sizes with a ratchet: .ci/room-sizes.allowed lists the files and functions over them
@@ -60,7 +60,7 @@ def long_functions(path: pathlib.Path):
 CRATES = ["core/src", "client/src", "bench/src", "shell-mio/src", "shell-sim/src", "cli/src", "tests/src"]
 ALLOWED = ".ci/room-sizes.allowed"
 # Crates held to the sizes outright: their debt is paid, nothing is listed for them.
-STRICT = ("core/", "shell-mio/")
+STRICT = ("core/", "shell-mio/", "cli/")
 
 
 def rooms(root: pathlib.Path):
@@ -159,7 +159,7 @@ def main() -> int:
     if not problems:
         print(
             f"design-map: {len(named)} sizes in docs/design.md's component map, each the "
-            f"file's; no file of the core or the server over {MAX_FILE_LINES} non-test lines, "
+            f"file's; no file of the core, the server or cli/ over {MAX_FILE_LINES} non-test lines, "
             f"no function over {MAX_FN_LINES}; the rest of the workspace within {ALLOWED}"
         )
     return 1 if problems else 0

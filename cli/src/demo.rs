@@ -209,10 +209,48 @@ impl Demo {
             bystander.instance_id,
         );
 
-        // Traffic: every worker stores and retrieves every 100 ms and pings.
-        self.wait_status(&mut control, "every worker's first ping", |s| {
-            [victim_id, frozen_id, bystander_id]
-                .iter()
+        self.act_traffic(&mut control, server, [victim_id, frozen_id, bystander_id])?;
+        let status = self.act_kill(&mut control, victim, victim_id)?;
+        let built_before = built(&status);
+        self.act_freeze(&mut control, &frozen, frozen_id, bystander_id)?;
+        self.act_thaw(&mut control, &mut frozen, frozen_id, built_before)?;
+
+        let clean = [frozen, bystander]
+            .into_iter()
+            .map(|w| w.stop(PATIENCE))
+            .filter(|clean| *clean)
+            .count();
+        self.timeline.event(format!(
+            "SIGTERM workers {FROZEN} and {BYSTANDER}: {clean} of 2 shut down cleanly \
+             (heartbeat stopped, then unregister)"
+        ));
+        // Two pings may be answered `false`: the one that saw worker A gone, and worker
+        // B's first ping after its reap. A `false` to any live worker is the bug this
+        // project prevents.
+        let status = control.status()?;
+        let answered_false = status["worker_liveness"]["pings_answered_false_total"]
+            .as_u64()
+            .unwrap_or(0);
+        if answered_false > 2 {
+            return Err(BenchError::Failed(format!(
+                "the server answered {answered_false} pings `false`; only the ping that saw \
+                 worker {VICTIM} gone and worker {FROZEN}'s first ping after its reap may be: \
+                 a live worker was told its instance is not held"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Traffic: every worker stores and retrieves every 100 ms and pings; what 1.5 s of it
+    /// amounts to, once every worker has pinged.
+    fn act_traffic(
+        &mut self,
+        control: &mut RawConnection,
+        server: &ServerProcess,
+        ids: [u64; 3],
+    ) -> Result<(), BenchError> {
+        self.wait_status(control, "every worker's first ping", |s| {
+            ids.iter()
                 .all(|id| instance(s, *id).is_some_and(|i| i["proven"] == true))
         })?;
         let window = Duration::from_millis(1500);
@@ -234,8 +272,16 @@ impl Demo {
             window.as_secs_f64(),
             status["l1"]["slots_used"]
         ));
+        Ok(())
+    }
 
-        // SIGKILL: the kernel's word (a pidfd) frees it at once.
+    /// SIGKILL: the kernel's word (a pidfd) frees the victim at once; the status after.
+    fn act_kill(
+        &mut self,
+        control: &mut RawConnection,
+        victim: WorkerProcess,
+        victim_id: u64,
+    ) -> Result<Json, BenchError> {
         let killed_at = Instant::now();
         victim.signal(rustix::process::Signal::KILL);
         self.timeline
@@ -259,16 +305,25 @@ impl Demo {
             freed_after.as_secs_f64() * 1e3,
             self.reap_timeout_seconds
         ));
+        Ok(status)
+    }
 
-        // SIGSTOP: silent, but its process has not exited: reaped at T (+ R).
-        let built_before = built(&status);
+    /// SIGSTOP: silent, but its process has not exited: reaped at T (+ R), the
+    /// bystander untouched.
+    fn act_freeze(
+        &mut self,
+        control: &mut RawConnection,
+        frozen: &WorkerProcess,
+        frozen_id: u64,
+        bystander_id: u64,
+    ) -> Result<(), BenchError> {
         let stopped_at = Instant::now();
         frozen.signal(rustix::process::Signal::STOP);
         self.timeline.event(format!(
             "SIGSTOP worker {FROZEN} (pid {}): frozen, no heartbeat, no traffic",
             frozen.pid()
         ));
-        let status = self.wait_status(&mut control, "worker B to be reaped", |s| {
+        let status = self.wait_status(control, "worker B to be reaped", |s| {
             instance(s, frozen_id).is_none()
         })?;
         let silent_for = stopped_at.elapsed();
@@ -287,15 +342,25 @@ impl Demo {
             self.reap_timeout_seconds,
             status["worker_liveness"]["resolution_seconds"]
         ));
+        Ok(())
+    }
 
-        // SIGCONT: its first ping is answered false; it re-registers: one fresh context.
+    /// SIGCONT: the thawed worker's first ping is answered false; it re-registers, and
+    /// exactly one fresh context is built. Then the final status.
+    fn act_thaw(
+        &mut self,
+        control: &mut RawConnection,
+        frozen: &mut WorkerProcess,
+        frozen_id: u64,
+        built_before: u64,
+    ) -> Result<(), BenchError> {
         frozen.signal(rustix::process::Signal::CONT);
         self.timeline
             .event(format!("SIGCONT worker {FROZEN}: thawed"));
         // Its heartbeat (ping answered false) and its traffic (not_registered) may both
         // learn of the reap; the second re-registration then takes the `refreshed` path.
         let line = frozen.wait_line("`recoveries=`", |l| l.starts_with("recoveries="))?;
-        let status = self.wait_status(&mut control, "worker B back and pinging", |s| {
+        let status = self.wait_status(control, "worker B back and pinging", |s| {
             instance(s, frozen_id).is_some_and(|i| i["proven"] == true && i["building"] != true)
         })?;
         let rebuilt = built(&status) - built_before;
@@ -328,30 +393,6 @@ impl Demo {
                 "contexts built went from {built_before} to {} after the thaw; expected exactly \
                  one more",
                 built(&status)
-            )));
-        }
-
-        let clean = [frozen, bystander]
-            .into_iter()
-            .map(|w| w.stop(PATIENCE))
-            .filter(|clean| *clean)
-            .count();
-        self.timeline.event(format!(
-            "SIGTERM workers {FROZEN} and {BYSTANDER}: {clean} of 2 shut down cleanly \
-             (heartbeat stopped, then unregister)"
-        ));
-        // Two pings may be answered `false`: the one that saw worker A gone, and worker
-        // B's first ping after its reap. A `false` to any live worker is the bug this
-        // project prevents.
-        let status = control.status()?;
-        let answered_false = status["worker_liveness"]["pings_answered_false_total"]
-            .as_u64()
-            .unwrap_or(0);
-        if answered_false > 2 {
-            return Err(BenchError::Failed(format!(
-                "the server answered {answered_false} pings `false`; only the ping that saw \
-                 worker {VICTIM} gone and worker {FROZEN}'s first ping after its reap may be: \
-                 a live worker was told its instance is not held"
             )));
         }
         Ok(())
