@@ -87,7 +87,7 @@ pub struct BlendBook {
 /// instances are its.
 pub(super) struct BlendTenant<'a> {
     pub(super) name: &'a str,
-    pub(super) holds: Box<dyn Fn(InstanceId) -> bool + 'a>,
+    pub(super) holds: &'a dyn Fn(InstanceId) -> bool,
 }
 
 impl BlendBook {

@@ -263,9 +263,11 @@ impl Node {
                 .find_map(|&module| records.get(&(id, module)).map(|record| record.tenant))
         };
         let records = &self.registry.records;
-        let tenant = tenant_of(records, instance).map(|tenant| blend::BlendTenant {
+        let of_instance = tenant_of(records, instance);
+        let holds = |other| tenant_of(records, other) == of_instance;
+        let tenant = of_instance.map(|tenant| blend::BlendTenant {
             name: self.doors.trust.name(tenant),
-            holds: Box::new(move |other| tenant_of(records, other) == Some(tenant)),
+            holds: &holds,
         });
         if let Err(error) = self.blend.admit(instance, bytes, tenant) {
             return Some(Err(error));
