@@ -36,7 +36,7 @@ die() { printf 'deploy/check.sh: %s\n' "$1" >&2; exit 1; }
 # Every file here is checked below; a new one must be added to a check.
 say "every file under deploy/ has a check"
 known="check.sh check-metrics.py systemd/kvwarden.service systemd/kvwarden.socket kubernetes/daemonset.yaml
-kubernetes/networkpolicy.yaml
+kubernetes/networkpolicy.yaml kubernetes/kv-events-networkpolicy.yaml
 prometheus/kvwarden-rules.yml prometheus/kvwarden-rules.test.yml grafana/kvwarden.json"
 while IFS= read -r file; do
   grep -qxF "$file" <<<"$(tr ' ' '\n' <<<"$known")" \
@@ -124,6 +124,28 @@ if any(not rule.get("from") for rule in policy["spec"]["ingress"]):
 if problems:
     sys.exit("networkpolicy.yaml: " + "; ".join(problems))
 print(f"ok: pods {selector}, port {sorted(ports)} from {len(policy['spec']['ingress'])} source rule(s)")
+PY
+
+say "kubernetes: the KV-events NetworkPolicy selects the DaemonSet's pods and admits its two ports from named sources"
+"$venv/bin/python" - "$here/kubernetes/daemonset.yaml" "$here/kubernetes/kv-events-networkpolicy.yaml" <<'PY'
+import sys, yaml
+daemonset = yaml.safe_load(open(sys.argv[1]))
+policy = yaml.safe_load(open(sys.argv[2]))
+labels = daemonset["spec"]["template"]["metadata"]["labels"]
+selector = policy["spec"]["podSelector"]["matchLabels"]
+problems = []
+if any(labels.get(k) != v for k, v in selector.items()):
+    problems.append(f"podSelector {selector} does not select the DaemonSet's pods {labels}")
+if policy["spec"].get("policyTypes") != ["Ingress"]:
+    problems.append("policyTypes must be [Ingress]")
+ports = {p["port"] for rule in policy["spec"]["ingress"] for p in rule.get("ports", [])}
+if ports != {5557, 5558}:
+    problems.append(f"admitted ports {ports} are not the stream's and its replay's (5557, 5558)")
+if any(not rule.get("from") for rule in policy["spec"]["ingress"]):
+    problems.append("an ingress rule without `from` lets every pod read a tenant's tokens")
+if problems:
+    sys.exit("kv-events-networkpolicy.yaml: " + "; ".join(problems))
+print(f"ok: pods {selector}, ports {sorted(ports)}")
 PY
 
 say "prometheus: promtool check rules, promtool test rules"

@@ -155,7 +155,7 @@ fn caught_up(reader: &Reader, asked: &[Asked]) -> Result<(), BenchError> {
 
 /// Nanoseconds one change costs the log, in process (mean over many).
 fn record_ns() -> f64 {
-    let mut log = KvEventLog::new(1);
+    let mut log = KvEventLog::new(1, &[]);
     let keys: Vec<Vec<u8>> = (0..4096u32)
         .map(|n| {
             let mut key = vec![8u8];

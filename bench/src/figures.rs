@@ -65,6 +65,11 @@ enum Figure {
     /// store to its change at the reader (target p99 <= 100 ms), what one change costs
     /// the log, and how long a reader takes to know the server is gone (target <= 1 s).
     Events(bench::events::EventsArgs),
+    /// E2: the server's own KV-event stream (--kv-events) at store load: events per
+    /// second, the server's CPU with the stream over without it (target <= 1.02 x), the
+    /// lag from a block described to its BlockStored (target p99 <= 100 ms) and from its
+    /// eviction to its BlockRemoved (target p99 <= 1 s).
+    Stream(bench::stream::StreamArgs),
 }
 
 /// Runs one figure; exit 0 when it was measured (whether or not it meets its target).
@@ -83,6 +88,7 @@ pub fn run(args: BenchArgs) -> ExitCode {
         Figure::Floods(args) => bench::floods::run(args),
         Figure::Restart(args) => bench::restart::run(args),
         Figure::Events(args) => bench::events::run(args),
+        Figure::Stream(args) => bench::stream::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

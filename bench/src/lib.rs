@@ -31,6 +31,7 @@ pub mod redis_cluster;
 pub mod restart;
 pub mod slow_contexts;
 pub mod stats;
+pub mod stream;
 pub mod target;
 
 pub use figures::{BenchArgs, run};

@@ -334,6 +334,7 @@ fn c7_node_ping() {
         connections: kvwarden_core::node::admission::ConnectionLimits::unbounded(),
         mapped: kvwarden_core::node::mapped::MappedLimits::unbounded(),
         pool_window: kvwarden_core::node::jobs::UNBOUNDED,
+        kv_publish: Vec::new(),
     };
     let now = Instant::from_nanos(1_000_000_000);
     let mut node = Node::new(config, now).unwrap();

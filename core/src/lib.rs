@@ -74,6 +74,7 @@
 
 mod heartbeat;
 mod id;
+pub mod kv_publish;
 pub mod l2;
 pub mod liveness;
 mod module;

@@ -897,3 +897,113 @@ fn row_74_a_described_key_carries_its_description_to_its_tenants_readers_only() 
     assert_eq!(error.code, ErrorCode::BadArgs);
     assert!(error.message.contains("items[0].meta"), "{}", error.message);
 }
+
+/// A version 3 description of block `name` (`kvwarden.kv_announce.encode_meta`): its
+/// hash is `h-<name>`, its shards `shards`, its parent's hash `h-<parent>`.
+fn description(name: &str, parent: Option<&str>, shards: &[&[u8]]) -> Vec<u8> {
+    let hash = |name: &str| Value::Binary(format!("h-{name}").into_bytes());
+    let value = Value::Array(vec![
+        Value::from(3),
+        Value::Binary(name.as_bytes().to_vec()),
+        hash(name),
+        parent.map_or(Value::Nil, hash),
+        Value::Array(vec![Value::from(1), Value::from(2)]),
+        Value::Nil,
+        Value::Nil,
+        Value::Array(shards.iter().map(|s| Value::Binary(s.to_vec())).collect()),
+        Value::Nil,
+    ]);
+    let mut bytes = Vec::new();
+    rmpv::encode::write_value(&mut bytes, &value).unwrap();
+    bytes
+}
+
+/// The node-scoped streams' events since the last call: (stream, `+name` / `-name`).
+fn published(h: &mut Harness) -> Vec<(usize, String)> {
+    use kvwarden_core::kv_publish::{BlockEvent, BlockHash};
+    h.drain();
+    h.take(|output| match output {
+        kvwarden_core::node::Output::Publish { stream, events } => Some(
+            events
+                .iter()
+                .map(|event| match event {
+                    BlockEvent::Stored(meta) => {
+                        format!("+{}", String::from_utf8_lossy(&meta.chain_key))
+                    }
+                    BlockEvent::Removed(BlockHash::Bytes(hash)) => {
+                        format!("-{}", String::from_utf8_lossy(&hash[2..]))
+                    }
+                    other => format!("{other:?}"),
+                })
+                .map(|told| (*stream, told))
+                .collect::<Vec<_>>(),
+        ),
+        _ => None,
+    })
+    .concat()
+}
+
+/// A block: its name, its parent's, its shards' keys.
+type Block<'a> = (&'a str, Option<&'a str>, &'a [&'a [u8]]);
+
+/// Stores every shard of `blocks` and describes them, as the owner's worker.
+fn store_and_describe(h: &mut Harness, worker: InstanceId, blocks: &[Block]) {
+    for (_, _, shards) in blocks {
+        for shard in *shards {
+            h.stored(worker, shard);
+        }
+    }
+    let items = blocks
+        .iter()
+        .map(|(name, parent, shards)| (shards[0].to_vec(), description(name, *parent, shards)))
+        .collect();
+    let answer = h.ask(Op::DescribeKeys { items });
+    assert!(
+        answer
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|held| held.as_bool() == Some(true)),
+        "every first shard is held: {answer}"
+    );
+}
+
+#[test]
+fn row_74_the_servers_own_stream_announces_its_tenants_whole_blocks_and_withdraws_them() {
+    let worker = id(1);
+    // Control: a stream for another tenant says nothing of the owner's blocks.
+    let mut other = Harness::adjusted(8, |config| config.kv_publish = vec!["uid-1001".into()]);
+    other.registered(worker);
+    store_and_describe(&mut other, worker, &[("a", None, &[b"a/0", b"a/1"])]);
+    assert_eq!(published(&mut other), vec![]);
+
+    // The owner's stream (stream 1; stream 0 is another tenant's).
+    let streams = vec![
+        "uid-1001".to_string(),
+        format!("uid-{}", support::harness::OWNER),
+    ];
+    let mut h = Harness::adjusted(4, |config| config.kv_publish = streams);
+    h.registered(worker);
+    store_and_describe(&mut h, worker, &[("a", None, &[b"a/0", b"a/1"])]);
+    assert_eq!(
+        published(&mut h),
+        vec![(1, "+a".into())],
+        "both shards held"
+    );
+    // A child whose second shard is not held yet waits for it; then it is announced.
+    h.stored(worker, b"b/0");
+    let answer = h.ask(Op::DescribeKeys {
+        items: vec![(
+            b"b/0".to_vec(),
+            description("b", Some("a"), &[b"b/0", b"b/1"]),
+        )],
+    });
+    assert_eq!(answer, Value::Array(vec![true.into()]));
+    assert_eq!(published(&mut h), vec![], "b/1 is not held");
+    h.stored(worker, b"b/1");
+    assert_eq!(published(&mut h), vec![(1, "+b".into())]);
+    // The pool of 4 is full: one more store evicts the oldest, a/0. Block a is
+    // withdrawn, and b after it (its parent is gone), parent first.
+    h.stored(worker, b"c");
+    assert_eq!(published(&mut h), vec![(1, "-a".into()), (1, "-b".into())]);
+}

@@ -71,6 +71,7 @@ fn config() -> NodeConfig {
         connections: kvwarden_core::node::admission::ConnectionLimits::unbounded(),
         mapped: kvwarden_core::node::mapped::MappedLimits::unbounded(),
         pool_window: kvwarden_core::node::jobs::UNBOUNDED,
+        kv_publish: Vec::new(),
         l2: None,
     }
 }

@@ -12,6 +12,7 @@
 #![no_main]
 
 use arbitrary::Arbitrary;
+use kvwarden_core::kv_publish::{BlockEvent, BlockHash};
 use kvwarden_core::l2::{L2HealthConfig, WriteOutcome};
 use kvwarden_core::node::l2::{L2Fetched, L2NodeConfig, L2Presence, L2ReadId, L2WriteId};
 use kvwarden_core::node::{BlendChange, Job, L2Request, PeerAction};
@@ -106,6 +107,33 @@ enum TypedOp {
     Lookup,
     Attach,
     KvEvents,
+    /// `describe_keys` of a version 3 description (`kvwarden_core::kv_publish`): few
+    /// hashes, so that blocks share them, and parents among them.
+    Describe,
+}
+
+/// A version 3 description of the block whose first shard is `key`.
+fn description(key: &[u8], n: u64) -> Vec<u8> {
+    use rmpv::Value;
+    let next = vec![key[0].wrapping_add(1) % 8];
+    let value = Value::Array(vec![
+        Value::from(3),
+        Value::Binary(key.to_vec()),
+        Value::from(n % 4),
+        if n % 2 == 1 {
+            Value::from((n / 2) % 4)
+        } else {
+            Value::Nil
+        },
+        Value::Array(vec![Value::from(1)]),
+        Value::Nil,
+        Value::Nil,
+        Value::Array(vec![Value::Binary(key.to_vec()), Value::Binary(next)]),
+        Value::Nil,
+    ]);
+    let mut bytes = Vec::new();
+    rmpv::encode::write_value(&mut bytes, &value).unwrap();
+    bytes
 }
 
 fn instance(raw: u8) -> InstanceId {
@@ -175,11 +203,16 @@ fn typed(op: &TypedOp, instance: InstanceId, key: u8, n: u16) -> Op {
             cursor: vec![(n % 7) as u8; usize::from(n % 3 == 0) * 32],
             max: n % 5,
         },
+        TypedOp::Describe => Op::DescribeKeys {
+            items: vec![(key.clone(), description(&key, n))],
+        },
     }
 }
 
 #[derive(Default)]
 struct Ledger {
+    /// Each node-scoped stream's hashes announced now.
+    announced: [std::collections::HashSet<BlockHash>; 2],
     builds: Vec<ContextId>,
     built: BTreeSet<ContextId>,
     freed: BTreeSet<ContextId>,
@@ -271,6 +304,23 @@ impl Ledger {
                     self.frees.push(free);
                 }
                 Output::Stopped { .. } => self.stopped = true,
+                Output::Publish { stream, events } => {
+                    let announced = &mut self.announced[stream];
+                    for event in events {
+                        match event {
+                            BlockEvent::Stored(meta) => assert!(
+                                announced.insert(meta.block_hash.clone()),
+                                "{:?} announced twice on stream {stream}",
+                                meta.block_hash
+                            ),
+                            BlockEvent::Removed(hash) => assert!(
+                                announced.remove(&hash),
+                                "{hash:?} withdrawn on stream {stream}, never announced"
+                            ),
+                            BlockEvent::AllCleared => panic!("the node cleared a stream"),
+                        }
+                    }
+                }
                 Output::Job(Job::Seal { slot, .. }) => {
                     assert!(self.persist > 0, "a seal of an anonymous pool");
                     assert!(
@@ -367,6 +417,8 @@ fuzz_target!(|input: (bool, u8, Vec<Step>)| {
         mapped: kvwarden_core::node::mapped::MappedLimits::unbounded(),
         // A small window: copies wait their tenant's turn in the node (row 68).
         pool_window: 2,
+        // Two tenants' blocks announced by the node (the third uid's are not).
+        kv_publish: vec!["uid-0".into(), "uid-1".into()],
         l2: with_l2.then(|| L2NodeConfig {
             timeout: Duration::from_millis(50),
             write_queue_bytes: 3 * 4096,

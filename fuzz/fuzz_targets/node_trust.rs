@@ -404,6 +404,7 @@ fuzz_target!(|steps: Vec<Step>| {
         mapped: kvwarden_core::node::mapped::MappedLimits::unbounded(),
         // A small window: copies wait their tenant's turn in the node (row 68).
         pool_window: 2,
+        kv_publish: Vec::new(),
         l2: None,
     };
     #[allow(unused_mut)]

@@ -5,7 +5,10 @@ before it applies the snapshot."""
 
 from __future__ import annotations
 
+import os
 from typing import Any, List, Optional, Tuple
+
+import msgpack
 
 from kvwarden import kv_announce
 from kvwarden.kv_announce import Announcer, BlockMeta, decode_meta, encode_meta
@@ -182,3 +185,46 @@ def test_an_adapters_block_is_described_with_its_adapter_and_a_version_1_descrip
     # An adapter field that is not [name, id]: not read.
     bad = msgpack.packb([2, b"k1", "h1", "h0", [1, 1], None, [3, "a"]], use_bin_type=True)
     assert decode_meta(bad) is None
+
+
+#: The description the Rust server reads (``kvwarden_core::kv_publish``'s test decodes
+#: the same bytes): the two sides of version 3 agree byte for byte.
+DESCRIPTION_V3 = os.path.join(
+    os.path.dirname(__file__), "..", "..", "core", "src", "kv_publish", "description-v3.msgpack"
+)
+
+
+def v3_example() -> bytes:
+    block = BlockMeta(
+        block_hash=b"hash",
+        parent_hash=7,
+        token_ids=[1, 2],
+        extra_keys=(("lora", "adapter"), "salt"),
+        lora_name="adapter",
+        lora_id=3,
+    )
+    return encode_meta(b"chain", block, [b"k0", b"k1"], [["adapter", "salt"]])
+
+
+def test_a_description_names_every_shard_and_the_events_extra_keys_as_the_server_reads_it() -> (
+    None
+):
+    a = Announcer(
+        2,
+        rank_key,
+        stored=lambda meta: ("stored", meta.block_hash),
+        removed=lambda block_hash: ("removed", block_hash),
+        event_extra_keys=lambda meta: [["salt"]],
+    )
+    a.learn(b"k0", meta(0))
+    a.apply(b"c", False, [shard(0, 0), shard(0, 1)])
+    [(chain, first, description)] = a.to_describe(8)
+    assert (chain, first) == (b"k0", rank_key(b"k0", 0))
+    fields = msgpack.unpackb(description, raw=False)
+    assert fields[0] == kv_announce.META_VERSION == 3
+    assert fields[7] == [rank_key(b"k0", 0), rank_key(b"k0", 1)], "every shard, the first first"
+    assert fields[8] == [["salt"]]
+    assert decode_meta(description) == (b"k0", meta(0)), "this side reads it too"
+    # The bytes the server's decoder is tested with are what this side writes.
+    with open(DESCRIPTION_V3, "rb") as f:
+        assert f.read() == v3_example()

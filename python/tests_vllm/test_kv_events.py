@@ -3,7 +3,10 @@ ZMQ with the kvwarden connector, a subscriber decodes them with vLLM's own msgsp
 classes (as llm-d's indexer does), and the blocks it sees announced on medium ``CPU``
 are exactly those kvwarden can serve the engine: after stores, for a subscriber that
 joins late, after an L1 eviction, a warm and a cold restart, and an engine killed and
-restarted in place; a server that goes away has them withdrawn."""
+restarted in place; a server that goes away has them withdrawn. The server's own
+stream (``kvwarden serve --kv-events``, no engine in the loop) is held to the same
+check: after stores, for a late subscriber (its replay), after an eviction, and after a
+cold and a warm restart."""
 
 from __future__ import annotations
 
@@ -109,6 +112,9 @@ def events_engine(model: str, module_tmp: str, short_tmp: str, request) -> Itera
             out.write(os.urandom(32))
         os.chmod(secret, 0o600)
         extra = ["--l1-file", os.path.join(short_tmp, "l1"), "--l1-secret-file", secret]
+    # The server announces this uid's blocks itself too (the node-scoped stream).
+    node_events = (f"ipc://{short_tmp}/node-events", f"ipc://{short_tmp}/node-replay")
+    extra += ["--kv-events", f"uid-{os.getuid()}={node_events[0]},replay={node_events[1]}"]
     server = RealServer(
         find_binary(),
         os.path.join(short_tmp, "events.sock"),
@@ -121,6 +127,7 @@ def events_engine(model: str, module_tmp: str, short_tmp: str, request) -> Itera
         l1_bytes="1M" if small else "64M",
     )
     server.start()
+    server.kv_events = node_events
     endpoint = f"ipc://{short_tmp}/kv-events"
     replay = f"ipc://{short_tmp}/kv-replay"
     engines: List[Engine] = []
@@ -143,10 +150,12 @@ def events_engine(model: str, module_tmp: str, short_tmp: str, request) -> Itera
     try:
         engine = new_engine()
         subscriber = Subscriber(endpoint)
+        server.node = Subscriber(server.kv_events[0])
         try:
             yield server, engine, subscriber, endpoint, replay, new_engine
         finally:
             subscriber.close()
+            server.node.close()
     finally:
         for engine in engines:
             engine.close()
@@ -187,6 +196,25 @@ def agreed(server: RealServer, engine: Engine, subscriber: Subscriber, prompts) 
     return not mismatches(server, engine, subscriber, prompts)
 
 
+def same_blocks(node: Subscriber, engine_view: Subscriber) -> bool:
+    """Whether the server's stream holds exactly the engine stream's blocks on CPU."""
+    engine_view.drain(quiet_ms=200)
+    return node.held == {(h, m) for h, m in engine_view.held if m == "CPU"}
+
+
+def node_agrees(server: RealServer, engine: Engine, prompts, rejoin: bool = False) -> bool:
+    """Steps the engine once (its scheduler describes the blocks it announced to the
+    server), then compares the server's own stream with what it serves. With
+    ``rejoin``, the subscriber first replays the (restarted) server's stream from its
+    start, as a subscriber does that sees the sequence start over."""
+    engine.generate([STEP], max_tokens=1)
+    if rejoin:
+        server.node.held.clear()
+        server.node.replay(server.kv_events[1])
+    server.node.drain(quiet_ms=200)
+    return not mismatches(server, engine, server.node, prompts)
+
+
 def test_the_blocks_a_subscriber_sees_on_cpu_are_those_kvwarden_serves(events_engine) -> None:
     server, engine, subscriber, endpoint, replay, _ = events_engine
     time.sleep(0.5)  # the SUB's connect completes before the first event (ZMQ slow joiner)
@@ -213,6 +241,19 @@ def test_the_blocks_a_subscriber_sees_on_cpu_are_those_kvwarden_serves(events_en
             assert mismatches(server, engine, view, [A]) == [], who
     finally:
         late.close()
+    # The server's own stream: every block A's engine described, once all its shards
+    # are held; a subscriber that joins late replays the same from the server.
+    wait_until(
+        lambda: node_agrees(server, engine, [A]) and same_blocks(server.node, subscriber),
+        "the server's stream announces what the engine's does on CPU",
+    )
+    late = Subscriber(server.kv_events[0])
+    try:
+        late.replay(server.kv_events[1])
+        assert late.held == server.node.held, "a late subscriber replays the same"
+        assert late.cleared == 1, "the stream began with AllBlocksCleared"
+    finally:
+        late.close()
 
     # The server goes away: the engine's next steps withdraw every CPU block.
     server.stop()
@@ -231,6 +272,9 @@ def test_the_blocks_a_subscriber_sees_on_cpu_are_those_kvwarden_serves(events_en
         lambda: agreed(server, engine, subscriber, [A]), "nothing announced of the cold server"
     )
     assert not any(m == "CPU" for _, m in subscriber.held)
+    # The cold server's stream starts over with AllBlocksCleared and announces nothing.
+    assert node_agrees(server, engine, [A], rejoin=True)
+    assert server.node.held == set() and server.node.cleared >= 1
 
     def stored_again() -> bool:
         # (Saved once the engine's workers have registered with the new server.)
@@ -240,6 +284,11 @@ def test_the_blocks_a_subscriber_sees_on_cpu_are_those_kvwarden_serves(events_en
         )
 
     wait_until(stored_again, "A's blocks stored again and announced")
+    wait_until(
+        lambda: node_agrees(server, engine, [A]) and same_blocks(server.node, subscriber),
+        "the restarted server's stream announces A's blocks again",
+    )
+    assert len(server.node.held) == 9
 
 
 @pytest.mark.parametrize("events_engine", ["small_pool"], indirect=True)
@@ -270,6 +319,11 @@ def test_after_an_eviction_and_a_warm_restart_a_subscriber_sees_what_kvwarden_se
     )
     assert loadable(server.socket_path, engine, A) < 9, "D's blocks evicted some of A's"
     assert len(subscriber.held) < announced_before + 9, "some of A's blocks withdrawn"
+    # The server's own stream withdrew them too.
+    wait_until(
+        lambda: node_agrees(server, engine, [A, D]) and same_blocks(server.node, subscriber),
+        "the server's stream withdrew what the engine's did",
+    )
 
     # A warm restart: the server adopts its pool, and the engine, after its resync,
     # announces what it serves.
@@ -283,6 +337,11 @@ def test_after_an_eviction_and_a_warm_restart_a_subscriber_sees_what_kvwarden_se
         "what the restarted server adopted, announced",
     )
     assert loadable(server.socket_path, engine, D) == served_d, "D adopted whole"
+    # The restarted server's stream: what the engine describes again, once served.
+    wait_until(
+        lambda: node_agrees(server, engine, [A, D], rejoin=True) and len(server.node.held) > 0,
+        "the restarted server's stream announces what it adopted",
+    )
 
 
 @pytest.mark.parametrize("events_engine", ["small_pool"], indirect=True)

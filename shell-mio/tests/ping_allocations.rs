@@ -103,6 +103,7 @@ fn config(socket_path: std::path::PathBuf) -> ServerConfig {
         pool_threads: 1,
         l2: None,
         trust: Default::default(),
+        kv_events: Vec::new(),
     }
 }
 

@@ -40,6 +40,8 @@ use kvwarden_core::{Config, FreeCause, InstanceId, Module, TransferError};
 use rmpv::Value;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
+mod outputs;
+
 /// What one node call's outputs did, for the checks that follow them.
 #[derive(Default)]
 struct Step {
@@ -429,6 +431,7 @@ impl Server {
             // node call handed it out, so copies held back for their tenant's turn
             // (row 68, proven by core/tests/node_bounds.rs) are not modelled here.
             pool_window: kvwarden_core::node::jobs::UNBOUNDED,
+            kv_publish: Vec::new(),
         };
         let mut node = Node::new(config, instant(now)).map_err(|error| error.to_string())?;
         #[cfg(feature = "planted-bugs")]
@@ -922,28 +925,7 @@ impl Server {
         }
         let mut step = Step::default();
         for output in outputs.drain(..) {
-            match output {
-                Output::Reply {
-                    conn,
-                    request_id,
-                    result,
-                    ..
-                } => self.answer(conn, request_id, result, checker, out),
-                Output::ReplyStatus { conn, request_id } => {
-                    let tracked = self.node.as_ref().map_or(0, Node::tracked) as u64;
-                    let value = Value::Map(vec![("tracked".into(), tracked.into())]);
-                    self.reply(conn, request_id, Ok(value), out);
-                }
-                Output::Job(job) => self.on_job(now, job, &call, checker, out, &mut step),
-                Output::Blend(change) => self.on_blend(change, checker),
-                Output::Peer(action) => self.on_peer(action, &mut step),
-                Output::L2(request) => self.on_l2(request, &call, checker, out),
-                Output::Note(note) => self.on_note(now, note, &call, checker, &mut step),
-                Output::Stopped { .. } => {
-                    self.state = ServerState::Stopped;
-                    checker.stopped();
-                }
-            }
+            self.carry_out(now, output, &call, checker, out, &mut step);
         }
         self.outputs = outputs;
         if let Call::Exit(instance) = call

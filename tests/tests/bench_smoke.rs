@@ -270,3 +270,17 @@ fn bench_events_prints_what_kv_events_cost_and_how_late_they_come() {
         ],
     );
 }
+
+#[test]
+fn bench_stream_prints_what_the_servers_own_stream_costs_and_how_late_it_comes() {
+    bench(
+        &["stream", "--smoke"],
+        &[
+            "E2 events_per_second",
+            "E2 server_cpu_with_stream_over_without",
+            "E2 describe_to_stored_p50",
+            "E2 describe_to_stored_p99",
+            "E2 eviction_to_removed_p99",
+        ],
+    );
+}

@@ -342,3 +342,179 @@ fn row_74_a_killed_engine_workers_unpublished_write_is_never_announced() {
     fresh.catch_up(&client);
     assert_eq!(fresh.announced, BTreeSet::from([b"pub-k".to_vec()]));
 }
+
+/// A version 3 description (`kvwarden.kv_announce.encode_meta`) of a one-shard block
+/// whose key is `key` and whose hash is `hash`.
+fn description(key: &[u8], hash: &str) -> Vec<u8> {
+    let value = Value::Array(vec![
+        3.into(),
+        Value::Binary(key.to_vec()),
+        Value::Binary(hash.as_bytes().to_vec()),
+        Value::Nil,
+        Value::Array(vec![1.into(), 2.into()]),
+        Value::Nil,
+        Value::Nil,
+        Value::Array(vec![Value::Binary(key.to_vec())]),
+        Value::Nil,
+    ]);
+    let mut bytes = Vec::new();
+    rmpv::encode::write_value(&mut bytes, &value).unwrap();
+    bytes
+}
+
+/// The hashes a subscriber holds after replaying a node-scoped stream from its start:
+/// `BlockStored` adds, `BlockRemoved` takes away, `AllBlocksCleared` empties (vLLM's
+/// `KVEventBatch`, `[ts, [event, …]]`, each event a map tagged `type`).
+fn replayed(replay: &str) -> BTreeSet<String> {
+    let socket = zmq::Context::new().socket(zmq::DEALER).unwrap();
+    socket.set_linger(0).unwrap();
+    socket.connect(replay).unwrap();
+    socket
+        .send_multipart([&b""[..], &0u64.to_be_bytes()], 0)
+        .unwrap();
+    let mut held = BTreeSet::new();
+    loop {
+        assert!(socket.poll(zmq::POLLIN, 30_000).unwrap() > 0, "no replay");
+        let frames = socket.recv_multipart(0).unwrap();
+        let [_, _topic, seq, payload] = &frames[..] else {
+            panic!("a replay frame of 4 parts: {frames:?}")
+        };
+        if seq[..] == (-1i64).to_be_bytes() {
+            return held;
+        }
+        let batch = rmpv::decode::read_value(&mut &payload[..]).unwrap();
+        for event in batch[1].as_array().unwrap() {
+            let field = |name: &str| {
+                event
+                    .as_map()
+                    .unwrap()
+                    .iter()
+                    .find(|(k, _)| k.as_str() == Some(name))
+                    .map(|(_, v)| v.clone())
+            };
+            let hashes = field("block_hashes")
+                .map(|h| h.as_array().unwrap().clone())
+                .unwrap_or_default();
+            let hashes = hashes
+                .iter()
+                .map(|h| String::from_utf8_lossy(h.as_slice().unwrap()).into_owned());
+            match field("type").unwrap().as_str().unwrap() {
+                "BlockStored" => held.extend(hashes),
+                "BlockRemoved" => hashes.for_each(|h| {
+                    held.remove(&h);
+                }),
+                "AllBlocksCleared" => held.clear(),
+                other => panic!("an event of type {other}"),
+            }
+        }
+    }
+}
+
+/// Replays `replay` until it holds `want` (the stream's thread sends a batch shortly
+/// after the request that made it).
+fn stream_holds(replay: &str, want: &[&str]) -> BTreeSet<String> {
+    let want: BTreeSet<String> = want.iter().map(|h| h.to_string()).collect();
+    let mut held = replayed(replay);
+    for _ in 0..100 {
+        if held == want {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        held = replayed(replay);
+    }
+    held
+}
+
+#[test]
+fn row_74_the_servers_stream_announces_its_tenants_blocks_and_none_of_a_neighbours() {
+    let dir = TempDir::new("kv-events-74-stream");
+    let at = |name: &str| format!("ipc://{}/{name}", dir.path().display());
+    let (root, neighbour) = (
+        format!("uid-0={},replay={}", at("root"), at("root-replay")),
+        format!("uid-{NEIGHBOUR}={},replay={}", at("nb"), at("nb-replay")),
+    );
+    let mut flags = vec![
+        "--socket-mode",
+        "666",
+        "--l1-bytes",
+        "1M",
+        "--slot-bytes",
+        "64K",
+    ];
+    flags.extend(["--kv-events", &root, "--kv-events", &neighbour]);
+    let server = Server::start(&dir, &flags);
+    // A live subscriber, for the server's last batch.
+    let live = zmq::Context::new().socket(zmq::SUB).unwrap();
+    live.set_subscribe(b"").unwrap();
+    live.connect(&at("root")).unwrap();
+    let (client, buffer) = worker(&server, "m");
+    store(&client, &buffer, &key(0), &chunk(0, CHUNK));
+    let described = client.describe_keys(&[(&key(0), &description(&key(0), "root-0")[..])]);
+    assert_eq!(described.expect("describe_keys"), vec![true]);
+    let socket = server.socket.clone();
+    let mut other = fork_as_uid(NEIGHBOUR, move |parent| {
+        // Control: its own block, described, is announced on its tenant's stream.
+        let mut raw = neighbour_stores(&socket, 100);
+        let own = describe(&mut raw, &key(100), &description(&key(100), "nb-100"));
+        // The attack: a description of root's chunk by its name, with a hash of its own.
+        let forged = describe(&mut raw, &key(0), &description(&key(0), "forged"));
+        parent.send(json!([own, forged]));
+        json!(null)
+    });
+    assert_eq!(other.recv("the neighbour's answers"), json!([true, false]));
+    other.finish("the neighbour");
+    assert_eq!(
+        stream_holds(&at("nb-replay"), &["nb-100"]),
+        BTreeSet::from(["nb-100".to_string()]),
+        "the neighbour's stream: its block"
+    );
+    assert_eq!(
+        stream_holds(&at("root-replay"), &["root-0"]),
+        BTreeSet::from(["root-0".to_string()]),
+        "root's stream: root's block, none of the neighbour's, nothing forged"
+    );
+    // The chunk leaves L1 (16 more chunks evict it): withdrawn.
+    for n in 1..=SLOTS {
+        store(&client, &buffer, &key(n), &chunk(n, CHUNK));
+    }
+    assert_eq!(stream_holds(&at("root-replay"), &[]), BTreeSet::new());
+    // A server that stops says so: its last batch ends with AllBlocksCleared.
+    let (status, log) = server.terminate();
+    assert!(status.success(), "{log}");
+    let mut last = None;
+    while live.poll(zmq::POLLIN, 2_000).unwrap() > 0 {
+        last = live.recv_multipart(0).ok();
+    }
+    let payload = last
+        .expect("the live subscriber got batches")
+        .pop()
+        .unwrap();
+    let batch = rmpv::decode::read_value(&mut &payload[..]).unwrap();
+    let events = batch[1].as_array().unwrap();
+    assert_eq!(
+        events.last().unwrap()["type"],
+        Value::from("AllBlocksCleared"),
+        "{batch}"
+    );
+}
+
+#[test]
+fn a_stream_for_no_tenant_of_the_server_stops_its_start_naming_it() {
+    let dir = TempDir::new("kv-events-no-tenant");
+    let endpoint = format!("nobody=ipc://{}/ev", dir.path().display());
+    // Control: a uid's tenant is one; the server starts.
+    let control = format!("uid-0=ipc://{}/ok", dir.path().display());
+    drop(Server::start(&dir, &["--kv-events", &control]));
+    let output = std::process::Command::new(kvwarden_tests::kvwarden_bin())
+        .args(["serve", "--http", "off", "--socket"])
+        .arg(dir.path().join("other.sock"))
+        .args(["--kv-events", &endpoint])
+        .output()
+        .expect("running kvwarden");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "started: {stderr}");
+    assert!(
+        stderr.contains("--kv-events nobody: no such tenant"),
+        "names the tenant and the fix: {stderr}"
+    );
+}

@@ -14,6 +14,8 @@
 //! converges to what L1 holds.
 
 use super::l1::SlotTable;
+use super::trust::scoped_key;
+use crate::kv_publish::{Announcer, BlockEvent, BlockMeta};
 use crate::protocol::answer::{KvEvent, KvEvents, KvTier};
 use std::collections::{HashMap, VecDeque};
 
@@ -116,12 +118,22 @@ pub struct KvEventLog {
     bytes: usize,
     sequences: HashMap<Vec<u8>, Sequence>,
     resyncs: u64,
+    /// The tenants the server announces itself (`--kv-events`), by key prefix: their
+    /// stream and their announcer.
+    publishers: HashMap<Vec<u8>, (usize, Announcer)>,
 }
 
 impl KvEventLog {
-    /// An empty log of server process `boot`.
-    pub fn new(boot: u64) -> KvEventLog {
+    /// An empty log of server process `boot`, announcing the blocks of the tenants named
+    /// in `publish` itself (stream `i` for `publish[i]`).
+    pub fn new(boot: u64, publish: &[String]) -> KvEventLog {
+        let publishers = publish
+            .iter()
+            .enumerate()
+            .map(|(stream, tenant)| (scoped_key(tenant, b""), (stream, Announcer::new())))
+            .collect();
         KvEventLog {
+            publishers,
             boot,
             epoch: 0,
             ring: VecDeque::new(),
@@ -161,6 +173,9 @@ impl KvEventLog {
         if prefix > key.len() {
             return; // not a scoped key: no tenant to log it under
         }
+        if let Some((_, announcer)) = self.publishers.get_mut(&key[..prefix]) {
+            announcer.change(&key[prefix..], stored, tier);
+        }
         if !self.sequences.contains_key(&key[..prefix]) && self.sequences.len() >= MAX_TENANTS {
             // Too many sequences to keep: all start over, and every reader resyncs.
             self.epoch += 1;
@@ -184,6 +199,32 @@ impl KvEventLog {
         while self.ring.len() > MAX_EVENTS || self.bytes > MAX_BYTES {
             self.drop_oldest();
         }
+    }
+
+    /// Node key `key`, held in L1, was described as `meta` (`describe_keys`): its
+    /// tenant's stream may announce the block it names.
+    pub fn described(&mut self, key: &[u8], meta: &[u8]) {
+        let Some(prefix) = key.first().map(|&len| 1 + usize::from(len)) else {
+            return;
+        };
+        if let Some((_, announcer)) = key.get(..prefix).and_then(|p| self.publishers.get_mut(p))
+            && let Some(block) = BlockMeta::decode(meta)
+        {
+            announcer.describe(&key[prefix..], block);
+        }
+    }
+
+    /// Each stream's events since the last call: (stream, events), streams with none
+    /// left out.
+    pub fn take_published(&mut self) -> Vec<(usize, Vec<BlockEvent>)> {
+        let mut out: Vec<(usize, Vec<BlockEvent>)> = self
+            .publishers
+            .values_mut()
+            .map(|(stream, announcer)| (*stream, announcer.take()))
+            .filter(|(_, events)| !events.is_empty())
+            .collect();
+        out.sort_by_key(|(stream, _)| *stream);
+        out
     }
 
     fn drop_oldest(&mut self) {
@@ -342,7 +383,7 @@ mod tests {
     #[test]
     fn a_reader_starts_with_what_is_held_then_follows_the_changes_of_its_tenant_only() {
         let mut l1 = SlotTable::new(4, 64);
-        let mut log = KvEventLog::new(7);
+        let mut log = KvEventLog::new(7, &[]);
         stored(&mut l1, &mut log, "a", "k0");
         stored(&mut l1, &mut log, "b", "other");
         stored(&mut l1, &mut log, "a", "k1");
@@ -378,7 +419,7 @@ mod tests {
     #[test]
     fn a_reader_that_missed_changes_or_read_another_process_resyncs() {
         let mut l1 = SlotTable::new(MAX_EVENTS + 8, 64);
-        let mut log = KvEventLog::new(7);
+        let mut log = KvEventLog::new(7, &[]);
         stored(&mut l1, &mut log, "a", "first");
         let mut cursor = Vec::new();
         read_all(&mut log, &l1, "a", &mut cursor);
@@ -402,7 +443,7 @@ mod tests {
             vec![(true, "first".to_string()), (true, "second".to_string())]
         );
         // A cursor of another server process (or garbage) is a resync.
-        let mut other = KvEventLog::new(8);
+        let mut other = KvEventLog::new(8, &[]);
         assert!(other.read(&l1, &prefix("a"), &cursor, 8).resync);
         assert!(log.read(&l1, &prefix("a"), b"garbage", 8).resync);
     }
@@ -410,7 +451,7 @@ mod tests {
     #[test]
     fn the_log_stays_bounded_by_changes_bytes_and_tenants() {
         let l1 = SlotTable::new(1, 64);
-        let mut log = KvEventLog::new(1);
+        let mut log = KvEventLog::new(1, &[]);
         let long = "x".repeat(4000);
         for n in 0..(MAX_BYTES / 4000 + 10) {
             log.record(&scoped("a", &format!("{n}{long}")), true, KvTier::L1);

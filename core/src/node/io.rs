@@ -255,6 +255,14 @@ pub enum Output {
     L2(L2Request),
     /// Something an operator reads: log it, count it.
     Note(Note),
+    /// Events for a tenant's node-scoped stream ([`NodeConfig::kv_publish`]): send
+    /// them as one batch, in order.
+    Publish {
+        /// The stream: its tenant's place in [`NodeConfig::kv_publish`].
+        stream: usize,
+        /// Its events, oldest first.
+        events: Vec<crate::kv_publish::BlockEvent>,
+    },
     /// The shutdown is complete: exit.
     Stopped {
         /// Contexts freed by the shutdown.

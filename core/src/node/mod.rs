@@ -76,6 +76,12 @@ pub enum NodeConfigError {
     /// The tenants.
     #[error("invalid tenants: {0}")]
     Trust(#[from] trust::TrustConfigError),
+    /// A node-scoped stream names no tenant of this node.
+    #[error(
+        "--kv-events {0}: no such tenant, or named twice; name each tenant once: a --tenant, \
+         or uid-<uid> for a uid's own keys"
+    )]
+    KvEventsTenant(String),
 }
 pub use adopt::AdoptionView;
 use blend::{BlendBook, BlendId};
@@ -142,6 +148,9 @@ pub struct NodeConfig {
     /// the node, in turns by tenant ([`jobs`]). The server's is twice `--pool-threads`;
     /// [`jobs::UNBOUNDED`] hands every job out at once.
     pub pool_window: usize,
+    /// The tenants whose blocks the server announces itself, one stream each, in
+    /// order (`--kv-events TENANT=ENDPOINT`; [`Output::Publish`]'s `stream`).
+    pub kv_publish: Vec<String>,
 }
 
 /// Where a reply goes.
@@ -259,6 +268,11 @@ impl Node {
             .map(|l2| L2Tier::new(l2, config.num_slots))
             .transpose()?;
         let trust = Trust::new(&config.trust, config.server_uid)?;
+        for (at, name) in config.kv_publish.iter().enumerate() {
+            if !trust.names_tenant(name) || config.kv_publish[..at].contains(name) {
+                return Err(NodeConfigError::KvEventsTenant(name.clone()));
+            }
+        }
         let pool_window = config.pool_window;
         let shutdown = shutdown::Shutdown::new(config.shutdown_drain, config.free_watchdog);
         let mut l1 = SlotTable::new(config.num_slots, config.slot_bytes);
@@ -279,7 +293,7 @@ impl Node {
                 admission: admission::Admission::new(config.connections),
                 mapped: mapped::Mapped::new(config.mapped),
             },
-            events: events::KvEventLog::new(config.boot_id),
+            events: events::KvEventLog::new(config.boot_id, &config.kv_publish),
             config,
             liveness,
             registry: registry::Registry::default(),
@@ -378,6 +392,14 @@ impl Node {
                 .record(&key, stored, crate::protocol::KvTier::L1);
         }
         self.step_shutdown(now);
+        self.publish();
+    }
+
+    /// What the tenants' streams announce after this call ([`Output::Publish`]).
+    fn publish(&mut self) {
+        for (stream, events) in self.events.take_published() {
+            self.out.queue.push_back(Output::Publish { stream, events });
+        }
     }
 
     /// Time passed: reaps what is due, reports hung frees, advances a shutdown.
@@ -396,6 +418,7 @@ impl Node {
         self.l2_timeout(now);
         self.cut_unauthenticated(now);
         self.step_shutdown(now);
+        self.publish();
     }
 
     /// When `handle_timeout` must next be called (None: only after an input).
@@ -516,6 +539,7 @@ mod tests {
             connections: crate::node::admission::ConnectionLimits::unbounded(),
             mapped: crate::node::mapped::MappedLimits::unbounded(),
             pool_window: crate::node::jobs::UNBOUNDED,
+            kv_publish: Vec::new(),
         };
         Node::new(config, Instant::ZERO).unwrap()
     }

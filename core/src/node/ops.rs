@@ -258,7 +258,13 @@ impl Node {
         Ok(Answer::Stored(
             items
                 .into_iter()
-                .map(|(key, meta)| self.l1.slots.describe(&key, meta))
+                .map(|(key, meta)| {
+                    let held = self.l1.slots.describe(&key, meta);
+                    if let Some(meta) = self.l1.slots.meta_of(&key).filter(|_| held) {
+                        self.events.described(&key, meta);
+                    }
+                    held
+                })
                 .collect(),
         ))
     }

@@ -536,6 +536,7 @@ mod tests {
             connections: crate::node::admission::ConnectionLimits::unbounded(),
             mapped: crate::node::mapped::MappedLimits::unbounded(),
             pool_window: crate::node::jobs::UNBOUNDED,
+            kv_publish: Vec::new(),
         };
         Node::new(config, at(0.0)).unwrap()
     }

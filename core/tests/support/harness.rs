@@ -170,6 +170,7 @@ impl Harness {
             connections,
             mapped,
             pool_window,
+            kv_publish: Vec::new(),
             l2,
         };
         adjust(&mut config);

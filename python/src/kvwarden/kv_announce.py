@@ -43,12 +43,21 @@ class BlockMeta(NamedTuple):
 
 
 #: The description format's version (the first element of an encoded description):
-#: 2 adds the adapter; version 1 descriptions (no adapter) are still read.
-META_VERSION = 2
+#: 2 adds the adapter; 3 adds every shard's server key and ``BlockStored.extra_keys``
+#: as the engine publishes it, so that the server can announce the block itself
+#: (``kvwarden serve --kv-events``, ``kvwarden_core::kv_publish``). Versions 1 and 2
+#: are still read.
+META_VERSION = 3
 
 
-def encode_meta(chain_key: bytes, meta: BlockMeta) -> bytes:
-    """A block's description for the server (``describe_keys``)."""
+def encode_meta(
+    chain_key: bytes,
+    meta: BlockMeta,
+    shard_keys: Sequence[bytes] = (),
+    event_extra_keys: Any = None,
+) -> bytes:
+    """A block's description for the server (``describe_keys``): ``shard_keys`` are
+    the server keys of every shard of the block, the one it is attached to first."""
     return msgpack.packb(
         [
             META_VERSION,
@@ -58,6 +67,8 @@ def encode_meta(chain_key: bytes, meta: BlockMeta) -> bytes:
             list(meta.token_ids),
             None if meta.extra_keys is None else list(meta.extra_keys),
             None if meta.lora_name is None else [meta.lora_name, meta.lora_id],
+            list(shard_keys),
+            event_extra_keys,
         ],
         use_bin_type=True,
     )
@@ -69,10 +80,14 @@ def decode_meta(data: bytes) -> Optional[Tuple[bytes, BlockMeta]]:
         fields = msgpack.unpackb(data, raw=False)
     except Exception:
         return None
-    if not isinstance(fields, list) or (fields[:1], len(fields)) not in (([1], 6), ([2], 7)):
+    if not isinstance(fields, list) or (fields[:1], len(fields)) not in (
+        ([1], 6),
+        ([2], 7),
+        ([3], 9),
+    ):
         return None
     _, chain_key, block_hash, parent_hash, tokens, extra = fields[:6]
-    lora = fields[6] if len(fields) == 7 else None
+    lora = fields[6] if len(fields) >= 7 else None
     if not isinstance(chain_key, bytes) or not isinstance(tokens, list):
         return None
     if not all(isinstance(t, int) for t in tokens):
@@ -100,7 +115,8 @@ class Announcer:
     """Turns ``kv_events`` pages into announcements (see the module docs).
 
     ``rank_key(chain_key, rank)`` is the server key of a block's shard; ``stored(meta)``
-    and ``removed(block_hash)`` make the engine's events.
+    and ``removed(block_hash)`` make the engine's events; ``event_extra_keys(meta)`` is
+    what the engine's ``BlockStored.extra_keys`` says of the block, for its description.
     """
 
     def __init__(
@@ -109,11 +125,13 @@ class Announcer:
         rank_key: Callable[[bytes, int], bytes],
         stored: Callable[[BlockMeta], Any],
         removed: Callable[[Any], Any],
+        event_extra_keys: Callable[[BlockMeta], Any] = lambda meta: None,
     ) -> None:
         self._shards = shards
         self._rank_key = rank_key
         self._stored = stored
         self._removed = removed
+        self._event_extra_keys = event_extra_keys
         #: The reader's cursor for the next ``kv_events``.
         self.cursor = b""
         self._meta: "OrderedDict[bytes, BlockMeta]" = OrderedDict()
@@ -194,7 +212,9 @@ class Announcer:
         for chain_key in self._announced:
             if chain_key not in self._described and len(out) < limit:
                 meta = self._meta[chain_key]
-                out.append((chain_key, self._rank_key(chain_key, 0), encode_meta(chain_key, meta)))
+                shards = [self._rank_key(chain_key, r) for r in range(self._shards)]
+                extra = self._event_extra_keys(meta)
+                out.append((chain_key, shards[0], encode_meta(chain_key, meta, shards, extra)))
         return out
 
     def mark_described(self, chain_keys: Sequence[bytes]) -> None:

@@ -466,7 +466,10 @@ class KvwardenConnector(KVConnectorBase_V1):
         def removed(block_hash: Any) -> Any:
             return BlockRemoved(block_hashes=[block_hash], medium=MEDIUM_CPU, ownership=OWNERSHIP)
 
-        return Announcer(self._shards, prefix.rank_key, stored, removed)
+        def event_extra_keys(meta: BlockMeta) -> Any:
+            return to_event_extra_keys([meta.extra_keys])
+
+        return Announcer(self._shards, prefix.rank_key, stored, removed, event_extra_keys)
 
     def _learn(
         self, request: "Request", prompt: List[int], keys: List[bytes], extras: List[Any]

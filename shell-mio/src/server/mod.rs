@@ -13,6 +13,7 @@ mod event_loop;
 pub mod fault;
 pub mod gpu;
 pub mod http;
+pub mod kv_events;
 pub mod l1;
 pub mod listen;
 pub mod metrics;
@@ -89,4 +90,6 @@ pub struct ServerConfig {
     pub l2: Option<crate::l2::L2Config>,
     /// The tenants and TCP tokens (`--tenant`, `--tcp-token-file`).
     pub trust: kvwarden_core::node::trust::TrustConfig,
+    /// The tenants whose blocks the server announces itself (`--kv-events`).
+    pub kv_events: Vec<kv_events::KvEventsEndpoint>,
 }

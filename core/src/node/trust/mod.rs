@@ -164,6 +164,16 @@ fn valid_name(name: &str) -> bool {
 }
 
 impl Trust {
+    /// Whether `name` is a tenant of this node, now or once its uid connects: an
+    /// operator's (`--tenant`), or `uid-<uid>`.
+    pub fn names_tenant(&self, name: &str) -> bool {
+        self.tenants.iter().any(|t| t.name == name)
+            || name
+                .strip_prefix("uid-")
+                .and_then(|uid| uid.parse::<u32>().ok())
+                .is_some_and(|uid| format!("uid-{uid}") == name)
+    }
+
     /// The tenants of `config`; `server_uid`'s own tenant may register engine-driven.
     pub fn new(config: &TrustConfig, server_uid: u32) -> Result<Trust, TrustConfigError> {
         let mut trust = Trust {

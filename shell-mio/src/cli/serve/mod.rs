@@ -1,6 +1,7 @@
 //! `kvwarden serve`.
 
 use crate::server::fault::Faults;
+use crate::server::kv_events::KvEventsEndpoint;
 use crate::server::{DEFAULT_MAX_CONNECTIONS, Server, ServerConfig, listen};
 use kvwarden_core::{Config, ConfigError, REAP_TIMEOUT_FLOOR};
 use l2::l2_config;
@@ -237,6 +238,19 @@ pub struct ServeArgs {
     /// Threads that talk to L2, each with its own connections.
     #[arg(long, default_value_t = 4, value_name = "N", requires = "l2")]
     l2_threads: usize,
+    /// Announce a tenant's blocks as KV events in vLLM's own format, for KV-aware
+    /// routers with no engine in the loop (llm-d's indexer, Dynamo's router):
+    /// TENANT=ENDPOINT[,replay=ENDPOINT][,topic=TOPIC], endpoints tcp://HOST:PORT or
+    /// ipc://PATH. Like vLLM's publisher, the PUB socket binds a wildcard (tcp://*:5557)
+    /// or ipc:// endpoint and connects to any other (a subscriber that binds, as llm-d's
+    /// indexer does); the replay ROUTER binds. The topic is `kv@node:<hostname>@TENANT`
+    /// by default. A block is announced once every shard of it is held (L1 or L2) and
+    /// its parent is, as its connector described it; withdrawn as soon as that stops.
+    /// Whoever reads the stream reads the tenant's block hashes and tokens: bind it where
+    /// only its routers reach (deploy/kubernetes/kv-events-networkpolicy.yaml). Repeat for
+    /// more tenants.
+    #[arg(long = "kv-events", value_name = "TENANT=ENDPOINT")]
+    kv_events: Vec<String>,
     /// TESTING ONLY: lift the 30 s floor on the reap timeout, so tests and demos can
     /// reap in seconds. Never use it in production: a late heartbeat reaps a live worker.
     #[arg(long)]
@@ -421,6 +435,7 @@ fn server_config(args: ServeArgs) -> Result<ServerConfig, String> {
     let free_watchdog =
         positive_seconds(args.free_watchdog_seconds, "--free-watchdog-seconds", "")?;
     let l1_secret = l1_secret(args.l1_secret_file.as_deref())?;
+    let kv_events = kv_events(&args.kv_events)?;
     Ok(ServerConfig {
         liveness,
         allow_short_timeouts: args.allow_short_timeouts,
@@ -449,7 +464,21 @@ fn server_config(args: ServeArgs) -> Result<ServerConfig, String> {
         pool_threads: args.pool_threads,
         l2,
         trust,
+        kv_events,
     })
+}
+
+/// The `--kv-events` streams, each read against this host's name (the default topic).
+fn kv_events(flags: &[String]) -> Result<Vec<KvEventsEndpoint>, String> {
+    let hostname = rustix::system::uname()
+        .nodename()
+        .to_string_lossy()
+        .into_owned();
+    flags
+        .iter()
+        .map(|text| KvEventsEndpoint::parse(text, &hostname))
+        .collect::<Result<_, _>>()
+        .map_err(|error| format!("invalid --kv-events {error}"))
 }
 
 /// Runs the server until SIGTERM/SIGINT.

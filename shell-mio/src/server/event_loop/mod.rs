@@ -107,6 +107,9 @@ pub enum ServerError {
     /// The pool file (`--l1-file`) cannot be used; the message names the fix.
     #[error("{0}")]
     PoolFile(String),
+    /// A `--kv-events` stream could not be bound; the message names it.
+    #[error("{0}")]
+    KvEvents(String),
     /// The event loop failed.
     #[error("event loop: {0}")]
     Io(#[from] io::Error),
@@ -206,6 +209,8 @@ pub struct Server {
     fd_limit: listen::FdLimit,
     /// The L2 client (`--l2`), or None.
     l2: Option<crate::l2::L2Client>,
+    /// The node-scoped KV-event streams (`--kv-events`).
+    kv_streams: crate::server::kv_events::KvEventStreams,
     /// The L2 state last logged, so that each change to or from down is logged once.
     l2_down_logged: bool,
     /// The slot reserved for each L2 read in flight, by its token.
@@ -267,6 +272,7 @@ impl Server {
             pool_start,
             gpu,
             l2,
+            kv_streams,
             boot_id,
             fd_limit,
             ready_lines: _,
@@ -313,6 +319,7 @@ impl Server {
             faults: super::fault::FaultState::default(),
             fd_limit,
             l2,
+            kv_streams,
             l2_down_logged: false,
             l2_reads: HashMap::default(),
             l2_checks: HashMap::default(),

@@ -54,6 +54,7 @@ impl Server {
             Output::Peer(action) => self.act_on_peer(action),
             Output::L2(request) => self.l2_request(request),
             Output::Note(note) => self.note(note),
+            Output::Publish { stream, events } => self.kv_streams.send(stream, events),
             Output::Stopped {
                 contexts_freed,
                 frees_unfinished,

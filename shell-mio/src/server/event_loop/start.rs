@@ -7,6 +7,7 @@
 use super::{HTTP_LISTENER, SERVER_NAME, SIGNALS, ServerError, TCP_LISTENER, UNIX_LISTENER, WAKER};
 use crate::server::ServerConfig;
 use crate::server::gpu::GpuState;
+use crate::server::kv_events::KvEventStreams;
 use crate::server::l1::{L1, PoolStart};
 use crate::server::listen::{self, FdLimit};
 use crate::server::pool::Pool;
@@ -35,6 +36,7 @@ pub(super) struct Opened {
     pub(super) pool_start: PoolStart,
     pub(super) gpu: GpuState,
     pub(super) l2: Option<crate::l2::L2Client>,
+    pub(super) kv_streams: KvEventStreams,
     pub(super) boot_id: u64,
     pub(super) fd_limit: FdLimit,
     /// What stdout is told once the server is up (`socket=…`, `tcp=…`, `http=…`, `ready`).
@@ -72,6 +74,7 @@ impl Opened {
             pool_start == PoolStart::Adopt,
         );
         let (tcp_listener, http_listener, signals) = bind_tcp_and_signals(&config, &poll)?;
+        let kv_streams = KvEventStreams::bind(&config.kv_events).map_err(ServerError::KvEvents)?;
         let mut ready_lines = format!("socket={}\n", config.socket_path.display());
         if let Some(listener) = &tcp_listener {
             ready_lines += &format!("tcp={}\n", listener.local_addr()?);
@@ -96,6 +99,7 @@ impl Opened {
             pool_start,
             gpu,
             l2,
+            kv_streams,
             boot_id,
             fd_limit,
             ready_lines,
@@ -320,6 +324,7 @@ fn node_config(
         // Twice the threads: each finds its next job without a turn of the
         // loop in between, and a tenant's copy waits for at most that many.
         pool_window: 2 * config.pool_threads.max(1),
+        kv_publish: config.kv_events.iter().map(|e| e.tenant.clone()).collect(),
     }
 }
 
