@@ -111,6 +111,13 @@ pub fn run(args: &BatchArgs) -> Result<(), BenchError> {
     }
     connection.unregister(raw_instance)?;
 
+    print_figures(results, blocks, block);
+    target.check_no_ping_answered_false()?;
+    Ok(())
+}
+
+/// B1's lines: each direction batched and single, and the speedup.
+fn print_figures(results: Vec<(Direction, Rounds, Rounds)>, blocks: u64, block: u64) {
     let gib_per_s = |r: Rounds| {
         (r.rounds * blocks * block) as f64 / (1u64 << 30) as f64 / r.elapsed.as_secs_f64().max(1e-9)
     };
@@ -146,8 +153,6 @@ pub fn run(args: &BatchArgs) -> Result<(), BenchError> {
             &format!("{op}_batch_{blocks} / {op}_single_{blocks}"),
         );
     }
-    target.check_no_ping_answered_false()?;
-    Ok(())
 }
 
 #[derive(Copy, Clone, Debug)]

@@ -59,14 +59,7 @@ impl Bandwidth {
 /// Runs S6 and prints its figures.
 pub fn run(args: &CopyArgs) -> Result<(), BenchError> {
     let seconds = super::positive_seconds("--seconds", args.seconds)?;
-    let chunk = args.chunk_bytes;
-    if chunk == 0 || args.buffer_bytes < chunk || args.l1_bytes < chunk {
-        return Err(BenchError::Failed(format!(
-            "invalid sizes: --chunk-bytes {chunk} must be > 0 and fit both --buffer-bytes {} \
-             and --l1-bytes {}",
-            args.buffer_bytes, args.l1_bytes
-        )));
-    }
+    let chunk = chunk_bytes(args)?;
     super::print_machine();
     let (l1, slot) = (args.l1_bytes.to_string(), chunk.to_string());
     let target = Target::start(
@@ -76,14 +69,7 @@ pub fn run(args: &CopyArgs) -> Result<(), BenchError> {
     )?;
     let buffer_chunks = args.buffer_bytes / chunk;
     let l1_chunks = args.l1_bytes / chunk;
-    let memfd = crate::memfd::create("kvwarden-bench-copy", args.buffer_bytes)
-        .map_err(BenchError::io("creating the worker's memfd buffer"))?;
-    let mapping = crate::memfd::SharedMapping::map(&memfd, args.buffer_bytes as usize)
-        .map_err(BenchError::io("mapping the worker's memfd buffer"))?;
-    let pattern: Vec<u8> = (0..chunk).map(|i| (i * 7 + 1) as u8).collect();
-    for index in 0..buffer_chunks {
-        mapping.write(index * chunk, &pattern); // resident, like a worker's real buffer
-    }
+    let (memfd, _mapping) = worker_buffer(args.buffer_bytes, chunk)?;
     let instance = instance_ids(1)[0];
     let mut connection = target.connect()?;
     connection.register(
@@ -137,6 +123,49 @@ pub fn run(args: &CopyArgs) -> Result<(), BenchError> {
         args.buffer_bytes >> 20,
         args.l1_bytes >> 20
     );
+    print_figures(
+        [store_1, retrieve_1, store_n, retrieve_n],
+        memcpy,
+        depth,
+        &sizes,
+    );
+    target.check_no_ping_answered_false()?;
+    Ok(())
+}
+
+/// `--chunk-bytes`, when it is above 0 and fits the buffer and L1.
+fn chunk_bytes(args: &CopyArgs) -> Result<u64, BenchError> {
+    let chunk = args.chunk_bytes;
+    if chunk == 0 || args.buffer_bytes < chunk || args.l1_bytes < chunk {
+        return Err(BenchError::Failed(format!(
+            "invalid sizes: --chunk-bytes {chunk} must be > 0 and fit both --buffer-bytes {} \
+             and --l1-bytes {}",
+            args.buffer_bytes, args.l1_bytes
+        )));
+    }
+    Ok(chunk)
+}
+
+/// The worker's memfd buffer of `bytes`, every chunk written (resident, like a
+/// worker's real buffer), and its mapping.
+fn worker_buffer(
+    bytes: u64,
+    chunk: u64,
+) -> Result<(std::os::fd::OwnedFd, crate::memfd::SharedMapping), BenchError> {
+    let memfd = crate::memfd::create("kvwarden-bench-copy", bytes)
+        .map_err(BenchError::io("creating the worker's memfd buffer"))?;
+    let mapping = crate::memfd::SharedMapping::map(&memfd, bytes as usize)
+        .map_err(BenchError::io("mapping the worker's memfd buffer"))?;
+    let pattern: Vec<u8> = (0..chunk).map(|i| (i * 7 + 1) as u8).collect();
+    for index in 0..bytes / chunk {
+        mapping.write(index * chunk, &pattern);
+    }
+    Ok((memfd, mapping))
+}
+
+/// S6's lines: store, retrieve (one and `depth` in flight) and memcpy, and the ratios.
+fn print_figures(measured: [Bandwidth; 4], memcpy: Bandwidth, depth: usize, sizes: &str) {
+    let [store_1, retrieve_1, store_n, retrieve_n] = measured;
     let both_1 = store_1.plus(retrieve_1);
     let both_n = store_n.plus(retrieve_n);
     let rows = [
@@ -181,8 +210,6 @@ pub fn run(args: &CopyArgs) -> Result<(), BenchError> {
         "x",
         &format!("{depth} in flight (the server's pool copies in parallel)"),
     );
-    target.check_no_ping_answered_false()?;
-    Ok(())
 }
 
 /// Stores and retrieves of one instance's buffer, chunk by chunk.

@@ -7,6 +7,7 @@
 //! first `false` is the first moment the server no longer holds the instance.
 
 use super::process::WorkerProcess;
+use super::raw::RawConnection;
 use super::stats::Samples;
 use super::target::{Target, TargetArgs};
 use super::{BenchError, figure, progress};
@@ -66,29 +67,8 @@ pub fn run(args: &KillArgs) -> Result<(), BenchError> {
     let mut latencies = Vec::with_capacity(kills);
     let started = Instant::now();
     for kill in 1..=kills {
-        let worker = WorkerProcess::start_watchable(&worker_args, Stdio::null())?;
-        let instance = worker.instance_id;
-        if !control.ping(instance)? {
-            return Err(BenchError::Failed(format!(
-                "worker {instance} said it registered, but the server does not hold it"
-            )));
-        }
-        if kill == 1 && args.server_pid_namespace {
-            check_proof(&control.status()?, instance)?;
-        }
-        let killed_at = Instant::now();
-        worker.signal(Signal::KILL);
-        while control.ping(instance)? {
-            if killed_at.elapsed() > FREE_BOUND {
-                return Err(BenchError::Failed(format!(
-                    "worker {instance} was SIGKILLed {FREE_BOUND:?} ago and the server still \
-                     holds it: is the process-exit proof available (a Unix socket, and a \
-                     server that accepts the worker's pidfd or sees its pid)?"
-                )));
-            }
-        }
-        latencies.push(killed_at.elapsed());
-        worker.reap();
+        let check = kill == 1 && args.server_pid_namespace;
+        latencies.push(kill_one(&worker_args, &mut control, check)?);
         if kill % 20 == 0 && kill < kills {
             progress(&format!(
                 "{kill}/{kills} kills ({:.1} s)",
@@ -108,11 +88,53 @@ pub fn run(args: &KillArgs) -> Result<(), BenchError> {
         "{kills} SIGKILLs of a same-host `kvwarden worker`, {layout}, freed by the \
          process-exit proof ({proven} proofs counted), reap timeout {reap_timeout} s"
     );
+    print_figures(&samples, &setting);
+    if args.server_pid_namespace {
+        control_without_pidfd(&worker_args, &mut control, &reap_timeout)?;
+    }
+    Ok(())
+}
+
+/// Starts a worker, checks that the server holds it (and, with `check`, that it
+/// watches it by its pidfd), SIGKILLs it and times until the server frees it.
+fn kill_one(
+    worker_args: &[String],
+    control: &mut RawConnection,
+    check: bool,
+) -> Result<Duration, BenchError> {
+    let worker = WorkerProcess::start_watchable(worker_args, Stdio::null())?;
+    let instance = worker.instance_id;
+    if !control.ping(instance)? {
+        return Err(BenchError::Failed(format!(
+            "worker {instance} said it registered, but the server does not hold it"
+        )));
+    }
+    if check {
+        check_proof(&control.status()?, instance)?;
+    }
+    let killed_at = Instant::now();
+    worker.signal(Signal::KILL);
+    while control.ping(instance)? {
+        if killed_at.elapsed() > FREE_BOUND {
+            return Err(BenchError::Failed(format!(
+                "worker {instance} was SIGKILLed {FREE_BOUND:?} ago and the server still \
+                 holds it: is the process-exit proof available (a Unix socket, and a \
+                 server that accepts the worker's pidfd or sees its pid)?"
+            )));
+        }
+    }
+    let latency = killed_at.elapsed();
+    worker.reap();
+    Ok(latency)
+}
+
+/// S4's lines: p50, p99 and the most.
+fn print_figures(samples: &Samples, setting: &str) {
     for (name, q) in [("p50", 0.5), ("p99", 0.99)] {
         let note = if name == "p99" {
             format!("{setting}; target p99 <= 100 ms")
         } else {
-            setting.clone()
+            setting.to_owned()
         };
         figure(
             "S4",
@@ -127,12 +149,8 @@ pub fn run(args: &KillArgs) -> Result<(), BenchError> {
         "sigkill_to_free_max",
         format!("{:.3}", samples.max_ms()),
         "ms",
-        &setting,
+        setting,
     );
-    if args.server_pid_namespace {
-        control_without_pidfd(&worker_args, &mut control, &reap_timeout)?;
-    }
-    Ok(())
 }
 
 /// Checks that the server in another PID namespace watches the worker by the pidfd the

@@ -222,6 +222,24 @@ pub struct ServerProcess {
     _dir: TempDir,
 }
 
+/// A fresh TCP token in `dir` for a server started with `--tcp` and no token file of
+/// its own; None otherwise.
+fn fresh_tcp_token(dir: &TempDir, args: &[String]) -> Result<Option<PathBuf>, BenchError> {
+    if !args.iter().any(|a| a == "--tcp") || args.iter().any(|a| a == "--tcp-token-file") {
+        return Ok(None);
+    }
+    let path = dir.path().join("tcp.token");
+    let token: String = kvwarden_core::InstanceId::generate()
+        .get()
+        .to_be_bytes()
+        .iter()
+        .chain(&kvwarden_core::InstanceId::generate().get().to_be_bytes())
+        .map(|byte| format!("{byte:02x}"))
+        .collect();
+    std::fs::write(&path, token).map_err(BenchError::io(format!("writing {}", path.display())))?;
+    Ok(Some(path))
+}
+
 impl ServerProcess {
     /// Starts `kvwarden serve --socket <tmp> --http off <args>` (a later `--http` in
     /// `args` wins) with `RUST_LOG=<log_level>`, and waits until it says `ready`.
@@ -287,20 +305,9 @@ impl ServerProcess {
             command.args(["--http", "off"]);
         }
         // TCP peers present a token: a server with `--tcp` gets a fresh one of its own.
-        let mut tcp_token_file = None;
-        if args.iter().any(|a| a == "--tcp") && !args.iter().any(|a| a == "--tcp-token-file") {
-            let path = dir.path().join("tcp.token");
-            let token: String = kvwarden_core::InstanceId::generate()
-                .get()
-                .to_be_bytes()
-                .iter()
-                .chain(&kvwarden_core::InstanceId::generate().get().to_be_bytes())
-                .map(|byte| format!("{byte:02x}"))
-                .collect();
-            std::fs::write(&path, token)
-                .map_err(BenchError::io(format!("writing {}", path.display())))?;
-            command.arg("--tcp-token-file").arg(&path);
-            tcp_token_file = Some(path);
+        let tcp_token_file = fresh_tcp_token(&dir, args)?;
+        if let Some(path) = &tcp_token_file {
+            command.arg("--tcp-token-file").arg(path);
         }
         command
             .args(args)

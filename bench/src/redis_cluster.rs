@@ -58,6 +58,25 @@ pub struct TlsFiles {
     pub other_ca: PathBuf,
 }
 
+/// Runs `openssl args` in `dir`; its stderr in the error when it fails.
+fn openssl(dir: &Path, args: &[&str]) -> Result<(), BenchError> {
+    let output = Command::new("openssl")
+        .args(args)
+        .current_dir(dir)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(BenchError::io("running openssl"))?;
+    if output.status.success() {
+        Ok(())
+    } else {
+        Err(BenchError::Failed(format!(
+            "openssl {} failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&output.stderr)
+        )))
+    }
+}
+
 impl TlsFiles {
     /// Makes the CAs and certificates in `dir` with `openssl`.
     pub fn make(dir: &Path) -> Result<TlsFiles, BenchError> {
@@ -87,23 +106,7 @@ impl TlsFiles {
             "ec_paramgen_curve:prime256v1",
             "-nodes",
         ];
-        let run = |args: &[&str]| -> Result<(), BenchError> {
-            let output = Command::new("openssl")
-                .args(args)
-                .current_dir(dir)
-                .stdin(Stdio::null())
-                .output()
-                .map_err(BenchError::io("running openssl"))?;
-            if output.status.success() {
-                Ok(())
-            } else {
-                Err(BenchError::Failed(format!(
-                    "openssl {} failed: {}",
-                    args.join(" "),
-                    String::from_utf8_lossy(&output.stderr)
-                )))
-            }
-        };
+        let run = |args: &[&str]| openssl(dir, args);
         for (name, subject) in [
             ("ca", "/CN=kvwarden test CA"),
             ("other-ca", "/CN=not the CA"),

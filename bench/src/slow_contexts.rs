@@ -43,13 +43,11 @@ struct Churn {
     failures: AtomicU64,
 }
 
-/// Runs S3 and prints its figures.
-pub fn run(args: &SlowContextsArgs) -> Result<(), BenchError> {
-    let (seconds, interval) = args.paced.begin()?;
-    let workers = args.workers.max(1);
+/// The server, with the build delay and the hung frees of `args` (when it spawns one).
+fn start_target(args: &SlowContextsArgs) -> Result<Target, BenchError> {
     let build_delay = args.build_delay_ms.to_string();
     let hung = args.hung_frees.to_string();
-    let target = Target::start(
+    Target::start(
         &args.target,
         "bench-slow-contexts",
         &[
@@ -65,7 +63,14 @@ pub fn run(args: &SlowContextsArgs) -> Result<(), BenchError> {
             "--pool-threads",
             "64",
         ],
-    )?;
+    )
+}
+
+/// Runs S3 and prints its figures.
+pub fn run(args: &SlowContextsArgs) -> Result<(), BenchError> {
+    let (seconds, interval) = args.paced.begin()?;
+    let workers = args.workers.max(1);
+    let target = start_target(args)?;
     let ids = instance_ids(workers);
     target.connect()?.register_many(&ids, None)?;
     let instances: Vec<Option<u64>> = ids.iter().copied().map(Some).collect();

@@ -1,7 +1,7 @@
 //! The Python client speaks the contract the Rust one does: its error-code table is
 //! exactly [`ErrorCode::ALL`], every op it sends is a row of the op table, and its
 //! protocol version and limits (batch items, instance ids, secret length) are the
-//! server's.
+//! server's, and the block descriptions it writes are of the version the server reads.
 //!
 //! Read from the Python sources (`python/src/kvwarden/`), so that a code or an op
 //! added on one side only fails here, in `cargo test --workspace`.
@@ -174,6 +174,12 @@ fn the_python_clients_limits_are_the_servers() {
         (MIN_SECRET_BYTES as u64..=MAX_SECRET_BYTES as u64).contains(&secret),
         "python/src/kvwarden/worker.py's SECRET_BYTES {secret} is outside the server's \
          {MIN_SECRET_BYTES}..={MAX_SECRET_BYTES}"
+    );
+    assert_eq!(
+        python_constant(&python_source("kv_announce.py"), "META_VERSION"),
+        Some(kvwarden_core::kv_publish::META_VERSION),
+        "python/src/kvwarden/kv_announce.py writes descriptions of another version than \
+         the server reads (kvwarden_core::kv_publish::META_VERSION)"
     );
     // The control: the same reading of a doctored source sees the difference.
     let doctored = wire.replace("PROTOCOL_VERSION = 3", "PROTOCOL_VERSION = 4");

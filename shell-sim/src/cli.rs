@@ -106,56 +106,14 @@ pub fn main() -> i32 {
             stats,
             inject_bug,
         } => {
-            let bug = match inject_bug.as_deref().map(|name| {
-                InjectedBug::ALL
-                    .iter()
-                    .find(|(_, label)| *label == name)
-                    .map(|(bug, _)| *bug)
-                    .ok_or(name)
-            }) {
-                None => None,
-                Some(Ok(bug)) if bug.available() => Some(bug),
-                Some(Ok(bug)) => {
-                    eprintln!(
-                        "kvwarden-sim: --inject-bug {} is a bug of the node: build with \
-                         --features planted-bugs",
-                        bug.label()
-                    );
-                    return EXIT_BAD_INPUT;
-                }
-                Some(Err(name)) => {
-                    eprintln!(
-                        "kvwarden-sim: --inject-bug {name:?} is not a known bug (see --help)"
-                    );
-                    return EXIT_BAD_INPUT;
-                }
+            let bug = match injected_bug(inject_bug.as_deref()) {
+                Ok(bug) => bug,
+                Err(code) => return code,
             };
-            let mut list = Vec::new();
-            if let Some(range) = seeds {
-                match swarm::parse_range(&range) {
-                    Ok(range) => list.extend(range),
-                    Err(error) => {
-                        eprintln!("kvwarden-sim: {error}");
-                        return EXIT_BAD_INPUT;
-                    }
-                }
-            }
-            if let Some(file) = seeds_file {
-                let parsed = std::fs::read_to_string(&file)
-                    .map_err(|e| e.to_string())
-                    .and_then(|text| swarm::parse_seed_list(&text));
-                match parsed {
-                    Ok(seeds) => list.extend(seeds),
-                    Err(error) => {
-                        eprintln!("kvwarden-sim: --seeds-file {}: {error}", file.display());
-                        return EXIT_BAD_INPUT;
-                    }
-                }
-            }
-            if list.is_empty() {
-                eprintln!("kvwarden-sim: swarm needs --seeds A..B or --seeds-file FILE");
-                return EXIT_BAD_INPUT;
-            }
+            let list = match seed_list(seeds, seeds_file) {
+                Ok(list) => list,
+                Err(code) => return code,
+            };
             let options = SwarmOptions {
                 check_determinism,
                 determinism_every: determinism_every.max(1),
@@ -173,6 +131,65 @@ pub fn main() -> i32 {
             seed,
         } => bench(workers, hours, seed),
     }
+}
+
+/// The bug `--inject-bug` names, if any; else the exit code of a bad name.
+fn injected_bug(name: Option<&str>) -> Result<Option<InjectedBug>, i32> {
+    let found = name.map(|name| {
+        InjectedBug::ALL
+            .iter()
+            .find(|(_, label)| *label == name)
+            .map(|(bug, _)| *bug)
+            .ok_or(name)
+    });
+    match found {
+        None => Ok(None),
+        Some(Ok(bug)) if bug.available() => Ok(Some(bug)),
+        Some(Ok(bug)) => {
+            eprintln!(
+                "kvwarden-sim: --inject-bug {} is a bug of the node: build with \
+                 --features planted-bugs",
+                bug.label()
+            );
+            Err(EXIT_BAD_INPUT)
+        }
+        Some(Err(name)) => {
+            eprintln!("kvwarden-sim: --inject-bug {name:?} is not a known bug (see --help)");
+            Err(EXIT_BAD_INPUT)
+        }
+    }
+}
+
+/// The seeds of `--seeds A..B` and `--seeds-file FILE`, at least one; else the exit
+/// code of what is wrong.
+fn seed_list(seeds: Option<String>, seeds_file: Option<PathBuf>) -> Result<Vec<u64>, i32> {
+    let mut list = Vec::new();
+    if let Some(range) = seeds {
+        match swarm::parse_range(&range) {
+            Ok(range) => list.extend(range),
+            Err(error) => {
+                eprintln!("kvwarden-sim: {error}");
+                return Err(EXIT_BAD_INPUT);
+            }
+        }
+    }
+    if let Some(file) = seeds_file {
+        let parsed = std::fs::read_to_string(&file)
+            .map_err(|e| e.to_string())
+            .and_then(|text| swarm::parse_seed_list(&text));
+        match parsed {
+            Ok(seeds) => list.extend(seeds),
+            Err(error) => {
+                eprintln!("kvwarden-sim: --seeds-file {}: {error}", file.display());
+                return Err(EXIT_BAD_INPUT);
+            }
+        }
+    }
+    if list.is_empty() {
+        eprintln!("kvwarden-sim: swarm needs --seeds A..B or --seeds-file FILE");
+        return Err(EXIT_BAD_INPUT);
+    }
+    Ok(list)
 }
 
 /// Runs scenario files and prints one line per file; returns the exit code.
