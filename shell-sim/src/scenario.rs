@@ -5,16 +5,17 @@
 //! error names the file, the field, the value seen and what would be right. The format
 //! is documented in `docs/simulator.md`.
 
-use crate::config::{
-    Action, Direction, FaultEvent, HeartbeatStart, InjectedBug, LinkSpec, ServerSpec, SimConfig,
-    TokenChoice, WorkerSpec,
-};
+use crate::config::{FaultEvent, HeartbeatStart, InjectedBug, LinkSpec, SimConfig, WorkerSpec};
 use crate::expect::{ExpectKind, Expectation, Target};
 use crate::time::{Nanos, from_seconds};
 use kvwarden_core::Module;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 use thiserror::Error;
+
+mod event;
+mod server;
+use server::RawServer;
 
 /// A scenario file that cannot be run.
 #[derive(Debug, Error)]
@@ -81,27 +82,6 @@ struct RawScenario {
     events: Vec<RawEvent>,
     #[serde(default)]
     expect: Vec<RawExpect>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawServer {
-    reap_timeout_seconds: Option<f64>,
-    registration_grace_seconds: Option<f64>,
-    resolution_seconds: Option<f64>,
-    stall_threshold_seconds: Option<f64>,
-    allow_short_timeouts: Option<bool>,
-    build_delay_seconds: Option<f64>,
-    build_delay_max_seconds: Option<f64>,
-    build_failure_rate: Option<f64>,
-    copy_seconds: Option<f64>,
-    pool_file: Option<bool>,
-    scan_seconds: Option<f64>,
-    exit_notice_seconds: Option<f64>,
-    free_seconds: Option<f64>,
-    free_hang_rate: Option<f64>,
-    free_watchdog_seconds: Option<f64>,
-    tcp_token: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -357,91 +337,6 @@ impl Reader<'_> {
         Ok(spec)
     }
 
-    fn server(&self, raw: &RawServer) -> Result<ServerSpec, ScenarioError> {
-        let mut spec = ServerSpec::default();
-        if let Some(v) = raw.reap_timeout_seconds {
-            spec.reap_timeout = self.seconds("server.reap_timeout_seconds", v)?;
-        }
-        if let Some(v) = raw.registration_grace_seconds {
-            spec.registration_grace = self.seconds("server.registration_grace_seconds", v)?;
-        }
-        if let Some(v) = raw.resolution_seconds {
-            spec.resolution = self.seconds("server.resolution_seconds", v)?;
-        }
-        if let Some(v) = raw.stall_threshold_seconds {
-            spec.stall_threshold = self.seconds("server.stall_threshold_seconds", v)?;
-        }
-        if let Some(v) = raw.allow_short_timeouts {
-            spec.allow_short_timeouts = v;
-        }
-        if let Some(v) = raw.build_delay_seconds {
-            let delay = self.seconds("server.build_delay_seconds", v)?;
-            spec.build_delay = (delay, delay);
-        }
-        if let Some(v) = raw.build_delay_max_seconds {
-            let max = self.seconds("server.build_delay_max_seconds", v)?;
-            if max < spec.build_delay.0 {
-                return Err(self.bad(
-                    "server.build_delay_max_seconds",
-                    v,
-                    "at least server.build_delay_seconds",
-                ));
-            }
-            spec.build_delay.1 = max;
-        }
-        if let Some(v) = raw.build_failure_rate {
-            spec.build_failure_rate = self.probability("server.build_failure_rate", v)?;
-        }
-        if let Some(v) = raw.copy_seconds {
-            spec.copy_duration = self.seconds("server.copy_seconds", v)?;
-        }
-        if let Some(v) = raw.pool_file {
-            spec.pool_file = v;
-        }
-        if let Some(v) = raw.scan_seconds {
-            spec.scan_duration = self.seconds("server.scan_seconds", v)?;
-        }
-        if let Some(v) = raw.exit_notice_seconds {
-            spec.exit_notice_delay = self.seconds("server.exit_notice_seconds", v)?;
-        }
-        if let Some(v) = raw.free_seconds {
-            spec.free_delay = self.seconds("server.free_seconds", v)?;
-        }
-        if let Some(v) = raw.free_hang_rate {
-            spec.free_hang_rate = self.probability("server.free_hang_rate", v)?;
-        }
-        if let Some(v) = &raw.tcp_token {
-            if v.len() < 16 {
-                return Err(self.bad(
-                    "server.tcp_token",
-                    format!("{v:?}"),
-                    "at least 16 bytes (the server refuses shorter tokens)",
-                ));
-            }
-            spec.tcp_token = Some(v.as_bytes().to_vec());
-        }
-        if let Some(v) = raw.free_watchdog_seconds {
-            spec.free_watchdog = self.seconds("server.free_watchdog_seconds", v)?;
-            if spec.free_watchdog == 0 {
-                return Err(self.bad(
-                    "server.free_watchdog_seconds",
-                    v,
-                    "more than 0 s (default 10)",
-                ));
-            }
-        }
-        let config = crate::server::Server::core_config(&spec);
-        let floor = if spec.allow_short_timeouts {
-            std::time::Duration::ZERO
-        } else {
-            kvwarden_core::REAP_TIMEOUT_FLOOR
-        };
-        config
-            .validate_with_floor(floor)
-            .map_err(|error| self.bad("server", "the [server] table", &error.to_string()))?;
-        Ok(spec)
-    }
-
     fn worker(
         &self,
         index: usize,
@@ -591,185 +486,6 @@ impl Reader<'_> {
                 })
             })
             .collect()
-    }
-
-    fn event(
-        &self,
-        index: usize,
-        raw: &RawEvent,
-        workers: &[WorkerSpec],
-        events: &mut Vec<FaultEvent>,
-    ) -> Result<(), ScenarioError> {
-        let field = |name: &str| format!("events[{index}].{name}");
-        let at = self.seconds(&field("at_seconds"), raw.at_seconds)?;
-        let slots = || self.slots(&field("workers"), &raw.workers, workers);
-        let (action, undo) = match raw.action.as_str() {
-            "crash" => (Action::Crash(slots()?), None),
-            "restart" => (Action::Restart(slots()?), None),
-            "freeze" => (Action::Freeze(slots()?), Some(Action::Thaw(slots()?))),
-            "thaw" => (Action::Thaw(slots()?), None),
-            "starve_heartbeat" => (
-                Action::StarveHeartbeat(slots()?),
-                Some(Action::FeedHeartbeat(slots()?)),
-            ),
-            "feed_heartbeat" => (Action::FeedHeartbeat(slots()?), None),
-            "stop" => (Action::Stop(slots()?), None),
-            "unregister" => (Action::Unregister(slots()?), None),
-            "register" => (Action::Register(slots()?), None),
-            "transfer" => (Action::Transfer(slots()?), None),
-            "partition" => {
-                let direction = match raw.direction.as_deref().unwrap_or("both") {
-                    "both" => Direction::Both,
-                    "to_server" => Direction::ToServer,
-                    "to_worker" => Direction::ToWorker,
-                    other => {
-                        return Err(self.bad(
-                            field("direction"),
-                            format!("{other:?}"),
-                            "\"both\", \"to_server\" or \"to_worker\"",
-                        ));
-                    }
-                };
-                (
-                    Action::Partition(slots()?, direction),
-                    Some(Action::Heal(slots()?)),
-                )
-            }
-            "heal" => (Action::Heal(slots()?), None),
-            "set_link" => {
-                let Some(link) = &raw.link else {
-                    return Err(self.bad(
-                        field("link"),
-                        "nothing",
-                        "set_link needs link = { delay_ms, jitter_ms, loss, duplicate }",
-                    ));
-                };
-                (
-                    Action::SetLink(slots()?, self.link(&field("link"), link)?),
-                    None,
-                )
-            }
-            "server_pause" => (Action::ServerPause, Some(Action::ServerResume)),
-            "server_resume" => (Action::ServerResume, None),
-            "server_restart" => {
-                let down = self.seconds(&field("down_seconds"), raw.down_seconds.unwrap_or(0.0))?;
-                (Action::ServerRestart { down }, None)
-            }
-            "server_stop" => (Action::ServerStop, None),
-            "clock_step" => {
-                let Some(step) = raw.step_seconds.filter(|s| s.is_finite()) else {
-                    return Err(self.bad(
-                        field("step_seconds"),
-                        format!("{:?}", raw.step_seconds),
-                        "clock_step needs a finite step_seconds (negative: backwards)",
-                    ));
-                };
-                (Action::ClockStep((step * 1e9) as i64), None)
-            }
-            "build_failure_rate" => {
-                let rate = self.probability(&field("rate"), raw.rate.unwrap_or(-1.0))?;
-                (Action::BuildFailureRate(rate), None)
-            }
-            "free_hang_rate" => {
-                let rate = self.probability(&field("rate"), raw.rate.unwrap_or(-1.0))?;
-                (Action::FreeHangRate(rate), None)
-            }
-            "intrude" => {
-                let from = slots()?;
-                let target = raw
-                    .target
-                    .as_ref()
-                    .map(|t| vec![t.clone()])
-                    .unwrap_or_default();
-                let target = self.slots(&field("target"), &target, workers)?;
-                if from.len() != 1 || target.len() != 1 || from[0] == target[0] {
-                    return Err(self.bad(
-                        field("target"),
-                        format!("{:?}", raw.target),
-                        "intrude needs one worker in workers and another one in target",
-                    ));
-                }
-                (Action::Intrude(from[0], target[0]), None)
-            }
-            "impersonate" | "poach" => {
-                let from = slots()?;
-                if from.len() != 1 {
-                    return Err(self.bad(
-                        field("workers"),
-                        format!("{:?}", raw.workers),
-                        "impersonate and poach need exactly one worker (the adversary)",
-                    ));
-                }
-                if raw.action == "poach" {
-                    (Action::Poach(from[0]), None)
-                } else {
-                    (Action::Impersonate(from[0]), None)
-                }
-            }
-            "tcp_probe" => {
-                let token = match raw.token.as_deref().unwrap_or("missing") {
-                    "missing" => TokenChoice::Missing,
-                    "wrong" => TokenChoice::Wrong,
-                    "right" => TokenChoice::Right,
-                    other => {
-                        return Err(self.bad(
-                            field("token"),
-                            format!("{other:?}"),
-                            "\"missing\", \"wrong\" or \"right\" (the server's tcp_token)",
-                        ));
-                    }
-                };
-                (Action::TcpProbe(token), None)
-            }
-            "l2_down" => (Action::L2Down, Some(Action::L2Up)),
-            "l2_partition" => (Action::L2Partition, Some(Action::L2Up)),
-            "l2_up" => (Action::L2Up, None),
-            "l2_slow" => {
-                let Some(delay) = raw.delay_ms else {
-                    return Err(self.bad(
-                        field("delay_ms"),
-                        "nothing",
-                        "l2_slow needs delay_ms (how late L2 answers; above l2.timeout_ms to be slow)",
-                    ));
-                };
-                (
-                    Action::L2Slow(self.millis(&field("delay_ms"), delay)?),
-                    Some(Action::L2Up),
-                )
-            }
-            "l2_corrupt" => {
-                let rate = self.probability(&field("rate"), raw.rate.unwrap_or(-1.0))?;
-                (Action::L2Corrupt(rate), Some(Action::L2Corrupt(0.0)))
-            }
-            "l2_garble" => (Action::L2Garble(slots()?), None),
-            "l2_flaky" => {
-                let rate = self.probability(&field("rate"), raw.rate.unwrap_or(-1.0))?;
-                (Action::L2Flaky(rate), Some(Action::L2Flaky(0.0)))
-            }
-            "heal_all" => (Action::HealAll, None),
-            other => {
-                return Err(self.bad(
-                    field("action"),
-                    format!("{other:?}"),
-                    "one of crash, restart, freeze, thaw, starve_heartbeat, feed_heartbeat, stop, unregister, register, transfer, partition, heal, set_link, server_pause, server_resume, server_restart, server_stop, clock_step, build_failure_rate, free_hang_rate, intrude, impersonate, poach, tcp_probe, l2_down, l2_partition, l2_up, l2_slow, l2_corrupt, l2_flaky, l2_garble, heal_all",
-                ));
-            }
-        };
-        events.push(FaultEvent { at, action });
-        if let Some(until) = raw.until_seconds {
-            let Some(undo) = undo else {
-                return Err(self.bad(field("until_seconds"), until, "only freeze, starve_heartbeat, partition, server_pause, l2_down, l2_partition, l2_slow, l2_corrupt and l2_flaky can be undone with until_seconds"));
-            };
-            let end = self.seconds(&field("until_seconds"), until)?;
-            if end < at {
-                return Err(self.bad(field("until_seconds"), until, "not before at_seconds"));
-            }
-            events.push(FaultEvent {
-                at: end,
-                action: undo,
-            });
-        }
-        Ok(())
     }
 
     fn expect(
