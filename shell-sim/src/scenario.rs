@@ -241,32 +241,7 @@ impl Reader<'_> {
         if workers.is_empty() {
             return Err(self.bad("workers", "[]", "declare at least one [[workers]] group"));
         }
-        let bug = match &raw.inject_bug {
-            None => None,
-            Some(name) => {
-                let bug = InjectedBug::ALL
-                    .iter()
-                    .find(|(_, label)| label == name)
-                    .map(|(bug, _)| *bug)
-                    .ok_or_else(|| {
-                        let names: Vec<&str> =
-                            InjectedBug::ALL.iter().map(|(_, label)| *label).collect();
-                        self.bad(
-                            "inject_bug",
-                            format!("{name:?}"),
-                            &format!("one of {}", names.join(", ")),
-                        )
-                    })?;
-                if !bug.available() {
-                    return Err(self.bad(
-                        "inject_bug",
-                        format!("{name:?}"),
-                        "a bug of the node: build kvwarden-sim with --features planted-bugs",
-                    ));
-                }
-                Some(bug)
-            }
-        };
+        let bug = self.injected_bug(raw.inject_bug.as_deref())?;
         let mut events = Vec::new();
         for (index, event) in raw.events.iter().enumerate() {
             self.event(index, event, &workers, &mut events)?;
@@ -304,6 +279,33 @@ impl Reader<'_> {
             },
             expectations,
         })
+    }
+
+    /// The bug `inject_bug` names, if any.
+    fn injected_bug(&self, name: Option<&str>) -> Result<Option<InjectedBug>, ScenarioError> {
+        let Some(name) = name else {
+            return Ok(None);
+        };
+        let bug = InjectedBug::ALL
+            .iter()
+            .find(|(_, label)| *label == name)
+            .map(|(bug, _)| *bug)
+            .ok_or_else(|| {
+                let names: Vec<&str> = InjectedBug::ALL.iter().map(|(_, label)| *label).collect();
+                self.bad(
+                    "inject_bug",
+                    format!("{name:?}"),
+                    &format!("one of {}", names.join(", ")),
+                )
+            })?;
+        if !bug.available() {
+            return Err(self.bad(
+                "inject_bug",
+                format!("{name:?}"),
+                "a bug of the node: build kvwarden-sim with --features planted-bugs",
+            ));
+        }
+        Ok(Some(bug))
     }
 
     fn millis(&self, field: &str, value: f64) -> Result<Nanos, ScenarioError> {
@@ -376,41 +378,10 @@ impl Reader<'_> {
             spec.traffic_start_after = self.seconds(&field("traffic_start_seconds"), v)?;
         }
         if let Some(v) = &raw.heartbeat_start {
-            spec.heartbeat_start = match v.as_str() {
-                "register" => HeartbeatStart::OnRegister,
-                "first_transfer" => HeartbeatStart::OnFirstTransfer,
-                "never" => HeartbeatStart::Never,
-                _ => {
-                    return Err(self.bad(
-                        field("heartbeat_start"),
-                        format!("{v:?}"),
-                        "one of \"register\", \"first_transfer\", \"never\"",
-                    ));
-                }
-            };
+            spec.heartbeat_start = self.heartbeat_start(&field("heartbeat_start"), v)?;
         }
         if let Some(modules) = &raw.modules {
-            let mut parsed = Vec::new();
-            for m in modules {
-                let module = match m.as_str() {
-                    "server_driven" => Module::ServerDriven,
-                    "engine_driven" => Module::EngineDriven,
-                    _ => {
-                        return Err(self.bad(
-                            field("modules"),
-                            format!("{m:?}"),
-                            "\"server_driven\" or \"engine_driven\"",
-                        ));
-                    }
-                };
-                if !parsed.contains(&module) {
-                    parsed.push(module);
-                }
-            }
-            if parsed.is_empty() {
-                return Err(self.bad(field("modules"), "[]", "at least one module"));
-            }
-            spec.modules = parsed;
+            spec.modules = self.modules(&field("modules"), modules)?;
         }
         if let Some(v) = raw.blend {
             spec.blend = v;
@@ -439,6 +410,45 @@ impl Reader<'_> {
             spec.garbage_every = Some(every);
         }
         Ok(spec)
+    }
+
+    /// When a worker's heartbeat starts.
+    fn heartbeat_start(&self, field: &str, v: &str) -> Result<HeartbeatStart, ScenarioError> {
+        match v {
+            "register" => Ok(HeartbeatStart::OnRegister),
+            "first_transfer" => Ok(HeartbeatStart::OnFirstTransfer),
+            "never" => Ok(HeartbeatStart::Never),
+            _ => Err(self.bad(
+                field,
+                format!("{v:?}"),
+                "one of \"register\", \"first_transfer\", \"never\"",
+            )),
+        }
+    }
+
+    /// A worker's modules, each once, at least one.
+    fn modules(&self, field: &str, modules: &[String]) -> Result<Vec<Module>, ScenarioError> {
+        let mut parsed = Vec::new();
+        for m in modules {
+            let module = match m.as_str() {
+                "server_driven" => Module::ServerDriven,
+                "engine_driven" => Module::EngineDriven,
+                _ => {
+                    return Err(self.bad(
+                        field,
+                        format!("{m:?}"),
+                        "\"server_driven\" or \"engine_driven\"",
+                    ));
+                }
+            };
+            if !parsed.contains(&module) {
+                parsed.push(module);
+            }
+        }
+        if parsed.is_empty() {
+            return Err(self.bad(field, "[]", "at least one module"));
+        }
+        Ok(parsed)
     }
 
     fn link(&self, field: &str, raw: &RawLink) -> Result<LinkSpec, ScenarioError> {
@@ -488,6 +498,34 @@ impl Reader<'_> {
             .collect()
     }
 
+    /// The free cause an expectation names; None for any.
+    fn cause(&self, field: &str, cause: Option<&str>) -> Result<Option<String>, ScenarioError> {
+        match cause {
+            None | Some("any") => Ok(None),
+            Some(c @ ("reaped" | "process_exited" | "unregistered" | "cancelled")) => {
+                Ok(Some(c.to_string()))
+            }
+            Some(other) => Err(self.bad(
+                field,
+                format!("{other:?}"),
+                "one of reaped, process_exited, unregistered, cancelled, any",
+            )),
+        }
+    }
+
+    /// An expectation's `[earliest, latest]` window.
+    fn window(&self, field: &str, [a, b]: [f64; 2]) -> Result<(Nanos, Nanos), ScenarioError> {
+        let (earliest, latest) = (self.seconds(field, a)?, self.seconds(field, b)?);
+        if latest < earliest {
+            return Err(self.bad(
+                field,
+                format!("[{a}, {b}]"),
+                "[earliest, latest] with earliest ≤ latest",
+            ));
+        }
+        Ok((earliest, latest))
+    }
+
     fn expect(
         &self,
         index: usize,
@@ -526,24 +564,7 @@ impl Reader<'_> {
         }
         let between = match raw.between_seconds {
             None => None,
-            Some([a, b]) => {
-                let (a, b) = (
-                    self.seconds(&field("between_seconds"), a)?,
-                    self.seconds(&field("between_seconds"), b)?,
-                );
-                if b < a {
-                    return Err(self.bad(
-                        field("between_seconds"),
-                        format!(
-                            "[{}, {}]",
-                            raw.between_seconds.unwrap()[0],
-                            raw.between_seconds.unwrap()[1]
-                        ),
-                        "[earliest, latest] with earliest ≤ latest",
-                    ));
-                }
-                Some((a, b))
-            }
+            Some(window) => Some(self.window(&field("between_seconds"), window)?),
         };
         let at = match raw.at_seconds {
             None => None,
@@ -555,19 +576,7 @@ impl Reader<'_> {
                 Some(at)
             }
         };
-        let cause = match raw.cause.as_deref() {
-            None | Some("any") => None,
-            Some(c @ ("reaped" | "process_exited" | "unregistered" | "cancelled")) => {
-                Some(c.to_string())
-            }
-            Some(other) => {
-                return Err(self.bad(
-                    field("cause"),
-                    format!("{other:?}"),
-                    "one of reaped, process_exited, unregistered, cancelled, any",
-                ));
-            }
-        };
+        let cause = self.cause(&field("cause"), raw.cause.as_deref())?;
         if kind.needs_count() && raw.count.is_none() {
             return Err(self.bad(field("count"), "nothing", "this kind needs count = N"));
         }
