@@ -390,111 +390,142 @@ impl Checker {
                 expect,
                 instance,
                 secret,
-            } => {
-                let got = match (reply, code) {
-                    (_, Some(ErrorCode::Unavailable)) => return false,
-                    (Some(Ok(Answer::Attached(attached))), None) => {
-                        Some(attached.label().to_owned())
-                    }
-                    (_, Some(ErrorCode::Forbidden)) => Some("forbidden".to_string()),
-                    (_, Some(ErrorCode::BadArgs)) => Some("bad_args".to_string()),
-                    _ => None,
-                };
-                if got.as_deref() != Some(expect.label()) {
-                    let detail = format!(
-                        "{} was answered {reply:?}; the reference model expects {}",
-                        what(),
-                        expect.label()
-                    );
-                    if *expect == AttachExpect::Forbidden {
-                        self.fail(Class::Safety, "non_owner_served", detail);
-                    } else {
-                        self.diverged(detail);
-                    }
-                    return false;
-                }
-                if *expect == AttachExpect::Claimed {
-                    // A new capability under an old number: whatever that number did
-                    // before (a clean shutdown, say) was another owner's.
-                    self.cleanly_gone.remove(instance);
-                }
-                if matches!(expect, AttachExpect::Claimed | AttachExpect::Proven) {
-                    self.attached(conn, *instance, secret);
-                }
-                false
+            } => self.judge_attach(conn, &what, reply, *expect, *instance, secret),
+            Verdict::Auth { answered, client } => self.judge_auth(conn, reply, *answered, client),
+            Verdict::Hello { authenticates } => self.judge_hello(conn, reply, *authenticates),
+        }
+    }
+
+    /// An `attach` answered as the reference model expects: claimed, proven or refused.
+    fn judge_attach(
+        &mut self,
+        conn: u64,
+        what: &dyn Fn() -> String,
+        reply: Option<&Result<Answer, kvwarden_core::protocol::ProtocolError>>,
+        expect: AttachExpect,
+        instance: InstanceId,
+        secret: &[u8],
+    ) -> bool {
+        use kvwarden_core::protocol::ErrorCode;
+        let code = reply.and_then(|r| r.as_ref().err()).map(|e| e.code);
+        let got = match (reply, code) {
+            (_, Some(ErrorCode::Unavailable)) => return false,
+            (Some(Ok(Answer::Attached(attached))), None) => Some(attached.label().to_owned()),
+            (_, Some(ErrorCode::Forbidden)) => Some("forbidden".to_string()),
+            (_, Some(ErrorCode::BadArgs)) => Some("bad_args".to_string()),
+            _ => None,
+        };
+        if got.as_deref() != Some(expect.label()) {
+            let detail = format!(
+                "{} was answered {reply:?}; the reference model expects {}",
+                what(),
+                expect.label()
+            );
+            if expect == AttachExpect::Forbidden {
+                self.fail(Class::Safety, "non_owner_served", detail);
+            } else {
+                self.diverged(detail);
             }
-            Verdict::Auth { answered, client } => {
-                let tcp = self
-                    .trust
-                    .connections
-                    .get(&conn)
-                    .is_some_and(|c| !matches!(c.owner, Some(Owner::Uid(_))));
-                if let Some(connection) = self.trust.connections.get_mut(&conn)
-                    && tcp
-                {
-                    connection.challenged = true;
+            return false;
+        }
+        if expect == AttachExpect::Claimed {
+            // A new capability under an old number: whatever that number did
+            // before (a clean shutdown, say) was another owner's.
+            self.cleanly_gone.remove(&instance);
+        }
+        if matches!(expect, AttachExpect::Claimed | AttachExpect::Proven) {
+            self.attached(conn, instance, secret);
+        }
+        false
+    }
+
+    /// An `auth` answered with a challenge exactly on a TCP connection's first, its
+    /// proof the server's token's.
+    fn judge_auth(
+        &mut self,
+        conn: u64,
+        reply: Option<&Result<Answer, kvwarden_core::protocol::ProtocolError>>,
+        answered: bool,
+        client: &Nonce,
+    ) -> bool {
+        let tcp = self
+            .trust
+            .connections
+            .get(&conn)
+            .is_some_and(|c| !matches!(c.owner, Some(Owner::Uid(_))));
+        if let Some(connection) = self.trust.connections.get_mut(&conn)
+            && tcp
+        {
+            connection.challenged = true;
+        }
+        let challenge = match reply {
+            Some(Ok(Answer::Challenge(challenge))) => Some(*challenge),
+            _ => None,
+        };
+        if challenge.is_some() != answered {
+            self.diverged(format!(
+                "an `auth` was answered {reply:?}; the reference model expects {}",
+                if answered {
+                    "a challenge (a TCP connection's first, with the token's key id)"
+                } else {
+                    "a refusal"
                 }
-                let challenge = match reply {
-                    Some(Ok(Answer::Challenge(challenge))) => Some(*challenge),
-                    _ => None,
-                };
-                if challenge.is_some() != *answered {
-                    self.diverged(format!(
-                        "an `auth` was answered {reply:?}; the reference model expects {}",
-                        if *answered {
-                            "a challenge (a TCP connection's first, with the token's key id)"
-                        } else {
-                            "a refusal"
-                        }
-                    ));
-                    return false;
-                }
-                if let (Some(challenge), Some(token)) = (challenge, &self.trust.tcp_token) {
-                    let key = TcpKey::from_token(token);
-                    if !key.check_server(client, &challenge.nonce, &challenge.proof) {
-                        self.diverged(
-                            "the server's proof in an `auth` answer does not check with its \
-                             own token"
-                                .to_string(),
-                        );
-                    }
-                    if let Some(connection) = self.trust.connections.get_mut(&conn) {
-                        connection.challenge = Some((*client, challenge.nonce));
-                    }
-                }
-                false
+            ));
+            return false;
+        }
+        if let (Some(challenge), Some(token)) = (challenge, &self.trust.tcp_token) {
+            let key = TcpKey::from_token(token);
+            if !key.check_server(client, &challenge.nonce, &challenge.proof) {
+                self.diverged(
+                    "the server's proof in an `auth` answer does not check with its \
+                     own token"
+                        .to_string(),
+                );
             }
-            Verdict::Hello { authenticates } => {
-                if code == Some(ErrorCode::Unavailable) {
-                    return false;
-                }
-                let accepted = reply.is_some_and(|r| r.is_ok());
-                if accepted != *authenticates {
-                    let detail = format!(
-                        "a TCP `hello` was answered {reply:?}; the reference model expects it \
-                         {}",
-                        if *authenticates {
-                            "accepted (the server's token)"
-                        } else {
-                            "refused `forbidden` (no token, or not the server's)"
-                        }
-                    );
-                    if *authenticates {
-                        self.diverged(detail);
-                    } else {
-                        self.fail(Class::Safety, "non_owner_served", detail);
-                    }
-                    return false;
-                }
-                if accepted && let Some(connection) = self.trust.connections.get_mut(&conn) {
-                    let prefix = prefix_of(crate::config::TCP_TENANT);
-                    self.trust.prefixes.insert(prefix.clone());
-                    connection.owner = Some(Owner::Tcp);
-                    connection.prefix = Some(prefix);
-                }
-                false
+            if let Some(connection) = self.trust.connections.get_mut(&conn) {
+                connection.challenge = Some((*client, challenge.nonce));
             }
         }
+        false
+    }
+
+    /// A TCP `hello` accepted exactly when it proves the server's token.
+    fn judge_hello(
+        &mut self,
+        conn: u64,
+        reply: Option<&Result<Answer, kvwarden_core::protocol::ProtocolError>>,
+        authenticates: bool,
+    ) -> bool {
+        use kvwarden_core::protocol::ErrorCode;
+        let code = reply.and_then(|r| r.as_ref().err()).map(|e| e.code);
+        if code == Some(ErrorCode::Unavailable) {
+            return false;
+        }
+        let accepted = reply.is_some_and(|r| r.is_ok());
+        if accepted != authenticates {
+            let detail = format!(
+                "a TCP `hello` was answered {reply:?}; the reference model expects it \
+                 {}",
+                if authenticates {
+                    "accepted (the server's token)"
+                } else {
+                    "refused `forbidden` (no token, or not the server's)"
+                }
+            );
+            if authenticates {
+                self.diverged(detail);
+            } else {
+                self.fail(Class::Safety, "non_owner_served", detail);
+            }
+            return false;
+        }
+        if accepted && let Some(connection) = self.trust.connections.get_mut(&conn) {
+            let prefix = prefix_of(crate::config::TCP_TENANT);
+            self.trust.prefixes.insert(prefix.clone());
+            connection.owner = Some(Owner::Tcp);
+            connection.prefix = Some(prefix);
+        }
+        false
     }
 
     fn attached(&mut self, conn: u64, instance: InstanceId, secret: &[u8]) {
@@ -551,34 +582,7 @@ impl Checker {
             return 0;
         };
         // Which keys the answer says are there.
-        let (served, first_miss): (Vec<usize>, Vec<usize>) = if read.lookup {
-            let count = match answer {
-                Answer::Count(count) => *count as usize,
-                _ => 0,
-            };
-            (
-                (0..count.min(read.keys.len())).collect(),
-                (count..read.keys.len().min(count + 1)).collect(),
-            )
-        } else {
-            // Per key read, whether the answer carries data.
-            let answers: Vec<bool> = match answer {
-                Answer::Lengths(lengths) => lengths.iter().map(Option::is_some).collect(),
-                Answer::Length(length) => vec![length.is_some()],
-                Answer::Pinned(pinned) => vec![pinned.is_some()],
-                other => vec![other.to_value() != rmpv::Value::Nil],
-            };
-            let mut served = Vec::new();
-            let mut missed = Vec::new();
-            for (index, data) in answers.iter().enumerate().take(read.keys.len()) {
-                if *data {
-                    served.push(index);
-                } else {
-                    missed.push(index);
-                }
-            }
-            (served, missed)
-        };
+        let (served, first_miss) = served_and_missed(read, answer);
         let scoped = |prefix: &[u8], key: &[u8]| {
             let mut scoped = prefix.to_vec();
             scoped.extend_from_slice(key);
@@ -625,5 +629,38 @@ impl Checker {
             }
         }
         foreign
+    }
+}
+
+/// The items of `read` that `answer` serves, and those it misses (a `lookup`: the first
+/// missed only).
+fn served_and_missed(read: &Read, answer: &Answer) -> (Vec<usize>, Vec<usize>) {
+    if read.lookup {
+        let count = match answer {
+            Answer::Count(count) => *count as usize,
+            _ => 0,
+        };
+        (
+            (0..count.min(read.keys.len())).collect(),
+            (count..read.keys.len().min(count + 1)).collect(),
+        )
+    } else {
+        // Per key read, whether the answer carries data.
+        let answers: Vec<bool> = match answer {
+            Answer::Lengths(lengths) => lengths.iter().map(Option::is_some).collect(),
+            Answer::Length(length) => vec![length.is_some()],
+            Answer::Pinned(pinned) => vec![pinned.is_some()],
+            other => vec![other.to_value() != rmpv::Value::Nil],
+        };
+        let mut served = Vec::new();
+        let mut missed = Vec::new();
+        for (index, data) in answers.iter().enumerate().take(read.keys.len()) {
+            if *data {
+                served.push(index);
+            } else {
+                missed.push(index);
+            }
+        }
+        (served, missed)
     }
 }
