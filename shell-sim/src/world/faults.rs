@@ -12,10 +12,44 @@ use kvwarden_core::protocol::{BufferSpec, Op, RetrieveItem, RopeSpec};
 
 impl World {
     pub(super) fn apply(&mut self, action: Action) {
-        let now = self.now;
         if self.verbose() {
             self.note(format!("fault: {action:?}"));
         }
+        match action {
+            action @ (Action::Crash(_)
+            | Action::Restart(_)
+            | Action::Freeze(_)
+            | Action::Thaw(_)
+            | Action::StarveHeartbeat(_)
+            | Action::FeedHeartbeat(_)
+            | Action::Stop(_)
+            | Action::Unregister(_)
+            | Action::Register(_)
+            | Action::Transfer(_)
+            | Action::Partition(..)
+            | Action::Heal(_)
+            | Action::SetLink(..)) => self.worker_fault(action),
+            action @ (Action::L2Down
+            | Action::L2Partition
+            | Action::L2Up
+            | Action::L2Slow(_)
+            | Action::L2Corrupt(_)
+            | Action::L2Flaky(_)
+            | Action::L2Garble(_)) => self.l2_fault(action),
+            Action::Intrude(from, target) => {
+                if let Some(victim) = self.workers[target].as_ref().map(|w| w.instance) {
+                    self.intrude(from, &[victim]);
+                }
+            }
+            Action::Impersonate(from) => self.impersonate(from),
+            Action::Poach(from) => self.poach(from),
+            Action::TcpProbe(token) => self.tcp_probe(token),
+            action => self.server_fault(action),
+        }
+    }
+
+    /// A fault of workers' processes, heartbeats and links.
+    fn worker_fault(&mut self, action: Action) {
         match action {
             Action::Crash(slots) => {
                 for slot in slots {
@@ -89,6 +123,14 @@ impl World {
                     self.max_link_delay = self.max_link_delay.max(self.network.max_delay(slot));
                 }
             }
+            _ => {}
+        }
+    }
+
+    /// A fault of the server, its clock or its jobs, or the end of every fault.
+    fn server_fault(&mut self, action: Action) {
+        let now = self.now;
+        match action {
             Action::ServerPause => self.pause_server(),
             Action::ServerResume => self.resume_server(),
             Action::ServerRestart { down } => {
@@ -119,14 +161,29 @@ impl World {
             }
             Action::BuildFailureRate(rate) => self.build_failure_rate = rate,
             Action::FreeHangRate(rate) => self.free_hang_rate = rate,
-            Action::Intrude(from, target) => {
-                if let Some(victim) = self.workers[target].as_ref().map(|w| w.instance) {
-                    self.intrude(from, &[victim]);
+            Action::HealAll => {
+                self.build_failure_rate = 0.0;
+                self.free_hang_rate = 0.0;
+                self.server.l2.heal();
+                for slot in 0..self.workers.len() {
+                    self.network.heal(slot);
+                    self.with_worker(slot, |worker, now, out| {
+                        worker.thaw(now, out);
+                        worker.feed(now, out);
+                    });
+                }
+                self.resume_server();
+                if self.server.state == ServerState::Down {
+                    self.start_server();
                 }
             }
-            Action::Impersonate(from) => self.impersonate(from),
-            Action::Poach(from) => self.poach(from),
-            Action::TcpProbe(token) => self.tcp_probe(token),
+            _ => {}
+        }
+    }
+
+    /// A fault of L2.
+    fn l2_fault(&mut self, action: Action) {
+        match action {
             Action::L2Down => self.server.l2.down = true,
             Action::L2Partition => self.server.l2.partitioned = true,
             Action::L2Up => {
@@ -150,22 +207,7 @@ impl World {
                     }
                 }
             }
-            Action::HealAll => {
-                self.build_failure_rate = 0.0;
-                self.free_hang_rate = 0.0;
-                self.server.l2.heal();
-                for slot in 0..self.workers.len() {
-                    self.network.heal(slot);
-                    self.with_worker(slot, |worker, now, out| {
-                        worker.thaw(now, out);
-                        worker.feed(now, out);
-                    });
-                }
-                self.resume_server();
-                if self.server.state == ServerState::Down {
-                    self.start_server();
-                }
-            }
+            _ => {}
         }
     }
 
@@ -407,38 +449,7 @@ impl World {
         // `auth` (not with a missing token), then `hello` with the proof: the right
         // token's proof for the nonce the server's next challenge will carry, a wrong
         // one's a guess.
-        let mut ops = Vec::new();
-        let mut proof = None;
-        if let Some(token) = &token {
-            use kvwarden_core::protocol::tcp_auth::{TcpKey, server_nonce};
-            let key = TcpKey::from_token(token);
-            let mut client = [0u8; 32];
-            client.copy_from_slice(&self.wrong_secret());
-            ops.push(Op::Auth {
-                id: key.id(),
-                nonce: client,
-            });
-            let boot = self.server.boot;
-            if self.tcp_challenges.0 != boot {
-                self.tcp_challenges = (boot, 0);
-            }
-            if Some(token) == self.cfg.server.tcp_token.as_ref() {
-                let server = server_nonce(&crate::config::SIM_NONCE_SECRET, self.tcp_challenges.1);
-                self.tcp_challenges.1 += 1;
-                proof = Some(key.client_proof(&client, &server).to_vec());
-            } else {
-                proof = Some(self.wrong_secret());
-            }
-        }
-        ops.push(Op::Hello {
-            protocol: kvwarden_core::protocol::PROTOCOL_VERSION,
-            client: "tcp-probe".to_string(),
-            pidfd_index: None,
-            sends_fds: false,
-            token: None,
-            proof,
-            wait_ms: None,
-        });
+        let mut ops = self.tcp_handshake(token.as_ref());
         let mut keys = Vec::new();
         for worker in self.workers.iter().flatten() {
             keys.extend(worker.recent_keys().into_iter().take(1));
@@ -446,34 +457,7 @@ impl World {
         ops.push(Op::Lookup { keys });
         ops.push(Op::Status);
         for &victim in &known {
-            ops.push(Op::Ping {
-                instance: Some(victim),
-            });
-            ops.push(Op::Attach {
-                instance: victim,
-                secret: self.wrong_secret(),
-            });
-            ops.push(Op::RegisterKvCache {
-                instance: victim,
-                buffers: Vec::new(),
-                model_name: "tcp-probe".to_string(),
-                world_size: 1,
-            });
-            ops.push(Op::Store {
-                instance: victim,
-                key: b"tcp-probe".to_vec(),
-                buffer: 0,
-                offset: 0,
-                nbytes: 16,
-            });
-            ops.push(Op::Retrieve {
-                instance: victim,
-                key: b"tcp-probe".to_vec(),
-                buffer: 0,
-                offset: 0,
-                nbytes: STORE_BYTES,
-            });
-            ops.push(Op::UnregisterKvCache { instance: victim });
+            ops.extend(self.tcp_victim_ops(victim));
         }
         let nobody = InstanceId::new(1).expect("1 is an id");
         for op in ops {
@@ -504,6 +488,80 @@ impl World {
                 incarnation,
             },
         );
+    }
+
+    /// A TCP probe's `auth` (not with a missing token), then its `hello` with the proof:
+    /// the right token's proof for the nonce the server's next challenge will carry, a
+    /// wrong one's a guess.
+    fn tcp_handshake(&mut self, token: Option<&Vec<u8>>) -> Vec<Op> {
+        let mut ops = Vec::new();
+        let mut proof = None;
+        if let Some(token) = token {
+            use kvwarden_core::protocol::tcp_auth::{TcpKey, server_nonce};
+            let key = TcpKey::from_token(token);
+            let mut client = [0u8; 32];
+            client.copy_from_slice(&self.wrong_secret());
+            ops.push(Op::Auth {
+                id: key.id(),
+                nonce: client,
+            });
+            let boot = self.server.boot;
+            if self.tcp_challenges.0 != boot {
+                self.tcp_challenges = (boot, 0);
+            }
+            if Some(token) == self.cfg.server.tcp_token.as_ref() {
+                let server = server_nonce(&crate::config::SIM_NONCE_SECRET, self.tcp_challenges.1);
+                self.tcp_challenges.1 += 1;
+                proof = Some(key.client_proof(&client, &server).to_vec());
+            } else {
+                proof = Some(self.wrong_secret());
+            }
+        }
+        ops.push(Op::Hello {
+            protocol: kvwarden_core::protocol::PROTOCOL_VERSION,
+            client: "tcp-probe".to_string(),
+            pidfd_index: None,
+            sends_fds: false,
+            token: None,
+            proof,
+            wait_ms: None,
+        });
+        ops
+    }
+
+    /// What a TCP probe tries on `victim`: ping, attach, register, store, retrieve,
+    /// unregister.
+    fn tcp_victim_ops(&mut self, victim: InstanceId) -> Vec<Op> {
+        vec![
+            Op::Ping {
+                instance: Some(victim),
+            },
+            Op::Attach {
+                instance: victim,
+                secret: self.wrong_secret(),
+            },
+            Op::RegisterKvCache {
+                instance: victim,
+                buffers: Vec::new(),
+                model_name: "tcp-probe".to_string(),
+                world_size: 1,
+            },
+            Op::Store {
+                instance: victim,
+                key: b"tcp-probe".to_vec(),
+                buffer: 0,
+                offset: 0,
+                nbytes: 16,
+            },
+            Op::Retrieve {
+                instance: victim,
+                key: b"tcp-probe".to_vec(),
+                buffer: 0,
+                offset: 0,
+                nbytes: STORE_BYTES,
+            },
+            Op::UnregisterKvCache { instance: victim },
+        ]
     }
 
     pub(super) fn crash(&mut self, slot: usize) {
