@@ -23,12 +23,13 @@
 use crate::config::{HeartbeatStart, WorkerSpec};
 use crate::message::{Channel, HANDSHAKE_ID, Payload, body};
 use crate::time::{Nanos, duration, instant};
-use kvwarden_core::protocol::{
-    BufferSpec, ErrorCode, Op, ProtocolError, RetrieveItem, RopeSpec, StoreItem,
-};
+use kvwarden_core::protocol::{ErrorCode, Op, ProtocolError, RopeSpec};
 use kvwarden_core::{Heartbeat, HeartbeatAction, HeartbeatConfig, InstanceId, Module, PingReply};
 use rmpv::Value;
 use std::collections::VecDeque;
+
+mod faults;
+mod ops;
 
 /// A hash map with a fixed seed (pruned with `retain`, never iterated into the trace).
 type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::FixedState>;
@@ -386,44 +387,9 @@ impl Worker {
             self.stats.reconnects += 1;
         }
         match pending {
-            Pending::Ping { seq } => {
-                if seq != self.ping_seq || self.ping_sent_at.is_none() {
-                    return; // late: that ping already counted
-                }
-                self.ping_sent_at = None;
-                let reply = match result {
-                    Ok(Value::Boolean(true)) => PingReply::Known,
-                    Ok(Value::Boolean(false)) => PingReply::Unknown,
-                    Err(error) if error.code == ErrorCode::BadArgs => {
-                        // Loud: the client logs every bad_args at ERROR naming the
-                        // version mismatch; the simulator counts them.
-                        self.stats.bad_args_replies += 1;
-                        PingReply::Failed
-                    }
-                    _ => PingReply::Failed,
-                };
-                if let Some(action) = self.heartbeat.on_ping_reply(instant(now), reply) {
-                    self.act(now, action, out);
-                }
-            }
+            Pending::Ping { seq } => self.ping_answered(now, seq, result, out),
             Pending::Register { module, round } => {
-                let Some(current) = self.round.as_mut() else {
-                    return;
-                };
-                if current.serial != round {
-                    return;
-                }
-                let Some(index) = current.pending.iter().position(|&m| m == module) else {
-                    return; // a duplicate
-                };
-                current.pending.swap_remove(index);
-                if result.is_err() {
-                    current.ok = false;
-                }
-                if current.pending.is_empty() {
-                    let ok = current.ok;
-                    self.finish_round(now, ok, out);
-                }
+                self.registered(now, module, round, result.is_ok(), out)
             }
             Pending::Unregister { module } => {
                 if result == Ok(Value::Boolean(true)) {
@@ -436,34 +402,95 @@ impl Worker {
                 }
                 self.advance_shutdown(now, out);
             }
-            Pending::Transfer { prepared, .. } => match result {
-                Ok(Value::Map(grant)) => {
-                    if let Some(key) = prepared
-                        && self.shutdown.is_none()
-                        && grant.iter().any(|(k, _)| k.as_str() == Some("slot"))
-                    {
-                        self.commits.push_back((now + self.spec.commit_after, key));
-                    }
-                }
-                Err(error) if error.code == ErrorCode::NotRegistered => {
-                    self.stats.not_registered_replies += 1;
-                    if self.shutdown.is_none() {
-                        if self.heartbeat.is_started() {
-                            // The clients' one recovery rule: health clears and the
-                            // heartbeat's recovery is due at once (`on_wake` runs it).
-                            self.heartbeat.on_not_registered(instant(now));
-                        } else if self.round.is_none() {
-                            // A worker whose heartbeat never runs (`hb_start = Never`, a
-                            // synthetic client: the real ones start it with the first
-                            // transfer) re-registers by itself, so the node still sees
-                            // registrations arrive without any ping.
-                            self.begin_round(now, Purpose::Reregister, out);
-                        }
-                    }
-                }
-                _ => {}
-            },
+            Pending::Transfer { prepared, .. } => self.transferred(now, prepared, result, out),
             Pending::Commit | Pending::Blend => {}
+        }
+    }
+
+    /// A ping's answer, unless a later ping's already counted: to the heartbeat.
+    fn ping_answered(
+        &mut self,
+        now: Nanos,
+        seq: u64,
+        result: Result<Value, ProtocolError>,
+        out: &mut Outbox,
+    ) {
+        if seq != self.ping_seq || self.ping_sent_at.is_none() {
+            return; // late: that ping already counted
+        }
+        self.ping_sent_at = None;
+        let reply = match result {
+            Ok(Value::Boolean(true)) => PingReply::Known,
+            Ok(Value::Boolean(false)) => PingReply::Unknown,
+            Err(error) if error.code == ErrorCode::BadArgs => {
+                // Loud: the client logs every bad_args at ERROR naming the
+                // version mismatch; the simulator counts them.
+                self.stats.bad_args_replies += 1;
+                PingReply::Failed
+            }
+            _ => PingReply::Failed,
+        };
+        if let Some(action) = self.heartbeat.on_ping_reply(instant(now), reply) {
+            self.act(now, action, out);
+        }
+    }
+
+    /// A REGISTER of the current round answered: the round ends with its last.
+    fn registered(&mut self, now: Nanos, module: Module, round: u64, ok: bool, out: &mut Outbox) {
+        let Some(current) = self.round.as_mut() else {
+            return;
+        };
+        if current.serial != round {
+            return;
+        }
+        let Some(index) = current.pending.iter().position(|&m| m == module) else {
+            return; // a duplicate
+        };
+        current.pending.swap_remove(index);
+        if !ok {
+            current.ok = false;
+        }
+        if current.pending.is_empty() {
+            let ok = current.ok;
+            self.finish_round(now, ok, out);
+        }
+    }
+
+    /// A transfer answered: a reservation to commit later, or the recovery from
+    /// `not_registered`.
+    fn transferred(
+        &mut self,
+        now: Nanos,
+        prepared: Option<Vec<u8>>,
+        result: Result<Value, ProtocolError>,
+        out: &mut Outbox,
+    ) {
+        match result {
+            Ok(Value::Map(grant)) => {
+                if let Some(key) = prepared
+                    && self.shutdown.is_none()
+                    && grant.iter().any(|(k, _)| k.as_str() == Some("slot"))
+                {
+                    self.commits.push_back((now + self.spec.commit_after, key));
+                }
+            }
+            Err(error) if error.code == ErrorCode::NotRegistered => {
+                self.stats.not_registered_replies += 1;
+                if self.shutdown.is_none() {
+                    if self.heartbeat.is_started() {
+                        // The clients' one recovery rule: health clears and the
+                        // heartbeat's recovery is due at once (`on_wake` runs it).
+                        self.heartbeat.on_not_registered(instant(now));
+                    } else if self.round.is_none() {
+                        // A worker whose heartbeat never runs (`hb_start = Never`, a
+                        // synthetic client: the real ones start it with the first
+                        // transfer) re-registers by itself, so the node still sees
+                        // registrations arrive without any ping.
+                        self.begin_round(now, Purpose::Reregister, out);
+                    }
+                }
+            }
+            _ => {}
         }
     }
 
@@ -581,91 +608,6 @@ impl Worker {
         }
     }
 
-    /// The REGISTER of `module`: one memfd buffer (its fd travels with the frame), or
-    /// the engine-driven registration.
-    fn register_op(&self, module: Module) -> Op {
-        match module {
-            Module::ServerDriven => Op::RegisterKvCache {
-                instance: self.instance,
-                buffers: vec![BufferSpec::Memfd {
-                    fd_index: 0,
-                    nbytes: BUFFER_BYTES,
-                }],
-                model_name: "sim".to_string(),
-                world_size: 1,
-            },
-            Module::EngineDriven => Op::RegisterEngineDriven {
-                instance: self.instance,
-                model_name: "sim".to_string(),
-                world_size: 1,
-            },
-        }
-    }
-
-    /// A transfer: server-driven cycles through `store` of a fresh key, `retrieve` of
-    /// it, `store_batch` of two fresh keys and `retrieve_batch` of them; engine-driven
-    /// prepares a store (committed `commit_after` later).
-    fn transfer_op(&mut self, module: Module) -> Op {
-        let instance = self.instance;
-        let key = |serial: u64| chunk_key(instance, serial);
-        let fresh = key(self.op_serial);
-        match module {
-            Module::ServerDriven => {
-                let previous = self.last_stored.take().unwrap_or_else(|| fresh.clone());
-                match self.op_serial % 4 {
-                    1 => {
-                        self.last_stored = Some(fresh.clone());
-                        Op::Store {
-                            instance,
-                            key: fresh,
-                            buffer: 0,
-                            offset: 0,
-                            nbytes: STORE_BYTES,
-                        }
-                    }
-                    2 => Op::Retrieve {
-                        instance,
-                        key: previous,
-                        buffer: 0,
-                        offset: 0,
-                        nbytes: STORE_BYTES,
-                    },
-                    3 => {
-                        self.last_stored = Some(fresh.clone());
-                        let items = [fresh, key(self.op_serial | 1 << 63)]
-                            .into_iter()
-                            .enumerate()
-                            .map(|(index, key)| StoreItem {
-                                key,
-                                buffer: 0,
-                                offset: index as u64 * STORE_BYTES,
-                                nbytes: STORE_BYTES,
-                            })
-                            .collect();
-                        Op::StoreBatch { instance, items }
-                    }
-                    _ => {
-                        let items = [previous, fresh]
-                            .into_iter()
-                            .enumerate()
-                            .map(|(index, key)| RetrieveItem {
-                                key,
-                                buffer: 0,
-                                offset: index as u64 * STORE_BYTES,
-                                nbytes: STORE_BYTES,
-                            })
-                            .collect();
-                        Op::RetrieveBatch { instance, items }
-                    }
-                }
-            }
-            Module::EngineDriven => Op::PrepareStore {
-                instance,
-                key: fresh,
-            },
-        }
-    }
-
     fn track(&mut self, now: Nanos, pending: Pending) -> u64 {
         self.last_request_deadline = self
             .last_request_deadline
@@ -699,149 +641,6 @@ impl Worker {
             let pending = Pending::Register { module, round: 0 };
             self.send(now, pending, op, out);
         }
-    }
-
-    /// SIGKILL.
-    pub fn crash(&mut self) {
-        self.process = Process::Dead;
-    }
-
-    /// SIGSTOP.
-    pub fn freeze(&mut self) {
-        if self.process == Process::Running {
-            self.process = Process::Frozen;
-        }
-    }
-
-    /// SIGCONT: held replies first, then every timer that came due meanwhile.
-    pub fn thaw(&mut self, now: Nanos, out: &mut Outbox) {
-        if self.process != Process::Frozen {
-            return;
-        }
-        self.process = Process::Running;
-        for (request_id, result) in std::mem::take(&mut self.held_replies) {
-            self.handle_reply(now, request_id, result, out);
-        }
-        self.on_wake(now, out);
-    }
-
-    /// The heartbeat thread stops getting CPU.
-    pub fn starve(&mut self) {
-        self.starved = true;
-    }
-
-    /// The heartbeat thread runs again.
-    pub fn feed(&mut self, now: Nanos, out: &mut Outbox) {
-        self.starved = false;
-        self.on_wake(now, out);
-    }
-
-    /// Clean shutdown: stop the heartbeat first (a cycle in flight neither recovers
-    /// nor changes health), stop traffic, drain, then UNREGISTER (see `Shutdown`).
-    pub fn stop(&mut self, now: Nanos, out: &mut Outbox) {
-        if self.shutdown.is_some() || self.process == Process::Dead {
-            return;
-        }
-        self.heartbeat.stop();
-        self.round = None;
-        self.retry_initial_at = None;
-        self.next_traffic = None;
-        self.commits.clear();
-        self.shutdown = Some(Shutdown::Draining {
-            until: self.last_request_deadline.max(now),
-        });
-        self.advance_shutdown(now, out);
-    }
-
-    fn advance_shutdown(&mut self, now: Nanos, out: &mut Outbox) {
-        match &self.shutdown {
-            Some(Shutdown::Draining { until }) if now >= *until => {
-                let modules = self.spec.modules.clone();
-                for &module in &modules {
-                    let op = unregister_op(self.instance, module);
-                    self.send(now, Pending::Unregister { module }, op, out);
-                }
-                self.shutdown = Some(Shutdown::Unregistering {
-                    pending: modules,
-                    until: now + self.spec.heartbeat_interval,
-                });
-            }
-            Some(Shutdown::Unregistering { pending, until })
-                if pending.is_empty() || now >= *until =>
-            {
-                self.process = Process::Dead;
-                out.exited = true;
-            }
-            _ => {}
-        }
-    }
-
-    /// An operator-driven UNREGISTER of every module, the process carrying on (row 14).
-    pub fn unregister_all(&mut self, now: Nanos, out: &mut Outbox) {
-        if self.process != Process::Running || self.shutdown.is_some() {
-            return;
-        }
-        for module in self.spec.modules.clone() {
-            let op = unregister_op(self.instance, module);
-            self.send(now, Pending::Unregister { module }, op, out);
-        }
-    }
-
-    /// One transfer on each module now, outside the traffic schedule.
-    pub fn transfer_once(&mut self, now: Nanos, out: &mut Outbox) {
-        if self.process != Process::Running || self.shutdown.is_some() {
-            return;
-        }
-        let next = self.next_traffic;
-        self.transfer_all(now, out);
-        self.next_traffic = next;
-    }
-
-    /// An extra REGISTER of every module under the same id (row 15).
-    pub fn register_again(&mut self, now: Nanos, out: &mut Outbox) {
-        if self.process != Process::Running || self.shutdown.is_some() || self.round.is_some() {
-            return;
-        }
-        self.begin_round(now, Purpose::Reregister, out);
-    }
-}
-
-impl Worker {
-    /// Its `attach` was refused: the process draws a fresh id and secret (the world
-    /// gives them), reconnects (a new connection attaches them first), and registers
-    /// again under them: a round now, or the one it was running, restarted (row 31).
-    pub fn change_identity(
-        &mut self,
-        now: Nanos,
-        instance: InstanceId,
-        secret: [u8; 32],
-        out: &mut Outbox,
-    ) {
-        self.instance = instance;
-        self.secret = secret;
-        self.epoch += 1;
-        self.stats.identity_changes += 1;
-        self.last_stored = None;
-        self.commits.clear();
-        if self.process != Process::Running || self.shutdown.is_some() {
-            return;
-        }
-        match self.round.as_ref().map(|round| round.purpose) {
-            Some(purpose) => self.begin_round(now, purpose, out),
-            None if self.registered_once => self.begin_round(now, Purpose::Reregister, out),
-            None => {} // the initial round's retry registers under the new id
-        }
-    }
-
-    /// The keys this process stored last and will store next (a chunk's key is a
-    /// function of what it holds, so another tenant can compute them: row 33).
-    pub fn recent_keys(&self) -> Vec<Vec<u8>> {
-        let mut keys: Vec<Vec<u8>> = self.last_stored.iter().cloned().collect();
-        for serial in self.op_serial + 1..=self.op_serial + 4 {
-            keys.push(chunk_key(self.instance, serial));
-            keys.push(chunk_key(self.instance, serial | 1 << 63));
-        }
-        keys
     }
 }
 
