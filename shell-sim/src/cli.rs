@@ -397,46 +397,13 @@ pub fn run_seed_with(
 /// the exit code.
 pub fn run_swarm(seeds: &[u64], options: &SwarmOptions) -> i32 {
     let started = WallClock::now();
-    let next = AtomicUsize::new(0);
-    let results: Mutex<Vec<Option<SeedOutcome>>> = Mutex::new(vec![None; seeds.len()]);
-    std::thread::scope(|scope| {
-        for _ in 0..options.jobs.max(1) {
-            scope.spawn(|| {
-                loop {
-                    let index = next.fetch_add(1, Ordering::Relaxed);
-                    let Some(&seed) = seeds.get(index) else {
-                        break;
-                    };
-                    let twice = options.check_determinism
-                        && (index as u64).is_multiple_of(options.determinism_every);
-                    let outcome = run_seed_with(seed, twice, options.verbose, options.bug);
-                    results.lock().expect("no thread panics while holding it")[index] =
-                        Some(outcome);
-                }
-            });
-        }
-    });
-    let results = results.into_inner().expect("threads joined");
+    let results = run_seeds(seeds, options);
     let mut code = 0;
     let mut failures = 0;
-    let mut events = 0u64;
-    let mut virtual_nanos = 0u64;
-    let mut l2 = [0u64; 5];
-    let mut trust = [0u64; 5];
-    let mut pool = [0u64; 5];
+    let mut totals = Totals::default();
     let mut by_invariant: std::collections::BTreeMap<&'static str, u64> = Default::default();
     for outcome in results.into_iter().flatten() {
-        for (total, value) in trust.iter_mut().zip(outcome.trust) {
-            *total += value;
-        }
-        for (total, value) in pool.iter_mut().zip(outcome.pool) {
-            *total += value;
-        }
-        events += outcome.events;
-        for (total, value) in l2.iter_mut().zip(outcome.l2) {
-            *total += value;
-        }
-        virtual_nanos += outcome.virtual_nanos;
+        totals.add(&outcome);
         if options.verbose {
             println!(
                 "SEED={} drawn parameters:\n{}",
@@ -490,11 +457,66 @@ pub fn run_swarm(seeds: &[u64], options: &SwarmOptions) -> i32 {
         }
     );
     if options.stats {
+        totals.print(seeds.len() as f64 / wall, options.jobs);
+    }
+    code
+}
+
+/// Runs every seed on `options.jobs` threads; the outcomes in the seeds' order.
+fn run_seeds(seeds: &[u64], options: &SwarmOptions) -> Vec<Option<SeedOutcome>> {
+    let next = AtomicUsize::new(0);
+    let results: Mutex<Vec<Option<SeedOutcome>>> = Mutex::new(vec![None; seeds.len()]);
+    std::thread::scope(|scope| {
+        for _ in 0..options.jobs.max(1) {
+            scope.spawn(|| {
+                loop {
+                    let index = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(&seed) = seeds.get(index) else {
+                        break;
+                    };
+                    let twice = options.check_determinism
+                        && (index as u64).is_multiple_of(options.determinism_every);
+                    let outcome = run_seed_with(seed, twice, options.verbose, options.bug);
+                    results.lock().expect("no thread panics while holding it")[index] =
+                        Some(outcome);
+                }
+            });
+        }
+    });
+    results.into_inner().expect("threads joined")
+}
+
+/// What a swarm's seeds did together (`--stats`).
+#[derive(Default)]
+struct Totals {
+    events: u64,
+    virtual_nanos: u64,
+    l2: [u64; 5],
+    trust: [u64; 5],
+    pool: [u64; 5],
+}
+
+impl Totals {
+    fn add(&mut self, outcome: &SeedOutcome) {
+        for (total, value) in self.trust.iter_mut().zip(outcome.trust) {
+            *total += value;
+        }
+        for (total, value) in self.pool.iter_mut().zip(outcome.pool) {
+            *total += value;
+        }
+        self.events += outcome.events;
+        for (total, value) in self.l2.iter_mut().zip(outcome.l2) {
+            *total += value;
+        }
+        self.virtual_nanos += outcome.virtual_nanos;
+    }
+
+    fn print(&self, seeds_per_second: f64, jobs: usize) {
+        let (l2, trust, pool) = (self.l2, self.trust, self.pool);
         println!(
-            "stats: seeds_per_second={:.0} events={events} virtual_hours={:.1} jobs={}",
-            seeds.len() as f64 / wall,
-            as_seconds(virtual_nanos) / 3600.0,
-            options.jobs
+            "stats: seeds_per_second={seeds_per_second:.0} events={} virtual_hours={:.1} jobs={jobs}",
+            self.events,
+            as_seconds(self.virtual_nanos) / 3600.0,
         );
         println!(
             "stats: l2_runs={} l2_written={} l2_hits={} l2_corrupt={} l2_failed={}",
@@ -509,7 +531,6 @@ pub fn run_swarm(seeds: &[u64], options: &SwarmOptions) -> i32 {
             pool[0], pool[1], pool[2], pool[3], pool[4]
         );
     }
-    code
 }
 
 /// The bench profile: `workers` workers with mixed traffic and a steady drizzle of
