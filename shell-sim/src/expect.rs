@@ -304,70 +304,97 @@ fn judge_one(
         .filter(|(_, r)| e.cause.as_deref().is_none_or(|c| c == r.cause.label()))
         .map(|&(t, _)| t)
         .collect();
+    let judged = judge_times(e, &who, &reaps, &frees)
+        .and_then(|()| judge_state(e, &who, report, snapshot, &ids))
+        .and_then(|()| judge_health(e, &who, report, snapshot))
+        .and_then(|()| judge_counts(e, &who, report, snapshot));
+    match judged {
+        Ok(()) => Ok(()), // Converged: judged by the run itself (`not_converged`)
+        Err((class, detail)) => fail(class, detail),
+    }
+}
+
+/// A failed expectation's class and what it saw.
+type Judged = Result<(), (Class, String)>;
+
+/// Expectations about when an instance was reaped or lost a context.
+fn judge_times(e: &Expectation, who: &str, reaps: &[Nanos], frees: &[Nanos]) -> Judged {
     match e.kind {
         ExpectKind::Reaped => {
             if let Some((a, _)) = e.between
                 && let Some(&early) = reaps.iter().find(|&&t| t < a)
             {
-                return fail(
+                return Err((
                     Class::Safety,
                     format!(
                         "{who} was reaped at {:.3}s, before {:.3}s",
                         as_seconds(early),
                         as_seconds(a)
                     ),
-                );
+                ));
             }
             if !reaps.iter().any(|&t| in_window(e, t)) {
-                return fail(
+                return Err((
                     Class::Liveness,
                     format!(
                         "{who} was not reaped {}; reaps: {}",
                         window_text(e),
-                        times(&reaps)
+                        times(reaps)
                     ),
-                );
+                ));
             }
         }
         ExpectKind::NotReaped => {
             let inside: Vec<Nanos> = reaps.iter().copied().filter(|&t| in_window(e, t)).collect();
             if !inside.is_empty() {
-                return fail(
+                return Err((
                     Class::Safety,
                     format!(
                         "{who} was reaped at {} ({})",
                         times(&inside),
                         window_text(e)
                     ),
-                );
+                ));
             }
         }
-        ExpectKind::Freed => {
-            if !frees.iter().any(|&t| in_window(e, t)) {
-                let cause = e.cause.as_deref().unwrap_or("any");
-                return fail(
-                    Class::Liveness,
-                    format!(
-                        "no context of {who} freed (cause {cause}) {}; such frees: {}",
-                        window_text(e),
-                        times(&frees)
-                    ),
-                );
-            }
+        ExpectKind::Freed if !frees.iter().any(|&t| in_window(e, t)) => {
+            let cause = e.cause.as_deref().unwrap_or("any");
+            return Err((
+                Class::Liveness,
+                format!(
+                    "no context of {who} freed (cause {cause}) {}; such frees: {}",
+                    window_text(e),
+                    times(frees)
+                ),
+            ));
         }
         ExpectKind::NotFreed => {
             let inside: Vec<Nanos> = frees.iter().copied().filter(|&t| in_window(e, t)).collect();
             if !inside.is_empty() {
-                return fail(
+                return Err((
                     Class::Safety,
                     format!(
                         "{who} lost a context at {} ({})",
                         times(&inside),
                         window_text(e)
                     ),
-                );
+                ));
             }
         }
+        _ => {}
+    }
+    Ok(())
+}
+
+/// Expectations about what a worker holds or is at the snapshot.
+fn judge_state(
+    e: &Expectation,
+    who: &str,
+    report: &RunReport,
+    snapshot: &Snapshot,
+    ids: &[InstanceId],
+) -> Judged {
+    match e.kind {
         ExpectKind::Contexts => {
             let want = e.count.unwrap_or(0);
             let have = match e.target {
@@ -382,13 +409,13 @@ fn judge_one(
                 } else {
                     Class::Liveness
                 };
-                return fail(
+                return Err((
                     class,
                     format!(
                         "{who} holds {have} live contexts at {:.3}s, expected {want}",
                         as_seconds(snapshot.at)
                     ),
-                );
+                ));
             }
         }
         ExpectKind::Builds => {
@@ -403,34 +430,42 @@ fn judge_one(
                 } else {
                     Class::Liveness
                 };
-                return fail(
+                return Err((
                     class,
                     format!("{have} contexts were built for {who}, expected {want}"),
-                );
+                ));
             }
         }
+        _ => {}
+    }
+    Ok(())
+}
+
+/// Expectations about a worker's health at the snapshot.
+fn judge_health(e: &Expectation, who: &str, report: &RunReport, snapshot: &Snapshot) -> Judged {
+    match e.kind {
         ExpectKind::Healthy => {
             let want = e.value.unwrap_or(true);
             let have = current(e, snapshot, report).map(|w| w.healthy);
             if have != Some(want) {
-                return fail(
+                return Err((
                     Class::Liveness,
                     format!(
                         "{who} health at {:.3}s is {have:?}, expected {want}",
                         as_seconds(snapshot.at)
                     ),
-                );
+                ));
             }
         }
         ExpectKind::Recovered => {
             let Some(worker) = current(e, snapshot, report) else {
-                return fail(
+                return Err((
                     Class::Liveness,
                     format!("{who} has no process at {:.3}s", as_seconds(snapshot.at)),
-                );
+                ));
             };
             if !(worker.alive && worker.healthy && worker.one_per_module) {
-                return fail(
+                return Err((
                     Class::Liveness,
                     format!(
                         "{who} at {:.3}s: alive {}, healthy {}, {} live contexts (one per module: {})",
@@ -440,9 +475,17 @@ fn judge_one(
                         worker.contexts,
                         worker.one_per_module
                     ),
-                );
+                ));
             }
         }
+        _ => {}
+    }
+    Ok(())
+}
+
+/// Expectations about how often something was seen: at least `min`, or exactly a count.
+fn judge_counts(e: &Expectation, who: &str, report: &RunReport, snapshot: &Snapshot) -> Judged {
+    match e.kind {
         ExpectKind::BadArgs
         | ExpectKind::UnregisterFalse
         | ExpectKind::Forbidden
@@ -455,22 +498,22 @@ fn judge_one(
                 _ => w.stats.unregister_false,
             });
             if have < min {
-                return fail(
+                return Err((
                     Class::Liveness,
                     format!("{who} saw {have}, expected at least {min}"),
-                );
+                ));
             }
         }
         ExpectKind::Stalls => {
             let want = e.count.unwrap_or(0);
             if snapshot.server.stalls != want {
-                return fail(
+                return Err((
                     Class::Liveness,
                     format!(
                         "the core reported {} stalls, expected {want}",
                         snapshot.server.stalls
                     ),
-                );
+                ));
             }
         }
         ExpectKind::ReservationsDiscarded
@@ -505,13 +548,13 @@ fn judge_one(
                 _ => snapshot.server.decode_errors,
             };
             if have < min {
-                return fail(
+                return Err((
                     Class::Liveness,
                     format!("saw {have}, expected at least {min}"),
-                );
+                ));
             }
         }
-        ExpectKind::Converged => {} // judged by the run itself (`not_converged`)
+        _ => {}
     }
     Ok(())
 }
