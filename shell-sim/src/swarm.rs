@@ -12,18 +12,88 @@ use crate::config::{
     WORKER_UID, WorkerSpec,
 };
 use crate::rng::Rng;
-use crate::time::{MILLISECOND, SECOND, as_seconds};
+use crate::time::{MILLISECOND, Nanos, SECOND, as_seconds};
 use kvwarden_core::Module;
 use std::fmt::Write as _;
 
 /// Draws the profile of `seed`: a short run with few workers and random faults.
 pub fn draw(seed: u64) -> SimConfig {
     let mut rng = Rng::new(seed);
+    let mut server = draw_server(&mut rng, seed);
+    let (reap_timeout, registration_grace) = (server.reap_timeout, server.registration_grace);
+    let count = rng.between(1, 6) as usize;
+    let mut workers = Vec::with_capacity(count);
+    let mut longest_interval = 0;
+    for slot in 0..count {
+        let spec = draw_worker(&mut rng, slot);
+        longest_interval = longest_interval.max(spec.heartbeat_interval);
+        workers.push(spec);
+    }
+    let fault_end = reap_timeout * rng.between(2, 6);
+    let longest_fault = 2 * reap_timeout;
+    let mut events = draw_faults(&mut rng, &workers, fault_end, longest_fault);
+    let heal_at = fault_end + longest_fault + SECOND;
+    events.push(FaultEvent {
+        at: heal_at,
+        action: Action::HealAll,
+    });
+    let settle = registration_grace + 2 * reap_timeout + 6 * longest_interval + 10 * SECOND;
+    // Before the end every worker uses each of its registrations once, as a client
+    // does: a module lost while another stayed tracked (a ping answers true if any
+    // module is tracked) is found by its `not_registered` and re-registered. Without
+    // this probe such a worker would hold nothing in that module until its next use.
+    events.push(FaultEvent {
+        at: heal_at + settle - 2 * longest_interval - 5 * SECOND,
+        action: Action::Transfer((0..count).collect()),
+    });
+    events.sort_by_key(|e| e.at);
+    // Drawn last, so that the profile above stays what it was before they existed:
+    // frees that take time or never return (row 20), raw bytes (row 24).
+    server.free_delay = rng.between(0, 50) * MILLISECOND;
+    if rng.chance(0.1) {
+        server.free_hang_rate = rng.unit() * 0.1;
+    }
+    for spec in &mut workers {
+        if rng.chance(0.1) {
+            spec.garbage_every = Some(rng.between(500, 10_000) * MILLISECOND);
+        }
+    }
+    let run_seed = rng.next_u64();
+    // L2 is drawn after everything else (the run's seed included), so that a profile
+    // without it is what it was before L2 existed (rows 27–29).
+    if rng.chance(0.3) {
+        draw_l2(&mut rng, &mut server, &mut events, fault_end, longest_fault);
+    }
+    // Adversaries (rows 30–33), drawn after everything else for the same reason.
+    let window = (fault_end, longest_interval);
+    draw_adversaries(
+        &mut rng,
+        &mut server,
+        &mut workers,
+        &mut events,
+        count,
+        window,
+    );
+    events.sort_by_key(|e| e.at);
+    SimConfig {
+        name: format!("swarm seed {seed}"),
+        seed: run_seed,
+        duration: heal_at + settle,
+        server,
+        workers,
+        events,
+        bug: None,
+        converge_at_end: true,
+    }
+}
+
+/// The server's timings and faults; the pool file from a generator of its own.
+fn draw_server(rng: &mut Rng, seed: u64) -> ServerSpec {
     let reap_timeout = rng.pick(&[30, 45, 60]) * SECOND;
     let resolution = rng.pick(&[250, 500, 1000]) * MILLISECOND;
     let registration_grace = reap_timeout * rng.between(1, 3);
     let build_delay_low = rng.between(1, 50) * MILLISECOND;
-    let server = ServerSpec {
+    let mut server = ServerSpec {
         reap_timeout,
         registration_grace,
         resolution,
@@ -52,7 +122,6 @@ pub fn draw(seed: u64) -> SimConfig {
         pool_file: false,
         scan_duration: MILLISECOND,
     };
-    let mut server = server;
     // Drawn from a generator of its own, so that every other draw of a seed stays what
     // it was before pool files were simulated.
     let mut persistence = Rng::new(seed ^ 0x706f_6f6c_6669_6c65);
@@ -60,57 +129,65 @@ pub fn draw(seed: u64) -> SimConfig {
         server.pool_file = true;
         server.scan_duration = persistence.between(1, 3000) * MILLISECOND;
     }
-    let count = rng.between(1, 6) as usize;
-    let mut workers = Vec::with_capacity(count);
-    let mut longest_interval = 0;
-    for slot in 0..count {
-        let mut spec = WorkerSpec::new(format!("w{slot}"));
-        spec.start_at = rng.between(0, 5000) * MILLISECOND;
-        spec.heartbeat_interval = rng.pick(&[2, 5, 10]) * SECOND;
-        longest_interval = longest_interval.max(spec.heartbeat_interval);
-        spec.same_host = rng.chance(0.5);
-        if rng.chance(0.5) {
-            spec.traffic_every =
-                Some(rng.between(500, 2 * spec.heartbeat_interval / MILLISECOND) * MILLISECOND);
-            spec.heartbeat_start = match rng.between(0, 9) {
-                0..=5 => HeartbeatStart::OnRegister,
-                6..=8 => HeartbeatStart::OnFirstTransfer,
-                // Transfers alone keep it registered (unproven, window G).
-                _ => HeartbeatStart::Never,
-            };
-        }
-        // A pre-liveness client now and then: loud, never healthy, never converges,
-        // but every invariant still holds around it.
-        spec.legacy_ping = rng.chance(0.03);
-        spec.modules = match rng.between(0, 9) {
-            0..=6 => vec![Module::ServerDriven],
-            7 | 8 => vec![Module::ServerDriven, Module::EngineDriven],
-            _ => vec![Module::EngineDriven],
+    server
+}
+
+/// Worker `slot`: its start, heartbeat, traffic, modules and link.
+fn draw_worker(rng: &mut Rng, slot: usize) -> WorkerSpec {
+    let mut spec = WorkerSpec::new(format!("w{slot}"));
+    spec.start_at = rng.between(0, 5000) * MILLISECOND;
+    spec.heartbeat_interval = rng.pick(&[2, 5, 10]) * SECOND;
+    spec.same_host = rng.chance(0.5);
+    if rng.chance(0.5) {
+        spec.traffic_every =
+            Some(rng.between(500, 2 * spec.heartbeat_interval / MILLISECOND) * MILLISECOND);
+        spec.heartbeat_start = match rng.between(0, 9) {
+            0..=5 => HeartbeatStart::OnRegister,
+            6..=8 => HeartbeatStart::OnFirstTransfer,
+            // Transfers alone keep it registered (unproven, window G).
+            _ => HeartbeatStart::Never,
         };
-        spec.blend = rng.chance(0.3);
-        spec.commit_after = rng.between(1, 500) * MILLISECOND;
-        spec.link = LinkSpec {
-            delay: rng.between(100, 20_000) * 1000,
-            // Keep the worst delay under H / 2: a clean shutdown drains for H.
-            jitter: rng.between(
-                0,
-                (spec.heartbeat_interval / 4).min(100 * MILLISECOND) / 1000,
-            ) * 1000,
-            loss: if rng.chance(0.5) {
-                0.0
-            } else {
-                rng.unit() * 0.1
-            },
-            duplicate: if rng.chance(0.7) {
-                0.0
-            } else {
-                rng.unit() * 0.05
-            },
-        };
-        workers.push(spec);
     }
-    let fault_end = reap_timeout * rng.between(2, 6);
-    let longest_fault = 2 * reap_timeout;
+    // A pre-liveness client now and then: loud, never healthy, never converges,
+    // but every invariant still holds around it.
+    spec.legacy_ping = rng.chance(0.03);
+    spec.modules = match rng.between(0, 9) {
+        0..=6 => vec![Module::ServerDriven],
+        7 | 8 => vec![Module::ServerDriven, Module::EngineDriven],
+        _ => vec![Module::EngineDriven],
+    };
+    spec.blend = rng.chance(0.3);
+    spec.commit_after = rng.between(1, 500) * MILLISECOND;
+    spec.link = LinkSpec {
+        delay: rng.between(100, 20_000) * 1000,
+        // Keep the worst delay under H / 2: a clean shutdown drains for H.
+        jitter: rng.between(
+            0,
+            (spec.heartbeat_interval / 4).min(100 * MILLISECOND) / 1000,
+        ) * 1000,
+        loss: if rng.chance(0.5) {
+            0.0
+        } else {
+            rng.unit() * 0.1
+        },
+        duplicate: if rng.chance(0.7) {
+            0.0
+        } else {
+            rng.unit() * 0.05
+        },
+    };
+    spec
+}
+
+/// The workers' and the server's faults until `fault_end`, each lasting at most
+/// `longest_fault` where it is undone.
+fn draw_faults(
+    rng: &mut Rng,
+    workers: &[WorkerSpec],
+    fault_end: Nanos,
+    longest_fault: Nanos,
+) -> Vec<FaultEvent> {
+    let count = workers.len();
     let mut events = Vec::new();
     let faults = rng.between(0, 10);
     for _ in 0..faults {
@@ -166,80 +243,70 @@ pub fn draw(seed: u64) -> SimConfig {
             });
         }
     }
-    let heal_at = fault_end + longest_fault + SECOND;
-    events.push(FaultEvent {
-        at: heal_at,
-        action: Action::HealAll,
-    });
-    let settle = registration_grace + 2 * reap_timeout + 6 * longest_interval + 10 * SECOND;
-    // Before the end every worker uses each of its registrations once, as a client
-    // does: a module lost while another stayed tracked (a ping answers true if any
-    // module is tracked) is found by its `not_registered` and re-registered. Without
-    // this probe such a worker would hold nothing in that module until its next use.
-    events.push(FaultEvent {
-        at: heal_at + settle - 2 * longest_interval - 5 * SECOND,
-        action: Action::Transfer((0..count).collect()),
-    });
-    events.sort_by_key(|e| e.at);
-    // Drawn last, so that the profile above stays what it was before they existed:
-    // frees that take time or never return (row 20), raw bytes (row 24).
-    server.free_delay = rng.between(0, 50) * MILLISECOND;
-    if rng.chance(0.1) {
-        server.free_hang_rate = rng.unit() * 0.1;
-    }
-    for spec in &mut workers {
-        if rng.chance(0.1) {
-            spec.garbage_every = Some(rng.between(500, 10_000) * MILLISECOND);
-        }
-    }
-    let run_seed = rng.next_u64();
-    // L2 is drawn after everything else (the run's seed included), so that a profile
-    // without it is what it was before L2 existed (rows 27–29).
-    if rng.chance(0.3) {
-        server.l2 = crate::l2::L2Spec {
-            enabled: true,
-            delay: rng.between(1, 20) * MILLISECOND,
-            timeout: rng.between(20, 500) * MILLISECOND,
-            queue_bytes: rng.pick(&[1 << 14, 1 << 20, 64 << 20]),
-            corrupt_rate: if rng.chance(0.7) {
-                0.0
-            } else {
-                rng.unit() * 0.3
-            },
+    events
+}
+
+/// L2 with its delays and timeout, and its faults (server restarts among them).
+fn draw_l2(
+    rng: &mut Rng,
+    server: &mut ServerSpec,
+    events: &mut Vec<FaultEvent>,
+    fault_end: Nanos,
+    longest_fault: Nanos,
+) {
+    server.l2 = crate::l2::L2Spec {
+        enabled: true,
+        delay: rng.between(1, 20) * MILLISECOND,
+        timeout: rng.between(20, 500) * MILLISECOND,
+        queue_bytes: rng.pick(&[1 << 14, 1 << 20, 64 << 20]),
+        corrupt_rate: if rng.chance(0.7) {
+            0.0
+        } else {
+            rng.unit() * 0.3
+        },
+    };
+    // Server restarts among them: a retrieve of a chunk stored before one misses
+    // L1 and reads through L2 (hits, torn values).
+    for _ in 0..rng.between(0, 5) {
+        let at = rng.between(5 * SECOND / MILLISECOND, fault_end / MILLISECOND) * MILLISECOND;
+        let lasting = rng.between(SECOND / MILLISECOND, longest_fault / MILLISECOND) * MILLISECOND;
+        let (action, undo) = match rng.between(0, 6) {
+            0 => (Action::L2Down, Action::L2Up),
+            1 => (Action::L2Partition, Action::L2Up),
+            2 => {
+                let late = server.l2.timeout + rng.between(1, 2000) * MILLISECOND;
+                (Action::L2Slow(late), Action::L2Up)
+            }
+            3 => (Action::L2Corrupt(rng.unit()), Action::L2Corrupt(0.0)),
+            4 => (Action::L2Flaky(rng.unit() * 0.5), Action::L2Flaky(0.0)),
+            _ => {
+                let down = rng.between(0, 2000) * MILLISECOND;
+                events.push(FaultEvent {
+                    at,
+                    action: Action::ServerRestart { down },
+                });
+                continue;
+            }
         };
-        // Server restarts among them: a retrieve of a chunk stored before one misses
-        // L1 and reads through L2 (hits, torn values).
-        for _ in 0..rng.between(0, 5) {
-            let at = rng.between(5 * SECOND / MILLISECOND, fault_end / MILLISECOND) * MILLISECOND;
-            let lasting =
-                rng.between(SECOND / MILLISECOND, longest_fault / MILLISECOND) * MILLISECOND;
-            let (action, undo) = match rng.between(0, 6) {
-                0 => (Action::L2Down, Action::L2Up),
-                1 => (Action::L2Partition, Action::L2Up),
-                2 => {
-                    let late = server.l2.timeout + rng.between(1, 2000) * MILLISECOND;
-                    (Action::L2Slow(late), Action::L2Up)
-                }
-                3 => (Action::L2Corrupt(rng.unit()), Action::L2Corrupt(0.0)),
-                4 => (Action::L2Flaky(rng.unit() * 0.5), Action::L2Flaky(0.0)),
-                _ => {
-                    let down = rng.between(0, 2000) * MILLISECOND;
-                    events.push(FaultEvent {
-                        at,
-                        action: Action::ServerRestart { down },
-                    });
-                    continue;
-                }
-            };
-            events.push(FaultEvent { at, action });
-            events.push(FaultEvent {
-                at: at + lasting,
-                action: undo,
-            });
-        }
-        events.sort_by_key(|e| e.at);
+        events.push(FaultEvent { at, action });
+        events.push(FaultEvent {
+            at: at + lasting,
+            action: undo,
+        });
     }
-    // Adversaries (rows 30–33), drawn after everything else for the same reason.
+    events.sort_by_key(|e| e.at);
+}
+
+/// Adversaries (rows 30–33): another tenant that poaches, an impostor of the same uid,
+/// TCP peers with or without the token.
+fn draw_adversaries(
+    rng: &mut Rng,
+    server: &mut ServerSpec,
+    workers: &mut Vec<WorkerSpec>,
+    events: &mut Vec<FaultEvent>,
+    count: usize,
+    (fault_end, longest_interval): (Nanos, Nanos),
+) {
     let at_random = |rng: &mut Rng| {
         rng.between(5 * SECOND / MILLISECOND, fault_end / MILLISECOND) * MILLISECOND
     };
@@ -256,7 +323,7 @@ pub fn draw(seed: u64) -> SimConfig {
         spec.link.delay = rng.between(100, 5000) * 1000;
         workers.push(spec);
         for _ in 0..rng.between(1, 12) {
-            let at = at_random(&mut rng);
+            let at = at_random(rng);
             events.push(FaultEvent {
                 at,
                 action: Action::Poach(slot),
@@ -268,7 +335,7 @@ pub fn draw(seed: u64) -> SimConfig {
         // and squats ids right after server restarts.
         let impostor = rng.between(0, count as u64 - 1) as usize;
         for _ in 0..rng.between(1, 6) {
-            let at = at_random(&mut rng);
+            let at = at_random(rng);
             events.push(FaultEvent {
                 at,
                 action: Action::Impersonate(impostor),
@@ -298,24 +365,13 @@ pub fn draw(seed: u64) -> SimConfig {
             server.tcp_token = Some(b"swarm-tcp-token-0123456789abcdef".to_vec());
         }
         for _ in 0..rng.between(1, 5) {
-            let at = at_random(&mut rng);
+            let at = at_random(rng);
             let token = rng.pick(&[TokenChoice::Missing, TokenChoice::Wrong, TokenChoice::Right]);
             events.push(FaultEvent {
                 at,
                 action: Action::TcpProbe(token),
             });
         }
-    }
-    events.sort_by_key(|e| e.at);
-    SimConfig {
-        name: format!("swarm seed {seed}"),
-        seed: run_seed,
-        duration: heal_at + settle,
-        server,
-        workers,
-        events,
-        bug: None,
-        converge_at_end: true,
     }
 }
 
