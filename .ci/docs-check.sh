@@ -95,8 +95,13 @@ sed -e 's/`node\/ops.rs` (\([0-9]*\))/`node\/ops.rs` (1\1)/' -e '/`node\/counter
 for _ in $(seq 700); do echo "// padding"; done >>"$work/root/core/src/module.rs"
 { echo 'fn padded() {'; for i in $(seq 80); do echo "    let _ = $i;"; done; echo '}'; } \
   >>"$work/root/core/src/id.rs"
-grep '^tests/src/' "$root/.ci/room-sizes.allowed" | grep -v ':fn spawn_with_fds ' \
-  | awk '$1 == "tests/src/lib.rs" { $NF = $NF - 1 } { print }' >"$work/root/.ci/room-sizes.allowed"
+# tests/src is within the sizes now: its lib.rs grows past 700 lines and is listed at
+# one line less, raw.rs gains a function over 80 that is not listed, and a listed file
+# is gone.
+for _ in $(seq 700); do echo "// padding"; done >>"$work/root/tests/src/lib.rs"
+echo "tests/src/lib.rs $(($(wc -l <"$work/root/tests/src/lib.rs") - 1))" >"$work/root/.ci/room-sizes.allowed"
+{ echo 'fn padded_too() {'; for i in $(seq 80); do echo "    let _ = $i;"; done; echo '}'; } \
+  >>"$work/root/tests/src/raw.rs"
 echo 'tests/src/gone.rs 800' >>"$work/root/.ci/room-sizes.allowed"
 if python3 "$root/.ci/design-map.py" "$work/root" 2>"$work/map.err"; then
   die "design-map passed a doctored core, map and ratchet"

@@ -4,8 +4,10 @@
 //! The N connections are untracked probers (`ping [nil]`), so that the memory figures
 //! are the connections' own (S7 measures instances). Each pings once a second.
 
+use super::load::PingOutcome;
 use super::load::{Pacing, PingFleet};
 use super::process::MemoryUse;
+use super::raw::RawConnection;
 use super::target::{Target, TargetArgs};
 use super::{BenchError, figure, progress};
 use crate::protocol::encode_request;
@@ -44,55 +46,16 @@ struct SlowPeer {
 pub fn run(args: &ConnectionsArgs) -> Result<(), BenchError> {
     let seconds = super::positive_seconds("--seconds", args.seconds)?;
     let count = args.connections.max(1);
-    let limit = super::raise_open_file_limit();
-    let needed = count as u64 + 64;
-    if limit < needed {
-        return Err(BenchError::Failed(format!(
-            "holding {count} connections needs about {needed} open files, but this process may \
-             open only {limit} (the hard limit): raise it (`ulimit -Hn`, or LimitNOFILE= in a \
-             unit) or ask for fewer connections"
-        )));
-    }
+    let limit = open_file_limit(count)?;
     super::print_machine();
-    let max_connections = (count + 64).to_string();
-    // The server needs two fds per connection (the socket and the peer's pidfd) and
-    // keeps 256 and a quarter of its limit aside: give it that, as an operator's
-    // LimitNOFILE= would.
-    let server_open_files = (2 * (count as u64 + 64) + 256 + 1024) * 4 / 3 + 1;
-    // Every connection is this process's (one uid): the node-wide bound is measured,
-    // not one uid's share of it.
-    let target = Target::start_with_open_files(
-        &args.target,
-        "bench-connections",
-        &[
-            "--max-connections",
-            &max_connections,
-            "--max-connections-per-uid",
-            &max_connections,
-        ],
-        Some(server_open_files),
-    )?;
+    let (target, server_open_files) = start_target(args, count)?;
     let (soft, hard) =
         super::process::open_file_limits(target.pid).unwrap_or_else(|| ("?".into(), "?".into()));
     progress(&format!(
         "server open-file limit: soft {soft}, hard {hard} (asked for {server_open_files})"
     ));
     let mut control = target.connect()?;
-    let limits = control.status()?["limits"].clone();
-    // The control connection and the slow peer count too.
-    let admitted = limits["max_connections"]
-        .as_u64()
-        .map_or(usize::MAX, |max| usize::try_from(max).unwrap_or(usize::MAX));
-    let held_count = count.min(admitted.saturating_sub(2)).max(1);
-    let capped = (held_count < count).then(|| {
-        format!(
-            "capped at {held_count}: the server admits {admitted} connections (open files soft \
-             {}, hard {}, 2 fds per connection + 256 and a quarter of the limit kept aside); \
-             raise its hard limit \
-             (LimitNOFILE=, ulimit -Hn; raising it needs CAP_SYS_RESOURCE) to hold {count}",
-            limits["open_files_soft"], limits["open_files_hard"]
-        )
-    });
+    let (held_count, capped) = capped(count, &control.status()?["limits"]);
     if let Some(capped) = &capped {
         progress(capped);
     }
@@ -108,14 +71,12 @@ pub fn run(args: &ConnectionsArgs) -> Result<(), BenchError> {
     ));
     // A connect returns once the kernel queued it; wait until the server took them all.
     let accepted = Instant::now();
-    while control.status()?["connections"].as_u64().unwrap_or(0) < count as u64 + 1 {
-        if accepted.elapsed() > Duration::from_secs(60) {
-            return Err(BenchError::Failed(format!(
-                "the server had not accepted all {count} connections after 60 s"
-            )));
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_connections(
+        &mut control,
+        |n| n > count as u64,
+        &format!("had not accepted all {count} connections after 60 s"),
+        60,
+    )?;
     progress(&format!(
         "the server holds all {count} (accepted {:.2} s after the last connect)",
         accepted.elapsed().as_secs_f64()
@@ -139,15 +100,12 @@ pub fn run(args: &ConnectionsArgs) -> Result<(), BenchError> {
     let during_flood = during_flood?;
     let after_flood = MemoryUse::of(target.pid)?;
     drop(fleet);
-    let closed_at = Instant::now();
-    while control.status()?["connections"].as_u64().unwrap_or(0) > 1 {
-        if closed_at.elapsed() > Duration::from_secs(30) {
-            return Err(BenchError::Failed(
-                "the server still counts the closed connections after 30 s".into(),
-            ));
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_connections(
+        &mut control,
+        |n| n <= 1,
+        "still counts the closed connections after 30 s",
+        30,
+    )?;
     let after_close = MemoryUse::of(target.pid)?;
 
     for (what, outcome) in [("held", &held), ("during the flood", &during_flood)] {
@@ -158,6 +116,120 @@ pub fn run(args: &ConnectionsArgs) -> Result<(), BenchError> {
             )));
         }
     }
+    let memory = [idle, with_connections, after_flood, after_close];
+    let outcomes = (&held, &during_flood, &slow);
+    let setting = (count, held_connections, limit, (soft, hard), capped);
+    print_figures(args, setting, outcomes, memory);
+    target.check_no_ping_answered_false()?;
+    Ok(())
+}
+
+/// This process's open-file limit, raised; an error naming the fix when `count`
+/// connections cannot fit in it.
+fn open_file_limit(count: usize) -> Result<u64, BenchError> {
+    let limit = super::raise_open_file_limit();
+    let needed = count as u64 + 64;
+    if limit < needed {
+        return Err(BenchError::Failed(format!(
+            "holding {count} connections needs about {needed} open files, but this process may \
+             open only {limit} (the hard limit): raise it (`ulimit -Hn`, or LimitNOFILE= in a \
+             unit) or ask for fewer connections"
+        )));
+    }
+    Ok(limit)
+}
+
+/// The server, allowed `count` connections and the open files they need.
+fn start_target(args: &ConnectionsArgs, count: usize) -> Result<(Target, u64), BenchError> {
+    let max_connections = (count + 64).to_string();
+    // The server needs two fds per connection (the socket and the peer's pidfd) and
+    // keeps 256 and a quarter of its limit aside: give it that, as an operator's
+    // LimitNOFILE= would.
+    let server_open_files = (2 * (count as u64 + 64) + 256 + 1024) * 4 / 3 + 1;
+    // Every connection is this process's (one uid): the node-wide bound is measured,
+    // not one uid's share of it.
+    let target = Target::start_with_open_files(
+        &args.target,
+        "bench-connections",
+        &[
+            "--max-connections",
+            &max_connections,
+            "--max-connections-per-uid",
+            &max_connections,
+        ],
+        Some(server_open_files),
+    )?;
+    Ok((target, server_open_files))
+}
+
+/// Polls the server's connection count until `done` says so, at most `bound_s` seconds.
+fn wait_connections(
+    control: &mut RawConnection,
+    done: impl Fn(u64) -> bool,
+    failure: &str,
+    bound_s: u64,
+) -> Result<(), BenchError> {
+    let started = Instant::now();
+    while !done(control.status()?["connections"].as_u64().unwrap_or(0)) {
+        if started.elapsed() > Duration::from_secs(bound_s) {
+            return Err(BenchError::Failed(format!("the server {failure}")));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    Ok(())
+}
+
+/// How many connections the server admits of `count`, and why fewer when it does.
+fn capped(count: usize, limits: &serde_json::Value) -> (usize, Option<String>) {
+    // The control connection and the slow peer count too.
+    let admitted = limits["max_connections"]
+        .as_u64()
+        .map_or(usize::MAX, |max| usize::try_from(max).unwrap_or(usize::MAX));
+    let held_count = count.min(admitted.saturating_sub(2)).max(1);
+    let capped = (held_count < count).then(|| {
+        format!(
+            "capped at {held_count}: the server admits {admitted} connections (open files soft \
+             {}, hard {}, 2 fds per connection + 256 and a quarter of the limit kept aside); \
+             raise its hard limit \
+             (LimitNOFILE=, ulimit -Hn; raising it needs CAP_SYS_RESOURCE) to hold {count}",
+            limits["open_files_soft"], limits["open_files_hard"]
+        )
+    });
+    (held_count, capped)
+}
+
+/// R5's memory lines.
+fn print_memory([idle, with_connections, after_flood, after_close]: [MemoryUse; 4]) {
+    let rows = [
+        ("server_rss_idle", idle, "before any connection"),
+        ("server_rss_holding", with_connections, "while holding them"),
+        ("server_rss_after_flood", after_flood, "after the flood"),
+        ("server_rss_after_close", after_close, "after all closed"),
+    ];
+    for (name, memory, when) in rows {
+        figure(
+            "R5",
+            name,
+            format!("{:.1}", memory.rss_mib()),
+            "MiB",
+            &format!("{when}; {}", memory.describe()),
+        );
+    }
+}
+
+/// R5's lines.
+fn print_figures(
+    args: &ConnectionsArgs,
+    (count, held_connections, limit, (soft, hard), capped): (
+        usize,
+        u64,
+        u64,
+        (String, String),
+        Option<String>,
+    ),
+    (held, during_flood, slow): (&PingOutcome, &PingOutcome, &SlowPeer),
+    [idle, with_connections, after_flood, after_close]: [MemoryUse; 4],
+) {
     figure(
         "R5",
         "connections_held",
@@ -211,21 +283,7 @@ pub fn run(args: &ConnectionsArgs) -> Result<(), BenchError> {
             &format!("{slow_note}; still connected after {SLOW_PEER_BOUND:?}"),
         ),
     }
-    let rows = [
-        ("server_rss_idle", idle, "before any connection"),
-        ("server_rss_holding", with_connections, "while holding them"),
-        ("server_rss_after_flood", after_flood, "after the flood"),
-        ("server_rss_after_close", after_close, "after all closed"),
-    ];
-    for (name, memory, when) in rows {
-        figure(
-            "R5",
-            name,
-            format!("{:.1}", memory.rss_mib()),
-            "MiB",
-            &format!("{when}; {}", memory.describe()),
-        );
-    }
+    print_memory([idle, with_connections, after_flood, after_close]);
     let per_connection =
         (with_connections.rss_kib.saturating_sub(idle.rss_kib) * 1024) as f64 / count.max(1) as f64;
     figure(
@@ -235,8 +293,6 @@ pub fn run(args: &ConnectionsArgs) -> Result<(), BenchError> {
         "bytes",
         "(VmRSS holding - idle) / connections",
     );
-    target.check_no_ping_answered_false()?;
-    Ok(())
 }
 
 /// Connects and sends pings in large batches, never reading, until the server closes

@@ -247,7 +247,16 @@ pub fn run(args: &EventsArgs) -> Result<(), BenchError> {
     let per_store_ns = cpu_alone.as_nanos() as f64 / (chunks * ROUNDS) as f64;
     let record = record_ns();
 
-    // A reader of a server that dies: how long until it knows.
+    let known = server_gone_known_after(server, poll)?;
+
+    let spent = [(cpu_read, wall_read), (cpu_alone, wall_alone)];
+    let run = (chunks, chunk, changes, wall_last);
+    print_figures(args, run, spent, &lags, (per_store_ns, record, known));
+    Ok(())
+}
+
+/// A reader of a server that dies (SIGKILL): how long until it knows.
+fn server_gone_known_after(server: ServerProcess, poll: Duration) -> Result<Duration, BenchError> {
     let watcher = super::client(&server.socket)?;
     let mut cursor = watcher
         .kv_events(&[], 1024)
@@ -267,7 +276,18 @@ pub fn run(args: &EventsArgs) -> Result<(), BenchError> {
         }
         std::thread::sleep(poll);
     };
+    Ok(known)
+}
 
+/// E1's lines.
+fn print_figures(
+    args: &EventsArgs,
+    (chunks, chunk, changes, wall_last): (u64, u64, u64, Duration),
+    [(cpu_read, wall_read), (cpu_alone, wall_alone)]: [(Duration, Duration); 2],
+    lags: &Samples,
+    (per_store_ns, record, known): (f64, f64, Duration),
+) {
+    let kib = chunk >> 10;
     figure(
         "E1",
         "changes_per_second",
@@ -334,5 +354,4 @@ pub fn run(args: &EventsArgs) -> Result<(), BenchError> {
             args.poll_ms
         ),
     );
-    Ok(())
 }

@@ -8,6 +8,7 @@
 //! first that did not, and the later of the two is taken (a bound from above).
 
 use super::process::WorkerProcess;
+use super::raw::RawConnection;
 use super::stats::Samples;
 use super::target::{Target, TargetArgs};
 use super::{BenchError, figure, progress};
@@ -71,20 +72,7 @@ pub fn run(args: &ReapArgs) -> Result<(), BenchError> {
             "127.0.0.1:0",
         ],
     )?;
-    let Some(tcp) = args.tcp.or(target.tcp) else {
-        return Err(BenchError::Failed(
-            "the server listens on no TCP address: give --tcp ADDR with --socket".into(),
-        ));
-    };
-    let Some(token_file) = args
-        .tcp_token_file
-        .clone()
-        .or(target.tcp_token_file.clone())
-    else {
-        return Err(BenchError::Failed(
-            "the server's TCP token file is unknown: give --tcp-token-file PATH with --tcp".into(),
-        ));
-    };
+    let (tcp, token_file) = tcp_of(args, &target)?;
     let mut control = target.connect()?;
     let status = control.status()?;
     let live = &status["worker_liveness"];
@@ -97,21 +85,7 @@ pub fn run(args: &ReapArgs) -> Result<(), BenchError> {
     }
     let heartbeat = (t / 4.0).min(1.0).to_string();
     let token_file = token_file.display().to_string();
-    let worker_args: Vec<String> = [
-        "--tcp",
-        &tcp.to_string(),
-        "--tcp-token-file",
-        &token_file,
-        "--heartbeat-interval-seconds",
-        &heartbeat,
-        "--buffer-bytes",
-        "0",
-        "--traffic-every-ms",
-        "0",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    let worker_args = worker_args(tcp, &token_file, &heartbeat);
     let reaped_before = freed(&status, "reaped");
     let mut frozen = Vec::with_capacity(samples);
     for _ in 0..samples {
@@ -131,6 +105,69 @@ pub fn run(args: &ReapArgs) -> Result<(), BenchError> {
         "{samples} TCP workers (heartbeat {heartbeat} s) proven; freezing them 100 ms apart \
          (T = {t} s, R = {r} s)"
     ));
+    freeze_until_reaped(&mut control, &mut frozen, t)?;
+    let status = control.status()?;
+    let reaped = freed(&status, "reaped") - reaped_before;
+    let delays: Vec<Duration> = frozen
+        .iter()
+        .filter_map(|f| Some(f.reaped_by? - f.last_evidence?))
+        .collect();
+    for f in &frozen {
+        f.worker.signal(Signal::CONT);
+    }
+    print_figures(&delays, reaped, t, r);
+    Ok(())
+}
+
+/// The server's TCP address and token file: given, or the spawned server's.
+fn tcp_of(
+    args: &ReapArgs,
+    target: &Target,
+) -> Result<(std::net::SocketAddr, std::path::PathBuf), BenchError> {
+    let Some(tcp) = args.tcp.or(target.tcp) else {
+        return Err(BenchError::Failed(
+            "the server listens on no TCP address: give --tcp ADDR with --socket".into(),
+        ));
+    };
+    let Some(token_file) = args
+        .tcp_token_file
+        .clone()
+        .or(target.tcp_token_file.clone())
+    else {
+        return Err(BenchError::Failed(
+            "the server's TCP token file is unknown: give --tcp-token-file PATH with --tcp".into(),
+        ));
+    };
+    Ok((tcp, token_file))
+}
+
+/// A frozen-to-be TCP worker's flags: no buffer, no traffic, pings every `heartbeat`.
+fn worker_args(tcp: std::net::SocketAddr, token_file: &str, heartbeat: &str) -> Vec<String> {
+    [
+        "--tcp",
+        &tcp.to_string(),
+        "--tcp-token-file",
+        token_file,
+        "--heartbeat-interval-seconds",
+        heartbeat,
+        "--buffer-bytes",
+        "0",
+        "--traffic-every-ms",
+        "0",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+/// Stops the workers 100 ms apart and polls the status until each is reaped: when the
+/// server last heard from each (its silence, seen from above) and when it was gone.
+fn freeze_until_reaped(
+    control: &mut RawConnection,
+    frozen: &mut [Frozen],
+    t: f64,
+) -> Result<(), BenchError> {
+    let samples = frozen.len();
     let mut next_stop = Instant::now();
     let mut stopped = 0;
     let bound = Instant::now() + Duration::from_secs_f64(t * 4.0 + 30.0);
@@ -164,16 +201,12 @@ pub fn run(args: &ReapArgs) -> Result<(), BenchError> {
         }
         std::thread::sleep(Duration::from_millis(2));
     }
-    let status = control.status()?;
-    let reaped = freed(&status, "reaped") - reaped_before;
-    let delays: Vec<Duration> = frozen
-        .iter()
-        .filter_map(|f| Some(f.reaped_by? - f.last_evidence?))
-        .collect();
-    for f in &frozen {
-        f.worker.signal(Signal::CONT);
-    }
-    let samples_seen = Samples::from_durations(&delays);
+    Ok(())
+}
+
+/// S5's lines.
+fn print_figures(delays: &[Duration], reaped: u64, t: f64, r: f64) {
+    let samples_seen = Samples::from_durations(delays);
     let t_plus_r = t + r;
     let max_s = samples_seen.max_ms() / 1e3;
     let min_s = samples_seen.quantile_ms(0.0) / 1e3;
@@ -203,7 +236,6 @@ pub fn run(args: &ReapArgs) -> Result<(), BenchError> {
         "ms",
         &format!("target <= R = {:.0} ms", r * 1e3),
     );
-    Ok(())
 }
 
 fn instance(status: &Json, id: u64) -> Option<&Json> {

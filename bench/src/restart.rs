@@ -60,38 +60,11 @@ pub fn run(args: &RestartArgs) -> Result<(), BenchError> {
         )));
     }
     super::print_machine();
-    let dir = tempfile::Builder::new()
-        .prefix("kvwarden-bench-restart-")
-        .tempdir_in(&args.dir)
-        .map_err(BenchError::io(format!(
-            "creating a directory under {} (name a tmpfs with --dir)",
-            args.dir.display()
-        )))?;
-    let pool = dir.path().join("l1.pool");
-    let secret = dir.path().join("l1.secret");
-    let secret_bytes: Vec<u8> = (0..4)
-        .flat_map(|_| kvwarden_core::InstanceId::generate().get().to_le_bytes())
-        .collect();
-    std::fs::write(&secret, secret_bytes)
-        .map_err(BenchError::io(format!("writing {}", secret.display())))?;
-    let flags: Vec<String> = [
-        "--l1-file",
-        &pool.display().to_string(),
-        "--l1-secret-file",
-        &secret.display().to_string(),
-        "--l1-bytes",
-        &l1_bytes.to_string(),
-        "--slot-bytes",
-        &slot_bytes.to_string(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    let (_dir, pool, flags) = pool_flags(args, l1_bytes, slot_bytes)?;
 
     let chunks = l1_bytes / slot_bytes;
     // What sealing costs the stores: the same fill into an anonymous pool first.
-    let anonymous_flags: Vec<String> = flags[4..].to_vec();
-    let anonymous = ServerProcess::start("bench-restart", &anonymous_flags, "warn")?;
+    let anonymous = ServerProcess::start("bench-restart", &flags[4..], "warn")?;
     let fill_started = Instant::now();
     fill(&anonymous.socket, chunks, slot_bytes)?;
     let anonymous_fill = fill_started.elapsed();
@@ -131,81 +104,21 @@ pub fn run(args: &RestartArgs) -> Result<(), BenchError> {
     let adoption_gbps = pool_bytes as f64 / 1e9 / scan_seconds.max(1e-9);
     let (checked, identical) = verify(&server.socket, stored, slot_bytes)?;
 
-    let note = format!(
-        "{stored} chunks of {} KiB stored, SIGKILL, restarted on the same pool file",
-        slot_bytes >> 10
-    );
-    figure(
-        "W1",
-        "adopted_over_stored",
-        format!("{:.4}", adopted as f64 / stored.max(1) as f64),
-        "x",
-        &format!(
-            "{adopted} adopted ({} MiB), dropped {}; {note}; target >= 0.99",
-            adopted_bytes >> 20,
-            adoption["dropped"]
-        ),
-    );
-    figure(
-        "W1",
-        "seconds_to_ready",
-        format!("{:.3}", ready.as_secs_f64()),
-        "s",
-        "from spawning the restarted server to its `ready` line",
-    );
-    figure(
-        "W1",
-        "seconds_to_adopted",
-        format!("{:.3}", adopted_wall.as_secs_f64()),
-        "s",
-        &format!(
-            "from spawning it to /status saying the scan is done (the scan itself: {scan_seconds:.3} s)"
-        ),
-    );
-    figure(
-        "W1",
-        "adoption_gb_per_s",
-        format!("{adoption_gbps:.2}"),
-        "GB/s",
-        &format!(
-            "{} MiB of pool scanned (every seal checked over its value) on the server's pool threads",
-            pool_bytes >> 20
-        ),
-    );
-    figure(
-        "W1",
-        "sequential_read_gb_per_s",
-        format!("{read_gbps:.2}"),
-        "GB/s",
-        "the same pool file read once, 8 MiB at a time, one thread, same run",
-    );
-    figure(
-        "W1",
-        "ratio_adoption_over_read",
-        format!("{:.2}", adoption_gbps / read_gbps.max(1e-9)),
-        "x",
-        "adoption rate over the sequential read; target >= 0.5",
-    );
-    let gbps = |elapsed: Duration| pool_bytes as f64 / 1e9 / elapsed.as_secs_f64().max(1e-9);
-    figure(
-        "W1",
-        "store_sealed_over_anonymous",
-        format!("{:.2}", gbps(sealed_fill) / gbps(anonymous_fill)),
-        "x",
-        &format!(
-            "filling the pool with store_batch of {BATCH}: {:.2} GB/s onto the pool file, every \
-             seal written, against {:.2} GB/s into an anonymous pool, same run",
-            gbps(sealed_fill),
-            gbps(anonymous_fill)
-        ),
-    );
-    figure(
-        "W1",
-        "adopted_chunks_identical",
-        format!("{identical}/{checked}"),
-        "chunks",
-        "a sample of the stored chunks retrieved after the restart, compared byte for byte",
-    );
+    let measured = Restarted {
+        stored,
+        adopted,
+        adopted_bytes,
+        dropped: adoption["dropped"].clone(),
+        ready,
+        adopted_wall,
+        scan_seconds,
+        adoption_gbps,
+        read_gbps,
+        pool_bytes,
+        fills: (sealed_fill, anonymous_fill),
+        checked: (checked, identical),
+    };
+    measured.print(slot_bytes);
     if identical != checked {
         return Err(BenchError::Failed(format!(
             "{} of {checked} chunks retrieved after the restart differ from what was stored",
@@ -213,6 +126,169 @@ pub fn run(args: &RestartArgs) -> Result<(), BenchError> {
         )));
     }
     Ok(())
+}
+
+/// A directory under `--dir` for the pool file and its secret, and the server's flags.
+fn pool_flags(
+    args: &RestartArgs,
+    l1_bytes: u64,
+    slot_bytes: u64,
+) -> Result<(tempfile::TempDir, std::path::PathBuf, Vec<String>), BenchError> {
+    let dir = tempfile::Builder::new()
+        .prefix("kvwarden-bench-restart-")
+        .tempdir_in(&args.dir)
+        .map_err(BenchError::io(format!(
+            "creating a directory under {} (name a tmpfs with --dir)",
+            args.dir.display()
+        )))?;
+    let pool = dir.path().join("l1.pool");
+    let secret = dir.path().join("l1.secret");
+    let secret_bytes: Vec<u8> = (0..4)
+        .flat_map(|_| kvwarden_core::InstanceId::generate().get().to_le_bytes())
+        .collect();
+    std::fs::write(&secret, secret_bytes)
+        .map_err(BenchError::io(format!("writing {}", secret.display())))?;
+    let flags: Vec<String> = [
+        "--l1-file",
+        &pool.display().to_string(),
+        "--l1-secret-file",
+        &secret.display().to_string(),
+        "--l1-bytes",
+        &l1_bytes.to_string(),
+        "--slot-bytes",
+        &slot_bytes.to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    Ok((dir, pool, flags))
+}
+
+/// What a restart on the pool file measured.
+struct Restarted {
+    stored: u64,
+    adopted: u64,
+    adopted_bytes: u64,
+    dropped: serde_json::Value,
+    ready: Duration,
+    adopted_wall: Duration,
+    scan_seconds: f64,
+    adoption_gbps: f64,
+    read_gbps: f64,
+    pool_bytes: u64,
+    /// The fill onto the pool file (every seal written) and into an anonymous pool.
+    fills: (Duration, Duration),
+    /// Chunks retrieved after the restart, and those identical to what was stored.
+    checked: (u64, u64),
+}
+
+impl Restarted {
+    /// W1's lines.
+    fn print(&self, slot_bytes: u64) {
+        self.print_adoption(slot_bytes);
+        self.print_rates();
+    }
+
+    /// What was adopted, and how soon.
+    fn print_adoption(&self, slot_bytes: u64) {
+        let Restarted {
+            stored,
+            adopted,
+            adopted_bytes,
+            ref dropped,
+            ready,
+            adopted_wall,
+            scan_seconds,
+            ..
+        } = *self;
+        let note = format!(
+            "{stored} chunks of {} KiB stored, SIGKILL, restarted on the same pool file",
+            slot_bytes >> 10
+        );
+        figure(
+            "W1",
+            "adopted_over_stored",
+            format!("{:.4}", adopted as f64 / stored.max(1) as f64),
+            "x",
+            &format!(
+                "{adopted} adopted ({} MiB), dropped {}; {note}; target >= 0.99",
+                adopted_bytes >> 20,
+                dropped
+            ),
+        );
+        figure(
+            "W1",
+            "seconds_to_ready",
+            format!("{:.3}", ready.as_secs_f64()),
+            "s",
+            "from spawning the restarted server to its `ready` line",
+        );
+        figure(
+            "W1",
+            "seconds_to_adopted",
+            format!("{:.3}", adopted_wall.as_secs_f64()),
+            "s",
+            &format!(
+                "from spawning it to /status saying the scan is done (the scan itself: {scan_seconds:.3} s)"
+            ),
+        );
+    }
+
+    /// The rates: the scan, the read, the fills; and the chunks compared.
+    fn print_rates(&self) {
+        let Restarted {
+            adoption_gbps,
+            read_gbps,
+            pool_bytes,
+            fills: (sealed_fill, anonymous_fill),
+            checked: (checked, identical),
+            ..
+        } = *self;
+        figure(
+            "W1",
+            "adoption_gb_per_s",
+            format!("{adoption_gbps:.2}"),
+            "GB/s",
+            &format!(
+                "{} MiB of pool scanned (every seal checked over its value) on the server's pool threads",
+                pool_bytes >> 20
+            ),
+        );
+        figure(
+            "W1",
+            "sequential_read_gb_per_s",
+            format!("{read_gbps:.2}"),
+            "GB/s",
+            "the same pool file read once, 8 MiB at a time, one thread, same run",
+        );
+        figure(
+            "W1",
+            "ratio_adoption_over_read",
+            format!("{:.2}", adoption_gbps / read_gbps.max(1e-9)),
+            "x",
+            "adoption rate over the sequential read; target >= 0.5",
+        );
+        let gbps = |elapsed: Duration| pool_bytes as f64 / 1e9 / elapsed.as_secs_f64().max(1e-9);
+        figure(
+            "W1",
+            "store_sealed_over_anonymous",
+            format!("{:.2}", gbps(sealed_fill) / gbps(anonymous_fill)),
+            "x",
+            &format!(
+                "filling the pool with store_batch of {BATCH}: {:.2} GB/s onto the pool file, every \
+                 seal written, against {:.2} GB/s into an anonymous pool, same run",
+                gbps(sealed_fill),
+                gbps(anonymous_fill)
+            ),
+        );
+        figure(
+            "W1",
+            "adopted_chunks_identical",
+            format!("{identical}/{checked}"),
+            "chunks",
+            "a sample of the stored chunks retrieved after the restart, compared byte for byte",
+        );
+    }
 }
 
 /// Stores `chunks` chunks in batches of [`BATCH`]; returns how many were stored.
