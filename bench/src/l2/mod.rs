@@ -22,7 +22,8 @@
 //!   failed or dropped meanwhile, corrupt values served (must be 0). Needs a cluster
 //!   started here.
 
-use super::raw::{RawConnection, instance_ids};
+use super::process::ServerProcess;
+use super::raw::RawConnection;
 use super::stats::Samples;
 use super::{BenchError, figure, progress};
 use kvwarden_core::l2::{ClusterSecret, HEADER_BYTES, MAC_HEADER_BYTES, Namespace, ValueFormat};
@@ -32,9 +33,11 @@ use std::time::{Duration, Instant};
 
 /// The L1 slot of both servers: the largest chunk.
 mod clients;
+mod failures;
 mod rounds;
 
 use clients::*;
+use failures::*;
 use rounds::*;
 
 const SLOT: u64 = 2 << 20;
@@ -118,6 +121,108 @@ fn print_value_check_cost(smoke: bool) {
 
 /// Runs L1–L4 and prints their figures.
 pub fn run(args: &L2Args) -> Result<(), BenchError> {
+    let args = checked(args)?;
+    let stop = super::positive_seconds("--stop-seconds", args.stop_seconds)?;
+    super::print_machine();
+    print_value_check_cost(args.smoke);
+    let header_bytes = if args.l2_secret_file.is_some() {
+        MAC_HEADER_BYTES
+    } else {
+        HEADER_BYTES
+    };
+    let mut cluster = match &args.l2 {
+        Some(_) => None,
+        None => Some(start_cluster(args.cluster_node_timeout_ms)?),
+    };
+    let seeds: Vec<String> = match (&args.l2, &cluster) {
+        (Some(seeds), _) => seeds.split(',').map(|s| s.trim().to_string()).collect(),
+        (None, Some(cluster)) => cluster.seeds(),
+        (None, None) => Vec::new(),
+    };
+    let namespace = format!("bench-{}", std::process::id());
+    let (a, b) = start_servers(&args, &seeds, &namespace)?;
+    progress(&format!(
+        "two servers on {} (namespace {namespace})",
+        seeds.join(",")
+    ));
+    let redis = Redis::connect(&seeds)?;
+    let namespace = Namespace::new(&namespace)
+        .map_err(|error| BenchError::Failed(format!("the bench namespace: {error}")))?;
+    let mut keys = Keys::default();
+    warm_up(&a, &b)?;
+    let writer = Worker::new(&a.socket, SLOT, 1)?;
+    let reader = Worker::new(&b.socket, SLOT, 1)?;
+    let mut a_control = RawConnection::connect(&a.socket)?;
+    let mut b_control = RawConnection::connect(&b.socket)?;
+    let l2 = (&redis, &namespace, header_bytes);
+    let batch = cross_node(&args, (&writer, &reader), &mut a_control, l2, &mut keys)?;
+
+    let controls = (&mut a_control, &mut b_control);
+    throughput(&args, (&a, &b), &seeds, l2, controls, &mut keys)?;
+
+    let Some(cluster) = cluster.as_mut() else {
+        for id in ["L3", "L4"] {
+            figure(
+                id,
+                "skipped",
+                "-",
+                "-",
+                "--l2 names a cluster this benchmark must not stop or kill",
+            );
+        }
+        return Ok(());
+    };
+
+    let controls = (&mut a_control, &mut b_control);
+    let l3 = (b.socket.as_path(), batch[0].as_slice(), stop);
+    stopped_cluster(&args, cluster, (&writer, &reader), controls, l3, &mut keys)?;
+    let controls = (&mut a_control, &mut b_control);
+    killed_master(&args, cluster, &writer, controls, &mut keys)?;
+    drop((a, b));
+    Ok(())
+}
+
+/// L2: throughput at 256 KiB and 2 MiB, with 1 and `--clients` clients, the median
+/// of `--rounds` rounds each.
+fn throughput(
+    args: &L2Args,
+    (a, b): (&ServerProcess, &ServerProcess),
+    seeds: &[String],
+    (redis, namespace, header_bytes): (&Redis, &Namespace, usize),
+    (a_control, b_control): (&mut RawConnection, &mut RawConnection),
+    keys: &mut Keys,
+) -> Result<(), BenchError> {
+    let phases = Phases {
+        a,
+        b,
+        seeds,
+        namespace,
+        header_bytes,
+        chunks: args.chunks,
+        batch: args.batch,
+    };
+    let mut client_counts = vec![1, args.clients];
+    client_counts.dedup();
+    for chunk in [256 << 10, SLOT] {
+        for &clients in &client_counts {
+            let mut rounds = Vec::new();
+            for round in 0..args.rounds {
+                progress(&format!(
+                    "L2 {} KiB, {clients} client(s): round {} of {}",
+                    chunk >> 10,
+                    round + 1,
+                    args.rounds
+                ));
+                rounds.push(phases.round(keys, a_control, b_control, redis, chunk, clients)?);
+            }
+            print_rounds(&rounds, chunk, clients, args.chunks, args.batch);
+        }
+    }
+    Ok(())
+}
+
+/// `args` as this run uses them (a smoke run's small sizes), checked.
+fn checked(args: &L2Args) -> Result<L2Args, BenchError> {
     let mut args = args.clone();
     if args.smoke {
         args.chunks = args.chunks.min(4);
@@ -145,24 +250,15 @@ pub fn run(args: &L2Args) -> Result<(), BenchError> {
             kvwarden_core::protocol::MAX_BATCH_ITEMS
         )));
     }
-    let stop = super::positive_seconds("--stop-seconds", args.stop_seconds)?;
-    super::print_machine();
-    print_value_check_cost(args.smoke);
-    let header_bytes = if args.l2_secret_file.is_some() {
-        MAC_HEADER_BYTES
-    } else {
-        HEADER_BYTES
-    };
-    let mut cluster = match &args.l2 {
-        Some(_) => None,
-        None => Some(start_cluster(args.cluster_node_timeout_ms)?),
-    };
-    let seeds: Vec<String> = match (&args.l2, &cluster) {
-        (Some(seeds), _) => seeds.split(',').map(|s| s.trim().to_string()).collect(),
-        (None, Some(cluster)) => cluster.seeds(),
-        (None, None) => Vec::new(),
-    };
-    let namespace = format!("bench-{}", std::process::id());
+    Ok(args)
+}
+
+/// Node A and node B, sharing L2 at `seeds` under `namespace`.
+fn start_servers(
+    args: &L2Args,
+    seeds: &[String],
+    namespace: &str,
+) -> Result<(ServerProcess, ServerProcess), BenchError> {
     // L1 and the write queue hold a whole throughput phase: write-behind pins at most
     // a quarter of L1's slots, and a write past that (or past the queue) is dropped,
     // which would measure drops instead of L2. With --l1-prefault all of L1 is
@@ -175,7 +271,7 @@ pub fn run(args: &L2Args) -> Result<(), BenchError> {
     let queue_bytes = (phase * (SLOT + HEADER_BYTES as u64))
         .max(512 << 20)
         .to_string();
-    let serve = |tag: &str| -> Result<super::process::ServerProcess, BenchError> {
+    let serve = |tag: &str| -> Result<ServerProcess, BenchError> {
         let mut flags: Vec<String> = [
             "--l1-bytes",
             &l1_bytes,
@@ -187,7 +283,7 @@ pub fn run(args: &L2Args) -> Result<(), BenchError> {
             "--l2",
             &seeds.join(","),
             "--l2-namespace",
-            &namespace,
+            namespace,
             "--l2-timeout-ms",
             &args.l2_timeout_ms.to_string(),
             "--l2-write-queue-bytes",
@@ -200,20 +296,16 @@ pub fn run(args: &L2Args) -> Result<(), BenchError> {
             flags.push("--l2-secret-file".into());
             flags.push(path.display().to_string());
         }
-        super::process::ServerProcess::start(tag, &flags, "warn")
+        ServerProcess::start(tag, &flags, "warn")
     };
     let a = serve("bench-l2-a")?;
     let b = serve("bench-l2-b")?;
-    progress(&format!(
-        "two servers on {} (namespace {namespace})",
-        seeds.join(",")
-    ));
-    let redis = Redis::connect(&seeds)?;
-    let namespace = Namespace::new(&namespace)
-        .map_err(|error| BenchError::Failed(format!("the bench namespace: {error}")))?;
-    let mut keys = Keys::default();
-    // Each L2 thread connects on its first job: warm them all on both servers (lookups
-    // of absent keys, many at once) so that no figure pays for a connect.
+    Ok((a, b))
+}
+
+/// Each L2 thread connects on its first job: warm them all on both servers (lookups
+/// of absent keys, many at once) so that no figure pays for a connect.
+fn warm_up(a: &ServerProcess, b: &ServerProcess) -> Result<(), BenchError> {
     for server in [&a, &b] {
         let lookups: Vec<u64> = (0..16).collect();
         in_clients(&lookups, |_| {
@@ -225,17 +317,23 @@ pub fn run(args: &L2Args) -> Result<(), BenchError> {
             Ok(())
         })?;
     }
+    Ok(())
+}
 
-    // ---- L1: cross-node latency, 2 MiB.
-    let writer = Worker::new(&a.socket, SLOT, 1)?;
-    let reader = Worker::new(&b.socket, SLOT, 1)?;
-    let mut a_control = RawConnection::connect(&a.socket)?;
-    let mut b_control = RawConnection::connect(&b.socket)?;
+/// L1: cross-node latency, 2 MiB: stored through A, retrieved through B, against a
+/// cluster GET of the same value. The keys it stored.
+fn cross_node(
+    args: &L2Args,
+    (writer, reader): (&Worker, &Worker),
+    a_control: &mut RawConnection,
+    (redis, namespace, header_bytes): (&Redis, &Namespace, usize),
+    keys: &mut Keys,
+) -> Result<Vec<Vec<u8>>, BenchError> {
     let batch = keys.fresh(args.chunks.clamp(8, 128));
     for key in &batch {
         writer.store(key, SLOT)?;
     }
-    wait_l2_ops(&mut a_control, batch.len() as u64)?;
+    wait_l2_ops(a_control, batch.len() as u64)?;
     let (mut through_b, mut get) = (Vec::new(), Vec::new());
     for key in &batch {
         let started = Instant::now();
@@ -291,256 +389,7 @@ pub fn run(args: &L2Args) -> Result<(), BenchError> {
         "x",
         "target <= 2",
     );
-
-    // ---- L2: throughput, 256 KiB and 2 MiB, 1 and `clients` clients, median of rounds.
-    let phases = Phases {
-        a: &a,
-        b: &b,
-        seeds: &seeds,
-        namespace: &namespace,
-        header_bytes,
-        chunks: args.chunks,
-        batch: args.batch,
-    };
-    let mut client_counts = vec![1, args.clients];
-    client_counts.dedup();
-    for chunk in [256 << 10, SLOT] {
-        for &clients in &client_counts {
-            let mut rounds = Vec::new();
-            for round in 0..args.rounds {
-                progress(&format!(
-                    "L2 {} KiB, {clients} client(s): round {} of {}",
-                    chunk >> 10,
-                    round + 1,
-                    args.rounds
-                ));
-                rounds.push(phases.round(
-                    &mut keys,
-                    &mut a_control,
-                    &mut b_control,
-                    &redis,
-                    chunk,
-                    clients,
-                )?);
-            }
-            print_rounds(&rounds, chunk, clients, args.chunks, args.batch);
-        }
-    }
-
-    let Some(cluster) = cluster.as_mut() else {
-        for id in ["L3", "L4"] {
-            figure(
-                id,
-                "skipped",
-                "-",
-                "-",
-                "--l2 names a cluster this benchmark must not stop or kill",
-            );
-        }
-        return Ok(());
-    };
-
-    // ---- L3: every Redis node SIGSTOPped.
-    let l2_only = keys.fresh(8);
-    for key in &l2_only {
-        writer.store(key, SLOT)?;
-    }
-    wait_l2_ops(&mut a_control, 0)?;
-    let pinger_instance = instance_ids(1)[0];
-    let mut pinger = RawConnection::connect(&b.socket)?;
-    pinger.register(pinger_instance, Vec::new(), &[])?;
-    let in_l1 = batch[0].clone();
-    // The same ping loop with L2 up first: "unchanged" is read against it.
-    let mut pings_before = Vec::new();
-    let started = Instant::now();
-    while started.elapsed() < stop {
-        let sent = Instant::now();
-        pinger.ping(pinger_instance)?;
-        pings_before.push(sent.elapsed());
-        if pings_before.len() % 20 == 0 {
-            reader.retrieve(&in_l1)?;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    let pings_before = Samples::from_durations(&pings_before);
-    cluster.signal_all(rustix::process::Signal::STOP);
-    let stopped = Instant::now();
-    let (mut pings, mut misses, mut l1_hits) = (Vec::new(), Vec::new(), 0u64);
-    let mut next = 0;
-    while stopped.elapsed() < stop {
-        let started = Instant::now();
-        if !pinger.ping(pinger_instance)? {
-            return Err(BenchError::Failed(
-                "a ping was answered false while L2 was stopped".into(),
-            ));
-        }
-        pings.push(started.elapsed());
-        if pings.len() % 20 == 0 {
-            let key = &l2_only[next % l2_only.len()];
-            next += 1;
-            let started = Instant::now();
-            let moved = reader.retrieve(key)?;
-            misses.push(started.elapsed());
-            if moved.is_some() {
-                return Err(BenchError::Failed(
-                    "an L2-only chunk was served while every Redis node was stopped".into(),
-                ));
-            }
-            if reader.retrieve(&in_l1)? == Some(SLOT) {
-                l1_hits += 1;
-            }
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    cluster.signal_all(rustix::process::Signal::CONT);
-    let continued = Instant::now();
-    let resumed = loop {
-        if reader.retrieve(&l2_only[0])?.is_some() {
-            break continued.elapsed();
-        }
-        if continued.elapsed() > Duration::from_secs(120) {
-            return Err(BenchError::Failed(
-                "L2 did not come back within 120 s of SIGCONT".into(),
-            ));
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let reaped = b_control.status()?["worker_liveness"]["reaped_total"]
-        .as_u64()
-        .unwrap_or(0);
-    let (pings, misses) = (
-        Samples::from_durations(&pings),
-        Samples::from_durations(&misses),
-    );
-    let stopped_note = format!(
-        "every Redis node SIGSTOPped for {:.0} s",
-        stop.as_secs_f64()
-    );
-    figure(
-        "L3",
-        "ping_p99",
-        format!("{:.3}", pings.quantile_ms(0.99)),
-        "ms",
-        &format!("{stopped_note}, {} pings; target <= 2", pings.len()),
-    );
-    figure(
-        "L3",
-        "ping_p99_l2_up",
-        format!("{:.3}", pings_before.quantile_ms(0.99)),
-        "ms",
-        &format!(
-            "the same loop just before, L2 up, {} pings (machine noise)",
-            pings_before.len()
-        ),
-    );
-    figure(
-        "L3",
-        "l2_only_retrieve_max",
-        format!("{:.1}", misses.max_ms()),
-        "ms",
-        &format!(
-            "{} misses, --l2-timeout-ms {} (p50 {:.1} ms)",
-            misses.len(),
-            args.l2_timeout_ms,
-            misses.quantile_ms(0.5)
-        ),
-    );
-    figure(
-        "L3",
-        "l1_hits_served",
-        l1_hits,
-        "retrieves",
-        &format!("of {} tried while stopped", misses.len()),
-    );
-    figure("L3", "reaped", reaped, "workers", "target 0");
-    figure(
-        "L3",
-        "resumed_after_sigcont",
-        format!("{:.2}", resumed.as_secs_f64()),
-        "s",
-        "first L2 hit after SIGCONT (the breaker's probe back-off)",
-    );
-
-    // ---- L4: a master SIGKILLed.
-    let victim = cluster
-        .masters()
-        .first()
-        .copied()
-        .ok_or_else(|| BenchError::Failed("the cluster lists no master to kill".into()))?;
-    let replica = cluster.replica_of(victim);
-    let failed_before = failed_ops(&mut a_control)?;
-    cluster.kill(victim);
-    let killed = Instant::now();
-    // Redis's own part, watched beside kvwarden's: detection (cluster-node-timeout and
-    // gossip) and the replica's election delay (500-1000 ms by Redis's design).
-    let promoted = replica.map(|port| std::thread::spawn(move || promoted_after(port, killed)));
-    let resumed = loop {
-        let batch = keys.fresh(12);
-        let before = l2_field(&mut a_control, "writes")?;
-        for key in &batch {
-            writer.store(key, 256 << 10)?;
-        }
-        wait_l2_ops(&mut a_control, 0)?;
-        std::thread::sleep(Duration::from_millis(20));
-        if l2_field(&mut a_control, "writes")? >= before + batch.len() as u64 {
-            break killed.elapsed();
-        }
-        if killed.elapsed() > Duration::from_secs(120) {
-            return Err(BenchError::Failed(
-                "writes did not land again within 120 s of killing a master".into(),
-            ));
-        }
-    };
-    let failed = failed_ops(&mut a_control)? - failed_before;
-    let corrupt = l2_field(&mut a_control, "corrupt")? + l2_field(&mut b_control, "corrupt")?;
-    let promoted = promoted.and_then(|watch| watch.join().ok().flatten());
-    match promoted {
-        Some(promoted) => {
-            figure(
-                "L4",
-                "redis_failover",
-                format!("{:.2}", promoted.as_secs_f64()),
-                "s",
-                "the killed master's replica answered ROLE master (Redis's own detection and \
-                 election, same run)",
-            );
-            figure(
-                "L4",
-                "resumed_after_promotion",
-                format!("{:.2}", resumed.saturating_sub(promoted).as_secs_f64()),
-                "s",
-                "kvwarden's part: resumed_after_master_kill - redis_failover (includes this \
-                 loop's 20 ms polling)",
-            );
-        }
-        None => figure(
-            "L4",
-            "redis_failover",
-            "-",
-            "s",
-            "the killed master's replica was not found or not seen promoted",
-        ),
-    }
-    figure(
-        "L4",
-        "resumed_after_master_kill",
-        format!("{:.2}", resumed.as_secs_f64()),
-        "s",
-        &format!(
-            "every write of a batch landed again; target <= 2 x cluster-node-timeout = {:.1} s",
-            2.0 * args.cluster_node_timeout_ms as f64 / 1000.0
-        ),
-    );
-    figure(
-        "L4",
-        "writes_failed_or_dropped",
-        failed,
-        "writes",
-        "errors + timeouts + drops during the failover, never retried",
-    );
-    figure("L4", "corrupt_served", corrupt, "values", "target 0");
-    drop((a, b));
-    Ok(())
+    Ok(batch)
 }
 
 /// MiB/s.
