@@ -68,25 +68,53 @@ impl Phases<'_> {
         let batched_total = batches_per_client * batch * clients as u64;
         let failed_before = failed_ops(a_control)?;
 
-        // Write-behind: stores through A until L2 holds them.
-        let before = l2_ops(a_control)?;
-        let started = Instant::now();
-        in_clients(&singles, |keys| {
-            let worker = Worker::new(&self.a.socket, chunk, 1)?;
-            keys.iter().try_for_each(|key| worker.store(key, chunk))
-        })?;
-        wait_l2_ops(a_control, before + total)?;
-        let write_behind = rate(total * chunk, started.elapsed());
-        // The batch phase's chunks, stored untimed.
-        let before = l2_ops(a_control)?;
-        in_clients(&batched, |keys| {
-            let worker = Worker::new(&self.a.socket, chunk, 1)?;
-            keys.iter().try_for_each(|key| worker.store(key, chunk))
-        })?;
-        wait_l2_ops(a_control, before + batched_total)?;
-        let failed = failed_ops(a_control)? - failed_before;
+        let (write_behind, failed) = self.write(
+            a_control,
+            (&singles, &batched),
+            chunk,
+            (total, batched_total),
+            failed_before,
+        )?;
 
-        // The reads: one in 4 of a key L2 does not hold, first in each 4.
+        let totals = (total, batched_total);
+        let (single_reads, batched_reads, measured) = self.read(
+            keys,
+            b_control,
+            (&singles, &batched),
+            (chunk, batch),
+            totals,
+        )?;
+        let phase = Reads {
+            singles: &singles,
+            batched: &batched,
+            single_reads: &single_reads,
+            batched_reads: &batched_reads,
+            chunk,
+            batch,
+            totals: (total, batched_total),
+        };
+        let (set, get, batch_get, set_names, batch_names) = self.baselines(&phase)?;
+        self.clean_up(redis, (set_names, batch_names), (&singles, &batched))?;
+        Ok(Round {
+            write_behind,
+            set,
+            get,
+            batch_get,
+            failed,
+            ..measured
+        })
+    }
+
+    /// The reads through B, one in 4 of a key L2 does not hold (first in each 4): singly,
+    /// then in batches. The reads made, and what they measured.
+    fn read(
+        &self,
+        keys: &mut Keys,
+        b_control: &mut RawConnection,
+        (singles, batched): (&PerClient, &PerClient),
+        (chunk, batch): (u64, u64),
+        (total, batched_total): (u64, u64),
+    ) -> Result<(ReadsPerClient, ReadsPerClient, Round), BenchError> {
         let single_reads: Vec<Vec<Read>> = singles.iter().map(|held| mixed(keys, held)).collect();
         let batched_reads: Vec<Vec<Read>> = batched.iter().map(|held| mixed(keys, held)).collect();
         let (b_timeouts, b_errors) = (
@@ -131,14 +159,80 @@ impl Phases<'_> {
             l2_field(b_control, "timeouts")? - b_timeouts,
             l2_field(b_control, "errors")? - b_errors,
         );
+        let measured = Round {
+            read_through,
+            batch_read_through,
+            held_reads: total + batched_total,
+            missed: missed.into_inner(),
+            missed_batched,
+            absent_served: absent_served.into_inner(),
+            b_timeouts,
+            b_errors,
+            ..Round::default()
+        };
+        Ok((single_reads, batched_reads, measured))
+    }
 
+    /// Write-behind: stores through A until L2 holds them (MiB/s), then the batch phase's
+    /// chunks, untimed; writes failed or dropped since `failed_before`.
+    fn write(
+        &self,
+        a_control: &mut RawConnection,
+        (singles, batched): (&PerClient, &PerClient),
+        chunk: u64,
+        (total, batched_total): (u64, u64),
+        failed_before: u64,
+    ) -> Result<(f64, u64), BenchError> {
+        let before = l2_ops(a_control)?;
+        let started = Instant::now();
+        in_clients(singles, |keys| {
+            let worker = Worker::new(&self.a.socket, chunk, 1)?;
+            keys.iter().try_for_each(|key| worker.store(key, chunk))
+        })?;
+        wait_l2_ops(a_control, before + total)?;
+        let write_behind = rate(total * chunk, started.elapsed());
+        // The batch phase's chunks, stored untimed.
+        let before = l2_ops(a_control)?;
+        in_clients(batched, |keys| {
+            let worker = Worker::new(&self.a.socket, chunk, 1)?;
+            keys.iter().try_for_each(|key| worker.store(key, chunk))
+        })?;
+        wait_l2_ops(a_control, before + batched_total)?;
+        let failed = failed_ops(a_control)? - failed_before;
+        Ok((write_behind, failed))
+    }
+
+    /// Deletes everything the round put in Redis: the next one starts as empty.
+    fn clean_up(
+        &self,
+        redis: &Redis,
+        (set_names, batch_names): (PerClient, PerClient),
+        (singles, batched): (&PerClient, &PerClient),
+    ) -> Result<(), BenchError> {
+        let mut names: Vec<Vec<u8>> = set_names.into_iter().chain(batch_names).flatten().collect();
+        names.extend(
+            singles
+                .iter()
+                .chain(batched)
+                .flatten()
+                .map(|key| self.namespace.redis_key(&own_tenant_key(key))),
+        );
+        redis.del(&names)?;
+        Ok(())
+    }
+
+    /// The same round through a Redis Cluster client: SET, GET of the same mix, and
+    /// pipelined GETs; the names it set, to delete.
+    fn baselines(&self, phase: &Reads<'_>) -> Result<Baselines, BenchError> {
+        let (chunk, batch) = (phase.chunk, phase.batch);
+        let (total, batched_total) = phase.totals;
         let value = vec![7u8; chunk as usize + self.header_bytes];
         let baseline_name = |key: &[u8]| {
             let mut name = self.namespace.redis_key(&own_tenant_key(key));
             name.extend_from_slice(b":baseline");
             name
         };
-        let baseline = |keys: &Vec<Vec<Vec<u8>>>| -> Vec<Vec<Vec<u8>>> {
+        let baseline = |keys: &PerClient| -> Vec<Vec<Vec<u8>>> {
             keys.iter()
                 .map(|keys| keys.iter().map(|key| baseline_name(key)).collect())
                 .collect()
@@ -150,10 +244,10 @@ impl Phases<'_> {
                 .map(|reads| reads.iter().map(|read| baseline_name(&read.key)).collect())
                 .collect()
         };
-        let (set_names, batch_names) = (baseline(&singles), baseline(&batched));
+        let (set_names, batch_names) = (baseline(phase.singles), baseline(phase.batched));
         let (get_names, batch_get_names) = (
-            baseline_reads(&single_reads),
-            baseline_reads(&batched_reads),
+            baseline_reads(phase.single_reads),
+            baseline_reads(phase.batched_reads),
         );
         let started = Instant::now();
         in_clients(&set_names, |names| {
@@ -179,33 +273,29 @@ impl Phases<'_> {
                 .try_for_each(|group| redis.get_pipelined(group))
         })?;
         let batch_get = rate(batched_total * chunk, started.elapsed());
-
-        // Nothing of this round stays in Redis: the next one starts as empty.
-        let mut names: Vec<Vec<u8>> = set_names.into_iter().chain(batch_names).flatten().collect();
-        names.extend(
-            singles
-                .iter()
-                .chain(&batched)
-                .flatten()
-                .map(|key| self.namespace.redis_key(&own_tenant_key(key))),
-        );
-        redis.del(&names)?;
-        Ok(Round {
-            write_behind,
-            set,
-            read_through,
-            get,
-            batch_read_through,
-            batch_get,
-            held_reads: total + batched_total,
-            missed: missed.into_inner(),
-            missed_batched,
-            absent_served: absent_served.into_inner(),
-            b_timeouts,
-            b_errors,
-            failed,
-        })
+        Ok((set, get, batch_get, set_names, batch_names))
     }
+}
+
+/// SET, GET and pipelined GET rates (MiB/s), and the names set, singly and for batches.
+type Baselines = (f64, f64, f64, PerClient, PerClient);
+
+/// Each client's keys (or names).
+type PerClient = Vec<Vec<Vec<u8>>>;
+
+/// Each client's reads.
+type ReadsPerClient = Vec<Vec<Read>>;
+
+/// A round's keys and reads, for its baselines.
+pub(super) struct Reads<'a> {
+    singles: &'a Vec<Vec<Vec<u8>>>,
+    batched: &'a Vec<Vec<Vec<u8>>>,
+    single_reads: &'a Vec<Vec<Read>>,
+    batched_reads: &'a Vec<Vec<Read>>,
+    chunk: u64,
+    batch: u64,
+    /// Held keys read singly, and in batches.
+    totals: (u64, u64),
 }
 
 /// One read of a read phase: a key L2 holds, or one it does not.
@@ -247,7 +337,6 @@ pub(super) fn print_rounds(rounds: &[Round], chunk: u64, clients: usize, chunks:
         chunk >> 10,
         rounds.len()
     );
-    let missed: u64 = rounds.iter().map(|round| round.missed).sum();
     let failed: u64 = rounds.iter().map(|round| round.failed).sum();
     let of = |pick: fn(&Round) -> f64| median(rounds.iter().map(pick).collect());
     let lines: [(&str, Pick, String); 6] = [
@@ -293,23 +382,13 @@ pub(super) fn print_rounds(rounds: &[Round], chunk: u64, clients: usize, chunks:
             note,
         );
     }
-    let ratios: [(&str, Pick, &str); 3] = [
-        (
-            "ratio_write_behind",
-            |r| r.write_behind / r.set.max(1e-9),
-            "write-behind / SET",
-        ),
-        (
-            "ratio_read_through",
-            |r| r.read_through / r.get.max(1e-9),
-            "read-through / GET",
-        ),
-        (
-            "ratio_batch",
-            |r| r.batch_read_through / r.batch_get.max(1e-9),
-            "retrieve_batch / pipelined GETs",
-        ),
-    ];
+    print_hit_rate(rounds, &tag);
+    print_ratios(rounds, &tag);
+}
+
+/// The share of held keys' reads that were served, over all rounds (target 1.0).
+fn print_hit_rate(rounds: &[Round], tag: &str) {
+    let missed: u64 = rounds.iter().map(|round| round.missed).sum();
     let held: u64 = rounds.iter().map(|round| round.held_reads).sum();
     let absent_served: u64 = rounds.iter().map(|round| round.absent_served).sum();
     let timeouts: u64 = rounds.iter().map(|round| round.b_timeouts).sum();
@@ -327,6 +406,28 @@ pub(super) fn print_rounds(rounds: &[Round], chunk: u64, clients: usize, chunks:
             held - missed
         ),
     );
+}
+
+/// Each phase over its Redis baseline, the median of the rounds (target 0.9).
+fn print_ratios(rounds: &[Round], tag: &str) {
+    let of = |pick: fn(&Round) -> f64| median(rounds.iter().map(pick).collect());
+    let ratios: [(&str, Pick, &str); 3] = [
+        (
+            "ratio_write_behind",
+            |r| r.write_behind / r.set.max(1e-9),
+            "write-behind / SET",
+        ),
+        (
+            "ratio_read_through",
+            |r| r.read_through / r.get.max(1e-9),
+            "read-through / GET",
+        ),
+        (
+            "ratio_batch",
+            |r| r.batch_read_through / r.batch_get.max(1e-9),
+            "retrieve_batch / pipelined GETs",
+        ),
+    ];
     for (name, pick, what) in ratios {
         let each: Vec<String> = rounds.iter().map(|r| format!("{:.2}", pick(r))).collect();
         figure(
