@@ -118,9 +118,10 @@ pub struct KvEventLog {
     bytes: usize,
     sequences: HashMap<Vec<u8>, Sequence>,
     resyncs: u64,
-    /// The tenants the server announces itself (`--kv-events`), by key prefix: their
-    /// stream and their announcer.
-    publishers: HashMap<Vec<u8>, (usize, Announcer)>,
+    /// The tenants the server announces itself (`--kv-events`), stream `i` at `[i]`:
+    /// their key prefix and their announcer. A few, named by the operator: found by a
+    /// scan, and none on most servers.
+    publishers: Vec<(Vec<u8>, Announcer)>,
 }
 
 impl KvEventLog {
@@ -129,8 +130,7 @@ impl KvEventLog {
     pub fn new(boot: u64, publish: &[String]) -> KvEventLog {
         let publishers = publish
             .iter()
-            .enumerate()
-            .map(|(stream, tenant)| (scoped_key(tenant, b""), (stream, Announcer::new())))
+            .map(|tenant| (scoped_key(tenant, b""), Announcer::new()))
             .collect();
         KvEventLog {
             publishers,
@@ -173,7 +173,7 @@ impl KvEventLog {
         if prefix > key.len() {
             return; // not a scoped key: no tenant to log it under
         }
-        if let Some((_, announcer)) = self.publishers.get_mut(&key[..prefix]) {
+        if let Some(announcer) = self.publisher(&key[..prefix]) {
             announcer.change(&key[prefix..], stored, tier);
         }
         if !self.sequences.contains_key(&key[..prefix]) && self.sequences.len() >= MAX_TENANTS {
@@ -207,7 +207,7 @@ impl KvEventLog {
         let Some(prefix) = key.first().map(|&len| 1 + usize::from(len)) else {
             return;
         };
-        if let Some((_, announcer)) = key.get(..prefix).and_then(|p| self.publishers.get_mut(p))
+        if let Some(announcer) = key.get(..prefix).and_then(|p| self.publisher(p))
             && let Some(block) = BlockMeta::decode(meta)
         {
             announcer.describe(&key[prefix..], block);
@@ -217,14 +217,20 @@ impl KvEventLog {
     /// Each stream's events since the last call: (stream, events), streams with none
     /// left out.
     pub fn take_published(&mut self) -> Vec<(usize, Vec<BlockEvent>)> {
-        let mut out: Vec<(usize, Vec<BlockEvent>)> = self
-            .publishers
-            .values_mut()
-            .map(|(stream, announcer)| (*stream, announcer.take()))
+        self.publishers
+            .iter_mut()
+            .map(|(_, announcer)| announcer.take())
+            .enumerate()
             .filter(|(_, events)| !events.is_empty())
-            .collect();
-        out.sort_by_key(|(stream, _)| *stream);
-        out
+            .collect()
+    }
+
+    /// The announcer of the tenant whose key prefix is `prefix`, if it is published.
+    fn publisher(&mut self, prefix: &[u8]) -> Option<&mut Announcer> {
+        self.publishers
+            .iter_mut()
+            .find(|(p, _)| p == prefix)
+            .map(|(_, announcer)| announcer)
     }
 
     fn drop_oldest(&mut self) {
