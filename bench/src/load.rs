@@ -327,50 +327,19 @@ impl PingFleet {
         // A handle of its own: the poll is borrowed mutably while connections send.
         let registry = self.poll.registry().try_clone().map_err(failed)?;
         let registry = &registry;
-        let started = Instant::now();
-        let measured_from = started + warmup;
-        let deadline = measured_from + duration;
-        let count = self.connections.len().max(1);
-        // Who pings next, and when (fixed rate only).
-        let mut schedule: BinaryHeap<Reverse<(Instant, usize)>> = BinaryHeap::new();
-        for (index, connection) in self.connections.iter_mut().enumerate() {
-            match pacing {
-                Pacing::ClosedLoop => connection.send(registry, started).map_err(failed)?,
-                Pacing::Every(interval) => {
-                    let offset = interval.mul_f64(index as f64 / count as f64);
-                    schedule.push(Reverse((started + offset, index)));
-                }
-            }
-        }
-        let mut outcome = PingOutcome::default();
-        let mut round_trips_ns = Vec::new();
+        let mut round = Round::start(pacing, warmup, duration, &mut self.connections, registry)
+            .map_err(failed)?;
         let mut events = Events::with_capacity(1024);
         let mut scratch = vec![0u8; 64 << 10];
         let mut answers = Vec::new();
         loop {
             let now = Instant::now();
-            if now >= deadline {
+            if now >= round.deadline {
                 break;
             }
-            while let Some(&Reverse((due, index))) = schedule.peek() {
-                if due > now {
-                    break;
-                }
-                schedule.pop();
-                if let Pacing::Every(interval) = pacing {
-                    schedule.push(Reverse((due + interval, index)));
-                }
-                let connection = &mut self.connections[index];
-                if connection.sent_at.is_some() {
-                    connection.overdue = true;
-                } else {
-                    connection.send(registry, now).map_err(failed)?;
-                }
-            }
-            let next_timer = schedule
-                .peek()
-                .map_or(deadline, |Reverse((due, _))| *due)
-                .min(deadline);
+            let next_timer = round
+                .send_due(&mut self.connections, registry, now)
+                .map_err(failed)?;
             let wait = next_timer.saturating_duration_since(now);
             match self.poll.poll(&mut events, Some(wait)) {
                 Ok(()) => {}
@@ -392,38 +361,12 @@ impl PingFleet {
                 connection
                     .receive(&mut scratch, &mut answers)
                     .map_err(failed)?;
-                outcome.all_replies += answers.len() as u64;
-                for &answer in &answers {
-                    let now = Instant::now();
-                    let Some(sent) = connection.sent_at.take() else {
-                        continue; // a reply nobody asked for
-                    };
-                    if sent >= measured_from && now < deadline {
-                        round_trips_ns.push(
-                            u64::try_from(now.duration_since(sent).as_nanos()).unwrap_or(u64::MAX),
-                        );
-                        outcome.replies += 1;
-                        match answer {
-                            Answer::Tracked => {}
-                            Answer::Untracked => outcome.untracked += 1,
-                            Answer::Error => outcome.errors += 1,
-                        }
-                    }
-                    match pacing {
-                        Pacing::ClosedLoop => connection.send(registry, now).map_err(failed)?,
-                        Pacing::Every(_) if connection.overdue => {
-                            connection.overdue = false;
-                            connection.send(registry, now).map_err(failed)?;
-                        }
-                        Pacing::Every(_) => {}
-                    }
-                }
+                round
+                    .answered(connection, &answers, registry)
+                    .map_err(failed)?;
             }
         }
-        outcome.elapsed = Instant::now()
-            .saturating_duration_since(measured_from)
-            .min(duration);
-        outcome.round_trips = Samples::new(round_trips_ns);
+        let mut outcome = round.finish(duration);
         outcome.all_replies += self.drain()?;
         Ok(outcome)
     }
@@ -478,5 +421,127 @@ impl PingFleet {
             }
         }
         Ok(drained)
+    }
+}
+
+/// One run's clock and tally: who pings next and when, and what came back in the
+/// measured window.
+struct Round {
+    pacing: Pacing,
+    measured_from: Instant,
+    deadline: Instant,
+    /// Who pings next, and when (fixed rate only).
+    schedule: BinaryHeap<Reverse<(Instant, usize)>>,
+    outcome: PingOutcome,
+    round_trips_ns: Vec<u64>,
+}
+
+impl Round {
+    /// Starts a run now: closed loop sends every connection's first ping at once, a
+    /// fixed rate spreads their first pings over one interval.
+    fn start(
+        pacing: Pacing,
+        warmup: Duration,
+        duration: Duration,
+        connections: &mut [Connection],
+        registry: &Registry,
+    ) -> io::Result<Round> {
+        let started = Instant::now();
+        let measured_from = started + warmup;
+        let count = connections.len().max(1);
+        let mut schedule = BinaryHeap::new();
+        for (index, connection) in connections.iter_mut().enumerate() {
+            match pacing {
+                Pacing::ClosedLoop => connection.send(registry, started)?,
+                Pacing::Every(interval) => {
+                    let offset = interval.mul_f64(index as f64 / count as f64);
+                    schedule.push(Reverse((started + offset, index)));
+                }
+            }
+        }
+        Ok(Round {
+            pacing,
+            measured_from,
+            deadline: measured_from + duration,
+            schedule,
+            outcome: PingOutcome::default(),
+            round_trips_ns: Vec::new(),
+        })
+    }
+
+    /// Sends the pings due by `now` (fixed rate: a connection still waiting for its
+    /// reply sends as soon as it comes); returns when the next falls due, or the end.
+    fn send_due(
+        &mut self,
+        connections: &mut [Connection],
+        registry: &Registry,
+        now: Instant,
+    ) -> io::Result<Instant> {
+        while let Some(&Reverse((due, index))) = self.schedule.peek() {
+            if due > now {
+                break;
+            }
+            self.schedule.pop();
+            if let Pacing::Every(interval) = self.pacing {
+                self.schedule.push(Reverse((due + interval, index)));
+            }
+            let connection = &mut connections[index];
+            if connection.sent_at.is_some() {
+                connection.overdue = true;
+            } else {
+                connection.send(registry, now)?;
+            }
+        }
+        Ok(self
+            .schedule
+            .peek()
+            .map_or(self.deadline, |Reverse((due, _))| *due)
+            .min(self.deadline))
+    }
+
+    /// Records the replies a connection read (those of pings sent after the warm-up and
+    /// answered before the end count) and sends its next ping as the pacing says.
+    fn answered(
+        &mut self,
+        connection: &mut Connection,
+        answers: &[Answer],
+        registry: &Registry,
+    ) -> io::Result<()> {
+        self.outcome.all_replies += answers.len() as u64;
+        for &answer in answers {
+            let now = Instant::now();
+            let Some(sent) = connection.sent_at.take() else {
+                continue; // a reply nobody asked for
+            };
+            if sent >= self.measured_from && now < self.deadline {
+                self.round_trips_ns
+                    .push(u64::try_from(now.duration_since(sent).as_nanos()).unwrap_or(u64::MAX));
+                self.outcome.replies += 1;
+                match answer {
+                    Answer::Tracked => {}
+                    Answer::Untracked => self.outcome.untracked += 1,
+                    Answer::Error => self.outcome.errors += 1,
+                }
+            }
+            match self.pacing {
+                Pacing::ClosedLoop => connection.send(registry, now)?,
+                Pacing::Every(_) if connection.overdue => {
+                    connection.overdue = false;
+                    connection.send(registry, now)?;
+                }
+                Pacing::Every(_) => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// The outcome of the measured window (the drain's replies still to add).
+    fn finish(self, duration: Duration) -> PingOutcome {
+        let mut outcome = self.outcome;
+        outcome.elapsed = Instant::now()
+            .saturating_duration_since(self.measured_from)
+            .min(duration);
+        outcome.round_trips = Samples::new(self.round_trips_ns);
+        outcome
     }
 }
