@@ -11,6 +11,7 @@ use super::raw::RawConnection;
 use super::target::{Target, TargetArgs};
 use super::{BenchError, figure, progress};
 use crate::protocol::encode_request;
+use kvwarden_core::protocol::status::LimitsStatus;
 use rmpv::Value;
 use std::io::Write;
 use std::os::unix::net::UnixStream;
@@ -55,7 +56,7 @@ pub fn run(args: &ConnectionsArgs) -> Result<(), BenchError> {
         "server open-file limit: soft {soft}, hard {hard} (asked for {server_open_files})"
     ));
     let mut control = target.connect()?;
-    let (held_count, capped) = capped(count, &control.status()?["limits"]);
+    let (held_count, capped) = capped(count, &control.status()?.limits);
     if let Some(capped) = &capped {
         progress(capped);
     }
@@ -73,7 +74,7 @@ pub fn run(args: &ConnectionsArgs) -> Result<(), BenchError> {
     let accepted = Instant::now();
     wait_connections(
         &mut control,
-        |n| n > count as u64,
+        |n| n > count,
         &format!("had not accepted all {count} connections after 60 s"),
         60,
     )?;
@@ -83,7 +84,7 @@ pub fn run(args: &ConnectionsArgs) -> Result<(), BenchError> {
     ));
     let every = Pacing::Every(Duration::from_secs(1));
     let held = fleet.run(every, Duration::from_secs(1), seconds)?;
-    let held_connections = control.status()?["connections"].as_u64().unwrap_or(0);
+    let held_connections = control.status()?.connections;
     let with_connections = MemoryUse::of(target.pid)?;
     progress(&format!(
         "server holding {held_connections} connections: {}",
@@ -165,12 +166,12 @@ fn start_target(args: &ConnectionsArgs, count: usize) -> Result<(Target, u64), B
 /// Polls the server's connection count until `done` says so, at most `bound_s` seconds.
 fn wait_connections(
     control: &mut RawConnection,
-    done: impl Fn(u64) -> bool,
+    done: impl Fn(usize) -> bool,
     failure: &str,
     bound_s: u64,
 ) -> Result<(), BenchError> {
     let started = Instant::now();
-    while !done(control.status()?["connections"].as_u64().unwrap_or(0)) {
+    while !done(control.status()?.connections) {
         if started.elapsed() > Duration::from_secs(bound_s) {
             return Err(BenchError::Failed(format!("the server {failure}")));
         }
@@ -180,11 +181,9 @@ fn wait_connections(
 }
 
 /// How many connections the server admits of `count`, and why fewer when it does.
-fn capped(count: usize, limits: &serde_json::Value) -> (usize, Option<String>) {
+fn capped(count: usize, limits: &LimitsStatus) -> (usize, Option<String>) {
     // The control connection and the slow peer count too.
-    let admitted = limits["max_connections"]
-        .as_u64()
-        .map_or(usize::MAX, |max| usize::try_from(max).unwrap_or(usize::MAX));
+    let admitted = limits.max_connections;
     let held_count = count.min(admitted.saturating_sub(2)).max(1);
     let capped = (held_count < count).then(|| {
         format!(
@@ -192,7 +191,7 @@ fn capped(count: usize, limits: &serde_json::Value) -> (usize, Option<String>) {
              {}, hard {}, 2 fds per connection + 256 and a quarter of the limit kept aside); \
              raise its hard limit \
              (LimitNOFILE=, ulimit -Hn; raising it needs CAP_SYS_RESOURCE) to hold {count}",
-            limits["open_files_soft"], limits["open_files_hard"]
+            limits.open_files_soft, limits.open_files_hard
         )
     });
     (held_count, capped)
@@ -222,7 +221,7 @@ fn print_figures(
     args: &ConnectionsArgs,
     (count, held_connections, limit, (soft, hard), capped): (
         usize,
-        u64,
+        usize,
         u64,
         (String, String),
         Option<String>,

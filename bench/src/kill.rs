@@ -11,6 +11,7 @@ use super::raw::RawConnection;
 use super::stats::Samples;
 use super::target::{Target, TargetArgs};
 use super::{BenchError, figure, progress};
+use kvwarden_core::protocol::StatusReport;
 use rustix::process::Signal;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -63,7 +64,7 @@ pub fn run(args: &KillArgs) -> Result<(), BenchError> {
     let mut control = target.connect()?;
     let status = control.status()?;
     let exits_before = process_exits(&status);
-    let reap_timeout = status["worker_liveness"]["reap_timeout_seconds"].clone();
+    let reap_timeout = status.worker_liveness.reap_timeout_seconds;
     let mut latencies = Vec::with_capacity(kills);
     let started = Instant::now();
     for kill in 1..=kills {
@@ -86,11 +87,11 @@ pub fn run(args: &KillArgs) -> Result<(), BenchError> {
     };
     let setting = format!(
         "{kills} SIGKILLs of a same-host `kvwarden worker`, {layout}, freed by the \
-         process-exit proof ({proven} proofs counted), reap timeout {reap_timeout} s"
+         process-exit proof ({proven} proofs counted), reap timeout {reap_timeout:.1} s"
     );
     print_figures(&samples, &setting);
     if args.server_pid_namespace {
-        control_without_pidfd(&worker_args, &mut control, &reap_timeout)?;
+        control_without_pidfd(&worker_args, &mut control, reap_timeout)?;
     }
     Ok(())
 }
@@ -155,23 +156,18 @@ fn print_figures(samples: &Samples, setting: &str) {
 
 /// Checks that the server in another PID namespace watches the worker by the pidfd the
 /// worker sent, without seeing its pid.
-fn check_proof(status: &serde_json::Value, instance: u64) -> Result<(), BenchError> {
-    let entry = status["instances"]
-        .as_array()
-        .and_then(|all| {
-            all.iter()
-                .find(|item| item["instance_id"].as_u64() == Some(instance))
-        })
-        .cloned()
-        .unwrap_or_default();
-    let noticed_by = entry["death_noticed_by"].as_str().unwrap_or("?");
-    let pid_seen = !entry["watched_pid"].is_null();
-    if noticed_by != "pidfd_from_peer" || pid_seen {
+fn check_proof(status: &StatusReport, instance: u64) -> Result<(), BenchError> {
+    let entry = status
+        .instances
+        .iter()
+        .find(|item| item.instance_id == instance);
+    let noticed_by = entry.map_or("?", |entry| entry.death_noticed_by.as_str());
+    let watched_pid = entry.and_then(|entry| entry.watched_pid);
+    if noticed_by != "pidfd_from_peer" || watched_pid.is_some() {
         return Err(BenchError::Failed(format!(
             "worker {instance}: the server says death_noticed_by {noticed_by:?}, watched_pid \
-             {}; expected pidfd_from_peer and no visible pid (a server in another PID \
-             namespace)",
-            entry["watched_pid"],
+             {watched_pid:?}; expected pidfd_from_peer and no visible pid (a server in \
+             another PID namespace)",
         )));
     }
     Ok(())
@@ -182,7 +178,7 @@ fn check_proof(status: &serde_json::Value, instance: u64) -> Result<(), BenchErr
 fn control_without_pidfd(
     worker_args: &[String],
     control: &mut super::raw::RawConnection,
-    reap_timeout: &serde_json::Value,
+    reap_timeout: f64,
 ) -> Result<(), BenchError> {
     let mut args = worker_args.to_vec();
     args.push("--no-send-pidfd".into());
@@ -198,7 +194,7 @@ fn control_without_pidfd(
     let verdict = if held {
         format!(
             "still held {:.1} s after its SIGKILL: the server cannot see its pid and got no \
-             pidfd, so only the reap timeout ({reap_timeout} s) frees it",
+             pidfd, so only the reap timeout ({reap_timeout:.1} s) frees it",
             CONTROL_WAIT.as_secs_f64()
         )
     } else {
@@ -227,8 +223,6 @@ fn control_without_pidfd(
     Ok(())
 }
 
-fn process_exits(status: &serde_json::Value) -> u64 {
-    status["worker_liveness"]["process_exits_total"]
-        .as_u64()
-        .unwrap_or(0)
+fn process_exits(status: &StatusReport) -> u64 {
+    status.worker_liveness.process_exits_total
 }

@@ -52,9 +52,7 @@ pub fn run(args: &MemoryArgs) -> Result<(), BenchError> {
     // Every register was answered: every build has finished.
     let held = MemoryUse::of(target.pid)?;
     let status = control.status()?;
-    let tracked = status["worker_liveness"]["tracked_instances"]
-        .as_u64()
-        .unwrap_or(0);
+    let tracked = status.worker_liveness.tracked_instances;
     progress(&format!(
         "server with {tracked} tracked instances: {}",
         held.describe()

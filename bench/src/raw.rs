@@ -7,6 +7,7 @@
 
 use super::BenchError;
 use crate::protocol::{PROTOCOL_VERSION, Reply, decode_reply, encode_request, split_frame};
+use kvwarden_core::protocol::{ReplyValue, StatusReport};
 use rmpv::Value;
 use rustix::fd::{AsFd, BorrowedFd};
 use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
@@ -241,10 +242,12 @@ impl RawConnection {
         }
     }
 
-    /// The status map, as JSON.
-    pub fn status(&mut self) -> Result<serde_json::Value, BenchError> {
+    /// `status`, typed.
+    pub fn status(&mut self) -> Result<StatusReport, BenchError> {
         let value = self.call("status", Vec::new())?;
-        Ok(kvwarden_client::msgpack_to_json(&value))
+        StatusReport::from_value(&value).ok_or_else(|| {
+            BenchError::Failed(format!("`status` answered {value}, not this version's map"))
+        })
     }
 
     /// Registers `instance` with `buffers` (memfd specs whose fds are `fds`) and

@@ -12,8 +12,8 @@ use super::raw::RawConnection;
 use super::stats::Samples;
 use super::target::{Target, TargetArgs};
 use super::{BenchError, figure, progress};
+use kvwarden_core::protocol::status::{InstanceStatus, StatusReport};
 use rustix::process::Signal;
-use serde_json::Value as Json;
 use std::net::SocketAddr;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -75,9 +75,8 @@ pub fn run(args: &ReapArgs) -> Result<(), BenchError> {
     let (tcp, token_file) = tcp_of(args, &target)?;
     let mut control = target.connect()?;
     let status = control.status()?;
-    let live = &status["worker_liveness"];
-    let t = live["reap_timeout_seconds"].as_f64().unwrap_or(0.0);
-    let r = live["resolution_seconds"].as_f64().unwrap_or(0.0);
+    let t = status.worker_liveness.reap_timeout_seconds;
+    let r = status.worker_liveness.resolution_seconds;
     if t <= 0.0 {
         return Err(BenchError::Failed(
             "the server's reaping is disabled (reap timeout 0): nothing to measure".into(),
@@ -86,7 +85,7 @@ pub fn run(args: &ReapArgs) -> Result<(), BenchError> {
     let heartbeat = (t / 4.0).min(1.0).to_string();
     let token_file = token_file.display().to_string();
     let worker_args = worker_args(tcp, &token_file, &heartbeat);
-    let reaped_before = freed(&status, "reaped");
+    let reaped_before = status.contexts.freed_total.reaped;
     let mut frozen = Vec::with_capacity(samples);
     for _ in 0..samples {
         frozen.push(Frozen {
@@ -99,7 +98,7 @@ pub fn run(args: &ReapArgs) -> Result<(), BenchError> {
     wait_until(&mut control, Duration::from_secs(30), |status| {
         frozen
             .iter()
-            .all(|f| instance(status, f.worker.instance_id).is_some_and(|i| i["proven"] == true))
+            .all(|f| instance(status, f.worker.instance_id).is_some_and(|i| i.proven))
     })?;
     progress(&format!(
         "{samples} TCP workers (heartbeat {heartbeat} s) proven; freezing them 100 ms apart \
@@ -107,7 +106,7 @@ pub fn run(args: &ReapArgs) -> Result<(), BenchError> {
     ));
     freeze_until_reaped(&mut control, &mut frozen, t)?;
     let status = control.status()?;
-    let reaped = freed(&status, "reaped") - reaped_before;
+    let reaped = status.contexts.freed_total.reaped - reaped_before;
     let delays: Vec<Duration> = frozen
         .iter()
         .filter_map(|f| Some(f.reaped_by? - f.last_evidence?))
@@ -190,7 +189,7 @@ fn freeze_until_reaped(
         for f in frozen.iter_mut().filter(|f| f.reaped_by.is_none()) {
             match instance(&status, f.worker.instance_id) {
                 Some(item) => {
-                    let silence = item["silence_seconds"].as_f64().unwrap_or(0.0);
+                    let silence = item.silence_seconds;
                     let heard = seen_at
                         .checked_sub(Duration::from_secs_f64(silence.max(0.0)))
                         .unwrap_or(seen_at);
@@ -238,23 +237,14 @@ fn print_figures(delays: &[Duration], reaped: u64, t: f64, r: f64) {
     );
 }
 
-fn instance(status: &Json, id: u64) -> Option<&Json> {
-    status["instances"]
-        .as_array()?
-        .iter()
-        .find(|item| item["instance_id"].as_u64() == Some(id))
-}
-
-fn freed(status: &Json, cause: &str) -> u64 {
-    status["contexts"]["freed_total"][cause]
-        .as_u64()
-        .unwrap_or(0)
+fn instance(status: &StatusReport, id: u64) -> Option<&InstanceStatus> {
+    status.instances.iter().find(|item| item.instance_id == id)
 }
 
 fn wait_until(
     control: &mut super::raw::RawConnection,
     bound: Duration,
-    condition: impl Fn(&Json) -> bool,
+    condition: impl Fn(&StatusReport) -> bool,
 ) -> Result<(), BenchError> {
     let start = Instant::now();
     loop {

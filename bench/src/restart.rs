@@ -8,6 +8,8 @@
 use super::process::ServerProcess;
 use super::raw::RawConnection;
 use super::{BenchError, figure, progress, registered};
+use kvwarden_core::protocol::StatusReport;
+use kvwarden_core::protocol::status::AdoptionStatus;
 use std::io::Read;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -80,7 +82,7 @@ pub fn run(args: &RestartArgs) -> Result<(), BenchError> {
     let fill_started = Instant::now();
     let stored = fill(&server.socket, chunks, slot_bytes)?;
     wait_status(&server.socket, "every stored chunk sealed", |status| {
-        status["l1"]["sealing"].as_u64() == Some(0)
+        status.l1.sealing == 0
     })?;
     let sealed_fill = fill_started.elapsed();
     progress(&format!("{stored} stored and sealed; SIGKILL"));
@@ -93,14 +95,11 @@ pub fn run(args: &RestartArgs) -> Result<(), BenchError> {
     let started = Instant::now();
     let server = ServerProcess::start("bench-restart", &flags, "warn")?;
     let ready = started.elapsed();
-    let status = wait_status(&server.socket, "the pool adopted", |status| {
-        status["l1"]["adoption"]["state"] == "done"
-    })?;
+    let adoption = wait_adopted(&server.socket)?;
     let adopted_wall = started.elapsed();
-    let adoption = &status["l1"]["adoption"];
-    let adopted = adoption["adopted"].as_u64().unwrap_or(0);
-    let adopted_bytes = adoption["adopted_bytes"].as_u64().unwrap_or(0);
-    let scan_seconds = adoption["seconds"].as_f64().unwrap_or(0.0);
+    let adopted = adoption.adopted;
+    let adopted_bytes = adoption.adopted_bytes;
+    let scan_seconds = adoption.seconds;
     let adoption_gbps = pool_bytes as f64 / 1e9 / scan_seconds.max(1e-9);
     let (checked, identical) = verify(&server.socket, stored, slot_bytes)?;
 
@@ -108,7 +107,7 @@ pub fn run(args: &RestartArgs) -> Result<(), BenchError> {
         stored,
         adopted,
         adopted_bytes,
-        dropped: adoption["dropped"].clone(),
+        dropped: serde_json::to_value(&adoption.dropped).unwrap_or_default(),
         ready,
         adopted_wall,
         scan_seconds,
@@ -359,12 +358,27 @@ fn sequential_read(path: &Path) -> Result<f64, BenchError> {
     Ok(elapsed)
 }
 
+/// Waits until the restarted server's scan of its pool file is done: its figures.
+fn wait_adopted(socket: &Path) -> Result<AdoptionStatus, BenchError> {
+    let status = wait_status(socket, "the pool adopted", |status| {
+        status
+            .l1
+            .adoption
+            .as_ref()
+            .is_some_and(|adoption| adoption.state == "done")
+    })?;
+    status
+        .l1
+        .adoption
+        .ok_or_else(|| BenchError::Failed("the status says no adoption".into()))
+}
+
 /// Polls the server's `/status` until `done` holds (at most [`BOUND`]): that status.
 fn wait_status(
     socket: &Path,
     what: &str,
-    done: impl Fn(&serde_json::Value) -> bool,
-) -> Result<serde_json::Value, BenchError> {
+    done: impl Fn(&StatusReport) -> bool,
+) -> Result<StatusReport, BenchError> {
     let mut connection = RawConnection::connect(socket)?;
     let started = Instant::now();
     loop {
@@ -374,8 +388,8 @@ fn wait_status(
         }
         if started.elapsed() > BOUND {
             return Err(BenchError::Failed(format!(
-                "waited {BOUND:?} for {what}; the last status: {}",
-                status["l1"]
+                "waited {BOUND:?} for {what}; the last status: {:?}",
+                status.l1
             )));
         }
         std::thread::sleep(Duration::from_millis(5));

@@ -129,8 +129,8 @@ pub fn run(args: &SlowContextsArgs) -> Result<(), BenchError> {
             "{} unregistrations, {} refused; contexts built {}, frees hung {} (server status)",
             churn.unregistered.load(Ordering::Relaxed),
             churn.failures.load(Ordering::Relaxed),
-            status["contexts"]["built_total"],
-            status["contexts"]["frees_hung_total"],
+            status.contexts.built_total,
+            status.contexts.frees_hung_total,
         ),
     );
     target.check_no_ping_answered_false()?;

@@ -134,9 +134,7 @@ impl Target {
     /// Pings the server has answered `false` so far.
     fn pings_answered_false(&self) -> Result<u64, BenchError> {
         let status = self.connect()?.status()?;
-        Ok(status["worker_liveness"]["pings_answered_false_total"]
-            .as_u64()
-            .unwrap_or(0))
+        Ok(status.worker_liveness.pings_answered_false_total)
     }
 
     /// Fails when the server answered a ping `false` during this benchmark. Every

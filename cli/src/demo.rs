@@ -7,10 +7,11 @@
 //! wait is on a condition with a bound, never a bare sleep, so a loaded machine only
 //! makes it slower. Every child is killed when the demo ends, however it ends.
 
+use kvwarden::protocol::StatusReport;
+use kvwarden::protocol::status::InstanceStatus;
 use kvwarden_bench::BenchError;
 use kvwarden_bench::process::{ServerProcess, TempDir, WorkerProcess};
 use kvwarden_bench::raw::RawConnection;
-use serde_json::Value as Json;
 use std::io::{Read, Write};
 use std::process::{ExitCode, Stdio};
 use std::sync::Arc;
@@ -228,9 +229,7 @@ impl Demo {
         // B's first ping after its reap. A `false` to any live worker is the bug this
         // project prevents.
         let status = control.status()?;
-        let answered_false = status["worker_liveness"]["pings_answered_false_total"]
-            .as_u64()
-            .unwrap_or(0);
+        let answered_false = status.worker_liveness.pings_answered_false_total;
         if answered_false > 2 {
             return Err(BenchError::Failed(format!(
                 "the server answered {answered_false} pings `false`; only the ping that saw \
@@ -251,7 +250,7 @@ impl Demo {
     ) -> Result<(), BenchError> {
         self.wait_status(control, "every worker's first ping", |s| {
             ids.iter()
-                .all(|id| instance(s, *id).is_some_and(|i| i["proven"] == true))
+                .all(|id| instance(s, *id).is_some_and(|i| i.proven))
         })?;
         let window = Duration::from_millis(1500);
         let before = server.http.and_then(request_counts);
@@ -270,7 +269,7 @@ impl Demo {
         self.timeline.event(format!(
             "traffic: {traffic} in {:.1} s from 3 workers; L1 holds {} slots; all 3 have pinged (proven)",
             window.as_secs_f64(),
-            status["l1"]["slots_used"]
+            status.l1.slots_used
         ));
         Ok(())
     }
@@ -281,7 +280,7 @@ impl Demo {
         control: &mut RawConnection,
         victim: WorkerProcess,
         victim_id: u64,
-    ) -> Result<Json, BenchError> {
+    ) -> Result<StatusReport, BenchError> {
         let killed_at = Instant::now();
         victim.signal(rustix::process::Signal::KILL);
         self.timeline
@@ -292,10 +291,10 @@ impl Demo {
         let freed_after = killed_at.elapsed();
         victim.reap();
         let status = control.status()?;
-        if freed(&status, "process_exited") != 1 || freed(&status, "reaped") != 0 {
+        let freed = &status.contexts.freed_total;
+        if freed.process_exited != 1 || freed.reaped != 0 {
             return Err(BenchError::Failed(format!(
-                "worker A was freed, but not by the process-exit proof: {}",
-                status["contexts"]["freed_total"]
+                "worker A was freed, but not by the process-exit proof: {freed:?}"
             )));
         }
         self.timeline.event(format!(
@@ -327,10 +326,10 @@ impl Demo {
             instance(s, frozen_id).is_none()
         })?;
         let silent_for = stopped_at.elapsed();
-        if freed(&status, "reaped") != 1 || instance(&status, bystander_id).is_none() {
+        if status.contexts.freed_total.reaped != 1 || instance(&status, bystander_id).is_none() {
             return Err(BenchError::Failed(format!(
-                "expected worker B reaped by timeout and C untouched; freed {}, C present: {}",
-                status["contexts"]["freed_total"],
+                "expected worker B reaped by timeout and C untouched; freed {:?}, C present: {}",
+                status.contexts.freed_total,
                 instance(&status, bystander_id).is_some()
             )));
         }
@@ -340,7 +339,7 @@ impl Demo {
              it. Worker {BYSTANDER} untouched",
             silent_for.as_secs_f64(),
             self.reap_timeout_seconds,
-            status["worker_liveness"]["resolution_seconds"]
+            status.worker_liveness.resolution_seconds
         ));
         Ok(())
     }
@@ -361,7 +360,7 @@ impl Demo {
         // learn of the reap; the second re-registration then takes the `refreshed` path.
         let line = frozen.wait_line("`recoveries=`", |l| l.starts_with("recoveries="))?;
         let status = self.wait_status(control, "worker B back and pinging", |s| {
-            instance(s, frozen_id).is_some_and(|i| i["proven"] == true && i["building"] != true)
+            instance(s, frozen_id).is_some_and(|i| i.proven && !i.building)
         })?;
         let rebuilt = built(&status) - built_before;
         let entries = count_instance(&status, frozen_id);
@@ -403,8 +402,8 @@ impl Demo {
         &self,
         control: &mut RawConnection,
         what: &str,
-        condition: impl Fn(&Json) -> bool,
-    ) -> Result<Json, BenchError> {
+        condition: impl Fn(&StatusReport) -> bool,
+    ) -> Result<StatusReport, BenchError> {
         let start = Instant::now();
         loop {
             let status = control.status()?;
@@ -440,30 +439,20 @@ impl Demo {
     }
 }
 
-fn instance(status: &Json, id: u64) -> Option<&Json> {
-    status["instances"]
-        .as_array()?
+fn instance(status: &StatusReport, id: u64) -> Option<&InstanceStatus> {
+    status.instances.iter().find(|item| item.instance_id == id)
+}
+
+fn count_instance(status: &StatusReport, id: u64) -> usize {
+    status
+        .instances
         .iter()
-        .find(|item| item["instance_id"].as_u64() == Some(id))
+        .filter(|item| item.instance_id == id)
+        .count()
 }
 
-fn count_instance(status: &Json, id: u64) -> usize {
-    status["instances"].as_array().map_or(0, |items| {
-        items
-            .iter()
-            .filter(|item| item["instance_id"].as_u64() == Some(id))
-            .count()
-    })
-}
-
-fn freed(status: &Json, cause: &str) -> u64 {
-    status["contexts"]["freed_total"][cause]
-        .as_u64()
-        .unwrap_or(0)
-}
-
-fn built(status: &Json) -> u64 {
-    status["contexts"]["built_total"].as_u64().unwrap_or(0)
+fn built(status: &StatusReport) -> u64 {
+    status.contexts.built_total
 }
 
 /// Requests served so far, by op, from `GET /metrics`.

@@ -56,7 +56,7 @@ pub use units::parse_bytes;
 
 pub use wire::Endpoint;
 
-use kvwarden_core::protocol::{ErrorCode, Op, ReplyValue, RetrieveItem, StoreItem};
+use kvwarden_core::protocol::{ErrorCode, Op, ReplyValue, RetrieveItem, StatusReport, StoreItem};
 pub use kvwarden_core::protocol::{KvEvent, KvEvents, MAX_BATCH_ITEMS, MAX_KV_EVENTS};
 use kvwarden_core::{Heartbeat, HeartbeatConfig, InstanceId, reap_timeout_floor_warning};
 use parking_lot::FairMutex;
@@ -361,6 +361,12 @@ impl Client {
             self.shared.config.request_timeout,
         )?;
         read("describe_keys", value)
+    }
+
+    /// `status`: the server's figures (docs/protocol.md), typed.
+    pub fn status(&self) -> Result<StatusReport, ClientError> {
+        let value = self.call("status", Vec::new())?;
+        read("status", value)
     }
 
     /// Any request, raw (for tools and tests).

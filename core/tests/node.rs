@@ -669,3 +669,84 @@ fn a_hello_pidfd_is_taken_once_over_unix_from_the_fds_its_frame_carried() {
     h.input(Input::Shutdown);
     assert_eq!(h.node.hello_pidfd(ConnId(3), 0, 1), Ok(None));
 }
+
+/// `status` is one typed reply for every shell: the node's figures with the shell's own,
+/// read back whole as a client reads it. Pings count as received, a refused one too.
+#[test]
+fn status_is_the_nodes_figures_with_the_shells_and_reads_back_whole() {
+    use kvwarden_core::node::ShellFigures;
+    use kvwarden_core::protocol::status::{GpuStatus, LimitsStatus};
+    use kvwarden_core::protocol::{ReplyValue, StatusReport};
+    let shell = || ShellFigures {
+        server: "kvwarden test".into(),
+        uptime_seconds: 2.5,
+        gpu: GpuStatus::Unavailable {
+            available: false,
+            reason: "no CUDA driver".into(),
+        },
+        limits: LimitsStatus {
+            open_files_soft: 1024,
+            open_files_hard: 4096,
+            connection_capacity: 400,
+            max_connections: 7,
+            closes_pending: 0,
+        },
+        pool: "anonymous",
+        cold_reason: None,
+        l2_link: None,
+    };
+    let pid_of = |key: ProcessKey| (key == ProcessKey(1)).then_some(4321);
+    let mut h = Harness::new(None);
+    let worker = id(1);
+    h.registered(worker);
+    assert_eq!(h.ask(ping(worker)), Value::from(true));
+    let before = h.node.status_report(h.now, shell(), &pid_of);
+    assert_eq!(before.worker_liveness.tracked_instances, 1);
+    let [listed] = &before.instances[..] else {
+        panic!("one instance listed: {:?}", before.instances)
+    };
+    assert_eq!(listed.instance_id, worker.get());
+    assert_eq!(listed.tenant, format!("uid-{OWNER}"));
+    assert_eq!(
+        listed.watched_pid,
+        Some(4321),
+        "the shell's pid of its process"
+    );
+    assert_eq!(listed.death_noticed_by, "pidfd_by_pid");
+    assert_eq!(before.instances_by_death_notice.pidfd_by_pid, 1);
+    assert_eq!(
+        (before.server.as_str(), before.boot_id),
+        ("kvwarden test", 7)
+    );
+    assert_eq!(before.limits.max_connections, 7);
+    assert_eq!(before.connections, 1);
+
+    // A TCP peer without the token: its ping is refused, and counted as received.
+    h.input(Input::Connected {
+        conn: ConnId(5),
+        uid: None,
+        transport: kvwarden_core::node::Transport::Tcp,
+        process: None,
+    });
+    h.auto_attach = false;
+    let refused = h.send_on(ConnId(5), ping(worker), 0);
+    assert_eq!(h.error(refused), ErrorCode::Forbidden);
+    let after = h.node.status_report(h.now, shell(), &pid_of);
+    let pings = |report: &StatusReport| {
+        let live = &report.worker_liveness;
+        (live.pings_total, live.pings_answered_false_total)
+    };
+    assert_eq!(pings(&after).0, pings(&before).0 + 1);
+    assert_eq!(
+        pings(&after).1,
+        pings(&before).1,
+        "refused, not answered false"
+    );
+    assert_eq!(after.connections, 2);
+
+    // What a client reads back is the report; another shape is none.
+    assert_eq!(StatusReport::from_value(&after.to_value()), Some(after));
+    let old = Value::Map(vec![("tracked".into(), 1.into())]);
+    assert_eq!(StatusReport::from_value(&old), None);
+    assert_eq!(StatusReport::from_value(&Value::from(true)), None);
+}

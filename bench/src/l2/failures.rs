@@ -1,7 +1,7 @@
 //! L3 and L4: every Redis node stopped, and a master killed.
 
 use super::clients::{Keys, Worker};
-use super::{L2Args, SLOT, failed_ops, l2_field, promoted_after, wait_l2_ops};
+use super::{L2Args, SLOT, failed_ops, l2_status, promoted_after, wait_l2_ops};
 use crate::raw::{RawConnection, instance_ids};
 use crate::redis_cluster::RedisCluster;
 use crate::stats::Samples;
@@ -81,9 +81,7 @@ pub(super) fn stopped_cluster(
         }
         std::thread::sleep(Duration::from_millis(50));
     };
-    let reaped = b_control.status()?["worker_liveness"]["reaped_total"]
-        .as_u64()
-        .unwrap_or(0);
+    let reaped = b_control.status()?.worker_liveness.reaped_total;
     let measured = (pings, misses, pings_before, l1_hits, resumed, reaped);
     print_stopped(args, stop, measured);
     Ok(())
@@ -179,13 +177,13 @@ pub(super) fn killed_master(
     let promoted = replica.map(|port| std::thread::spawn(move || promoted_after(port, killed)));
     let resumed = loop {
         let batch = keys.fresh(12);
-        let before = l2_field(a_control, "writes")?;
+        let before = l2_status(a_control)?.writes;
         for key in &batch {
             writer.store(key, 256 << 10)?;
         }
         wait_l2_ops(a_control, 0)?;
         std::thread::sleep(Duration::from_millis(20));
-        if l2_field(a_control, "writes")? >= before + batch.len() as u64 {
+        if l2_status(a_control)?.writes >= before + batch.len() as u64 {
             break killed.elapsed();
         }
         if killed.elapsed() > Duration::from_secs(120) {
@@ -195,7 +193,7 @@ pub(super) fn killed_master(
         }
     };
     let failed = failed_ops(a_control)? - failed_before;
-    let corrupt = l2_field(a_control, "corrupt")? + l2_field(b_control, "corrupt")?;
+    let corrupt = l2_status(a_control)?.corrupt + l2_status(b_control)?.corrupt;
     print_killed(args, promoted, (resumed, failed, corrupt));
     Ok(())
 }

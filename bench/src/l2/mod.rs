@@ -28,6 +28,7 @@ use super::stats::Samples;
 use super::{BenchError, figure, progress};
 use kvwarden_core::l2::{ClusterSecret, HEADER_BYTES, MAC_HEADER_BYTES, Namespace, ValueFormat};
 use kvwarden_core::node::l2::WRITE_BEHIND_SLOTS_SHARE;
+use kvwarden_core::protocol::status::L2StatusReport;
 use rmpv::Value;
 use std::time::{Duration, Instant};
 
@@ -415,22 +416,19 @@ fn in_clients<T: Sync>(
     })
 }
 
-fn l2_field(control: &mut RawConnection, field: &str) -> Result<u64, BenchError> {
-    let status = control.status()?;
-    status["l2"][field].as_u64().ok_or_else(|| {
-        BenchError::Failed(format!("the server's status has no l2.{field}: {status}"))
+fn l2_status(control: &mut RawConnection) -> Result<L2StatusReport, BenchError> {
+    control.status()?.l2.ok_or_else(|| {
+        BenchError::Failed("the server's status has no l2 section (started without --l2?)".into())
     })
 }
 
 /// Writes that ended, however: written, failed, timed out or dropped.
 fn l2_ops(control: &mut RawConnection) -> Result<u64, BenchError> {
-    Ok(l2_field(control, "writes")? + failed_ops(control)?)
+    Ok(l2_status(control)?.writes + failed_ops(control)?)
 }
 
 fn failed_ops(control: &mut RawConnection) -> Result<u64, BenchError> {
-    Ok(l2_field(control, "write_drops")?
-        + l2_field(control, "errors")?
-        + l2_field(control, "timeouts")?)
+    Ok(l2_status(control)?.write_drops + l2_status(control)?.errors + l2_status(control)?.timeouts)
 }
 
 /// How long after `since` the Redis on `port` answered `ROLE` as a master (polled every
@@ -454,7 +452,7 @@ fn promoted_after(port: u16, since: Instant) -> Option<Duration> {
 fn wait_l2_ops(control: &mut RawConnection, ops: u64) -> Result<(), BenchError> {
     let started = Instant::now();
     loop {
-        if l2_ops(control)? >= ops && l2_field(control, "queue_bytes")? == 0 {
+        if l2_ops(control)? >= ops && l2_status(control)?.queue_bytes == 0 {
             return Ok(());
         }
         if started.elapsed() > Duration::from_secs(120) {

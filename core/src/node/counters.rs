@@ -12,9 +12,13 @@ pub(super) struct Counters {
 }
 
 impl Counters {
-    /// A ping answered: `tracked` is its answer.
-    pub(super) fn ping(&mut self, tracked: bool) {
+    /// A ping received (counted before its admission: a refused one too).
+    pub(super) fn ping_received(&mut self) {
         self.pings += 1;
+    }
+
+    /// A ping answered: `tracked` is its answer.
+    pub(super) fn ping_answered(&mut self, tracked: bool) {
         self.pings_false += u64::from(!tracked);
     }
 
@@ -33,7 +37,7 @@ impl Counters {
         self.past_deadline += 1;
     }
 
-    /// Pings answered, and of them answered `false`.
+    /// Pings received, and pings answered `false`.
     pub(super) fn pings(&self) -> (u64, u64) {
         (self.pings, self.pings_false)
     }
@@ -59,11 +63,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_ping_answered_false_counts_in_both() {
+    fn a_ping_answered_false_counts_in_both_and_a_refused_one_as_received() {
         let mut counters = Counters::default();
-        counters.ping(true);
+        counters.ping_received();
+        counters.ping_answered(true);
         assert_eq!(counters.pings(), (1, 0), "control: a tracked ping");
-        counters.ping(false);
+        counters.ping_received();
+        counters.ping_answered(false);
         assert_eq!(counters.pings(), (2, 1));
+        counters.ping_received(); // refused before it was answered
+        assert_eq!(counters.pings(), (3, 1));
     }
 }

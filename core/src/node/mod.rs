@@ -49,6 +49,7 @@ mod outcomes;
 mod pool;
 mod register;
 mod registry;
+mod report;
 mod shutdown;
 mod transfer;
 pub mod trust;
@@ -93,6 +94,7 @@ pub use io::{
 };
 use l1::{SlotId, SlotTable};
 use l2::{L2Delivery, L2Fetched, L2NodeConfig, L2Presence, L2ReadId, L2Status, L2Tier, L2WriteId};
+pub use report::{L2Link, ShellFigures};
 use std::collections::{BTreeMap, BTreeSet};
 use trust::{Peer, TenantId, TenantView, Trust, TrustConfig};
 pub use view::{InstanceView, NodeStatus, TenantStatus};

@@ -90,6 +90,9 @@ impl Node {
 
     /// Answers now (`Some`) or once the work it started is done (`None`).
     fn dispatch(&mut self, now: Instant, to: ReplyTo, op: Op, fds: usize) -> Immediate {
+        if to.op == OpKind::Ping {
+            self.counters.ping_received(); // `pings_total`: admitted or not
+        }
         let Admitted {
             op,
             transport,
@@ -304,7 +307,7 @@ impl Node {
         } else {
             self.liveness.ping(now, instance)
         };
-        self.counters.ping(tracked);
+        self.counters.ping_answered(tracked);
         tracked
     }
 

@@ -15,6 +15,7 @@ pub mod error;
 pub mod frame;
 pub mod reply;
 pub mod request;
+pub mod status;
 pub mod tcp_auth;
 #[cfg(test)]
 mod tests;
@@ -34,6 +35,7 @@ pub use error::{DecodeError, ErrorCode, ProtocolError};
 pub use frame::{FrameError, LENGTH_PREFIX_BYTES, encode_frame, parse_header, split_frame};
 pub use reply::{Reply, decode_reply, encode_reply, encode_reply_into};
 pub use request::{BufferSpec, Op, Request, RetrieveItem, RopeSpec, StoreItem};
+pub use status::StatusReport;
 
 /// Decodes one frame body into a request. Never panics.
 ///

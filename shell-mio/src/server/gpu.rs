@@ -5,7 +5,7 @@
 
 use crate::cuda::{DeviceMemory, Gpu};
 use crate::memfd::SharedMapping;
-use crate::server::status::{GpuMemoryStatus, GpuStatus};
+use kvwarden_core::protocol::status::{GpuMemoryStatus, GpuStatus};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 

@@ -5,12 +5,16 @@ use crate::config::InjectedBug;
 use crate::invariants::{Checker, ShellView};
 use crate::message::{HANDSHAKE_ID, ReplyEnvelope};
 use crate::pool::{Holds, PoolJob};
-use crate::time::{Nanos, nanos_of};
+use crate::time::{Nanos, as_seconds, nanos_of};
 use kvwarden_core::node::{BlendChange, Job, PeerAction};
 use kvwarden_core::node::{
-    ConnId, CopyId, Direction, Input as NodeInput, Node, Note, Output, ProcessKey,
+    ConnId, CopyId, Direction, Input as NodeInput, Note, Output, ProcessKey,
 };
-use kvwarden_core::protocol::{Answer, BufferSpec, ErrorCode, ProtocolError};
+use kvwarden_core::node::{L2Link, ShellFigures};
+use kvwarden_core::protocol::status::{GpuStatus, LimitsStatus};
+use kvwarden_core::protocol::{
+    Answer, BufferSpec, ErrorCode, ProtocolError, ReplyValue, StatusReport,
+};
 use kvwarden_core::{InstanceId, Module};
 use rmpv::Value;
 
@@ -33,8 +37,7 @@ impl Server {
                 ..
             } => self.answer(conn, request_id, result, checker, out),
             Output::ReplyStatus { conn, request_id } => {
-                let tracked = self.node.as_ref().map_or(0, Node::tracked) as u64;
-                let value = Value::Map(vec![("tracked".into(), tracked.into())]);
+                let value = self.status_reply(now, checker);
                 self.reply(conn, request_id, Ok(value), out);
             }
             Output::Job(job) => self.on_job(now, job, call, checker, out, step),
@@ -54,6 +57,58 @@ impl Server {
                 format!("the node published on stream {stream}, which nobody configured"),
             ),
         }
+    }
+
+    /// The `status` reply, as the production shell builds it but with the simulated
+    /// shell's figures; read back as a client reads it, and held to the node's registry.
+    fn status_reply(&self, now: Nanos, checker: &mut Checker) -> Value {
+        let Some(node) = self.node.as_ref() else {
+            return Value::Nil; // no node, no request to answer
+        };
+        let shell = ShellFigures {
+            server: format!("kvwarden-sim {}", env!("CARGO_PKG_VERSION")),
+            uptime_seconds: as_seconds(now),
+            gpu: GpuStatus::Unavailable {
+                available: false,
+                reason: "simulated: no GPU".into(),
+            },
+            limits: LimitsStatus {
+                open_files_soft: 0,
+                open_files_hard: 0,
+                connection_capacity: 0,
+                max_connections: 0,
+                closes_pending: 0,
+            },
+            pool: "anonymous",
+            cold_reason: None,
+            l2_link: Some(L2Link {
+                connected: true,
+                nodes: vec!["simulated".into()],
+                mode: Some("cluster"),
+                ..L2Link::default()
+            }),
+        };
+        let report = node.status_report(self.core_now(now), shell, &|_| None);
+        let value = report.to_value();
+        let read = StatusReport::from_value(&value);
+        let tracked = node.tracked();
+        let listed = report.instances.len() + report.instances_omitted;
+        if read.as_ref() != Some(&report)
+            || report.worker_liveness.tracked_instances != tracked
+            || listed != tracked
+        {
+            checker.fail(
+                crate::violation::Class::Internal,
+                "status_reply",
+                format!(
+                    "status says {} tracked and lists {listed}, the node tracks {tracked}; \
+                     read back whole: {}",
+                    report.worker_liveness.tracked_instances,
+                    read.as_ref() == Some(&report)
+                ),
+            );
+        }
+        value
     }
 
     /// A job the node started: the simulated pool runs it later (its input comes

@@ -202,7 +202,6 @@ pub struct Server {
     /// The pid of the process whose exit is being handed to the node (for its logs).
     exiting_pid: Option<i32>,
     metrics: Metrics,
-    boot_id: u64,
     stopped: bool,
     /// Test-only faults (`--fault-*`); none in production.
     faults: super::fault::FaultState,
@@ -273,7 +272,7 @@ impl Server {
             gpu,
             l2,
             kv_streams,
-            boot_id,
+            boot_id: _,
             fd_limit,
             ready_lines: _,
         } = opened;
@@ -314,7 +313,6 @@ impl Server {
                 }
                 metrics
             },
-            boot_id,
             stopped: false,
             faults: super::fault::FaultState::default(),
             fd_limit,

@@ -8,7 +8,7 @@ use crate::server::fault;
 use kvwarden_core::node::l1::SlotId;
 use kvwarden_core::node::{BlendChange, Job, L2Request, PeerAction};
 use kvwarden_core::node::{Built, CopyId, Direction, Note, ProcessKey};
-use kvwarden_core::protocol::BufferSpec;
+use kvwarden_core::protocol::{BufferSpec, ReplyValue};
 use kvwarden_core::{FreeCause, Module};
 
 fn internal(message: String) -> ProtocolError {
@@ -46,7 +46,7 @@ impl Server {
                 result => self.reply(token_of(conn), request_id, op.name(), result),
             },
             Output::ReplyStatus { conn, request_id } => {
-                let status = self.status().to_msgpack();
+                let status = self.status().to_value();
                 self.reply(token_of(conn), request_id, "status", Ok(status));
             }
             Output::Job(job) => self.start(job),
