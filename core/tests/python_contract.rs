@@ -1,7 +1,8 @@
 //! The Python client speaks the contract the Rust one does: its error-code table is
 //! exactly [`ErrorCode::ALL`], every op it sends is a row of the op table, and its
 //! protocol version and limits (batch items, instance ids, secret length) are the
-//! server's, and the block descriptions it writes are of the version the server reads.
+//! server's, the block descriptions it writes are of the version the server reads, and
+//! every key it reads out of a reply map, and every outcome, is one the server sends.
 //!
 //! Read from the Python sources (`python/src/kvwarden/`), so that a code or an op
 //! added on one side only fails here, in `cargo test --workspace`.
@@ -186,4 +187,139 @@ fn the_python_clients_limits_are_the_servers() {
     assert_eq!(python_constant(&doctored, "PROTOCOL_VERSION"), Some(4));
     assert_eq!(python_constant("X = 64 * 1024 * 1024", "X"), Some(64 << 20));
     assert_eq!(python_constant("X = size()", "X"), None);
+}
+
+/// The keys the Python client reads out of a reply map (`value.get("k"` and
+/// `value["k"]`).
+fn python_reply_keys(source: &str) -> BTreeSet<String> {
+    let mut keys = BTreeSet::new();
+    for pattern in ["value.get(", "value["] {
+        let mut rest = 0;
+        while let Some(at) = source[rest..].find(pattern) {
+            let start = rest + at + pattern.len();
+            if source[start..].starts_with('"')
+                && let Some(key) = quoted_after(source, start)
+            {
+                keys.insert(key.to_string());
+            }
+            rest = start;
+        }
+    }
+    keys
+}
+
+/// Every string key of every map in `value`, however deep.
+fn map_keys(value: &rmpv::Value, keys: &mut BTreeSet<String>) {
+    match value {
+        rmpv::Value::Map(entries) => {
+            for (key, value) in entries {
+                if let Some(key) = key.as_str() {
+                    keys.insert(key.to_string());
+                }
+                map_keys(value, keys);
+            }
+        }
+        rmpv::Value::Array(items) => items.iter().for_each(|item| map_keys(item, keys)),
+        _ => {}
+    }
+}
+
+/// The keys of every reply shape the server sends (one answer of each map shape, and
+/// an error's map), and the outcomes it names.
+fn server_reply_keys() -> (BTreeSet<String>, BTreeSet<&'static str>) {
+    use kvwarden_core::protocol::answer::{
+        Attached, Challenge, HelloReply, KvEvent, KvEvents, KvTier, Outcome, PinnedSlot,
+        PoolGeometry, Registered, ReservedSlot,
+    };
+    use kvwarden_core::protocol::{Answer, ProtocolError, split_frame};
+    let answers = [
+        Answer::Hello(HelloReply {
+            protocol: 3,
+            server: "node-a".into(),
+            boot_id: 7,
+            reap_timeout_seconds: 30.0,
+            registration_grace_seconds: 2.5,
+            exit_proof: "pidfd_by_pid".into(),
+            sends_fds: false,
+            tenant: Some("team-a".into()),
+        }),
+        Answer::Attached(Attached::Claimed),
+        Answer::Registered(Registered {
+            outcome: Outcome::Created,
+            pool: Some(PoolGeometry {
+                slot_bytes: 4096,
+                num_slots: 8,
+            }),
+        }),
+        Answer::Reserved(Some(ReservedSlot {
+            slot: 1,
+            offset: 4096,
+            nbytes: 4096,
+        })),
+        Answer::Pinned(Some(PinnedSlot {
+            offset: 0,
+            nbytes: 10,
+        })),
+        Answer::Challenge(Challenge {
+            nonce: [1; 32],
+            proof: [2; 32],
+        }),
+        Answer::Events(KvEvents {
+            cursor: vec![7; 32],
+            resync: true,
+            events: vec![KvEvent {
+                stored: true,
+                key: b"a".to_vec(),
+                tier: KvTier::L1,
+                meta: None,
+            }],
+            more: false,
+        }),
+    ];
+    let mut keys = BTreeSet::new();
+    for answer in &answers {
+        map_keys(&answer.to_value(), &mut keys);
+    }
+    let error = Err(ProtocolError::new(ErrorCode::Forbidden, "no"));
+    let frame = kvwarden_core::protocol::encode_reply(1, &error);
+    let (mut body, _) = split_frame(&frame, 1 << 20)
+        .ok()
+        .flatten()
+        .expect("a frame");
+    map_keys(
+        &rmpv::decode::read_value(&mut body).expect("a reply"),
+        &mut keys,
+    );
+    let outcomes = [Attached::Claimed, Attached::Proven]
+        .map(Attached::label)
+        .into_iter()
+        .chain([Outcome::Created, Outcome::Refreshed].map(Outcome::label))
+        .collect();
+    (keys, outcomes)
+}
+
+#[test]
+fn every_reply_key_and_outcome_the_python_client_reads_is_one_the_server_sends() {
+    let (server_keys, outcomes) = server_reply_keys();
+    let source = python_source("wire.py") + &python_source("worker.py");
+    let read = python_reply_keys(&source);
+    assert!(
+        read.len() >= 15,
+        "the scan finds the client's reads: {read:?}"
+    );
+    let unknown: Vec<&String> = read.difference(&server_keys).collect();
+    assert!(
+        unknown.is_empty(),
+        "the Python client reads reply keys no reply of the server has: {unknown:?} (the \
+         server's: {server_keys:?})"
+    );
+    for outcome in outcomes {
+        assert!(
+            source.contains(&format!("\"{outcome}\"")),
+            "the server answers outcome {outcome:?}, which the Python client never names"
+        );
+    }
+    // The control: a key the server never sends is seen.
+    let doctored = source.replace("value[\"nbytes\"]", "value[\"n_bytes\"]");
+    assert!(!python_reply_keys(&doctored).is_subset(&server_keys));
 }
