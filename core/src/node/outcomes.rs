@@ -459,7 +459,9 @@ impl Node {
     /// Advances a shutdown ([`shutdown`]): the node tells it whether the work in flight
     /// has drained and how many frees are unfinished, and carries out its steps.
     pub(super) fn step_shutdown(&mut self, now: Instant) {
-        loop {
+        // Every node call steps it: with no shutdown under way, count nothing (the
+        // unfinished frees are a scan of the contexts).
+        while self.shutdown.under_way() {
             // Seals count as work in flight: an upgrade's restart adopts what was sealed
             // (row 71).
             let drained = self.conns.jobs_in_flight() == 0 && self.l1.slots.sealing() == 0;

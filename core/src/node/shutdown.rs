@@ -49,6 +49,15 @@ impl Shutdown {
         }
     }
 
+    /// Whether it has begun and not stopped: only then has [`Shutdown::step`] anything
+    /// to decide.
+    pub(super) fn under_way(&self) -> bool {
+        matches!(
+            self.phase,
+            Some(Phase::Draining { .. } | Phase::Freeing { .. })
+        )
+    }
+
     /// Begins it at `now`; false if it had begun already.
     pub(super) fn begin(&mut self, now: Instant) -> bool {
         if self.phase.is_some() {
@@ -145,7 +154,9 @@ mod tests {
         // Control: not begun, nothing to do and no deadline.
         assert_eq!(shutdown.step(at(0), true, 0), Step::Wait);
         assert_eq!(shutdown.deadline(), None);
+        assert!(!shutdown.under_way(), "nothing for the node to count");
         assert!(shutdown.begin(at(1)));
+        assert!(shutdown.under_way());
         assert!(!shutdown.begin(at(2)), "begun once");
         assert_eq!(shutdown.deadline(), Some(at(11)));
         assert_eq!(shutdown.step(at(5), false, 0), Step::Wait, "not drained");
@@ -162,6 +173,7 @@ mod tests {
             }
         );
         assert!(shutdown.stopped());
+        assert!(!shutdown.under_way(), "stopped");
         assert_eq!(shutdown.deadline(), None);
     }
 
