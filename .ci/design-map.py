@@ -5,7 +5,9 @@ Every size the map's table gives for a core file is that file's non-test lines (
 lines before its `#[cfg(test)]` module, all of them without one), and every file of
 core/src/node/ is named. No file of the core, the server (shell-mio) or the binary (cli/) has over 700
 non-test lines and no function of theirs over 80 (from its `fn` line to the `}` at its indentation, rustfmt's layout;
-test files and modules excluded). The rest of the workspace's code is held to the same
+test files and modules excluded). The node's files and the event loop's import what they
+use by name (no `use super::*;` outside tests), and the node has no `rmpv`: its replies
+are typed. The rest of the workspace's code is held to the same
 sizes with a ratchet: .ci/room-sizes.allowed lists the files and functions over them
 today, each with its size; one that grows, a new one, or a listed one that is now
 within the sizes (take its line out) fails. A size is written `path.rs` (N ...) or, for a folder,
@@ -107,6 +109,28 @@ def room_sizes(root: pathlib.Path):
             yield f"{key}: within its size now, or gone; take its line out of {ALLOWED}"
 
 
+# Components whose files name what they take from their parent (no `use super::*;`
+# outside their tests), and the node, whose replies are typed (no `rmpv`).
+DOORS = ("core/src/node", "shell-mio/src/server/event_loop")
+UNTYPED = ("core/src/node",)
+
+
+def doors(root: pathlib.Path):
+    """A problem for each glob import of a parent and each `rmpv` of the node."""
+    for folder in DOORS:
+        for path in sorted((root / folder).rglob("*.rs")):
+            code = [
+                line
+                for line in path.read_text().splitlines()[: non_test_lines(path)]
+                if not line.lstrip().startswith("//")
+            ]
+            where = path.relative_to(root)
+            if any(line.strip() == "use super::*;" for line in code):
+                yield f"{where}: `use super::*;` outside its tests; import what it uses by name"
+            if folder in UNTYPED and any(re.search(r"\brmpv\b", line) for line in code):
+                yield f"{where}: `rmpv` in the node; its replies are typed (protocol::Answer)"
+
+
 def sizes(table: str, core: pathlib.Path):
     """(the file, the size the map gives) for each size in the table."""
     for row in table.splitlines():
@@ -154,13 +178,15 @@ def main() -> int:
                 "name; give it a row, or name it in its owner's row with its size"
             )
     problems.extend(room_sizes(root))
+    problems.extend(doors(root))
     for problem in problems:
         print(f"design-map: {problem}", file=sys.stderr)
     if not problems:
         print(
             f"design-map: {len(named)} sizes in docs/design.md's component map, each the "
             f"file's; no file of the core, the server or cli/ over {MAX_FILE_LINES} non-test lines, "
-            f"no function over {MAX_FN_LINES}; the rest of the workspace within {ALLOWED}"
+            f"no function over {MAX_FN_LINES}; the rest of the workspace within {ALLOWED}; "
+            f"no `use super::*` in {' or '.join(DOORS)}, no `rmpv` in the node"
         )
     return 1 if problems else 0
 

@@ -1,7 +1,24 @@
 //! Connections: accepting, bounded reads, frames, replies and flushing.
 
-use super::*;
+use super::{FRAMES_PER_TURN, HashMap, SWEEP_EVERY, Server};
+use crate::protocol::ErrorCode;
+use crate::protocol::FrameError;
+use crate::protocol::ProtocolError;
+use crate::protocol::decode_request;
 use crate::server::closer;
+use crate::server::connection::Connection;
+use crate::server::connection::JUDGED_AFTER_FDS;
+use crate::server::connection::MAX_HELD_FDS;
+use crate::server::connection::ReadOutcome;
+use crate::server::connection::Stream;
+use crate::server::peer;
+use kvwarden_core::node::ConnId;
+use kvwarden_core::node::Input;
+use kvwarden_core::node::Transport;
+use mio::Interest;
+use mio::Token;
+use rmpv::Value;
+use std::io;
 
 impl Server {
     // ---------------------------------------------------------------- connections

@@ -1,11 +1,15 @@
 //! The node's L2 outputs carried out with the L2 client, and the client's results
 //! handed back to the node. Nothing here waits for Redis: the client's threads do.
 
-use super::*;
+use super::{Done, Server};
 use crate::l2::{L2Completion, L2Read, PrefixOutcome};
+use crate::server::context::Context;
+use crate::server::l1::SlotBytes;
 use kvwarden_core::l2::{L2State, Push, ReadOutcome, WriteOutcome};
+use kvwarden_core::node::Input;
 use kvwarden_core::node::l1::SlotId;
 use kvwarden_core::node::l2::{L2Delivery, L2Fetched, L2Presence, L2ReadId, L2WriteId};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Where an L2 hit lands: the slot the node reserved for it, then (with a target) the

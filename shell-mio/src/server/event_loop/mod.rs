@@ -10,30 +10,28 @@
 use super::ServerConfig;
 use super::blend::RopeTables;
 use super::closer::PeerFd;
-use super::connection::{Connection, Frame, JUDGED_AFTER_FDS, MAX_HELD_FDS, ReadOutcome, Stream};
+use super::connection::Connection;
 use super::context::Context;
 use super::gpu::GpuState;
-use super::http::{HttpConnection, Response, Route};
-use super::l1::{L1, PoolStart, SlotBytes};
+use super::http::HttpConnection;
+use super::l1::{L1, PoolStart};
 use super::listen::{self, ListenError};
 use super::metrics::Metrics;
-use super::peer::{self, Processes};
+use super::peer::Processes;
 use super::pool::Pool;
-use crate::protocol::{ErrorCode, FrameError, ProtocolError, decode_request};
+use crate::protocol::ProtocolError;
 use kvwarden_core::node::blend::BlendId;
-use kvwarden_core::node::{ConnId, ContextId, CopyId, FreeId, Input, Node, Output, Transport};
+use kvwarden_core::node::{ConnId, ContextId, CopyId, FreeId, Input, Node};
 use kvwarden_core::{InstanceId, Instant};
 use mio::net::{TcpListener, UnixListener};
-use mio::{Events, Interest, Poll, Token};
-use rmpv::Value;
-use rustix::fd::AsFd;
+use mio::{Events, Poll, Token};
 use std::collections::VecDeque;
 
 /// The loop's maps are keyed by tokens and ids it hands out itself: a fast hash
 /// suffices (the default SipHash showed up in a profile of the ping path).
 type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 type HashSet<K> = std::collections::HashSet<K, foldhash::fast::RandomState>;
-use std::io::{self, Read};
+use std::io;
 use std::sync::Arc;
 use std::time::Duration;
 use thiserror::Error;

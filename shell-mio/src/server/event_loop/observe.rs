@@ -1,10 +1,18 @@
 //! What operators see: the HTTP listener, `/status`, `/metrics`.
 
-use super::*;
+use super::{HTTP_FULL_LOG_EVERY, MAX_HTTP_CONNECTIONS, SERVER_NAME, Server};
+use crate::server::http::HttpConnection;
+use crate::server::http::Response;
+use crate::server::http::Route;
+use crate::server::l1::PoolStart;
+use crate::server::metrics::Metrics;
 use crate::server::status::to_json_pretty;
 use kvwarden_core::node::{L2Link, ShellFigures};
 use kvwarden_core::protocol::StatusReport;
 use kvwarden_core::protocol::status::LimitsStatus;
+use mio::Interest;
+use mio::Token;
+use std::io;
 
 impl Server {
     // ---------------------------------------------------------------- http

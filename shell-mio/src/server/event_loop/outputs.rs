@@ -2,14 +2,27 @@
 //! the pool's results and process exits handed back to it.
 
 use super::connections::token_of;
-use super::*;
+use super::{Done, Server};
+use crate::protocol::ErrorCode;
+use crate::protocol::ProtocolError;
+use crate::server::blend::RopeTables;
+use crate::server::closer::PeerFd;
 use crate::server::context::{self, BuildRequest};
 use crate::server::fault;
+use kvwarden_core::InstanceId;
+use kvwarden_core::node::ConnId;
+use kvwarden_core::node::ContextId;
+use kvwarden_core::node::FreeId;
+use kvwarden_core::node::Input;
+use kvwarden_core::node::Output;
 use kvwarden_core::node::l1::SlotId;
 use kvwarden_core::node::{BlendChange, Job, L2Request, PeerAction};
 use kvwarden_core::node::{Built, CopyId, Direction, Note, ProcessKey};
 use kvwarden_core::protocol::{BufferSpec, ReplyValue};
 use kvwarden_core::{FreeCause, Module};
+use mio::Token;
+use rustix::fd::AsFd;
+use std::sync::Arc;
 
 fn internal(message: String) -> ProtocolError {
     ProtocolError::new(ErrorCode::Internal, message)

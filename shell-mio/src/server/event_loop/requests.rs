@@ -3,9 +3,16 @@
 //! rule; the shell checks the fd with the kernel, then adopts it as the connection's
 //! process before the node sees the `hello`).
 
+use super::Server;
 use super::connections::conn_id;
-use super::*;
+use crate::protocol::ErrorCode;
+use crate::protocol::ProtocolError;
 use crate::protocol::{DecodeError, Op, Request};
+use crate::server::closer::PeerFd;
+use crate::server::connection::Frame;
+use crate::server::peer;
+use kvwarden_core::node::Input;
+use mio::Token;
 
 impl Server {
     /// A frame decoded in place in the connection's input buffer ([`decode_request`]).

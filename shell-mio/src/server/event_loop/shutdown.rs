@@ -1,7 +1,9 @@
 //! Clean shutdown on SIGTERM/SIGINT (row 19): the shell stops listening; the node
 //! drains, frees and stops.
 
-use super::*;
+use super::Server;
+use kvwarden_core::node::Input;
+use std::io::Read;
 
 impl Server {
     // ---------------------------------------------------------------- shutdown
