@@ -17,7 +17,7 @@
 use arbitrary::Arbitrary;
 use kvwarden::memfd::SharedMapping;
 use kvwarden::protocol::BufferSpec;
-use kvwarden::server::connection::{Connection, Peer, ReadOutcome, Stream};
+use kvwarden::server::connection::{Connection, Credentials, SocketRead, Stream};
 use kvwarden::server::context::{BuildRequest, RegisteredBuffer, build};
 use libfuzzer_sys::fuzz_target;
 use rustix::fd::{AsFd, OwnedFd};
@@ -134,7 +134,7 @@ fuzz_target!(|case: Case| {
     let (server_end, worker_end) = std::os::unix::net::UnixStream::pair().unwrap();
     server_end.set_nonblocking(true).unwrap();
     let stream = Stream::Unix(mio::net::UnixStream::from_std(server_end));
-    let mut connection = Connection::new(stream, Peer::default(), 1 << 10, 1 << 20);
+    let mut connection = Connection::new(stream, Credentials::default(), 1 << 10, 1 << 20);
     let frame = kvwarden::protocol::encode_frame(b"register");
     let borrowed: Vec<_> = ours.iter().map(AsFd::as_fd).collect();
     let mut space =
@@ -152,7 +152,7 @@ fuzz_target!(|case: Case| {
     .unwrap();
     while matches!(
         connection.read().unwrap(),
-        ReadOutcome::Data | ReadOutcome::Drained
+        SocketRead::Data | SocketRead::Drained
     ) {}
     let got = connection
         .next_frame(1 << 10, |_| ())

@@ -568,7 +568,7 @@ pub fn bench_config(workers: usize, hours: f64, seed: u64) -> SimConfig {
             0 => (Action::Crash(vec![slot]), None),
             1 => (Action::Restart(vec![slot]), None),
             2 => (
-                Action::Partition(vec![slot], crate::config::Direction::Both),
+                Action::Partition(vec![slot], crate::config::CutDirection::Both),
                 Some(Action::Heal(vec![slot])),
             ),
             3 => (Action::Freeze(vec![slot]), Some(Action::Thaw(vec![slot]))),

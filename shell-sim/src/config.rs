@@ -224,7 +224,7 @@ impl Default for LinkSpec {
 
 /// Which direction a partition cuts.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum Direction {
+pub enum CutDirection {
     /// Nothing passes either way.
     Both,
     /// The server hears nothing from the worker; the worker still hears replies.
@@ -267,7 +267,7 @@ pub enum Action {
     /// registrations; a `not_registered` answer makes it re-register).
     Transfer(Vec<usize>),
     /// Cut the links of these workers.
-    Partition(Vec<usize>, Direction),
+    Partition(Vec<usize>, CutDirection),
     /// Restore the links of these workers (all faults of the link off).
     Heal(Vec<usize>),
     /// Replace the link faults of these workers, both directions.

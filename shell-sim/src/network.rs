@@ -4,7 +4,7 @@
 //! A partitioned direction drops what is sent, like a black hole: nothing sent into a
 //! partition arrives after it heals.
 
-use crate::config::{Direction, LinkSpec};
+use crate::config::{CutDirection, LinkSpec};
 use crate::rng::Rng;
 use crate::time::Nanos;
 
@@ -82,15 +82,15 @@ impl Network {
     }
 
     /// Cuts `direction` of the slot's link.
-    pub fn partition(&mut self, slot: usize, direction: Direction) {
+    pub fn partition(&mut self, slot: usize, direction: CutDirection) {
         let link = &mut self.links[slot];
         match direction {
-            Direction::Both => {
+            CutDirection::Both => {
                 link.cut_to_server = true;
                 link.cut_to_worker = true;
             }
-            Direction::ToServer => link.cut_to_server = true,
-            Direction::ToWorker => link.cut_to_worker = true,
+            CutDirection::ToServer => link.cut_to_server = true,
+            CutDirection::ToWorker => link.cut_to_worker = true,
         }
     }
 

@@ -8,7 +8,7 @@
 //! the convergence check.
 
 use crate::config::{
-    Action, Direction, FaultEvent, HeartbeatStart, LinkSpec, ServerSpec, SimConfig, TokenChoice,
+    Action, CutDirection, FaultEvent, HeartbeatStart, LinkSpec, ServerSpec, SimConfig, TokenChoice,
     WORKER_UID, WorkerSpec,
 };
 use crate::rng::Rng;
@@ -204,8 +204,11 @@ fn draw_faults(
             ),
             4 => (Action::Stop(vec![slot]), None),
             5 | 6 => {
-                let direction =
-                    rng.pick(&[Direction::Both, Direction::ToServer, Direction::ToWorker]);
+                let direction = rng.pick(&[
+                    CutDirection::Both,
+                    CutDirection::ToServer,
+                    CutDirection::ToWorker,
+                ]);
                 (
                     Action::Partition(vec![slot], direction),
                     Some(Action::Heal(vec![slot])),

@@ -48,7 +48,7 @@ pub enum OpResult {
 /// What the caller may do now.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 #[must_use]
-pub enum Admission {
+pub enum Gate {
     /// Ask L2 as usual.
     Ask,
     /// Ask L2 with this one operation, the probe; its result decides whether L2 is back.
@@ -171,22 +171,22 @@ impl L2Health {
     /// back-off has passed; another only once its result is recorded, or when it has
     /// been out for a whole back-off with no result (a lost result must not keep L2
     /// down for ever).
-    pub fn admit(&mut self, now: Instant) -> Admission {
+    pub fn admit(&mut self, now: Instant) -> Gate {
         let now = self.observe(now);
         if self.state != L2State::Down {
-            return Admission::Ask;
+            return Gate::Ask;
         }
         if let Some(sent_at) = self.probe_sent_at
             && now < sent_at + self.backoff
         {
-            return Admission::Skip;
+            return Gate::Skip;
         }
         match self.probe_at {
             Some(probe_at) if now >= probe_at => {
                 self.probe_sent_at = Some(now);
-                Admission::Probe
+                Gate::Probe
             }
-            _ => Admission::Skip,
+            _ => Gate::Skip,
         }
     }
 
@@ -280,7 +280,7 @@ mod tests {
     fn starts_up_and_asks() {
         let mut health = breaker(3);
         assert_eq!(health.state(), L2State::Up);
-        assert_eq!(health.admit(at_ms(0)), Admission::Ask);
+        assert_eq!(health.admit(at_ms(0)), Gate::Ask);
         assert_eq!(health.poll_timeout(), None);
     }
 
@@ -296,7 +296,7 @@ mod tests {
         );
         assert_eq!(health.record(at_ms(2), OpResult::TimedOut), None);
         assert_eq!(health.state(), L2State::Degraded);
-        assert_eq!(health.admit(at_ms(3)), Admission::Ask);
+        assert_eq!(health.admit(at_ms(3)), Gate::Ask);
     }
 
     #[test]
@@ -328,7 +328,7 @@ mod tests {
         // Late failures of operations sent earlier report nothing more.
         assert_eq!(health.record(at_ms(4), OpResult::Failed), None);
         assert_eq!(health.state(), L2State::Down);
-        assert_eq!(health.admit(at_ms(4)), Admission::Skip);
+        assert_eq!(health.admit(at_ms(4)), Gate::Skip);
     }
 
     #[test]
@@ -342,13 +342,9 @@ mod tests {
             })
         );
         assert_eq!(health.poll_timeout(), Some(at_ms(100)));
-        assert_eq!(health.admit(at_ms(99)), Admission::Skip);
-        assert_eq!(health.admit(at_ms(100)), Admission::Probe);
-        assert_eq!(
-            health.admit(at_ms(101)),
-            Admission::Skip,
-            "one probe at a time"
-        );
+        assert_eq!(health.admit(at_ms(99)), Gate::Skip);
+        assert_eq!(health.admit(at_ms(100)), Gate::Probe);
+        assert_eq!(health.admit(at_ms(101)), Gate::Skip, "one probe at a time");
         assert_eq!(
             health.record(at_ms(120), OpResult::Succeeded),
             Some(Transition {
@@ -356,7 +352,7 @@ mod tests {
                 to: L2State::Up
             })
         );
-        assert_eq!(health.admit(at_ms(121)), Admission::Ask);
+        assert_eq!(health.admit(at_ms(121)), Gate::Ask);
         assert_eq!(health.poll_timeout(), None);
     }
 
@@ -367,18 +363,15 @@ mod tests {
         let mut now = 0;
         for expected_wait in [200, 400, 400] {
             now = health.poll_timeout().unwrap().as_nanos() / 1_000_000;
-            assert_eq!(health.admit(at_ms(now)), Admission::Probe);
+            assert_eq!(health.admit(at_ms(now)), Gate::Probe);
             assert_eq!(health.record(at_ms(now), OpResult::TimedOut), None);
             assert_eq!(health.state(), L2State::Down);
             assert_eq!(health.poll_timeout(), Some(at_ms(now + expected_wait)));
-            assert_eq!(
-                health.admit(at_ms(now + expected_wait - 1)),
-                Admission::Skip
-            );
+            assert_eq!(health.admit(at_ms(now + expected_wait - 1)), Gate::Skip);
         }
         // Closing resets the back-off: the next opening waits the first back-off again.
         now += 400;
-        assert_eq!(health.admit(at_ms(now)), Admission::Probe);
+        assert_eq!(health.admit(at_ms(now)), Gate::Probe);
         health.record(at_ms(now), OpResult::Succeeded);
         health.record(at_ms(now + 1), OpResult::Failed);
         assert_eq!(health.poll_timeout(), Some(at_ms(now + 101)));
@@ -388,19 +381,19 @@ mod tests {
     fn lost_probe_result_does_not_keep_l2_down_for_ever() {
         let mut health = breaker(1);
         health.record(at_ms(0), OpResult::Failed);
-        assert_eq!(health.admit(at_ms(100)), Admission::Probe);
+        assert_eq!(health.admit(at_ms(100)), Gate::Probe);
         assert_eq!(health.poll_timeout(), Some(at_ms(200)));
-        assert_eq!(health.admit(at_ms(150)), Admission::Skip);
-        assert_eq!(health.admit(at_ms(200)), Admission::Probe);
+        assert_eq!(health.admit(at_ms(150)), Gate::Skip);
+        assert_eq!(health.admit(at_ms(200)), Gate::Probe);
     }
 
     #[test]
     fn time_going_backwards_never_moves_the_probe_earlier() {
         let mut health = breaker(1);
         health.record(at_ms(1000), OpResult::Failed);
-        assert_eq!(health.admit(at_ms(0)), Admission::Skip);
-        assert_eq!(health.admit(at_ms(1099)), Admission::Skip);
-        assert_eq!(health.admit(at_ms(1100)), Admission::Probe);
+        assert_eq!(health.admit(at_ms(0)), Gate::Skip);
+        assert_eq!(health.admit(at_ms(1099)), Gate::Skip);
+        assert_eq!(health.admit(at_ms(1100)), Gate::Probe);
     }
 
     #[test]

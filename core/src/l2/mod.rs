@@ -18,7 +18,7 @@
 //! ```
 //! use kvwarden_core::Instant;
 //! use kvwarden_core::l2::{
-//!     Admission, L2Counters, L2Health, L2HealthConfig, L2State, Push, ReadOutcome, WriteQueue,
+//!     Gate, L2Counters, L2Health, L2HealthConfig, L2State, Push, ReadOutcome, WriteQueue,
 //! };
 //! # fn ask_l2(_key: &[u8]) {}
 //! let mut health = L2Health::new(L2HealthConfig::default())?;
@@ -28,8 +28,8 @@
 //!
 //! // A retrieve that missed L1:
 //! match health.admit(now) {
-//!     Admission::Ask | Admission::Probe => ask_l2(b"chunk"), // answered later, within the timeout
-//!     Admission::Skip => counters.record_skipped_read(), // down: a miss at once
+//!     Gate::Ask | Gate::Probe => ask_l2(b"chunk"), // answered later, within the timeout
+//!     Gate::Skip => counters.record_skipped_read(), // down: a miss at once
 //! }
 //!
 //! // A chunk published in L1 (and only then):
@@ -58,7 +58,7 @@ pub mod write_queue;
 
 pub use counters::{L2Counters, ReadOutcome, WriteOutcome};
 pub use health::{
-    Admission, L2Health, L2HealthConfig, L2HealthConfigError, L2State, OpResult, Transition,
+    Gate, L2Health, L2HealthConfig, L2HealthConfigError, L2State, OpResult, Transition,
 };
 pub use key::{DEFAULT_NAMESPACE, NAMESPACE_MAX_BYTES, Namespace, NamespaceError};
 pub use value::{

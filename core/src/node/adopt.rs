@@ -65,7 +65,7 @@ impl AdoptionView {
 
 /// The scan's progress.
 #[derive(Debug)]
-pub(super) struct Adoption {
+pub(super) struct AdoptionScan {
     view: AdoptionView,
 }
 
@@ -82,7 +82,7 @@ impl Node {
         }
         let slots = self.l1.slots.num_slots();
         self.l1.slots.mark_unscanned();
-        self.l1.adoption = Some(Adoption {
+        self.l1.adoption = Some(AdoptionScan {
             view: AdoptionView {
                 slots,
                 started: now,

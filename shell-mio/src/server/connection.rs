@@ -58,7 +58,7 @@ impl Stream {
 
 /// Who is at the other end, as the kernel says (Unix socket only).
 #[derive(Debug, Default)]
-pub struct Peer {
+pub struct Credentials {
     /// The peer's uid; None over TCP.
     pub uid: Option<u32>,
     /// The peer's pid, when visible in this PID namespace.
@@ -74,7 +74,7 @@ pub struct Peer {
     pub key: Option<kvwarden_core::node::ProcessKey>,
 }
 
-impl Peer {
+impl Credentials {
     /// How the death of what this connection registers will be noticed.
     pub fn death_notice(&self) -> super::peer::DeathNotice {
         use super::peer::DeathNotice;
@@ -111,7 +111,7 @@ enum FdReads {
 
 /// What a read found.
 #[derive(Debug, PartialEq, Eq)]
-pub enum ReadOutcome {
+pub enum SocketRead {
     /// Bytes arrived; there may be more.
     Data,
     /// Bytes arrived and the socket's queue was empty after them (a short read that
@@ -133,7 +133,7 @@ pub struct Connection {
     /// The socket.
     pub stream: Stream,
     /// The peer.
-    pub peer: Peer,
+    pub peer: Credentials,
     input: Vec<u8>,
     /// Stream offset of `input[0]`.
     input_offset: u64,
@@ -185,7 +185,7 @@ impl Connection {
     /// read chunk, and whose output holds at most `max_output_bytes`.
     pub fn new(
         stream: Stream,
-        peer: Peer,
+        peer: Credentials,
         max_frame_bytes: usize,
         max_output_bytes: usize,
     ) -> Connection {
@@ -281,7 +281,7 @@ impl Connection {
     }
 
     /// One read (one system call), up to the input bound.
-    pub fn read(&mut self) -> io::Result<ReadOutcome> {
+    pub fn read(&mut self) -> io::Result<SocketRead> {
         if self.consumed > 0 {
             self.input.drain(..self.consumed);
             self.input_offset += self.consumed as u64;
@@ -296,11 +296,11 @@ impl Connection {
         CHUNK.with(|chunk| self.read_into(&mut chunk.borrow_mut()))
     }
 
-    fn read_into(&mut self, chunk: &mut [u8]) -> io::Result<ReadOutcome> {
+    fn read_into(&mut self, chunk: &mut [u8]) -> io::Result<SocketRead> {
         loop {
             let room = self.max_input_bytes.saturating_sub(self.input.len());
             if room == 0 {
-                return Ok(ReadOutcome::Full);
+                return Ok(SocketRead::Full);
             }
             let want = room.min(READ_CHUNK_BYTES);
             let offset = self.input_offset + self.input.len() as u64;
@@ -345,16 +345,16 @@ impl Connection {
                 }
             };
             return match read {
-                Ok(0) => Ok(ReadOutcome::Closed),
+                Ok(0) => Ok(SocketRead::Closed),
                 Ok(n) => {
                     self.input.extend_from_slice(&chunk[..n]);
                     if n < want && !ancillary {
-                        Ok(ReadOutcome::Drained)
+                        Ok(SocketRead::Drained)
                     } else {
-                        Ok(ReadOutcome::Data)
+                        Ok(SocketRead::Data)
                     }
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(ReadOutcome::WouldBlock),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(SocketRead::WouldBlock),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => Err(e),
             };
@@ -571,7 +571,7 @@ mod tests {
         ours.set_nonblocking(true).unwrap();
         let stream = Stream::Unix(mio::net::UnixStream::from_std(ours));
         (
-            Connection::new(stream, Peer::default(), 1024, 1 << 20),
+            Connection::new(stream, Credentials::default(), 1024, 1 << 20),
             theirs,
         )
     }
@@ -579,7 +579,7 @@ mod tests {
     fn read_all(connection: &mut Connection) {
         while matches!(
             connection.read().unwrap(),
-            ReadOutcome::Data | ReadOutcome::Drained
+            SocketRead::Data | SocketRead::Drained
         ) {}
     }
 

@@ -8,9 +8,9 @@ use rustix::fd::{AsFd, AsRawFd, OwnedFd};
 use std::collections::HashMap;
 
 /// The peer credentials of a Unix-socket connection and a pidfd of its process.
-pub fn peer_of(stream: &mio::net::UnixStream) -> super::connection::Peer {
+pub fn peer_of(stream: &mio::net::UnixStream) -> super::connection::Credentials {
     let Some((pid, uid)) = peer_credentials(stream) else {
-        return super::connection::Peer::default();
+        return super::connection::Credentials::default();
     };
     // pid 0 means the peer lives in a PID namespace we cannot see: no proof by pid (the
     // worker may still hand over a pidfd of itself in `hello`).
@@ -24,7 +24,7 @@ pub fn peer_of(stream: &mio::net::UnixStream) -> super::connection::Peer {
             pid: Some(pid),
         })
     });
-    super::connection::Peer {
+    super::connection::Credentials {
         uid: Some(uid),
         pid,
         pidfd,
@@ -95,7 +95,7 @@ fn pidfd_pid(fd: impl AsFd) -> std::io::Result<Option<i32>> {
 /// shorten or lengthen the life of its own instances, which ownership already confines
 /// to its uid.
 pub fn check_peer_pidfd(
-    peer: &super::connection::Peer,
+    peer: &super::connection::Credentials,
     pidfd: &impl AsFd,
     index: u64,
     connection: mio::Token,
@@ -297,7 +297,7 @@ impl Processes {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::server::connection::Peer;
+    use crate::server::connection::Credentials;
     use rustix::process::{Pid, PidfdFlags, getpid, pidfd_open};
 
     fn own_pidfd() -> OwnedFd {
@@ -332,8 +332,8 @@ mod tests {
         }
     }
 
-    fn visible_peer() -> Peer {
-        Peer {
+    fn visible_peer() -> Credentials {
+        Credentials {
             uid: Some(0),
             pid: Some(getpid().as_raw_nonzero().get()),
             pidfd: Some(own_pidfd()),
@@ -365,9 +365,9 @@ mod tests {
 
     #[test]
     fn row_02_an_invisible_peer_is_taken_at_its_word() {
-        let peer = Peer {
+        let peer = Credentials {
             uid: Some(0),
-            ..Peer::default()
+            ..Credentials::default()
         };
         let other = Sleeper::start();
         let process = check_peer_pidfd(&peer, &other.pidfd(), 0, mio::Token(9)).unwrap();

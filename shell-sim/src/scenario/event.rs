@@ -1,7 +1,7 @@
 //! A scenario's `[[events]]`: the faults, each with what undoes it (`until_seconds`).
 
 use super::{RawEvent, Reader, ScenarioError};
-use crate::config::{Action, Direction, FaultEvent, TokenChoice, WorkerSpec};
+use crate::config::{Action, CutDirection, FaultEvent, TokenChoice, WorkerSpec};
 
 /// An action, and the action that undoes it where one does.
 type Fault = (Action, Option<Action>);
@@ -79,9 +79,9 @@ impl Reader<'_> {
             "transfer" => (Action::Transfer(slots()?), None),
             "partition" => {
                 let direction = match raw.direction.as_deref().unwrap_or("both") {
-                    "both" => Direction::Both,
-                    "to_server" => Direction::ToServer,
-                    "to_worker" => Direction::ToWorker,
+                    "both" => CutDirection::Both,
+                    "to_server" => CutDirection::ToServer,
+                    "to_worker" => CutDirection::ToWorker,
                     other => {
                         return Err(self.bad(
                             field("direction"),

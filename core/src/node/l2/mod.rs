@@ -42,8 +42,8 @@
 use super::ops::Want;
 use crate::InstanceId;
 use crate::l2::{
-    Admission, HEADER_BYTES, L2Counters, L2Health, L2HealthConfig, L2State, OpResult, Push,
-    ReadOutcome, WriteOutcome, WriteQueue,
+    Gate, HEADER_BYTES, L2Counters, L2Health, L2HealthConfig, L2State, OpResult, Push, ReadOutcome,
+    WriteOutcome, WriteQueue,
 };
 use crate::node::{ContextId, CopyId, L2Request, Node, Note, Output, ReplyTo, SlotId};
 use crate::protocol::ErrorCode;
@@ -322,8 +322,8 @@ impl Node {
         let Some((key, nbytes)) = self.l1.slots.pin_slot(slot) else {
             return;
         };
-        let admitted = tier.writes.len() < tier.writes_max
-            && !matches!(tier.health.admit(now), Admission::Skip);
+        let admitted =
+            tier.writes.len() < tier.writes_max && !matches!(tier.health.admit(now), Gate::Skip);
         if !admitted || !self.l2_send_write(slot, key, nbytes) {
             if let Some(tier) = self.l2.as_mut() {
                 tier.counters.record_dropped_write();
@@ -389,7 +389,7 @@ impl Node {
             return;
         };
         let due = tier.health.poll_timeout().is_some_and(|at| at <= now);
-        if !due || tier.health.admit(now) != Admission::Probe {
+        if !due || tier.health.admit(now) != Gate::Probe {
             return;
         }
         self.l2_send_read(now, Vec::new(), None, None, ReadFor::Probe, |read| {

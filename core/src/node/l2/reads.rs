@@ -5,7 +5,7 @@
 use super::super::l1::Reservation;
 use super::{PendingRead, ReadFor, gone};
 use crate::InstanceId;
-use crate::l2::{Admission, OpResult, ReadOutcome};
+use crate::l2::{Gate, OpResult, ReadOutcome};
 use crate::node::contexts::CopyFor;
 use crate::node::ops::Want;
 use crate::node::{
@@ -37,7 +37,7 @@ impl Node {
             self.l1.slots.abort(slot);
             return Err(waiter);
         };
-        if tier.health.admit(now) == Admission::Skip {
+        if tier.health.admit(now) == Gate::Skip {
             tier.counters.record_skipped_read();
             self.l1.slots.abort(slot);
             return Err(waiter);
@@ -120,7 +120,7 @@ impl Node {
         let Some(tier) = self.l2.as_mut() else {
             return Some(l1_count);
         };
-        if tier.health.admit(now) == Admission::Skip {
+        if tier.health.admit(now) == Gate::Skip {
             return Some(l1_count);
         }
         self.conns.start_job(to.conn, 1);

@@ -9,7 +9,7 @@ use crate::server::closer;
 use crate::server::connection::Connection;
 use crate::server::connection::JUDGED_AFTER_FDS;
 use crate::server::connection::MAX_HELD_FDS;
-use crate::server::connection::ReadOutcome;
+use crate::server::connection::SocketRead;
 use crate::server::connection::Stream;
 use crate::server::peer;
 use kvwarden_core::node::ConnId;
@@ -23,7 +23,11 @@ use std::io;
 impl Server {
     // ---------------------------------------------------------------- connections
 
-    pub(super) fn admit(&mut self, mut stream: Stream, mut peer: crate::server::connection::Peer) {
+    pub(super) fn admit(
+        &mut self,
+        mut stream: Stream,
+        mut peer: crate::server::connection::Credentials,
+    ) {
         if let Err(refused) = self.node.admits(peer.uid) {
             let transport = match stream {
                 Stream::Unix(_) => "unix",
@@ -119,7 +123,7 @@ impl Server {
                 let _ = stream.set_nodelay(true);
                 self.admit(
                     Stream::Tcp(stream),
-                    crate::server::connection::Peer::default(),
+                    crate::server::connection::Credentials::default(),
                 );
                 // There may be more: the next turn accepts the next one.
                 self.tcp_accepted_this_turn = true;
@@ -329,16 +333,16 @@ impl Server {
                 return;
             }
             match read {
-                Ok(ReadOutcome::WouldBlock) => return,
-                Ok(ReadOutcome::Drained) if !peer_closed => {
+                Ok(SocketRead::WouldBlock) => return,
+                Ok(SocketRead::Drained) if !peer_closed => {
                     // The queue is empty: answer what came, and wait for the next event.
                     if self.process_frames(token, budget) >= budget {
                         self.read_again.insert(token);
                     }
                     return;
                 }
-                Ok(ReadOutcome::Data | ReadOutcome::Drained | ReadOutcome::Full) => {}
-                Ok(ReadOutcome::Closed) => {
+                Ok(SocketRead::Data | SocketRead::Drained | SocketRead::Full) => {}
+                Ok(SocketRead::Closed) => {
                     // The peer may only have shut down its write side (a half-close) and
                     // still read: answer what it sent, close once the replies are out.
                     self.process_frames(token, budget);
