@@ -49,7 +49,7 @@ pub use buffer::{ClientBuffer, MemfdBuffer};
 pub use config::ClientConfig;
 use config::Identity;
 pub use error::ClientError;
-use shared::{Registration, Shared, lock};
+use shared::{HeldRegistration, Shared, lock};
 
 pub use reply_json::{ids_as_strings, msgpack_to_json};
 pub use units::parse_bytes;
@@ -176,7 +176,7 @@ impl Client {
         model_name: &str,
         world_size: u64,
     ) -> Result<String, ClientError> {
-        let registration = Registration {
+        let registration = HeldRegistration {
             buffers,
             model_name: model_name.to_string(),
             world_size,

@@ -16,7 +16,7 @@ use std::time::Duration;
 use crate::{ClientBuffer, ClientConfig, ClientError, Identity, read};
 
 #[derive(Clone)]
-pub(crate) struct Registration {
+pub(crate) struct HeldRegistration {
     pub(crate) buffers: Vec<ClientBuffer>,
     pub(crate) model_name: String,
     pub(crate) world_size: u64,
@@ -33,7 +33,7 @@ pub(crate) struct Shared {
     /// The heartbeat's own connection: a ping never waits for the worker's connection,
     /// where a transfer may be held by a slow L2 or a busy server (row 61).
     pub(crate) ping_wire: FairMutex<Option<Wire>>,
-    pub(crate) registration: Mutex<Option<Registration>>,
+    pub(crate) registration: Mutex<Option<HeldRegistration>>,
     pub(crate) heartbeat: Mutex<Heartbeat>,
     pub(crate) wake: Condvar,
     /// Signalled when a recovery ends (under the `heartbeat` lock).
@@ -211,7 +211,7 @@ impl Shared {
         }
     }
 
-    pub(crate) fn register(&self, registration: &Registration) -> Result<String, ClientError> {
+    pub(crate) fn register(&self, registration: &HeldRegistration) -> Result<String, ClientError> {
         let mut fds: Vec<BorrowedFd<'_>> = Vec::new();
         let buffers: Vec<BufferSpec> = registration
             .buffers

@@ -17,7 +17,7 @@
 use arbitrary::Arbitrary;
 use kvwarden::memfd::SharedMapping;
 use kvwarden::protocol::BufferSpec;
-use kvwarden::server::connection::{Connection, Credentials, SocketRead, Stream};
+use kvwarden::server::connection::{Connection, Credentials, PeerSocket, SocketRead};
 use kvwarden::server::context::{BuildRequest, RegisteredBuffer, build};
 use libfuzzer_sys::fuzz_target;
 use rustix::fd::{AsFd, OwnedFd};
@@ -133,7 +133,7 @@ fuzz_target!(|case: Case| {
     // Through a real socket pair and the shell's connection, as a worker sends them.
     let (server_end, worker_end) = std::os::unix::net::UnixStream::pair().unwrap();
     server_end.set_nonblocking(true).unwrap();
-    let stream = Stream::Unix(mio::net::UnixStream::from_std(server_end));
+    let stream = PeerSocket::Unix(mio::net::UnixStream::from_std(server_end));
     let mut connection = Connection::new(stream, Credentials::default(), 1 << 10, 1 << 20);
     let frame = kvwarden::protocol::encode_frame(b"register");
     let borrowed: Vec<_> = ours.iter().map(AsFd::as_fd).collect();

@@ -62,8 +62,8 @@ pub use health::{
 };
 pub use key::{DEFAULT_NAMESPACE, NAMESPACE_MAX_BYTES, Namespace, NamespaceError};
 pub use value::{
-    ClusterSecret, DecodeError, FORMAT_VERSION, HEADER_BYTES, Header, MAC_CONTEXT,
-    MAC_FORMAT_VERSION, MAC_HEADER_BYTES, MAC_TAG_BYTES, MAGIC, PayloadCheck, SECRET_MIN_BYTES,
-    SecretError, ValueFormat, decode, encode, header,
+    ClusterSecret, FORMAT_VERSION, HEADER_BYTES, Header, MAC_CONTEXT, MAC_FORMAT_VERSION,
+    MAC_HEADER_BYTES, MAC_TAG_BYTES, MAGIC, PayloadCheck, SECRET_MIN_BYTES, SecretError,
+    ValueError, ValueFormat, decode, encode, header,
 };
 pub use write_queue::{Push, SHUTDOWN_DRAIN, WriteQueue};

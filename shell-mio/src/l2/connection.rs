@@ -32,7 +32,7 @@ static PLAIN_WITH_SEEDS_WARNED: AtomicBool = AtomicBool::new(false);
 
 /// Redirections (MOVED, ASK) and retries redis-rs may make inside one operation. Kept
 /// small: the caller's wait is bounded anyway, and a dead node is better left to the
-/// next operation on a fresh connection (see [`Conn::connect`]).
+/// next operation on a fresh connection (see [`RedisConn::connect`]).
 const CLUSTER_RETRIES: u32 = 2;
 
 /// The shortest `TCP_USER_TIMEOUT`: a congested but live link must not be cut.
@@ -63,16 +63,16 @@ pub enum Mode {
 }
 
 /// A connection to the L2 store.
-pub(super) enum Conn {
+pub(super) enum RedisConn {
     Cluster(Box<ClusterConnection>),
     Single(redis::Connection, Addr),
 }
 
-impl Conn {
+impl RedisConn {
     /// Connects through the first seed that answers. A fresh cluster connection reads
     /// the slot map anew, which is how a thread learns about a failover: after any
     /// error the thread drops its connection and the next operation comes here.
-    pub(super) fn connect(config: &L2Config, timeout: Duration) -> RedisResult<Conn> {
+    pub(super) fn connect(config: &L2Config, timeout: Duration) -> RedisResult<RedisConn> {
         let seeds = &config.seeds;
         let mut last_error = None;
         for seed in &config.known_nodes.candidates(seeds) {
@@ -88,7 +88,7 @@ impl Conn {
                 .arg("INFO")
                 .query::<String>(&mut connection)
             {
-                Ok(_) => return Conn::connect_cluster(config, timeout),
+                Ok(_) => return RedisConn::connect_cluster(config, timeout),
                 Err(error) if is_server_refusal(&error) => {
                     if seeds.len() > 1 && !PLAIN_WITH_SEEDS_WARNED.swap(true, Ordering::Relaxed) {
                         tracing::warn!(
@@ -96,7 +96,7 @@ impl Conn {
                             "L2: the seed is a plain Redis, not a cluster node; only it is used, the other seeds are ignored"
                         );
                     }
-                    return Ok(Conn::Single(connection, seed_addr(seed)?));
+                    return Ok(RedisConn::Single(connection, seed_addr(seed)?));
                 }
                 Err(error) => last_error = Some(error),
             }
@@ -105,7 +105,7 @@ impl Conn {
             .unwrap_or_else(|| RedisError::from((redis::ErrorKind::Client, "no L2 seed"))))
     }
 
-    fn connect_cluster(config: &L2Config, timeout: Duration) -> RedisResult<Conn> {
+    fn connect_cluster(config: &L2Config, timeout: Duration) -> RedisResult<RedisConn> {
         // Every node the latest map named, not only the seeds: a cluster that lost its
         // seed in a failover is still reached (row 62).
         let mut builder = ClusterClient::builder(config.known_nodes.candidates(&config.seeds))
@@ -126,15 +126,15 @@ impl Conn {
         }
         let connection = builder.build()?.get_connection()?;
         connection.set_write_timeout(Some(timeout))?;
-        Ok(Conn::Cluster(Box::new(connection)))
+        Ok(RedisConn::Cluster(Box::new(connection)))
     }
 
     /// The data path's map of this store: the seed of a plain Redis, or the cluster's
     /// masters by hash slot (`CLUSTER SLOTS`, from the seeds).
     pub(super) fn direct(&mut self, link: &Arc<Link>, config: &L2Config) -> RedisResult<Direct> {
         match self {
-            Conn::Single(_, seed) => Ok(Direct::single(Arc::clone(link), seed.clone())),
-            Conn::Cluster(..) => {
+            RedisConn::Single(_, seed) => Ok(Direct::single(Arc::clone(link), seed.clone())),
+            RedisConn::Cluster(..) => {
                 let (slots, seed) = slots_from_seeds(config)?;
                 Direct::cluster(Arc::clone(link), &slots, &seed).map_err(map_error)
             }
@@ -145,8 +145,8 @@ impl Conn {
     /// error on the data path), from the seeds.
     pub(super) fn refresh(&mut self, direct: &mut Direct, config: &L2Config) -> RedisResult<()> {
         match self {
-            Conn::Single(..) => Ok(()),
-            Conn::Cluster(..) => {
+            RedisConn::Single(..) => Ok(()),
+            RedisConn::Cluster(..) => {
                 let (slots, seed) = slots_from_seeds(config)?;
                 direct.set_map(&slots, &seed).map_err(map_error)
             }
@@ -157,8 +157,8 @@ impl Conn {
     /// NODES`) or "a single Redis node".
     pub(super) fn describe(&mut self) -> String {
         match self {
-            Conn::Single(..) => "a single Redis node (not a cluster)".to_string(),
-            Conn::Cluster(connection) => {
+            RedisConn::Single(..) => "a single Redis node (not a cluster)".to_string(),
+            RedisConn::Cluster(connection) => {
                 let nodes: RedisResult<String> = redis::cmd("CLUSTER")
                     .arg("NODES")
                     .query(connection.as_mut());
@@ -179,15 +179,15 @@ impl Conn {
     /// Which kind of store this is.
     pub(super) fn mode(&self) -> Mode {
         match self {
-            Conn::Cluster(..) => Mode::Cluster,
-            Conn::Single(..) => Mode::Single,
+            RedisConn::Cluster(..) => Mode::Cluster,
+            RedisConn::Single(..) => Mode::Single,
         }
     }
 
     fn like(&mut self) -> &mut dyn ConnectionLike {
         match self {
-            Conn::Cluster(connection) => connection.as_mut(),
-            Conn::Single(connection, _) => connection,
+            RedisConn::Cluster(connection) => connection.as_mut(),
+            RedisConn::Single(connection, _) => connection,
         }
     }
 
@@ -230,14 +230,14 @@ impl Conn {
     /// `EXISTS` of each name, pipelined (split by node in a cluster): one answer each.
     pub(super) fn exists_each(&mut self, names: &[Vec<u8>]) -> RedisResult<Vec<bool>> {
         match self {
-            Conn::Cluster(connection) => {
+            RedisConn::Cluster(connection) => {
                 let mut pipe = redis::cluster::cluster_pipe();
                 for name in names {
                     pipe.cmd("EXISTS").arg(name);
                 }
                 pipe.query(connection.as_mut())
             }
-            Conn::Single(connection, _) => {
+            RedisConn::Single(connection, _) => {
                 let mut pipe = redis::pipe();
                 for name in names {
                     pipe.cmd("EXISTS").arg(name);

@@ -40,7 +40,7 @@ pub use connection::Mode;
 #[doc(hidden)]
 pub use direct::{Asked, ReplyRead, read_replies};
 
-use connection::Conn;
+use connection::RedisConn;
 use deadline::Deadlines;
 use kvwarden_core::l2::{self, L2Counters, OpResult, Push, ReadOutcome, WriteOutcome, WriteQueue};
 use std::collections::hash_map::RandomState;
@@ -418,7 +418,7 @@ impl L2Client {
     /// what it found ("a Redis Cluster of 3 masters", "a single Redis node") or exactly
     /// why not: what a server says at start, before `ready`.
     pub fn probe(&self, bound: std::time::Duration) -> Result<String, String> {
-        match Conn::connect(&self.shared.config, bound) {
+        match RedisConn::connect(&self.shared.config, bound) {
             Ok(mut conn) => {
                 let found = conn.describe();
                 *self.shared.mode.lock().unwrap_or_else(|e| e.into_inner()) = Some(conn.mode());

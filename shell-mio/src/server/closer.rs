@@ -66,10 +66,10 @@ impl Drop for PeerFd {
 /// Closes a worker connection's Unix socket on a closer thread (the files queued in it
 /// are released with it); a TCP stream is closed here (its linger is the server's own,
 /// never set).
-pub fn close_stream(stream: super::connection::Stream) {
+pub fn close_stream(stream: super::connection::PeerSocket) {
     match stream {
-        super::connection::Stream::Unix(stream) => close_off_thread(OwnedFd::from(stream)),
-        super::connection::Stream::Tcp(stream) => drop(stream),
+        super::connection::PeerSocket::Unix(stream) => close_off_thread(OwnedFd::from(stream)),
+        super::connection::PeerSocket::Tcp(stream) => drop(stream),
     }
 }
 

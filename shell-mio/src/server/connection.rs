@@ -39,19 +39,19 @@ const MAX_QUEUED_FD_REPLIES: usize = 2;
 
 /// The transport of a connection.
 #[derive(Debug)]
-pub enum Stream {
+pub enum PeerSocket {
     /// Unix socket: carries fds, proves the peer.
     Unix(mio::net::UnixStream),
     /// TCP: neither.
     Tcp(mio::net::TcpStream),
 }
 
-impl Stream {
+impl PeerSocket {
     /// The mio source.
     pub fn source(&mut self) -> &mut dyn mio::event::Source {
         match self {
-            Stream::Unix(stream) => stream,
-            Stream::Tcp(stream) => stream,
+            PeerSocket::Unix(stream) => stream,
+            PeerSocket::Tcp(stream) => stream,
         }
     }
 }
@@ -131,7 +131,7 @@ pub enum SocketRead {
 #[derive(Debug)]
 pub struct Connection {
     /// The socket.
-    pub stream: Stream,
+    pub stream: PeerSocket,
     /// The peer.
     pub peer: Credentials,
     input: Vec<u8>,
@@ -184,7 +184,7 @@ impl Connection {
     /// A connection whose input holds at most one frame of `max_frame_bytes` plus a
     /// read chunk, and whose output holds at most `max_output_bytes`.
     pub fn new(
-        stream: Stream,
+        stream: PeerSocket,
         peer: Credentials,
         max_frame_bytes: usize,
         max_output_bytes: usize,
@@ -217,7 +217,7 @@ impl Connection {
     /// the loop as a stray. (A plain `read` over a queued fd would make the kernel close
     /// it on this thread.) Returns whether the kernel refuses fds now.
     pub fn promise_no_fds(&mut self) -> bool {
-        let Stream::Unix(stream) = &self.stream else {
+        let PeerSocket::Unix(stream) = &self.stream else {
             return false;
         };
         if self.fd_reads != FdReads::Recvmsg {
@@ -306,11 +306,11 @@ impl Connection {
             let offset = self.input_offset + self.input.len() as u64;
             let mut ancillary = false;
             let read = match &mut self.stream {
-                Stream::Tcp(stream) => stream.read(&mut chunk[..want]),
-                Stream::Unix(stream) if self.fd_reads == FdReads::Plain => {
+                PeerSocket::Tcp(stream) => stream.read(&mut chunk[..want]),
+                PeerSocket::Unix(stream) if self.fd_reads == FdReads::Plain => {
                     stream.read(&mut chunk[..want])
                 }
-                Stream::Unix(stream) => {
+                PeerSocket::Unix(stream) => {
                     let mut space =
                         [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(RECV_FDS))];
                     let mut control = RecvAncillaryBuffer::new(&mut space);
@@ -484,7 +484,7 @@ impl Connection {
             };
             let chunk = &head[..head.len().min(limit)];
             let written = match (&mut self.stream, carries_fds) {
-                (Stream::Unix(stream), true) => {
+                (PeerSocket::Unix(stream), true) => {
                     let fds: Vec<rustix::fd::BorrowedFd<'_>> = self
                         .output_fds
                         .front()
@@ -505,8 +505,8 @@ impl Connection {
                         Err(io::Error::other("too many fds for one reply"))
                     }
                 }
-                (Stream::Unix(stream), false) => stream.write(chunk),
-                (Stream::Tcp(stream), _) => stream.write(chunk),
+                (PeerSocket::Unix(stream), false) => stream.write(chunk),
+                (PeerSocket::Tcp(stream), _) => stream.write(chunk),
             };
             match written {
                 Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
@@ -569,7 +569,7 @@ mod tests {
     fn connection() -> (Connection, std::os::unix::net::UnixStream) {
         let (ours, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
         ours.set_nonblocking(true).unwrap();
-        let stream = Stream::Unix(mio::net::UnixStream::from_std(ours));
+        let stream = PeerSocket::Unix(mio::net::UnixStream::from_std(ours));
         (
             Connection::new(stream, Credentials::default(), 1024, 1 << 20),
             theirs,

@@ -59,7 +59,7 @@ pub const MAC_CONTEXT: &str = "kvwarden L2 value MAC v1";
 /// Why a value read from L2 cannot be served. Every variant means: a miss, counted,
 /// logged once per key, and the key deleted.
 #[derive(Clone, Debug, PartialEq, Eq, Error)]
-pub enum DecodeError {
+pub enum ValueError {
     /// Shorter than the header, or shorter than the header plus the declared payload.
     #[error(
         "truncated L2 value: {len_bytes} bytes, a whole one needs {need_bytes} \
@@ -177,9 +177,9 @@ pub fn encode(payload: &[u8]) -> Vec<u8> {
 /// bound on its length: [`ValueFormat::decode`] without a secret and without a bound.
 ///
 /// Checks in order: long enough for the magic, magic, long enough for the header,
-/// version, payload length (short: [`DecodeError::Truncated`], long:
-/// [`DecodeError::LengthMismatch`]), checksum. Never panics and never allocates.
-pub fn decode(value: &[u8]) -> Result<&[u8], DecodeError> {
+/// version, payload length (short: [`ValueError::Truncated`], long:
+/// [`ValueError::LengthMismatch`]), checksum. Never panics and never allocates.
+pub fn decode(value: &[u8]) -> Result<&[u8], ValueError> {
     ValueFormat::new(None, u64::MAX).decode(&Namespace::default(), b"", value)
 }
 
@@ -334,7 +334,7 @@ impl ValueFormat {
         namespace: &Namespace,
         key: &[u8],
         value: &'v [u8],
-    ) -> Result<&'v [u8], DecodeError> {
+    ) -> Result<&'v [u8], ValueError> {
         let (head, payload) = value.split_at(value.len().min(self.header_bytes()));
         self.check_head(head, value.len() as u64)?;
         self.check_payload(namespace, key, head, payload)?;
@@ -346,20 +346,20 @@ impl ValueFormat {
     /// reader asks before it receives the payload, so that it knows where the payload
     /// may go. Returns the payload's length, at most the largest payload.
     ///
-    /// Checks in order: the read bound ([`DecodeError::Oversized`]), long enough for
-    /// the magic, magic, version (another kind of server: [`DecodeError::Authenticated`]
-    /// or [`DecodeError::Unauthenticated`]), long enough for the header, a payload of at
-    /// most a slot ([`DecodeError::Oversized`]), then the payload length.
-    pub fn check_head(&self, head: &[u8], len_bytes: u64) -> Result<u64, DecodeError> {
+    /// Checks in order: the read bound ([`ValueError::Oversized`]), long enough for
+    /// the magic, magic, version (another kind of server: [`ValueError::Authenticated`]
+    /// or [`ValueError::Unauthenticated`]), long enough for the header, a payload of at
+    /// most a slot ([`ValueError::Oversized`]), then the payload length.
+    pub fn check_head(&self, head: &[u8], len_bytes: u64) -> Result<u64, ValueError> {
         let limit_bytes = self.read_limit_bytes();
         if len_bytes > limit_bytes {
-            return Err(DecodeError::Oversized {
+            return Err(ValueError::Oversized {
                 limit_bytes,
                 max_payload_bytes: self.max_payload_bytes,
             });
         }
         let header_bytes = self.header_bytes();
-        let truncated = DecodeError::Truncated {
+        let truncated = ValueError::Truncated {
             len_bytes,
             need_bytes: header_bytes as u64,
         };
@@ -367,7 +367,7 @@ impl ValueFormat {
             return Err(truncated);
         };
         if *magic != MAGIC {
-            return Err(DecodeError::BadMagic { found: *magic });
+            return Err(ValueError::BadMagic { found: *magic });
         }
         let Some(fixed) = head.first_chunk::<16>() else {
             return Err(truncated);
@@ -375,9 +375,9 @@ impl ValueFormat {
         let version = u32::from_le_bytes(le_field(fixed, 4));
         match (version, &self.secret) {
             (FORMAT_VERSION, None) | (MAC_FORMAT_VERSION, Some(_)) => {}
-            (MAC_FORMAT_VERSION, None) => return Err(DecodeError::Authenticated),
-            (FORMAT_VERSION, Some(_)) => return Err(DecodeError::Unauthenticated),
-            (found, _) => return Err(DecodeError::OtherVersion { found }),
+            (MAC_FORMAT_VERSION, None) => return Err(ValueError::Authenticated),
+            (FORMAT_VERSION, Some(_)) => return Err(ValueError::Unauthenticated),
+            (found, _) => return Err(ValueError::OtherVersion { found }),
         }
         if head.len() < header_bytes || len_bytes < header_bytes as u64 {
             return Err(truncated);
@@ -385,19 +385,19 @@ impl ValueFormat {
         let declared_bytes = u64::from_le_bytes(le_field(fixed, 8));
         let actual_bytes = len_bytes - header_bytes as u64;
         if actual_bytes > self.max_payload_bytes {
-            return Err(DecodeError::Oversized {
+            return Err(ValueError::Oversized {
                 limit_bytes: self.max_payload_bytes.saturating_add(header_bytes as u64),
                 max_payload_bytes: self.max_payload_bytes,
             });
         }
         if actual_bytes < declared_bytes {
-            return Err(DecodeError::Truncated {
+            return Err(ValueError::Truncated {
                 len_bytes,
                 need_bytes: declared_bytes.saturating_add(header_bytes as u64),
             });
         }
         if actual_bytes > declared_bytes {
-            return Err(DecodeError::LengthMismatch {
+            return Err(ValueError::LengthMismatch {
                 declared_bytes,
                 actual_bytes,
             });
@@ -414,7 +414,7 @@ impl ValueFormat {
         key: &[u8],
         head: &[u8],
         payload: &[u8],
-    ) -> Result<(), DecodeError> {
+    ) -> Result<(), ValueError> {
         let mut check = self.payload_check(namespace, key, head)?;
         check.update(payload);
         check.finish()
@@ -427,11 +427,11 @@ impl ValueFormat {
         namespace: &Namespace,
         key: &[u8],
         head: &[u8],
-    ) -> Result<PayloadCheck, DecodeError> {
+    ) -> Result<PayloadCheck, ValueError> {
         let header_bytes = self.header_bytes();
         let (Some(fixed), Some(header)) = (head.first_chunk::<16>(), head.get(..header_bytes))
         else {
-            return Err(DecodeError::Truncated {
+            return Err(ValueError::Truncated {
                 len_bytes: head.len() as u64,
                 need_bytes: header_bytes as u64,
             });
@@ -480,18 +480,18 @@ impl PayloadCheck {
     }
 
     /// Whether the whole payload, fed in order, matches the header.
-    pub fn finish(self) -> Result<(), DecodeError> {
+    pub fn finish(self) -> Result<(), ValueError> {
         match self {
             PayloadCheck::Checksum { hasher, stored } => {
                 let computed = hasher.digest();
                 if stored != computed {
-                    return Err(DecodeError::ChecksumMismatch { stored, computed });
+                    return Err(ValueError::ChecksumMismatch { stored, computed });
                 }
             }
             PayloadCheck::Mac { hasher, stored } => {
                 // `blake3::Hash` compares in constant time.
                 if blake3::Hash::from_bytes(stored) != hasher.finalize() {
-                    return Err(DecodeError::MacMismatch);
+                    return Err(ValueError::MacMismatch);
                 }
             }
         }

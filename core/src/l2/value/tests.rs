@@ -60,12 +60,12 @@ fn encoded_value_decodes_to_the_same_payload() {
 fn value_shorter_than_the_magic_is_truncated() {
     assert_eq!(
         decode(b"KV"),
-        Err(DecodeError::Truncated {
+        Err(ValueError::Truncated {
             len_bytes: 2,
             need_bytes: HEADER_BYTES as u64
         })
     );
-    assert!(matches!(decode(b""), Err(DecodeError::Truncated { .. })));
+    assert!(matches!(decode(b""), Err(ValueError::Truncated { .. })));
 }
 
 #[test]
@@ -73,7 +73,7 @@ fn value_with_magic_but_shorter_than_the_header_is_truncated() {
     let value = encode(b"payload");
     assert_eq!(
         decode(&value[..10]),
-        Err(DecodeError::Truncated {
+        Err(ValueError::Truncated {
             len_bytes: 10,
             need_bytes: HEADER_BYTES as u64
         })
@@ -81,7 +81,7 @@ fn value_with_magic_but_shorter_than_the_header_is_truncated() {
     // The full header alone (payload cut off) is truncated too, naming the need.
     assert_eq!(
         decode(&value[..HEADER_BYTES + 3]),
-        Err(DecodeError::Truncated {
+        Err(ValueError::Truncated {
             len_bytes: HEADER_BYTES as u64 + 3,
             need_bytes: HEADER_BYTES as u64 + 7
         })
@@ -95,12 +95,12 @@ fn value_with_another_magic_is_rejected_and_the_right_one_accepted() {
     value[0] = b'X';
     assert_eq!(
         decode(&value),
-        Err(DecodeError::BadMagic { found: *b"XVL2" })
+        Err(ValueError::BadMagic { found: *b"XVL2" })
     );
     // Plain text someone SET by hand.
     assert!(matches!(
         decode(b"hello world, this is not a kvwarden value"),
-        Err(DecodeError::BadMagic { .. })
+        Err(ValueError::BadMagic { .. })
     ));
 }
 
@@ -112,7 +112,7 @@ fn value_of_another_format_version_is_rejected_and_this_one_accepted() {
     put_u32(&mut value, 4, MAC_FORMAT_VERSION + 1);
     assert_eq!(
         decode(&value),
-        Err(DecodeError::OtherVersion {
+        Err(ValueError::OtherVersion {
             found: MAC_FORMAT_VERSION + 1
         })
     );
@@ -124,7 +124,7 @@ fn value_longer_than_declared_is_a_length_mismatch() {
     value.push(0);
     assert_eq!(
         decode(&value),
-        Err(DecodeError::LengthMismatch {
+        Err(ValueError::LengthMismatch {
             declared_bytes: 7,
             actual_bytes: 8
         })
@@ -139,7 +139,7 @@ fn declared_length_beyond_the_value_is_truncated_without_overflow() {
     put_u64(&mut value, 8, u64::MAX);
     assert_eq!(
         decode(&value),
-        Err(DecodeError::Truncated {
+        Err(ValueError::Truncated {
             len_bytes: value.len() as u64,
             need_bytes: u64::MAX
         })
@@ -153,7 +153,7 @@ fn flipped_payload_byte_is_a_checksum_mismatch() {
     value[HEADER_BYTES] ^= 1;
     assert!(matches!(
         decode(&value),
-        Err(DecodeError::ChecksumMismatch { stored, computed }) if stored != computed
+        Err(ValueError::ChecksumMismatch { stored, computed }) if stored != computed
     ));
 }
 
@@ -163,18 +163,18 @@ fn flipped_checksum_byte_is_a_checksum_mismatch() {
     value[20] ^= 0x80;
     assert!(matches!(
         decode(&value),
-        Err(DecodeError::ChecksumMismatch { .. })
+        Err(ValueError::ChecksumMismatch { .. })
     ));
 }
 
 #[test]
 fn errors_name_the_value_seen_and_the_fix() {
-    let message = DecodeError::OtherVersion { found: 9 }.to_string();
+    let message = ValueError::OtherVersion { found: 9 }.to_string();
     assert!(
         message.contains('9') && message.contains("--l2-namespace"),
         "{message}"
     );
-    let message = DecodeError::Truncated {
+    let message = ValueError::Truncated {
         len_bytes: 3,
         need_bytes: 24,
     }
@@ -205,16 +205,16 @@ fn a_value_with_a_mac_decodes_under_the_same_secret_and_key_only() {
     // Another key, another namespace, another secret: the same bytes do not verify.
     assert_eq!(
         format.decode(&ns("kv"), b"kez", &value),
-        Err(DecodeError::MacMismatch)
+        Err(ValueError::MacMismatch)
     );
     assert_eq!(
         format.decode(&ns("kw"), b"key", &value),
-        Err(DecodeError::MacMismatch)
+        Err(ValueError::MacMismatch)
     );
     let other = ValueFormat::new(Some(secret(2)), 4096);
     assert_eq!(
         other.decode(&ns("kv"), b"key", &value),
-        Err(DecodeError::MacMismatch)
+        Err(ValueError::MacMismatch)
     );
     // The length prefixes keep namespace and key apart.
     let value = format.encode(&ns("kv"), b"", b"payload");
@@ -241,10 +241,10 @@ fn a_server_with_a_secret_refuses_values_without_one_and_vice_versa() {
     assert!(plain.decode(&ns("kv"), b"k", &plain_value).is_ok());
     assert!(keyed.decode(&ns("kv"), b"k", &keyed_value).is_ok());
     let error = keyed.decode(&ns("kv"), b"k", &plain_value).unwrap_err();
-    assert_eq!(error, DecodeError::Unauthenticated);
+    assert_eq!(error, ValueError::Unauthenticated);
     assert!(error.to_string().contains("--l2-secret-file"), "{error}");
     let error = plain.decode(&ns("kv"), b"k", &keyed_value).unwrap_err();
-    assert_eq!(error, DecodeError::Authenticated);
+    assert_eq!(error, ValueError::Authenticated);
     assert!(error.to_string().contains("--l2-secret-file"), "{error}");
 }
 
@@ -260,7 +260,7 @@ fn a_value_longer_than_a_slot_and_its_header_is_oversized_and_one_that_fits_is_n
         let mut longer = fits.clone();
         longer.push(0);
         let error = format.decode(&ns("kv"), b"k", &longer).unwrap_err();
-        assert!(matches!(error, DecodeError::Oversized { .. }), "{error}");
+        assert!(matches!(error, ValueError::Oversized { .. }), "{error}");
         assert!(error.to_string().contains("--slot-bytes"), "{error}");
     }
 }

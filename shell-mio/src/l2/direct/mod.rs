@@ -46,48 +46,48 @@ pub(super) fn hash_slot(name: &[u8]) -> u16 {
 }
 
 /// A socket, plain or TLS.
-pub(super) enum Stream {
+pub(super) enum RedisStream {
     Plain(TcpStream),
     Tls(Box<rustls::StreamOwned<rustls::ClientConnection, TcpStream>>),
 }
 
-impl Stream {
+impl RedisStream {
     fn tcp(&self) -> &TcpStream {
         match self {
-            Stream::Plain(tcp) => tcp,
-            Stream::Tls(tls) => &tls.sock,
+            RedisStream::Plain(tcp) => tcp,
+            RedisStream::Tls(tls) => &tls.sock,
         }
     }
 }
 
-impl Read for Stream {
+impl Read for RedisStream {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         match self {
-            Stream::Plain(tcp) => tcp.read(buf),
-            Stream::Tls(tls) => tls.read(buf),
+            RedisStream::Plain(tcp) => tcp.read(buf),
+            RedisStream::Tls(tls) => tls.read(buf),
         }
     }
 }
 
-impl Write for Stream {
+impl Write for RedisStream {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         match self {
-            Stream::Plain(tcp) => tcp.write(buf),
-            Stream::Tls(tls) => tls.write(buf),
+            RedisStream::Plain(tcp) => tcp.write(buf),
+            RedisStream::Tls(tls) => tls.write(buf),
         }
     }
 
     fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
         match self {
-            Stream::Plain(tcp) => tcp.write_vectored(bufs),
-            Stream::Tls(tls) => tls.write_vectored(bufs),
+            RedisStream::Plain(tcp) => tcp.write_vectored(bufs),
+            RedisStream::Tls(tls) => tls.write_vectored(bufs),
         }
     }
 
     fn flush(&mut self) -> io::Result<()> {
         match self {
-            Stream::Plain(tcp) => tcp.flush(),
-            Stream::Tls(tls) => tls.flush(),
+            RedisStream::Plain(tcp) => tcp.flush(),
+            RedisStream::Tls(tls) => tls.flush(),
         }
     }
 }
@@ -172,7 +172,7 @@ pub(super) trait Socket: Read + Write {
     }
 }
 
-impl Socket for Stream {
+impl Socket for RedisStream {
     fn set_read_timeout(&self, timeout: Duration) -> io::Result<()> {
         self.tcp().set_read_timeout(Some(timeout))
     }
@@ -188,13 +188,13 @@ impl Socket for Stream {
         read_timeout: &mut Duration,
     ) -> io::Result<usize> {
         let tls = match self {
-            Stream::Plain(tcp) => {
+            RedisStream::Plain(tcp) => {
                 if let Some(lowered) = lowered_timeout(read_timeout, deadline)? {
                     tcp.set_read_timeout(Some(lowered))?;
                 }
                 return tcp.read(out);
             }
-            Stream::Tls(tls) => tls,
+            RedisStream::Tls(tls) => tls,
         };
         loop {
             match tls.conn.reader().read(out) {
@@ -242,7 +242,7 @@ fn lowered_timeout(read_timeout: &mut Duration, deadline: Instant) -> io::Result
 }
 
 /// One connection to one Redis node.
-pub(super) struct NodeConn<S: Socket = Stream> {
+pub(super) struct NodeConn<S: Socket = RedisStream> {
     stream: S,
     buffer: Box<[u8]>,
     start: usize,
@@ -273,13 +273,13 @@ impl NodeConn {
             )?;
         }
         let stream = match &link.tls {
-            None => Stream::Plain(tcp),
+            None => RedisStream::Plain(tcp),
             Some(tls) => {
                 let name = rustls::pki_types::ServerName::try_from(addr.host.clone())
                     .map_err(|error| io::Error::other(format!("{}: {error}", addr.host)))?;
                 let connection = rustls::ClientConnection::new(Arc::clone(tls), name)
                     .map_err(io::Error::other)?;
-                Stream::Tls(Box::new(rustls::StreamOwned::new(connection, tcp)))
+                RedisStream::Tls(Box::new(rustls::StreamOwned::new(connection, tcp)))
             }
         };
         let mut conn = NodeConn::over(stream, timeout);

@@ -11,7 +11,7 @@
 //! `ASK`), is retried through redis-rs, which follows redirections and refreshes its
 //! own map. An error of redis-rs's connection drops the whole session, as before.
 
-use super::connection::{self, Conn};
+use super::connection::{self, RedisConn};
 use super::direct::{self, Direct, GetReply, NodeConn};
 use super::{Landing, PendingRead, PrefixOutcome, ReadRequest, Shared, WriteTask, describe_error};
 use kvwarden_core::l2::{MAC_HEADER_BYTES, ReadOutcome};
@@ -41,7 +41,7 @@ const WRITE_BATCH_BYTES: u64 = 2 << 20;
 /// A thread's connections: redis-rs's (topology, existence checks, deletes,
 /// redirections) and the data path's.
 struct Session {
-    conn: Conn,
+    conn: RedisConn,
     direct: Direct,
 }
 
@@ -130,7 +130,7 @@ impl Shared {
             tracing::debug!(%error, "reading the L2 slot map failed");
         }
         if session.is_none() {
-            let (conn, direct) = match Conn::connect(&self.config, self.config.timeout) {
+            let (conn, direct) = match RedisConn::connect(&self.config, self.config.timeout) {
                 Ok(mut conn) => {
                     let direct = conn
                         .direct(&self.link, &self.config)

@@ -9,8 +9,8 @@ use crate::server::closer;
 use crate::server::connection::Connection;
 use crate::server::connection::JUDGED_AFTER_FDS;
 use crate::server::connection::MAX_HELD_FDS;
+use crate::server::connection::PeerSocket;
 use crate::server::connection::SocketRead;
-use crate::server::connection::Stream;
 use crate::server::peer;
 use kvwarden_core::node::ConnId;
 use kvwarden_core::node::Input;
@@ -25,13 +25,13 @@ impl Server {
 
     pub(super) fn admit(
         &mut self,
-        mut stream: Stream,
+        mut stream: PeerSocket,
         mut peer: crate::server::connection::Credentials,
     ) {
         if let Err(refused) = self.node.admits(peer.uid) {
             let transport = match stream {
-                Stream::Unix(_) => "unix",
-                Stream::Tcp(_) => "tcp",
+                PeerSocket::Unix(_) => "unix",
+                PeerSocket::Tcp(_) => "tcp",
             };
             tracing::warn!(
                 uid = peer.uid,
@@ -57,8 +57,8 @@ impl Server {
             return;
         }
         let transport = match stream {
-            Stream::Unix(_) => Transport::Unix,
-            Stream::Tcp(_) => Transport::Tcp,
+            PeerSocket::Unix(_) => Transport::Unix,
+            PeerSocket::Tcp(_) => Transport::Tcp,
         };
         let process = match (peer.process, &peer.pidfd) {
             (Some(process), Some(_)) => {
@@ -95,7 +95,7 @@ impl Server {
             match listener.accept() {
                 Ok((stream, _)) => {
                     let peer = peer::peer_of(&stream);
-                    self.admit(Stream::Unix(stream), peer);
+                    self.admit(PeerSocket::Unix(stream), peer);
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
                 Err(e) => {
@@ -122,7 +122,7 @@ impl Server {
             Ok((stream, _)) => {
                 let _ = stream.set_nodelay(true);
                 self.admit(
-                    Stream::Tcp(stream),
+                    PeerSocket::Tcp(stream),
                     crate::server::connection::Credentials::default(),
                 );
                 // There may be more: the next turn accepts the next one.
@@ -206,7 +206,7 @@ impl Server {
 
     fn transport_name(&self, token: Token) -> &'static str {
         match self.connections.get(&token).map(|c| &c.stream) {
-            Some(Stream::Tcp(_)) => "tcp",
+            Some(PeerSocket::Tcp(_)) => "tcp",
             _ => "unix",
         }
     }
