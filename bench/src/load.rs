@@ -86,7 +86,7 @@ impl PingOutcome {
 
 /// The protocol the fleet speaks.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum Wire {
+pub enum Dialect {
     /// kvwarden's: `[id, "ping", [instance]]` frames, each reply decoded.
     Kvwarden,
     /// Redis's RESP: `PING` as a multi-bulk command, `+PONG` expected: the same load
@@ -108,7 +108,7 @@ enum Answer {
 
 struct Connection {
     stream: UnixStream,
-    wire: Wire,
+    wire: Dialect,
     frame: Vec<u8>,
     input: Vec<u8>,
     output: Vec<u8>,
@@ -171,7 +171,7 @@ impl Connection {
             }
         }
         let mut consumed = 0;
-        if self.wire == Wire::Resp {
+        if self.wire == Dialect::Resp {
             while let Some(reply) = self.input.get(consumed..consumed + RESP_PONG.len()) {
                 replies.push(match reply == RESP_PONG {
                     true => Answer::Tracked,
@@ -218,7 +218,7 @@ impl PingFleet {
     /// They say no `hello`, as a worker's connection that carries memfds is read: with
     /// `recvmsg`.
     pub fn connect(socket: &Path, instances: &[Option<u64>]) -> Result<PingFleet, BenchError> {
-        PingFleet::connect_with(socket, Wire::Kvwarden, instances, false)
+        PingFleet::connect_with(socket, Dialect::Kvwarden, instances, false)
     }
 
     /// [`PingFleet::connect`], each connection first saying `hello` with `sends_fds:
@@ -227,17 +227,17 @@ impl PingFleet {
         socket: &Path,
         instances: &[Option<u64>],
     ) -> Result<PingFleet, BenchError> {
-        PingFleet::connect_with(socket, Wire::Kvwarden, instances, true)
+        PingFleet::connect_with(socket, Dialect::Kvwarden, instances, true)
     }
 
     /// `count` connections to a Redis server's Unix socket, each sending `PING`.
     pub fn connect_resp(socket: &Path, count: usize) -> Result<PingFleet, BenchError> {
-        PingFleet::connect_with(socket, Wire::Resp, &vec![None; count], false)
+        PingFleet::connect_with(socket, Dialect::Resp, &vec![None; count], false)
     }
 
     fn connect_with(
         socket: &Path,
-        wire: Wire,
+        wire: Dialect,
         instances: &[Option<u64>],
         promise_no_fds: bool,
     ) -> Result<PingFleet, BenchError> {
@@ -254,7 +254,7 @@ impl PingFleet {
                 )
             };
             let std_stream = match wire {
-                Wire::Kvwarden => {
+                Dialect::Kvwarden => {
                     let mut raw = if promise_no_fds {
                         super::raw::RawConnection::connect_without_fds(socket)?
                     } else {
@@ -265,7 +265,7 @@ impl PingFleet {
                     }
                     raw.into_stream()
                 }
-                Wire::Resp => std::os::unix::net::UnixStream::connect(socket)
+                Dialect::Resp => std::os::unix::net::UnixStream::connect(socket)
                     .map_err(BenchError::io(what()))?,
             };
             std_stream
@@ -277,8 +277,8 @@ impl PingFleet {
                 .map_err(BenchError::io(what()))?;
             let arg = instance.map_or(Value::Nil, Value::from);
             let frame = match wire {
-                Wire::Kvwarden => encode_request(1, "ping", vec![arg]),
-                Wire::Resp => RESP_PING.to_vec(),
+                Dialect::Kvwarden => encode_request(1, "ping", vec![arg]),
+                Dialect::Resp => RESP_PING.to_vec(),
             };
             connections.push(Connection {
                 stream,

@@ -53,7 +53,7 @@ pub enum GpuCommand {
     /// (G3 with `--workers 8`: eight at once, timed from the last exit).
     Reclaim(ReclaimArgs),
     /// G2: store/retrieve device ↔ L1 bandwidth against plain pinned copies.
-    Copy(CopyArgs),
+    Copy(GpuCopyArgs),
 }
 
 /// Flags of `kvwarden gpu reclaim`.
@@ -84,7 +84,7 @@ pub struct ReclaimArgs {
 
 /// Flags of `kvwarden gpu copy`.
 #[derive(Debug, clap::Args)]
-pub struct CopyArgs {
+pub struct GpuCopyArgs {
     /// Bytes per store/retrieve (one L1 slot).
     #[arg(long, default_value = "2M", value_parser = kvwarden_client::parse_bytes)]
     chunk_bytes: u64,
@@ -342,7 +342,7 @@ fn max_and_median(samples: &mut [f64]) -> (f64, f64) {
     (samples[samples.len() - 1], samples[samples.len() / 2])
 }
 
-fn copy(gpu: &Gpu, args: &CopyArgs) -> Result<(), String> {
+fn copy(gpu: &Gpu, args: &GpuCopyArgs) -> Result<(), String> {
     let chunk = usize::try_from(args.chunk_bytes).map_err(|_| "chunk too large")?;
     let clients = args.clients.max(1);
     let per_client_bytes = 256usize << 20;
@@ -458,7 +458,7 @@ fn chunk_key(client: usize, chunk: usize) -> Vec<u8> {
 /// stores of distinct keys (so that every store copies).
 fn store_phase(
     gpu: &Gpu,
-    args: &CopyArgs,
+    args: &GpuCopyArgs,
     socket: &Path,
     c: usize,
     rounds: usize,

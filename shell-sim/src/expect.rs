@@ -153,7 +153,7 @@ impl ExpectKind {
 
 /// Which worker an expectation names.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum Target {
+pub enum ExpectTarget {
     /// Every worker (or the whole server).
     All,
     /// One slot; one incarnation of it, or (None) every incarnation for history and the
@@ -174,7 +174,7 @@ pub struct Expectation {
     /// What it checks.
     pub kind: ExpectKind,
     /// Whom.
-    pub target: Target,
+    pub target: ExpectTarget,
     /// Absolute window in virtual time.
     pub between: Option<(Nanos, Nanos)>,
     /// Checkpoint (None: the end).
@@ -223,14 +223,14 @@ pub fn judge(expectations: &[Expectation], report: &RunReport) -> Vec<ExpectFail
 
 fn instances(expectation: &Expectation, report: &RunReport) -> Vec<InstanceId> {
     match expectation.target {
-        Target::All => report
+        ExpectTarget::All => report
             .instances
             .iter()
             .flatten()
             .flatten()
             .copied()
             .collect(),
-        Target::Worker { slot, incarnation } => report.ids(slot, incarnation),
+        ExpectTarget::Worker { slot, incarnation } => report.ids(slot, incarnation),
     }
 }
 
@@ -240,8 +240,8 @@ fn current<'a>(
     report: &RunReport,
 ) -> Option<&'a WorkerSnapshot> {
     match expectation.target {
-        Target::All => None,
-        Target::Worker { slot, incarnation } => {
+        ExpectTarget::All => None,
+        ExpectTarget::Worker { slot, incarnation } => {
             let instance = report.instance(slot, incarnation)?;
             snapshot.workers.iter().find(|w| w.instance == instance)
         }
@@ -285,8 +285,8 @@ fn judge_one(
     };
     let ids = instances(e, report);
     let who = match e.target {
-        Target::All => "any worker".to_string(),
-        Target::Worker { slot, incarnation } => match incarnation {
+        ExpectTarget::All => "any worker".to_string(),
+        ExpectTarget::Worker { slot, incarnation } => match incarnation {
             Some(n) => format!("w{slot}#{n}"),
             None => format!("w{slot}"),
         },
@@ -398,8 +398,8 @@ fn judge_state(
         ExpectKind::Contexts => {
             let want = e.count.unwrap_or(0);
             let have = match e.target {
-                Target::All => snapshot.live_contexts,
-                Target::Worker { .. } => {
+                ExpectTarget::All => snapshot.live_contexts,
+                ExpectTarget::Worker { .. } => {
                     current(e, snapshot, report).map_or(0, |w| u64::from(w.contexts))
                 }
             };

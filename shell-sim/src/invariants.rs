@@ -36,9 +36,9 @@
 mod judge;
 mod trust;
 
-pub use trust::{AttachExpect, Read, Verdict, prefix_of, uid_tenant};
+pub use trust::{AttachExpect, TenantRead, Verdict, prefix_of, uid_tenant};
 
-use crate::oracle::{CorrectedClock, GapKind, Key, Shadow};
+use crate::oracle::{CorrectedClock, EntryKey, GapKind, Shadow};
 use crate::time::{Nanos, as_seconds};
 use crate::violation::{Class, Violation};
 use kvwarden_core::{FreeCause, InstanceId, Module, TransferError};
@@ -84,7 +84,7 @@ pub struct ShellView<'a> {
 
 /// An entry the node no longer holds: its key, the silence and proven flag its free
 /// reported (a reap), and whether it was removed otherwise (a shutdown's unregistering).
-pub type Gone = (Key, Option<(Nanos, bool)>, bool);
+pub type Gone = (EntryKey, Option<(Nanos, bool)>, bool);
 
 /// The checker of one run.
 #[derive(Debug)]
@@ -94,19 +94,19 @@ pub struct Checker {
     shadow: Shadow,
     /// Every context ever built, by id.
     pub contexts: Vec<ContextRecord>,
-    live_per_key: BTreeMap<Key, u32>,
-    copies_per_key: BTreeMap<Key, u32>,
+    live_per_key: BTreeMap<EntryKey, u32>,
+    copies_per_key: BTreeMap<EntryKey, u32>,
     /// The context (ledger id) each entry was built with.
-    entry_context: BTreeMap<Key, u64>,
+    entry_context: BTreeMap<EntryKey, u64>,
     ping_arrivals: BTreeMap<InstanceId, Nanos>,
-    module_arrivals: BTreeMap<Key, Nanos>,
+    module_arrivals: BTreeMap<EntryKey, Nanos>,
     /// Per instance, the modules the worker registered in the instance's current life
     /// here (since it last held nothing) and was not told are gone.
     made: BTreeMap<InstanceId, BTreeSet<Module>>,
     /// Instances with a reap in the current step.
     reaped_now: Vec<InstanceId>,
     cleanly_gone: BTreeSet<InstanceId>,
-    touched_keys: Vec<Key>,
+    touched_keys: Vec<EntryKey>,
     touched_instances: Vec<InstanceId>,
     released_now: Vec<u64>,
     expected_stall: Option<Nanos>,
@@ -185,7 +185,7 @@ impl Checker {
     }
 
     /// Live contexts of one key.
-    pub fn live_contexts_of(&self, key: Key) -> u32 {
+    pub fn live_contexts_of(&self, key: EntryKey) -> u32 {
         self.live_per_key.get(&key).copied().unwrap_or(0)
     }
 
@@ -350,7 +350,7 @@ impl Checker {
     }
 
     /// The worker no longer counts on `key` (it unregistered it, or was told it is gone).
-    fn unmade(&mut self, key: Key) {
+    fn unmade(&mut self, key: EntryKey) {
         if let Some(modules) = self.made.get_mut(&key.0) {
             modules.remove(&key.1);
             if modules.is_empty() {
@@ -367,7 +367,7 @@ impl Checker {
     }
 
     /// `register` answered `Build` (with the server's build serial) or `Refreshed`.
-    pub fn register(&mut self, now: Nanos, key: Key, build: Option<u64>) {
+    pub fn register(&mut self, now: Nanos, key: EntryKey, build: Option<u64>) {
         let now_c = self.input(now);
         let present = self.shadow.get(key).is_some();
         if !self.shadow.holds(key.0) {
@@ -408,7 +408,7 @@ impl Checker {
 
     /// Build `serial` gave the node a context (`BuildDone` with a context); it got id
     /// `context` in the ledger.
-    pub fn built(&mut self, now: Nanos, key: Key, serial: u64, context: u64) {
+    pub fn built(&mut self, now: Nanos, key: EntryKey, serial: u64, context: u64) {
         let now_c = self.input(now);
         self.contexts.push(ContextRecord {
             instance: key.0,
@@ -429,7 +429,7 @@ impl Checker {
     }
 
     /// Build `serial` failed (`BuildDone` with an error).
-    pub fn build_failed(&mut self, now: Nanos, key: Key, serial: u64) {
+    pub fn build_failed(&mut self, now: Nanos, key: EntryKey, serial: u64) {
         self.input(now);
         if self
             .shadow
@@ -444,7 +444,7 @@ impl Checker {
     }
 
     /// `unregister` answered `was`; `clean_shutdown` when the worker is exiting.
-    pub fn unregister(&mut self, now: Nanos, key: Key, was: bool, clean_shutdown: bool) {
+    pub fn unregister(&mut self, now: Nanos, key: EntryKey, was: bool, clean_shutdown: bool) {
         self.input(now);
         let expected = self.shadow.remove(key).is_some();
         if expected != was {
@@ -461,7 +461,12 @@ impl Checker {
 
     /// `transfer` answered `result`; `context` is the id it used, when the node named it
     /// (a copy started).
-    pub fn transfer(&mut self, now: Nanos, key: Key, result: Result<Option<u64>, TransferError>) {
+    pub fn transfer(
+        &mut self,
+        now: Nanos,
+        key: EntryKey,
+        result: Result<Option<u64>, TransferError>,
+    ) {
         let now_c = self.input(now);
         let expected = match self.shadow.get(key) {
             None => Err(TransferError::NotRegistered),
@@ -510,7 +515,7 @@ impl Checker {
 
     /// `Job::Free` for context `context` of `key` with `cause`: the node gave it back
     /// and asked for its free. Reaps are judged when they happen ([`Checker::reaped`]).
-    pub fn free_requested(&mut self, key: Key, context: u64, cause: FreeCause) {
+    pub fn free_requested(&mut self, key: EntryKey, context: u64, cause: FreeCause) {
         let copies = self.contexts.get(context as usize).map_or(0, |r| r.copies);
         if copies > 0 {
             self.fail(
@@ -617,7 +622,7 @@ impl Checker {
     }
 
     /// Keys the reference model holds, in order.
-    pub fn shadow_keys(&self) -> Vec<Key> {
+    pub fn shadow_keys(&self) -> Vec<EntryKey> {
         self.shadow.keys().collect()
     }
 

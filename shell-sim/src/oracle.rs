@@ -17,7 +17,7 @@ use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 
 /// An entry key: one instance in one module.
-pub type Key = (InstanceId, Module);
+pub type EntryKey = (InstanceId, Module);
 
 #[derive(Copy, Clone, Debug)]
 struct Gap {
@@ -161,8 +161,8 @@ pub struct Shadow {
     pub registration_grace: Nanos,
     lives: BTreeMap<InstanceId, Life>,
     /// Each entry's build serial while it is building.
-    entries: BTreeMap<Key, Option<u64>>,
-    building: BTreeSet<Key>,
+    entries: BTreeMap<EntryKey, Option<u64>>,
+    building: BTreeSet<EntryKey>,
     deadlines: BinaryHeap<Reverse<(Nanos, InstanceId, u64)>>,
     versions: u64,
 }
@@ -182,7 +182,7 @@ impl Shadow {
     }
 
     /// The entry at `key`, with its instance's liveness.
-    pub fn get(&self, key: Key) -> Option<ShadowEntry> {
+    pub fn get(&self, key: EntryKey) -> Option<ShadowEntry> {
         let building = *self.entries.get(&key)?;
         let life = self.lives.get(&key.0)?;
         Some(ShadowEntry {
@@ -238,7 +238,7 @@ impl Shadow {
 
     /// A new entry at `key`, building under `serial`; the instance is refreshed (and
     /// starts unproven if it is new here).
-    pub fn insert(&mut self, key: Key, now: Nanos, serial: u64) {
+    pub fn insert(&mut self, key: EntryKey, now: Nanos, serial: u64) {
         let proven = self.lives.get(&key.0).is_some_and(|life| life.proven);
         self.live(key.0, now, proven);
         self.entries.insert(key, Some(serial));
@@ -246,7 +246,7 @@ impl Shadow {
     }
 
     /// The entry's context arrived; the instance is refreshed.
-    pub fn built(&mut self, key: Key, now: Nanos) {
+    pub fn built(&mut self, key: EntryKey, now: Nanos) {
         if let Some(building) = self.entries.get_mut(&key) {
             *building = None;
             self.building.remove(&key);
@@ -265,7 +265,7 @@ impl Shadow {
     }
 
     /// Removes the entry (and the instance with its last one).
-    pub fn remove(&mut self, key: Key) -> Option<ShadowEntry> {
+    pub fn remove(&mut self, key: EntryKey) -> Option<ShadowEntry> {
         let entry = self.get(key)?;
         self.entries.remove(&key);
         self.building.remove(&key);
@@ -279,13 +279,13 @@ impl Shadow {
     }
 
     /// Keys whose context is still being built.
-    pub fn building_keys(&self) -> Vec<Key> {
+    pub fn building_keys(&self) -> Vec<EntryKey> {
         self.building.iter().copied().collect()
     }
 
     /// The earliest current deadline with one of its instance's entries, dropping stale
     /// heap items on the way.
-    pub fn earliest_deadline(&mut self) -> Option<(Nanos, Key)> {
+    pub fn earliest_deadline(&mut self) -> Option<(Nanos, EntryKey)> {
         while let Some(&Reverse((deadline, instance, version))) = self.deadlines.peek() {
             if self
                 .lives
@@ -303,7 +303,7 @@ impl Shadow {
     }
 
     /// Every key, in order.
-    pub fn keys(&self) -> impl Iterator<Item = Key> + '_ {
+    pub fn keys(&self) -> impl Iterator<Item = EntryKey> + '_ {
         self.entries.keys().copied()
     }
 }

@@ -6,7 +6,7 @@
 //! is documented in `docs/simulator.md`.
 
 use crate::config::{FaultEvent, HeartbeatStart, InjectedBug, LinkSpec, SimConfig, WorkerSpec};
-use crate::expect::{ExpectKind, Expectation, Target};
+use crate::expect::{ExpectKind, ExpectTarget, Expectation};
 use crate::time::{Nanos, from_seconds};
 use kvwarden_core::Module;
 use serde::Deserialize;
@@ -537,7 +537,7 @@ impl Reader<'_> {
         let kind = ExpectKind::parse(&raw.kind)
             .ok_or_else(|| self.bad(field("kind"), format!("{:?}", raw.kind), ExpectKind::HELP))?;
         let target = match &raw.worker {
-            None => Target::All,
+            None => ExpectTarget::All,
             Some(name) => {
                 let slot = workers
                     .iter()
@@ -549,13 +549,13 @@ impl Reader<'_> {
                             &format!("a declared worker, w0 to w{}", workers.len() - 1),
                         )
                     })?;
-                Target::Worker {
+                ExpectTarget::Worker {
                     slot,
                     incarnation: raw.incarnation,
                 }
             }
         };
-        if kind.needs_worker() && target == Target::All {
+        if kind.needs_worker() && target == ExpectTarget::All {
             return Err(self.bad(
                 field("worker"),
                 "nothing",

@@ -23,10 +23,10 @@
 //! lost with that connection, which closes. TCP peers connect without a uid.
 
 use crate::config::{InjectedBug, SERVER_UID, ServerSpec};
-use crate::invariants::{Checker, Read, Verdict};
+use crate::invariants::{Checker, TenantRead, Verdict};
 use crate::l2::{L2Fate, L2Job, SimL2};
 use crate::message::{Channel, Envelope, ReplyEnvelope};
-use crate::oracle::Key;
+use crate::oracle::EntryKey;
 use crate::pool::{PoolFile, PoolJob};
 use crate::time::{Nanos, duration, instant};
 use kvwarden_core::node::{
@@ -45,7 +45,7 @@ mod outputs;
 /// What one node call's outputs did, for the checks that follow them.
 #[derive(Default)]
 struct Step {
-    freed: Vec<(Key, FreeCause)>,
+    freed: Vec<(EntryKey, FreeCause)>,
     /// Watched processes already known to have exited: their exit is applied next.
     exits: Vec<InstanceId>,
     exit_noted: bool,
@@ -257,7 +257,7 @@ enum Call {
         publish: Publishing,
     },
     BuildDone {
-        key: Key,
+        key: EntryKey,
         context: ContextId,
         failed: bool,
     },
@@ -291,16 +291,16 @@ pub struct Server {
     /// Whom a connection answers: slot, process, and whether it is TCP.
     peers: HashMap<ConnId, (usize, u32, bool)>,
     /// Reads in flight whose answer must not reveal another tenant's chunk.
-    tenant_reads: HashMap<(u64, u64), (&'static str, Read)>,
+    tenant_reads: HashMap<(u64, u64), (&'static str, TenantRead)>,
     next_conn: u64,
     /// Node context id → the checker's ledger id.
     ledger: HashMap<ContextId, u64>,
-    builds: HashMap<ContextId, (Key, Vec<u64>)>,
+    builds: HashMap<ContextId, (EntryKey, Vec<u64>)>,
     copies: HashMap<CopyId, u64>,
     frees: HashMap<FreeId, u64>,
     /// Frees running: their key, start and the pause time before it (their run time
     /// excludes the server's pauses: its threads were stopped too).
-    free_runs: BTreeMap<FreeId, (Key, Nanos, Nanos)>,
+    free_runs: BTreeMap<FreeId, (EntryKey, Nanos, Nanos)>,
     paused_total: Nanos,
     paused_since: Nanos,
     /// Instances holding rope tables (the shell keeps them; the node names them).

@@ -62,7 +62,7 @@ enum Pending {
 
 /// The state of the process.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum Process {
+pub enum ProcessState {
     /// Running.
     Running,
     /// SIGSTOPped: timers and replies wait for the thaw.
@@ -156,7 +156,7 @@ pub struct Worker {
     pub epoch: u32,
     registered_once: bool,
     /// Running, frozen or dead.
-    pub process: Process,
+    pub process: ProcessState,
     spec: WorkerSpec,
     heartbeat: Heartbeat,
     starved: bool,
@@ -204,7 +204,7 @@ impl Worker {
             secret,
             epoch: 0,
             registered_once: false,
-            process: Process::Running,
+            process: ProcessState::Running,
             spec,
             heartbeat,
             starved: false,
@@ -251,7 +251,7 @@ impl Worker {
 
     /// Whether the process is alive (running or frozen) and not shutting down.
     pub fn is_serving(&self) -> bool {
-        self.process != Process::Dead && self.shutdown.is_none()
+        self.process != ProcessState::Dead && self.shutdown.is_none()
     }
 
     /// The process starts: its first registration round.
@@ -262,7 +262,7 @@ impl Worker {
 
     /// The next instant this process wants to run, if any.
     pub fn next_wake(&self) -> Option<Nanos> {
-        if self.process != Process::Running {
+        if self.process != ProcessState::Running {
             return None;
         }
         let heartbeat = if self.starved {
@@ -289,7 +289,7 @@ impl Worker {
 
     /// Timers: do everything that is due at `now`.
     pub fn on_wake(&mut self, now: Nanos, out: &mut Outbox) {
-        if self.process != Process::Running {
+        if self.process != ProcessState::Running {
             return;
         }
         if let Some(round) = &self.round
@@ -348,9 +348,9 @@ impl Worker {
         out: &mut Outbox,
     ) {
         match self.process {
-            Process::Dead => {}
-            Process::Frozen => self.held_replies.push((request_id, result)),
-            Process::Running => self.handle_reply(now, request_id, result, out),
+            ProcessState::Dead => {}
+            ProcessState::Frozen => self.held_replies.push((request_id, result)),
+            ProcessState::Running => self.handle_reply(now, request_id, result, out),
         }
     }
 

@@ -635,7 +635,7 @@ mod who_is_who {
     use kvwarden_core::InstanceId;
     use kvwarden_core::protocol::Op;
     use kvwarden_core::protocol::{Answer, Attached, HelloReply};
-    use kvwarden_sim::invariants::{AttachExpect, Checker, Read, Verdict, prefix_of};
+    use kvwarden_sim::invariants::{AttachExpect, Checker, TenantRead, Verdict, prefix_of};
     use kvwarden_sim::time::SECOND;
     use kvwarden_sim::violation::Class;
 
@@ -813,7 +813,7 @@ mod who_is_who {
         let mut scoped = prefix_of("uid-1000");
         scoped.extend_from_slice(b"chunk");
         checker.published(scoped);
-        let read = Read {
+        let read = TenantRead {
             prefix: prefix_of("uid-1001"),
             keys: vec![b"chunk".to_vec()],
             lookup: false,

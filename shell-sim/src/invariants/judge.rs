@@ -3,13 +3,13 @@
 //! the shell's outputs, and entries past their deadline (`reap_late`).
 
 use super::{Checker, ContextState, ShellView};
-use crate::oracle::Key;
+use crate::oracle::EntryKey;
 use crate::time::{Nanos, as_seconds};
 use crate::violation::Class;
 use kvwarden_core::Module;
 
 impl Checker {
-    pub(super) fn judge_reap(&mut self, key: Key, reported: Option<(Nanos, bool)>) {
+    pub(super) fn judge_reap(&mut self, key: EntryKey, reported: Option<(Nanos, bool)>) {
         let Some(entry) = self.shadow.remove(key) else {
             self.diverged(format!(
                 "the core reaped {key:?}, which the reference model does not hold"
@@ -83,7 +83,7 @@ impl Checker {
 
     /// `live_worker_reaped`: evidence of the instance (any module) reached the server
     /// within its window before the reap. True when it did (and the run failed).
-    fn reaped_live(&mut self, key: Key, window: Nanos, now_c: Nanos) -> bool {
+    fn reaped_live(&mut self, key: EntryKey, window: Nanos, now_c: Nanos) -> bool {
         let (instance, module) = key;
         // Evidence of any module counts for the whole instance.
         let evidence = Module::ALL
@@ -189,7 +189,7 @@ impl Checker {
 
     /// `two_contexts`: one (instance, module) holds at most one live context, the
     /// contexts waiting for their copies (their entry gone) aside.
-    fn judge_contexts(&mut self, key: Key) {
+    fn judge_contexts(&mut self, key: EntryKey) {
         let mut live = self.live_contexts_of(key);
         if live > 1 {
             // A context whose entry went while a copy used it waits for the copy

@@ -119,7 +119,7 @@ pub enum Verdict {
 
 /// A read whose answer must not reveal another tenant's chunk.
 #[derive(Clone, Debug)]
-pub struct Read {
+pub struct TenantRead {
     /// The reader's tenant prefix.
     pub prefix: Vec<u8>,
     /// The worker keys, in order.
@@ -575,7 +575,7 @@ impl Checker {
     pub fn read_answered(
         &mut self,
         name: &str,
-        read: &Read,
+        read: &TenantRead,
         result: &Result<Answer, kvwarden_core::protocol::ProtocolError>,
     ) -> u64 {
         let Ok(answer) = result else {
@@ -634,7 +634,7 @@ impl Checker {
 
 /// The items of `read` that `answer` serves, and those it misses (a `lookup`: the first
 /// missed only).
-fn served_and_missed(read: &Read, answer: &Answer) -> (Vec<usize>, Vec<usize>) {
+fn served_and_missed(read: &TenantRead, answer: &Answer) -> (Vec<usize>, Vec<usize>) {
     if read.lookup {
         let count = match answer {
             Answer::Count(count) => *count as usize,

@@ -3,7 +3,7 @@
 
 use super::{Asked, Call, Server};
 use crate::invariants::{Checker, Verdict};
-use crate::oracle::Key;
+use crate::oracle::EntryKey;
 use crate::time::{Nanos, nanos_of};
 use kvwarden_core::node::Job;
 use kvwarden_core::node::Output;
@@ -139,7 +139,7 @@ impl Server {
         };
         let reply = reply_to(call, outputs);
         let code = reply.and_then(|r| r.as_ref().err()).map(|e| e.code);
-        let transfer = |module: Module| -> Option<(Key, Result<Option<u64>, TransferError>)> {
+        let transfer = |module: Module| -> Option<(EntryKey, Result<Option<u64>, TransferError>)> {
             let result = match code {
                 Some(ErrorCode::NotRegistered) => Err(TransferError::NotRegistered),
                 Some(ErrorCode::NotReady) => Err(TransferError::NotReady),
@@ -211,7 +211,7 @@ impl Server {
     pub(super) fn reconcile(
         &mut self,
         reaped_before: u64,
-        freed: &[(Key, FreeCause)],
+        freed: &[(EntryKey, FreeCause)],
         checker: &mut Checker,
     ) -> u64 {
         let Some(node) = self.node.as_ref() else {
@@ -222,12 +222,12 @@ impl Server {
             return 0;
         }
         let shutting_down = node.is_shutting_down();
-        let gone: Vec<Key> = checker
+        let gone: Vec<EntryKey> = checker
             .shadow_keys()
             .into_iter()
             .filter(|&(instance, module)| node.entry(instance, module).is_none())
             .collect();
-        let cause_of = |key: Key| {
+        let cause_of = |key: EntryKey| {
             freed
                 .iter()
                 .find(|(freed_key, _)| *freed_key == key)

@@ -2,7 +2,7 @@
 //! requests for the node.
 
 use super::{Asked, Call, Input, Publishing, Server, ServerOut};
-use crate::invariants::{Checker, Read, Verdict};
+use crate::invariants::{Checker, TenantRead, Verdict};
 use crate::message::{Channel, Envelope, HANDSHAKE_ID, Payload, ReplyEnvelope};
 use crate::time::Nanos;
 use kvwarden_core::Module;
@@ -284,7 +284,7 @@ impl Server {
                 _ => None,
             };
             if let Some((keys, lookup)) = read {
-                let read = Read {
+                let read = TenantRead {
                     prefix: prefix.to_vec(),
                     keys,
                     lookup,

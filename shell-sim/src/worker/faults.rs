@@ -2,29 +2,29 @@
 //! heartbeat, a clean stop, unregistering, and an identity changed after a refused
 //! `attach`.
 
-use super::{Outbox, Pending, Process, Purpose, Shutdown, Worker, chunk_key, unregister_op};
+use super::{Outbox, Pending, ProcessState, Purpose, Shutdown, Worker, chunk_key, unregister_op};
 use crate::time::Nanos;
 use kvwarden_core::InstanceId;
 
 impl Worker {
     /// SIGKILL.
     pub fn crash(&mut self) {
-        self.process = Process::Dead;
+        self.process = ProcessState::Dead;
     }
 
     /// SIGSTOP.
     pub fn freeze(&mut self) {
-        if self.process == Process::Running {
-            self.process = Process::Frozen;
+        if self.process == ProcessState::Running {
+            self.process = ProcessState::Frozen;
         }
     }
 
     /// SIGCONT: held replies first, then every timer that came due meanwhile.
     pub fn thaw(&mut self, now: Nanos, out: &mut Outbox) {
-        if self.process != Process::Frozen {
+        if self.process != ProcessState::Frozen {
             return;
         }
-        self.process = Process::Running;
+        self.process = ProcessState::Running;
         for (request_id, result) in std::mem::take(&mut self.held_replies) {
             self.handle_reply(now, request_id, result, out);
         }
@@ -45,7 +45,7 @@ impl Worker {
     /// Clean shutdown: stop the heartbeat first (a cycle in flight neither recovers
     /// nor changes health), stop traffic, drain, then UNREGISTER (see `Shutdown`).
     pub fn stop(&mut self, now: Nanos, out: &mut Outbox) {
-        if self.shutdown.is_some() || self.process == Process::Dead {
+        if self.shutdown.is_some() || self.process == ProcessState::Dead {
             return;
         }
         self.heartbeat.stop();
@@ -75,7 +75,7 @@ impl Worker {
             Some(Shutdown::Unregistering { pending, until })
                 if pending.is_empty() || now >= *until =>
             {
-                self.process = Process::Dead;
+                self.process = ProcessState::Dead;
                 out.exited = true;
             }
             _ => {}
@@ -84,7 +84,7 @@ impl Worker {
 
     /// An operator-driven UNREGISTER of every module, the process carrying on (row 14).
     pub fn unregister_all(&mut self, now: Nanos, out: &mut Outbox) {
-        if self.process != Process::Running || self.shutdown.is_some() {
+        if self.process != ProcessState::Running || self.shutdown.is_some() {
             return;
         }
         for module in self.spec.modules.clone() {
@@ -95,7 +95,7 @@ impl Worker {
 
     /// One transfer on each module now, outside the traffic schedule.
     pub fn transfer_once(&mut self, now: Nanos, out: &mut Outbox) {
-        if self.process != Process::Running || self.shutdown.is_some() {
+        if self.process != ProcessState::Running || self.shutdown.is_some() {
             return;
         }
         let next = self.next_traffic;
@@ -105,7 +105,8 @@ impl Worker {
 
     /// An extra REGISTER of every module under the same id (row 15).
     pub fn register_again(&mut self, now: Nanos, out: &mut Outbox) {
-        if self.process != Process::Running || self.shutdown.is_some() || self.round.is_some() {
+        if self.process != ProcessState::Running || self.shutdown.is_some() || self.round.is_some()
+        {
             return;
         }
         self.begin_round(now, Purpose::Reregister, out);
@@ -129,7 +130,7 @@ impl Worker {
         self.stats.identity_changes += 1;
         self.last_stored = None;
         self.commits.clear();
-        if self.process != Process::Running || self.shutdown.is_some() {
+        if self.process != ProcessState::Running || self.shutdown.is_some() {
             return;
         }
         match self.round.as_ref().map(|round| round.purpose) {

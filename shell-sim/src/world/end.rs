@@ -5,7 +5,7 @@ use super::{Snapshot, WorkerSnapshot, World};
 use crate::server::ServerState;
 use crate::time::{Nanos, SECOND, as_seconds};
 use crate::violation::Class;
-use crate::worker::Process;
+use crate::worker::ProcessState;
 use kvwarden_core::InstanceId;
 
 impl World {
@@ -27,7 +27,7 @@ impl World {
                     instance: worker.instance,
                     incarnation: worker.incarnation,
                     healthy: worker.is_healthy(),
-                    alive: worker.process != Process::Dead,
+                    alive: worker.process != ProcessState::Dead,
                     contexts: self.checker.live_contexts(worker.instance),
                     one_per_module,
                     stats: worker.stats.clone(),
@@ -94,7 +94,7 @@ impl World {
             let Some(worker) = self.workers[slot].as_ref() else {
                 continue;
             };
-            if worker.process != Process::Running
+            if worker.process != ProcessState::Running
                 || worker.is_shutting_down()
                 || worker.spec().legacy_ping
             {

@@ -6,7 +6,7 @@ use crate::event::Event;
 use crate::message::{Channel, Envelope, Payload};
 use crate::server::{ServerOut, ServerState};
 use crate::time::{MILLISECOND, Nanos};
-use crate::worker::{Outbox, Process, STORE_BYTES, Worker};
+use crate::worker::{Outbox, ProcessState, STORE_BYTES, Worker};
 use kvwarden_core::InstanceId;
 use kvwarden_core::protocol::{BufferSpec, Op, RetrieveItem, RopeSpec};
 
@@ -239,7 +239,7 @@ impl World {
         }
         let running = self.workers[from]
             .as_ref()
-            .is_some_and(|w| w.process == Process::Running && !w.is_shutting_down());
+            .is_some_and(|w| w.process == ProcessState::Running && !w.is_shutting_down());
         if !running {
             return;
         }
@@ -372,7 +372,7 @@ impl World {
             let Some(victim) = self.workers[slot].as_ref() else {
                 continue;
             };
-            if slot == from || victim.spec().uid == uid || victim.process == Process::Dead {
+            if slot == from || victim.spec().uid == uid || victim.process == ProcessState::Dead {
                 continue;
             }
             let keys = victim.recent_keys();
@@ -568,7 +568,7 @@ impl World {
         let Some(worker) = self.workers[slot].as_mut() else {
             return;
         };
-        if worker.process == Process::Dead {
+        if worker.process == ProcessState::Dead {
             return;
         }
         worker.crash();
