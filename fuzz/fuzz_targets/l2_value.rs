@@ -10,7 +10,7 @@
 #![no_main]
 
 use arbitrary::Arbitrary;
-use kvwarden_core::l2::{ClusterSecret, DecodeError, Namespace, ValueFormat, decode, encode};
+use kvwarden_core::l2::{ClusterSecret, Namespace, ValueError, ValueFormat, decode, encode};
 use libfuzzer_sys::fuzz_target;
 
 #[derive(Arbitrary, Debug)]
@@ -41,7 +41,7 @@ fn check(value: &[u8]) -> bool {
             assert_eq!(encode(payload), value, "an accepted value is not canonical");
             true
         }
-        Err(DecodeError::Truncated {
+        Err(ValueError::Truncated {
             len_bytes,
             need_bytes,
         }) => {
@@ -49,24 +49,24 @@ fn check(value: &[u8]) -> bool {
             assert_eq!(len_bytes, value.len() as u64);
             false
         }
-        Err(DecodeError::LengthMismatch {
+        Err(ValueError::LengthMismatch {
             declared_bytes,
             actual_bytes,
         }) => {
             assert!(actual_bytes > declared_bytes);
             false
         }
-        Err(DecodeError::ChecksumMismatch { stored, computed }) => {
+        Err(ValueError::ChecksumMismatch { stored, computed }) => {
             assert_ne!(stored, computed);
             false
         }
         Err(
-            DecodeError::BadMagic { .. }
-            | DecodeError::OtherVersion { .. }
-            | DecodeError::Authenticated
-            | DecodeError::Unauthenticated
-            | DecodeError::MacMismatch
-            | DecodeError::Oversized { .. },
+            ValueError::BadMagic { .. }
+            | ValueError::OtherVersion { .. }
+            | ValueError::Authenticated
+            | ValueError::Unauthenticated
+            | ValueError::MacMismatch
+            | ValueError::Oversized { .. },
         ) => false,
     }
 }
