@@ -36,15 +36,13 @@ pub struct ShellFigures {
 /// The L2 client's side of `status.l2`: its connection and its configuration.
 #[derive(Clone, Debug, Default)]
 pub struct L2Link {
-    /// Whether a connection succeeded (a mode is known).
-    pub connected: bool,
     /// Why the latest connection attempt failed.
     pub reason: Option<String>,
     /// The seeds of `--l2`.
     pub nodes: Vec<String>,
     /// The node whose slot map the data path uses now.
     pub map_from: Option<String>,
-    /// `cluster` or `single` once connected.
+    /// `cluster` or `single` once a connection succeeded; None before.
     pub mode: Option<&'static str>,
     /// Whether L2 is reached over TLS.
     pub tls: bool,
@@ -244,10 +242,10 @@ fn l2_report(l2: &L2Status, link: L2Link) -> L2StatusReport {
     let c = l2.counters;
     L2StatusReport {
         // Before any connection the breaker has not judged anything yet.
-        state: match (link.connected, &link.reason) {
-            (false, None) => "connecting",
-            (false, Some(_)) => "down",
-            (true, _) => l2.state.as_str(),
+        state: match (link.mode, &link.reason) {
+            (None, None) => "connecting",
+            (None, Some(_)) => "down",
+            (Some(_), _) => l2.state.as_str(),
         }
         .to_owned(),
         reason: link.reason,

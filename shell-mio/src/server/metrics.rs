@@ -499,16 +499,6 @@ impl Metrics {
         self.frees.get_or_create(&label("cause", cause)).inc();
     }
 
-    /// Frees counted for `cause`.
-    pub fn frees_for(&self, cause: &str) -> u64 {
-        self.frees.get_or_create(&label("cause", cause)).get()
-    }
-
-    /// Requests of `op` so far.
-    pub fn requests_for(&self, op: &str) -> u64 {
-        self.requests.get_or_create(&label("op", op)).get()
-    }
-
     /// Sets a mirrored counter to `value` (it only ever grows).
     pub fn mirror(counter: &Counter, value: u64) {
         let seen = counter.get();

@@ -82,7 +82,6 @@ impl Server {
             pool: "anonymous",
             cold_reason: None,
             l2_link: Some(L2Link {
-                connected: true,
                 nodes: vec!["simulated".into()],
                 mode: Some("cluster"),
                 ..L2Link::default()

@@ -249,7 +249,6 @@ impl Server {
         let config = self.config.l2.as_ref()?;
         let client = self.l2.as_ref();
         Some(L2Link {
-            connected: client.is_some_and(|client| client.mode().is_some()),
             reason: client.and_then(|client| client.last_error()),
             nodes: config.seeds.clone(),
             map_from: client.and_then(|client| client.map_from()),
