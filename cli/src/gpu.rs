@@ -12,7 +12,7 @@ use clap::builder::TypedValueParser as _;
 use kvwarden::cuda::{ExportedBuffer, Gpu, PinnedHost};
 use kvwarden_bench::process::{ServerProcess, WorkerProcess};
 use kvwarden_bench::raw::RawConnection;
-use kvwarden_client::{Client, ClientBuffer, ClientConfig, Endpoint};
+use kvwarden_client::{Client, ClientConfig, Endpoint};
 use rustix::process::Signal;
 use std::path::Path;
 use std::process::{ExitCode, Stdio};
@@ -470,16 +470,7 @@ fn store_phase(
     let client = Client::connect(ClientConfig::new(Endpoint::Unix(socket.to_path_buf())))
         .map_err(|e| e.to_string())?;
     client
-        .register_buffers(
-            vec![ClientBuffer::CudaIpc {
-                device: args.device,
-                handle: *exported.handle(),
-                offset: 0,
-                nbytes: buffer_bytes as u64,
-            }],
-            "gpu-copy",
-            1,
-        )
+        .register_buffers(vec![exported.client_buffer()], "gpu-copy", 1)
         .map_err(|e| e.to_string())?;
     let chunks_per_buffer = (buffer_bytes / chunk).max(1);
     // Every slot the stores read holds its own bytes, so a chunk retrieved to the wrong

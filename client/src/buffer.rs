@@ -1,4 +1,5 @@
-//! The buffers a worker registers: host memfds mapped here, or CUDA IPC windows.
+//! The buffers a worker registers: host memfds mapped here, or windows of CUDA
+//! allocations (IPC handles, or VMM exports).
 
 use crate::memfd::{self, SharedMapping};
 use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -60,6 +61,20 @@ pub enum ClientBuffer {
         device: u32,
         /// The IPC handle of the allocation's base.
         handle: [u8; 64],
+        /// Where the window starts in the allocation.
+        offset: u64,
+        /// The window's length.
+        nbytes: u64,
+    },
+    /// A window of a CUDA virtual-memory allocation (`cuMemCreate`), sent as the POSIX
+    /// fd `cuMemExportToShareableHandle` gave (Unix socket only).
+    CudaVmm {
+        /// The exported fd; it must stay open while the buffer may be re-registered.
+        fd: Arc<OwnedFd>,
+        /// The device ordinal.
+        device: u32,
+        /// The allocation's size, as `cuMemCreate` made it.
+        allocation_bytes: u64,
         /// Where the window starts in the allocation.
         offset: u64,
         /// The window's length.

@@ -8,7 +8,7 @@ use kvwarden_core::{
 };
 use parking_lot::FairMutex;
 use rmpv::Value;
-use rustix::fd::BorrowedFd;
+use rustix::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
@@ -235,6 +235,22 @@ impl Shared {
                     offset: *offset,
                     nbytes: *nbytes,
                 },
+                ClientBuffer::CudaVmm {
+                    fd,
+                    device,
+                    allocation_bytes,
+                    offset,
+                    nbytes,
+                } => {
+                    fds.push(fd.as_fd());
+                    BufferSpec::CudaVmm {
+                        fd_index: fds.len() as u64 - 1,
+                        device: u64::from(*device),
+                        allocation_bytes: *allocation_bytes,
+                        offset: *offset,
+                        nbytes: *nbytes,
+                    }
+                }
             })
             .collect();
         let args = |instance| {

@@ -19,8 +19,13 @@ G5, L1 bytes a stored block takes per byte of it; G6, the p99 time per step the 
 takes on the model runner's thread (staging 16 saves, handing them and a load of 16
 to the lanes) while the lanes move them and a stand-in forward pass runs.
 
-With ``GPU_KV_CHECK_ONLY=async``, only the asynchronous path (``gpu-kv-check.sh`` runs
-it again under ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``).
+With ``GPU_KV_CHECK_ONLY=async``, only the asynchronous path, after a check of CUDA
+virtual memory when the allocator is in expandable segments (``gpu-kv-check.sh`` runs it
+under ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``): a tensor in an expandable
+segment registered as a ``cuda_vmm`` buffer (``kv_tensors.cuda_buffer``: the POSIX fd of
+``cuMemExportToShareableHandle``), its blocks stored, zeroed, retrieved and compared,
+and what the driver exported printed (``gpu_kv vmm_fd_kind``: the server gives the
+driver only a character device or a memfd).
 
 Needs PyTorch with CUDA and msgpack (not vLLM). Exits 0 when every byte came back,
 1 when some did not, 2 when it cannot run here (no torch, no CUDA, no binary).
@@ -51,7 +56,8 @@ if not torch.cuda.is_available():
 try:
     from kvwarden import Worker
     from kvwarden.kv_routes import BlockMoves, GpuRoute
-    from kvwarden.kv_tensors import block_dim, block_regions, cuda_ipc_buffer
+    from kvwarden.buffers import CudaVmmBuffer
+    from kvwarden.kv_tensors import block_dim, block_regions, cuda_buffer, cuda_ipc_buffer
     from kvwarden.lanes import Lane
 except ImportError as error:
     cannot(f"{error} (pip install msgpack)")
@@ -73,8 +79,13 @@ def main() -> int:
         try:
             if os.environ.get("GPU_KV_CHECK_ONLY") == "async":
                 # Under expandable segments: vLLM's tensors have no CUDA IPC handle, the
-                # route's staging buffers must still register.
-                return check_async(sock, device)
+                # route's staging buffers must still register, and a tensor of such a
+                # segment registers as cuda_vmm.
+                expandable = "expandable_segments:true" in os.environ.get(
+                    "PYTORCH_CUDA_ALLOC_CONF", ""
+                ).lower().replace(" ", "")
+                result = check_vmm(sock, device) if expandable else 0
+                return result or check_async(sock, device)
             result = check(sock, device)
             result = result or check_async(sock, device)
         finally:
@@ -208,6 +219,58 @@ def vllm_layers(device: int, seed: int):
         t = torch.randn(shapes[i % 2], generator=g, device=f"cuda:{device}").to(torch.bfloat16)
         layers.append((f"layer{i}", t, block_dim(t, NUM_BLOCKS)))
     return layers
+
+
+def check_vmm(sock: str, device: int) -> int:
+    """A KV tensor in an expandable segment (cuMemCreate memory) registered as a
+    cuda_vmm buffer: blocks stored, zeroed, retrieved into other blocks, compared."""
+    import stat
+
+    g = torch.Generator(device=f"cuda:{device}").manual_seed(3)
+    # 4 MiB: inside one of the segment's allocations (it grows in pieces of ~20 MiB).
+    t = torch.randn((2, 64, BLOCK_SIZE, KV_HEADS, HEAD_SIZE), generator=g, device=f"cuda:{device}")
+    t = t.to(torch.bfloat16)
+    torch.cuda.synchronize()
+    d = block_dim(t, 64)
+    try:
+        buffer = cuda_buffer(t)
+    except (ValueError, OSError) as error:
+        print(f"FAIL: vmm: the expandable segment's tensor did not export: {error}")
+        return 1
+    if not isinstance(buffer, CudaVmmBuffer):
+        print(f"FAIL: vmm: an expandable segment's tensor gave {buffer!r}, not a CudaVmmBuffer")
+        return 1
+    mode = os.fstat(buffer.fd).st_mode
+    kind = "chr" if stat.S_ISCHR(mode) else "memfd/regular" if stat.S_ISREG(mode) else oct(mode)
+    print(f"gpu_kv vmm_fd_kind {kind} allocation_bytes {buffer.allocation_bytes}")
+    src, dst = list(range(8)), list(range(56, 64))
+    expected = t.index_select(d, torch.tensor(src, device=t.device)).clone()
+    worker = Worker(sock)
+    try:
+        print("vmm: registered:", worker.register_kv_cache([buffer], model_name="gpu-kv-vmm"))
+        for block in src:
+            for part, (offset, nbytes) in enumerate(block_regions(t, d, block)):
+                if not worker.store(f"vmm/{block}/{part}".encode(), 0, offset, nbytes):
+                    print(f"FAIL: vmm: store of block {block} part {part} refused")
+                    return 1
+        t.index_fill_(d, torch.tensor(dst, device=t.device), 0)
+        torch.cuda.synchronize()
+        for block, into in zip(src, dst):
+            for part, (offset, nbytes) in enumerate(block_regions(t, d, into)):
+                got = worker.retrieve(f"vmm/{block}/{part}".encode(), 0, offset, nbytes=nbytes)
+                if got != nbytes:
+                    print(f"FAIL: vmm: retrieve of block {block} part {part}: {got!r}")
+                    return 1
+        torch.cuda.synchronize()
+        same = torch.equal(t.index_select(d, torch.tensor(dst, device=t.device)), expected)
+    finally:
+        worker.shutdown()
+        buffer.close()
+    if not same:
+        print("FAIL: vmm: the bytes differ after store and retrieve")
+        return 1
+    print(f"gpu_kv vmm_ok blocks {len(src)} (cuda_vmm: an expandable segment's tensor)")
+    return 0
 
 
 def check_async(sock: str, device: int) -> int:

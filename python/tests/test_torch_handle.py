@@ -3,7 +3,8 @@ the bare 64-byte ``cudaIpcMemHandle_t`` of older torch, and version 2 of torch's
 shareable handle (torch 2.11 on an H200: a version byte 2, a type byte ``c`` for a
 ``cudaMalloc`` block, then the 64 bytes). An expandable segment (type ``e``, 42 bytes
 there) and an unknown version are refused with a message naming the torch version and
-the setting to change; nothing is guessed from a length alone."""
+the setting to change (for type ``e``, also ``cuda_buffer``, which registers it as
+``cuda_vmm``); nothing is guessed from a length alone."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def test_an_expandable_segment_names_the_allocator_setting() -> None:
     message = str(refused.value)
     assert "torch 2.11.0" in message
     assert "expandable_segments:True" in message and "expandable_segments:False" in message
+    assert "cuda_buffer()" in message and "cuda_vmm" in message, "the way to register it"
 
 
 @pytest.mark.parametrize(

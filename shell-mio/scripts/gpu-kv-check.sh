@@ -30,7 +30,8 @@ if ! "$python" -c 'import msgpack' 2>/dev/null; then
 fi
 timeout 300 "$python" python/scripts/gpu_kv_check.py
 # The route again in an engine with expandable segments (vLLM's KV tensors then have no
-# CUDA IPC handle; the route's own staging buffers must register all the same).
+# CUDA IPC handle; the route's own staging buffers must register all the same), after a
+# tensor of such a segment registered as cuda_vmm (its POSIX fd), bytes compared.
 echo "gpu-kv-check: the asynchronous path under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True GPU_KV_CHECK_ONLY=async \
   timeout 120 "$python" python/scripts/gpu_kv_check.py

@@ -22,10 +22,12 @@ pub use redis_cluster::RedisCluster;
 mod fork;
 mod raw;
 mod server;
+mod standin;
 
 pub use fork::*;
 pub use raw::*;
 pub use server::*;
+pub use standin::*;
 
 use kvwarden_bench::process::Lines;
 use serde_json::Value as Json;

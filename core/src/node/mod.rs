@@ -522,7 +522,7 @@ impl Node {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::Op;
+    use crate::protocol::{BufferSpec, Op};
 
     fn node() -> Node {
         let config = NodeConfig {
@@ -609,6 +609,92 @@ mod tests {
             node.in_flight(conn),
             0,
             "an unknown connection runs nothing"
+        );
+    }
+
+    /// A `cuda_vmm` buffer travels as an fd and lives on a device: it is refused when the
+    /// frame carried no fd for it or names a device the host lacks, answered
+    /// `unavailable` on a host without CUDA, and built otherwise (the control).
+    #[test]
+    fn a_cuda_vmm_buffer_needs_its_fd_and_a_device_of_this_host() {
+        let register = |cuda_devices: Result<u64, String>, device: u64, fds: usize| {
+            let mut node = node();
+            node.config.cuda_devices = cuda_devices;
+            let conn = ConnId(1);
+            node.handle_input(
+                Instant::ZERO,
+                Input::Connected {
+                    conn,
+                    uid: Some(1000),
+                    transport: Transport::Unix,
+                    process: None,
+                },
+            );
+            let instance = InstanceId::new(9).unwrap();
+            let attach = Op::Attach {
+                instance,
+                secret: vec![1; 32],
+            };
+            let register = Op::RegisterKvCache {
+                instance,
+                buffers: vec![BufferSpec::CudaVmm {
+                    fd_index: 0,
+                    device,
+                    allocation_bytes: 2 << 20,
+                    offset: 0,
+                    nbytes: 4096,
+                }],
+                model_name: "m".into(),
+                world_size: 1,
+            };
+            for (request_id, op, fds) in [(0, attach, 0), (1, register, fds)] {
+                node.handle_input(
+                    Instant::ZERO,
+                    Input::Request {
+                        conn,
+                        request_id,
+                        op,
+                        fds,
+                    },
+                );
+            }
+            let outputs: Vec<Output> = std::iter::from_fn(|| node.poll_output()).collect();
+            outputs
+                .into_iter()
+                .find_map(|output| match output {
+                    Output::Job(Job::Build { buffers, .. }) => Some(Ok(buffers)),
+                    Output::Reply {
+                        request_id: 1,
+                        result: Err(error),
+                        ..
+                    } => Some(Err(error)),
+                    _ => None,
+                })
+                .expect("the register is answered or built")
+        };
+        let built = register(Ok(1), 0, 1).expect("the control builds");
+        assert_eq!(built[0].fd_index(), Some(0));
+        assert_eq!(built[0].cuda_device(), Some(0));
+        let no_fd = register(Ok(1), 0, 0).expect_err("no fd");
+        assert!(
+            no_fd
+                .message
+                .contains("fd_index 0 names an fd this frame did not carry"),
+            "{}",
+            no_fd.message
+        );
+        let no_device = register(Ok(1), 2, 1).expect_err("no device 2");
+        assert!(
+            no_device.message.contains("device 2"),
+            "{}",
+            no_device.message
+        );
+        let no_cuda = register(Err("no driver".into()), 0, 1).expect_err("no CUDA");
+        assert_eq!(no_cuda.code, crate::protocol::ErrorCode::Unavailable);
+        assert!(
+            no_cuda.message.contains("cuda_vmm buffer") && no_cuda.message.contains("no driver"),
+            "{}",
+            no_cuda.message
         );
     }
 }

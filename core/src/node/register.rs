@@ -77,52 +77,78 @@ impl Node {
             ))));
         }
         for (index, spec) in buffers.iter().enumerate() {
-            match spec {
-                BufferSpec::Memfd { fd_index, .. } => {
-                    if transport != Transport::Unix {
-                        return Some(Err(bad_args(format!(
-                            "register_kv_cache: buffers[{index}] is a memfd, but memfds travel \
-                             only over the Unix socket (SCM_RIGHTS); this connection is TCP"
-                        ))));
-                    }
-                    // The promise holds whether or not the kernel could enforce it.
-                    if self.conns.get(&to.conn).is_some_and(|c| !c.sends_fds) {
-                        return Some(Err(bad_args(format!(
-                            "register_kv_cache: buffers[{index}] is a memfd, but this connection \
-                             said `sends_fds: false` in `hello`, so the server takes no fd on it \
-                             (the kernel refuses them); register over a connection that sends fds"
-                        ))));
-                    }
-                    if usize::try_from(*fd_index).map_or(true, |i| i >= fds) {
-                        return Some(Err(bad_args(format!(
-                            "register_kv_cache: buffers[{index}].fd_index {fd_index} names an fd \
-                             this frame did not carry (it carried {fds}); send the memfds as \
-                             SCM_RIGHTS with the frame's first byte"
-                        ))));
-                    }
-                }
-                BufferSpec::CudaIpc { device, .. } => match &self.config.cuda_devices {
-                    Err(reason) => {
-                        return Some(Err(ProtocolError::new(
-                            ErrorCode::Unavailable,
-                            format!(
-                                "register_kv_cache: buffers[{index}] is a cuda_ipc buffer on \
-                                 device {device}, but this server cannot use CUDA: {reason}; \
-                                 register memfd buffers instead, or run the server on the GPU host"
-                            ),
-                        )));
-                    }
-                    Ok(count) if device >= count => {
-                        return Some(Err(bad_args(format!(
-                            "register_kv_cache: buffers[{index}].device {device}, but this host \
-                             has {count} CUDA device(s) (0..{count})"
-                        ))));
-                    }
-                    Ok(_) => {}
-                },
+            if let Err(refused) = self
+                .check_buffer_fd(to, transport, fds, index, spec)
+                .and_then(|()| self.check_buffer_device(index, spec))
+            {
+                return Some(Err(refused));
             }
         }
         self.register(now, to, instance, Module::ServerDriven, buffers, model_name)
+    }
+
+    /// A buffer that travels as an fd (a memfd, a CUDA VMM export) names one this
+    /// frame carried, over a connection that may carry fds.
+    fn check_buffer_fd(
+        &self,
+        to: ReplyTo,
+        transport: Transport,
+        fds: usize,
+        index: usize,
+        spec: &BufferSpec,
+    ) -> Result<(), ProtocolError> {
+        let Some(fd_index) = spec.fd_index() else {
+            return Ok(());
+        };
+        let what = match spec {
+            BufferSpec::Memfd { .. } => "a memfd".to_string(),
+            _ => format!("a {} buffer, sent as an fd", spec.kind()),
+        };
+        if transport != Transport::Unix {
+            return Err(bad_args(format!(
+                "register_kv_cache: buffers[{index}] is {what}, but fds travel \
+                 only over the Unix socket (SCM_RIGHTS); this connection is TCP"
+            )));
+        }
+        // The promise holds whether or not the kernel could enforce it.
+        if self.conns.get(&to.conn).is_some_and(|c| !c.sends_fds) {
+            return Err(bad_args(format!(
+                "register_kv_cache: buffers[{index}] is {what}, but this connection \
+                 said `sends_fds: false` in `hello`, so the server takes no fd on it \
+                 (the kernel refuses them); register over a connection that sends fds"
+            )));
+        }
+        if usize::try_from(fd_index).map_or(true, |i| i >= fds) {
+            return Err(bad_args(format!(
+                "register_kv_cache: buffers[{index}].fd_index {fd_index} names an fd \
+                 this frame did not carry (it carried {fds}); send the buffers' fds as \
+                 SCM_RIGHTS with the frame's first byte"
+            )));
+        }
+        Ok(())
+    }
+
+    /// A buffer on a CUDA device names one this server has.
+    fn check_buffer_device(&self, index: usize, spec: &BufferSpec) -> Result<(), ProtocolError> {
+        let Some(device) = spec.cuda_device() else {
+            return Ok(());
+        };
+        match &self.config.cuda_devices {
+            Err(reason) => Err(ProtocolError::new(
+                ErrorCode::Unavailable,
+                format!(
+                    "register_kv_cache: buffers[{index}] is a {} buffer on device {device}, \
+                     but this server cannot use CUDA: {reason}; register memfd buffers \
+                     instead, or run the server on the GPU host",
+                    spec.kind()
+                ),
+            )),
+            Ok(count) if device >= *count => Err(bad_args(format!(
+                "register_kv_cache: buffers[{index}].device {device}, but this host \
+                 has {count} CUDA device(s) (0..{count})"
+            ))),
+            Ok(_) => Ok(()),
+        }
     }
 
     /// REGISTER of either module, arguments checked.
@@ -288,13 +314,13 @@ impl Node {
 }
 
 /// Bytes of peers' files a registration makes the server map: its memfd buffers' sizes
-/// (a CUDA IPC buffer maps device memory its exporter pays for).
+/// (a CUDA buffer maps device memory its exporter pays for).
 fn mapped_bytes(buffers: &[BufferSpec]) -> u64 {
     buffers
         .iter()
         .map(|spec| match spec {
             BufferSpec::Memfd { nbytes, .. } => *nbytes,
-            BufferSpec::CudaIpc { .. } => 0,
+            BufferSpec::CudaIpc { .. } | BufferSpec::CudaVmm { .. } => 0,
         })
         .fold(0, u64::saturating_add)
 }

@@ -431,9 +431,16 @@ impl Args<'_> {
                     uint("offset")?;
                     uint("nbytes")?;
                 }
+                Some("cuda_vmm") => {
+                    uint("fd_index")?;
+                    uint("device")?;
+                    uint("allocation_bytes")?;
+                    uint("offset")?;
+                    uint("nbytes")?;
+                }
                 other => {
                     return Err(self.mismatch(format!(
-                        "buffers[{position}].kind must be \"memfd\" or \"cuda_ipc\", got {}",
+                        "buffers[{position}].kind must be \"memfd\", \"cuda_ipc\" or \"cuda_vmm\", got {}",
                         other.map_or("nothing".to_string(), |k| format!("{:?}", truncate(k)))
                     )));
                 }

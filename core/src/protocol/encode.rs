@@ -55,6 +55,20 @@ impl BufferSpec {
                 ("offset".into(), Value::from(*offset)),
                 ("nbytes".into(), Value::from(*nbytes)),
             ]),
+            BufferSpec::CudaVmm {
+                fd_index,
+                device,
+                allocation_bytes,
+                offset,
+                nbytes,
+            } => Value::Map(vec![
+                ("kind".into(), "cuda_vmm".into()),
+                ("fd_index".into(), Value::from(*fd_index)),
+                ("device".into(), Value::from(*device)),
+                ("allocation_bytes".into(), Value::from(*allocation_bytes)),
+                ("offset".into(), Value::from(*offset)),
+                ("nbytes".into(), Value::from(*nbytes)),
+            ]),
         }
     }
 }

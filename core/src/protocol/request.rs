@@ -36,6 +36,62 @@ pub enum BufferSpec {
         /// The buffer's length.
         nbytes: u64,
     },
+    /// A CUDA virtual-memory allocation (`cuMemCreate`: expandable segments, vLLM's
+    /// sleep-mode pool): the POSIX fd `cuMemExportToShareableHandle` gave, sent with the
+    /// frame (`SCM_RIGHTS`), imported and mapped by the server.
+    CudaVmm {
+        /// Index of the fd among those that arrived with the frame.
+        fd_index: u64,
+        /// The CUDA device ordinal.
+        device: u64,
+        /// The allocation's size, as `cuMemCreate` made it: the server maps all of it.
+        allocation_bytes: u64,
+        /// Where the buffer starts inside the allocation.
+        offset: u64,
+        /// The buffer's length.
+        nbytes: u64,
+    },
+}
+
+impl BufferSpec {
+    /// The wire name of the buffer's kind.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            BufferSpec::Memfd { .. } => "memfd",
+            BufferSpec::CudaIpc { .. } => "cuda_ipc",
+            BufferSpec::CudaVmm { .. } => "cuda_vmm",
+        }
+    }
+
+    /// The index of the fd the buffer travels with (`SCM_RIGHTS`), for the kinds that
+    /// have one.
+    pub fn fd_index(&self) -> Option<u64> {
+        match self {
+            BufferSpec::Memfd { fd_index, .. } | BufferSpec::CudaVmm { fd_index, .. } => {
+                Some(*fd_index)
+            }
+            BufferSpec::CudaIpc { .. } => None,
+        }
+    }
+
+    /// The CUDA device the buffer lives on, for the device kinds.
+    pub fn cuda_device(&self) -> Option<u64> {
+        match self {
+            BufferSpec::CudaIpc { device, .. } | BufferSpec::CudaVmm { device, .. } => {
+                Some(*device)
+            }
+            BufferSpec::Memfd { .. } => None,
+        }
+    }
+
+    /// The buffer's length: the bytes `store` and `retrieve` may address in it.
+    pub fn nbytes(&self) -> u64 {
+        match self {
+            BufferSpec::Memfd { nbytes, .. }
+            | BufferSpec::CudaIpc { nbytes, .. }
+            | BufferSpec::CudaVmm { nbytes, .. } => *nbytes,
+        }
+    }
 }
 
 /// One item of `store_batch`: what `store` takes, less the instance.

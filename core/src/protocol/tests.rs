@@ -226,6 +226,13 @@ fn every_op_encodes_to_a_frame_that_decodes_back_to_it() {
                     offset: 8,
                     nbytes: 16,
                 },
+                BufferSpec::CudaVmm {
+                    fd_index: 1,
+                    device: 0,
+                    allocation_bytes: 2 << 20,
+                    offset: 4096,
+                    nbytes: 8192,
+                },
             ],
             model_name: "m".into(),
             world_size: 2,
@@ -360,9 +367,11 @@ fn every_refused_body_is_diagnosed_precisely() {
         state
     };
     fn value(next: &mut dyn FnMut() -> u64, depth: u32) -> Value {
-        const WORDS: [&str; 12] = [
+        const WORDS: [&str; 14] = [
             "memfd",
             "cuda_ipc",
+            "cuda_vmm",
+            "allocation_bytes",
             "kind",
             "fd_index",
             "nbytes",
@@ -404,14 +413,24 @@ fn every_refused_body_is_diagnosed_precisely() {
             let keys: &[&str] = if op == "register_blend" {
                 &["rotary_dim", "max_positions", "base"]
             } else {
-                &["kind", "fd_index", "nbytes", "device", "handle", "offset"]
+                &[
+                    "kind",
+                    "fd_index",
+                    "nbytes",
+                    "device",
+                    "handle",
+                    "allocation_bytes",
+                    "offset",
+                ]
             };
             let mut map: Vec<(Value, Value)> = Vec::new();
             for key in keys {
                 if next() % 5 != 0 {
                     let v = match (*key, next() % 6) {
                         (_, 0) => value(&mut next, 3),
-                        ("kind", _) => ["memfd", "cuda_ipc"][(next() % 2) as usize].into(),
+                        ("kind", _) => {
+                            ["memfd", "cuda_ipc", "cuda_vmm"][(next() % 3) as usize].into()
+                        }
                         ("handle", _) => Value::Binary(vec![0; 64]),
                         _ => Value::from(next() % 9),
                     };

@@ -9,7 +9,14 @@ See ``docs/python.md``.
 
 __version__ = "0.1.0"
 
-from .buffers import CUDA_IPC_HANDLE_BYTES, CudaIpcBuffer, EnginePool, MemfdBuffer, Slot
+from .buffers import (
+    CUDA_IPC_HANDLE_BYTES,
+    CudaIpcBuffer,
+    CudaVmmBuffer,
+    EnginePool,
+    MemfdBuffer,
+    Slot,
+)
 from .errors import (
     BadArgs,
     BadFrame,
@@ -37,6 +44,7 @@ __all__ = [
     "CUDA_IPC_HANDLE_BYTES",
     "ConnectionLost",
     "CudaIpcBuffer",
+    "CudaVmmBuffer",
     "EnginePool",
     "Forbidden",
     "Heartbeat",

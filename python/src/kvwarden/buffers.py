@@ -1,4 +1,5 @@
-"""The memory a worker registers: memfd-backed host buffers and CUDA IPC handles.
+"""The memory a worker registers: memfd-backed host buffers, CUDA IPC handles and
+CUDA virtual-memory allocations (the POSIX fd ``cuMemExportToShareableHandle`` gives).
 
 A memfd is anonymous: it has no name in ``/dev/shm``, so when the worker and the server
 have both let go of it the pages are gone (failure mode 22). The server seals every
@@ -114,7 +115,85 @@ class CudaIpcBuffer:
         return f"CudaIpcBuffer(device={self.device}, offset={self.offset}, nbytes={self.nbytes})"
 
 
-Buffer = Union[MemfdBuffer, CudaIpcBuffer]
+class CudaVmmBuffer:
+    """A CUDA virtual-memory allocation (``cuMemCreate``: PyTorch's expandable segments,
+    vLLM's sleep-mode pool) shared by the POSIX fd ``cuMemExportToShareableHandle``
+    returned for it, and the window ``[offset, offset + nbytes)`` of it the buffer is.
+
+    Such memory has no CUDA IPC handle; the fd travels with the registration frame
+    (``SCM_RIGHTS``, like a memfd's, so only over the Unix socket), the server imports it
+    and maps the whole allocation, ``allocation_bytes`` as ``cuMemCreate`` made it.
+    :func:`kvwarden.kv_tensors.cuda_vmm_export` makes one from a device pointer.
+
+    The buffer owns the fd: the worker keeps it open for as long as the buffer is
+    registered (a recovery after a server restart sends it again); :meth:`close` it after
+    ``unregister_kv_cache``. When the constructor raises, the fd stays the caller's.
+    """
+
+    def __init__(
+        self, fd: int, device: int, allocation_bytes: int, offset: int, nbytes: int
+    ) -> None:
+        for label, value in (
+            ("fd", fd),
+            ("device", device),
+            ("allocation_bytes", allocation_bytes),
+            ("offset", offset),
+            ("nbytes", nbytes),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"CUDA VMM buffer {label} must be an integer >= 0, got {value!r}")
+        for label, value in (("allocation_bytes", allocation_bytes), ("nbytes", nbytes)):
+            if value == 0:
+                raise ValueError(f"CUDA VMM buffer {label} must be > 0, got 0")
+        if offset + nbytes > allocation_bytes:
+            raise ValueError(
+                f"CUDA VMM buffer window [offset {offset}, offset + nbytes {offset + nbytes}) "
+                f"ends past the allocation's {allocation_bytes} bytes; a buffer must lie "
+                f"inside the one cuMemCreate allocation the fd exports (register one buffer "
+                f"per allocation)"
+            )
+        self.fd = fd
+        self.device = device
+        self.allocation_bytes = allocation_bytes
+        self.offset = offset
+        self.nbytes = nbytes
+
+    def wire(self, fd_index: int) -> Dict[str, Any]:
+        """The ``buffer`` map of ``register_kv_cache``; ``fd_index`` is the fd's index
+        among the frame's fds."""
+        return {
+            "kind": "cuda_vmm",
+            "fd_index": fd_index,
+            "device": self.device,
+            "allocation_bytes": self.allocation_bytes,
+            "offset": self.offset,
+            "nbytes": self.nbytes,
+        }
+
+    def close(self) -> None:
+        """Closes the fd (the allocation itself stays its owner's). Idempotent."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> "CudaVmmBuffer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"CudaVmmBuffer(device={self.device}, allocation_bytes={self.allocation_bytes}, "
+            f"offset={self.offset}, nbytes={self.nbytes}, fd={self.fd})"
+        )
+
+
+Buffer = Union[MemfdBuffer, CudaIpcBuffer, CudaVmmBuffer]
+
+#: The buffers whose fd travels with the registration frame (``SCM_RIGHTS``): only
+#: over the Unix socket.
+FD_BUFFERS = (MemfdBuffer, CudaVmmBuffer)
 
 
 class EnginePool:

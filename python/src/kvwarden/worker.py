@@ -43,7 +43,15 @@ from typing import (
 )
 
 from . import __version__
-from .buffers import Buffer, CudaIpcBuffer, EnginePool, MemfdBuffer, Slot
+from .buffers import (
+    FD_BUFFERS,
+    Buffer,
+    CudaIpcBuffer,
+    CudaVmmBuffer,
+    EnginePool,
+    MemfdBuffer,
+    Slot,
+)
 from .errors import (
     BadArgs,
     ConnectionLost,
@@ -275,25 +283,28 @@ class Worker:
     ) -> str:
         """Registers the buffers the server copies KV data into and out of.
 
-        ``buffers`` are :class:`MemfdBuffer` (host memory; the fds go along as
-        ``SCM_RIGHTS``) and/or :class:`CudaIpcBuffer`. Returns the outcome,
-        ``"created"`` or ``"refreshed"``. Raises a typed :class:`KvwardenError` (an
-        engine should not start serving with its cache unregistered).
+        ``buffers`` are :class:`MemfdBuffer` (host memory), :class:`CudaIpcBuffer`
+        (``cudaMalloc`` memory) and/or :class:`CudaVmmBuffer` (``cuMemCreate`` memory);
+        the fds of memfd and VMM buffers go along as ``SCM_RIGHTS``, so those need the
+        Unix socket. The worker keeps the buffers (and their fds) to register them again
+        after the server lost them. Returns the outcome, ``"created"`` or
+        ``"refreshed"``. Raises a typed :class:`KvwardenError` (an engine should not
+        start serving with its cache unregistered).
         """
         buffers = list(buffers)
         if not buffers:
             raise ValueError("register_kv_cache needs at least one buffer, got none")
         for position, buffer in enumerate(buffers):
-            if not isinstance(buffer, (MemfdBuffer, CudaIpcBuffer)):
+            if not isinstance(buffer, (MemfdBuffer, CudaIpcBuffer, CudaVmmBuffer)):
                 raise TypeError(
-                    f"buffers[{position}] must be a MemfdBuffer or a CudaIpcBuffer, got "
-                    f"{type(buffer).__name__}"
+                    f"buffers[{position}] must be a MemfdBuffer, a CudaIpcBuffer or a "
+                    f"CudaVmmBuffer, got {type(buffer).__name__}"
                 )
-            if isinstance(buffer, MemfdBuffer) and self._conn.tcp_address is not None:
+            if isinstance(buffer, FD_BUFFERS) and self._conn.tcp_address is not None:
                 raise ValueError(
-                    f"buffers[{position}] is a MemfdBuffer, whose fd cannot travel over TCP "
-                    f"({self.endpoint}); connect over the Unix socket (socket_path=...) or "
-                    f"register CudaIpcBuffers"
+                    f"buffers[{position}] is a {type(buffer).__name__}, whose fd cannot "
+                    f"travel over TCP ({self.endpoint}); connect over the Unix socket "
+                    f"(socket_path=...) or register CudaIpcBuffers"
                 )
         with self._reg_lock:
             if self._kv is not None:
@@ -811,7 +822,7 @@ class Worker:
         wire: List[Dict[str, Any]] = []
         fds: List[int] = []
         for buffer in buffers:
-            if isinstance(buffer, MemfdBuffer):
+            if isinstance(buffer, FD_BUFFERS):  # the fd goes with the frame (SCM_RIGHTS)
                 if buffer.fd < 0:
                     raise ValueError(f"{buffer!r} was closed; a registered buffer must stay open")
                 wire.append(buffer.wire(len(fds)))

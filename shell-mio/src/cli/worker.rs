@@ -54,6 +54,11 @@ pub struct WorkerArgs {
     /// The CUDA device for `--cuda-bytes`.
     #[arg(long, default_value_t = 0, value_name = "ORDINAL")]
     device: u32,
+    /// How `--cuda-bytes` is allocated and shared: `malloc` (cuMemAlloc, sent as a
+    /// cuda_ipc handle) or `vmm` (cuMemCreate, as PyTorch's expandable segments and
+    /// vLLM's sleep mode allocate, sent as a cuda_vmm POSIX fd).
+    #[arg(long, value_enum, default_value_t = CudaAllocator::Malloc, requires = "cuda_bytes")]
+    cuda_allocator: CudaAllocator,
     /// Do not send the server a pidfd of this process in `hello` (as clients before it
     /// did): its death is then proven only by pid where the server can see it, else
     /// noticed only by the reap timeout.
@@ -61,19 +66,31 @@ pub struct WorkerArgs {
     no_send_pidfd: bool,
 }
 
+/// `--cuda-allocator`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum CudaAllocator {
+    /// cuMemAlloc, shared by its CUDA IPC handle.
+    Malloc,
+    /// cuMemCreate, shared by a POSIX fd.
+    Vmm,
+}
+
 /// Allocates and exports the worker's device buffer; the allocation lives as long as
 /// the returned value (the whole process).
-fn cuda_buffer(nbytes: u64, device: u32) -> Result<(ExportedBuffer, ClientBuffer), String> {
+fn cuda_buffer(
+    nbytes: u64,
+    device: u32,
+    allocator: CudaAllocator,
+) -> Result<(ExportedBuffer, ClientBuffer), String> {
     let gpu = Gpu::probe_device(device).map_err(|e| format!("--cuda-bytes needs a GPU: {e}"))?;
     let len = usize::try_from(nbytes).map_err(|_| format!("--cuda-bytes {nbytes} is too large"))?;
-    let exported = ExportedBuffer::allocate(&gpu, device, len, 0x5a)
-        .map_err(|e| format!("allocating {nbytes} bytes on device {device}: {e}"))?;
-    let buffer = ClientBuffer::CudaIpc {
-        device,
-        handle: *exported.handle(),
-        offset: 0,
-        nbytes,
+    let allocate = match allocator {
+        CudaAllocator::Malloc => ExportedBuffer::allocate,
+        CudaAllocator::Vmm => ExportedBuffer::allocate_vmm,
     };
+    let exported = allocate(&gpu, device, len, 0x5a)
+        .map_err(|e| format!("allocating {nbytes} bytes on device {device}: {e}"))?;
+    let buffer = exported.client_buffer();
     Ok((exported, buffer))
 }
 
@@ -205,10 +222,15 @@ fn buffers(
         ExitCode::from(1)
     };
     if let Some(nbytes) = args.cuda_bytes {
-        let (exported, buffer) = cuda_buffer(nbytes, args.device).map_err(failed)?;
+        let (exported, buffer) =
+            cuda_buffer(nbytes, args.device, args.cuda_allocator).map_err(failed)?;
         say(&format!(
-            "cuda_buffer device={} bytes={nbytes}",
-            args.device
+            "cuda_buffer device={} bytes={nbytes} allocator={}",
+            args.device,
+            match args.cuda_allocator {
+                CudaAllocator::Malloc => "malloc",
+                CudaAllocator::Vmm => "vmm",
+            }
         ));
         let bytes = usize::try_from(nbytes).unwrap_or(usize::MAX);
         return Ok((vec![buffer], bytes, Some(exported)));

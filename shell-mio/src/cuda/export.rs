@@ -1,8 +1,10 @@
 //! The worker's side of CUDA IPC, and the copy benchmark's baseline: device memory
 //! allocated and exported (`kvwarden worker --cuda-bytes`), and page-locked host memory.
 
-use super::{Context, CudaError, Gpu, IPC_HANDLE_BYTES};
+use super::{Context, CudaError, Gpu, IPC_HANDLE_BYTES, map_vmm, vmm_granularity, vmm_properties};
+use crate::client::ClientBuffer;
 use cudarc::driver::{result, sys};
+use rustix::fd::{FromRawFd, OwnedFd};
 use std::ffi::c_void;
 
 /// A worker's device allocation exported for IPC (`kvwarden worker --cuda-bytes`).
@@ -11,7 +13,21 @@ pub struct ExportedBuffer {
     context: Context,
     ptr: sys::CUdeviceptr,
     nbytes: usize,
-    handle: [u8; IPC_HANDLE_BYTES],
+    export: Export,
+}
+
+/// How an [`ExportedBuffer`] was allocated and is shared.
+#[derive(Debug)]
+enum Export {
+    /// `cuMemAlloc`, shared by its `cuIpcGetMemHandle` handle.
+    Ipc([u8; IPC_HANDLE_BYTES]),
+    /// `cuMemCreate` mapped at `ptr`, shared by the POSIX fd of
+    /// `cuMemExportToShareableHandle`.
+    Vmm {
+        handle: sys::CUmemGenericAllocationHandle,
+        allocation_bytes: usize,
+        fd: std::sync::Arc<OwnedFd>,
+    },
 }
 
 impl ExportedBuffer {
@@ -34,12 +50,7 @@ impl ExportedBuffer {
         };
         // SAFETY: plain device allocation; the memory is initialised right below.
         let ptr = unsafe { result::malloc_sync(nbytes) }.map_err(driver("cuMemAlloc"))?;
-        let mut buffer = ExportedBuffer {
-            context,
-            ptr,
-            nbytes,
-            handle: [0; IPC_HANDLE_BYTES],
-        };
+        let mut handle = [0; IPC_HANDLE_BYTES];
         // SAFETY: `ptr` points to `nbytes` bytes allocated above.
         unsafe { sys::cuMemsetD8_v2(ptr, fill, nbytes) }
             .result()
@@ -51,15 +62,101 @@ impl ExportedBuffer {
         unsafe { sys::cuIpcGetMemHandle(&mut raw, ptr) }
             .result()
             .map_err(driver("cuIpcGetMemHandle"))?;
-        for (dst, &src) in buffer.handle.iter_mut().zip(raw.reserved.iter()) {
+        for (dst, &src) in handle.iter_mut().zip(raw.reserved.iter()) {
             *dst = src as u8;
         }
+        Ok(ExportedBuffer {
+            context,
+            ptr,
+            nbytes,
+            export: Export::Ipc(handle),
+        })
+    }
+
+    /// Allocates `nbytes` (rounded up to the device's granularity) with `cuMemCreate`,
+    /// as PyTorch's expandable segments and vLLM's sleep-mode pool do, maps it, fills it
+    /// with `fill`, and exports it as a POSIX fd (`cuMemExportToShareableHandle`).
+    pub fn allocate_vmm(
+        gpu: &Gpu,
+        device: u32,
+        nbytes: usize,
+        fill: u8,
+    ) -> Result<ExportedBuffer, CudaError> {
+        let context = gpu.context(device)?;
+        context.make_current()?;
+        let driver = |call| {
+            move |error| CudaError::Driver {
+                call,
+                device,
+                error,
+            }
+        };
+        let granularity = vmm_granularity(device)?;
+        let allocation_bytes = nbytes.max(1).div_ceil(granularity) * granularity;
+        let prop = vmm_properties(device);
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: valid pointers; a size that is a multiple of the granularity.
+        unsafe { sys::cuMemCreate(&mut handle, allocation_bytes, &prop, 0) }
+            .result()
+            .map_err(driver("cuMemCreate"))?;
+        let release = |error: CudaError| {
+            // SAFETY: `handle` came from cuMemCreate and is released once, here.
+            let _ = unsafe { sys::cuMemRelease(handle) };
+            error
+        };
+        let mut raw_fd: std::ffi::c_int = -1;
+        // SAFETY: for the POSIX fd type the driver writes an int to the pointer.
+        unsafe {
+            sys::cuMemExportToShareableHandle(
+                (&mut raw_fd as *mut std::ffi::c_int).cast(),
+                handle,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0,
+            )
+        }
+        .result()
+        .map_err(|error| release(driver("cuMemExportToShareableHandle")(error)))?;
+        // SAFETY: the driver just created this fd for the caller, who owns it.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw_fd) };
+        let ptr = map_vmm(context, handle, allocation_bytes).map_err(release)?;
+        let buffer = ExportedBuffer {
+            context,
+            ptr,
+            nbytes,
+            export: Export::Vmm {
+                handle,
+                allocation_bytes,
+                fd: std::sync::Arc::new(fd),
+            },
+        };
+        buffer.fill(fill)?;
         Ok(buffer)
     }
 
-    /// The 64-byte IPC handle to send in `register_kv_cache`.
-    pub fn handle(&self) -> &[u8; IPC_HANDLE_BYTES] {
-        &self.handle
+    /// The whole buffer as `register_kv_cache` takes it: a `cuda_ipc` handle of a
+    /// `cuMemAlloc` allocation, or a `cuda_vmm` fd of a `cuMemCreate` one.
+    pub fn client_buffer(&self) -> ClientBuffer {
+        let device = self.context.device;
+        let nbytes = self.nbytes as u64;
+        match &self.export {
+            Export::Ipc(handle) => ClientBuffer::CudaIpc {
+                device,
+                handle: *handle,
+                offset: 0,
+                nbytes,
+            },
+            Export::Vmm {
+                fd,
+                allocation_bytes,
+                ..
+            } => ClientBuffer::CudaVmm {
+                fd: fd.clone(),
+                device,
+                allocation_bytes: *allocation_bytes as u64,
+                offset: 0,
+                nbytes,
+            },
+        }
     }
 
     /// The allocation's size.
@@ -113,10 +210,11 @@ impl ExportedBuffer {
             })
     }
 
-    /// Sets every byte of the allocation to `byte`.
+    /// Sets every byte of the buffer to `byte`.
     pub fn fill(&self, byte: u8) -> Result<(), CudaError> {
         self.context.make_current()?;
-        // SAFETY: `ptr` points to `nbytes` bytes allocated by `allocate`.
+        // SAFETY: `ptr` points to at least `nbytes` bytes allocated by `allocate` or
+        // mapped by `allocate_vmm`.
         unsafe { sys::cuMemsetD8_v2(self.ptr, byte, self.nbytes) }
             .result()
             .map_err(|error| CudaError::Driver {
@@ -129,9 +227,25 @@ impl ExportedBuffer {
 
 impl Drop for ExportedBuffer {
     fn drop(&mut self) {
-        if self.context.make_current().is_ok() {
+        if self.context.make_current().is_err() {
+            return;
+        }
+        match &self.export {
             // SAFETY: `ptr` came from cuMemAlloc and is freed only here.
-            let _ = unsafe { result::free_sync(self.ptr) };
+            Export::Ipc(_) => drop(unsafe { result::free_sync(self.ptr) }),
+            Export::Vmm {
+                handle,
+                allocation_bytes,
+                ..
+            } => {
+                // SAFETY: `ptr..ptr + allocation_bytes` was reserved and mapped by
+                // allocate_vmm and `handle` created there; each is undone once, here.
+                unsafe {
+                    let _ = sys::cuMemUnmap(self.ptr, *allocation_bytes);
+                    let _ = sys::cuMemAddressFree(self.ptr, *allocation_bytes);
+                    let _ = sys::cuMemRelease(*handle);
+                }
+            }
         }
     }
 }

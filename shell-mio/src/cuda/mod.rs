@@ -10,6 +10,7 @@
 //! is unavailable, and the caller answers `unavailable`.
 
 use cudarc::driver::{result, sys};
+use rustix::fd::{AsRawFd, BorrowedFd};
 use std::ffi::c_void;
 use thiserror::Error;
 
@@ -39,6 +40,17 @@ pub enum CudaError {
         device: u32,
         /// The driver's error.
         error: result::DriverError,
+    },
+    /// A VMM allocation's size the device cannot have made.
+    #[error(
+        "allocation_bytes {allocation_bytes} is not a multiple of the device's allocation \
+         granularity ({granularity} bytes); send the size cuMemCreate was given"
+    )]
+    Granularity {
+        /// The size sent.
+        allocation_bytes: u64,
+        /// The device's minimum granularity.
+        granularity: u64,
     },
     /// A copy outside the mapping.
     #[error("copy of {nbytes} bytes at offset {offset} is outside the {size}-byte CUDA buffer")]
@@ -194,14 +206,14 @@ impl Gpu {
 
     /// Opens a worker's exported allocation (`cuIpcOpenMemHandle`, lazy peer access).
     /// The mapping stays open — and the exporter's memory allocated, even after the
-    /// exporter died — until [`IpcMapping::close`] or drop.
+    /// exporter died — until [`DeviceMapping::close`] or drop.
     pub fn open_ipc(
         &self,
         device: u32,
         handle: &[u8; IPC_HANDLE_BYTES],
         offset: u64,
         nbytes: u64,
-    ) -> Result<IpcMapping, CudaError> {
+    ) -> Result<DeviceMapping, CudaError> {
         let context = self.context(device)?;
         context.make_current()?;
         let mut raw_handle = sys::CUipcMemHandle {
@@ -226,11 +238,12 @@ impl Gpu {
             device,
             error,
         })?;
-        let mapping = IpcMapping {
+        let mapping = DeviceMapping {
             context,
             base,
             offset,
             nbytes,
+            kind: MappingKind::Ipc,
             open: true,
         };
         // The handle names a whole allocation; the window must lie inside it.
@@ -249,6 +262,84 @@ impl Gpu {
                 size: available,
             });
         }
+        Ok(mapping)
+    }
+
+    /// Imports and maps a worker's CUDA virtual-memory allocation from the POSIX fd
+    /// `cuMemExportToShareableHandle` gave (`cuMemImportFromShareableHandle`, then
+    /// `cuMemAddressReserve`, `cuMemMap` of all `allocation_bytes` and `cuMemSetAccess`).
+    /// The imported handle is released at once: the mapping alone keeps the memory,
+    /// also after the exporter died, until [`DeviceMapping::close`] or drop unmaps it.
+    /// The fd stays the caller's.
+    pub fn import_vmm(
+        &self,
+        device: u32,
+        fd: BorrowedFd<'_>,
+        window: VmmWindow,
+    ) -> Result<DeviceMapping, CudaError> {
+        let VmmWindow {
+            allocation_bytes,
+            offset,
+            nbytes,
+        } = window;
+        if offset
+            .checked_add(nbytes)
+            .is_none_or(|end| end > allocation_bytes)
+        {
+            return Err(CudaError::OutOfRange {
+                offset,
+                nbytes,
+                size: allocation_bytes,
+            });
+        }
+        let context = self.context(device)?;
+        context.make_current()?;
+        let driver = |call| {
+            move |error| CudaError::Driver {
+                call,
+                device,
+                error,
+            }
+        };
+        let size = usize::try_from(allocation_bytes).map_err(|_| CudaError::OutOfRange {
+            offset,
+            nbytes,
+            size: allocation_bytes,
+        })?;
+        let granularity = vmm_granularity(device)?;
+        if size == 0 || size % granularity != 0 {
+            return Err(CudaError::Granularity {
+                allocation_bytes,
+                granularity: granularity as u64,
+            });
+        }
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        let os_handle = fd.as_raw_fd() as isize as *mut c_void;
+        // SAFETY: `handle` is a valid out-pointer; for the POSIX fd type the driver reads
+        // the fd's number from the pointer's value and does not take the fd.
+        unsafe {
+            sys::cuMemImportFromShareableHandle(
+                &mut handle,
+                os_handle,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            )
+        }
+        .result()
+        .map_err(driver("cuMemImportFromShareableHandle"))?;
+        let mapped = map_vmm(context, handle, size);
+        // SAFETY: `handle` came from the import above and is released once; a mapping
+        // made from it keeps the memory.
+        let released = unsafe { sys::cuMemRelease(handle) }.result();
+        let base = mapped?;
+        let mapping = DeviceMapping {
+            context,
+            base,
+            offset,
+            nbytes,
+            kind: MappingKind::Vmm { size },
+            open: true,
+        };
+        released.map_err(|error| mapping.driver("cuMemRelease", error))?;
         Ok(mapping)
     }
 
@@ -279,17 +370,123 @@ impl Gpu {
     }
 }
 
-/// An open CUDA IPC mapping of `[offset, offset + nbytes)` of a worker's allocation.
+/// The window of a CUDA VMM allocation a worker registers.
+#[derive(Copy, Clone, Debug)]
+pub struct VmmWindow {
+    /// The allocation's size, as `cuMemCreate` made it (all of it is mapped).
+    pub allocation_bytes: u64,
+    /// Where the window starts in the allocation.
+    pub offset: u64,
+    /// The window's length.
+    pub nbytes: u64,
+}
+
+/// A pinned device allocation's properties on `device`, as VMM calls take them.
+fn vmm_properties(device: u32) -> sys::CUmemAllocationProp {
+    // SAFETY: a plain C struct of integers and a pointer, for which all zero is valid.
+    let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.requestedHandleTypes =
+        sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    prop.location = device_location(device);
+    prop
+}
+
+fn device_location(device: u32) -> sys::CUmemLocation {
+    sys::CUmemLocation {
+        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+        id: device as i32,
+    }
+}
+
+/// The size every VMM allocation and mapping on `device` is a multiple of.
+fn vmm_granularity(device: u32) -> Result<usize, CudaError> {
+    let prop = vmm_properties(device);
+    let mut granularity = 0usize;
+    // SAFETY: valid pointers to a local and a properties struct.
+    unsafe {
+        sys::cuMemGetAllocationGranularity(
+            &mut granularity,
+            &prop,
+            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+        )
+    }
+    .result()
+    .map_err(|error| CudaError::Driver {
+        call: "cuMemGetAllocationGranularity",
+        device,
+        error,
+    })?;
+    Ok(granularity.max(1))
+}
+
+/// Reserves `size` bytes of device addresses, maps `handle` there and lets this
+/// context read and write it; undone in reverse order on failure.
+fn map_vmm(
+    context: Context,
+    handle: sys::CUmemGenericAllocationHandle,
+    size: usize,
+) -> Result<sys::CUdeviceptr, CudaError> {
+    let device = context.device;
+    let driver = |call| {
+        move |error| CudaError::Driver {
+            call,
+            device,
+            error,
+        }
+    };
+    let mut base: sys::CUdeviceptr = 0;
+    // SAFETY: valid out-pointer; no fixed address, default alignment.
+    unsafe { sys::cuMemAddressReserve(&mut base, size, 0, 0, 0) }
+        .result()
+        .map_err(driver("cuMemAddressReserve"))?;
+    // SAFETY: `base..base + size` was reserved above; `handle` is a live import.
+    let mapped = unsafe { sys::cuMemMap(base, size, 0, handle, 0) }
+        .result()
+        .map_err(driver("cuMemMap"));
+    let access = sys::CUmemAccessDesc {
+        location: device_location(device),
+        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    };
+    let result = mapped.and_then(|()| {
+        // SAFETY: the range is mapped; one access descriptor.
+        unsafe { sys::cuMemSetAccess(base, size, &access, 1) }
+            .result()
+            .map_err(driver("cuMemSetAccess"))
+            .inspect_err(|_| {
+                // SAFETY: mapped just above, unmapped once.
+                let _ = unsafe { sys::cuMemUnmap(base, size) };
+            })
+    });
+    if result.is_err() {
+        // SAFETY: reserved above, freed once.
+        let _ = unsafe { sys::cuMemAddressFree(base, size) };
+    }
+    result.map(|()| base)
+}
+
+/// An open mapping of `[offset, offset + nbytes)` of a worker's device allocation: a
+/// CUDA IPC open, or a VMM import.
 #[derive(Debug)]
-pub struct IpcMapping {
+pub struct DeviceMapping {
     context: Context,
     base: sys::CUdeviceptr,
     offset: u64,
     nbytes: u64,
+    kind: MappingKind,
     open: bool,
 }
 
-impl IpcMapping {
+/// How a [`DeviceMapping`] was made, and so how it is undone.
+#[derive(Copy, Clone, Debug)]
+enum MappingKind {
+    /// `cuIpcOpenMemHandle`: closed with `cuIpcCloseMemHandle`.
+    Ipc,
+    /// `cuMemMap` of `size` bytes at `base`: unmapped and the addresses freed.
+    Vmm { size: usize },
+}
+
+impl DeviceMapping {
     /// The mapped window's size in bytes.
     pub fn len(&self) -> u64 {
         self.nbytes
@@ -351,8 +548,9 @@ impl IpcMapping {
             .map_err(|error| self.driver("cuMemcpyHtoD", error))
     }
 
-    /// Closes the mapping (`cuIpcCloseMemHandle`): exactly once, so the exporter's memory
-    /// can go back to the device.
+    /// Closes the mapping (`cuIpcCloseMemHandle`, or `cuMemUnmap` and
+    /// `cuMemAddressFree`): exactly once, so the exporter's memory can go back to the
+    /// device.
     pub fn close(mut self) -> Result<(), CudaError> {
         self.close_once()
     }
@@ -362,11 +560,24 @@ impl IpcMapping {
             return Ok(());
         }
         self.context.make_current()?;
-        // SAFETY: `base` was returned by cuIpcOpenMemHandle and, `open` being true until
-        // now, has not been closed.
-        unsafe { sys::cuIpcCloseMemHandle(self.base) }
-            .result()
-            .map_err(|error| self.driver("cuIpcCloseMemHandle", error))
+        match self.kind {
+            // SAFETY: `base` was returned by cuIpcOpenMemHandle and, `open` being true
+            // until now, has not been closed.
+            MappingKind::Ipc => unsafe { sys::cuIpcCloseMemHandle(self.base) }
+                .result()
+                .map_err(|error| self.driver("cuIpcCloseMemHandle", error)),
+            MappingKind::Vmm { size } => {
+                // SAFETY: `base..base + size` was reserved and mapped by import_vmm and,
+                // `open` being true until now, not unmapped; the addresses are freed
+                // after the unmap, whether or not it succeeded.
+                let unmapped = unsafe { sys::cuMemUnmap(self.base, size) }.result();
+                // SAFETY: as above.
+                let freed = unsafe { sys::cuMemAddressFree(self.base, size) }.result();
+                unmapped
+                    .map_err(|error| self.driver("cuMemUnmap", error))
+                    .and(freed.map_err(|error| self.driver("cuMemAddressFree", error)))
+            }
+        }
     }
 
     fn driver(&self, call: &'static str, error: result::DriverError) -> CudaError {
@@ -378,7 +589,7 @@ impl IpcMapping {
     }
 }
 
-impl Drop for IpcMapping {
+impl Drop for DeviceMapping {
     fn drop(&mut self) {
         if let Err(error) = self.close_once() {
             tracing::error!(%error, "closing a CUDA IPC mapping failed");

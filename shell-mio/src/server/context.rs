@@ -5,7 +5,7 @@
 //! `Job::Free`; the node never frees a context while a copy uses it.
 
 use super::closer::PeerFd;
-use crate::cuda::{Gpu, IPC_HANDLE_BYTES, IpcMapping};
+use crate::cuda::{DeviceMapping, Gpu, IPC_HANDLE_BYTES, VmmWindow};
 use crate::memfd::{self, SharedMapping};
 use crate::protocol::{BufferSpec, ErrorCode, ProtocolError};
 use rustix::fd::AsFd;
@@ -26,10 +26,11 @@ pub struct Context {
 pub enum RegisteredBuffer {
     /// A worker's memfd, mapped shared.
     Memfd(SharedMapping),
-    /// A CUDA IPC mapping of a window of a worker's device allocation. Dropping it
-    /// closes the mapping (`cuIpcCloseMemHandle`), which lets the device take the memory
-    /// back once its exporter is gone.
-    Cuda(IpcMapping),
+    /// A mapping of a window of a worker's device allocation (`cuda_ipc` or
+    /// `cuda_vmm`). Dropping it closes the mapping (`cuIpcCloseMemHandle`, or
+    /// `cuMemUnmap`), which lets the device take the memory back once its exporter is
+    /// gone.
+    Cuda(DeviceMapping),
 }
 
 impl RegisteredBuffer {
@@ -119,11 +120,11 @@ impl RegisteredBuffer {
 /// What a build needs: the buffer specs with the fds each memfd buffer uses.
 #[derive(Debug)]
 pub struct BuildRequest {
-    /// The specs, each with its fd when it is a memfd.
+    /// The specs, each with its fd when it travels as one (memfd, cuda_vmm).
     pub buffers: Vec<(BufferSpec, Option<PeerFd>)>,
     /// The model name.
     pub model_name: String,
-    /// The GPUs, when the request has `cuda_ipc` buffers (checked before the build).
+    /// The GPUs, when the host has them (the node refused CUDA buffers otherwise).
     pub gpu: Option<Arc<Gpu>>,
     /// Memfds on hugetlbfs are accepted (`--allow-hugetlb-buffers`).
     pub allow_hugetlb: bool,
@@ -163,6 +164,25 @@ pub fn build(request: BuildRequest) -> Result<Context, ProtocolError> {
             ) => {
                 let spec = (device, handle.as_slice(), offset, nbytes);
                 let mapping = open_cuda_ipc(index, request.gpu.as_deref(), spec)?;
+                buffers.push(RegisteredBuffer::Cuda(mapping));
+            }
+            (
+                BufferSpec::CudaVmm {
+                    device,
+                    allocation_bytes,
+                    offset,
+                    nbytes,
+                    ..
+                },
+                Some(fd),
+            ) => {
+                let window = VmmWindow {
+                    allocation_bytes,
+                    offset,
+                    nbytes,
+                };
+                let mapping = import_cuda_vmm(index, request.gpu.as_deref(), device, &fd, window)?;
+                // The fd is closed here; the mapping keeps the memory.
                 buffers.push(RegisteredBuffer::Cuda(mapping));
             }
             (spec, _) => {
@@ -226,7 +246,7 @@ fn open_cuda_ipc(
     index: usize,
     gpu: Option<&Gpu>,
     (device, handle, offset, nbytes): (u64, &[u8], u64, u64),
-) -> Result<IpcMapping, ProtocolError> {
+) -> Result<DeviceMapping, ProtocolError> {
     let Some(gpu) = gpu else {
         return Err(ProtocolError::new(
             ErrorCode::Unavailable,
@@ -256,4 +276,76 @@ fn open_cuda_ipc(
             ),
         )
     })
+}
+
+/// buffers[`index`], a CUDA VMM allocation's exported fd: asked what it is first (only a
+/// memfd or a character device goes to the driver), then imported and mapped on this
+/// host's GPU, when it has one.
+fn import_cuda_vmm(
+    index: usize,
+    gpu: Option<&Gpu>,
+    device: u64,
+    fd: &PeerFd,
+    window: VmmWindow,
+) -> Result<DeviceMapping, ProtocolError> {
+    let Some(gpu) = gpu else {
+        return Err(ProtocolError::new(
+            ErrorCode::Unavailable,
+            format!(
+                "register_kv_cache: buffers[{index}] is a cuda_vmm buffer, but this server has no GPU"
+            ),
+        ));
+    };
+    let bad = |message: String| ProtocolError::new(ErrorCode::BadArgs, message);
+    let device = u32::try_from(device).map_err(|_| {
+        bad(format!(
+            "register_kv_cache: buffers[{index}].device {device} is not a device ordinal"
+        ))
+    })?;
+    if let Some(kind) = not_a_vmm_export(fd) {
+        return Err(bad(format!(
+            "register_kv_cache: buffers[{index}] is a cuda_vmm buffer, but its fd is {kind}; \
+             send the fd cuMemExportToShareableHandle(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) \
+             gave for the allocation"
+        )));
+    }
+    let VmmWindow {
+        allocation_bytes,
+        offset,
+        nbytes,
+    } = window;
+    gpu.import_vmm(device, fd.as_fd(), window).map_err(|e| {
+        bad(format!(
+            "register_kv_cache: buffers[{index}] (cuda_vmm, device {device}, allocation_bytes \
+             {allocation_bytes}, offset {offset}, nbytes {nbytes}): {e}; send the POSIX fd of a \
+             live cuMemCreate allocation made with requestedHandleTypes = \
+             CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, and its size"
+        ))
+    })
+}
+
+/// What `fd` is when it cannot be a CUDA VMM export, or None when it may be. The
+/// driver exports a character device's fd (and the stand-in driver of the tests a
+/// memfd); anything else — a socket, a pipe, a file on a file system a neighbour runs —
+/// is refused before the driver acts on it. Asked without consulting a file system:
+/// `F_GET_SEALS`, then `statx` with `AT_STATX_DONT_SYNC`.
+fn not_a_vmm_export(fd: &PeerFd) -> Option<&'static str> {
+    use rustix::fs::{AtFlags, FileType, StatxFlags};
+    if rustix::fs::fcntl_get_seals(fd).is_ok() {
+        return None;
+    }
+    let flags = AtFlags::EMPTY_PATH | AtFlags::STATX_DONT_SYNC;
+    let Ok(stat) = rustix::fs::statx(fd, "", flags, StatxFlags::TYPE) else {
+        return Some("of a kind the kernel would not say");
+    };
+    match FileType::from_raw_mode(u32::from(stat.stx_mode)) {
+        FileType::CharacterDevice => None,
+        FileType::Socket => Some("a socket"),
+        FileType::Fifo => Some("a pipe"),
+        FileType::Directory => Some("a directory"),
+        FileType::RegularFile => Some("a regular file"),
+        FileType::BlockDevice => Some("a block device"),
+        FileType::Symlink => Some("a symbolic link"),
+        FileType::Unknown => Some("of an unknown kind"),
+    }
 }

@@ -26,7 +26,7 @@ impl GpuState {
         let gpu = match Gpu::probe() {
             Ok(gpu) => Arc::new(gpu),
             Err(error) => {
-                tracing::info!(reason = %error, "no GPU: cuda_ipc buffers will be answered `unavailable`");
+                tracing::info!(reason = %error, "no GPU: CUDA buffers (cuda_ipc, cuda_vmm) will be answered `unavailable`");
                 return GpuState {
                     gpu: Err(error.to_string()),
                     memory,

@@ -129,14 +129,7 @@ impl Server {
                 buffers,
                 ..
             } => {
-                let lens = buffers
-                    .iter()
-                    .map(|buffer| match buffer {
-                        BufferSpec::Memfd { nbytes, .. } | BufferSpec::CudaIpc { nbytes, .. } => {
-                            *nbytes
-                        }
-                    })
-                    .collect();
+                let lens = buffers.iter().map(BufferSpec::nbytes).collect();
                 self.builds.insert(context, ((instance, module), lens));
                 out.builds.push(context.0);
             }

@@ -233,6 +233,13 @@ impl WireBuffer {
                 offset: uint(fields, "offset")?,
                 nbytes: uint(fields, "nbytes")?,
             }),
+            "cuda_vmm" => Some(BufferSpec::CudaVmm {
+                fd_index: uint(fields, "fd_index")?,
+                device: uint(fields, "device")?,
+                allocation_bytes: uint(fields, "allocation_bytes")?,
+                offset: uint(fields, "offset")?,
+                nbytes: uint(fields, "nbytes")?,
+            }),
             _ => None,
         }
     }
@@ -249,7 +256,15 @@ impl<'de> Deserialize<'de> for WireBuffer {
             fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<WireBuffer, A::Error> {
                 fields(
                     map,
-                    &["kind", "fd_index", "device", "handle", "offset", "nbytes"],
+                    &[
+                        "kind",
+                        "fd_index",
+                        "device",
+                        "handle",
+                        "allocation_bytes",
+                        "offset",
+                        "nbytes",
+                    ],
                 )
                 .map(WireBuffer)
             }

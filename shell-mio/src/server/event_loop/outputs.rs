@@ -558,7 +558,7 @@ impl Server {
     }
 }
 
-/// Pairs each memfd buffer with its fd from the frame (a duplicate where two buffers
+/// Pairs each buffer sent as an fd (memfd, CUDA VMM) with its fd from the frame (a duplicate where two buffers
 /// name the same one).
 fn with_fds(
     buffers: Vec<BufferSpec>,
@@ -566,9 +566,9 @@ fn with_fds(
 ) -> Result<Vec<(BufferSpec, Option<PeerFd>)>, ProtocolError> {
     let mut paired = Vec::with_capacity(buffers.len());
     for (index, spec) in buffers.into_iter().enumerate() {
-        let fd = match &spec {
-            BufferSpec::Memfd { fd_index, .. } => {
-                let fd = usize::try_from(*fd_index).ok().and_then(|i| fds.get(i));
+        let fd = match spec.fd_index() {
+            Some(fd_index) => {
+                let fd = usize::try_from(fd_index).ok().and_then(|i| fds.get(i));
                 let Some(fd) = fd else {
                     return Err(internal(format!(
                         "register_kv_cache: buffers[{index}].fd_index {fd_index} reached the \
@@ -582,7 +582,7 @@ fn with_fds(
                 })?;
                 Some(PeerFd::new(copy))
             }
-            BufferSpec::CudaIpc { .. } => None,
+            None => None,
         };
         paired.push((spec, fd));
     }

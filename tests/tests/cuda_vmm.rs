@@ -1,0 +1,303 @@
+//! CUDA virtual-memory allocations (`cuMemCreate`: PyTorch's expandable segments,
+//! vLLM's sleep-mode pool) registered as `cuda_vmm` buffers: the worker sends the POSIX
+//! fd of `cuMemExportToShareableHandle` with the frame, the server imports and maps it.
+//! Run against the stand-in driver (`tests/fixtures/libcuda_standin.c`), whose VMM
+//! allocation is a memfd named after its accounting file, so the server's real import,
+//! map, copies and unmap run here and "device memory back" is measured from another
+//! process. Each test names its failure-mode row (`docs/failure-modes.md`).
+
+use kvwarden_tests::*;
+use rmpv::Value;
+use rustix::fd::AsFd;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+
+/// The stand-in's allocation granularity: a 1 MiB request is a 2 MiB allocation.
+const GRANULARITY: u64 = 2 << 20;
+
+fn vmm_worker(server: &Server, standin: &StandIn, bytes: &str, instance: Option<u64>) -> Worker {
+    cuda_worker_with(
+        server,
+        standin,
+        bytes,
+        instance,
+        &["--cuda-allocator", "vmm"],
+    )
+}
+
+/// The worker's VMM allocation, opened through /proc (the same memfd the driver
+/// exported, and what the stand-in's import recognises by name).
+fn vmm_memory_of(pid: u32) -> File {
+    for entry in std::fs::read_dir(format!("/proc/{pid}/fd")).expect("the worker's fds") {
+        let path = entry.expect("an fd").path();
+        let target = std::fs::read_link(&path).unwrap_or_default();
+        if target
+            .to_string_lossy()
+            .contains("memfd:kvwarden-standin-vmm:")
+        {
+            return std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(&path)
+                .expect("opening the worker's device memory");
+        }
+    }
+    panic!("process {pid} holds no stand-in VMM allocation");
+}
+
+fn vmm_spec(fd_index: u64, allocation_bytes: u64, offset: u64, nbytes: u64) -> Value {
+    Value::Map(vec![
+        ("kind".into(), "cuda_vmm".into()),
+        ("fd_index".into(), fd_index.into()),
+        ("device".into(), 0u64.into()),
+        ("allocation_bytes".into(), allocation_bytes.into()),
+        ("offset".into(), offset.into()),
+        ("nbytes".into(), nbytes.into()),
+    ])
+}
+
+fn register_with_fd(
+    raw: &mut RawClient,
+    instance: u64,
+    spec: Value,
+    fd: Option<&dyn AsFd>,
+) -> kvwarden_core::protocol::Reply {
+    let fds: Vec<_> = fd.map(|f| f.as_fd()).into_iter().collect();
+    raw.request_with_fds(
+        "register_kv_cache",
+        vec![
+            instance.into(),
+            Value::Array(vec![spec]),
+            "m".into(),
+            1u64.into(),
+        ],
+        &fds,
+    )
+    .expect("a reply to register_kv_cache")
+}
+
+/// Row 18 with a VMM allocation: `kvwarden worker --cuda-allocator vmm` registers its
+/// cuMemCreate memory as a cuda_vmm fd; `store` copies from the server's own mapping of
+/// it into L1 and `retrieve` back, byte for byte, at the window asked and nowhere else;
+/// a clean exit unregisters, the server unmaps, and the device has all its memory back.
+#[test]
+fn row_18_vmm_worker_stores_and_retrieves_bytes_intact_and_a_clean_exit_unmaps() {
+    let dir = TempDir::new("cuda-vmm-data");
+    let Some(standin) = StandIn::build(&dir) else {
+        return;
+    };
+    let server = Server::start_with_env(&dir, &[], &standin.env());
+    let instance = 3401;
+    let mut worker = vmm_worker(&server, &standin, "1M", Some(instance));
+    assert_eq!(standin.used_bytes(), GRANULARITY, "one granule");
+    let device = vmm_memory_of(worker.child.id());
+    let mut raw = RawClient::connect_attached(&server.socket, instance);
+
+    let chunk = 64 << 10;
+    let written = pattern(chunk, 11);
+    device
+        .write_all_at(&written, 8192)
+        .expect("writing device memory");
+    assert_eq!(
+        transfer(&mut raw, "store", instance, b"v1", 8192, chunk as u64),
+        Value::Boolean(true)
+    );
+    let mut before = vec![0u8; chunk + 2];
+    device
+        .read_exact_at(&mut before, (512 << 10) - 1)
+        .expect("reading device memory");
+    assert!(before.iter().all(|&b| b == 0x5a), "the worker filled it");
+    assert_eq!(
+        transfer(
+            &mut raw,
+            "retrieve",
+            instance,
+            b"v1",
+            512 << 10,
+            chunk as u64
+        ),
+        Value::from(chunk as u64)
+    );
+    let mut after = vec![0u8; chunk + 2];
+    device
+        .read_exact_at(&mut after, (512 << 10) - 1)
+        .expect("reading device memory");
+    assert_eq!(after[0], 0x5a, "the byte before the window is untouched");
+    assert_eq!(
+        after[chunk + 1],
+        0x5a,
+        "the byte after the window is untouched"
+    );
+    assert!(after[1..=chunk] == written[..], "retrieved bytes differ");
+    // The buffer is the 1 MiB the worker registered, not the whole 2 MiB allocation.
+    let past = raw
+        .request(
+            "store",
+            vec![
+                instance.into(),
+                Value::Binary(b"v2".to_vec()),
+                0u64.into(),
+                ((1u64 << 20) - 4096).into(),
+                (chunk as u64).into(),
+            ],
+        )
+        .expect("a reply");
+    assert!(past.result.is_err(), "{past:?}");
+    drop(raw);
+
+    worker.signal(rustix::process::Signal::TERM);
+    worker.wait_line("a clean shutdown", |l| l == "shutdown=clean");
+    standin.wait_used("the device memory back after a clean exit", 0);
+    let status = server.wait_status("the context freed", |s| {
+        find_instance(s, instance).is_none()
+    });
+    assert_eq!(freed(&status, "unregistered"), 1, "{status}");
+    assert!(
+        !server.log().contains("closing a CUDA mapping failed"),
+        "{}",
+        server.log()
+    );
+}
+
+/// Row 1 with a VMM allocation: the server's mapping alone keeps a SIGKILLed exporter's
+/// cuMemCreate memory allocated; the exit proof frees the context, the server unmaps,
+/// and the device has all 64 MiB back. Before the kill, the memory is still there while
+/// the worker lives (not freed early).
+#[test]
+fn row_1_sigkilled_vmm_worker_unmapped_on_exit_and_device_memory_back() {
+    let dir = TempDir::new("cuda-vmm-row1");
+    let Some(standin) = StandIn::build(&dir) else {
+        return;
+    };
+    let server = Server::start_with_env(&dir, &[], &standin.env());
+    let worker = vmm_worker(&server, &standin, "64M", None);
+    let instance = worker.instance_id;
+    assert!(server.instance(instance).is_some(), "registered and held");
+    assert_eq!(standin.used_bytes(), 64 << 20);
+    worker.signal(rustix::process::Signal::KILL);
+    drop(worker);
+    let status = server.wait_status("the worker freed on exit", |s| {
+        find_instance(s, instance).is_none()
+    });
+    assert_eq!(freed(&status, "process_exited"), 1, "{status}");
+    standin.wait_used("the dead worker's device memory back", 0);
+}
+
+/// Row 75 (and row 24, bad input) for `cuda_vmm` buffers. The control first: the worker's own
+/// allocation, sent by a raw client as its fd, registers and maps exactly the window
+/// asked. Then each lie is `bad_args` naming it and holds nothing: a window past the
+/// allocation, an allocation size larger than the allocation (the driver's cuMemMap
+/// refuses), a size the device could not have made (granularity), an fd that is a pipe
+/// (refused before the driver sees it), a plain memfd (the driver's import refuses),
+/// and an fd_index naming no fd.
+#[test]
+fn row_75_cuda_vmm_register_refuses_lying_sizes_and_fds_after_its_control() {
+    let dir = TempDir::new("cuda-vmm-args");
+    let Some(standin) = StandIn::build(&dir) else {
+        return;
+    };
+    let server = Server::start_with_env(&dir, &[], &standin.env());
+    let worker = vmm_worker(&server, &standin, "2M", None);
+    let device = vmm_memory_of(worker.child.id());
+    let mut raw = RawClient::connect(&server.socket).expect("connect");
+    for instance in 3501..=3508 {
+        raw.attach(instance);
+    }
+
+    // The control: [256K, 256K + 64K) of the worker's allocation, by its fd.
+    let reply = register_with_fd(
+        &mut raw,
+        3501,
+        vmm_spec(0, GRANULARITY, 256 << 10, 64 << 10),
+        Some(&device),
+    );
+    reply.result.expect("the control registers");
+    let written = pattern(64 << 10, 42);
+    device
+        .write_all_at(&written, 256 << 10)
+        .expect("writing device memory");
+    assert_eq!(
+        transfer(&mut raw, "store", 3501, b"w", 0, 64 << 10),
+        Value::Boolean(true)
+    );
+    device
+        .write_all_at(&vec![0u8; 64 << 10], 256 << 10)
+        .expect("clearing device memory");
+    assert_eq!(
+        transfer(&mut raw, "retrieve", 3501, b"w", 0, 64 << 10),
+        Value::from(64u64 << 10)
+    );
+    let mut back = vec![0u8; 64 << 10];
+    device
+        .read_exact_at(&mut back, 256 << 10)
+        .expect("reading device memory");
+    assert!(
+        back == written,
+        "the window maps offset 256 KiB of the allocation"
+    );
+
+    let refused =
+        |raw: &mut RawClient, instance: u64, spec: Value, fd: Option<&dyn AsFd>, names: &[&str]| {
+            let reply = register_with_fd(raw, instance, spec, fd);
+            let error = reply.result.expect_err("refused");
+            assert_eq!(error.code.as_str(), "bad_args", "{}", error.message);
+            for name in names {
+                assert!(error.message.contains(name), "{name}: {}", error.message);
+            }
+            assert!(server.instance(instance).is_none(), "nothing held");
+        };
+    refused(
+        &mut raw,
+        3502,
+        vmm_spec(0, GRANULARITY, GRANULARITY - 4096, 64 << 10),
+        Some(&device),
+        &["outside", "offset 2093056"],
+    );
+    refused(
+        &mut raw,
+        3503,
+        vmm_spec(0, 2 * GRANULARITY, 0, 4096),
+        Some(&device),
+        &[
+            "cuMemMap",
+            "CUDA_ERROR_INVALID_VALUE",
+            "allocation_bytes 4194304",
+        ],
+    );
+    refused(
+        &mut raw,
+        3504,
+        vmm_spec(0, GRANULARITY + 4096, 0, 4096),
+        Some(&device),
+        &["granularity", "2097152", "allocation_bytes 2101248"],
+    );
+    let (pipe_read, _pipe_write) = rustix::pipe::pipe().expect("a pipe");
+    refused(
+        &mut raw,
+        3505,
+        vmm_spec(0, GRANULARITY, 0, 4096),
+        Some(&pipe_read),
+        &["its fd is a pipe", "cuMemExportToShareableHandle"],
+    );
+    let plain = kvwarden::memfd::create("not-a-cuda-export", GRANULARITY).expect("a memfd");
+    refused(
+        &mut raw,
+        3506,
+        vmm_spec(0, GRANULARITY, 0, 4096),
+        Some(&plain),
+        &["cuMemImportFromShareableHandle", "CUDA_ERROR_INVALID_VALUE"],
+    );
+    refused(
+        &mut raw,
+        3507,
+        vmm_spec(0, GRANULARITY, 0, 4096),
+        None,
+        &["fd_index 0 names an fd this frame did not carry"],
+    );
+    // Still serving, and the control's mapping still works.
+    assert_eq!(
+        transfer(&mut raw, "retrieve", 3501, b"w", 0, 64 << 10),
+        Value::from(64u64 << 10)
+    );
+    drop(worker);
+}
