@@ -30,7 +30,28 @@ def carved_from_one_allocation():  # the second of two layers sharing one buffer
     return torch.randn(2, 2, NUM_BLOCKS, 16, 4, 8)[1]
 
 
-LAYOUTS = [kv_first, block_first, cpu, head_major_view, carved_from_one_allocation]
+def mla():  # MLA (DeepSeek): one latent tensor, [num_blocks, block_size, kv_lora_rank + rope_dim]
+    return torch.randn(NUM_BLOCKS, 16, 72)
+
+
+def cross_layer():  # cross-layer blocks: one layer's view of [num_blocks, num_layers, 2, ...]
+    return torch.randn(NUM_BLOCKS, 3, 2, 16, 4, 8)[:, 1]
+
+
+def cross_layer_kv_first():  # the same, viewed K/V first as attention backends index it
+    return torch.randn(NUM_BLOCKS, 3, 2, 16, 4, 8)[:, 2].transpose(0, 1)
+
+
+LAYOUTS = [
+    kv_first,
+    block_first,
+    cpu,
+    head_major_view,
+    carved_from_one_allocation,
+    mla,
+    cross_layer,
+    cross_layer_kv_first,
+]
 
 
 def copy_block(tensor, dim, source, target):
@@ -69,5 +90,21 @@ def test_a_tensor_without_a_block_dimension_is_refused_naming_its_shape():
 
 def test_a_strided_slice_is_refused():
     sliced = torch.zeros(NUM_BLOCKS, 4, 16, 16)[:, :, ::2]
-    with pytest.raises(ValueError, match="not a permutation of a contiguous"):
+    with pytest.raises(ValueError, match="not contiguous"):
         block_regions(sliced, 0, 0)
+
+
+def test_one_layer_of_cross_layer_blocks_is_one_region_a_block_strided_by_all_layers():
+    whole = torch.randn(NUM_BLOCKS, 3, 2, 16, 4, 8)
+    layer = whole[:, 1]
+    regions = block_regions(layer, 0, 4)
+    element = layer.element_size()
+    one_layer = 2 * 16 * 4 * 8 * element
+    # Block 4 of layer 1: after 4 blocks of all 3 layers and layer 0 of block 4.
+    assert regions == [((4 * 3 + 1) * one_layer, one_layer)]
+
+
+def test_overlapping_blocks_are_refused():
+    overlapping = torch.zeros(64).as_strided((NUM_BLOCKS, 8), (4, 1))
+    with pytest.raises(ValueError, match="contiguous byte ranges"):
+        block_regions(overlapping, 0, 0)

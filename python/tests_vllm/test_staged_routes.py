@@ -11,7 +11,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 from types import SimpleNamespace
 from typing import Any, Iterator, List, Tuple
 
@@ -123,9 +127,13 @@ def save(route: HostGpuRoute, keys: List[bytes], ids: List[int]) -> int:
     return stored[0]
 
 
-# A block of the five layouts is 20 KiB of float32 (10 KiB of bfloat16): with its
-# 64-byte header, one record fits one slot of 20 KiB + 64.
-@pytest.mark.parametrize("sized_server", [(20 << 10) + 64], indirect=True)
+# A block of the eight layouts is 32.5 KiB of float32 (seven of 4 KiB and MLA's 4.5 KiB;
+# half that in bfloat16): with its 64-byte header, one record fits one slot of
+# 33,280 + 64 bytes.
+BLOCK_F32 = 7 * 4096 + 16 * 72 * 4
+
+
+@pytest.mark.parametrize("sized_server", [BLOCK_F32 + 64], indirect=True)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_layout_comes_back_byte_for_byte_one_key_per_block(
     sized_server: RealServer, dtype: torch.dtype
@@ -162,7 +170,7 @@ def test_every_layout_comes_back_byte_for_byte_one_key_per_block(
     assert ("save", "test-save") in route.waits, route.waits
 
 
-@pytest.mark.parametrize("sized_server", [(20 << 10) + 64], indirect=True)
+@pytest.mark.parametrize("sized_server", [BLOCK_F32 + 64], indirect=True)
 def test_a_record_of_another_layout_is_refused_on_load(
     sized_server: RealServer, caplog: Any
 ) -> None:
@@ -188,3 +196,77 @@ def test_slots_much_larger_than_a_record_are_named_with_the_slot_size_that_fits(
             route = route_on(worker, torch.float32)
     assert route.l1_use() < 0.05
     assert f"--slot-bytes {route.record_bytes} to fill" in caplog.text, caplog.text
+
+
+# A process that saves blocks through the route until it is killed: one line per save
+# that returned (``saved <n>``: key ``kill-<n>`` holds block ``n % NUM_BLOCKS``).
+SAVER = """
+import sys, torch
+from kvwarden import Worker
+from test_staged_routes import NUM_BLOCKS, key, route_on, save
+worker = Worker(sys.argv[1])
+route = route_on(worker, torch.float32)
+print("instance", worker.instance_id, flush=True)
+n = 0
+while True:
+    ids = [(n + i) % NUM_BLOCKS for i in range(4)]
+    assert save(route, [key(b"kill-%d" % (n + i)) for i in range(4)], ids) == 4
+    for i in range(4):
+        print("saved", n + i, flush=True)
+    n += 4
+"""
+
+
+@pytest.mark.parametrize("sized_server", [BLOCK_F32 + 64], indirect=True)
+def test_a_worker_sigkilled_while_its_route_saves_is_freed_and_every_saved_block_loads_intact(
+    sized_server: RealServer,
+) -> None:
+    """Every layout through the route's own code, killed mid-run: the server frees the
+    dead worker's instance on its exit, and another worker loads every block the dead
+    one reported saved, byte for byte, into other blocks (nothing torn is served: a
+    value is in L1 only once its whole copy is done)."""
+    env = dict(os.environ)
+    here = os.path.dirname(os.path.abspath(__file__))
+    # This module and real_server.py (python/tests), as conftest.py puts them on the path.
+    env["PYTHONPATH"] = os.pathsep.join(
+        [here, os.path.join(here, "..", "tests"), env.get("PYTHONPATH", "")]
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", SAVER, sized_server.socket_path],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    saved: List[int] = []
+    try:
+        assert child.stdout is not None
+        first = child.stdout.readline().split()
+        assert first[:1] == ["instance"], first
+        instance = int(first[1])
+        while len(saved) < 24:
+            line = child.stdout.readline()
+            assert line.startswith("saved "), (line, child.poll())
+            saved.append(int(line.split()[1]))
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait(30)
+    assert child.returncode == -signal.SIGKILL
+    deadline = time.monotonic() + 30
+    while sized_server.entries(instance) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sized_server.entries(instance) == [], "the dead worker's instance is freed"
+    assert sized_server.status()["contexts"]["freed_total"]["process_exited"] == 1
+
+    with Worker(sized_server.socket_path) as worker:
+        route = route_on(worker, torch.float32)
+        originals = [t.clone() for _, t, _ in route.c._layers]
+        for _, t, _ in route.c._layers:
+            t.zero_()
+        for n in saved:
+            into = (n * 7 + 3) % NUM_BLOCKS
+            assert route.load(BlockMoves("r", [key(b"kill-%d" % n)], [into])) == 1, n
+            for (name, t, d), original in zip(route.c._layers, originals):
+                assert torch.equal(
+                    t.select(d, into), original.select(d, n % NUM_BLOCKS)
+                ), f"{name}: block {n} came back different"

@@ -42,22 +42,31 @@ def block_regions(tensor: Any, dim: int, block_id: int) -> List[Tuple[int, int]]
     block dimension in memory.
 
     The tensor may be a permuted view of a contiguous one (vLLM permutes its KV views
-    for head-major layouts): regions follow the memory order, and a region copied into
-    another block's regions of a tensor of the same layout moves exactly that block."""
+    for head-major layouts), or a slice of a larger one whose dimensions inside a block
+    are contiguous (one layer of cross-layer blocks, ``[num_blocks, num_layers, ...]``
+    indexed by layer): regions follow the memory order, and a region copied into another
+    block's regions of a tensor of the same layout moves exactly that block."""
     # Memory order: dimensions by decreasing stride (stable, so ties keep their order).
     order = sorted(range(tensor.dim()), key=lambda d: -tensor.stride(d))
     physical = tensor.permute(order)
-    if not physical.is_contiguous():
+    position = order.index(dim)
+    # One block of one outer index: the dimensions after the block's in memory order.
+    inner = physical
+    for _ in range(position + 1):
+        inner = inner.select(0, 0)
+    element = tensor.element_size()
+    nbytes = inner.numel() * element
+    stride = physical.stride()
+    if not inner.is_contiguous() or (
+        physical.shape[position] > 1 and stride[position] * element < nbytes
+    ):
         raise ValueError(
             f"a KV tensor of shape {tuple(tensor.shape)} and strides {tuple(tensor.stride())} "
-            f"is not a permutation of a contiguous one; kvwarden copies blocks as "
+            f"does not hold each block in contiguous byte ranges (its dimensions inside a "
+            f"block, in memory order, are not contiguous); kvwarden copies blocks as "
             f"contiguous byte ranges"
         )
-    position = order.index(dim)
-    element = tensor.element_size()
-    stride = physical.stride()
     base = physical.storage_offset()
-    nbytes = stride[position] * element
     regions = []
     for outer in itertools.product(*(range(n) for n in physical.shape[:position])):
         first = base + sum(i * s for i, s in zip(outer, stride)) + block_id * stride[position]
