@@ -177,13 +177,13 @@ pub(super) fn killed_master(
     let promoted = replica.map(|port| std::thread::spawn(move || promoted_after(port, killed)));
     let resumed = loop {
         let batch = keys.fresh(12);
-        let before = l2_status(a_control)?.writes;
+        let before = l2_status(a_control)?.counters.writes;
         for key in &batch {
             writer.store(key, 256 << 10)?;
         }
         wait_l2_ops(a_control, 0)?;
         std::thread::sleep(Duration::from_millis(20));
-        if l2_status(a_control)?.writes >= before + batch.len() as u64 {
+        if l2_status(a_control)?.counters.writes >= before + batch.len() as u64 {
             break killed.elapsed();
         }
         if killed.elapsed() > Duration::from_secs(120) {
@@ -193,7 +193,7 @@ pub(super) fn killed_master(
         }
     };
     let failed = failed_ops(a_control)? - failed_before;
-    let corrupt = l2_status(a_control)?.corrupt + l2_status(b_control)?.corrupt;
+    let corrupt = l2_status(a_control)?.counters.corrupt + l2_status(b_control)?.counters.corrupt;
     print_killed(args, promoted, (resumed, failed, corrupt));
     Ok(())
 }

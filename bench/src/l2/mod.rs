@@ -424,11 +424,13 @@ fn l2_status(control: &mut RawConnection) -> Result<L2StatusReport, BenchError> 
 
 /// Writes that ended, however: written, failed, timed out or dropped.
 fn l2_ops(control: &mut RawConnection) -> Result<u64, BenchError> {
-    Ok(l2_status(control)?.writes + failed_ops(control)?)
+    Ok(l2_status(control)?.counters.writes + failed_ops(control)?)
 }
 
 fn failed_ops(control: &mut RawConnection) -> Result<u64, BenchError> {
-    Ok(l2_status(control)?.write_drops + l2_status(control)?.errors + l2_status(control)?.timeouts)
+    Ok(l2_status(control)?.counters.write_drops
+        + l2_status(control)?.counters.errors
+        + l2_status(control)?.counters.timeouts)
 }
 
 /// How long after `since` the Redis on `port` answered `ROLE` as a master (polled every
@@ -452,7 +454,7 @@ fn promoted_after(port: u16, since: Instant) -> Option<Duration> {
 fn wait_l2_ops(control: &mut RawConnection, ops: u64) -> Result<(), BenchError> {
     let started = Instant::now();
     loop {
-        if l2_ops(control)? >= ops && l2_status(control)?.queue_bytes == 0 {
+        if l2_ops(control)? >= ops && l2_status(control)?.counters.queue_bytes == 0 {
             return Ok(());
         }
         if started.elapsed() > Duration::from_secs(120) {

@@ -117,7 +117,10 @@ impl Phases<'_> {
     ) -> Result<(ReadsPerClient, ReadsPerClient, Round), BenchError> {
         let single_reads: Vec<Vec<Read>> = singles.iter().map(|held| mixed(keys, held)).collect();
         let batched_reads: Vec<Vec<Read>> = batched.iter().map(|held| mixed(keys, held)).collect();
-        let (b_timeouts, b_errors) = (l2_status(b_control)?.timeouts, l2_status(b_control)?.errors);
+        let (b_timeouts, b_errors) = (
+            l2_status(b_control)?.counters.timeouts,
+            l2_status(b_control)?.counters.errors,
+        );
         use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
         let (missed, absent_served) = (AtomicU64::new(0), AtomicU64::new(0));
         let tally = |read: &Read, moved: Option<u64>| {
@@ -153,8 +156,8 @@ impl Phases<'_> {
         let missed_batched = missed.load(Relaxed) - missed_singles;
         let batch_read_through = rate((batched_total - missed_batched) * chunk, started.elapsed());
         let (b_timeouts, b_errors) = (
-            l2_status(b_control)?.timeouts - b_timeouts,
-            l2_status(b_control)?.errors - b_errors,
+            l2_status(b_control)?.counters.timeouts - b_timeouts,
+            l2_status(b_control)?.counters.errors - b_errors,
         );
         let measured = Round {
             read_through,

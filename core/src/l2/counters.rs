@@ -52,7 +52,9 @@ impl WriteOutcome {
 }
 
 /// The L2 counters. All but `queue_bytes` only grow.
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
+#[derive(
+    Copy, Clone, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+)]
 pub struct L2Counters {
     /// Values written.
     pub writes: u64,

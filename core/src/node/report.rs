@@ -239,7 +239,6 @@ fn adoption_report(view: &AdoptionView, now: Instant) -> AdoptionStatus {
 
 /// L2's state and counters: the node's breaker, the client's connection.
 fn l2_report(l2: &L2Status, link: L2Link) -> L2StatusReport {
-    let c = l2.counters;
     L2StatusReport {
         // Before any connection the breaker has not judged anything yet.
         state: match (link.mode, &link.reason) {
@@ -254,14 +253,7 @@ fn l2_report(l2: &L2Status, link: L2Link) -> L2StatusReport {
         mode: link.mode.map(str::to_owned),
         tls: link.tls,
         authenticated_values: link.authenticated_values,
-        queue_bytes: c.queue_bytes,
-        writes: c.writes,
-        write_drops: c.write_drops,
-        hits: c.hits,
-        misses: c.misses,
-        corrupt: c.corrupt,
-        timeouts: c.timeouts,
-        errors: c.errors,
+        counters: l2.counters,
     }
 }
 

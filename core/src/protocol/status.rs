@@ -92,14 +92,9 @@ pub struct L2StatusReport {
     pub tls: bool,
     /// Whether values carry a MAC under the cluster secret (`--l2-secret-file`).
     pub authenticated_values: bool,
-    pub queue_bytes: u64,
-    pub writes: u64,
-    pub write_drops: u64,
-    pub hits: u64,
-    pub misses: u64,
-    pub corrupt: u64,
-    pub timeouts: u64,
-    pub errors: u64,
+    /// The counters, as keys of this section (`hits`, `misses`, `queue_bytes`, ...).
+    #[serde(flatten)]
+    pub counters: crate::l2::L2Counters,
 }
 
 /// The `trust` section.

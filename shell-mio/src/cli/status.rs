@@ -184,14 +184,14 @@ fn l2_line(l2: &L2StatusReport) -> String {
          timeouts {}, errors {})\n",
         l2.state,
         l2.nodes.join(","),
-        l2.queue_bytes,
-        l2.writes,
-        l2.write_drops,
-        l2.hits,
-        l2.misses,
-        l2.corrupt,
-        l2.timeouts,
-        l2.errors,
+        l2.counters.queue_bytes,
+        l2.counters.writes,
+        l2.counters.write_drops,
+        l2.counters.hits,
+        l2.counters.misses,
+        l2.counters.corrupt,
+        l2.counters.timeouts,
+        l2.counters.errors,
     )
 }
 
