@@ -9,6 +9,10 @@ use rmpv::Value;
 use std::path::Path;
 use std::process::Command;
 
+/// What the server logs when closing a worker's device mapping fails (a test that sees it
+/// has a mapping left open).
+pub const CLOSE_FAILED: &str = "closing a CUDA mapping failed";
+
 /// Device memory the stand-in reports (`KVWARDEN_CUDA_STANDIN_TOTAL_BYTES`).
 pub const STANDIN_TOTAL_BYTES: u64 = 1 << 30;
 
@@ -191,4 +195,90 @@ pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
         .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
         .collect()
+}
+
+/// A registered device buffer's bytes through L1 and back (row 18): `chunk` distinct
+/// bytes written at `store_at` of the worker's device memory (`device`, the worker's
+/// allocation as a file) are stored under `key` (buffer 0 of `instance`), then retrieved
+/// into `[512 KiB, 512 KiB + chunk)`, which still holds the worker's fill (0x5a): that
+/// window gets exactly the stored bytes, and the bytes either side of it stay untouched.
+pub fn assert_device_round_trip(
+    raw: &mut RawClient,
+    instance: u64,
+    device: &std::fs::File,
+    key: &[u8],
+    store_at: u64,
+    seed: u8,
+) {
+    use std::os::unix::fs::FileExt;
+    let chunk = 64 << 10; // one L1 slot
+    let into = 512 << 10;
+    let written = pattern(chunk, seed);
+    device
+        .write_all_at(&written, store_at)
+        .expect("writing device memory");
+    assert_eq!(
+        transfer(raw, "store", instance, key, store_at, chunk as u64),
+        Value::Boolean(true)
+    );
+    let mut before = vec![0u8; chunk + 2];
+    device
+        .read_exact_at(&mut before, into - 1)
+        .expect("reading device memory");
+    assert!(before.iter().all(|&b| b == 0x5a), "the worker filled it");
+    assert_eq!(
+        transfer(raw, "retrieve", instance, key, into, chunk as u64),
+        Value::from(chunk as u64)
+    );
+    let mut after = vec![0u8; chunk + 2];
+    device
+        .read_exact_at(&mut after, into - 1)
+        .expect("reading device memory");
+    assert_eq!(after[0], 0x5a, "the byte before the window is untouched");
+    assert_eq!(
+        after[chunk + 1],
+        0x5a,
+        "the byte after the window is untouched"
+    );
+    assert!(
+        after[1..=chunk] == written[..],
+        "retrieved bytes differ from stored ones"
+    );
+}
+
+/// A store of a window that ends past a registered buffer of `len` bytes is refused
+/// before any copy.
+pub fn assert_store_past_the_end_refused(raw: &mut RawClient, instance: u64, len: u64) {
+    let chunk = 64u64 << 10;
+    let past = raw
+        .request(
+            "store",
+            vec![
+                instance.into(),
+                Value::Binary(b"past".to_vec()),
+                0u64.into(),
+                (len - 4096).into(),
+                chunk.into(),
+            ],
+        )
+        .expect("a reply");
+    assert!(past.result.is_err(), "{past:?}");
+}
+
+/// The CUDA worker stops cleanly on SIGTERM: it unregisters, the server frees its context
+/// (closing its mapping), and the device has all its memory back.
+pub fn assert_clean_exit_gives_the_memory_back(
+    worker: &mut Worker,
+    server: &Server,
+    standin: &StandIn,
+    instance: u64,
+) {
+    worker.signal(rustix::process::Signal::TERM);
+    worker.wait_line("a clean shutdown", |l| l == "shutdown=clean");
+    standin.wait_used("the device memory back after a clean exit", 0);
+    let status = server.wait_status("the context freed", |s| {
+        crate::find_instance(s, instance).is_none()
+    });
+    assert_eq!(crate::freed(&status, "unregistered"), 1, "{status}");
+    assert!(!server.log().contains(CLOSE_FAILED), "{}", server.log());
 }

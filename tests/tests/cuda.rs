@@ -235,8 +235,6 @@ fn register(raw: &mut RawClient, instance: u64, spec: Value) -> kvwarden_core::p
     .expect("a reply to register_kv_cache")
 }
 
-const CLOSE_FAILED: &str = "closing a CUDA IPC mapping failed";
-
 /// No row of its own (the data path) and row 18: a worker's device memory, registered
 /// over CUDA IPC, is copied into L1 by `store` and back by `retrieve` byte for byte
 /// (the server's cuMemcpyDtoH/HtoD on its IPC mapping); a clean shutdown unregisters,
@@ -264,71 +262,10 @@ fn row_18_cuda_worker_stores_and_retrieves_bytes_intact_and_a_clean_exit_closes_
     let (device, _) = device_memory_of(pid);
     let mut raw = RawClient::connect_attached(&server.socket, instance);
 
-    let chunk = 64 << 10; // one L1 slot
-    let written = pattern(chunk, 7);
-    device
-        .write_all_at(&written, 4096)
-        .expect("writing device memory");
-    assert_eq!(
-        transfer(&mut raw, "store", instance, b"k1", 4096, chunk as u64),
-        Value::Boolean(true)
-    );
-    // Another window of the device buffer, still the worker's fill (0x5a): the retrieve
-    // must overwrite it with the stored bytes, and only it.
-    let mut before = vec![0u8; chunk + 2];
-    device
-        .read_exact_at(&mut before, (512 << 10) - 1)
-        .expect("reading device memory");
-    assert!(before.iter().all(|&b| b == 0x5a), "the worker filled it");
-    assert_eq!(
-        transfer(
-            &mut raw,
-            "retrieve",
-            instance,
-            b"k1",
-            512 << 10,
-            chunk as u64
-        ),
-        Value::from(chunk as u64)
-    );
-    let mut after = vec![0u8; chunk + 2];
-    device
-        .read_exact_at(&mut after, (512 << 10) - 1)
-        .expect("reading device memory");
-    assert_eq!(after[0], 0x5a, "the byte before the window is untouched");
-    assert_eq!(
-        after[chunk + 1],
-        0x5a,
-        "the byte after the window is untouched"
-    );
-    assert!(
-        after[1..=chunk] == written[..],
-        "retrieved bytes differ from stored ones"
-    );
-    // A window past the buffer's end is refused before any copy.
-    let past = raw
-        .request(
-            "store",
-            vec![
-                instance.into(),
-                Value::Binary(b"k2".to_vec()),
-                0u64.into(),
-                ((1u64 << 20) - 4096).into(),
-                (chunk as u64).into(),
-            ],
-        )
-        .expect("a reply");
-    assert!(past.result.is_err(), "{past:?}");
+    assert_device_round_trip(&mut raw, instance, &device, b"k1", 4096, 7);
+    assert_store_past_the_end_refused(&mut raw, instance, 1 << 20);
     drop(raw);
-
-    worker.signal(rustix::process::Signal::TERM);
-    worker.wait_line("a clean shutdown", |l| l == "shutdown=clean");
-    standin.wait_used("the device memory back after a clean exit", 0);
-    let status = server.wait_status("the context freed", |s| {
-        find_instance(s, instance).is_none()
-    });
-    assert_eq!(freed(&status, "unregistered"), 1, "{status}");
-    assert!(!server.log().contains(CLOSE_FAILED), "{}", server.log());
+    assert_clean_exit_gives_the_memory_back(&mut worker, &server, &standin, instance);
 }
 
 /// Row 24 (bad input) for `cuda_ipc` buffers: a handle that is not one, a window past

@@ -93,70 +93,11 @@ fn row_18_vmm_worker_stores_and_retrieves_bytes_intact_and_a_clean_exit_unmaps()
     let device = vmm_memory_of(worker.child.id());
     let mut raw = RawClient::connect_attached(&server.socket, instance);
 
-    let chunk = 64 << 10;
-    let written = pattern(chunk, 11);
-    device
-        .write_all_at(&written, 8192)
-        .expect("writing device memory");
-    assert_eq!(
-        transfer(&mut raw, "store", instance, b"v1", 8192, chunk as u64),
-        Value::Boolean(true)
-    );
-    let mut before = vec![0u8; chunk + 2];
-    device
-        .read_exact_at(&mut before, (512 << 10) - 1)
-        .expect("reading device memory");
-    assert!(before.iter().all(|&b| b == 0x5a), "the worker filled it");
-    assert_eq!(
-        transfer(
-            &mut raw,
-            "retrieve",
-            instance,
-            b"v1",
-            512 << 10,
-            chunk as u64
-        ),
-        Value::from(chunk as u64)
-    );
-    let mut after = vec![0u8; chunk + 2];
-    device
-        .read_exact_at(&mut after, (512 << 10) - 1)
-        .expect("reading device memory");
-    assert_eq!(after[0], 0x5a, "the byte before the window is untouched");
-    assert_eq!(
-        after[chunk + 1],
-        0x5a,
-        "the byte after the window is untouched"
-    );
-    assert!(after[1..=chunk] == written[..], "retrieved bytes differ");
+    assert_device_round_trip(&mut raw, instance, &device, b"v1", 8192, 11);
     // The buffer is the 1 MiB the worker registered, not the whole 2 MiB allocation.
-    let past = raw
-        .request(
-            "store",
-            vec![
-                instance.into(),
-                Value::Binary(b"v2".to_vec()),
-                0u64.into(),
-                ((1u64 << 20) - 4096).into(),
-                (chunk as u64).into(),
-            ],
-        )
-        .expect("a reply");
-    assert!(past.result.is_err(), "{past:?}");
+    assert_store_past_the_end_refused(&mut raw, instance, 1 << 20);
     drop(raw);
-
-    worker.signal(rustix::process::Signal::TERM);
-    worker.wait_line("a clean shutdown", |l| l == "shutdown=clean");
-    standin.wait_used("the device memory back after a clean exit", 0);
-    let status = server.wait_status("the context freed", |s| {
-        find_instance(s, instance).is_none()
-    });
-    assert_eq!(freed(&status, "unregistered"), 1, "{status}");
-    assert!(
-        !server.log().contains("closing a CUDA mapping failed"),
-        "{}",
-        server.log()
-    );
+    assert_clean_exit_gives_the_memory_back(&mut worker, &server, &standin, instance);
 }
 
 /// Row 1 with a VMM allocation: the server's mapping alone keeps a SIGKILLed exporter's

@@ -1,7 +1,9 @@
 //! The worker's side of CUDA IPC, and the copy benchmark's baseline: device memory
 //! allocated and exported (`kvwarden worker --cuda-bytes`), and page-locked host memory.
 
-use super::{Context, CudaError, Gpu, IPC_HANDLE_BYTES, map_vmm, vmm_granularity, vmm_properties};
+use super::{
+    Context, CudaError, Gpu, IPC_HANDLE_BYTES, failed, map_vmm, vmm_granularity, vmm_properties,
+};
 use crate::client::ClientBuffer;
 use cudarc::driver::{result, sys};
 use rustix::fd::{FromRawFd, OwnedFd};
@@ -41,27 +43,20 @@ impl ExportedBuffer {
     ) -> Result<ExportedBuffer, CudaError> {
         let context = gpu.context(device)?;
         context.make_current()?;
-        let driver = |call| {
-            move |error| CudaError::Driver {
-                call,
-                device,
-                error,
-            }
-        };
         // SAFETY: plain device allocation; the memory is initialised right below.
-        let ptr = unsafe { result::malloc_sync(nbytes) }.map_err(driver("cuMemAlloc"))?;
+        let ptr = unsafe { result::malloc_sync(nbytes) }.map_err(failed(device, "cuMemAlloc"))?;
         let mut handle = [0; IPC_HANDLE_BYTES];
         // SAFETY: `ptr` points to `nbytes` bytes allocated above.
         unsafe { sys::cuMemsetD8_v2(ptr, fill, nbytes) }
             .result()
-            .map_err(driver("cuMemsetD8"))?;
+            .map_err(failed(device, "cuMemsetD8"))?;
         let mut raw = sys::CUipcMemHandle {
             reserved: [0; IPC_HANDLE_BYTES],
         };
         // SAFETY: `raw` is a valid out-pointer; `ptr` is the base of an allocation.
         unsafe { sys::cuIpcGetMemHandle(&mut raw, ptr) }
             .result()
-            .map_err(driver("cuIpcGetMemHandle"))?;
+            .map_err(failed(device, "cuIpcGetMemHandle"))?;
         for (dst, &src) in handle.iter_mut().zip(raw.reserved.iter()) {
             *dst = src as u8;
         }
@@ -84,13 +79,6 @@ impl ExportedBuffer {
     ) -> Result<ExportedBuffer, CudaError> {
         let context = gpu.context(device)?;
         context.make_current()?;
-        let driver = |call| {
-            move |error| CudaError::Driver {
-                call,
-                device,
-                error,
-            }
-        };
         let granularity = vmm_granularity(device)?;
         let allocation_bytes = nbytes.max(1).div_ceil(granularity) * granularity;
         let prop = vmm_properties(device);
@@ -98,7 +86,7 @@ impl ExportedBuffer {
         // SAFETY: valid pointers; a size that is a multiple of the granularity.
         unsafe { sys::cuMemCreate(&mut handle, allocation_bytes, &prop, 0) }
             .result()
-            .map_err(driver("cuMemCreate"))?;
+            .map_err(failed(device, "cuMemCreate"))?;
         let release = |error: CudaError| {
             // SAFETY: `handle` came from cuMemCreate and is released once, here.
             let _ = unsafe { sys::cuMemRelease(handle) };
@@ -115,7 +103,7 @@ impl ExportedBuffer {
             )
         }
         .result()
-        .map_err(|error| release(driver("cuMemExportToShareableHandle")(error)))?;
+        .map_err(|error| release(failed(device, "cuMemExportToShareableHandle")(error)))?;
         // SAFETY: the driver just created this fd for the caller, who owns it.
         let fd = unsafe { OwnedFd::from_raw_fd(raw_fd) };
         let ptr = map_vmm(context, handle, allocation_bytes).map_err(release)?;
@@ -187,11 +175,7 @@ impl ExportedBuffer {
             sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), self.ptr + offset as u64, dst.len())
         }
         .result()
-        .map_err(|error| CudaError::Driver {
-            call: "cuMemcpyDtoH",
-            device: self.context.device,
-            error,
-        })
+        .map_err(failed(self.context.device, "cuMemcpyDtoH"))
     }
 }
 
@@ -203,11 +187,7 @@ impl ExportedBuffer {
         // SAFETY: the range is inside the allocation (checked above).
         unsafe { sys::cuMemcpyHtoD_v2(self.ptr + offset as u64, src.as_ptr().cast(), src.len()) }
             .result()
-            .map_err(|error| CudaError::Driver {
-                call: "cuMemcpyHtoD",
-                device: self.context.device,
-                error,
-            })
+            .map_err(failed(self.context.device, "cuMemcpyHtoD"))
     }
 
     /// Sets every byte of the buffer to `byte`.
@@ -217,11 +197,7 @@ impl ExportedBuffer {
         // mapped by `allocate_vmm`.
         unsafe { sys::cuMemsetD8_v2(self.ptr, byte, self.nbytes) }
             .result()
-            .map_err(|error| CudaError::Driver {
-                call: "cuMemsetD8",
-                device: self.context.device,
-                error,
-            })
+            .map_err(failed(self.context.device, "cuMemsetD8"))
     }
 }
 
@@ -271,11 +247,7 @@ impl PinnedHost {
         // SAFETY: a valid out-pointer; flags 0 = plain page-locked memory.
         unsafe { sys::cuMemHostAlloc(&mut ptr, nbytes.max(1), 0) }
             .result()
-            .map_err(|error| CudaError::Driver {
-                call: "cuMemHostAlloc",
-                device,
-                error,
-            })?;
+            .map_err(failed(device, "cuMemHostAlloc"))?;
         Ok(PinnedHost {
             context,
             ptr: ptr.cast(),
@@ -323,11 +295,7 @@ impl ExportedBuffer {
         // SAFETY: both ranges were checked; `host` is exclusively borrowed.
         unsafe { sys::cuMemcpyDtoH_v2(host.ptr.cast(), self.ptr + offset as u64, nbytes) }
             .result()
-            .map_err(|error| CudaError::Driver {
-                call: "cuMemcpyDtoH",
-                device: self.context.device,
-                error,
-            })
+            .map_err(failed(self.context.device, "cuMemcpyDtoH"))
     }
 
     /// Pinned host → device copy of `nbytes` to `offset` (the G2 baseline).
@@ -355,11 +323,7 @@ impl ExportedBuffer {
             )
         }
         .result()
-        .map_err(|error| CudaError::Driver {
-            call: "cuMemcpyHtoD",
-            device: self.context.device,
-            error,
-        })
+        .map_err(failed(self.context.device, "cuMemcpyHtoD"))
     }
 
     fn check(&self, offset: usize, nbytes: usize) -> Result<(), CudaError> {

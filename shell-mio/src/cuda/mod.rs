@@ -64,6 +64,15 @@ pub enum CudaError {
     },
 }
 
+/// The error of driver call `call` on `device`, for `map_err`.
+fn failed(device: u32, call: &'static str) -> impl FnOnce(result::DriverError) -> CudaError {
+    move |error| CudaError::Driver {
+        call,
+        device,
+        error,
+    }
+}
+
 /// A primary context, usable from any thread once made current there.
 #[derive(Copy, Clone, Debug)]
 struct Context {
@@ -82,11 +91,8 @@ impl Context {
     fn make_current(self) -> Result<(), CudaError> {
         // SAFETY: `raw` came from cuDevicePrimaryCtxRetain and is never released while
         // the process runs.
-        unsafe { result::ctx::set_current(self.raw) }.map_err(|error| CudaError::Driver {
-            call: "cuCtxSetCurrent",
-            device: self.device,
-            error,
-        })
+        unsafe { result::ctx::set_current(self.raw) }
+            .map_err(failed(self.device, "cuCtxSetCurrent"))
     }
 }
 
@@ -151,17 +157,10 @@ impl Gpu {
                 contexts.push(None);
                 continue;
             }
-            let driver = |call| {
-                move |error| CudaError::Driver {
-                    call,
-                    device,
-                    error,
-                }
-            };
-            let handle = result::device::get(ordinal).map_err(driver("cuDeviceGet"))?;
+            let handle = result::device::get(ordinal).map_err(failed(device, "cuDeviceGet"))?;
             // SAFETY: `handle` came from cuDeviceGet.
             let raw = unsafe { result::primary_ctx::retain(handle) }
-                .map_err(driver("cuDevicePrimaryCtxRetain"))?;
+                .map_err(failed(device, "cuDevicePrimaryCtxRetain"))?;
             contexts.push(Some(Context { raw, device }));
         }
         Ok(Gpu { contexts })
@@ -190,11 +189,8 @@ impl Gpu {
             .flatten()
             .map(|context| {
                 context.make_current()?;
-                let (free, total) = result::mem_get_info().map_err(|error| CudaError::Driver {
-                    call: "cuMemGetInfo",
-                    device: context.device,
-                    error,
-                })?;
+                let (free, total) =
+                    result::mem_get_info().map_err(failed(context.device, "cuMemGetInfo"))?;
                 Ok(DeviceMemory {
                     device: context.device,
                     free_bytes: free as u64,
@@ -233,11 +229,7 @@ impl Gpu {
             )
         }
         .result()
-        .map_err(|error| CudaError::Driver {
-            call: "cuIpcOpenMemHandle",
-            device,
-            error,
-        })?;
+        .map_err(failed(device, "cuIpcOpenMemHandle"))?;
         let mapping = DeviceMapping {
             context,
             base,
@@ -294,13 +286,6 @@ impl Gpu {
         }
         let context = self.context(device)?;
         context.make_current()?;
-        let driver = |call| {
-            move |error| CudaError::Driver {
-                call,
-                device,
-                error,
-            }
-        };
         let size = usize::try_from(allocation_bytes).map_err(|_| CudaError::OutOfRange {
             offset,
             nbytes,
@@ -325,7 +310,7 @@ impl Gpu {
             )
         }
         .result()
-        .map_err(driver("cuMemImportFromShareableHandle"))?;
+        .map_err(failed(device, "cuMemImportFromShareableHandle"))?;
         let mapped = map_vmm(context, handle, size);
         // SAFETY: `handle` came from the import above and is released once; a mapping
         // made from it keeps the memory.
@@ -362,11 +347,7 @@ impl Gpu {
             sys::cuMemHostRegister_v2(ptr.cast::<c_void>(), len, 0x1 /* PORTABLE */)
         }
         .result()
-        .map_err(|error| CudaError::Driver {
-            call: "cuMemHostRegister",
-            device: context.device,
-            error,
-        })
+        .map_err(failed(context.device, "cuMemHostRegister"))
     }
 }
 
@@ -412,11 +393,7 @@ fn vmm_granularity(device: u32) -> Result<usize, CudaError> {
         )
     }
     .result()
-    .map_err(|error| CudaError::Driver {
-        call: "cuMemGetAllocationGranularity",
-        device,
-        error,
-    })?;
+    .map_err(failed(device, "cuMemGetAllocationGranularity"))?;
     Ok(granularity.max(1))
 }
 
@@ -428,22 +405,15 @@ fn map_vmm(
     size: usize,
 ) -> Result<sys::CUdeviceptr, CudaError> {
     let device = context.device;
-    let driver = |call| {
-        move |error| CudaError::Driver {
-            call,
-            device,
-            error,
-        }
-    };
     let mut base: sys::CUdeviceptr = 0;
     // SAFETY: valid out-pointer; no fixed address, default alignment.
     unsafe { sys::cuMemAddressReserve(&mut base, size, 0, 0, 0) }
         .result()
-        .map_err(driver("cuMemAddressReserve"))?;
+        .map_err(failed(device, "cuMemAddressReserve"))?;
     // SAFETY: `base..base + size` was reserved above; `handle` is a live import.
     let mapped = unsafe { sys::cuMemMap(base, size, 0, handle, 0) }
         .result()
-        .map_err(driver("cuMemMap"));
+        .map_err(failed(device, "cuMemMap"));
     let access = sys::CUmemAccessDesc {
         location: device_location(device),
         flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
@@ -452,7 +422,7 @@ fn map_vmm(
         // SAFETY: the range is mapped; one access descriptor.
         unsafe { sys::cuMemSetAccess(base, size, &access, 1) }
             .result()
-            .map_err(driver("cuMemSetAccess"))
+            .map_err(failed(device, "cuMemSetAccess"))
             .inspect_err(|_| {
                 // SAFETY: mapped just above, unmapped once.
                 let _ = unsafe { sys::cuMemUnmap(base, size) };
@@ -581,18 +551,14 @@ impl DeviceMapping {
     }
 
     fn driver(&self, call: &'static str, error: result::DriverError) -> CudaError {
-        CudaError::Driver {
-            call,
-            device: self.context.device,
-            error,
-        }
+        failed(self.context.device, call)(error)
     }
 }
 
 impl Drop for DeviceMapping {
     fn drop(&mut self) {
         if let Err(error) = self.close_once() {
-            tracing::error!(%error, "closing a CUDA IPC mapping failed");
+            tracing::error!(%error, "closing a CUDA mapping failed");
         }
     }
 }
