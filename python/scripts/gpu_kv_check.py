@@ -25,7 +25,7 @@ under ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``): a tensor in an expa
 segment registered as a ``cuda_vmm`` buffer (``kv_tensors.cuda_buffer``: the POSIX fd of
 ``cuMemExportToShareableHandle``), its blocks stored, zeroed, retrieved and compared,
 and what the driver exported printed (``gpu_kv vmm_fd_kind``: the server gives the
-driver only a character device or a memfd).
+driver only a character device, an anonymous inode or a memfd).
 
 Needs PyTorch with CUDA and msgpack (not vLLM). Exits 0 when every byte came back,
 1 when some did not, 2 when it cannot run here (no torch, no CUDA, no binary).
@@ -241,7 +241,9 @@ def check_vmm(sock: str, device: int) -> int:
         print(f"FAIL: vmm: an expandable segment's tensor gave {buffer!r}, not a CudaVmmBuffer")
         return 1
     mode = os.fstat(buffer.fd).st_mode
-    kind = "chr" if stat.S_ISCHR(mode) else "memfd/regular" if stat.S_ISREG(mode) else oct(mode)
+    link = os.readlink(f"/proc/self/fd/{buffer.fd}")
+    kind = "chr" if stat.S_ISCHR(mode) else "regular" if stat.S_ISREG(mode) else oct(mode)
+    kind = f"{kind} {link}"
     print(f"gpu_kv vmm_fd_kind {kind} allocation_bytes {buffer.allocation_bytes}")
     src, dst = list(range(8)), list(range(56, 64))
     expected = t.index_select(d, torch.tensor(src, device=t.device)).clone()

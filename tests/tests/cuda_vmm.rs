@@ -129,8 +129,8 @@ fn row_1_sigkilled_vmm_worker_unmapped_on_exit_and_device_memory_back() {
 /// asked. Then each lie is `bad_args` naming it and holds nothing: a window past the
 /// allocation, an allocation size larger than the allocation (the driver's cuMemMap
 /// refuses), a size the device could not have made (granularity), an fd that is a pipe
-/// (refused before the driver sees it), a plain memfd (the driver's import refuses),
-/// and an fd_index naming no fd.
+/// (refused before the driver sees it), a pidfd and a plain memfd (kinds the driver
+/// is asked about; its import refuses them), and an fd_index naming no fd.
 #[test]
 fn row_75_cuda_vmm_register_refuses_lying_sizes_and_fds_after_its_control() {
     let dir = TempDir::new("cuda-vmm-args");
@@ -141,7 +141,7 @@ fn row_75_cuda_vmm_register_refuses_lying_sizes_and_fds_after_its_control() {
     let worker = vmm_worker(&server, &standin, "2M", None);
     let device = vmm_memory_of(worker.child.id());
     let mut raw = RawClient::connect(&server.socket).expect("connect");
-    for instance in 3501..=3508 {
+    for instance in 3501..=3509 {
         raw.attach(instance);
     }
 
@@ -219,6 +219,20 @@ fn row_75_cuda_vmm_register_refuses_lying_sizes_and_fds_after_its_control() {
         vmm_spec(0, GRANULARITY, 0, 4096),
         Some(&pipe_read),
         &["its fd is a pipe", "cuMemExportToShareableHandle"],
+    );
+    // An anonymous inode (the kind a driver may export) goes to the driver, which
+    // refuses what it did not export.
+    let pidfd = rustix::process::pidfd_open(
+        rustix::process::getpid(),
+        rustix::process::PidfdFlags::empty(),
+    )
+    .expect("a pidfd");
+    refused(
+        &mut raw,
+        3508,
+        vmm_spec(0, GRANULARITY, 0, 4096),
+        Some(&pidfd),
+        &["cuMemImportFromShareableHandle", "CUDA_ERROR_INVALID_VALUE"],
     );
     let plain = kvwarden::memfd::create("not-a-cuda-export", GRANULARITY).expect("a memfd");
     refused(

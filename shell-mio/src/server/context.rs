@@ -325,13 +325,24 @@ fn import_cuda_vmm(
 }
 
 /// What `fd` is when it cannot be a CUDA VMM export, or None when it may be. The
-/// driver exports a character device's fd (and the stand-in driver of the tests a
-/// memfd); anything else — a socket, a pipe, a file on a file system a neighbour runs —
-/// is refused before the driver acts on it. Asked without consulting a file system:
-/// `F_GET_SEALS`, then `statx` with `AT_STATX_DONT_SYNC`.
+/// driver exports a character device's fd or an anonymous inode's (and the stand-in
+/// driver of the tests a memfd); anything else — a socket, a pipe, a file on a file
+/// system a neighbour runs — is refused before the driver acts on it. Asked without
+/// consulting a file system: `F_GET_SEALS`, the fd's name in `/proc/self/fd` (the
+/// kernel's `anon_inode:` prefix, which no path can take: a path starts with `/`), then
+/// `statx` with `AT_STATX_DONT_SYNC`.
 fn not_a_vmm_export(fd: &PeerFd) -> Option<&'static str> {
+    use rustix::fd::AsRawFd;
     use rustix::fs::{AtFlags, FileType, StatxFlags};
     if rustix::fs::fcntl_get_seals(fd).is_ok() {
+        return None;
+    }
+    let name = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_fd().as_raw_fd()));
+    if name.is_ok_and(|name| {
+        name.as_os_str()
+            .as_encoded_bytes()
+            .starts_with(b"anon_inode:")
+    }) {
         return None;
     }
     let flags = AtFlags::EMPTY_PATH | AtFlags::STATX_DONT_SYNC;
