@@ -9,7 +9,7 @@
 //!   `cuMemcpyDtoH`/`HtoD` of the same chunks (G2).
 
 use clap::builder::TypedValueParser as _;
-use kvwarden::cuda::{ExportedBuffer, Gpu, PinnedHost};
+use kvwarden::cuda::{CudaAllocator, ExportedBuffer, Gpu, PinnedHost};
 use kvwarden_bench::process::{ServerProcess, WorkerProcess};
 use kvwarden_bench::raw::RawConnection;
 use kvwarden_client::{Client, ClientConfig, Endpoint};
@@ -80,6 +80,11 @@ pub struct ReclaimArgs {
     /// last worker's exit.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64).map(|n| n as usize))]
     workers: usize,
+    /// How the workers allocate and share their memory: `malloc` (cuMemAlloc, cuda_ipc)
+    /// or `vmm` (cuMemCreate, cuda_vmm: its fd travels over the Unix socket, so not with
+    /// --control).
+    #[arg(long, value_enum, default_value_t = CudaAllocator::Malloc)]
+    cuda_allocator: CudaAllocator,
 }
 
 /// Flags of `kvwarden gpu copy`.
@@ -97,6 +102,10 @@ pub struct GpuCopyArgs {
     /// The device.
     #[arg(long, default_value_t = 0)]
     device: u32,
+    /// How each client's device buffer is allocated and shared: `malloc` (cuMemAlloc,
+    /// cuda_ipc) or `vmm` (cuMemCreate, cuda_vmm).
+    #[arg(long, value_enum, default_value_t = CudaAllocator::Malloc)]
+    cuda_allocator: CudaAllocator,
 }
 
 /// Runs `kvwarden gpu …`.
@@ -153,7 +162,13 @@ fn reclaim(gpu: &Gpu, args: &ReclaimArgs) -> Result<(), String> {
     if args.control && workers > 1 {
         return Err("--control runs one worker; leave out --workers (or pass --workers 1)".into());
     }
-    let gib = args.bytes as f64 / f64::from(1u32 << 30);
+    if args.control && args.cuda_allocator == CudaAllocator::Vmm {
+        return Err(
+            "--control runs its worker over TCP, which carries no fd, so not a cuda_vmm \
+             buffer; leave out --cuda-allocator vmm (or --control)"
+                .into(),
+        );
+    }
     let server = if args.control {
         start_server(&[
             "--worker-reap-timeout-seconds",
@@ -203,25 +218,34 @@ fn reclaim(gpu: &Gpu, args: &ReclaimArgs) -> Result<(), String> {
             args.wait_seconds, args.rounds
         ));
     }
-    let (max, median) = max_and_median(&mut from_kill_ms);
-    let (max_after_exit, median_after_exit) = max_and_median(&mut from_last_exit_ms);
+    print_reclaim(args, &mut from_kill_ms, &mut from_last_exit_ms);
+    drop(server);
+    Ok(())
+}
+
+/// G1's line (one worker) or G3's two (several): the slowest and median times from the
+/// SIGKILL, and for G3 from the last exit, to the memory back (ms, one per round).
+fn print_reclaim(args: &ReclaimArgs, from_kill_ms: &mut [f64], from_last_exit_ms: &mut [f64]) {
+    let workers = args.workers.max(1);
+    let gib = args.bytes as f64 / f64::from(1u32 << 30);
+    let (max, median) = max_and_median(from_kill_ms);
+    let (max_after_exit, median_after_exit) = max_and_median(from_last_exit_ms);
+    let vmm = figure_prefix(args.cuda_allocator);
     if workers == 1 {
         println!(
-            "G1 reclaim_after_sigkill_ms_max {max:.1} ms (target <= 100 ms; {gib:.1} GiB, {} rounds, median {median:.1} ms)",
+            "G1 {vmm}reclaim_after_sigkill_ms_max {max:.1} ms (target <= 100 ms; {gib:.1} GiB, {} rounds, median {median:.1} ms)",
             args.rounds
         );
     } else {
         println!(
-            "G3 reclaim_all_after_last_exit_ms_max {max_after_exit:.1} ms (target <= 50 ms; {workers} workers x {gib:.1} GiB, {} rounds, median {median_after_exit:.1} ms)",
+            "G3 {vmm}reclaim_all_after_last_exit_ms_max {max_after_exit:.1} ms (target <= 50 ms; {workers} workers x {gib:.1} GiB, {} rounds, median {median_after_exit:.1} ms)",
             args.rounds
         );
         println!(
-            "G3 reclaim_all_after_sigkill_ms_max {max:.1} ms ({workers} workers x {gib:.1} GiB, {} rounds, median {median:.1} ms)",
+            "G3 {vmm}reclaim_all_after_sigkill_ms_max {max:.1} ms ({workers} workers x {gib:.1} GiB, {} rounds, median {median:.1} ms)",
             args.rounds
         );
     }
-    drop(server);
-    Ok(())
 }
 
 /// One round: `--workers` workers register `--bytes` of device memory each and are
@@ -246,6 +270,8 @@ fn reclaim_round(
         args.device.to_string(),
         "--traffic-every-ms".into(),
         "0".into(),
+        "--cuda-allocator".into(),
+        args.cuda_allocator.label().into(),
     ]);
     // Each returns once its worker has registered its device memory.
     let mut started = Vec::with_capacity(workers);
@@ -403,22 +429,50 @@ fn copy(gpu: &Gpu, args: &GpuCopyArgs) -> Result<(), String> {
         slowest.0 = slowest.0.max(stored);
         slowest.1 = slowest.1.max(retrieved);
     }
-    let store = bandwidth(total * chunk, slowest.0);
-    let retrieve = bandwidth(total * chunk, slowest.1);
-    let mib = chunk >> 20;
-    println!("G2 baseline_dtoh_pinned {dtoh:.2} GB/s ({mib} MiB chunks, one stream)");
-    println!("G2 baseline_htod_pinned {htod:.2} GB/s ({mib} MiB chunks, one stream)");
-    println!("G2 store_device_to_l1 {store:.2} GB/s ({clients} clients)");
-    println!("G2 retrieve_l1_to_device {retrieve:.2} GB/s ({clients} clients)");
-    println!("G2 store_ratio {:.2} (target >= 0.8)", store / dtoh);
-    println!("G2 retrieve_ratio {:.2} (target >= 0.8)", retrieve / htod);
-    println!(
-        "G2 retrieved_bytes_identical yes ({} chunks of {clients} clients compared byte for byte)",
-        rounds.min(chunks_per_buffer) * clients
+    let compared = rounds.min(chunks_per_buffer) * clients;
+    let moved = |took| bandwidth(total * chunk, took);
+    print_g2(
+        args,
+        (dtoh, htod),
+        (moved(slowest.0), moved(slowest.1)),
+        compared,
     );
     check_no_ping_answered_false(&server)?;
     drop(server);
     Ok(())
+}
+
+/// G2's lines: the pinned baselines, then the store and retrieve rates (GB/s) and their
+/// ratios to them, and how many chunks were compared.
+fn print_g2(
+    args: &GpuCopyArgs,
+    (dtoh, htod): (f64, f64),
+    (store, retrieve): (f64, f64),
+    compared: usize,
+) {
+    let (clients, mib) = (args.clients.max(1), args.chunk_bytes >> 20);
+    let vmm = figure_prefix(args.cuda_allocator);
+    println!("G2 baseline_dtoh_pinned {dtoh:.2} GB/s ({mib} MiB chunks, one stream)");
+    println!("G2 baseline_htod_pinned {htod:.2} GB/s ({mib} MiB chunks, one stream)");
+    println!("G2 {vmm}store_device_to_l1 {store:.2} GB/s ({clients} clients)");
+    println!("G2 {vmm}retrieve_l1_to_device {retrieve:.2} GB/s ({clients} clients)");
+    println!("G2 {vmm}store_ratio {:.2} (target >= 0.8)", store / dtoh);
+    println!(
+        "G2 {vmm}retrieve_ratio {:.2} (target >= 0.8)",
+        retrieve / htod
+    );
+    println!(
+        "G2 retrieved_bytes_identical yes ({compared} chunks of {clients} clients compared byte for byte)"
+    );
+}
+
+/// What a figure's name starts with for `allocator`'s memory: the cuMemCreate figures
+/// are lines of their own (`vmm_…`), as the targets are measured on cuMemAlloc memory.
+fn figure_prefix(allocator: CudaAllocator) -> &'static str {
+    match allocator {
+        CudaAllocator::Malloc => "",
+        CudaAllocator::Vmm => "vmm_",
+    }
 }
 
 /// The baseline: `total` plain copies of `chunk` bytes each way between one client's
@@ -465,8 +519,9 @@ fn store_phase(
     chunk: usize,
     buffer_bytes: usize,
 ) -> Result<(Client, ExportedBuffer, Duration), String> {
-    let exported = ExportedBuffer::allocate(gpu, args.device, buffer_bytes, c as u8)
-        .map_err(|e| e.to_string())?;
+    let exported =
+        ExportedBuffer::allocate_with(args.cuda_allocator, gpu, args.device, buffer_bytes, c as u8)
+            .map_err(|e| e.to_string())?;
     let client = Client::connect(ClientConfig::new(Endpoint::Unix(socket.to_path_buf())))
         .map_err(|e| e.to_string())?;
     client

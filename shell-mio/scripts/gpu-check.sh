@@ -4,8 +4,9 @@
 # Run from the repository root, with a kvwarden built elsewhere if this host has no
 # cargo (x86-64, `cargo build --release -p kvwarden-cli`; CUDA is loaded at run time):
 #   KVWARDEN_BIN=path/to/kvwarden shell-mio/scripts/gpu-check.sh
-# Prints one figure per line (`G1 …`, `G2 …`, `G3 …`) and finishes in well under 4
-# minutes on an H200. Every step fails (and stops the script) when the server answered
+# Prints one figure per line (`G1 …`, `G2 …`, `G3 …`; those of cuMemCreate memory,
+# registered as cuda_vmm, named `vmm_…`) and finishes in well under 4 minutes on an
+# H200 (not yet timed with the VMM steps). Every step fails (and stops the script) when the server answered
 # a ping `false` (a live worker told that its instance is not held voids the figures),
 # when a retrieved chunk's bytes differ from what was stored, or when memory does not
 # come back. `shell-mio/scripts/gpu-all.sh` runs this and gpu-kv-check.sh as one job.
@@ -48,5 +49,9 @@ timeout 60 "$bin" gpu copy --device "$device" --chunk-bytes 8M --total-bytes "$c
 
 step "issue 16: one client, 8 MiB chunks (a live worker's ping answered false fails the run)"
 timeout 60 "$bin" gpu copy --device "$device" --chunk-bytes 8M --total-bytes "$copy_bytes" --clients 1
+
+step "VMM memory (cuMemCreate, cuda_vmm): G1's kill once, G2's 2 MiB copies (own lines, vmm_)"
+timeout 60 "$bin" gpu reclaim --bytes "$bytes" --device "$device" --rounds 1 --wait-seconds 10 --cuda-allocator vmm
+timeout 60 "$bin" gpu copy --device "$device" --chunk-bytes 2M --total-bytes "$copy_bytes" --clients 4 --cuda-allocator vmm
 
 step "done"

@@ -612,6 +612,8 @@ fn row_1_the_prepared_gpu_job_prints_g1_to_g3_and_fails_loudly_without_a_device(
         "G2 store_ratio ",
         "G2 retrieve_ratio ",
         "G2 retrieved_bytes_identical yes",
+        "G1 vmm_reclaim_after_sigkill_ms_max ",
+        "G2 vmm_store_ratio ",
         "gpu-check passed",
         "gpu-kv-check SKIPPED",
     ] {

@@ -256,3 +256,64 @@ fn row_75_cuda_vmm_register_refuses_lying_sizes_and_fds_after_its_control() {
     );
     drop(worker);
 }
+
+/// Row 1 with VMM memory, as the GPU job measures it: `kvwarden gpu reclaim
+/// --cuda-allocator vmm` SIGKILLs a worker holding cuMemCreate memory each round and sees
+/// it all back (`G1 vmm_reclaim_after_sigkill_ms_max`); `gpu copy --cuda-allocator vmm`
+/// moves every chunk through L1 byte for byte (`G2 vmm_store_ratio`). Its control runs
+/// over TCP, which carries no fd: asked for with VMM memory it is refused, naming why.
+#[test]
+fn row_1_gpu_reclaim_and_gpu_copy_run_with_vmm_memory_against_the_standin() {
+    let dir = TempDir::new("cuda-vmm-gpu-tools");
+    let Some(standin) = StandIn::build(&dir) else {
+        return;
+    };
+    let run = |args: &[&str]| {
+        let output = standin.command(args).output().expect("kvwarden gpu");
+        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+        let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+        (output.status, stdout, stderr)
+    };
+    let vmm = ["--cuda-allocator", "vmm"];
+    let (status, stdout, stderr) = run(&[
+        &["gpu", "reclaim", "--bytes", "64M", "--rounds", "2"][..],
+        &vmm,
+    ]
+    .concat());
+    assert!(status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("round 2: exited after") && !stdout.contains("NOT back"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("G1 vmm_reclaim_after_sigkill_ms_max"),
+        "{stdout}"
+    );
+    standin.wait_used("nothing left after gpu reclaim with VMM memory", 0);
+
+    let copy = [
+        "gpu",
+        "copy",
+        "--clients",
+        "2",
+        "--chunk-bytes",
+        "1M",
+        "--total-bytes",
+        "16M",
+    ];
+    let (status, stdout, stderr) = run(&[&copy[..], &vmm].concat());
+    assert!(status.success(), "{stdout}\n{stderr}");
+    for line in [
+        "G2 vmm_store_ratio",
+        "G2 vmm_retrieve_ratio",
+        "G2 retrieved_bytes_identical yes",
+    ] {
+        assert!(stdout.contains(line), "{line}: {stdout}");
+    }
+    standin.wait_used("nothing left after gpu copy with VMM memory", 0);
+
+    let (status, stdout, stderr) =
+        run(&[&["gpu", "reclaim", "--bytes", "64M", "--control"][..], &vmm].concat());
+    assert!(!status.success(), "{stdout}\n{stderr}");
+    assert!(stderr.contains("carries no fd"), "{stderr}");
+}

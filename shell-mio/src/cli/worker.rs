@@ -5,7 +5,7 @@
 //! `healthy=…`, `recoveries=… outcome=…`, `shutdown=clean`), so a test can follow it.
 
 use crate::client::{Client, ClientBuffer, MemfdBuffer};
-use crate::cuda::{ExportedBuffer, Gpu};
+use crate::cuda::{CudaAllocator, ExportedBuffer, Gpu};
 use kvwarden_core::InstanceId;
 use std::io::Write;
 use std::process::ExitCode;
@@ -66,15 +66,6 @@ pub struct WorkerArgs {
     no_send_pidfd: bool,
 }
 
-/// `--cuda-allocator`.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, clap::ValueEnum)]
-enum CudaAllocator {
-    /// cuMemAlloc, shared by its CUDA IPC handle.
-    Malloc,
-    /// cuMemCreate, shared by a POSIX fd.
-    Vmm,
-}
-
 /// Allocates and exports the worker's device buffer; the allocation lives as long as
 /// the returned value (the whole process).
 fn cuda_buffer(
@@ -84,11 +75,7 @@ fn cuda_buffer(
 ) -> Result<(ExportedBuffer, ClientBuffer), String> {
     let gpu = Gpu::probe_device(device).map_err(|e| format!("--cuda-bytes needs a GPU: {e}"))?;
     let len = usize::try_from(nbytes).map_err(|_| format!("--cuda-bytes {nbytes} is too large"))?;
-    let allocate = match allocator {
-        CudaAllocator::Malloc => ExportedBuffer::allocate,
-        CudaAllocator::Vmm => ExportedBuffer::allocate_vmm,
-    };
-    let exported = allocate(&gpu, device, len, 0x5a)
+    let exported = ExportedBuffer::allocate_with(allocator, &gpu, device, len, 0x5a)
         .map_err(|e| format!("allocating {nbytes} bytes on device {device}: {e}"))?;
     let buffer = exported.client_buffer();
     Ok((exported, buffer))
@@ -227,10 +214,7 @@ fn buffers(
         say(&format!(
             "cuda_buffer device={} bytes={nbytes} allocator={}",
             args.device,
-            match args.cuda_allocator {
-                CudaAllocator::Malloc => "malloc",
-                CudaAllocator::Vmm => "vmm",
-            }
+            args.cuda_allocator.label()
         ));
         let bytes = usize::try_from(nbytes).unwrap_or(usize::MAX);
         return Ok((vec![buffer], bytes, Some(exported)));

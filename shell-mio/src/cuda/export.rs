@@ -9,6 +9,26 @@ use cudarc::driver::{result, sys};
 use rustix::fd::{FromRawFd, OwnedFd};
 use std::ffi::c_void;
 
+/// How a worker's device memory is allocated and shared (`--cuda-allocator`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum CudaAllocator {
+    /// cuMemAlloc, shared by its CUDA IPC handle (`cuda_ipc`).
+    Malloc,
+    /// cuMemCreate, as PyTorch's expandable segments and vLLM's sleep mode allocate,
+    /// shared by a POSIX fd (`cuda_vmm`).
+    Vmm,
+}
+
+impl CudaAllocator {
+    /// The flag's value.
+    pub fn label(self) -> &'static str {
+        match self {
+            CudaAllocator::Malloc => "malloc",
+            CudaAllocator::Vmm => "vmm",
+        }
+    }
+}
+
 /// A worker's device allocation exported for IPC (`kvwarden worker --cuda-bytes`).
 #[derive(Debug)]
 pub struct ExportedBuffer {
@@ -66,6 +86,20 @@ impl ExportedBuffer {
             nbytes,
             export: Export::Ipc(handle),
         })
+    }
+
+    /// Allocates `nbytes` with `allocator`'s call, fills it with `fill`, and exports it.
+    pub fn allocate_with(
+        allocator: CudaAllocator,
+        gpu: &Gpu,
+        device: u32,
+        nbytes: usize,
+        fill: u8,
+    ) -> Result<ExportedBuffer, CudaError> {
+        match allocator {
+            CudaAllocator::Malloc => ExportedBuffer::allocate(gpu, device, nbytes, fill),
+            CudaAllocator::Vmm => ExportedBuffer::allocate_vmm(gpu, device, nbytes, fill),
+        }
     }
 
     /// Allocates `nbytes` (rounded up to the device's granularity) with `cuMemCreate`,

@@ -565,4 +565,4 @@ impl Drop for DeviceMapping {
 
 mod export;
 
-pub use export::{ExportedBuffer, PinnedHost};
+pub use export::{CudaAllocator, ExportedBuffer, PinnedHost};
