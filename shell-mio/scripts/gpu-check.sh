@@ -13,6 +13,7 @@
 #   GPU_CHECK_BYTES       bytes per worker for G1 and G3 (default 16G)
 #   GPU_CHECK_RANKS       workers SIGKILLed at once for G3 (default 8)
 #   GPU_CHECK_COPY_BYTES  bytes moved each way per G2 run (default 2G)
+#   GPU_CHECK_SMALL_COPY_BYTES  the same for the 32 KiB run (default 256M)
 #   GPU_CHECK_DEVICE      device ordinal (default 0)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -20,6 +21,7 @@ bin=${KVWARDEN_BIN:-target/release/kvwarden}
 bytes=${GPU_CHECK_BYTES:-16G}
 ranks=${GPU_CHECK_RANKS:-8}
 copy_bytes=${GPU_CHECK_COPY_BYTES:-2G}
+small_bytes=${GPU_CHECK_SMALL_COPY_BYTES:-256M}
 device=${GPU_CHECK_DEVICE:-0}
 if [ ! -x "$bin" ]; then
   echo "gpu-check: no kvwarden binary at $bin; build it with cargo build --release -p kvwarden-cli, or set KVWARDEN_BIN" >&2
@@ -49,6 +51,9 @@ timeout 60 "$bin" gpu copy --device "$device" --chunk-bytes 8M --total-bytes "$c
 
 step "issue 16: one client, 8 MiB chunks (a live worker's ping answered false fails the run)"
 timeout 60 "$bin" gpu copy --device "$device" --chunk-bytes 8M --total-bytes "$copy_bytes" --clients 1
+
+step "G2's form with 32 KiB chunks (one vLLM block region of one layer): a copy's fixed cost, 4 clients"
+timeout 60 "$bin" gpu copy --device "$device" --chunk-bytes 32K --total-bytes "$small_bytes" --clients 4
 
 step "VMM memory (cuMemCreate, cuda_vmm): G1's kill once, G2's 2 MiB copies (own lines, vmm_)"
 timeout 60 "$bin" gpu reclaim --bytes "$bytes" --device "$device" --rounds 1 --wait-seconds 10 --cuda-allocator vmm

@@ -595,6 +595,7 @@ fn row_1_the_prepared_gpu_job_prints_g1_to_g3_and_fails_loudly_without_a_device(
             .env("GPU_CHECK_BYTES", "64M")
             .env("GPU_CHECK_RANKS", "3")
             .env("GPU_CHECK_COPY_BYTES", "32M")
+            .env("GPU_CHECK_SMALL_COPY_BYTES", "2M")
             .env("GPU_ALL_LOG", dir.path().join(log))
             // No torch here whatever python3 is: the kv check says so and is skipped.
             .env("PYTHON", dir.path().join("no-python"))

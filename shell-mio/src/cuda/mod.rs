@@ -86,7 +86,60 @@ unsafe impl Send for Context {}
 // SAFETY: as above; the driver serialises work on a context internally.
 unsafe impl Sync for Context {}
 
+/// The calling thread's copy stream on each device it copied on: non-blocking streams,
+/// so that the copies of different pool threads overlap on the device's copy engines
+/// instead of queueing behind each other on the legacy default stream (where one
+/// thread's 32 KiB copies each waited for every other thread's). Destroyed with the
+/// thread.
+struct ThreadStreams(Vec<(u32, sys::CUstream)>);
+
+impl Drop for ThreadStreams {
+    fn drop(&mut self) {
+        for (_, stream) in self.0.drain(..) {
+            // SAFETY: created by cuStreamCreate on this thread and destroyed once, here.
+            let _ = unsafe { sys::cuStreamDestroy_v2(stream) };
+        }
+    }
+}
+
+thread_local! {
+    static STREAMS: std::cell::RefCell<ThreadStreams> =
+        const { std::cell::RefCell::new(ThreadStreams(Vec::new())) };
+}
+
 impl Context {
+    /// This thread's copy stream on the context's device, made on first use (the
+    /// context must be current).
+    fn stream(self) -> Result<sys::CUstream, CudaError> {
+        STREAMS.with(|streams| {
+            let mut streams = streams.borrow_mut();
+            if let Some(&(_, stream)) = streams.0.iter().find(|(device, _)| *device == self.device)
+            {
+                return Ok(stream);
+            }
+            let mut stream: sys::CUstream = std::ptr::null_mut();
+            // SAFETY: a valid out-pointer; the flag is the documented non-blocking one.
+            unsafe {
+                sys::cuStreamCreate(
+                    &mut stream,
+                    sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+                )
+            }
+            .result()
+            .map_err(failed(self.device, "cuStreamCreate"))?;
+            streams.0.push((self.device, stream));
+            Ok(stream)
+        })
+    }
+
+    /// Waits for everything queued on `stream`.
+    fn synchronize(self, stream: sys::CUstream) -> Result<(), CudaError> {
+        // SAFETY: `stream` came from Context::stream on this thread.
+        unsafe { sys::cuStreamSynchronize(stream) }
+            .result()
+            .map_err(failed(self.device, "cuStreamSynchronize"))
+    }
+
     /// Makes the context current on the calling thread (cheap when it already is).
     fn make_current(self) -> Result<(), CudaError> {
         // SAFETY: `raw` came from cuDevicePrimaryCtxRetain and is never released while
@@ -479,7 +532,8 @@ impl DeviceMapping {
         Ok(self.base + self.offset + offset)
     }
 
-    /// Device → host (`cuMemcpyDtoH`) of `nbytes` at `offset` of the window into `dst`.
+    /// Device → host of `nbytes` at `offset` of the window into `dst`: on this thread's
+    /// copy stream (`cuMemcpyDtoHAsync`), waited for before it returns.
     ///
     /// # Safety
     /// `dst..dst + nbytes` must be writable host memory that nothing else writes during
@@ -492,14 +546,17 @@ impl DeviceMapping {
     ) -> Result<(), CudaError> {
         let src = self.device_address(offset, nbytes)?;
         self.context.make_current()?;
+        let stream = self.context.stream()?;
         // SAFETY: the source range is inside the open mapping (checked above); the
-        // caller guarantees the destination.
-        unsafe { sys::cuMemcpyDtoH_v2(dst.cast(), src, nbytes) }
+        // caller guarantees the destination until this returns, after the copy is done.
+        unsafe { sys::cuMemcpyDtoHAsync_v2(dst.cast(), src, nbytes, stream) }
             .result()
-            .map_err(|error| self.driver("cuMemcpyDtoH", error))
+            .map_err(|error| self.driver("cuMemcpyDtoHAsync", error))?;
+        self.context.synchronize(stream)
     }
 
-    /// Host → device (`cuMemcpyHtoD`) of `nbytes` from `src` to `offset` of the window.
+    /// Host → device of `nbytes` from `src` to `offset` of the window: on this thread's
+    /// copy stream (`cuMemcpyHtoDAsync`), waited for before it returns.
     ///
     /// # Safety
     /// `src..src + nbytes` must be readable host memory for the whole call.
@@ -511,11 +568,13 @@ impl DeviceMapping {
     ) -> Result<(), CudaError> {
         let dst = self.device_address(offset, nbytes)?;
         self.context.make_current()?;
+        let stream = self.context.stream()?;
         // SAFETY: the destination range is inside the open mapping (checked above); the
-        // caller guarantees the source.
-        unsafe { sys::cuMemcpyHtoD_v2(dst, src.cast(), nbytes) }
+        // caller guarantees the source until this returns, after the copy is done.
+        unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), nbytes, stream) }
             .result()
-            .map_err(|error| self.driver("cuMemcpyHtoD", error))
+            .map_err(|error| self.driver("cuMemcpyHtoDAsync", error))?;
+        self.context.synchronize(stream)
     }
 
     /// Closes the mapping (`cuIpcCloseMemHandle`, or `cuMemUnmap` and
